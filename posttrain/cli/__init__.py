@@ -1,0 +1,1 @@
+"""The `posttrain` command line and the end-of-run report."""

@@ -1,0 +1,129 @@
+"""Chat helpers with the names TRL users know: render conversations, convert ShareGPT rows,
+make implicit prompts explicit, unpair preference data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import DataError
+from .formats import TEXT_COLUMNS, is_conversational, is_message_list
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}
+
+
+def convert_sharegpt(messages: list[dict]) -> list[dict]:
+    """ShareGPT messages (`from`/`value`, `human`/`gpt`) -> `role`/`content` with user/assistant roles."""
+    converted = []
+    for m in messages:
+        if "from" in m:
+            role = SHAREGPT_ROLES.get(m["from"], m["from"])
+            converted.append({"role": role, "content": m.get("value", m.get("content"))})
+        else:
+            converted.append(m)
+    return converted
+
+
+def normalize_example(example: dict) -> dict:
+    """Returns `example` with ShareGPT-style conversations converted to role/content."""
+    out = dict(example)
+    for col in TEXT_COLUMNS:
+        value = out.get(col)
+        if is_message_list(value) and any("from" in m for m in value):
+            out[col] = convert_sharegpt(value)
+        elif col == "completions" and isinstance(value, list) and value and all(is_message_list(v) for v in value):
+            out[col] = [convert_sharegpt(v) for v in value]
+    return out
+
+
+def require_chat_template(tokenizer, what: str = "conversational data") -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            f"The tokenizer has no chat template, which {what} needs to be rendered. Set one "
+            "(tokenizer.chat_template = '...'), use a tokenizer that has one (e.g. an instruct model's), "
+            "or give the data in standard (string) form."
+        )
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **template_kwargs) -> str:
+    """The chat template applied to `messages`, as text."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+
+
+def apply_chat_template(example: dict, tokenizer, tools: list | None = None, **template_kwargs) -> dict[str, str]:
+    """Renders a conversational example into text columns, keeping its format.
+
+    `messages` -> `text`; `prompt` -> `prompt` (with the generation prompt); `completion`/`chosen`/`rejected`
+    -> the text that follows the rendered prompt.
+    """
+    require_chat_template(tokenizer)
+    kwargs = dict(template_kwargs, **({"tools": tools} if tools else {}))
+    example = normalize_example(example)
+    out: dict[str, Any] = {}
+    if "messages" in example:
+        out["text"] = render(tokenizer, example["messages"], **kwargs)
+    if "prompt" in example:
+        prompt = example["prompt"]
+        last_role = prompt[-1]["role"]
+        # A prompt that ends with an assistant turn is continued, not answered.
+        out["prompt"] = render(tokenizer, prompt, add_generation_prompt=last_role != "assistant",
+                               continue_final_message=last_role == "assistant", **kwargs)
+        for col in ("completion", "chosen", "rejected"):
+            if col in example:
+                full = render(tokenizer, prompt + example[col], **kwargs)
+                out[col] = full[len(out["prompt"]):] if full.startswith(out["prompt"]) else full
+    else:
+        for col in ("chosen", "rejected"):
+            if col in example:
+                out[col] = render(tokenizer, example[col], **kwargs)
+    if "label" in example:
+        out["label"] = example["label"]
+    return out
+
+
+def maybe_apply_chat_template(example: dict, tokenizer, tools: list | None = None, **template_kwargs) -> dict:
+    """`apply_chat_template` for conversational examples; standard examples are returned unchanged."""
+    if is_conversational(example):
+        return apply_chat_template(example, tokenizer, tools=tools, **template_kwargs)
+    return example
+
+
+def extract_prompt(example: dict) -> dict:
+    """Implicit prompt -> explicit: the shared start of `chosen` and `rejected` becomes `prompt`.
+
+    Conversational rows split at the last message the two share; string rows at the longest common
+    prefix, backed up to the last whitespace so that no word is cut.
+    """
+    chosen, rejected = example["chosen"], example["rejected"]
+    if isinstance(chosen, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        return {**example, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    while n > 0 and not chosen[n - 1].isspace():
+        n -= 1
+    return {**example, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def unpair_preference_dataset(dataset, num_proc: int | None = None):
+    """Paired preference rows -> unpaired rows (`prompt`, `completion`, `label`), two per pair."""
+
+    def unpair(batch):
+        n = len(batch["chosen"])
+        prompts = batch["prompt"] if "prompt" in batch else [None] * n
+        out = {"prompt": [], "completion": [], "label": []}
+        for prompt, chosen, rejected in zip(prompts, batch["chosen"], batch["rejected"]):
+            if prompt is None:
+                explicit = extract_prompt({"chosen": chosen, "rejected": rejected})
+                prompt, chosen, rejected = explicit["prompt"], explicit["chosen"], explicit["rejected"]
+            out["prompt"] += [prompt, prompt]
+            out["completion"] += [chosen, rejected]
+            out["label"] += [True, False]
+        return out
+
+    return dataset.map(unpair, batched=True, remove_columns=dataset.column_names, num_proc=num_proc)

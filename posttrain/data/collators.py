@@ -1,0 +1,83 @@
+"""Collators: lists of tokenized examples -> model-ready tensors.
+
+Labels are the input ids with -100 wherever a token is not trained (prompt, user turns, padding).
+
+Padding-free batches put every sequence of the batch end to end in one row. Position ids restart at 0
+for each sequence and no ``attention_mask`` is passed: from the restarts transformers builds a
+block-diagonal causal mask (sdpa / eager / flex) or varlen kernels (flash attention), so no token
+attends across a boundary. The first token of each sequence gets label -100: it would otherwise be
+the target of the previous sequence's last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def pad(sequences: list[list[int]], value: int, side: str = "right", multiple_of: int | None = None) -> torch.Tensor:
+    """Pads lists of ints into a [batch, longest] long tensor."""
+    longest = max((len(s) for s in sequences), default=0)
+    if multiple_of:
+        longest = -(-longest // multiple_of) * multiple_of
+    out = torch.full((len(sequences), longest), value, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if len(s):
+            if side == "right":
+                out[i, : len(s)] = torch.as_tensor(s)
+            else:
+                out[i, longest - len(s):] = torch.as_tensor(s)
+    return out
+
+
+def _labels(example: dict) -> list[int]:
+    ids = example["input_ids"]
+    mask = example.get("completion_mask")
+    if mask is None:
+        return list(ids)
+    return [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+
+
+@dataclass
+class LanguageModelingCollator:
+    """Collates `input_ids` (+ optional `completion_mask`, `seq_lengths`) for causal language modeling.
+
+    Packed examples (with `seq_lengths`) are always collated padding-free: padding a packed row would
+    need an attention mask, and an attention mask would hide the sequence boundaries from the model.
+    """
+
+    pad_token_id: int
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        if self.padding_free or any("seq_lengths" in e for e in examples):
+            return self._padding_free(examples)
+        labels = [_labels(e) for e in examples]
+        input_ids = pad([e["input_ids"] for e in examples], self.pad_token_id, multiple_of=self.pad_to_multiple_of)
+        attention_mask = pad([[1] * len(e["input_ids"]) for e in examples], 0, multiple_of=self.pad_to_multiple_of)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": pad(labels, IGNORE_INDEX, multiple_of=self.pad_to_multiple_of),
+        }
+
+    def _padding_free(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        input_ids, labels, position_ids = [], [], []
+        for e in examples:
+            example_labels = _labels(e)
+            start = 0
+            for length in e.get("seq_lengths") or [len(e["input_ids"])]:
+                input_ids += e["input_ids"][start : start + length]
+                labels += [IGNORE_INDEX] + example_labels[start + 1 : start + length]
+                position_ids += list(range(length))
+                start += length
+        return {
+            "input_ids": torch.tensor([input_ids], dtype=torch.long),
+            "position_ids": torch.tensor([position_ids], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+            "use_cache": False,
+        }

@@ -1,0 +1,282 @@
+"""Preference losses: the reward model's Bradley-Terry loss, the DPO family and KTO.
+
+All functions are pure: sequence log-probabilities in, per-example losses out. Sequence log-probs are the
+sum of token log-probs over the completion (IPO callers pass the per-token average instead, see `dpo_loss`).
+The DPO and KTO functions return per-example losses unreduced so the trainer can divide their sum by the
+global number of examples, which keeps gradient accumulation and multi-process runs equivalent to one big batch.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from posttrain.errors import ConfigError, DataError
+
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+)
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+# Loss types whose formula has a label-noise rate; the others do not read `label_smoothing`.
+LABEL_SMOOTHING_TYPES = frozenset({"sigmoid", "robust", "exo_pair", "aot", "aot_unpaired"})
+# The f-divergence generalisation (Wang et al. 2023) is derived for the sigmoid loss only.
+F_DIVERGENCE_LOSS_TYPES = frozenset({"sigmoid", "sft"})
+
+
+def bradley_terry_loss(
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    margin: Tensor | float | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> Tensor:
+    """Reward-model loss: mean of -log sigmoid(r_c - r_r - margin), optionally plus a centering penalty.
+
+    The penalty coef * mean((r_c + r_r)^2) (Eisenstein et al. 2023, "Helping or Herding?") pins the
+    reward scale's free offset near zero, since Bradley-Terry only sees reward differences.
+    """
+    differences = chosen_rewards - rejected_rewards
+    if margin is not None:
+        differences = differences - margin
+    loss = -F.logsigmoid(differences).mean()
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * ((chosen_rewards + rejected_rewards) ** 2).mean()
+    return loss
+
+
+def validate_dpo_loss_settings(
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
+    discopop_tau: float = 0.05,
+) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Check DPO loss settings (a config can call this before training) and return (types, weights)."""
+    loss_types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    unknown = [name for name in loss_types if name not in DPO_LOSS_TYPES]
+    if not loss_types or unknown:
+        raise ConfigError(
+            f"loss_type {unknown or list(loss_types)} is not supported; choose from {list(DPO_LOSS_TYPES)}."
+        )
+    if len(set(loss_types)) != len(loss_types):
+        raise ConfigError(
+            f"loss_type {list(loss_types)} names a type twice; list each type once and weight it with loss_weights."
+        )
+    weights = tuple(float(w) for w in loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
+    if len(weights) != len(loss_types):
+        raise ConfigError(
+            f"loss_weights has {len(weights)} entries but loss_type has {len(loss_types)}; "
+            "give one weight per loss type."
+        )
+    if beta <= 0:
+        raise ConfigError(f"beta={beta} must be positive (it scales the implicit reward).")
+    if not 0.0 <= label_smoothing <= 0.5:
+        raise ConfigError(
+            f"label_smoothing={label_smoothing} must lie in [0, 0.5] (it is the rate of flipped preference labels)."
+        )
+    if label_smoothing > 0 and not LABEL_SMOOTHING_TYPES.intersection(loss_types):
+        raise ConfigError(
+            f"label_smoothing={label_smoothing} has no effect on loss_type {list(loss_types)}; "
+            f"set it to 0 or use one of {sorted(LABEL_SMOOTHING_TYPES)}."
+        )
+    if "robust" in loss_types and label_smoothing == 0.5:
+        raise ConfigError("loss_type 'robust' divides by 1 - 2 * label_smoothing; set label_smoothing below 0.5.")
+    if "exo_pair" in loss_types and label_smoothing == 0:
+        raise ConfigError(
+            "loss_type 'exo_pair' takes log(label_smoothing); set label_smoothing > 0 (the EXO paper uses 1e-3)."
+        )
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise ConfigError(
+            f"f_divergence_type={f_divergence_type!r} is not supported; choose from {list(F_DIVERGENCE_TYPES)}."
+        )
+    if f_divergence_type != "reverse_kl" and not F_DIVERGENCE_LOSS_TYPES.issuperset(loss_types):
+        raise ConfigError(
+            f"f_divergence_type={f_divergence_type!r} is defined for the 'sigmoid' loss only; "
+            "use it with loss_type 'sigmoid' (optionally plus 'sft') or set f_divergence_type='reverse_kl'."
+        )
+    if f_divergence_type == "alpha_divergence" and f_alpha_divergence_coef <= 0:
+        raise ConfigError(
+            f"f_alpha_divergence_coef={f_alpha_divergence_coef} must be positive (the paper uses alpha in (0, 1))."
+        )
+    if "discopop" in loss_types and discopop_tau <= 0:
+        raise ConfigError(f"discopop_tau={discopop_tau} must be positive (the paper uses 0.05).")
+    return loss_types, weights
+
+
+def _f_divergence_logits(
+    chosen_logratios: Tensor, rejected_logratios: Tensor, f_divergence_type: str, alpha: float
+) -> Tensor:
+    """f'(u_c) - f'(u_r) with u = pi/pi_ref, the DPO logit under an f-divergence (Wang et al. 2023, Table 1).
+
+    Additive constants of f' cancel in the difference, so reverse KL gives the plain DPO logit.
+    """
+    if f_divergence_type == "reverse_kl":  # f'(u) = log u + 1
+        return chosen_logratios - rejected_logratios
+    if f_divergence_type == "forward_kl":  # f'(u) = -1/u
+        return torch.exp(-rejected_logratios) - torch.exp(-chosen_logratios)
+    if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u)) = log 2 + log u - log(1 + u)
+        return (chosen_logratios - rejected_logratios) - (F.softplus(chosen_logratios) - F.softplus(rejected_logratios))
+    # alpha divergence: f'(u) = (1 - u^-alpha) / alpha
+    return (torch.exp(-alpha * rejected_logratios) - torch.exp(-alpha * chosen_logratios)) / alpha
+
+
+def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:
+    """Logistic loss on z when a fraction `label_smoothing` of the labels is flipped (cDPO)."""
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    *,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
+    chosen_nll: Tensor | None = None,
+    bco_delta: Tensor | float = 0.0,
+    discopop_tau: float = 0.05,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-example DPO-family losses [B], chosen rewards [B] and rejected rewards [B] (rewards detached).
+
+    Rewards are beta * (policy - reference) log-probs. `loss_type` is one type or a list of types; the loss
+    is then sum_k loss_weights[k] * loss_k per example (weights default to 1). For 'ipo' the caller passes
+    length-averaged log-probs, as in the IPO paper; every other type takes summed log-probs. 'bco_pair'
+    subtracts `bco_delta`, the trainer's running mean of the rewards. 'sft' returns `chosen_nll` [B].
+    'aot' and 'aot_unpaired' sort over the batch, so their i-th loss belongs to the i-th quantile, not to
+    example i. The caller reduces the batch.
+    """
+    loss_types, weights = validate_dpo_loss_settings(
+        loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
+    )
+    if "sft" in loss_types and chosen_nll is None:
+        raise ConfigError(
+            "loss_type 'sft' needs chosen_nll, the per-example NLL of the chosen completion; pass it to dpo_loss."
+        )
+    if chosen_nll is not None and chosen_nll.shape != chosen_logps.shape:
+        raise DataError(
+            f"chosen_nll has shape {tuple(chosen_nll.shape)} but chosen_logps has {tuple(chosen_logps.shape)}; "
+            "pass one NLL per example."
+        )
+
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    # h = (pi_c - pi_r) - (ref_c - ref_r), or its f-divergence counterpart.
+    logits = _f_divergence_logits(chosen_logratios, rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    eps = label_smoothing
+
+    total = torch.zeros_like(chosen_logratios)
+    for name, weight in zip(loss_types, weights):
+        if name == "sigmoid":  # DPO, Rafailov et al. 2023 Eq. 7; cDPO label smoothing (Mitchell 2023)
+            losses = _smoothed_logistic(beta * logits, eps)
+        elif name == "hinge":  # SLiC-HF calibration loss, Zhao et al. 2023: max(0, 1 - beta * h)
+            losses = torch.relu(1 - beta * logits)
+        elif name == "ipo":  # IPO, Azar et al. 2023 Eq. 17: (h - 1/(2 beta))^2
+            losses = (logits - 1 / (2 * beta)) ** 2
+        elif name == "robust":  # rDPO, Chowdhury et al. 2024: ((1-e) l(bh) - e l(-bh)) / (1-2e), l = -logsig
+            losses = (-(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)
+        elif name == "exo_pair":  # EXO-pref, Ji et al. 2024 Eq. 16: KL(softmax(b*logratios) || (1-e, e))
+            p_chosen = torch.sigmoid(beta * logits)
+            losses = (p_chosen * (F.logsigmoid(beta * logits) - math.log(1 - eps))
+                      + (1 - p_chosen) * (F.logsigmoid(-beta * logits) - math.log(eps)))
+        elif name == "nca_pair":  # NCA, Chen et al. 2024: -logsig(r_c) - 1/2 (logsig(-r_c) + logsig(-r_r))
+            losses = (-F.logsigmoid(beta * chosen_logratios)
+                      - 0.5 * (F.logsigmoid(-beta * chosen_logratios) + F.logsigmoid(-beta * rejected_logratios)))
+        elif name == "bco_pair":  # BCO, Jung et al. 2024: -logsig(r_c - delta) - logsig(-(r_r - delta))
+            losses = (-F.logsigmoid(beta * chosen_logratios - bco_delta)
+                      - F.logsigmoid(-(beta * rejected_logratios - bco_delta)))
+        elif name == "sppo_hard":  # SPPO, Wu et al. 2024 Eq. 4.7, hard labels P=1/0, eta = 1/beta
+            losses = (chosen_logratios - 1 / (2 * beta)) ** 2 + (rejected_logratios + 1 / (2 * beta)) ** 2
+        elif name == "aot":  # AOT paired, Melnyk et al. 2024: sorted policy margins dominate sorted ref margins
+            policy_margins = torch.sort(chosen_logps - rejected_logps).values
+            delta = policy_margins - torch.sort(ref_chosen_logps - ref_rejected_logps).values
+            losses = _smoothed_logistic(beta * delta, eps)
+        elif name == "aot_unpaired":  # AOT unpaired, Melnyk et al. 2024: sorted chosen ratios dominate rejected
+            delta = torch.sort(chosen_logratios).values - torch.sort(rejected_logratios).values
+            losses = _smoothed_logistic(beta * delta, eps)
+        elif name == "apo_zero":  # APO-zero, D'Oosterlinck et al. 2024 Eq. 7: 1 - sig(r_c) + sig(r_r)
+            losses = 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+        elif name == "apo_down":  # APO-down, D'Oosterlinck et al. 2024 Eq. 8: sig(r_c) + 1 - sig(r_c - r_r)
+            margins = chosen_logratios - rejected_logratios
+            losses = torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * margins)
+        elif name == "discopop":  # DiscoPOP (LRML), Lu et al. 2024 Eq. 5: logistic/exp mix by sig(beta h / tau)
+            modulation = torch.sigmoid(beta * logits / discopop_tau)
+            losses = (1 - modulation) * -F.logsigmoid(beta * logits) + modulation * torch.exp(-beta * logits)
+        else:  # "sft": NLL of the chosen completion (RPO-style auxiliary term when combined)
+            losses = chosen_nll
+        total = total + weight * losses
+
+    chosen_rewards = beta * chosen_logratios.detach()
+    rejected_rewards = beta * rejected_logratios.detach()
+    return total, chosen_rewards, rejected_rewards
+
+
+def dpo_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, float]:
+    """Batch means of the implicit rewards, how often chosen beats rejected, and the reward margin."""
+    return {
+        "rewards/chosen": chosen_rewards.mean().item(),
+        "rewards/rejected": rejected_rewards.mean().item(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+    }
+
+
+def kto_loss(
+    policy_logps: Tensor,
+    ref_logps: Tensor,
+    labels: Tensor,
+    policy_kl_logps: Tensor | None,
+    ref_kl_logps: Tensor | None,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-example weighted KTO losses [B], rewards beta * log(pi/pi_ref) [B] (detached), and the KL point z0.
+
+    KTO (Ethayarajh et al. 2024): z0 = max(0, mean(log pi/pi_ref)) over mismatched prompt/completion pairs,
+    detached; desirable examples lose w_d * (1 - sig(beta (r - z0))), undesirable ones
+    w_u * (1 - sig(beta (z0 - r))). 'apo_zero_unpaired' (D'Oosterlinck et al. 2024) drops z0: desirable
+    1 - sig(beta r), undesirable sig(beta r). z0 is zero when the KL log-probs are not given (allowed only
+    for 'apo_zero_unpaired'). The caller sums the losses and divides by the (global) number of examples.
+    """
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} is not supported for KTO; choose from {list(KTO_LOSS_TYPES)}.")
+    if labels.dtype != torch.bool:
+        raise DataError(
+            f"KTO labels must be a bool tensor (True = desirable), got dtype {labels.dtype}; "
+            "convert the 'label' column to bool."
+        )
+    if (policy_kl_logps is None) != (ref_kl_logps is None):
+        raise ConfigError("pass both policy_kl_logps and ref_kl_logps, or neither.")
+    if policy_kl_logps is None:
+        if loss_type == "kto":
+            raise ConfigError(
+                "loss_type 'kto' needs policy_kl_logps and ref_kl_logps (log-probs of mismatched "
+                "prompt/completion pairs) for its KL reference point; pass both."
+            )
+        kl = torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
+    else:
+        kl = (policy_kl_logps - ref_kl_logps).mean().clamp(min=0).detach()
+
+    logratios = policy_logps - ref_logps
+    if loss_type == "kto":
+        desirable = 1 - torch.sigmoid(beta * (logratios - kl))
+        undesirable = 1 - torch.sigmoid(beta * (kl - logratios))
+    else:
+        desirable = 1 - torch.sigmoid(beta * logratios)
+        undesirable = torch.sigmoid(beta * logratios)
+    losses = torch.where(labels, desirable_weight * desirable, undesirable_weight * undesirable)
+    return losses, beta * logratios.detach(), kl

@@ -1,0 +1,130 @@
+"""What every posttrain trainer shares: model and tokenizer loading, PEFT wrapping, dataset
+preparation with datasets' fingerprint cache, and metrics that are averaged over the logging window
+and across processes. The training loop, checkpointing and logging are transformers' `Trainer`."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from ..errors import ConfigError
+from ..models.loading import load_causal_lm, load_tokenizer
+
+logger = logging.getLogger("posttrain")
+
+
+@dataclass
+class PosttrainConfig(TrainingArguments):
+    """Settings shared by every posttrain config (on top of `transformers.TrainingArguments`)."""
+
+    model_init_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for from_pretrained when `model` is a string, e.g. "
+                          "{'dtype': 'bfloat16', 'attn_implementation': 'sdpa'}."},
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Drop dataset columns the model's "
+                                        "forward does not accept (posttrain's collators need theirs: keep False)."})
+
+    def __post_init__(self):
+        if isinstance(self.model_init_kwargs, str):
+            import json
+
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        super().__post_init__()
+
+
+def prepare_model(model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None) -> PreTrainedModel:
+    """Loads `model` if given by name or path, then wraps it in a PEFT adapter if `peft_config` is set."""
+    if isinstance(model, str):
+        model = load_causal_lm(model, args.model_init_kwargs)
+    elif args.model_init_kwargs:
+        raise ConfigError("model_init_kwargs only applies when `model` is a name or path; the model you passed "
+                          "is already loaded. Drop model_init_kwargs or pass the model's name.")
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        if args.gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Batching needs a pad token; without one, use EOS (padding is never trained or attended)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning("The tokenizer has no pad token; using its EOS token %r for padding.", tokenizer.eos_token)
+
+
+class BaseTrainer(Trainer):
+    """A `transformers.Trainer` with posttrain's model loading, data preparation and metric bookkeeping.
+
+    A subclass says how to turn its datasets into tokenized rows (`prepare_dataset`), which collator
+    batches them (`default_collator`), and how the loss is computed (`compute_loss`).
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        args: PosttrainConfig,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        data_collator=None,
+        callbacks=None,
+        optimizers=(None, None),
+        **kwargs: Any,
+    ):
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        processing_class = processing_class or load_tokenizer(model_id)
+        ensure_pad_token(processing_class)
+        model = prepare_model(model, args, peft_config)
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if train_dataset is not None:
+            train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train_dataset")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self.prepare_dataset(v, processing_class, args, f"eval_dataset[{k!r}]")
+                            for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval_dataset")
+        super().__init__(
+            model=model, args=args, data_collator=data_collator or self.default_collator(processing_class, args),
+            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+            callbacks=callbacks, optimizers=optimizers, **kwargs,
+        )
+
+    def prepare_dataset(self, dataset, tokenizer, args, name: str):
+        """Validates and tokenizes a dataset (runs before `Trainer.__init__`)."""
+        return dataset
+
+    def default_collator(self, tokenizer, args):
+        raise NotImplementedError
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def record_metrics(self, values: dict[str, torch.Tensor | float], reduce: str = "mean") -> None:
+        """Stores this micro-batch's metrics, averaged (or summed) over all processes."""
+        mode = "train" if self.model.training else "eval"
+        for key, value in values.items():
+            tensor = torch.as_tensor(value, dtype=torch.float32, device=self.accelerator.device).detach().reshape(1)
+            gathered = self.accelerator.gather(tensor)
+            self._metrics[mode][key].append((gathered.sum() if reduce == "sum" else gathered.mean()).item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        for key, values in self._metrics[mode].items():
+            if values:
+                logs[prefix + key] = sum(values) / len(values)
+        self._metrics[mode].clear()
+        super().log(logs, start_time)

@@ -1,0 +1,129 @@
+"""Supervised fine-tuning: next-token NLL on the trained tokens of text, conversations or
+prompt-completion pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..data.chat import normalize_example, require_chat_template
+from ..data.collators import LanguageModelingCollator
+from ..data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
+from ..data.packing import pack_dataset
+from ..data.tokenize import tokenize_example
+from ..errors import ConfigError
+from ..losses.sft import chunked_nll_sum, nll_sum
+from .base import BaseTrainer, PosttrainConfig
+
+
+@dataclass
+class SFTConfig(PosttrainConfig):
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
+    max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
+    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
+    packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
+    packing_strategy: str = field(default="bfd", metadata={"help": "'bfd' (sequences kept whole) or 'wrapped'."})
+    packing_split_long: bool = field(
+        default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
+                                         "truncating them."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Concatenate each batch into one row without padding (always on with packing)."})
+    chunked_loss: bool = field(
+        default=False, metadata={"help": "Compute the loss in chunks without materialising [tokens, vocab] logits "
+                                         "(less memory, same result)."})
+    loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk with chunked_loss."})
+
+
+def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos):
+    check_example(example, fmt, row)
+    return tokenize_example(
+        example, tokenizer, fmt, row=row, max_length=max_length, completion_only_loss=completion_only_loss,
+        assistant_only_loss=assistant_only_loss, add_eos=add_eos,
+    )
+
+
+class SFTTrainer(BaseTrainer):
+    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...)`."""
+
+    def __init__(self, model, args: SFTConfig | None = None, *a, **kw):
+        args = args or SFTConfig(output_dir="outputs/sft")
+        super().__init__(model, args, *a, **kw)
+        # We normalise the loss by the trained tokens of the whole effective batch ourselves.
+        self.model_accepts_loss_kwargs = True
+        self._trained_tokens = 0
+
+    def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
+        first = dataset[0] if len(dataset) else {}
+        if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
+            dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
+        fmt: DatasetFormat = validate_dataset(dataset, ("language_modeling", "prompt_completion"), "SFTTrainer", name)
+        if args.assistant_only_loss and not fmt.conversational:
+            raise ConfigError(
+                "assistant_only_loss=True needs conversational data (lists of {'role', 'content'} messages), but "
+                f"{name} is in standard (string) form. Set assistant_only_loss=False, or for prompt-completion "
+                "strings rely on completion_only_loss."
+            )
+        if fmt.conversational:
+            require_chat_template(tokenizer)
+        completion_only = args.completion_only_loss is not False
+        dataset = dataset.map(
+            _tokenize_row, with_indices=True, remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
+            fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, max_length=args.max_length,
+                           completion_only_loss=completion_only, assistant_only_loss=args.assistant_only_loss,
+                           add_eos=args.add_eos),
+            desc=f"Tokenizing {name}",
+        )
+        if args.packing:
+            dataset = pack_dataset(dataset, args.max_length, args.packing_strategy, args.packing_split_long,
+                                   num_proc=args.dataset_num_proc)
+        return dataset
+
+    def default_collator(self, tokenizer, args: SFTConfig):
+        return LanguageModelingCollator(tokenizer.pad_token_id, padding_free=args.padding_free or args.packing)
+
+    def _forward_nll(self, model, inputs, labels):
+        if not self.args.chunked_loss:
+            outputs = model(**inputs)
+            return nll_sum(outputs.logits, labels)
+        # Capture the decoder's final hidden states and ask the model for a single position's logits.
+        unwrapped = self.accelerator.unwrap_model(model)
+        captured = {}
+
+        def keep_hidden(module, args, output):
+            captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+        handle = unwrapped.get_decoder().register_forward_hook(keep_hidden)
+        try:
+            model(**inputs, logits_to_keep=1)
+        finally:
+            handle.remove()
+        head = unwrapped.get_output_embeddings()
+        return chunked_nll_sum(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = {"use_cache": False, **inputs}
+        labels = inputs.pop("labels")
+        loss_sum, correct, count = self._forward_nll(model, inputs, labels)
+        if model.training and num_items_in_batch is not None:
+            # num_items_in_batch counts trained tokens over all accumulation steps (and, by default, all
+            # processes); DDP averages gradients over processes, hence the world-size factor.
+            loss = loss_sum / num_items_in_batch
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.accelerator.num_processes
+        else:
+            loss = loss_sum / count.clamp(min=1)
+        self.record_metrics({"mean_token_accuracy": correct / count.clamp(min=1)})
+        if model.training:
+            total = self.accelerator.gather(count.detach().reshape(1)).sum().item()
+            self._trained_tokens += int(total)
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs:
+            logs["num_tokens_trained"] = float(self._trained_tokens)
+        super().log(logs, start_time)

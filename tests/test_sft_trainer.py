@@ -1,0 +1,156 @@
+"""SFTTrainer end to end on the tiny model: learning, loss normalisation, chunked loss, LoRA, errors."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain import SFTConfig, SFTTrainer
+from posttrain.errors import ConfigError, DataError
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
+                disable_tqdm=True)
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def _pc_data(n=16):
+    rows = []
+    for i in range(n):
+        a, b = i % 5, (i * 3) % 5
+        rows.append({"prompt": f"{a} plus {b} equals", "completion": f" {a + b}"})
+    return Dataset.from_list(rows)
+
+
+def _chat_data(n=16):
+    return Dataset.from_list([
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ["red", "green", "blue", "cat"] * (n // 4)
+    ])
+
+
+def _grads(trainer):
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def _one_step_params(tmp_path, tiny_model_path, data, **kw):
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1, learning_rate=1e-2,
+                                                     optim="sgd", lr_scheduler_type="constant", **kw),
+                         train_dataset=data)
+    trainer.train()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_loss_decreases_on_a_small_task(tmp_path, tiny_model_path):
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=30, learning_rate=1e-2),
+                         train_dataset=_chat_data(), )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.6 * losses[0]
+    logged = trainer.state.log_history[0]
+    for key in ("loss", "mean_token_accuracy", "num_tokens_trained", "learning_rate", "grad_norm"):
+        assert key in logged
+
+
+def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
+    # Examples of different lengths make a per-micro-batch mean differ from the token mean.
+    data = Dataset.from_list([{"prompt": "the", "completion": " cat is on the tree" * (1 + i % 3)} for i in range(8)])
+    full = _one_step_params(tmp_path / "a", tiny_model_path, data, per_device_train_batch_size=8)
+    split = _one_step_params(tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=8)
+    for name in full:
+        torch.testing.assert_close(full[name], split[name], atol=1e-6, rtol=1e-5)
+
+
+def test_padding_free_and_packing_give_the_padded_loss(tmp_path, tiny_model_path):
+    data = _pc_data(8)
+    padded = SFTTrainer(tiny_model_path, args=_args(tmp_path / "p", per_device_train_batch_size=8), train_dataset=data)
+    free = SFTTrainer(tiny_model_path, args=_args(tmp_path / "f", per_device_train_batch_size=8, padding_free=True),
+                      train_dataset=data)
+    packed = SFTTrainer(tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True),
+                        train_dataset=data)
+    losses = []
+    for trainer in (padded, free, packed):
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
+        trainer.model.eval()
+        with torch.no_grad():
+            losses.append(trainer.compute_loss(trainer.model, batch).item())
+    assert len(packed.train_dataset) < 8
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5) and losses[0] == pytest.approx(losses[2], abs=1e-5)
+
+
+def test_chunked_loss_equals_full_logits_loss_and_gradients(tmp_path, tiny_model_path):
+    data = _chat_data(8)
+    results = []
+    for chunked in (False, True):
+        trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path / str(chunked), chunked_loss=chunked,
+                                                         loss_chunk_size=7), train_dataset=data)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+        trainer.model.train()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        results.append((loss.detach(), _grads(trainer)))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], atol=1e-6, rtol=1e-5)
+
+
+def test_loss_matches_hand_computed_mean_nll(tmp_path, tiny_model_path):
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2))
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    batch = trainer.data_collator(rows)
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).item()
+        total, count = 0.0, 0
+        for row in rows:
+            logits = trainer.model(input_ids=torch.tensor([row["input_ids"]])).logits[0].double()
+            for t in range(1, len(row["input_ids"])):
+                if row["completion_mask"][t]:
+                    total -= torch.log_softmax(logits[t - 1], -1)[row["input_ids"][t]].item()
+                    count += 1
+    assert count > 0 and loss == pytest.approx(total / count, rel=1e-5)
+
+
+def test_lora_train_save_reload_generate(tmp_path, tiny_model_path):
+    from peft import AutoPeftModelForCausalLM, LoraConfig
+
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=2),
+                         train_dataset=_chat_data(8),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    ids = torch.tensor([[5, 6, 7]])
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+    out = reloaded.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] >= 4
+
+
+def test_errors_before_training(tmp_path, tiny_model_path, fresh_tokenizer):
+    with pytest.raises(ConfigError, match="assistant_only_loss=True needs conversational data"):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path, assistant_only_loss=True), train_dataset=_pc_data(2))
+    fresh_tokenizer.chat_template = None
+    with pytest.raises(DataError, match="tokenizer has no chat template"):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_chat_data(4), processing_class=fresh_tokenizer)
+    with pytest.raises(DataError, match="Row 1: all its trained tokens lie beyond max_length=4"):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path, max_length=4),
+                   train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"},
+                                                    {"prompt": "the cat is on the tree", "completion": " red"}]))
+
+
+def test_missing_pad_token_is_set_and_announced(tmp_path, tiny_model_path, fresh_tokenizer, caplog):
+    fresh_tokenizer.pad_token = None
+    with caplog.at_level("WARNING", logger="posttrain"):
+        trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2),
+                             processing_class=fresh_tokenizer)
+    assert trainer.processing_class.pad_token == "<|im_end|>"
+    assert "no pad token" in caplog.text
