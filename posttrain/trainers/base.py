@@ -41,10 +41,13 @@ class PosttrainConfig(TrainingArguments):
         super().__post_init__()
 
 
-def prepare_model(model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None) -> PreTrainedModel:
-    """Loads `model` if given by name or path, then wraps it in a PEFT adapter if `peft_config` is set."""
+def prepare_model(
+    model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None, load=load_causal_lm
+) -> PreTrainedModel:
+    """Loads `model` with `load(name, model_init_kwargs)` if given by name or path, then wraps it in a PEFT
+    adapter if `peft_config` is set."""
     if isinstance(model, str):
-        model = load_causal_lm(model, args.model_init_kwargs)
+        model = load(model, args.model_init_kwargs)
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when `model` is a name or path; the model you passed "
                           "is already loaded. Drop model_init_kwargs or pass the model's name.")
@@ -73,6 +76,9 @@ class BaseTrainer(Trainer):
     batches them (`default_collator`), and how the loss is computed (`compute_loss`).
     """
 
+    # How a model given by name or path is loaded; the reward trainer loads a sequence classifier instead.
+    load_model = staticmethod(load_causal_lm)
+
     def __init__(
         self,
         model: str | PreTrainedModel,
@@ -89,7 +95,7 @@ class BaseTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         processing_class = processing_class or load_tokenizer(model_id)
         ensure_pad_token(processing_class)
-        model = prepare_model(model, args, peft_config)
+        model = prepare_model(model, args, peft_config, load=self.load_model)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if train_dataset is not None:
             train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train_dataset")
@@ -110,6 +116,13 @@ class BaseTrainer(Trainer):
 
     def default_collator(self, tokenizer, args):
         raise NotImplementedError
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation computes the trainer's own loss (and records its metrics); no logits are kept."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
 
     # -- metrics ---------------------------------------------------------------------------------
     def record_metrics(self, values: dict[str, torch.Tensor | float], reduce: str = "mean") -> None:

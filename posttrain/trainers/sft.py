@@ -117,11 +117,14 @@ class SFTTrainer(BaseTrainer):
                 loss = loss * self.accelerator.num_processes
         else:
             loss = loss_sum / count.clamp(min=1)
-        self.record_metrics({"mean_token_accuracy": correct / count.clamp(min=1)})
+        # Accuracy over the trained tokens of all processes (a mean of per-process accuracies would
+        # weight a process with few tokens like one with many): one gather of both counts.
+        correct_all, count_all = self.accelerator.gather(torch.stack([correct, count]).reshape(1, 2)).sum(0).tolist()
+        self._metrics["train" if model.training else "eval"]["mean_token_accuracy"].append(
+            correct_all / max(count_all, 1))
         if model.training:
-            total = self.accelerator.gather(count.detach().reshape(1)).sum().item()
-            self._trained_tokens += int(total)
-        return (loss, None) if return_outputs else loss
+            self._trained_tokens += count_all
+        return (loss, {}) if return_outputs else loss
 
     def log(self, logs, start_time=None):
         if "loss" in logs:

@@ -1,0 +1,136 @@
+"""The reference model of DPO-style and KL-regularised trainers.
+
+Three ways to have one, from most to least memory:
+
+- a frozen copy of the policy as it was before training (the default);
+- a model the user passes (`ref_model`);
+- none at all when the policy is a PEFT model: the reference is the policy with its adapter disabled,
+  which is exactly the starting point when the adapter starts as a no-op (LoRA's B = 0).
+
+Use `create_reference_model` once at set-up and `reference_forward` around every reference forward:
+
+    ref_model = create_reference_model(policy, user_ref_model, peft=is_peft_model(policy))
+    with reference_forward(policy, ref_model) as ref:
+        ref_logits = ref(input_ids=...).logits
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .loading import load_causal_lm, resolve_model_path
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a model wrapped by peft (it can switch its adapter off)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(unwrap(model), PeftModel)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel wrappers (whose `.module` holds it)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode (no dropout) and no gradients: a reference is only ever read."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def create_reference_model(
+    model: nn.Module,
+    ref_model: nn.Module | str | None = None,
+    *,
+    peft: bool = False,
+    model_init_kwargs: dict | None = None,
+) -> nn.Module | None:
+    """The reference to use with `model`: `ref_model` (loaded with `model_init_kwargs` if a path or id) frozen;
+    else None when `peft` (the adapter-disabled policy serves); else a frozen deep copy of `model`."""
+    if ref_model is not None:
+        return freeze(load_causal_lm(ref_model, model_init_kwargs) if isinstance(ref_model, str) else ref_model)
+    if peft:
+        return None
+    return freeze(copy.deepcopy(unwrap(model)))
+
+
+@contextmanager
+def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator[nn.Module]:
+    """Yields the module that computes reference outputs, in eval mode (no dropout) and under `torch.no_grad`.
+
+    That is `ref_model` (which may be the policy itself, e.g. to precompute reference log-probs before
+    training) or, when it is None, the PEFT policy `model` with its adapter disabled. The module's training
+    mode is restored afterwards.
+    """
+    module = unwrap(model) if ref_model is None else ref_model
+    if ref_model is None and not hasattr(module, "disable_adapter"):
+        raise TypeError("reference_forward needs a ref_model unless the policy is a PEFT model "
+                        "(whose adapter can be disabled); create one with create_reference_model.")
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), (module.disable_adapter() if ref_model is None else nullcontext()):
+            yield module
+    finally:
+        module.train(was_training)
+
+
+# -- reference log-probs cached on disk ------------------------------------------------------------------
+def weights_fingerprint(model: nn.Module, skip_trainable: bool = False, samples_per_tensor: int = 4096) -> str:
+    """A hash of the model's parameter names, shapes, dtypes and an evenly spaced sample of each tensor's values.
+
+    Sampling keeps this fast for large models while any training or different checkpoint still changes it.
+    `skip_trainable` leaves out trainable parameters (a PEFT adapter, which the adapter-disabled reference
+    does not use and whose random initialisation would otherwise change the hash on every run).
+    """
+    digest = hashlib.sha256()
+    for name, param in unwrap(model).named_parameters():
+        if skip_trainable and param.requires_grad:
+            continue
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // samples_per_tensor)].float().cpu()
+        digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}|".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def checkpoint_fingerprint(name_or_path: str) -> str:
+    """A model given by name or path, identified without loading it: its resolved path plus the size and
+    modification time of its weight files (a name that is not a local directory stands for itself)."""
+    path = Path(resolve_model_path(name_or_path))
+    if not path.is_dir():
+        return name_or_path
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    return f"{path.resolve()}|" + "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def cached_tensors(
+    cache_dir: str | os.PathLike, key_parts: dict, compute: Callable[[], dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """`compute()`'s tensors, stored in `cache_dir` under a hash of `key_parts` and loaded from there when
+    present; returns (tensors, loaded_from_cache). `key_parts` must hold everything the result depends on."""
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    path = Path(cache_dir).expanduser() / f"{key}.pt"
+    if path.exists():
+        return torch.load(path, map_location="cpu", weights_only=True), True
+    tensors = {name: t.detach().cpu() for name, t in compute().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(tensors, partial)
+    partial.replace(path)  # atomic: a concurrent reader never sees half a file
+    return tensors, False

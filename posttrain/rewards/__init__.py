@@ -1,0 +1,53 @@
+"""Reward functions: the ready-made library and the sandbox that runs generated code.
+
+`REWARD_FUNCTIONS` maps the names accepted on the command line (`--reward_funcs accuracy_reward`) to ready-to-use
+functions; rewards that need settings (overlong length, a fixed JSON schema, other n-gram sizes or sandbox
+limits) come from the `get_*` factories.
+"""
+
+from posttrain.rewards.library import (
+    RewardFunction,
+    accuracy_reward,
+    code_execution_reward,
+    completion_text,
+    extract_code,
+    get_code_execution_reward,
+    get_json_schema_reward,
+    get_repetition_penalty_reward,
+    get_soft_overlong_punishment,
+    json_reward,
+    json_schema_reward,
+    reasoning_accuracy_reward,
+    think_format_reward,
+)
+from posttrain.rewards.sandbox import SandboxResult, run_many, run_python
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "accuracy_reward": accuracy_reward,
+    "reasoning_accuracy_reward": reasoning_accuracy_reward,
+    "think_format_reward": think_format_reward,
+    "repetition_penalty_reward": get_repetition_penalty_reward(),
+    "json_reward": json_reward,
+    "json_schema_reward": json_schema_reward,
+    "code_execution_reward": code_execution_reward,
+}
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardFunction",
+    "SandboxResult",
+    "accuracy_reward",
+    "code_execution_reward",
+    "completion_text",
+    "extract_code",
+    "get_code_execution_reward",
+    "get_json_schema_reward",
+    "get_repetition_penalty_reward",
+    "get_soft_overlong_punishment",
+    "json_reward",
+    "json_schema_reward",
+    "reasoning_accuracy_reward",
+    "run_many",
+    "run_python",
+    "think_format_reward",
+]
