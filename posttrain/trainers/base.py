@@ -5,6 +5,8 @@ and across processes. The training loop, checkpointing and logging are transform
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +40,19 @@ class PosttrainConfig(TrainingArguments):
             import json
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        if self.ddp_backend is not None and not _launched_distributed():
+            # accelerate fails ("Default process group has not been initialized") when a backend is
+            # named in a single process; one config file should serve one and several processes.
+            self.ddp_backend = None
         super().__post_init__()
+
+
+def _launched_distributed() -> bool:
+    """Whether this process was started by a distributed launcher (torchrun, accelerate, mpirun)."""
+    from accelerate.utils import get_int_from_env
+
+    sizes = ["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
+    return get_int_from_env(["LOCAL_RANK"], -1) != -1 or get_int_from_env(sizes, 1) > 1
 
 
 def prepare_model(
@@ -123,6 +137,45 @@ class BaseTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    # transformers writes checkpoint-N in place, so a crash mid-save leaves a folder that looks
+    # complete. A marker written last tells complete checkpoints apart, and resuming skips the rest.
+    CHECKPOINT_MARKER = "posttrain_checkpoint_complete"
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, self.CHECKPOINT_MARKER), "w") as f:
+                f.write(str(self.state.global_step))
+                f.flush()
+                os.fsync(f.fileno())
+
+    def last_complete_checkpoint(self) -> str | None:
+        """The newest checkpoint folder in output_dir whose save finished, or None."""
+        root = self.args.output_dir
+        if not os.path.isdir(root):
+            return None
+        steps = sorted(
+            (int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", name))),
+            reverse=True,
+        )
+        for step in steps:
+            folder = os.path.join(root, f"checkpoint-{step}")
+            if os.path.exists(os.path.join(folder, self.CHECKPOINT_MARKER)):
+                return folder
+            logger.warning("Skipping %s: its save did not finish (no completion marker).", folder)
+        return None
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self.last_complete_checkpoint()
+            if resume_from_checkpoint is None:
+                logger.warning("resume_from_checkpoint=True but %s holds no complete checkpoint: starting fresh.",
+                               self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- metrics ---------------------------------------------------------------------------------
     def record_metrics(self, values: dict[str, torch.Tensor | float], reduce: str = "mean") -> None:
