@@ -11,6 +11,19 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SFTTrainer": "posttrain.trainers.sft",
     "SFTConfig": "posttrain.trainers.sft",
+    "RewardTrainer": "posttrain.trainers.reward",
+    "RewardConfig": "posttrain.trainers.reward",
+    "DPOTrainer": "posttrain.trainers.dpo",
+    "DPOConfig": "posttrain.trainers.dpo",
+    "SyncRefModelCallback": "posttrain.callbacks",
+    "create_reference_model": "posttrain.models.reference",
+    "PreferenceCollator": "posttrain.data.preference",
+    "KTOTrainer": "posttrain.trainers.kto",
+    "KTOConfig": "posttrain.trainers.kto",
+    "GRPOTrainer": "posttrain.trainers.grpo",
+    "GRPOConfig": "posttrain.trainers.grpo",
+    "RLOOTrainer": "posttrain.trainers.rloo",
+    "RLOOConfig": "posttrain.trainers.rloo",
     "apply_chat_template": "posttrain.data",
     "maybe_apply_chat_template": "posttrain.data",
     "is_conversational": "posttrain.data",
@@ -19,6 +32,8 @@ _EXPORTS = {
     "pack_dataset": "posttrain.data",
     "convert_sharegpt": "posttrain.data",
     "LanguageModelingCollator": "posttrain.data",
+    "DistillationTrainer": "posttrain.trainers.distillation",
+    "DistillationConfig": "posttrain.trainers.distillation",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
