@@ -12,6 +12,9 @@ Use `create_reference_model` once at set-up and `reference_forward` around every
     ref_model = create_reference_model(policy, user_ref_model, peft=is_peft_model(policy))
     with reference_forward(policy, ref_model) as ref:
         ref_logits = ref(input_ids=...).logits
+
+Reference outputs that are computed once before training can be kept on disk with `cached_tensors`,
+keyed by `weights_fingerprint` / `checkpoint_fingerprint` of the reference and a fingerprint of the data.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .loading import load_causal_lm, resolve_model_path
 
 
@@ -62,6 +66,9 @@ def create_reference_model(
 ) -> nn.Module | None:
     """The reference to use with `model`: `ref_model` (loaded with `model_init_kwargs` if a path or id) frozen;
     else None when `peft` (the adapter-disabled policy serves); else a frozen deep copy of `model`."""
+    if ref_model is model:
+        raise ConfigError("ref_model is the policy itself, so freezing it would stop training. Omit ref_model "
+                          "to get a frozen copy of the policy, or pass a separately loaded model.")
     if ref_model is not None:
         return freeze(load_causal_lm(ref_model, model_init_kwargs) if isinstance(ref_model, str) else ref_model)
     if peft:

@@ -81,8 +81,10 @@ class DPOConfig(PosttrainConfig):
         default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."})
 
     def __post_init__(self):
-        if isinstance(self.loss_type, str) and "," in self.loss_type:
-            self.loss_type = [name.strip() for name in self.loss_type.split(",")]
+        # Comma-separated names (the command line's form) -> a list; a single name stays a string.
+        entries = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        names = [name.strip() for entry in entries for name in entry.split(",")]
+        self.loss_type = names[0] if len(names) == 1 else names
         validate_dpo_loss_settings(
             self.loss_type, self.loss_weights, beta=self.beta, label_smoothing=self.label_smoothing,
             f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
@@ -181,7 +183,8 @@ class DPOTrainer(BaseTrainer):
             if self.ref_model is None:
                 raise ConfigError("sync_ref_model needs a separate reference model, but with a PEFT policy the "
                                   "reference is the adapter-disabled base; pass ref_model or set sync_ref_model=False.")
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
+            self.add_callback(
+                SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
 
     # -- data ------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
@@ -322,7 +325,8 @@ class DPOTrainer(BaseTrainer):
         for name, part in (("chosen", slice(None, half)), ("rejected", slice(half, None))):
             metrics[f"logps/{name}"] = policy.logps[part].detach().mean()
             # Token-weighted: the mean logit over all completion tokens of the batch.
-            metrics[f"logits/{name}"] = (policy.mean_logits[part] * counts[part]).sum() / counts[part].sum().clamp(min=1)
+            weighted = (policy.mean_logits[part] * counts[part]).sum()
+            metrics[f"logits/{name}"] = weighted / counts[part].sum().clamp(min=1)
         self.record_metrics(metrics)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

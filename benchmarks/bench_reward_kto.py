@@ -1,0 +1,178 @@
+"""Reward modelling and KTO with posttrain vs TRL on the same tiny model, data and settings; prints two tables.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_reward_kto.py [--steps 30] [--repeats 2] [--methods reward kto]
+
+Each run is its own subprocess (so peak RSS is per run), and the runs alternate posttrain, trl, posttrain,
+trl, ... so that drift in machine load hits both alike. Both reward trainers start from one saved
+classifier checkpoint (the same score head), and both KTO trainers get an explicit reference model that
+differs from the policy, so the step-0 losses check the formulas and the tokenization. Batches are taken
+in dataset order (train_sampling_strategy="sequential"), so step 0 sees the same rows in both.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
+         "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
+SETTINGS = dict(per_device_train_batch_size=8, max_length=256, seed=0, lr_scheduler_type="constant", logging_steps=1,
+                save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, gradient_checkpointing=False,
+                bf16=False, train_sampling_strategy="sequential")
+METHOD_SETTINGS = {"reward": dict(learning_rate=1e-4), "kto": dict(learning_rate=1e-5, beta=0.1)}
+MODEL = dict(hidden_size=256, num_layers=4)
+
+
+def preference_rows(n: int = 256, seed: int = 0) -> list[dict]:
+    """Prompts of 20-60 words; chosen ends with ' good', rejected with ' bad', both 5-25 words long. Completions
+    start with a space, so prompt and completion tokenize the same apart as joined."""
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    return [{"prompt": words(20, 60), "chosen": " " + words(5, 25) + " good", "rejected": " " + words(5, 25) + " bad"}
+            for _ in range(n)]
+
+
+def unpaired_rows() -> list[dict]:
+    """The preference rows as unpaired KTO rows, desirable and undesirable alternating."""
+    return [{"prompt": r["prompt"], "completion": r[column], "label": column == "chosen"}
+            for r in preference_rows(128) for column in ("chosen", "rejected")]
+
+
+def sequences(method: str, tokenizer) -> list[list[int]]:
+    """The token sequences a step trains on, per row: prompt + completion + EOS (counted the same for both)."""
+    def ids(prompt, completion):
+        return tokenizer(prompt + completion)["input_ids"] + [tokenizer.eos_token_id]
+
+    if method == "reward":
+        return [ids(r["prompt"], r["chosen"]) + ids(r["prompt"], r["rejected"]) for r in preference_rows()]
+    return [ids(r["prompt"], r["completion"]) for r in unpaired_rows()]
+
+
+def worker(impl: str, method: str, root: str, steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall and CPU time at each step end; throughput is measured after the first (warm-up) step."""
+
+        def __init__(self):
+            self.times: list[tuple[float, float]] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append((time.perf_counter(), time.process_time()))
+
+    torch.set_num_threads(1)
+    root = Path(root)
+    tokenizer = AutoTokenizer.from_pretrained(root / "policy")
+    settings = dict(SETTINGS, **METHOD_SETTINGS[method], max_steps=steps,
+                    output_dir=str(Path(tempfile.gettempdir()) / f"bench_{method}_{impl}"))
+    timer = StepTimer()
+    if method == "reward":
+        if impl == "posttrain":
+            from posttrain import RewardConfig, RewardTrainer
+        else:
+            from trl import RewardConfig, RewardTrainer
+        model = AutoModelForSequenceClassification.from_pretrained(root / "classifier")
+        trainer = RewardTrainer(model, args=RewardConfig(**settings),
+                                train_dataset=Dataset.from_list(preference_rows()), processing_class=tokenizer,
+                                callbacks=[timer])
+    else:
+        if impl == "posttrain":
+            from posttrain import KTOConfig, KTOTrainer
+        else:
+            from trl import KTOConfig, KTOTrainer
+        model = AutoModelForCausalLM.from_pretrained(root / "policy")
+        ref_model = AutoModelForCausalLM.from_pretrained(root / "ref")
+        trainer = KTOTrainer(model, ref_model=ref_model, args=KTOConfig(**settings),
+                             train_dataset=Dataset.from_list(unpaired_rows()), processing_class=tokenizer,
+                             callbacks=[timer])
+    trainer.train()
+    tokens_per_row = statistics.mean(map(len, sequences(method, tokenizer)))
+    (wall_0, cpu_0), (wall_1, cpu_1) = timer.times[0], timer.times[-1]
+    timed = len(timer.times) - 1
+    steps_per_s = timed / (wall_1 - wall_0)
+    return {
+        "steps_per_s": steps_per_s,
+        "tokens_per_s": steps_per_s * SETTINGS["per_device_train_batch_size"] * tokens_per_row,
+        "cpu_ms_per_step": 1000 * (cpu_1 - cpu_0) / timed,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
+    }
+
+
+def make_models(root: Path) -> None:
+    """The policy, a differently seeded reference, and a classifier made from the policy with a seeded head."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.tiny import save_tiny_model
+
+    policy = save_tiny_model(root / "policy", seed=0, **MODEL)
+    save_tiny_model(root / "ref", seed=1, **MODEL)
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+    classifier.save_pretrained(root / "classifier")
+
+
+def print_table(method: str, results: dict[str, list[dict]], args) -> None:
+    keys = ("steps_per_s", "tokens_per_s", "cpu_ms_per_step", "peak_rss_mb", "step0_loss")
+    rows = {impl: {k: statistics.median(r[k] for r in runs) for k in keys} for impl, runs in results.items()}
+    print(f"\n{method}: tiny Llama (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers), batch "
+          f"{SETTINGS['per_device_train_batch_size']}, {args.steps} steps, OMP_NUM_THREADS=1, median of "
+          f"{args.repeats} alternating runs each")
+    print(f"{'':12}{'steps/s':>10}{'tokens/s':>12}{'CPU ms/step':>14}{'peak RSS MB':>14}{'step-0 loss':>16}")
+    for impl, r in rows.items():
+        print(f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
+              f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}")
+    p, t = rows["posttrain"], rows["trl"]
+    print(f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
+          f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}")
+    print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", choices=("reward", "kto"), default=["reward", "kto"])
+    parser.add_argument("--worker", nargs=3, metavar=("IMPL", "METHOD", "ROOT"))
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(*args.worker, args.steps)))
+        return
+
+    root = Path(tempfile.mkdtemp(prefix="bench_reward_kto_"))
+    make_models(root)
+    for method in args.methods:
+        results: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+        for _ in range(args.repeats):
+            for impl in results:
+                cmd = [sys.executable, __file__, "--worker", impl, method, str(root), "--steps", str(args.steps)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line is None:
+                    sys.exit(f"{impl} {method} run failed:\n{out.stderr[-3000:]}")
+                results[impl].append(json.loads(line[len("RESULT "):]))
+        print_table(method, results, args)
+
+
+if __name__ == "__main__":
+    main()

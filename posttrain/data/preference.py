@@ -1,0 +1,192 @@
+"""Preference data (prompt, chosen, rejected): tokenization with truncation, and the collator that puts
+chosen and rejected through the model in one forward. Shared by the reward and DPO trainers.
+
+A tokenized row is three lists: ``prompt_ids``, ``chosen_ids``, ``rejected_ids``. The prompt is tokenized
+on its own, as the model sees it at generation time, and each completion is the token continuation of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DataError
+from .chat import extract_prompt, normalize_example, render, require_chat_template
+from .collators import pad
+from .formats import DatasetFormat, check_example, is_message_list, validate_dataset
+
+logger = logging.getLogger("posttrain")
+
+COMPLETIONS = ("chosen", "rejected")
+# Per-row numbers that travel with a row to the batch as float tensors.
+FLOAT_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps", "margin")
+
+
+def _text_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], dict[str, list[int]]]:
+    """Prompt rendered with the generation prompt; each completion is the rendered continuation, which ends
+    with the end-of-turn token but not with the whitespace the template puts after it."""
+    require_chat_template(tokenizer)
+    prompt = list(example["prompt"])
+    continue_final = prompt[-1]["role"] == "assistant"  # an assistant-ended prompt is continued, not answered
+    prompt_text = render(tokenizer, prompt, add_generation_prompt=not continue_final,
+                         continue_final_message=continue_final)
+    completions = {}
+    for column in COMPLETIONS:
+        full = render(tokenizer, prompt + list(example[column]))
+        if not full.startswith(prompt_text):
+            raise DataError(
+                f"Row {row}: the rendered prompt is not a prefix of the rendered prompt + {column}, so the "
+                f"{column} completion cannot be told apart. Check the chat template (it must render earlier turns "
+                "the same way whatever follows them)."
+            )
+        completions[column] = _text_ids(tokenizer, full[len(prompt_text):].rstrip(), add_special_tokens=False)
+    # The template carries any BOS itself.
+    return _text_ids(tokenizer, prompt_text, add_special_tokens=False), completions
+
+
+def _standard_ids(example: dict, tokenizer) -> tuple[list[int], dict[str, list[int]]]:
+    """Prompt text (with the tokenizer's special tokens, e.g. BOS) then completion text plus EOS."""
+    eos = tokenizer.eos_token_id
+    completions = {}
+    for column in COMPLETIONS:
+        ids = _text_ids(tokenizer, example[column], add_special_tokens=False)
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]
+        completions[column] = ids
+    return _text_ids(tokenizer, example["prompt"], add_special_tokens=True), completions
+
+
+def tokenize_preference(
+    example: dict,
+    tokenizer,
+    fmt: DatasetFormat,
+    *,
+    row: int,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    max_length: int | None = None,
+) -> dict[str, list[int]]:
+    """`prompt_ids`, `chosen_ids`, `rejected_ids` for one standard or conversational preference row.
+
+    Truncation keeps the end of the prompt (the part next to the answer) and the start of each completion;
+    `max_length` then bounds prompt + completion by cutting the completion.
+    """
+    if not fmt.has_explicit_prompt:
+        example = extract_prompt(example)
+    if fmt.conversational:
+        prompt_ids, completions = _conversational_ids(normalize_example(example), tokenizer, row)
+    else:
+        prompt_ids, completions = _standard_ids(example, tokenizer)
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
+    for column, ids in completions.items():
+        keep = len(ids) if max_completion_length is None else max_completion_length
+        if max_length is not None:
+            keep = min(keep, max_length - len(prompt_ids))
+        if keep <= 0 and ids and max_length is not None:
+            raise DataError(
+                f"Row {row}: prompt longer than max_length leaving nothing to compare: its prompt takes "
+                f"{len(prompt_ids)} of max_length={max_length} tokens and no '{column}' token is left. Raise "
+                "max_length, lower max_prompt_length (the prompt keeps its end), or drop the row."
+            )
+        if keep <= 0:
+            raise DataError(f"Row {row}: the '{column}' completion has no tokens. Fix or drop the row.")
+        completions[column] = ids[:keep]
+    return {"prompt_ids": prompt_ids, **{f"{c}_ids": ids for c, ids in completions.items()}}
+
+
+def _tokenize_row(example, row, tokenizer, fmt, limits):
+    check_example(example, fmt, row)
+    return tokenize_preference(example, tokenizer, fmt, row=row, **limits)
+
+
+def warn_identical_pairs(dataset, name: str = "train_dataset") -> list[int]:
+    """Logs one warning for rows whose chosen and rejected tokens are the same; returns those rows.
+
+    Such a pair has zero preference signal (its DPO logit is 0 whatever the model does).
+    """
+    same = [i for i, (c, r) in enumerate(zip(dataset["chosen_ids"], dataset["rejected_ids"])) if c == r]
+    if same:
+        shown = ", ".join(map(str, same[:10])) + (", ..." if len(same) > 10 else "")
+        logger.warning(
+            "%d row(s) of %s have identical chosen and rejected completions after tokenization (rows %s): they "
+            "carry no preference signal. Fix or drop them.", len(same), name, shown,
+        )
+    return same
+
+
+def prepare_preference_dataset(
+    dataset,
+    tokenizer,
+    *,
+    trainer: str,
+    name: str = "train_dataset",
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    max_length: int | None = None,
+    num_proc: int | None = None,
+):
+    """Validates a preference dataset and tokenizes every row (checking each); keeps the FLOAT_COLUMNS.
+
+    `trainer` names the caller in error messages.
+    """
+    first = dataset[0] if len(dataset) else {}
+    if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
+        dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
+    fmt = validate_dataset(dataset, ("preference",), trainer, name)
+    if fmt.conversational:
+        require_chat_template(tokenizer)
+    limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                  max_length=max_length)
+    dataset = dataset.map(
+        _tokenize_row, with_indices=True, num_proc=num_proc,
+        remove_columns=[c for c in dataset.column_names if c not in FLOAT_COLUMNS],
+        fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, limits=limits), desc=f"Tokenizing {name}",
+    )
+    warn_identical_pairs(dataset, name)
+    return dataset
+
+
+@dataclass
+class PreferenceCollator:
+    """B preference rows -> 2B sequences: prompt+chosen (rows 0..B-1), then prompt+rejected (rows B..2B-1).
+
+    `completion_mask` is 1 on completion tokens, except on a sequence's first token (which nothing predicts;
+    it matters only for an empty prompt). Padded batches are right padded with an `attention_mask`;
+    padding-free batches are one row with `position_ids` restarting at 0 for each sequence (see collators.py).
+    """
+
+    pad_token_id: int
+    padding_free: bool = False
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        sequences, masks = [], []
+        for column in ("chosen_ids", "rejected_ids"):
+            for e in examples:
+                sequences.append(list(e["prompt_ids"]) + list(e[column]))
+                mask = [0] * len(e["prompt_ids"]) + [1] * len(e[column])
+                mask[0] = 0
+                masks.append(mask)
+        if self.padding_free:
+            batch = {
+                "input_ids": torch.tensor([sum(sequences, [])], dtype=torch.long),
+                "position_ids": torch.tensor([[p for s in sequences for p in range(len(s))]], dtype=torch.long),
+                "completion_mask": torch.tensor([sum(masks, [])], dtype=torch.long),
+                "use_cache": False,
+            }
+        else:
+            batch = {
+                "input_ids": pad(sequences, self.pad_token_id),
+                "attention_mask": pad([[1] * len(s) for s in sequences], 0),
+                "completion_mask": pad(masks, 0),
+            }
+        for column in FLOAT_COLUMNS:
+            if column in examples[0]:
+                batch[column] = torch.tensor([float(e[column]) for e in examples], dtype=torch.float32)
+        return batch
