@@ -123,6 +123,9 @@ class BaseTrainer(Trainer):
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
             callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
+        # Our trainers compute and normalise their own losses (see `effective_batch_mean`): transformers
+        # must neither divide by the accumulation steps again nor skip counting the effective batch.
+        self.model_accepts_loss_kwargs = True
 
     def prepare_dataset(self, dataset, tokenizer, args, name: str):
         """Validates and tokenizes a dataset (runs before `Trainer.__init__`)."""
@@ -137,6 +140,33 @@ class BaseTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    # -- loss normalisation ------------------------------------------------------------------------
+    # Each trainer averages its loss over some unit (trained tokens, pairs, examples). Dividing every
+    # micro-batch's *sum* by the count over the whole effective batch (all accumulation steps and
+    # processes) makes batch 8 x accumulation 1 and batch 1 x accumulation 8 give the same gradient.
+    def count_loss_items(self, batch: dict) -> int | None:
+        """How many units the loss averages over in one micro-batch; None leaves it to transformers."""
+        return None
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        counts = [self.count_loss_items(b) for b in batch_samples]
+        if not counts or counts[0] is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        total = torch.tensor(sum(int(c) for c in counts), device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            total = self.accelerator.gather(total).sum()
+        return total
+
+    def effective_batch_mean(self, loss_sum: torch.Tensor, num_items_in_batch, local_count, training: bool):
+        """This micro-batch's share of the effective batch's mean loss; the micro-batch mean in evaluation."""
+        if training and num_items_in_batch is not None:
+            loss = loss_sum / num_items_in_batch
+            # DDP averages gradients over processes; the count above already covers all of them.
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.accelerator.num_processes
+            return loss
+        return loss_sum / max(int(local_count), 1)
 
     # -- checkpoints -------------------------------------------------------------------------------
     # transformers writes checkpoint-N in place, so a crash mid-save leaves a folder that looks

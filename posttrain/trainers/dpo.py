@@ -162,7 +162,6 @@ class DPOTrainer(BaseTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *a, **kw):
         args = args or DPOConfig(output_dir="outputs/dpo")
         super().__init__(model, args, *a, **kw)
-        self.model_accepts_loss_kwargs = True  # we divide by the global pair count ourselves
         self._loss_types, self._loss_weights = validate_dpo_loss_settings(
             args.loss_type, args.loss_weights, beta=args.beta, label_smoothing=args.label_smoothing,
             f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
@@ -251,13 +250,8 @@ class DPOTrainer(BaseTrainer):
                 .add_column(REF_COLUMNS[1], logps["rejected"].tolist()))
 
     # -- loss ------------------------------------------------------------------------------------
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """Preference pairs in the effective batch (all accumulation steps; all processes when averaging)."""
-        pairs = sum((int(sequence_index(b).max()) + 1) // 2 for b in batch_samples)
-        pairs = torch.tensor(pairs, device=device)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            pairs = self.accelerator.gather(pairs).sum()
-        return pairs
+    def count_loss_items(self, batch):
+        return (int(sequence_index(batch).max()) + 1) // 2
 
     def _bco_delta(self, rewards: torch.Tensor, update: bool) -> float:
         """BCO's shift: the running mean of all rewards seen in training so far (all processes)."""
@@ -308,13 +302,7 @@ class DPOTrainer(BaseTrainer):
         policy = sequence_logps(model, inputs)
         ref_chosen, ref_rejected = self._reference_logps(model, inputs)
         losses, chosen_rewards, rejected_rewards = self._losses(policy, ref_chosen, ref_rejected, model.training)
-        if model.training and num_items_in_batch is not None:
-            # DDP averages gradients over processes, hence the world-size factor (as in SFTTrainer).
-            loss = losses.sum() / num_items_in_batch
-            if self.args.average_tokens_across_devices:
-                loss = loss * self.accelerator.num_processes
-        else:
-            loss = losses.mean()
+        loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, len(losses), model.training)
         self._record(policy, chosen_rewards, rejected_rewards)
         return (loss, None) if return_outputs else loss
 

@@ -149,8 +149,6 @@ class KTOTrainer(BaseTrainer):
             logger.warning("per_device_train_batch_size=1: the KL reference point pairs each prompt with another "
                            "example's completion from the same batch, and a batch of one has none, so z0 is "
                            "estimated from the matched pair itself. Use a batch size of at least 2.")
-        # We normalise the loss by the examples of the whole effective batch ourselves (see get_batch_samples).
-        self.model_accepts_loss_kwargs = True
 
     def prepare_dataset(self, dataset, tokenizer, args: KTOConfig, name: str):
         fmt: DatasetFormat = validate_dataset(dataset, ("unpaired_preference", "preference"), "KTOTrainer", name)
@@ -175,11 +173,8 @@ class KTOTrainer(BaseTrainer):
     def default_collator(self, tokenizer, args: KTOConfig):
         return KTOCollator(tokenizer.pad_token_id, mismatched_pairs=args.loss_type == "kto", max_length=args.max_length)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The micro-batches of one optimizer step and the number of examples in them, over all processes."""
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        examples = torch.tensor([sum(len(b["label"]) for b in batches)], device=device)
-        return batches, self.accelerator.gather(examples).sum()
+    def count_loss_items(self, batch):
+        return len(batch["label"])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
@@ -198,11 +193,7 @@ class KTOTrainer(BaseTrainer):
             desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight,
             loss_type=self.args.loss_type,
         )
-        if model.training and num_items_in_batch is not None:
-            # Summed over the effective batch's examples; DDP averages gradients over processes, hence the factor.
-            loss = losses.sum() / num_items_in_batch * self.accelerator.num_processes
-        else:
-            loss = losses.mean()
+        loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, n, model.training)
         self._record_class_metrics(labels, rewards, logps.detach(), kl if policy_kl is not None else None)
         return (loss, {"rewards": rewards}) if return_outputs else loss
 

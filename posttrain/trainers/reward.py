@@ -56,8 +56,6 @@ class RewardTrainer(BaseTrainer):
         # The classifier finds each sequence's last real token through the pad id: it must be the collator's.
         config = self.accelerator.unwrap_model(self.model).config
         config.get_text_config().pad_token_id = self.processing_class.pad_token_id
-        # We normalise the loss by the pairs of the whole effective batch ourselves (see get_batch_samples).
-        self.model_accepts_loss_kwargs = True
 
     def prepare_dataset(self, dataset, tokenizer, args: RewardConfig, name: str):
         return prepare_preference_dataset(dataset, tokenizer, trainer="RewardTrainer", name=name,
@@ -67,20 +65,14 @@ class RewardTrainer(BaseTrainer):
         # Padded, not padding-free: the classifier reads one position per row.
         return PreferenceCollator(tokenizer.pad_token_id)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The micro-batches of one optimizer step and the number of pairs in them, over all processes."""
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        pairs = torch.tensor([sum(len(b["input_ids"]) // 2 for b in batches)], device=device)
-        return batches, self.accelerator.gather(pairs).sum()
+    def count_loss_items(self, batch):
+        return len(batch["input_ids"]) // 2
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
         chosen, rejected = scores.squeeze(-1).float().chunk(2)
         loss = bradley_terry_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
-        if model.training and num_items_in_batch is not None:
-            # The batch mean times its pairs is the batch sum; divided by the effective batch's pairs it adds up
-            # over accumulation steps to the big-batch mean. DDP averages gradients over processes, hence the factor.
-            loss = loss * len(chosen) / num_items_in_batch * self.accelerator.num_processes
+        loss = self.effective_batch_mean(loss * len(chosen), num_items_in_batch, len(chosen), model.training)
         self.record_metrics({"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()})
         if return_outputs:
             return loss, {"rewards": torch.stack([chosen, rejected], dim=-1).detach()}

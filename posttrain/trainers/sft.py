@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data.chat import normalize_example, require_chat_template
-from ..data.collators import LanguageModelingCollator
+from ..data.collators import IGNORE_INDEX, LanguageModelingCollator
 from ..data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
 from ..data.packing import pack_dataset
 from ..data.tokenize import tokenize_example
@@ -53,8 +53,6 @@ class SFTTrainer(BaseTrainer):
     def __init__(self, model, args: SFTConfig | None = None, *a, **kw):
         args = args or SFTConfig(output_dir="outputs/sft")
         super().__init__(model, args, *a, **kw)
-        # We normalise the loss by the trained tokens of the whole effective batch ourselves.
-        self.model_accepts_loss_kwargs = True
         self._trained_tokens = 0
 
     def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
@@ -105,18 +103,14 @@ class SFTTrainer(BaseTrainer):
         head = unwrapped.get_output_embeddings()
         return chunked_nll_sum(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size)
 
+    def count_loss_items(self, batch):
+        return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {"use_cache": False, **inputs}
         labels = inputs.pop("labels")
         loss_sum, correct, count = self._forward_nll(model, inputs, labels)
-        if model.training and num_items_in_batch is not None:
-            # num_items_in_batch counts trained tokens over all accumulation steps (and, by default, all
-            # processes); DDP averages gradients over processes, hence the world-size factor.
-            loss = loss_sum / num_items_in_batch
-            if self.args.average_tokens_across_devices:
-                loss = loss * self.accelerator.num_processes
-        else:
-            loss = loss_sum / count.clamp(min=1)
+        loss = self.effective_batch_mean(loss_sum, num_items_in_batch, count, model.training)
         # Accuracy over the trained tokens of all processes (a mean of per-process accuracies would
         # weight a process with few tokens like one with many): one gather of both counts.
         correct_all, count_all = self.accelerator.gather(torch.stack([correct, count]).reshape(1, 2)).sum(0).tolist()
