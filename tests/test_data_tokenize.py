@@ -116,3 +116,11 @@ def test_template_that_rewrites_earlier_turns_falls_back_to_content_search(fresh
     ]
     text, spans = assistant_spans(fresh_tokenizer, messages)
     assert [text[s:e] for s, e in spans] == ["one<|im_end|>", "<think>y</think>two<|im_end|>"]
+
+
+def test_token_straddling_the_prompt_boundary_is_trained(tokenizer):
+    # Byte-level BPE puts the prompt's trailing space into the completion's first token (" red").
+    ex = {"prompt": "the sky is ", "completion": "red"}
+    out = tokenize_example(ex, tokenizer, detect_format(ex.keys(), ex))
+    assert _trained_text(tokenizer, out) == " red<|im_end|>"
+    assert _untrained_text(tokenizer, out) == "the sky is"

@@ -18,7 +18,11 @@ Span = tuple[int, int]
 
 
 def tokenize_with_spans(tokenizer, text: str, spans: list[Span] | None, add_special_tokens: bool) -> tuple[list, list]:
-    """Token ids of `text` and a 0/1 mask: 1 where the token starts inside one of `spans` (None = all)."""
+    """Token ids of `text` and a 0/1 mask: 1 where the token holds a character of one of `spans` (None = all).
+
+    A token that straddles a span's start is trained: byte-level BPE attaches a space to the word after
+    it, so for the prompt "the sky is " and the completion "blue" the token " blue" carries the answer.
+    """
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("posttrain needs a fast tokenizer (it maps trained characters to tokens through offsets). "
                         "Load it with AutoTokenizer.from_pretrained(..., use_fast=True).")
@@ -28,7 +32,7 @@ def tokenize_with_spans(tokenizer, text: str, spans: list[Span] | None, add_spec
         return ids, [1] * len(ids)
     mask = []
     for start, end in enc["offset_mapping"]:
-        inside = any(s <= start < e for s, e in spans) and end > start
+        inside = any(start < e and end > s for s, e in spans)
         mask.append(int(inside))
     return ids, mask
 

@@ -58,12 +58,6 @@ class KTOConfig(PosttrainConfig):
 
 def _tokenize_row(example, row, tokenizer, fmt, completion_fmt, max_length):
     check_example(example, fmt, row)
-    if not fmt.conversational:
-        # Byte-level BPE attaches a space to the word after it, so a prompt's trailing whitespace ("the sky is ",
-        # as extract_prompt leaves it) would put the completion's first token in the prompt. Moving the
-        # whitespace to the completion keeps the text and keeps that token trained.
-        prompt = example["prompt"].rstrip()
-        example = {**example, "prompt": prompt, "completion": example["prompt"][len(prompt):] + example["completion"]}
     return tokenize_example(example, tokenizer, completion_fmt, row=row, max_length=max_length)
 
 
