@@ -1,0 +1,131 @@
+"""GRPO and RLOO in posttrain against TRL on the same tiny model, prompts, reward and settings (CPU).
+
+Each run is a fresh process (so that peak RSS is its own), and the runs alternate between the libraries
+so that a change in machine load hits both alike. Generation time is measured the same way for both: the
+model's `generate` is timed (both libraries call it on the policy object they were given); everything
+else of the training wall time is counted as update (forward, backward, optimizer, rewards, bookkeeping).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--repeats 3] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LIBRARIES = ("posttrain", "trl")
+METHODS = ("grpo", "rloo")
+TARGETS = frozenset({298, 299, 300, 301})  # tokens of the tiny tokenizer the reward asks for
+
+
+def target_tokens(completion_ids, **kwargs):
+    """The fraction of a completion's tokens in TARGETS."""
+    return [sum(t in TARGETS for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def settings(method: str, output_dir: str, steps: int) -> dict:
+    """The settings both libraries are given (the names are the same in both)."""
+    return dict(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=16, num_generations=8,
+        max_completion_length=16, learning_rate=1e-2, temperature=1.0, beta=0.05 if method == "rloo" else 0.0,
+        logging_steps=1, seed=0, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+    )
+
+
+def timed_generate(model, pad_token_id: int, totals: dict) -> None:
+    """Wraps `model.generate` to add its wall time and the number of generated tokens to `totals`."""
+    generate = model.generate
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        output = generate(*args, **kwargs)
+        totals["generation_s"] += time.perf_counter() - start
+        prompt_width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
+        totals["tokens"] += int((output[:, prompt_width:] != pad_token_id).sum())
+        return output
+
+    model.generate = wrapper
+
+
+def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
+    """Trains one configuration in this process and returns its measurements."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if library == "posttrain":
+        from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    else:
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if method == "grpo" else (RLOOConfig, RLOOTrainer)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    totals = {"generation_s": 0.0, "tokens": 0}
+    timed_generate(model, tokenizer.pad_token_id, totals)
+    words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
+    data = Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}"} for i in range(256)])
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = config_class(**settings(method, output_dir, steps))
+        trainer = trainer_class(model=model, reward_funcs=target_tokens, args=args, train_dataset=data,
+                                processing_class=tokenizer)
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {
+        "library": library, "method": method, "wall_s": wall, "steps_per_s": steps / wall,
+        "tokens_per_s": totals["tokens"] / wall, "generation_s": totals["generation_s"],
+        "update_s": wall - totals["generation_s"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "first_reward": statistics.mean(rewards[:3]), "last_reward": statistics.mean(rewards[-3:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--worker", nargs=3, metavar=("LIBRARY", "METHOD", "MODEL_PATH"), help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        print(json.dumps(run_one(*options.worker, steps=options.steps)))
+        return
+
+    from posttrain.models.tiny import save_tiny_model
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    results: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        model_path = save_tiny_model(os.path.join(directory, "tiny"))
+        for repeat in range(options.repeats):
+            for method in METHODS:
+                for library in LIBRARIES if repeat % 2 == 0 else reversed(LIBRARIES):
+                    command = [sys.executable, __file__, "--steps", str(options.steps), "--worker", library, method,
+                               model_path]
+                    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    results.setdefault((library, method), []).append(result)
+                    print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s", flush=True)
+
+    columns = {"steps_per_s": ".2f", "tokens_per_s": ".0f", "peak_rss_mb": ".0f", "generation_s": ".2f",
+               "update_s": ".2f", "first_reward": ".3f", "last_reward": ".3f"}
+    print(f"\nmedians over {options.repeats} runs of {options.steps} steps (tiny Llama, 16 completions of <= 16 "
+          "tokens per step, OMP_NUM_THREADS=1)")
+    print("| method | library | " + " | ".join(columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for method in METHODS:
+        for library in LIBRARIES:
+            runs = results[(library, method)]
+            cells = [format(statistics.median(r[c] for r in runs), spec) for c, spec in columns.items()]
+            print(f"| {method} | {library} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

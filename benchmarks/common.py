@@ -1,0 +1,118 @@
+"""Shared benchmark plumbing: isolated single-threaded runs, a measured matmul peak, table printing.
+
+Every measurement runs in a fresh interpreter with `OMP_NUM_THREADS=1` (and MKL's equivalent) set
+*before* torch is imported, so that runs do not share allocator state, caches or thread pools, and
+so that timings on a machine shared with other jobs are not dominated by thread oversubscription.
+A run is named by "module:function" (module relative to `benchmarks/` or importable); it returns a
+JSON-serialisable dict, to which the child adds its own peak resident memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+TCMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
+)
+
+
+def single_thread_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The current environment with one compute thread, offline Hugging Face, plus `extra`."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+                   p for p in (str(REPO_ROOT), str(BENCH_DIR), env.get("PYTHONPATH")) if p))
+    env.update(extra or {})
+    return env
+
+
+def tcmalloc_path() -> str | None:
+    """The installed tcmalloc (Debian: `apt-get install libtcmalloc-minimal4`) for LD_PRELOAD, or None."""
+    return next((p for p in TCMALLOC_CANDIDATES if os.path.exists(p)), None)
+
+
+def run_isolated(target: str, kwargs: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
+    """Calls `target` ("module:function") with `kwargs` in a fresh single-threaded interpreter.
+
+    Returns the function's dict result plus `peak_rss_mb` (the child's maximum resident set size) and
+    `wall_s` (the whole child, imports included). `env` adds variables, e.g. LD_PRELOAD.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs or {}), str(out)]
+        start = time.perf_counter()
+        done = subprocess.run(command, env=single_thread_env(env), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{target} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _child_main(target: str, kwargs_json: str, out_path: str) -> None:
+    module_name, function_name = target.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    result = dict(function(**json.loads(kwargs_json)))
+    # ru_maxrss is in kilobytes on Linux.
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_path).write_text(json.dumps(result))
+
+
+def matmul_peak_flops(size: int = 1024, repeats: int = 20, dtype: str = "float32") -> dict[str, float]:
+    """Best observed FLOP/s of a square `size` matmul in this process (run it through `run_isolated`
+    for the single-thread peak). Timed in process CPU time, like the benchmarks, so that other jobs
+    on the machine do not count; the best of many repeats estimates what the core can do, which is
+    the right denominator for model FLOP utilisation."""
+    import torch
+
+    a = torch.randn(size, size, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, dtype=getattr(torch, dtype))
+    out = torch.empty(size, size, dtype=a.dtype)
+    torch.mm(a, b, out=out)  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        torch.mm(a, b, out=out)
+        best = min(best, time.process_time() - start)
+    return {"flops": 2 * size**3 / best, "threads": torch.get_num_threads()}
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table: floats with 4 significant digits, columns right-aligned except the first."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return "" if value is None else str(value)
+
+    cells = [headers] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def print_table(headers: list[str], rows: list[list[Any]], title: str | None = None) -> None:
+    if title:
+        print(title)
+    print(format_table(headers, rows), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(*sys.argv[1:4])

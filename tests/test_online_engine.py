@@ -1,0 +1,386 @@
+"""The online RL engine (posttrain/trainers/online.py), exercised through GRPOTrainer: batch arithmetic,
+errors before training, prompt preparation, what reward functions receive, metrics, reproducibility, and
+the invariance of the first update's gradient to how the batch is split (micro-batches, steps per
+generation, processes).
+
+Also the worker for the two-process test: `python -m torch.distributed.run --nproc_per_node 2
+tests/test_online_engine.py MODEL_PATH OUT_DIR PER_DEVICE_BATCH_SIZE`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from posttrain.errors import ConfigError, DataError
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.online import Rollout, RolloutSampler, groupwise_advantages
+from posttrain.trainers.rloo import RLOOConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TARGET_TOKEN = 298  # " the" in the tiny tokenizer; the rewards below count it
+
+
+# -- helpers shared with test_grpo_trainer.py ----------------------------------------------------------------
+def make_config(output_dir, config_class=GRPOConfig, **overrides):
+    settings = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+        max_steps=1, logging_steps=1, learning_rate=1e-2, seed=0, use_cpu=True, report_to="none",
+        save_strategy="no", disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+def prompt_dataset(n: int = 16) -> Dataset:
+    words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
+    return Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}", "answer": i}
+                              for i in range(n)])
+
+
+def target_fraction(completion_ids, **kwargs):
+    """The fraction of a completion's tokens that are TARGET_TOKEN."""
+    return [sum(t == TARGET_TOKEN for t in ids) / len(ids) for ids in completion_ids]
+
+
+def low_id_fraction(completion_ids, **kwargs):
+    """The fraction of a completion's tokens with an id below 192 (about half of them for the random model)."""
+    return [sum(t < 192 for t in ids) / len(ids) for ids in completion_ids]
+
+
+def stopping_model(model_path: str, num_stops: int = 40):
+    """The tiny model with many stop tokens, so that completions end early and differ in length."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    model.generation_config.eos_token_id = [model.generation_config.eos_token_id, *range(100, 100 + num_stops)]
+    return model
+
+
+class ParameterSnapshots(TrainerCallback):
+    """Copies of the parameters after every optimizer step."""
+
+    def __init__(self):
+        self.after_step: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def logged(trainer, key: str, step: int) -> float:
+    return next(h[key] for h in trainer.state.log_history if h.get("step") == step and key in h)
+
+
+def train(model_path_or_model, output_dir, reward=target_fraction, data=None, trainer_class=GRPOTrainer,
+          config_class=GRPOConfig, callbacks=None, **overrides):
+    trainer = trainer_class(model_path_or_model, reward, args=make_config(output_dir, config_class, **overrides),
+                            train_dataset=data if data is not None else prompt_dataset(), callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+# -- batch arithmetic ----------------------------------------------------------------------------------------
+def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp_path):
+    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         steps_per_generation=3)
+    assert config.generation_batch_size == 24
+    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         generation_batch_size=16)
+    assert config.steps_per_generation == 2
+    assert make_config(tmp_path).steps_per_generation == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(per_device_train_batch_size=6, num_generations=4),
+     r"num_generations=4 must divide the 6 completions each process generates per round \(per_device_train_"
+     r"batch_size 6 x gradient_accumulation_steps 1 x steps_per_generation 1\).*Valid num_generations here: "
+     r"\[2, 3, 6\]; .*steps_per_generation=2"),
+    (dict(per_device_train_batch_size=4, generation_batch_size=10),
+     r"generation_batch_size=10 must be a multiple of .* per_device_train_batch_size \(4\) x gradient_"
+     r"accumulation_steps \(1\) x processes \(1\) = 4\. Valid values: 4, 8, 12, 16"),
+    (dict(per_device_train_batch_size=4, generation_batch_size=8, steps_per_generation=3),
+     r"generation_batch_size=8 means steps_per_generation=2 .* but steps_per_generation=3 was set too"),
+    (dict(num_generations=1), r"num_generations=1, but GRPO needs at least 2 completions per prompt; its "
+                              r"advantages compare"),
+    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
+    (dict(scale_rewards="std"), r"scale_rewards='std' is not one of"),
+    (dict(importance_sampling_level="segment"), r"importance_sampling_level='segment' is not one of"),
+    (dict(temperature=0.0), r"temperature=0.0 is invalid"),
+    (dict(num_iterations=0), r"num_iterations=0 must be at least 1"),
+    (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
+])
+def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(tmp_path, **overrides)
+
+
+def test_rloo_needs_two_generations(tmp_path):
+    with pytest.raises(ConfigError, match=r"num_generations=1, but RLOO needs at least 2 completions per prompt"):
+        make_config(tmp_path, RLOOConfig, num_generations=1)
+
+
+# -- errors at construction ------------------------------------------------------------------------------------
+def needs_solution(completions, solution, **kwargs):
+    return [0.0] * len(completions)
+
+
+CONSTRUCTION_ERRORS = {
+    "no prompt column": (
+        dict(train_dataset=Dataset.from_list([{"question": "a", "answer": 1}] * 4)), DataError,
+        r"needs a 'prompt' column .* columns \['question', 'answer'\]"),
+    "reward needs a missing column": (
+        dict(reward_funcs=needs_solution), DataError,
+        r"'needs_solution' has a required parameter 'solution' .*\(columns: \['answer'\]"),
+    "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward functions given"),
+    "fewer prompts than a round": (
+        dict(train_dataset=prompt_dataset(1)), DataError, r"has 1 prompts but one generation round uses 2"),
+    "eval dataset": (dict(eval_dataset=prompt_dataset()), ConfigError, "does not evaluate on an eval_dataset"),
+    "missing prompt": (
+        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": "c"}, {"prompt": None}])), DataError,
+        r"Row 2, column 'prompt': expected a string like row 0, got None"),
+    "empty prompt": (
+        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": ""}])), DataError,
+        r"Row 1: the prompt is empty after tokenization"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONSTRUCTION_ERRORS))
+def test_bad_input_fails_at_construction(case, tmp_path, tiny_model_path):
+    overrides, error, message = CONSTRUCTION_ERRORS[case]
+    inputs = {"reward_funcs": target_fraction, "train_dataset": prompt_dataset(), **overrides}
+    with pytest.raises(error, match=message):
+        GRPOTrainer(tiny_model_path, args=make_config(tmp_path), **inputs)
+
+
+def test_a_tokenizer_without_eos_fails_at_construction(tmp_path, tiny_model_path, fresh_tokenizer):
+    fresh_tokenizer.eos_token = None
+    with pytest.raises(ConfigError, match="The tokenizer has no EOS token"):
+        GRPOTrainer(tiny_model_path, target_fraction, args=make_config(tmp_path), train_dataset=prompt_dataset(),
+                    processing_class=fresh_tokenizer)
+
+
+def test_rewards_that_never_apply_stop_training_at_that_step(tmp_path, tiny_model_path):
+    def not_applicable(completions, **kwargs):
+        return [None] * len(completions)
+
+    with pytest.raises(DataError, match=r"No reward function applies to this batch: not_applicable returned None "
+                                        r"for all 8 samples"):
+        train(tiny_model_path, tmp_path, reward=not_applicable)
+
+
+# -- pieces -------------------------------------------------------------------------------------------------
+def test_sampler_gives_each_process_whole_contiguous_blocks_of_each_round():
+    batches = {rank: list(RolloutSampler(10, 4, 2, rank, micro_steps_per_round=3, seed=1)) for rank in (0, 1)}
+    assert all(len(b) == 2 * 3 for b in batches.values())  # 10 // 4 = 2 rounds, 3 micro-steps each
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
+    for rank, rank_batches in batches.items():
+        for i, batch in enumerate(rank_batches):
+            round_index, micro_step = divmod(i, 3)
+            slots = [2 * rank, 2 * rank + 1]
+            assert batch == [(round_index, micro_step, s, order[4 * round_index + s]) for s in slots]
+    sampler = RolloutSampler(10, 4, 1, 0, micro_steps_per_round=1, seed=1)
+    sampler.set_epoch(1)
+    second_epoch = [tag for batch in sampler for tag in batch]
+    assert [t[0] for t in second_epoch] == [2] * 4 + [3] * 4  # rounds are numbered across epochs
+    assert [t[3] for t in second_epoch] != order[:8]
+
+
+def test_rollout_batches_drop_padding_no_row_of_the_slice_needs():
+    rollout = Rollout(
+        round=0,
+        prompt_ids=torch.tensor([[0, 0, 5], [0, 6, 7], [8, 9, 10]]),
+        prompt_mask=torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]]),
+        completion_ids=torch.tensor([[1, 0, 0], [2, 3, 0], [4, 5, 6]]),
+        completion_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+        loss_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]]),
+        finished=torch.tensor([True, True, False]),
+        rewards=torch.tensor([1.0, 2.0, 3.0]),
+        tensors={"advantages": torch.tensor([0.1, 0.2, 0.3]), "old_logps": torch.arange(9.0).view(3, 3)},
+    )
+    batch = rollout.batch(0, 2)
+    assert batch["prompt_ids"].tolist() == [[0, 5], [6, 7]] and batch["prompt_mask"].tolist() == [[0, 1], [1, 1]]
+    assert batch["completion_ids"].tolist() == [[1, 0], [2, 3]]
+    assert batch["loss_mask"].tolist() == [[1, 0], [1, 1]]
+    assert batch["old_logps"].tolist() == [[0.0, 1.0], [3.0, 4.0]]
+    assert batch["advantages"].tolist() == pytest.approx([0.1, 0.2])
+    assert rollout.batch(2, 3)["prompt_ids"].tolist() == [[8, 9, 10]]
+
+
+def test_groupwise_advantages_leave_out_unscored_completions():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, nan, 3.0, 5.0, nan, nan, nan, 7.0, nan, 2.0, nan, 6.0], dtype=torch.float64)
+
+    def centred(group):
+        return group - group.mean()
+
+    advantages = groupwise_advantages(rewards, 4, centred)
+    # Scored: {1, 3, 5} (mean 3); {7} alone has no baseline, so all 0; {2, 6} (mean 4).
+    assert advantages.tolist() == [-2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0, 0.0, 2.0]
+
+
+# -- prompts, reward inputs, metrics --------------------------------------------------------------------------
+def test_conversational_prompts_and_reward_inputs(tmp_path, tiny_model_path, tokenizer):
+    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"count {i}"}],
+             "answer": i, "topic": "numbers"} for i in range(4)]
+    seen = {}
+
+    def recording_reward(prompts, completions, completion_ids, answer, topic, trainer_state, **kwargs):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
+                    topic=topic, step=trainer_state.global_step, extra=sorted(kwargs))
+        return [float(a) for a in answer]
+
+    trainer = train(tiny_model_path, tmp_path, reward=recording_reward, data=Dataset.from_list(rows),
+                    max_prompt_length=12)
+    rendered = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    full_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+    assert trainer.train_dataset["prompt_ids"] == [ids[-12:] for ids in full_ids]
+    assert all(len(ids) > 12 for ids in full_ids)  # truncation kept the end, with the generation prompt
+
+    order = [seen["answer"][4 * g] for g in range(2)]
+    assert seen["answer"] == [a for a in order for _ in range(4)]  # each prompt's row repeated per generation
+    assert seen["prompts"] == [rows[a]["prompt"] for a in seen["answer"]]
+    assert seen["topic"] == ["numbers"] * 8 and seen["step"] == 0 and seen["extra"] == []
+    rollout = trainer.rollout
+    for i, completion in enumerate(seen["completions"]):
+        ids = rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
+        assert seen["completion_ids"][i] == ids
+        assert completion == [{"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}]
+        prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
+        assert prompt == full_ids[seen["answer"][i]][-12:]
+
+
+def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
+    def length_reward(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=[length_reward, target_fraction],
+                    reward_weights=[1.0, 10.0], log_completions=True, mask_truncated_completions=True)
+    rollout = trainer.rollout
+    lengths = rollout.completion_mask.sum(1).double()
+    finished = rollout.finished
+    assert 0 < finished.sum() < 8 and lengths.min() < lengths.max()  # the test needs both kinds and lengths
+    ids = [rollout.completion_ids[i][: int(lengths[i])].tolist() for i in range(8)]
+    fractions = torch.tensor(target_fraction(ids), dtype=torch.float64)
+    rewards = lengths + 10 * fractions
+    groups = rewards.view(2, 4)
+    advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+
+    expected = {
+        "reward": rewards.mean(), "reward_std": rewards.std(), "frac_reward_none": 0.0,
+        "rewards/length_reward/mean": lengths.mean(), "rewards/length_reward/std": lengths.std(),
+        "rewards/target_fraction/mean": fractions.mean(), "rewards/target_fraction/std": fractions.std(),
+        "advantages/mean": advantages.mean(), "advantages/std": advantages.std(),
+        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(), "completions/clipped_ratio": 1 - finished.double().mean(),
+    }
+    for key, value in expected.items():
+        assert logged(trainer, key, 1) == pytest.approx(float(value), abs=1e-5), key
+    assert torch.allclose(rollout.tensors["advantages"].double(), advantages, atol=1e-5)
+    assert torch.equal(rollout.loss_mask, rollout.completion_mask * finished[:, None])
+    for key in ("time/generation", "time/scoring", "time/update", "entropy", "clip_ratio/region_mean"):
+        assert logged(trainer, key, 1) >= 0
+    assert "kl" not in trainer.state.log_history[0]  # beta = 0: no reference
+
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 8
+    for record, completion, reward in zip(records, ids, rewards.tolist()):
+        assert record["step"] == 0 and isinstance(record["prompt"], str)
+        assert record["completion"] == tokenizer.decode(completion, skip_special_tokens=True)
+        assert record["reward"] == pytest.approx(reward, abs=1e-5)
+
+
+# -- reproducibility and split invariance --------------------------------------------------------------------
+def test_same_seed_same_completions_and_losses(tmp_path, tiny_model_path):
+    runs = [train(tiny_model_path, tmp_path / name, max_steps=3, seed=seed)
+            for name, seed in (("a", 0), ("b", 0), ("c", 1))]
+    losses = [[logged(t, "loss", s) for s in (1, 2, 3)] for t in runs]
+    assert torch.equal(runs[0].rollout.completion_ids, runs[1].rollout.completion_ids)
+    assert losses[0] == losses[1]
+    assert not torch.equal(runs[0].rollout.completion_ids, runs[2].rollout.completion_ids)
+
+
+def _first_update(model_path, output_dir, **overrides):
+    """Parameters after one plain SGD step (no clipping), so that they are initial - lr * gradient."""
+    snapshots = ParameterSnapshots()
+    trainer = train(stopping_model(model_path), output_dir, reward=low_id_fraction, callbacks=[snapshots],
+                    optim="sgd", learning_rate=1.0,
+                    lr_scheduler_type="constant", max_grad_norm=0.0, **overrides)
+    return trainer, snapshots.after_step[0]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+def test_micro_batch_split_does_not_change_the_first_update(tmp_path, tiny_model_path, loss_type):
+    whole, expected = _first_update(tiny_model_path, tmp_path / "whole", loss_type=loss_type)
+    lengths = whole.rollout.completion_mask.sum(1)
+    assert lengths[:4].sum() != lengths[4:].sum()  # halves differ, so per-micro-batch normalising would show
+    split, params = _first_update(tiny_model_path, tmp_path / "split", loss_type=loss_type,
+                                  per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert torch.equal(whole.rollout.completion_ids, split.rollout.completion_ids)
+    assert logged(split, "loss", 1) == pytest.approx(logged(whole, "loss", 1), abs=1e-6)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    assert max((expected[n] - initial[n]).abs().max() for n in expected) > 1e-3
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
+
+
+def test_steps_per_generation_does_not_change_the_first_update(tmp_path, tiny_model_path):
+    one, expected = _first_update(tiny_model_path, tmp_path / "one")
+    two, params = _first_update(tiny_model_path, tmp_path / "two", steps_per_generation=2)
+    # The first optimizer step of the larger round trains on the same 8 completions (with old log-probs).
+    assert torch.equal(two.rollout.completion_ids[:8, : one.rollout.completion_ids.shape[1]],
+                       one.rollout.completion_ids)
+    assert len(two.rollout) == 16 and "old_logps" in two.rollout.tensors and "old_logps" not in one.rollout.tensors
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
+
+
+# -- two processes ---------------------------------------------------------------------------------------------
+def one_step_record(model_path: str, out_dir: str, per_device: int) -> dict:
+    """One SGD step with batch-scaled rewards (which need every process's rewards); what each process saw."""
+    trainer, params = _first_update(model_path, out_dir, per_device_train_batch_size=per_device,
+                                    scale_rewards="batch", ddp_backend="gloo")
+    rollout = trainer.rollout
+    return {
+        "rank": trainer.args.process_index, "world_size": trainer.accelerator.num_processes,
+        "completion_ids": [rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
+                           for i in range(len(rollout))],
+        "advantages": rollout.tensors["advantages"], "loss": logged(trainer, "loss", 1),
+        "reward_std": logged(trainer, "reward_std", 1), "params": params,
+    }
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path, tiny_model_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+               tiny_model_path, str(tmp_path / "ddp"), "4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in range(2)]
+    single = one_step_record(tiny_model_path, str(tmp_path / "single"), 8)
+
+    assert [r["world_size"] for r in ranks] == [2, 2] and single["world_size"] == 1
+    assert ranks[0]["completion_ids"] + ranks[1]["completion_ids"] == single["completion_ids"]
+    torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), single["advantages"], atol=1e-6, rtol=0)
+    # Batch scaling divides by the std of all 8 rewards; one process's 4 would give other advantages.
+    local_std = torch.tensor(low_id_fraction(single["completion_ids"][:4])).std().item()
+    assert abs(local_std - single["reward_std"]) > 1e-3
+    for rank in ranks:
+        assert rank["loss"] == pytest.approx(single["loss"], abs=1e-6)
+        assert rank["reward_std"] == pytest.approx(single["reward_std"], abs=1e-6)
+        for name, value in single["params"].items():
+            torch.testing.assert_close(rank["params"][name], value, atol=1e-6, rtol=0)
+
+
+if __name__ == "__main__":
+    model_path, out_dir, per_device = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    record = one_step_record(model_path, out_dir, per_device)
+    assert record["world_size"] == int(os.environ.get("WORLD_SIZE", "1")) == 2, record["world_size"]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(record, os.path.join(out_dir, f"rank{record['rank']}.pt"))

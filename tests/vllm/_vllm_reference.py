@@ -1,0 +1,66 @@
+"""What the vLLM tests compare the engine with: the trainer's model, evaluated by transformers."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 9]]
+EOS = 2
+# Both sides compute in float32 but with different matmul kernels (oneDNN in vLLM), so logits of magnitude
+# ~20-30 differ by ~1e-5 and log-probs by up to ~3e-4; a missed or wrong weight sync is off by > 0.1.
+LOGP_ATOL = 3e-4
+
+
+def perturbed_model(path: str, seed: int):
+    """The saved model with every weight moved far from what the server loaded, so that only a working
+    sync can make the two agree."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model
+
+
+@torch.no_grad()
+def reference_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of `completion` after `prompt`, log-softmax in float64."""
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], float]:
+    """Greedy decoding with the trainer's model, and the smallest gap between the best two logits (a tie
+    could be broken either way by rounding)."""
+    ids, gap = list(prompt), float("inf")
+    for _ in range(steps):
+        top = model(torch.tensor([ids])).logits[0, -1].double().topk(2)
+        gap = min(gap, float(top.values[0] - top.values[1]))
+        ids.append(int(top.indices[0]))
+    return ids[len(prompt):], gap
+
+
+def low_id_fraction(completion_ids, **kwargs) -> list[float]:
+    """A reward that varies between the random tiny model's completions: the share of token ids below 192."""
+    return [sum(t < 192 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def grpo_with_vllm(model_path: str, output_dir, reward=low_id_fraction, **vllm_settings):
+    """A GRPO trainer on the tiny model that generates with vLLM: 4 prompts x 4 completions per step,
+    a learning rate large enough that every step moves the weights visibly."""
+    from datasets import Dataset
+
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=16, num_generations=4, max_completion_length=8,
+        max_steps=3, learning_rate=3e-2, logging_steps=1, seed=0, use_cpu=True, report_to="none",
+        save_strategy="no", disable_tqdm=True, use_vllm=True, **vllm_settings)
+    dataset = Dataset.from_list([{"prompt": f"cat {i} and dog {2 * i}"} for i in range(16)])
+    return GRPOTrainer(model_path, reward, args=config, train_dataset=dataset)
+
+
+def logged_per_step(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
