@@ -60,6 +60,8 @@ METHOD_ARGS = {
              "--reward_funcs", "think_format_reward", "my_rewards.length_reward", "--reward_weights", "1", "0.5"],
     "ppo": ["--dataset_name", "prompts.jsonl", "--max_completion_length", "8", "--reward_funcs",
             "my_rewards.length_reward"],
+    # The tiny model distils into itself (a zero divergence): alpha 0.5 keeps an NLL term that moves the weights.
+    "distill": ["--dataset_name", "sft.jsonl", "--teacher_model_name_or_path", "{model}", "--alpha", "0.5"],
 }
 AVAILABLE = [name for name, method in cli.METHODS.items() if method.available()]
 
@@ -107,7 +109,8 @@ def runs(workspace, tiny_model_path):
         commands["vllm_serve"] = ["vllm-serve", "some-model"]
     for name in AVAILABLE:
         if name in METHOD_ARGS:
-            commands[name] = [name, "--model_name_or_path", tiny_model_path, *COMMON, *METHOD_ARGS[name],
+            method_args = [arg.replace("{model}", tiny_model_path) for arg in METHOD_ARGS[name]]
+            commands[name] = [name, "--model_name_or_path", tiny_model_path, *COMMON, *method_args,
                               "--output_dir", f"out_{name}"]
     # Output goes to files, not pipes: a pipe nobody reads yet would stall a chatty run once it fills.
     started = {}

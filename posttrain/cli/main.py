@@ -82,6 +82,8 @@ METHODS: dict[str, Method] = {
                    "REINFORCE leave-one-out with reward functions"),
     "ppo": Method("posttrain.trainers.ppo", "PPOTrainer", "PPOConfig", "online",
                   "proximal policy optimization with a value model"),
+    "distill": Method("posttrain.trainers.distillation", "DistillationTrainer", "DistillationConfig", "offline",
+                      "teacher -> student distillation (--teacher_model_name_or_path)"),
 }
 TOOLS = {
     "env": "versions of posttrain, its dependencies and extras, and the accelerator",
