@@ -92,7 +92,7 @@ def workspace(tmp_path_factory, tiny_model_path):
     (root / "sft.yaml").write_text(
         f"model_name_or_path: {tiny_model_path}\ndataset_name: sft.jsonl\neval_split_size: 0.25\n"
         "max_steps: 5\nlearning_rate: 1e-3\nlr_scheduler_type: linear\nlogging_steps: 1\n"
-        "per_device_train_batch_size: 4\nsave_strategy: 'no'\nseed: 0\n"
+        "per_device_train_batch_size: 4\nsave_strategy: 'no'\nseed: 0\neval_on_start: true\n"
     )
     return root
 
@@ -148,8 +148,11 @@ def test_sft_trains_with_yaml_and_flags_saves_and_reports(runs, workspace, tiny_
     learning_rates = [row["learning_rate"] for row in log if "loss" in row]
     assert learning_rates == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3], rel=1e-6)
     assert max(row["step"] for row in log) == 3
-    # eval_split_size=0.25 held out 4 of the 16 rows, evaluated once at the end (eval_strategy "no").
-    assert [row["step"] for row in log if "eval_loss" in row] == [3]
+    # eval_split_size=0.25 held out 4 of the 16 rows, evaluated before training (eval_on_start) and at the end.
+    evals = [row for row in log if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [0, 3]
+    assert (f"held-out   eval_loss {evals[0]['eval_loss']:.4g} at step 0 -> {evals[1]['eval_loss']:.4g} at step 3"
+            in stdout)
     trained = AutoModelForCausalLM.from_pretrained(out)
     assert not torch.equal(trained.get_input_embeddings().weight, _tiny_embeddings(tiny_model_path))
     for name in ("report.html", "plot_loss.png", "plot_learning_rate.png"):

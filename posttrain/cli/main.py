@@ -405,6 +405,11 @@ def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str
     ]
     if evaluation:
         rows.append(("eval", " | ".join(evaluation)))
+    evals = [row for row in state.log_history if "eval_loss" in row]
+    if len(evals) > 1:  # e.g. with eval_on_start: the held-out loss before and after training
+        first, last = evals[0], evals[-1]
+        rows.append(("held-out", f"eval_loss {first['eval_loss']:.4g} at step {first['step']} -> "
+                                 f"{last['eval_loss']:.4g} at step {last['step']}"))
     rows += [("model", f"saved to {Path(trainer.args.output_dir).resolve()}"),
              ("report", str(report.resolve()) if report else "not written"),
              ("wall time", f"{minutes}m {seconds:02d}s")]

@@ -44,6 +44,8 @@ class PosttrainConfig(TrainingArguments):
             # accelerate fails ("Default process group has not been initialized") when a backend is
             # named in a single process; one config file should serve one and several processes.
             self.ddp_backend = None
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # pinning needs an accelerator; on a CPU it only warns
         super().__post_init__()
 
 
