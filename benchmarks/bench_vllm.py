@@ -69,6 +69,7 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
             trainer = GRPOTrainer(MODEL, example.numeric_accuracy, args=args,
                                   train_dataset=example.arithmetic_problems(2000, 0), processing_class=tokenizer)
             setup_s = time.perf_counter() - started
+            sync_s = _time_calls(trainer.generation_backend, "sync_weights")
             started = time.perf_counter()
             trainer.train()
             train_s = time.perf_counter() - started
@@ -85,11 +86,28 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
     return {
         "mode": mode, "steps_per_s": steps / train_s, "train_s": train_s, "setup_s": setup_s + server_start_s,
         "generated_tokens_per_s": tokens / generation_s, "generation_share": generation_s / train_s,
+        "sync_s_per_step": sum(sync_s) / steps,
         "reward_first5": sum(e["reward"] for e in logs[:5]) / len(logs[:5]),
         "reward_last5": sum(e["reward"] for e in logs[-5:]) / len(logs[-5:]),
         "accuracy_after": accuracy, "logp_diff_max": max(diffs) if diffs else None,
         "threads": torch.get_num_threads(),
     }
+
+
+def _time_calls(obj, method: str) -> list[float]:
+    """Wraps `obj.method` to append the wall time of every call to the returned list."""
+    seconds: list[float] = []
+    call = getattr(obj, method)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    setattr(obj, method, timed)
+    return seconds
 
 
 def _start_server(workdir: str):
@@ -132,9 +150,9 @@ def main() -> None:
         result = run_isolated("bench_vllm:run_mode", dict(mode=mode, steps=options.steps, **common))
         print(f"{mode}: {result['steps_per_s']:.3f} steps/s", flush=True)
         rows.append([mode, result["steps_per_s"], result["generated_tokens_per_s"], result["generation_share"],
-                     result["setup_s"], result["reward_first5"], result["reward_last5"], before,
+                     result["sync_s_per_step"], result["setup_s"], result["reward_first5"], result["reward_last5"], before,
                      result["accuracy_after"], result["logp_diff_max"], result["peak_rss_mb"]])
-    print_table(["mode", "steps/s", "gen tok/s", "gen share", "setup s", "reward 1-5", "reward last 5",
+    print_table(["mode", "steps/s", "gen tok/s", "gen share", "sync s/step", "setup s", "reward 1-5", "reward last 5",
                  "acc before", "acc after", "logp diff max", "peak RSS MB"], rows,
                 title=f"\nGRPO, {MODEL}, {options.steps} steps of 16 completions (8 per prompt) of <= "
                       f"{options.max_completion_length} tokens, one thread per process")

@@ -47,7 +47,7 @@ def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Ten
     rounding errors that would accumulate over thousands of syncs). A weight shared by two names (tied
     embeddings) is sent once, under its first name, as in a saved checkpoint.
     """
-    model = unwrap(extract_model_from_parallel(model))
+    model = _policy(model)
     if not is_peft_model(model):
         yield _unique_tensors(model.state_dict().items())
         return
@@ -64,6 +64,13 @@ def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Ten
             parameters = dict(base.named_parameters())
             for name, original in originals.items():
                 parameters[name].copy_(original)
+
+
+def _policy(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model to send: without DDP/accelerate wrappers, and without the critic of a PPO
+    policy-and-value model (which keeps the policy as `pretrained_model`)."""
+    model = unwrap(extract_model_from_parallel(model))
+    return getattr(model, "pretrained_model", model)
 
 
 def _base_name(name: str, adapters: set[str]) -> str | None:
@@ -285,7 +292,7 @@ def _sampled_logprobs(sample) -> list[float] | None:
 
 def _save_checkpoint(model, tokenizer, directory: str) -> str:
     """Saves config, tokenizer and the policy's weights where vLLM can load them; returns the dtype name."""
-    base = unwrap(model)
+    base = _policy(model)
     base = base.get_base_model() if is_peft_model(base) else base
     base.config.save_pretrained(directory)
     if getattr(base, "generation_config", None) is not None:
@@ -317,9 +324,9 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
     if mode == "server":
         url = args.vllm_server_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout_s, connect_timeout_s=args.vllm_server_timeout_s)
-        vocab_size = getattr(unwrap(model).config, "vocab_size", None)
+        vocab_size = getattr(_policy(model).config, "vocab_size", None)
         return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
-    context = unwrap(model).config.max_position_embeddings
+    context = _policy(model).config.max_position_embeddings
     max_model_len = min(context, (args.max_prompt_length or context) + args.max_completion_length)
     return VLLMColocateBackend(model, tokenizer, stop_token_ids, max_model_len=max_model_len,
                                kv_cache_gb=args.vllm_kv_cache_gb,

@@ -66,6 +66,15 @@ def test_peft_weights_are_merged_for_the_sync_and_the_trainer_keeps_its_own(tiny
     assert not any(getattr(m, "merged", False) for m in model.modules())
 
 
+def test_a_ppo_policy_and_value_model_sends_only_the_policy(tiny_model_path):
+    from posttrain.models.loading import load_sequence_classifier
+    from posttrain.trainers.ppo import PolicyAndValueModel
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with policy_weights(PolicyAndValueModel(policy, load_sequence_classifier(tiny_model_path))) as weights:
+        assert [name for name, _ in weights] == [n for n in policy.state_dict() if n != "lm_head.weight"]
+
+
 def test_save_weights_writes_one_file_cast_to_the_server_dtype(tmp_path):
     from safetensors.torch import load_file
 
