@@ -205,6 +205,7 @@ def test_completions_no_reward_applies_to_are_not_trained_on(tmp_path, tiny_mode
     rollout = trainer.rollout
     unscored = torch.arange(len(rollout)) % 2 == 0
     assert not rollout.loss_mask[unscored].any() and not rollout.tensors["advantages"][unscored].any()
+    assert (rollout.completion_mask[unscored].sum(1) > 0).all()  # what was generated is still recorded
     trained = rollout.tensors["advantages"][rollout.loss_mask.bool()].double()
     assert trained.numel() == rollout.completion_mask[~unscored].sum()
     assert trained.mean().item() == pytest.approx(0.0, abs=1e-6) and trained.std().item() == pytest.approx(1.0)

@@ -78,6 +78,17 @@ def test_completion_only_mask_on_the_real_chatml_template(smollm2_tokenizer):
     assert trained == "That makes 20, of course!<|im_end|>"
 
 
+MAX_LENGTH = 40
+FORMATS = {  # (row, extra settings, the text of its trained tokens; None: all of them)
+    "text": ({"text": "The blue whale is the largest animal that has ever lived on Earth, far larger than any "
+                      "dinosaur. It eats tiny krill, several tons of them every day, and sings to other whales "
+                      "across whole oceans."}, {}, None),
+    "messages": ({"messages": CONVERSATION[:3]}, {"assistant_only_loss": True}, "It is 7.<|im_end|>"),
+    "prompt_completion": ({"prompt": "Q: Which planet is called the red planet?\nA:", "completion": " Mars."}, {},
+                          " Mars.<|im_end|>"),
+}
+
+
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=10, learning_rate=1e-4,
                 logging_steps=1, max_length=MAX_LENGTH, seed=0, use_cpu=True, report_to="none", save_strategy="no",
@@ -85,26 +96,17 @@ def _args(tmp_path, **kw):
     return SFTConfig(**{**base, **kw})
 
 
-MAX_LENGTH = 40
-FORMATS = {  # (row, extra settings)
-    "text": ({"text": "The blue whale is the largest animal that has ever lived on Earth, far larger than any "
-                      "dinosaur. It eats tiny krill, several tons of them every day, and sings to other whales "
-                      "across whole oceans."}, {}),
-    "messages": ({"messages": CONVERSATION[:3]}, {"assistant_only_loss": True}),
-    "prompt_completion": ({"prompt": "Q: Which planet is called the red planet?\nA:", "completion": " Mars."}, {}),
-}
-
-
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_sft_steps_on_every_format(tmp_path, smollm2_path, name):
-    example, settings = FORMATS[name]
+    example, settings, trained_text = FORMATS[name]
     data = Dataset.from_list([example] * 4)  # one row repeated: every batch is known
     trainer = SFTTrainer(smollm2_path, args=_args(tmp_path, **settings), train_dataset=data)
     row = trainer.train_dataset[0]
-    if name == "text":
+    if trained_text is None:
         assert len(row["input_ids"]) == MAX_LENGTH and all(row["completion_mask"])  # truncated
     else:
-        assert 0 < sum(row["completion_mask"]) < len(row["input_ids"])
+        trained = [t for t, m in zip(row["input_ids"], row["completion_mask"]) if m]
+        assert trainer.processing_class.decode(trained) == trained_text
 
     # The first step's loss is the model's own mean NLL over the trained tokens of that row.
     labels = [t if m else -100 for t, m in zip(row["input_ids"], row["completion_mask"])]

@@ -1,8 +1,8 @@
 """A causal LM with a scalar value head: the policy and the critic of PPO in one network.
 
 The head reads the LM's final hidden states (after the last norm) and predicts one value per token, so a
-single forward gives both the next-token logits and the values. Sharing the trunk halves the memory of
-PPO against a separate value model, at the price of the two objectives competing for the same weights.
+single forward gives both the next-token logits and the values. Sharing the trunk saves the memory and
+compute of a separate value model, at the price of the two objectives competing for the same weights.
 
     model = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:SmolLM2-135M-Instruct")
     out = model(input_ids=ids, attention_mask=mask)     # out.logits [B, T, V], out.values [B, T]

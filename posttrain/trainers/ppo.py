@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -171,7 +172,7 @@ class PolicyAndValueModel(CausalLMWrapper):
         """The policy in `save_directory` (loadable as a causal LM as is), the value model in its `value_model/`."""
         kwargs.pop("state_dict", None)  # each model saves its own weights
         self.pretrained_model.save_pretrained(save_directory, **kwargs)
-        self.value_model.save_pretrained(f"{save_directory}/{VALUE_MODEL_DIR}", **kwargs)
+        self.value_model.save_pretrained(os.path.join(save_directory, VALUE_MODEL_DIR), **kwargs)
 
 
 def _check_value_model(value_model: PreTrainedModel, value_tokenizer, policy, tokenizer, source: str) -> None:
@@ -282,7 +283,7 @@ class PPOTrainer(OnlineTrainer):
         if args.missing_eos_penalty is not None:
             scores[~rollout.finished] -= args.missing_eos_penalty
         unscored = scores.isnan()
-        rollout.loss_mask[unscored] = 0
+        rollout.loss_mask = rollout.loss_mask.masked_fill(unscored.unsqueeze(1), 0)  # may share completion_mask
         scores = scores.nan_to_num(0.0)
 
         kl = torch.zeros_like(rollout.tensors["old_logps"])
