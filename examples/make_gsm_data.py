@@ -22,7 +22,7 @@ def rows(size: int, seed: int):
         }
 
 
-def main(out_dir: str = "examples/data", train_size: int = 400, eval_size: int = 40) -> None:
+def main(out_dir: str = "examples/data", train_size: int = 400, eval_size: int = 16) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, size, seed in (("gsm_sft.jsonl", train_size, 1), ("gsm_sft_eval.jsonl", eval_size, 2)):

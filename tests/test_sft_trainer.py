@@ -154,3 +154,11 @@ def test_missing_pad_token_is_set_and_announced(tmp_path, tiny_model_path, fresh
                              processing_class=fresh_tokenizer)
     assert trainer.processing_class.pad_token == "<|im_end|>"
     assert "no pad token" in caplog.text
+
+
+def test_chunked_loss_refuses_an_adapted_output_layer(tmp_path, tiny_model_path):
+    from peft import LoraConfig
+
+    with pytest.raises(ConfigError, match="chunked_loss=True needs a plain linear output layer"):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path, chunked_loss=True), train_dataset=_pc_data(2),
+                   peft_config=LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))

@@ -47,6 +47,21 @@ def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss
     )
 
 
+def check_chunked_loss_supported(model) -> None:
+    """The chunked loss computes logits as hidden @ W^T + b from the output layer's own weight: models that
+    transform their logits further, or an adapter on the output layer, would be computed wrongly."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attribute, None) not in (None, 1, 1.0):
+            raise ConfigError(f"chunked_loss=True does not support models whose logits are transformed "
+                              f"({attribute}={getattr(config, attribute)}); set chunked_loss=False.")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
+        raise ConfigError("chunked_loss=True needs a plain linear output layer; this one is "
+                          f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
+                          "leave lm_head out of the adapter's target modules.")
+
+
 class SFTTrainer(BaseTrainer):
     """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...)`."""
 
@@ -54,6 +69,8 @@ class SFTTrainer(BaseTrainer):
         args = args or SFTConfig(output_dir="outputs/sft")
         super().__init__(model, args, *a, **kw)
         self._trained_tokens = 0
+        if args.chunked_loss:
+            check_chunked_loss_supported(self.model)
 
     def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
         first = dataset[0] if len(dataset) else {}
