@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import step_timer
+
 WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
          "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
 SETTINGS = dict(beta=0.1, learning_rate=1e-5, per_device_train_batch_size=8, max_length=256, seed=0,
@@ -48,16 +50,7 @@ def synthetic_rows(n: int = 256, seed: int = 0) -> list[dict]:
 def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        """Wall and CPU time at each step end; throughput is measured after the first (warm-up) step."""
-
-        def __init__(self):
-            self.times: list[tuple[float, float]] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append((time.perf_counter(), time.process_time()))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
     rows = synthetic_rows()
@@ -71,7 +64,7 @@ def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
         settings["max_prompt_length"] = None
     else:
         from trl import DPOConfig, DPOTrainer
-    timer = StepTimer()
+    timer = step_timer()
     trainer = DPOTrainer(model, ref_model=ref_model, args=DPOConfig(**settings), train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=[timer])
     trainer.train()

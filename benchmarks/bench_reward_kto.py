@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import step_timer
+
 WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
          "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
 SETTINGS = dict(per_device_train_batch_size=8, max_length=256, seed=0, lr_scheduler_type="constant", logging_steps=1,
@@ -68,23 +70,14 @@ def sequences(method: str, tokenizer) -> list[list[int]]:
 def worker(impl: str, method: str, root: str, steps: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        """Wall and CPU time at each step end; throughput is measured after the first (warm-up) step."""
-
-        def __init__(self):
-            self.times: list[tuple[float, float]] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append((time.perf_counter(), time.process_time()))
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     torch.set_num_threads(1)
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     settings = dict(SETTINGS, **METHOD_SETTINGS[method], max_steps=steps,
                     output_dir=str(Path(tempfile.gettempdir()) / f"bench_{method}_{impl}"))
-    timer = StepTimer()
+    timer = step_timer()
     if method == "reward":
         if impl == "posttrain":
             from posttrain import RewardConfig, RewardTrainer

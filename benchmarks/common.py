@@ -116,3 +116,20 @@ def print_table(headers: list[str], rows: list[list[Any]], title: str | None = N
 
 if __name__ == "__main__":
     _child_main(*sys.argv[1:4])
+
+
+def step_timer():
+    """A transformers callback that records (wall, CPU) seconds at each optimizer step's end.
+
+    Throughput is measured between the first and the last step, so the first (warm-up) step is left out.
+    """
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[tuple[float, float]] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append((time.perf_counter(), time.process_time()))
+
+    return StepTimer()
