@@ -69,21 +69,41 @@ def test_padding_free_collator_position_ids_and_labels():
     assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100, -100, 11, 12]]
 
 
+def test_per_row_padding_free_collator_element_by_element():
+    collate = LanguageModelingCollator(pad_token_id=0, padding_free=True, one_row=False)
+    batch = collate([
+        {"input_ids": [5, 6, 7], "completion_mask": [1, 1, 1]},
+        {"input_ids": [8, 9, 10, 11, 12], "completion_mask": [0, 0, 1, 1, 1], "seq_lengths": [2, 3]},
+        {"input_ids": [13], "completion_mask": [1]},
+    ])
+    assert "attention_mask" not in batch and batch["use_cache"] is False
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 12], [13, 0, 0, 0, 0]]
+    # The padding tail of each row is one more sequence (positions from 0) that is never trained.
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 0, 1, 2, 3]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100], [-100, -100, -100, 11, 12], [-100] * 5]
+
+
+@pytest.mark.parametrize("one_row", [True, False])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_padding_free_logits_equal_each_sequence_alone(tiny_model_path, attn):
+def test_padding_free_logits_equal_each_sequence_alone(tiny_model_path, attn, one_row):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attn).eval()
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 7)]
-    batch = LanguageModelingCollator(0, padding_free=True)([{"input_ids": s} for s in seqs])
+    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 7, 4)]
+    # Two packed examples and a plain one: in the per-row layout rows get padding tails of 6 and 10 tokens.
+    examples = [{"input_ids": seqs[0] + seqs[1], "seq_lengths": [5, 9]},
+                {"input_ids": seqs[2] + seqs[3], "seq_lengths": [1, 7]}, {"input_ids": seqs[4]}]
+    batch = LanguageModelingCollator(0, padding_free=True, one_row=one_row)(examples)
+    assert batch["input_ids"].shape[0] == (1 if one_row else 3)
+    real = batch["input_ids"] != 0  # the random sequences never contain the pad id 0
     with torch.no_grad():
-        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[real]
         alone = torch.cat([model(input_ids=torch.tensor([s])).logits[0] for s in seqs])
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     # The same batch with plain positions (no restarts) would mix sequences: the check has teeth.
     with torch.no_grad():
-        mixed = model(input_ids=batch["input_ids"]).logits[0]
+        mixed = model(input_ids=batch["input_ids"]).logits[real]
     assert (mixed - alone).abs().max() > 1e-3
 
 

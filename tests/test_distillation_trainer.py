@@ -257,3 +257,18 @@ def test_on_policy_settings_are_checked(tmp_path, tiny_model_path, teacher_path)
                       data=Dataset.from_list([{"text": "the cat is on the tree"}] * 2))
     with pytest.raises(DataError, match="has no prompt to sample a completion for"):
         text.get_batch_samples(iter([_batch(text, 2)]), 1, torch.device("cpu"))
+
+
+def test_flash_attention_teacher_keeps_padding_free_batches_in_one_row(tmp_path, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    teacher.config._attn_implementation = "flash_attention_2"  # only read to choose the batch layout
+    data = Dataset.from_list([{"prompt": "the cat", "completion": " is red"}] * 4)
+    args = DistillationConfig(output_dir=str(tmp_path), padding_free=True, use_cpu=True, report_to="none",
+                              save_strategy="no", disable_tqdm=True, max_length=32)
+    trainer = DistillationTrainer(tiny_model_path, teacher_model=teacher, args=args, train_dataset=data)
+    assert trainer.data_collator.one_row is True
+    student_only = DistillationTrainer(tiny_model_path, teacher_model=AutoModelForCausalLM.from_pretrained(
+        tiny_model_path), args=args, train_dataset=data)
+    assert student_only.data_collator.one_row is False

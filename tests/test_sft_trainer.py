@@ -83,6 +83,37 @@ def test_padding_free_and_packing_give_the_padded_loss(tmp_path, tiny_model_path
     assert losses[0] == pytest.approx(losses[1], abs=1e-5) and losses[0] == pytest.approx(losses[2], abs=1e-5)
 
 
+def test_packed_layout_follows_the_attention_implementation(tmp_path, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.data.collators import LanguageModelingCollator
+
+    data = _pc_data(8)
+    packed = SFTTrainer(tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True),
+                        train_dataset=data)
+    assert packed.model.config._attn_implementation == "sdpa" and packed.data_collator.one_row is False
+    rows = [packed.train_dataset[i] for i in range(len(packed.train_dataset))]
+    packed.model.eval()
+    losses = []
+    for one_row in (False, True):
+        packed.data_collator.one_row = one_row
+        batch = packed.data_collator(rows)
+        assert batch["input_ids"].shape[0] == (1 if one_row else len(rows))
+        with torch.no_grad():
+            losses.append(packed.compute_loss(packed.model, batch).item())
+    assert len(rows) > 1 and losses[0] == pytest.approx(losses[1], abs=1e-5)
+    # Flash attention sees sequence boundaries only within one row (no flash kernel on CPU: the trainer
+    # only reads the setting here, nothing runs).
+    flash_model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    flash_model.config._attn_implementation = "flash_attention_2"
+    flash = SFTTrainer(flash_model, args=_args(tmp_path / "f", packing=True), train_dataset=data)
+    assert flash.data_collator.one_row is True
+    # A collator the caller passes is left as it is.
+    given = LanguageModelingCollator(0, padding_free=True)
+    assert SFTTrainer(tiny_model_path, args=_args(tmp_path / "g"), train_dataset=data,
+                      data_collator=given).data_collator.one_row is True
+
+
 def test_chunked_loss_equals_full_logits_loss_and_gradients(tmp_path, tiny_model_path):
     data = _chat_data(8)
     results = []
@@ -162,3 +193,8 @@ def test_chunked_loss_refuses_an_adapted_output_layer(tmp_path, tiny_model_path)
     with pytest.raises(ConfigError, match="chunked_loss=True needs a plain linear output layer"):
         SFTTrainer(tiny_model_path, args=_args(tmp_path, chunked_loss=True), train_dataset=_pc_data(2),
                    peft_config=LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+
+
+def test_evaluation_without_eval_dataset_fails_before_training(tmp_path, tiny_model_path):
+    with pytest.raises(ConfigError, match="eval_on_start=True: evaluation needs an eval_dataset"):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path, eval_on_start=True), train_dataset=_pc_data(2))

@@ -7,11 +7,18 @@ for each sequence and no ``attention_mask`` is passed: from the restarts transfo
 block-diagonal causal mask (sdpa / eager / flex) or varlen kernels (flash attention), so no token
 attends across a boundary. The first token of each sequence gets label -100: it would otherwise be
 the target of the previous sequence's last token.
+
+With sdpa / eager, a single row of T tokens costs T^2 attention however short its sequences are, so
+`one_row=False` keeps each example in its own row instead (cost: sum of row lengths squared). Rows are
+right-padded to the longest one; the padding is one more dummy sequence (positions 0..k, labels -100),
+so still no attention mask is needed. Flash attention finds sequence boundaries only within a batch of
+one row, so it needs `one_row=True`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -41,17 +48,28 @@ def _labels(example: dict) -> list[int]:
     return [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
 
+def _restarting_row(example: dict) -> tuple[list[int], list[int], list[int]]:
+    """One example's input ids, labels and position ids, with positions restarting at each of its
+    sequences (`seq_lengths`, else one sequence) and label -100 on every sequence's first token."""
+    positions = [p for length in example.get("seq_lengths") or [len(example["input_ids"])] for p in range(length)]
+    labels = [IGNORE_INDEX if p == 0 else t for p, t in zip(positions, _labels(example))]
+    return list(example["input_ids"][: len(positions)]), labels, positions
+
+
 @dataclass
 class LanguageModelingCollator:
     """Collates `input_ids` (+ optional `completion_mask`, `seq_lengths`) for causal language modeling.
 
     Packed examples (with `seq_lengths`) are always collated padding-free: padding a packed row would
     need an attention mask, and an attention mask would hide the sequence boundaries from the model.
+    `one_row` picks the padding-free layout: the whole batch in one row (needed by flash attention), or
+    one row per example, padded with a dummy sequence (cheaper with sdpa / eager attention).
     """
 
     pad_token_id: int
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
+    one_row: bool = True
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         if self.padding_free or any("seq_lengths" in e for e in examples):
@@ -66,18 +84,19 @@ class LanguageModelingCollator:
         }
 
     def _padding_free(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [_restarting_row(e) for e in examples]
+        if self.one_row:
+            rows = [tuple(list(chain.from_iterable(parts)) for parts in zip(*rows))]
+        longest = max(len(ids) for ids, _, _ in rows)
         input_ids, labels, position_ids = [], [], []
-        for e in examples:
-            example_labels = _labels(e)
-            start = 0
-            for length in e.get("seq_lengths") or [len(e["input_ids"])]:
-                input_ids += e["input_ids"][start : start + length]
-                labels += [IGNORE_INDEX] + example_labels[start + 1 : start + length]
-                position_ids += list(range(length))
-                start += length
+        for ids, row_labels, positions in rows:
+            tail = longest - len(ids)
+            input_ids.append(ids + [self.pad_token_id] * tail)
+            labels.append(row_labels + [IGNORE_INDEX] * tail)
+            position_ids.append(positions + list(range(tail)))
         return {
-            "input_ids": torch.tensor([input_ids], dtype=torch.long),
-            "position_ids": torch.tensor([position_ids], dtype=torch.long),
-            "labels": torch.tensor([labels], dtype=torch.long),
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "position_ids": torch.tensor(position_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
             "use_cache": False,
         }

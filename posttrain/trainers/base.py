@@ -108,6 +108,14 @@ class BaseTrainer(Trainer):
         optimizers=(None, None),
         **kwargs: Any,
     ):
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+        if eval_dataset is None and (args.eval_on_start or strategy != "no"):
+            # transformers would only fail at the first evaluation, possibly after hours of training.
+            raise ConfigError(
+                f"eval_strategy={strategy!r}, eval_on_start={args.eval_on_start}: evaluation needs an "
+                "eval_dataset, and none was given. "
+                "Pass eval_dataset=..., or set eval_strategy='no' and eval_on_start=False."
+            )
         model_id = model if isinstance(model, str) else model.config._name_or_path
         processing_class = processing_class or load_tokenizer(model_id)
         ensure_pad_token(processing_class)

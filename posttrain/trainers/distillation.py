@@ -26,7 +26,7 @@ from ..losses.distillation import check_vocab_sizes, generalized_jsd, shared_voc
 from ..losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
 from ..models.loading import load_causal_lm, load_tokenizer
 from ..models.reference import freeze
-from .sft import SFTConfig, SFTTrainer
+from .sft import SFTConfig, SFTTrainer, uses_flash_attention
 
 logger = logging.getLogger("posttrain")
 
@@ -135,6 +135,9 @@ class DistillationTrainer(SFTTrainer):
         check_teacher_compatible(self.model, self.processing_class, teacher,
                                  _teacher_tokenizer(teacher_model, teacher_processing_class))
         self.teacher_model = self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
+        # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
+        if self.data_collator is self._own_collator:
+            self.data_collator.one_row = uses_flash_attention(self.model) or uses_flash_attention(teacher)
 
     def _forward_nll(self, model, inputs, labels):
         """SFT's hook for the loss sum over trained tokens: here the alpha-mix of divergence and NLL."""

@@ -32,7 +32,9 @@ class SFTConfig(PosttrainConfig):
         default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
                                          "truncating them."})
     padding_free: bool = field(
-        default=False, metadata={"help": "Concatenate each batch into one row without padding (always on with packing)."})
+        default=False, metadata={"help": "Collate without an attention mask, positions restarting per sequence (always "
+                                         "on with packing): the batch in one row with flash attention, else one row "
+                                         "per example."})
     chunked_loss: bool = field(
         default=False, metadata={"help": "Compute the loss in chunks without materialising [tokens, vocab] logits "
                                          "(less memory, same result)."})
@@ -62,12 +64,25 @@ def check_chunked_loss_supported(model) -> None:
                           "leave lm_head out of the adapter's target modules.")
 
 
+def uses_flash_attention(model) -> bool:
+    """Whether the model attends with a flash-attention kernel (e.g. "flash_attention_2",
+    "kernels-community/flash-attn3"), which sees packed sequence boundaries only in a one-row batch."""
+    return "flash" in (model.config._attn_implementation or "")
+
+
 class SFTTrainer(BaseTrainer):
-    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...)`."""
+    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...)`.
+
+    Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
+    attention, which needs the whole batch in one row; a collator passed by the caller is left as it is.
+    """
 
     def __init__(self, model, args: SFTConfig | None = None, *a, **kw):
         args = args or SFTConfig(output_dir="outputs/sft")
+        self._own_collator: LanguageModelingCollator | None = None
         super().__init__(model, args, *a, **kw)
+        if self.data_collator is self._own_collator:
+            self.data_collator.one_row = uses_flash_attention(self.model)
         self._trained_tokens = 0
         if args.chunked_loss:
             check_chunked_loss_supported(self.model)
@@ -99,7 +114,10 @@ class SFTTrainer(BaseTrainer):
         return dataset
 
     def default_collator(self, tokenizer, args: SFTConfig):
-        return LanguageModelingCollator(tokenizer.pad_token_id, padding_free=args.padding_free or args.packing)
+        # The model is not known yet: `__init__` picks the padding-free layout once it is.
+        self._own_collator = LanguageModelingCollator(tokenizer.pad_token_id,
+                                                      padding_free=args.padding_free or args.packing)
+        return self._own_collator
 
     def _forward_nll(self, model, inputs, labels):
         if not self.args.chunked_loss:
