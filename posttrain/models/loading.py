@@ -90,6 +90,7 @@ def load_causal_lm(model: str | PreTrainedModel, model_init_kwargs: dict | None 
 def load_tokenizer(
     model_name_or_path: str | PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer for a model (or `tokenizer` itself / the one at that name), with a pad token set.
 
@@ -100,7 +101,7 @@ def load_tokenizer(
         source = tokenizer or model_name_or_path
         if isinstance(source, PreTrainedModel):
             source = source.name_or_path
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(f"The tokenizer of {tokenizer.name_or_path!r} has neither a pad token nor an eos "

@@ -8,8 +8,8 @@ import logging
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
@@ -20,26 +20,59 @@ from ..models.loading import load_causal_lm, load_tokenizer
 logger = logging.getLogger("posttrain")
 
 
+def _accelerator_available() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 @dataclass
 class PosttrainConfig(TrainingArguments):
-    """Settings shared by every posttrain config (on top of `transformers.TrainingArguments`)."""
+    """Settings shared by every posttrain config (on top of `transformers.TrainingArguments`).
+
+    `unsupported_options` maps a field that cannot work on this stack to the reason: a value other than the
+    field's default stops the run when the config is built (a TRL option is never silently ignored).
+    """
+
+    unsupported_options: ClassVar[dict[str, str]] = {}
 
     model_init_kwargs: dict | str | None = field(
         default=None,
         metadata={"help": "Keyword arguments for from_pretrained when `model` is a string, e.g. "
                           "{'dtype': 'bfloat16', 'attn_implementation': 'sdpa'}."},
     )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the model's and tokenizer's own code from the hub or a local folder "
+                                         "when it is given by name (only for sources you trust)."})
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    # TRL turns both on; posttrain does where they pay off (an accelerator) and leaves them off on a CPU, where
+    # bf16 autocast is slower than float32 and recomputing activations only costs time (docs/trl_parity.md).
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Recompute activations in the backward pass to save memory (default: on "
+                                        "with an accelerator, off on a CPU)."})
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bfloat16 mixed precision (default: on with an accelerator unless fp16 is "
+                                        "set, off on a CPU)."})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
+                                         "an accelerator)."})
     # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
     remove_unused_columns: bool = field(default=False, metadata={"help": "Drop dataset columns the model's "
                                         "forward does not accept (posttrain's collators need theirs: keep False)."})
 
     def __post_init__(self):
+        self.reject_unsupported_options()
         if isinstance(self.model_init_kwargs, str):
             import json
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        on_accelerator = _accelerator_available() and not self.use_cpu
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = on_accelerator
+        if self.bf16 is None:
+            self.bf16 = on_accelerator and not self.fp16
+        if self.activation_offloading and not on_accelerator:
+            raise ConfigError("activation_offloading=True moves activations from accelerator memory to CPU memory, "
+                              "but this run trains on the CPU already; set activation_offloading=False.")
         if self.ddp_backend is not None and not _launched_distributed():
             # accelerate fails ("Default process group has not been initialized") when a backend is
             # named in a single process; one config file should serve one and several processes.
@@ -47,6 +80,15 @@ class PosttrainConfig(TrainingArguments):
         if not torch.cuda.is_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator; on a CPU it only warns
         super().__post_init__()
+
+    def reject_unsupported_options(self) -> None:
+        """Raises ConfigError for the first field of `unsupported_options` set to other than its default."""
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        for name, reason in self.unsupported_options.items():
+            value = getattr(self, name)
+            if name in defaults and value != defaults[name]:
+                raise ConfigError(f"{type(self).__name__}.{name}={value!r} is not supported by posttrain: {reason} "
+                                  f"Leave {name} at its default ({defaults[name]!r}).")
 
 
 def _launched_distributed() -> bool:
@@ -58,15 +100,26 @@ def _launched_distributed() -> bool:
 
 
 def prepare_model(
-    model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None, load=load_causal_lm
+    model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None, load=load_causal_lm,
+    quantization_config=None,
 ) -> PreTrainedModel:
-    """Loads `model` with `load(name, model_init_kwargs)` if given by name or path, then wraps it in a PEFT
-    adapter if `peft_config` is set."""
+    """Loads `model` with `load(name, model_init_kwargs)` if given by name or path (quantized with
+    `quantization_config`, e.g. a `BitsAndBytesConfig`), then wraps it in a PEFT adapter if `peft_config` is set."""
     if isinstance(model, str):
-        model = load(model, args.model_init_kwargs)
+        init_kwargs = dict(args.model_init_kwargs or {})
+        if args.trust_remote_code:
+            init_kwargs["trust_remote_code"] = True
+        if quantization_config is not None:
+            init_kwargs["quantization_config"] = quantization_config
+        model = load(model, init_kwargs)
+    elif quantization_config is not None:
+        raise ConfigError("quantization_config only applies when `model` is a name or path; the model you passed "
+                          "is already loaded. Quantize it when loading, or pass its name.")
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when `model` is a name or path; the model you passed "
                           "is already loaded. Drop model_init_kwargs or pass the model's name.")
+    if getattr(args, "disable_dropout", False):
+        disable_dropout_in_model(model)
     if peft_config is not None:
         from peft import get_peft_model
 
@@ -74,6 +127,14 @@ def prepare_model(
             model.enable_input_require_grads()
         model = get_peft_model(model, peft_config)
     return model
+
+
+def disable_dropout_in_model(model: torch.nn.Module) -> None:
+    """Sets every dropout probability to 0 (preference and RL losses compare log-probs of the same sequences
+    across forwards, which dropout would make noisy)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def ensure_pad_token(tokenizer) -> None:
@@ -106,6 +167,7 @@ class BaseTrainer(Trainer):
         data_collator=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         **kwargs: Any,
     ):
         strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
@@ -117,9 +179,9 @@ class BaseTrainer(Trainer):
                 "Pass eval_dataset=..., or set eval_strategy='no' and eval_on_start=False."
             )
         model_id = model if isinstance(model, str) else model.config._name_or_path
-        processing_class = processing_class or load_tokenizer(model_id)
+        processing_class = processing_class or load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
         ensure_pad_token(processing_class)
-        model = prepare_model(model, args, peft_config, load=self.load_model)
+        model = prepare_model(model, args, peft_config, load=self.load_model, quantization_config=quantization_config)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if train_dataset is not None:
             train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train_dataset")
@@ -136,6 +198,12 @@ class BaseTrainer(Trainer):
         # Our trainers compute and normalise their own losses (see `effective_batch_mean`): transformers
         # must neither divide by the accumulation steps again nor skip counting the effective batch.
         self.model_accepts_loss_kwargs = True
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.args.activation_offloading:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def prepare_dataset(self, dataset, tokenizer, args, name: str):
         """Validates and tokenizes a dataset (runs before `Trainer.__init__`)."""

@@ -1,0 +1,62 @@
+"""Writes the public surface of the installed TRL as JSON: the snapshot that tests/test_trl_parity.py holds
+posttrain to. Run it with `bash scripts/trl_surface.sh` (a throwaway venv with trl==1.16.0).
+
+Recorded: top-level names (and which are modules), the functions of `trl.data_utils`, each trainer's
+constructor parameters in order, and each config's fields with their defaults: every field TRL adds to
+`transformers.TrainingArguments`, and the TrainingArguments fields whose default TRL changes.
+"""
+
+import dataclasses
+import inspect
+import json
+import sys
+import types
+
+import trl
+import trl.data_utils
+from transformers import TrainingArguments
+
+TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer",
+            "DistillationTrainer")
+CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig",
+           "ScriptArguments", "ModelConfig", "DatasetMixtureConfig")
+
+
+def default_of(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "<required>"
+    return value if isinstance(value, (type(None), bool, int, float, str)) else repr(value)
+
+
+def config_fields(cls) -> dict:
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    out = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in base or default_of(field) != default_of(base[field.name]):
+            out[field.name] = default_of(field)
+    return out
+
+
+def main(path: str) -> None:
+    names = sorted(n for n in dir(trl) if not n.startswith("_"))
+    surface = {
+        "trl_version": trl.__version__,
+        "top_level": [n for n in names if not isinstance(getattr(trl, n), types.ModuleType)],
+        "top_level_modules": [n for n in names if isinstance(getattr(trl, n), types.ModuleType)],
+        "data_utils": sorted(n for n, v in vars(trl.data_utils).items()
+                             if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == "trl.data_utils"),
+        "trainers": {t: [p for p in inspect.signature(getattr(trl, t).__init__).parameters if p != "self"]
+                     for t in TRAINERS},
+        "configs": {c: config_fields(getattr(trl, c)) for c in CONFIGS},
+    }
+    with open(path, "w") as f:
+        json.dump(surface, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/trl_1.16_surface.json")
