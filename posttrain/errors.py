@@ -11,3 +11,7 @@ class DataError(PosttrainError):
 
 class ConfigError(PosttrainError):
     """Settings that cannot work together (batch arithmetic, incompatible options)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or infinite loss or gradient; the update was not applied."""

@@ -5,8 +5,6 @@ and across processes. The training loop, checkpointing and logging are transform
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections import defaultdict
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
@@ -16,6 +14,8 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from ..errors import ConfigError
 from ..models.loading import load_causal_lm, load_tokenizer
+from .checkpoints import CheckpointMixin
+from .guards import NONFINITE_POLICIES, GuardMixin
 
 logger = logging.getLogger("posttrain")
 
@@ -55,6 +55,15 @@ class PosttrainConfig(TrainingArguments):
     activation_offloading: bool = field(
         default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
                                          "an accelerator)."})
+    nonfinite_policy: str = field(
+        default="error", metadata={"help": "When a step's loss or gradient norm is NaN or infinite: 'error' stops "
+                                           "before applying it, naming the step and the last checkpoint; 'skip' "
+                                           "drops that step's update and counts it."})
+    max_nonfinite_steps: int = field(
+        default=3, metadata={"help": "With nonfinite_policy='skip': stop after this many non-finite steps in a row."})
+    checkpoint_on_signal: bool = field(
+        default=True, metadata={"help": "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 "
+                                        "(a second signal exits at once)."})
     # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
     remove_unused_columns: bool = field(default=False, metadata={"help": "Drop dataset columns the model's "
                                         "forward does not accept (posttrain's collators need theirs: keep False)."})
@@ -66,13 +75,20 @@ class PosttrainConfig(TrainingArguments):
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         on_accelerator = _accelerator_available() and not self.use_cpu
-        if self.gradient_checkpointing is None:
-            self.gradient_checkpointing = on_accelerator
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = on_accelerator  # transformers' new name; it mirrors the old one
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
+        if self.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite_policy={self.nonfinite_policy!r} is not one of {NONFINITE_POLICIES}.")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be at least 1.")
         if self.activation_offloading and not on_accelerator:
             raise ConfigError("activation_offloading=True moves activations from accelerator memory to CPU memory, "
                               "but this run trains on the CPU already; set activation_offloading=False.")
+        check_trackers_installed(self.report_to)
+        if self.push_to_hub:
+            check_hub_reachable()
         if self.ddp_backend is not None and not _launched_distributed():
             # accelerate fails ("Default process group has not been initialized") when a backend is
             # named in a single process; one config file should serve one and several processes.
@@ -89,6 +105,40 @@ class PosttrainConfig(TrainingArguments):
             if name in defaults and value != defaults[name]:
                 raise ConfigError(f"{type(self).__name__}.{name}={value!r} is not supported by posttrain: {reason} "
                                   f"Leave {name} at its default ({defaults[name]!r}).")
+
+
+# report_to name -> (package to import, what to pip install)
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
+            "trackio": ("trackio", "trackio"), "comet_ml": ("comet_ml", "comet-ml"), "clearml": ("clearml", "clearml"),
+            "dvclive": ("dvclive", "dvclive"), "neptune": ("neptune", "neptune"), "swanlab": ("swanlab", "swanlab"),
+            "codecarbon": ("codecarbon", "codecarbon"), "azure_ml": ("azureml.core", "azureml-core"),
+            "dagshub": ("dagshub", "dagshub"), "flyte": ("flytekit", "flytekit")}
+
+
+def check_trackers_installed(report_to) -> None:
+    """A tracker named in report_to must be importable: transformers would fail with a traceback mid-set-up."""
+    import importlib.util
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name in ("none", "all") or name not in TRACKERS:
+            continue
+        module, package = TRACKERS[name]
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise ConfigError(f"report_to includes {name!r}, but {module} is not installed: pip install {package} "
+                              f"(or drop {name!r} from report_to).")
+
+
+def check_hub_reachable() -> None:
+    """push_to_hub needs the hub: refused before training when the hub is switched off or no token is set."""
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError("push_to_hub=True, but the Hugging Face Hub is switched off here (HF_HUB_OFFLINE=1). "
+                          "Set push_to_hub=False and upload the saved output_dir later.")
+    if get_token() is None:
+        raise ConfigError("push_to_hub=True needs a Hugging Face token: run `hf auth login` or set HF_TOKEN; or set "
+                          "push_to_hub=False.")
 
 
 def _launched_distributed() -> bool:
@@ -146,7 +196,7 @@ def ensure_pad_token(tokenizer) -> None:
         logger.warning("The tokenizer has no pad token; using its EOS token %r for padding.", tokenizer.eos_token)
 
 
-class BaseTrainer(Trainer):
+class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     """A `transformers.Trainer` with posttrain's model loading, data preparation and metric bookkeeping.
 
     A subclass says how to turn its datasets into tokenized rows (`prepare_dataset`), which collator
@@ -198,6 +248,7 @@ class BaseTrainer(Trainer):
         # Our trainers compute and normalise their own losses (see `effective_batch_mean`): transformers
         # must neither divide by the accumulation steps again nor skip counting the effective batch.
         self.model_accepts_loss_kwargs = True
+        self._init_guards()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.activation_offloading:
@@ -245,37 +296,6 @@ class BaseTrainer(Trainer):
                 loss = loss * self.accelerator.num_processes
             return loss
         return loss_sum / max(int(local_count), 1)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-    # transformers writes checkpoint-N in place, so a crash mid-save leaves a folder that looks
-    # complete. A marker written last tells complete checkpoints apart, and resuming skips the rest.
-    CHECKPOINT_MARKER = "posttrain_checkpoint_complete"
-
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            with open(os.path.join(folder, self.CHECKPOINT_MARKER), "w") as f:
-                f.write(str(self.state.global_step))
-                f.flush()
-                os.fsync(f.fileno())
-
-    def last_complete_checkpoint(self) -> str | None:
-        """The newest checkpoint folder in output_dir whose save finished, or None."""
-        root = self.args.output_dir
-        if not os.path.isdir(root):
-            return None
-        steps = sorted(
-            (int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", name))),
-            reverse=True,
-        )
-        for step in steps:
-            folder = os.path.join(root, f"checkpoint-{step}")
-            if os.path.exists(os.path.join(folder, self.CHECKPOINT_MARKER)):
-                return folder
-            logger.warning("Skipping %s: its save did not finish (no completion marker).", folder)
-        return None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:

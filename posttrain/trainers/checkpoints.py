@@ -1,0 +1,78 @@
+"""Checkpoints that a crash cannot take away.
+
+transformers writes checkpoint-N in place and then deletes the old ones beyond `save_total_limit`, so a kill
+mid-save leaves a folder that looks complete, and a kill right after the rotation can leave nothing complete at
+all. Here a marker file is written last (fsynced) to tell complete checkpoints apart, resuming skips the rest, and
+old checkpoints are deleted only once the new one is complete — each losing its marker before its files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from transformers import Trainer
+
+logger = logging.getLogger("posttrain")
+
+CHECKPOINT_MARKER = "posttrain_checkpoint_complete"
+
+
+def checkpoint_steps(root: str) -> list[int]:
+    """Steps of the checkpoint-N folders in `root`, newest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", name))),
+                  reverse=True)
+
+
+def is_complete(folder: str) -> bool:
+    return os.path.exists(os.path.join(folder, CHECKPOINT_MARKER))
+
+
+def rotate(root: str, keep: int | None, protected: set[str]) -> None:
+    """Deletes the oldest checkpoints beyond `keep`, torn ones first, never one in `protected` or the newest
+    complete one."""
+    if not keep or keep <= 0:
+        return
+    folders = [os.path.join(root, f"checkpoint-{step}") for step in checkpoint_steps(root)]
+    newest_complete = next((f for f in folders if is_complete(f)), None)
+    protected = {os.path.normpath(p) for p in protected} | {newest_complete}
+    candidates = sorted((f for f in folders if f not in protected), key=lambda f: (is_complete(f), -folders.index(f)))
+    for folder in candidates[:max(len(folders) - max(keep, len(protected & set(folders))), 0)]:
+        marker = os.path.join(folder, CHECKPOINT_MARKER)
+        if os.path.exists(marker):
+            os.remove(marker)  # a kill during the deletion must not leave a "complete" half-deleted folder
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class CheckpointMixin(Trainer):
+    CHECKPOINT_MARKER = CHECKPOINT_MARKER
+
+    def _save_checkpoint(self, model, trial):
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # transformers would rotate before our marker says the new one is whole
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            root = self._get_output_dir(trial=trial)
+            with open(os.path.join(root, f"checkpoint-{self.state.global_step}", CHECKPOINT_MARKER), "w") as f:
+                f.write(str(self.state.global_step))
+                f.flush()
+                os.fsync(f.fileno())
+            best = self.state.best_model_checkpoint
+            rotate(root, limit, {best} if best else set())
+
+    def last_complete_checkpoint(self) -> str | None:
+        """The newest checkpoint folder in output_dir whose save finished, or None."""
+        for step in checkpoint_steps(self.args.output_dir):
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+            if is_complete(folder):
+                return folder
+            logger.warning("Skipping %s: its save did not finish (no completion marker).", folder)
+        return None
