@@ -16,6 +16,11 @@ if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$(id -u)" = 0 
   (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
     apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; }) || echo "setup: tcmalloc not installed (optional)"
 fi
+# bubblewrap: the sandbox that code-execution rewards run generated code in (posttrain/rewards/sandbox.py).
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) || echo "setup: bubblewrap not installed (code rewards need it)"
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain.errors import ConfigError, DataError
-from posttrain.rewards.sandbox import run_many
+from posttrain.rewards.sandbox import SANDBOXES, check_sandbox, run_many
 
 Completion = str | list[dict[str, Any]]
 RewardFunction = Callable[..., list[float | None]]
@@ -346,24 +346,54 @@ def json_schema_reward(
 # Code execution
 # ---------------------------------------------------------------------------------------------------------------
 
-# Runs in the sandbox after a first line `payload = '<json>'`. The solution runs once (not as __main__, so its
-# `if __name__ == "__main__":` block, which may wait for input, is skipped); each test then runs in its namespace
-# and a passing test prints the run's random marker and its index.
-_HARNESS = """
-import json, sys
-payload = json.loads(payload)
-namespace = {"__name__": "solution"}
-try:
-    exec(compile(payload["solution"], "<solution>", "exec"), namespace)
-except BaseException as error:
-    sys.exit(f"the solution failed: {error!r}")
-for index, test in enumerate(payload["tests"]):
+# The harness the reward runs in the sandbox. stdin holds one JSON line {"solution", "tests"} and then the run's
+# secret marker. The solution runs once (not as __main__, so an `if __name__ == "__main__":` block that may wait
+# for input is skipped); each test then runs in its namespace, and a passing test writes "<marker> <index>".
+# Reward hacking it closes: the marker is never printed or kept where the solution can look it up (no global, no
+# caller frame, not in the source), so printing a success line counts for nothing; exiting early (sys.exit,
+# os._exit, exit()) or raising SystemExit/KeyboardInterrupt in a test only loses the tests not yet run; the harness
+# uses the functions it captured before the solution ran, so patching builtins, os or sys does not change how it
+# reports; trace and profile hooks are removed before every test, so they cannot skip an assert. Forging a result
+# still takes code that deliberately searches the process for the marker (gc, /proc/self/fd, ctypes).
+_HARNESS = r"""
+def _judge():
+    import json, os, sys
+    read, write, exit_now, settrace, setprofile = os.read, os.write, os._exit, sys.settrace, sys.setprofile
+    run, build, Error, size = exec, compile, BaseException, len
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = read(0, 1)
+        if not chunk:
+            exit_now(3)
+        line += chunk
+    payload = json.loads(line)
+    solution, tests, marker_size = payload["solution"], payload["tests"], payload["marker_size"]
+    del line, payload
+    hidden = os.dup(0)  # one copy of the marker per test waits in the pipe; the solution gets an empty stdin
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    namespace = {"__name__": "solution"}
     try:
-        exec(compile(test, f"<test {index}>", "exec"), namespace)
-    except BaseException as error:
-        print(f"test {index} failed: {error!r}", file=sys.stderr)
-    else:
-        print(payload["marker"], index, file=sys.__stdout__, flush=True)
+        run(build(solution, "<solution>", "exec"), namespace)
+    except Error:
+        write(2, b"the solution failed to run\n")
+        exit_now(1)
+    index, count = 0, size(tests)
+    while index < count:
+        settrace(None)
+        setprofile(None)
+        try:
+            run(build(tests[index], "<test %d>" % index, "exec"), namespace)
+        except Error:
+            write(2, b"test %d failed\n" % index)
+        else:
+            write(1, read(hidden, marker_size) + b" %d\n" % index)
+        index += 1
+    exit_now(0)
+
+
+_judge()
 """
 
 
@@ -403,9 +433,12 @@ def _unit_tests(tests: str | Sequence[str], column: str, row: int) -> list[str]:
 
 
 def get_code_execution_reward(
-    *, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int = 2
+    *, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int = 2, sandbox: str = "bubblewrap"
 ) -> RewardFunction:
-    """A code_execution_reward with its own sandbox limits (per sample) and number of parallel processes."""
+    """A code_execution_reward with its own sandbox limits (per sample), number of parallel processes and sandbox
+    ("bubblewrap", the isolated default, or the weaker "process" fallback; see posttrain.rewards.sandbox)."""
+    if sandbox not in SANDBOXES:
+        raise ConfigError(f"sandbox={sandbox!r} is not a sandbox; choose 'bubblewrap' (the default) or 'process'.")
 
     def code_execution_reward(
         completions: Sequence[Completion],
@@ -423,20 +456,23 @@ def get_code_execution_reward(
             )
         column, values = ("test_cases", test_cases) if test_cases is not None else ("tests", tests)
         rows = _column("code_execution_reward", column, values, len(completions))
-        marker = secrets.token_hex(16)
+        check_sandbox(sandbox)  # refuses before running anything when bubblewrap is missing and not opted out
+        marker = secrets.token_hex(16).encode()
         todo: dict[int, list[str]] = {}
-        scripts: list[str] = []
+        jobs: list[str] = []
         for row, (text, row_tests) in enumerate(zip(_texts(completions), rows)):
             unit_tests = [] if row_tests is None else _unit_tests(row_tests, column, row)
             if unit_tests:
                 todo[row] = unit_tests
-                payload = json.dumps({"solution": extract_code(text), "tests": unit_tests, "marker": marker})
-                scripts.append(f"payload = {payload!r}\n{_HARNESS}")
-        results = run_many(scripts, max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb)
+                payload = {"solution": extract_code(text), "tests": unit_tests, "marker_size": len(marker)}
+                jobs.append(json.dumps(payload) + "\n" + marker.decode() * len(unit_tests))
+        results = run_many([_HARNESS] * len(jobs), stdins=jobs, max_workers=max_workers, timeout_s=timeout_s,
+                           memory_mb=memory_mb, sandbox=sandbox)
         scores: list[float | None] = [None] * len(completions)
+        prefix = marker.decode() + " "
         for (row, unit_tests), result in zip(todo.items(), results):
-            passed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith(marker + " ")}
-            scores[row] = len(passed) / len(unit_tests)
+            passed = {line[len(prefix):] for line in result.stdout.splitlines() if line.startswith(prefix)}
+            scores[row] = len(passed & {str(index) for index in range(len(unit_tests))}) / len(unit_tests)
         return scores
 
     return code_execution_reward
