@@ -20,7 +20,7 @@ from posttrain.rewards.library import (
     reasoning_accuracy_reward,
     think_format_reward,
 )
-from posttrain.rewards.sandbox import SandboxResult, run_many, run_python
+from posttrain.rewards.sandbox import SANDBOXES, SandboxResult, check_sandbox, run_many, run_python, sandbox_backend
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "accuracy_reward": accuracy_reward,
@@ -35,8 +35,10 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFunction",
+    "SANDBOXES",
     "SandboxResult",
     "accuracy_reward",
+    "check_sandbox",
     "code_execution_reward",
     "completion_text",
     "extract_code",
@@ -49,5 +51,6 @@ __all__ = [
     "reasoning_accuracy_reward",
     "run_many",
     "run_python",
+    "sandbox_backend",
     "think_format_reward",
 ]
