@@ -41,11 +41,15 @@ def pad(sequences: list[list[int]], value: int, side: str = "right", multiple_of
 
 
 def _labels(example: dict) -> list[int]:
+    """The example's `labels` if it has them, else its input ids with -100 where `completion_mask` or
+    `assistant_masks` (whichever it has) is 0."""
+    if example.get("labels") is not None:
+        return list(example["labels"])
     ids = example["input_ids"]
-    mask = example.get("completion_mask")
-    if mask is None:
+    masks = [m for m in (example.get("completion_mask"), example.get("assistant_masks")) if m is not None]
+    if not masks:
         return list(ids)
-    return [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    return [t if all(bits) else IGNORE_INDEX for t, *bits in zip(ids, *masks)]
 
 
 def _restarting_row(example: dict) -> tuple[list[int], list[int], list[int]]:
@@ -58,7 +62,8 @@ def _restarting_row(example: dict) -> tuple[list[int], list[int], list[int]]:
 
 @dataclass
 class LanguageModelingCollator:
-    """Collates `input_ids` (+ optional `completion_mask`, `seq_lengths`) for causal language modeling.
+    """Collates `input_ids` (+ optional `labels` or `completion_mask` / `assistant_masks`, `seq_lengths`) for
+    causal language modeling; `pad_to_multiple_of` rounds the padded length up.
 
     Packed examples (with `seq_lengths`) are always collated padding-free: padding a packed row would
     need an attention mask, and an attention mask would hide the sequence boundaries from the model.
@@ -88,6 +93,8 @@ class LanguageModelingCollator:
         if self.one_row:
             rows = [tuple(list(chain.from_iterable(parts)) for parts in zip(*rows))]
         longest = max(len(ids) for ids, _, _ in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids, labels, position_ids = [], [], []
         for ids, row_labels, positions in rows:
             tail = longest - len(ids)
@@ -98,5 +105,7 @@ class LanguageModelingCollator:
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "position_ids": torch.tensor(position_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
+            # Real (non-padding) tokens per row: the rows carry no attention mask to count them from.
+            "num_input_tokens": torch.tensor([len(ids) for ids, _, _ in rows], dtype=torch.long),
             "use_cache": False,
         }

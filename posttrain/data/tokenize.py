@@ -81,6 +81,7 @@ def tokenize_example(
     assistant_only_loss: bool = False,
     add_eos: bool = True,
     template_kwargs: dict | None = None,
+    truncation_mode: str = "keep_start",
 ) -> dict[str, list[int]]:
     """`input_ids` and `completion_mask` for one language-modeling or prompt-completion example."""
     kw = template_kwargs or {}
@@ -121,11 +122,22 @@ def tokenize_example(
             f"Row {row} has no tokens to train on (the whole example is masked: e.g. an empty completion, or no "
             "assistant turn with assistant_only_loss). Fix or drop the row."
         )
-    if max_length is not None and len(ids) > max_length:
-        ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask):
-            raise DataError(
-                f"Row {row}: all its trained tokens lie beyond max_length={max_length} (the prompt alone is longer). "
-                "Raise max_length, shorten the prompt, or drop the row."
-            )
+    ids, mask = truncate(ids, mask, max_length, truncation_mode, row)
     return {"input_ids": ids, "completion_mask": mask}
+
+
+def truncate(ids: list, mask: list, max_length: int | None, truncation_mode: str = "keep_start", row: int = 0,
+             untrained: int = 0):
+    """The first (``keep_start``) or last (``keep_end``) `max_length` tokens and their mask (or labels, with
+    ``untrained=-100``); a row left with no trained token is an error (it would add nothing to the loss)."""
+    if max_length is None or len(ids) <= max_length:
+        return ids, mask
+    cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(len(ids) - max_length, None)
+    ids, mask = ids[cut], mask[cut]
+    if all(m == untrained for m in mask):
+        where = "beyond" if truncation_mode == "keep_start" else "before the last"
+        raise DataError(
+            f"Row {row}: all its trained tokens lie {where} max_length={max_length} (truncation_mode="
+            f"{truncation_mode!r}). Raise max_length, shorten the prompt, or drop the row."
+        )
+    return ids, mask

@@ -1,52 +1,173 @@
-"""Supervised fine-tuning: next-token NLL on the trained tokens of text, conversations or
-prompt-completion pairs."""
+"""Supervised fine-tuning: next-token NLL (or DFT) on the trained tokens of text, conversations,
+prompt-completion pairs or pre-tokenized rows."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
+from transformers import TrainingArguments
 
 from ..data.chat import normalize_example, require_chat_template
 from ..data.collators import IGNORE_INDEX, LanguageModelingCollator
 from ..data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
 from ..data.packing import pack_dataset
-from ..data.tokenize import tokenize_example
-from ..errors import ConfigError
-from ..losses.sft import chunked_nll_sum, nll_sum
+from ..data.tokenize import tokenize_example, truncate
+from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from ..errors import ConfigError, DataError
+from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
+from ..models.loading import load_tokenizer
 from .base import BaseTrainer, PosttrainConfig
+
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+DATASET_KWARGS = ("skip_prepare_dataset",)
 
 
 @dataclass
 class SFTConfig(PosttrainConfig):
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
+                                        "training loss (default: the model config's own; 0 turns it off). Only "
+                                        "for MoE models."})
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
+                                        "hub id whose chat template, added tokens and EOS token are cloned (the "
+                                        "embeddings grow to hold the new tokens)."})
+    dataset_text_field: str = field(
+        default="text", metadata={"help": "Column holding the text of standard language-modeling data."})
+    dataset_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
+                                        "the dataset as it is: rows of input_ids [+ labels] for the collator)."})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
+                                        "standard text and set in the model's (generation) config."})
     max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
-    assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
-    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."})
+    shuffle_dataset: bool = field(
+        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."})
     packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
-    packing_strategy: str = field(default="bfd", metadata={"help": "'bfd' (sequences kept whole) or 'wrapped'."})
-    packing_split_long: bool = field(
-        default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
-                                         "truncating them."})
+    packing_strategy: str = field(
+        default="bfd", metadata={"help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
+                                         "ones split) or 'wrapped' (concatenated and cut every max_length)."})
     padding_free: bool = field(
         default=False, metadata={"help": "Collate without an attention mask, positions restarting per sequence (always "
                                          "on with packing): the batch in one row with flash attention, else one row "
                                          "per example."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
+                                          "on Neuron devices, which posttrain does not run on)."})
+    eval_packing: bool | None = field(
+        default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
+    loss_type: str = field(
+        default="nll", metadata={"help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
+                                         "token's NLL weighted by its detached probability)."})
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, "
+                                        "else its EOS)."})
+    # posttrain's own options
+    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
+    packing_split_long: bool = field(
+        default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
+                                         "truncating them (as packing_strategy='bfd_split')."})
     chunked_loss: bool = field(
         default=False, metadata={"help": "Compute the loss in chunks without materialising [tokens, vocab] logits "
                                          "(less memory, same result)."})
     loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk with chunked_loss."})
 
+    unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
 
-def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos):
+    def __post_init__(self):
+        if isinstance(self.dataset_kwargs, str):
+            self.dataset_kwargs = json.loads(self.dataset_kwargs)
+        unknown = sorted(set(self.dataset_kwargs or {}) - set(DATASET_KWARGS))
+        if unknown:
+            raise ConfigError(f"dataset_kwargs has unknown keys {unknown}; the only key is 'skip_prepare_dataset'. "
+                              "Remove the others.")
+        self.pad_to_multiple_of = _parse_pad_to_multiple_of(self.pad_to_multiple_of)
+        if self.loss_type == "chunked_nll":
+            warnings.warn("loss_type='chunked_nll' is an old name of 'nll'; use loss_type='nll' (set chunked_loss=True "
+                          "for posttrain's chunked computation).", FutureWarning, stacklevel=3)
+            self.loss_type = "nll"
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}; pick one of them.")
+        if self.loss_type == "dft" and self.label_smoothing_factor:
+            raise ConfigError(f"label_smoothing_factor={self.label_smoothing_factor} smooths the NLL loss and has no "
+                              "meaning for loss_type='dft'; set label_smoothing_factor=0 or loss_type='nll'.")
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not one of {TRUNCATION_MODES}.")
+        if self.packing_strategy == "bfd-requeue":
+            self.packing_strategy = "bfd_split"  # the old name
+        if self.packing_strategy not in PACKING_STRATEGIES:
+            raise ConfigError(f"packing_strategy={self.packing_strategy!r} is not one of {PACKING_STRATEGIES}.")
+        if (self.packing or self.eval_packing) and self.max_length is None:
+            raise ConfigError("Packing needs max_length (the length of a packed row); set max_length or turn "
+                              "packing / eval_packing off.")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
+                              "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off).")
+        super().__post_init__()
+
+
+def _parse_pad_to_multiple_of(value):
+    """'auto' means no padding off Neuron devices (posttrain runs on none); the CLI passes numbers as strings."""
+    if isinstance(value, str):
+        value = None if value.lower() in ("auto", "none", "null") else int(value)
+    if value is not None and value <= 0:
+        raise ConfigError(f"pad_to_multiple_of={value} must be a positive number of tokens, or None.")
+    return value
+
+
+def _sft_args(args, model) -> SFTConfig:
+    """The config to train with: the default one (output to '<model name>-SFT'), or a plain TrainingArguments
+    carried over into an SFTConfig."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return SFTConfig(f"{str(name).rstrip('/').split('/')[-1]}-SFT")
+    if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+        values = args.to_dict()
+        values["hub_token"] = args.hub_token  # to_dict hides it
+        return SFTConfig(**values)
+    return args
+
+
+def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos,
+                  truncation_mode):
     check_example(example, fmt, row)
     return tokenize_example(
         example, tokenizer, fmt, row=row, max_length=max_length, completion_only_loss=completion_only_loss,
-        assistant_only_loss=assistant_only_loss, add_eos=add_eos,
+        assistant_only_loss=assistant_only_loss, add_eos=add_eos, truncation_mode=truncation_mode,
     )
+
+
+def _format_row(example, row, formatting_func):
+    text = formatting_func(example)
+    if not isinstance(text, str):
+        raise DataError(f"Row {row}: formatting_func returned {type(text).__name__}, not a string. It is called on "
+                        "one example at a time and must return that example's text.")
+    return {"text": text}
+
+
+def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
+    """Labels of a pre-tokenized row: its own `labels`, else input ids masked by `assistant_masks` (and
+    `completion_mask` with completion-only loss); truncated."""
+    ids = example["input_ids"]
+    labels = example.get("labels")
+    if labels is None:
+        masks = [example[c] for c in ("completion_mask", "assistant_masks")
+                 if example.get(c) is not None and (c != "completion_mask" or use_completion_mask)]
+        labels = [t if all(bits) else IGNORE_INDEX for t, *bits in zip(ids, *masks)]
+    ids, labels = truncate(list(ids), list(labels), max_length, truncation_mode, row, untrained=IGNORE_INDEX)
+    return {"input_ids": ids, "labels": labels}
 
 
 def check_chunked_loss_supported(model) -> None:
@@ -70,24 +191,133 @@ def uses_flash_attention(model) -> bool:
     return "flash" in (model.config._attn_implementation or "")
 
 
+def router_aux_loss_setup(model, coef: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's load-balancing loss (0.0: off), written into its config so that
+    its forward returns the loss. `coef` None takes the model's own coefficient."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    is_moe = hasattr(config, "output_router_logits")
+    if coef and not is_moe:
+        raise ConfigError(f"router_aux_loss_coef={coef} weights the load-balancing loss of a Mixture-of-Experts "
+                          f"model, but {type(model).__name__} has no experts (no router logits). Leave "
+                          "router_aux_loss_coef unset (None) or at 0.")
+    weight = float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef) if is_moe else 0.0
+    if hasattr(config, "router_aux_loss_coef"):
+        config.output_router_logits = weight != 0.0
+        config.router_aux_loss_coef = weight
+    return weight
+
+
 class SFTTrainer(BaseTrainer):
-    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...)`.
+    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
+    formatting_func=...)`, with TRL's keyword arguments in TRL's order.
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
     attention, which needs the whole batch in one row; a collator passed by the caller is left as it is.
+    `compute_loss_func(outputs, labels, num_items_in_batch=...)` replaces the loss (it gets the full logits).
+    Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
+    so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
     """
 
-    def __init__(self, model, args: SFTConfig | None = None, *a, **kw):
-        args = args or SFTConfig(output_dir="outputs/sft")
+    def __init__(
+        self,
+        model,
+        args: SFTConfig | TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        quantization_config=None,
+        peft_config=None,
+        formatting_func: Callable[[dict], str] | None = None,
+    ):
+        args = _sft_args(args, model)
+        if compute_loss_func is not None and (args.loss_type != "nll" or args.chunked_loss):
+            raise ConfigError(f"compute_loss_func replaces the loss, so loss_type={args.loss_type!r} / chunked_loss="
+                              f"{args.chunked_loss} would not apply; pass one or the other (loss_type='nll', "
+                              "chunked_loss=False).")
+        if formatting_func is not None and _completion_only(args, train_dataset):
+            raise ConfigError("formatting_func turns each example into plain text, so there is no completion to "
+                              "train on alone, but completion_only_loss is on (explicitly, or by default for "
+                              "prompt-completion data). Set completion_only_loss=False, or format the dataset "
+                              "into prompt/completion columns yourself and drop formatting_func.")
+        self._formatting_func = formatting_func
+        self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
+        if processing_class is None:
+            model_id = model if isinstance(model, str) else model.config._name_or_path
+            processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
+        added_tokens = configure_tokenizer(processing_class, args)
+        make_added_tokens_trainable(peft_config, added_tokens)
         self._own_collator: LanguageModelingCollator | None = None
-        super().__init__(model, args, *a, **kw)
+        self._trained_tokens = 0
+        self._input_tokens = 0
+
+        def adapt(loaded):
+            """Before PEFT wrapping and data preparation: the model agrees with the tokenizer; MoE loss set up."""
+            sync_model_with_tokenizer(loaded, processing_class, added_tokens,
+                                      eos_changed=args.eos_token is not None or bool(added_tokens))
+            self.router_aux_loss_coef = router_aux_loss_setup(loaded, args.router_aux_loss_coef)
+            return loaded
+
+        if isinstance(model, str):
+            load = type(self).load_model
+            self.load_model = lambda name, init_kwargs: adapt(load(name, init_kwargs))
+        else:
+            adapt(model)
+        super().__init__(
+            model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator, callbacks,
+            optimizers, quantization_config, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
         if self.data_collator is self._own_collator:
             self.data_collator.one_row = uses_flash_attention(self.model)
-        self._trained_tokens = 0
         if args.chunked_loss:
             check_chunked_loss_supported(self.model)
 
+    # -- data ----------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
+        if self._skip_prepare:
+            return dataset
+        packing = args.packing if name == "train_dataset" or args.eval_packing is None else args.eval_packing
+        if getattr(dataset, "format", {}).get("type") == "custom":
+            raise ConfigError(f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
+                              "would bake in. Apply deterministic transforms with map() first, or pass "
+                              "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator.")
+        max_length = None if packing else args.max_length  # packing cuts to max_length itself
+        if "input_ids" in dataset.column_names:
+            dataset = self._prepare_tokenized(dataset, args, max_length, name)
+        else:
+            dataset = self._tokenize(dataset, tokenizer, args, max_length, name)
+        if packing:
+            if args.shuffle_dataset:  # else neighbours in the data would share rows
+                dataset = dataset.shuffle(seed=args.seed)
+            split = args.packing_split_long or args.packing_strategy == "bfd_split"
+            strategy = "wrapped" if args.packing_strategy == "wrapped" else "bfd"
+            dataset = pack_dataset(dataset, args.max_length, strategy, split, num_proc=args.dataset_num_proc)
+        if args.shuffle_dataset:
+            dataset = dataset.shuffle(seed=args.seed)
+        return dataset
+
+    def _tokenize(self, dataset, tokenizer, args: SFTConfig, max_length, name: str):
+        columns = dataset.column_names
+        if self._formatting_func is not None:
+            dataset = dataset.map(_format_row, with_indices=True, remove_columns=columns,
+                                  fn_kwargs={"formatting_func": self._formatting_func}, num_proc=args.dataset_num_proc,
+                                  desc=f"Formatting {name}")
+        elif args.dataset_text_field != "text":
+            text_field = args.dataset_text_field
+            if text_field in columns:
+                dataset = dataset.remove_columns([c for c in ("text",) if c in columns]).rename_column(text_field,
+                                                                                                       "text")
+            elif not any(c in columns for c in ("messages", "prompt", "completion", "text")):
+                raise ConfigError(f"dataset_text_field={text_field!r} is not a column of {name} (columns: "
+                                  f"{columns}). Set dataset_text_field to the column that holds the text.")
         first = dataset[0] if len(dataset) else {}
         if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
             dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
@@ -100,29 +330,60 @@ class SFTTrainer(BaseTrainer):
             )
         if fmt.conversational:
             require_chat_template(tokenizer)
-        completion_only = args.completion_only_loss is not False
-        dataset = dataset.map(
+        return dataset.map(
             _tokenize_row, with_indices=True, remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
-            fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, max_length=args.max_length,
-                           completion_only_loss=completion_only, assistant_only_loss=args.assistant_only_loss,
-                           add_eos=args.add_eos),
+            fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, max_length=max_length,
+                           completion_only_loss=args.completion_only_loss is not False,
+                           assistant_only_loss=args.assistant_only_loss, add_eos=args.add_eos,
+                           truncation_mode=args.truncation_mode),
             desc=f"Tokenizing {name}",
         )
-        if args.packing:
-            dataset = pack_dataset(dataset, args.max_length, args.packing_strategy, args.packing_split_long,
-                                   num_proc=args.dataset_num_proc)
-        return dataset
+
+    def _prepare_tokenized(self, dataset, args: SFTConfig, max_length, name: str):
+        """Rows that already hold input_ids: labels from their masks (as TRL: `completion_mask` only counts with
+        completion-only loss, which defaults to off without prompt/completion columns), truncated."""
+        columns = dataset.column_names
+        if self._formatting_func is not None:
+            warnings.warn(f"{name} is already tokenized (it has input_ids): formatting_func is not applied to it.",
+                          stacklevel=3)
+        if "seq_lengths" in columns:  # packed already
+            return dataset
+        return dataset.map(
+            _labels_row, with_indices=True, num_proc=args.dataset_num_proc,
+            remove_columns=[c for c in columns if c not in ("input_ids", "labels")],
+            fn_kwargs=dict(use_completion_mask=_completion_only(args, dataset), max_length=max_length,
+                           truncation_mode=args.truncation_mode),
+            desc=f"Building labels for {name}",
+        )
 
     def default_collator(self, tokenizer, args: SFTConfig):
         # The model is not known yet: `__init__` picks the padding-free layout once it is.
         self._own_collator = LanguageModelingCollator(tokenizer.pad_token_id,
-                                                      padding_free=args.padding_free or args.packing)
+                                                      padding_free=args.padding_free or args.packing,
+                                                      pad_to_multiple_of=args.pad_to_multiple_of)
         return self._own_collator
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """A raw dataset passed here is prepared as the eval_dataset given to the constructor would be."""
+        def prepared(dataset, name):
+            if self._skip_prepare or "input_ids" in dataset.column_names:
+                return dataset
+            return self.prepare_dataset(dataset, self.processing_class, self.args, name)
+
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepared(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
+        elif eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = prepared(eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    # -- loss ----------------------------------------------------------------------------------------
     def _forward_nll(self, model, inputs, labels):
+        """(loss sum, correct, count, entropy sum, MoE aux loss or None) over this micro-batch's trained tokens."""
+        loss_type, smoothing = self.args.loss_type, self.args.label_smoothing_factor
         if not self.args.chunked_loss:
             outputs = model(**inputs)
-            return nll_sum(outputs.logits, labels)
+            sums = token_loss_sums(outputs.logits, labels, loss_type, smoothing)
+            return (*sums, getattr(outputs, "aux_loss", None))
         # Capture the decoder's final hidden states and ask the model for a single position's logits.
         unwrapped = self.accelerator.unwrap_model(model)
         captured = {}
@@ -132,11 +393,13 @@ class SFTTrainer(BaseTrainer):
 
         handle = unwrapped.get_decoder().register_forward_hook(keep_hidden)
         try:
-            model(**inputs, logits_to_keep=1)
+            outputs = model(**inputs, logits_to_keep=1)
         finally:
             handle.remove()
         head = unwrapped.get_output_embeddings()
-        return chunked_nll_sum(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size)
+        sums = chunked_token_loss_sums(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size,
+                                       loss_type, smoothing)
+        return (*sums, getattr(outputs, "aux_loss", None))
 
     def count_loss_items(self, batch):
         return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
@@ -144,18 +407,74 @@ class SFTTrainer(BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {"use_cache": False, **inputs}
         labels = inputs.pop("labels")
-        loss_sum, correct, count = self._forward_nll(model, inputs, labels)
-        loss = self.effective_batch_mean(loss_sum, num_items_in_batch, count, model.training)
-        # Accuracy over the trained tokens of all processes (a mean of per-process accuracies would
-        # weight a process with few tokens like one with many): one gather of both counts.
-        correct_all, count_all = self.accelerator.gather(torch.stack([correct, count]).reshape(1, 2)).sum(0).tolist()
-        self._metrics["train" if model.training else "eval"]["mean_token_accuracy"].append(
-            correct_all / max(count_all, 1))
-        if model.training:
-            self._trained_tokens += count_all
+        row_tokens = inputs.pop("num_input_tokens", None)
+        aux_weight = getattr(self, "router_aux_loss_coef", 0.0)
+        if aux_weight:
+            inputs["output_router_logits"] = True
+        if self.compute_loss_func is not None:
+            outputs = model(**inputs)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes
+            with torch.no_grad():
+                _, correct, count, entropy = token_loss_sums(outputs.logits, labels)
+            aux_loss = getattr(outputs, "aux_loss", None)
+        else:
+            loss_sum, correct, count, *extra = self._forward_nll(model, inputs, labels)
+            entropy, aux_loss = (extra + [None, None])[:2]
+            loss = self.effective_batch_mean(loss_sum, num_items_in_batch, count, model.training)
+        if aux_weight and aux_loss is not None:
+            # A per-micro-batch mean: averaged over the accumulation steps like the token loss is summed over them.
+            steps = self.current_gradient_accumulation_steps if model.training and num_items_in_batch is not None else 1
+            loss = loss + aux_weight * aux_loss / steps
+        self._record_token_metrics(model.training, inputs, row_tokens, correct, count, entropy, aux_loss)
         return (loss, {}) if return_outputs else loss
+
+    def _record_token_metrics(self, training, inputs, row_tokens, correct, count, entropy, aux_loss):
+        """mean_token_accuracy and entropy over the trained tokens of all processes (a mean of per-process means
+        would weight a process with few tokens like one with many), num_tokens: input tokens so far. One gather."""
+        if "attention_mask" in inputs:
+            input_tokens = inputs["attention_mask"].sum()
+        elif row_tokens is not None:
+            input_tokens = row_tokens.sum()
+        else:
+            input_tokens = torch.tensor(inputs["input_ids"].numel())
+        parts = [correct, count, input_tokens] + ([entropy] if entropy is not None else [])
+        parts += [aux_loss.detach()] if aux_loss is not None else []
+        stats = torch.stack([p.detach().float().to(self.accelerator.device) for p in parts]).reshape(1, -1)
+        gathered = self.accelerator.gather(stats)
+        totals = gathered.sum(0).tolist()
+        metrics = self._metrics["train" if training else "eval"]
+        metrics["mean_token_accuracy"].append(totals[0] / totals[1] if totals[1] else 0.0)
+        if entropy is not None:
+            metrics["entropy"].append(totals[3] / totals[1] if totals[1] else 0.0)
+        if aux_loss is not None:
+            metrics["aux_loss"].append(gathered[:, -1].mean().item())
+        if training:
+            self._trained_tokens += int(totals[1])
+            self._input_tokens += int(totals[2])
+        metrics["num_tokens"] = [float(self._input_tokens)]
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """With compute_metrics, evaluation also returns the logits and labels (one more forward pass)."""
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+            forward = {k: v for k, v in inputs.items() if k not in ("labels", "num_input_tokens")}
+            logits = model(**forward).logits
+        return loss.detach(), logits, inputs["labels"]
 
     def log(self, logs, start_time=None):
         if "loss" in logs:
             logs["num_tokens_trained"] = float(self._trained_tokens)
         super().log(logs, start_time)
+
+
+def _completion_only(args: SFTConfig, dataset) -> bool:
+    """Whether completion-only loss applies: as set, else on for data with prompt and completion columns."""
+    if args.completion_only_loss is not None:
+        return args.completion_only_loss
+    columns = getattr(dataset, "column_names", None) or []
+    return "prompt" in columns and "completion" in columns
