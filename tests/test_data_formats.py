@@ -93,14 +93,15 @@ def test_extract_prompt_conversational_and_string():
     out = extract_prompt(row)
     assert out["prompt"] == [U] and out["chosen"] == [A] and out["rejected"] == [{"role": "assistant", "content": "no"}]
     out = extract_prompt({"chosen": "The sky is blue.", "rejected": "The sky is green."})
-    assert (out["prompt"], out["chosen"], out["rejected"]) == ("The sky is ", "blue.", "green.")
+    # TRL's rule: the space before the first differing word goes to the completions.
+    assert (out["prompt"], out["chosen"], out["rejected"]) == ("The sky is", " blue.", " green.")
 
 
 def test_unpair_preference_dataset():
     ds = Dataset.from_list([{"prompt": "p", "chosen": "c", "rejected": "r"}])
     out = unpair_preference_dataset(ds)
-    assert out.to_list() == [{"prompt": "p", "completion": "c", "label": True},
-                             {"prompt": "p", "completion": "r", "label": False}]
+    assert sorted(out.to_list(), key=lambda r: not r["label"]) == [
+        {"prompt": "p", "completion": "c", "label": True}, {"prompt": "p", "completion": "r", "label": False}]
 
 
 def test_apply_chat_template_keeps_format(tokenizer):

@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset
 
 from posttrain.data.collators import IGNORE_INDEX, LanguageModelingCollator
-from posttrain.data.packing import _bfd_bins, pack_dataset
+from posttrain.data.packing import _bfd_bins, pack_dataset, pack_sequences
 
 
 def test_bfd_bins_by_hand():
@@ -22,7 +22,7 @@ def test_pack_dataset_bfd_keeps_sequences_whole():
         "completion_mask": [[1] * 7, [0] * 6, [1] * 5, [0] * 4, [1] * 3, [1] * 2],
         "other": ["a", "b", "c", "d", "e", "f"],
     })
-    packed = pack_dataset(ds, 10, "bfd")
+    packed = pack_sequences(ds, 10, "bfd")  # the trainer-side packing drops non-token columns
     assert packed.column_names == ["input_ids", "completion_mask", "seq_lengths"]
     assert packed["seq_lengths"] == [[7, 3], [6, 4], [5, 2]]
     assert packed["input_ids"][0] == [1] * 7 + [5] * 3
@@ -33,16 +33,26 @@ def test_pack_dataset_bfd_truncates_or_splits_long_sequences():
     ds = Dataset.from_dict({"input_ids": [list(range(13)), [7, 7]]})
     truncated = pack_dataset(ds, 5, "bfd")
     assert sorted(sum(truncated["seq_lengths"], [])) == [2, 5]
-    split = pack_dataset(ds, 5, "bfd", split_long=True)
+    split = pack_dataset(ds, 5, "bfd_split")
     assert sorted(sum(split["seq_lengths"], [])) == [2, 3, 5, 5]
     assert sorted(t for row in split["input_ids"] for t in row) == sorted(list(range(13)) + [7, 7])
 
 
 def test_pack_dataset_wrapped_cuts_every_seq_length():
     ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8, 9]]})
-    packed = pack_dataset(ds, 4, "wrapped")
+    packed = pack_sequences(ds, 4, "wrapped")
     assert packed["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
-    assert packed["seq_lengths"] == [[3, 1], [3, 1], [1]]
+    assert packed["seq_lengths"] == [[3, 1], [3, 1], [1]]  # posttrain keeps the boundaries
+    trl_style = pack_dataset(ds, 4, "wrapped")
+    assert trl_style.column_names == ["input_ids"] and trl_style["input_ids"] == packed["input_ids"]
+
+
+def test_pack_sequences_wrapped_boundaries_only_at_sequence_ends():
+    # A 13-token sequence spans several rows: its positions continue across its own pieces (no restart
+    # inside it), and restart only where the next sequence begins.
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3], list(range(10, 23))]})
+    packed = pack_sequences(ds, 5, "wrapped")
+    assert packed["seq_lengths"] == [[3, 2], [5], [5], [1]]
 
 
 def test_padded_collator_labels_element_by_element():

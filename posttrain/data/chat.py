@@ -52,14 +52,41 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
     )
 
 
-def apply_chat_template(example: dict, tokenizer, tools: list | None = None, **template_kwargs) -> dict[str, str]:
-    """Renders a conversational example into text columns, keeping its format.
+# The column sets `apply_chat_template` accepts (besides `label`), one per dataset format.
+TEMPLATE_KEY_SETS = (
+    {"messages"}, {"prompt"}, {"prompt", "completion"}, {"prompt", "chosen", "rejected"}, {"chosen", "rejected"},
+    {"prompt", "completion", "label"},
+)
 
-    `messages` -> `text`; `prompt` -> `prompt` (with the generation prompt); `completion`/`chosen`/`rejected`
-    -> the text that follows the rendered prompt.
+
+def _common_prefix(text: str, other: str) -> str:
+    n = 0
+    for a, b in zip(text, other):
+        if a != b:
+            break
+        n += 1
+    return text[:n]
+
+
+def apply_chat_template(example: dict, processing_class, tools: list | None = None,
+                        **template_kwargs) -> dict[str, str]:
+    """Renders a conversational example into text columns, keeping its format (TRL's function).
+
+    `messages` -> `text`; `prompt` -> `prompt` (a generation prompt after a user/tool turn, the last message
+    continued after an assistant turn); `completion`/`chosen`/`rejected` -> the text that follows the prompt.
+    The prompt is cut to what the prompt-plus-completion renderings share, because some templates render a
+    lone prompt differently (e.g. a thinking block). A row's own ``chat_template_kwargs`` are passed on.
+    ShareGPT (``from``/``value``) messages are converted first.
     """
+    keys = {k for k in example if k in ("prompt", "chosen", "rejected", "completion", "messages", "label")}
+    if keys not in TEMPLATE_KEY_SETS:
+        raise KeyError(
+            f"Invalid keys in the example: {sorted(keys)}. apply_chat_template renders one dataset format: "
+            f"{[sorted(k) for k in TEMPLATE_KEY_SETS]}; rename or drop the other columns."
+        )
+    tokenizer = processing_class
     require_chat_template(tokenizer)
-    kwargs = dict(template_kwargs, **({"tools": tools} if tools else {}))
+    kwargs = {"tools": tools or None, **(example.get("chat_template_kwargs") or {}), **template_kwargs}
     example = normalize_example(example)
     out: dict[str, Any] = {}
     if "messages" in example:
@@ -67,34 +94,41 @@ def apply_chat_template(example: dict, tokenizer, tools: list | None = None, **t
     if "prompt" in example:
         prompt = example["prompt"]
         last_role = prompt[-1]["role"]
-        # A prompt that ends with an assistant turn is continued, not answered.
-        out["prompt"] = render(tokenizer, prompt, add_generation_prompt=last_role != "assistant",
-                               continue_final_message=last_role == "assistant", **kwargs)
-        for col in ("completion", "chosen", "rejected"):
-            if col in example:
-                full = render(tokenizer, prompt + example[col], **kwargs)
-                out[col] = full[len(out["prompt"]):] if full.startswith(out["prompt"]) else full
+        if last_role not in ("user", "tool", "assistant"):
+            raise ValueError(f"Invalid role in the last message of the prompt: {last_role!r}; a prompt ends with a "
+                             "user or tool turn (answered) or an assistant turn (continued).")
+        text = render(tokenizer, prompt, add_generation_prompt=last_role != "assistant",
+                      continue_final_message=last_role == "assistant", **kwargs)
+        full = {col: render(tokenizer, prompt + example[col], **kwargs)
+                for col in ("chosen", "rejected", "completion") if col in example}
+        for rendered in full.values():
+            text = _common_prefix(text, rendered)
+        out["prompt"] = text
+        for col, rendered in full.items():
+            out[col] = rendered[len(text):]
     else:
         for col in ("chosen", "rejected"):
             if col in example:
                 out[col] = render(tokenizer, example[col], **kwargs)
     if "label" in example:
         out["label"] = example["label"]
-    return out
+    return {k: out[k] for k in ("text", "prompt", "chosen", "rejected", "completion", "label") if k in out}
 
 
-def maybe_apply_chat_template(example: dict, tokenizer, tools: list | None = None, **template_kwargs) -> dict:
+def maybe_apply_chat_template(example: dict, processing_class, tools: list | None = None,
+                              **template_kwargs) -> dict:
     """`apply_chat_template` for conversational examples; standard examples are returned unchanged."""
     if is_conversational(example):
-        return apply_chat_template(example, tokenizer, tools=tools, **template_kwargs)
+        return apply_chat_template(example, processing_class, tools=tools, **template_kwargs)
     return example
 
 
 def extract_prompt(example: dict) -> dict:
-    """Implicit prompt -> explicit: the shared start of `chosen` and `rejected` becomes `prompt`.
+    """Implicit prompt -> explicit, trainer side: the shared start of `chosen` and `rejected` becomes `prompt`.
 
     Conversational rows split at the last message the two share; string rows at the longest common
-    prefix, backed up to the last whitespace so that no word is cut.
+    prefix, backed up to the last whitespace so that no word is cut (the prompt keeps the space). TRL's
+    rule, which gives the space to the completions, is `posttrain.data.transforms.extract_prompt`.
     """
     chosen, rejected = example["chosen"], example["rejected"]
     if isinstance(chosen, list):
@@ -111,7 +145,9 @@ def extract_prompt(example: dict) -> dict:
 
 
 def unpair_preference_dataset(dataset, num_proc: int | None = None):
-    """Paired preference rows -> unpaired rows (`prompt`, `completion`, `label`), two per pair."""
+    """Paired preference rows -> unpaired rows (`prompt`, `completion`, `label`), two per pair, trainer side:
+    each pair's rows stay adjacent and an implicit prompt is made explicit. TRL's function (chosen rows of a
+    batch first, no prompt extraction) is `posttrain.data.transforms.unpair_preference_dataset`."""
 
     def unpair(batch):
         n = len(batch["chosen"])

@@ -71,9 +71,18 @@ def is_message_list(value: Any) -> bool:
     )
 
 
+CONVERSATION_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
+
+
 def is_conversational(example: dict) -> bool:
-    """True if any text column of `example` holds a list of messages."""
-    return any(is_message_list(example.get(col)) for col in TEXT_COLUMNS if col in example)
+    """True if `example` is in conversational form: its first column among prompt / chosen / rejected /
+    completion / messages holds a list whose first item is a message with a ``role`` (TRL's rule; ShareGPT
+    ``from``/``value`` rows are not conversational until converted, see `maybe_convert_to_chatml`)."""
+    for key in CONVERSATION_KEYS:
+        if key in example:
+            value = example[key]
+            return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+    return False
 
 
 def detect_format(columns: Iterable[str], example: dict | None = None) -> DatasetFormat:

@@ -1,0 +1,52 @@
+"""TR-DPO's reference-model sync (Gorbatovski et al. 2024)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from ..errors import ConfigError
+from ..models.reference import unwrap
+
+
+def mix_into_reference(policy: nn.Module, ref_model: nn.Module, alpha: float) -> None:
+    """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (matched by name)."""
+    policy_params = dict(unwrap(policy).named_parameters())
+    with torch.no_grad():
+        for name, ref_param in unwrap(ref_model).named_parameters():
+            ref_param.mul_(1 - alpha).add_(policy_params[name].detach().to(ref_param.dtype), alpha=alpha)
+
+
+class SyncRefModelCallback(TrainerCallback):
+    """TR-DPO: every `sync_steps` optimizer steps the reference moves towards the policy
+    (ref <- alpha * policy + (1 - alpha) * ref), so the KL anchor follows training instead of holding it at
+    the start.
+
+    TRL's form, ``SyncRefModelCallback(ref_model, accelerator)``, reads ``ref_model_mixup_alpha`` and
+    ``ref_model_sync_steps`` from the training arguments at each step; `alpha` / `sync_steps` fix them
+    instead. The accelerator is not needed (models are unwrapped here) and is kept for the signature.
+    """
+
+    def __init__(self, ref_model: nn.Module, accelerator=None, alpha: float | None = None,
+                 sync_steps: int | None = None):
+        if isinstance(accelerator, numbers.Number):  # posttrain's earlier positional form (ref, alpha, steps)
+            accelerator, alpha, sync_steps = None, accelerator, alpha if sync_steps is None else sync_steps
+        self.ref_model, self.accelerator, self.alpha, self.sync_steps = ref_model, accelerator, alpha, sync_steps
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        ref_names = {n for n, _ in unwrap(self.ref_model).named_parameters()}
+        missing = sorted(ref_names - {n for n, _ in unwrap(model).named_parameters()})
+        if missing:
+            raise ConfigError(
+                f"sync_ref_model: the reference has parameters the policy lacks (e.g. {missing[:3]}); TR-DPO "
+                "needs a reference of the policy's architecture. Drop ref_model or set sync_ref_model=False."
+            )
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        steps = self.sync_steps if self.sync_steps is not None else args.ref_model_sync_steps
+        alpha = self.alpha if self.alpha is not None else args.ref_model_mixup_alpha
+        if self.ref_model is not None and state.global_step % steps == 0:
+            mix_into_reference(model, self.ref_model, alpha)
