@@ -55,7 +55,7 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
     with tempfile.TemporaryDirectory() as output_dir:
         if mode == "server":
             server, url, server_start_s = _start_server(output_dir)
-            settings = dict(use_vllm=True, vllm_mode="server", vllm_server_url=url)
+            settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
         elif mode == "colocate":
             settings = dict(use_vllm=True, vllm_mode="colocate", vllm_kv_cache_gb=1.0)
         try:

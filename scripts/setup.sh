@@ -21,6 +21,11 @@ if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/d
   (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
     apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) || echo "setup: bubblewrap not installed (code rewards need it)"
 fi
+# chromium: tests/test_report_browser.py opens a run's report.html in it headless (skipped without it).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+    apt-get install -y -qq chromium >/dev/null 2>&1; }) || echo "setup: chromium not installed (optional)"
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip

@@ -8,8 +8,10 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.losses.advantages import (
+    AdaptiveEntropyController,
     AdaptiveKLController,
     FixedKLController,
+    decoupled_advantages,
     gae,
     group_advantages,
     leave_one_out_advantages,
@@ -198,3 +200,68 @@ def test_fixed_kl_does_not_move():
     controller = FixedKLController(0.05)
     controller.update(100.0, n_steps=256)
     assert controller.value == 0.05
+
+
+# -- GDPO: normalise each reward function, then sum ------------------------------------------------------------
+def _mean_std(values):
+    values = [v for v in values if not math.isnan(v)]
+    mean = sum(values) / len(values) if values else math.nan
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else math.nan
+    return mean, std
+
+
+def reference_decoupled(per_function, weights, k, eps=1e-4):
+    n, f = len(per_function), len(weights)
+    normalised = [[math.nan] * f for _ in range(n)]
+    for start in range(0, n, k):
+        for j in range(f):
+            mean, std = _mean_std([per_function[i][j] for i in range(start, start + k)])
+            for i in range(start, start + k):
+                normalised[i][j] = (per_function[i][j] - mean) / (std + eps)
+    summed = []
+    for i in range(n):
+        if all(math.isnan(v) for v in per_function[i]):
+            summed.append(math.nan)
+        else:
+            summed.append(sum(w * v for w, v in zip(weights, normalised[i]) if not math.isnan(v)))
+    mean, std = _mean_std(summed)
+    return [0.0 if math.isnan(s) else (s - mean) / (std + eps) for s in summed]
+
+
+def test_decoupled_advantages_match_reference():
+    nan = math.nan
+    # Function 0 spreads over [0, 100], function 1 over [0, 1]: summing first would ignore function 1.
+    per_function = [[10.0, 1.0], [90.0, 0.0], [50.0, 1.0], [0.0, nan],
+                    [100.0, 0.0], [100.0, 1.0], [nan, nan], [20.0, 0.5]]
+    weights = [1.0, 2.0]
+    actual = decoupled_advantages(torch.tensor(per_function, dtype=torch.float64),
+                                  torch.tensor(weights, dtype=torch.float64), 4)
+    assert_close(actual, reference_decoupled(per_function, weights, 4))
+    assert actual[6] == 0.0  # no function applies
+
+
+def test_decoupled_differs_from_summing_first():
+    per_function = torch.tensor([[0.0, 1.0], [100.0, 0.0], [0.0, 0.0], [100.0, 1.0]], dtype=torch.float64)
+    decoupled = decoupled_advantages(per_function, torch.ones(2, dtype=torch.float64), 4)
+    summed_first = group_advantages(per_function.sum(1), 4)
+    # Summing first, function 1 barely moves the order of rows 0 and 2; normalising first it counts as much.
+    assert decoupled[0] - decoupled[2] > 0.9 and summed_first[0] - summed_first[2] < 0.05
+
+
+def test_adaptive_entropy_controller():
+    controller = AdaptiveEntropyController(coef=0.01, target=1.0, delta=0.004, coef_min=0.0, coef_max=0.015)
+    assert controller.applied_coef() == 0.0  # nothing measured yet
+    controller.update(0.5)  # below target: raise
+    assert controller.coef == pytest.approx(0.014) and controller.applied_coef() == pytest.approx(0.014)
+    controller.update(0.9)
+    assert controller.coef == pytest.approx(0.015)  # capped at coef_max
+    controller.update(2.0)  # above target: lower, and the bonus is off
+    assert controller.coef == pytest.approx(0.011) and controller.applied_coef() == 0.0
+    for _ in range(5):
+        controller.update(3.0)
+    assert controller.coef == 0.0  # floored at coef_min
+    restored = AdaptiveEntropyController(coef=0.5, target=1.0, delta=0.004, coef_min=0.0, coef_max=0.015)
+    restored.load_state(controller.state())
+    assert (restored.coef, restored.last_entropy) == (0.0, 3.0)
+    with pytest.raises(ConfigError, match="entropy_coef_min"):
+        AdaptiveEntropyController(0.0, 1.0, 0.1, coef_min=1.0, coef_max=0.5)

@@ -63,7 +63,6 @@ METHOD_ARGS = {
     # The tiny model distils into itself (a zero divergence): alpha 0.5 keeps an NLL term that moves the weights.
     "distill": ["--dataset_name", "sft.jsonl", "--teacher_model_name_or_path", "{model}", "--alpha", "0.5"],
 }
-AVAILABLE = [name for name, method in cli.METHODS.items() if method.available()]
 
 def _installed(package: str) -> bool:
     try:
@@ -107,7 +106,7 @@ def runs(workspace, tiny_model_path):
     }
     if not VLLM_INSTALLED:
         commands["vllm_serve"] = ["vllm-serve", "some-model"]
-    for name in AVAILABLE:
+    for name in cli.METHODS:
         if name in METHOD_ARGS:
             method_args = [arg.replace("{model}", tiny_model_path) for arg in METHOD_ARGS[name]]
             commands[name] = [name, "--model_name_or_path", tiny_model_path, *COMMON, *method_args,
@@ -164,9 +163,7 @@ def test_sft_trains_with_yaml_and_flags_saves_and_reports(runs, workspace, tiny_
 
 
 @pytest.mark.parametrize("name", sorted(METHOD_ARGS))
-def test_each_available_method_trains_and_saves_a_loadable_model(runs, workspace, tiny_model_path, name):
-    if name not in AVAILABLE:
-        pytest.skip(f"posttrain {name} is not available yet")
+def test_each_method_trains_and_saves_a_loadable_model(runs, workspace, tiny_model_path, name):
     status, stdout, stderr = runs(name)
     assert status == 0, stderr
     out = workspace / f"out_{name}"
@@ -178,8 +175,8 @@ def test_each_available_method_trains_and_saves_a_loadable_model(runs, workspace
     assert f"posttrain {name}: done" in stdout
 
 
-def test_every_available_method_has_an_end_to_end_run():
-    assert sorted(set(AVAILABLE) - {"sft"} - set(METHOD_ARGS)) == []
+def test_every_method_has_an_end_to_end_run():
+    assert sorted(set(cli.METHODS) - {"sft"} - set(METHOD_ARGS)) == []
 
 
 def test_a_usage_error_exits_the_process_with_status_2_and_one_line(runs):
@@ -263,7 +260,7 @@ def _sample(hint) -> tuple[list[str], object]:
     pytest.fail(f"no command-line sample for the type {hint}: teach the CLI (and this test) about it")
 
 
-@pytest.mark.parametrize("name", AVAILABLE)
+@pytest.mark.parametrize("name", list(cli.METHODS))
 def test_every_config_field_is_a_flag(name):
     method = cli.METHODS[name]
     _, config_class = method.load()
@@ -288,7 +285,7 @@ def test_yaml_values_are_converted_and_flags_override_them(tmp_path):
     config.write_text(yaml.safe_dump({
         "learning_rate": "1e-5", "max_steps": 5, "use_peft": True, "lora_target_modules": ["q_proj", "v_proj"],
         "report_to": "none", "lr_scheduler_type": "cosine", "save_strategy": "no", "max_length": 128,
-        "model_init_kwargs": {"dtype": "float32"},
+        "model_init_kwargs": {"dtype": "float32"}, "env": {"POSTTRAIN_CLI_TEST_VAR": "on"},
     }))
     method = cli.METHODS["sft"]
     groups = cli.command_groups(method, SFTConfig)
@@ -300,13 +297,12 @@ def test_yaml_values_are_converted_and_flags_override_them(tmp_path):
         "report_to": "none", "lr_scheduler_type": SchedulerType.COSINE, "save_strategy": SaveStrategy.NO,
         "max_length": None, "model_init_kwargs": {"dtype": "float32"}, "packing": True, "run_name": None,
     }
+    assert os.environ.pop("POSTTRAIN_CLI_TEST_VAR") == "on"  # TRL's `env:` section is exported
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda path: path.name)
 def test_example_configs_parse(path):
     name = path.stem.split("_")[0]
-    if name not in AVAILABLE:
-        pytest.skip(f"posttrain {name} is not available yet")
     method = cli.METHODS[name]
     groups = cli.command_groups(method, method.load()[1])
     settings = parse_settings(build_parser(f"posttrain {name}", "", groups), groups, ["--config", str(path)])
@@ -342,18 +338,23 @@ def test_dataset_mixture_keeps_columns_and_fractions_in_order(tmp_path):
     _write_jsonl(tmp_path / "first.jsonl", first)
     pandas.DataFrame(second).to_csv(tmp_path / "second.csv", index=False)
     pandas.DataFrame(third).to_parquet(tmp_path / "third.parquet")
-    mixture = [{"path": str(tmp_path / "first.jsonl"), "columns": ["prompt", "completion"]},
-               {"path": str(tmp_path / "second.csv"), "fraction": 0.5},
-               {"path": str(tmp_path / "third.parquet"), "columns": ["prompt", "completion"]}]
+    mixture = [{"path": str(tmp_path / "first.jsonl"), "columns": ["prompt", "completion"], "fraction": 2},
+               {"path": str(tmp_path / "second.csv"), "fraction": 1},
+               {"path": str(tmp_path / "third.parquet"), "columns": ["prompt", "completion"], "fraction": 1}]
     train, evaluation = load_training_data(DataArguments(datasets=mixture), seed=0)
     assert evaluation is None
     assert train.column_names == ["prompt", "completion"]
+    # TRL's rule: shares 2:1:1 normalised to 1/2, 1/4, 1/4; the largest mixture without repeating a row is
+    # N = min(6 / (1/2), 10 / (1/4), 3 / (1/4)) = 12 rows, taken from the start of each source: 6, 3, 3.
+    shares = [0.5, 0.25, 0.25]
+    total = min(6 / shares[0], 10 / shares[1], 3 / shares[2])
+    sizes = [round(share * total) for share in shares]
+    assert sizes == [6, 3, 3]
+    expected = [first[:6], second[:3], third[:3]]
     rows = train.to_list()
-    assert rows[:6] == [{"prompt": row["prompt"], "completion": row["completion"]} for row in first]
-    assert len(rows) == 6 + 5 + 3
-    sampled = rows[6:11]
-    assert len({row["prompt"] for row in sampled}) == 5 and all(row in second for row in sampled)
-    assert rows[11:] == [{"prompt": row["prompt"], "completion": row["completion"]} for row in third]
+    assert rows == [{"prompt": row["prompt"], "completion": row["completion"]} for part in expected for row in part]
+    without = load_training_data(DataArguments(datasets=[{**entry, "fraction": None} for entry in mixture]), seed=0)
+    assert len(without[0]) == 6 + 10 + 3
 
     train, evaluation = load_training_data(DataArguments(dataset_name=str(tmp_path / "second.csv"),
                                                          eval_split_size=0.3), seed=0)
@@ -410,9 +411,31 @@ def test_bad_data_files_are_named_with_the_problem(sft_argv, tmp_path, capsys):
     (["--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end", "true"],
      "SFTConfig: --load_best_model_at_end requires"),
     (["stray"], "unexpected argument 'stray'"),
+    # TRL's scripts evaluate on the dataset's 'test' split when eval_strategy is set; a data file has none.
+    (["--eval_strategy", "steps"], "evaluates on the 'test' split of"),
+    (["--eval_split_size", "0.2", "--test_split_size", "0.2"], "--eval_split_size and --test_split_size both"),
 ])
 def test_conflicting_and_malformed_flags(sft_argv, capsys, extra, expected):
     assert expected in _usage_error(sft_argv[:1] + extra + sft_argv[1:], capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
+def test_quantization_flags_stop_before_training(sft_argv, capsys):
+    message = _usage_error(sft_argv + ["--use_peft", "--load_in_4bit"], capsys)
+    assert "--load_in_4bit quantizes the model with bitsandbytes, which is not installed" in message
+
+
+def test_trl_model_flags_build_the_lora_config_and_model_init_kwargs():
+    settings = {"use_peft": True, "lora_r": 4, "use_rslora": True, "lora_modules_to_save": ["lm_head"]}
+    model_args = ModelArguments(model_name_or_path="m", model_revision="v2", **settings)
+    peft_config = cli.lora_config(model_args, "reward", settings)
+    assert (peft_config.r, peft_config.use_rslora, peft_config.modules_to_save) == (4, True, ["lm_head"])
+    assert peft_config.task_type == "SEQ_CLS"  # a reward model's adapter, unless --lora_task_type says otherwise
+    assert peft_config.target_modules is None or set(peft_config.target_modules) == {"q_proj", "v_proj"}
+    # TRL's dtype default float32 yields to the config's own model_init_kwargs; an explicit --dtype conflicts.
+    config = cli.build_config("sft", SFTConfig, {"report_to": "none", "model_init_kwargs": {"dtype": "bfloat16"}},
+                              model_args, given={"model_revision"})
+    assert config.model_init_kwargs == {"dtype": "bfloat16", "revision": "v2"}
 
 
 def test_yaml_mistakes_name_the_file_and_key(sft_argv, tmp_path, capsys):
@@ -432,7 +455,6 @@ def test_yaml_mistakes_name_the_file_and_key(sft_argv, tmp_path, capsys):
         no_name + ["--config", str(config)], capsys)
 
 
-@pytest.mark.skipif("grpo" not in AVAILABLE, reason="posttrain grpo is not available yet")
 def test_unknown_reward_function_lists_the_library(tiny_model_path, workspace, capsys):
     from posttrain.rewards import REWARD_FUNCTIONS
 
@@ -446,22 +468,12 @@ def test_unknown_reward_function_lists_the_library(tiny_model_path, workspace, c
 
 
 def test_a_broken_reward_module_keeps_its_traceback(tiny_model_path, workspace, tmp_path, monkeypatch):
-    if "grpo" not in AVAILABLE:
-        pytest.skip("posttrain grpo is not available yet")
     (tmp_path / "broken_rewards.py").write_text("import a_module_that_does_not_exist\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="a_module_that_does_not_exist"):
         cli.main(["grpo", "--model_name_or_path", tiny_model_path, "--dataset_name",
                   str(workspace / "prompts.jsonl"), "--report_to", "none", "--reward_funcs", "broken_rewards.score"])
-
-
-def test_a_command_whose_trainer_is_missing_is_not_available_yet(monkeypatch, capsys):
-    monkeypatch.setitem(cli.METHODS, "ppo", cli.Method("posttrain.trainers.not_written_yet", "PPOTrainer",
-                                                       "PPOConfig", "online", "proximal policy optimization"))
-    message = _usage_error(["ppo", "--learning_rate", "1"], capsys)
-    assert message.startswith("posttrain ppo: error: `posttrain ppo` is not available yet")
-    assert "not available yet: ppo" in cli.usage()
 
 
 def test_env_lists_versions_and_missing_extras():

@@ -17,7 +17,7 @@ WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split
 def _args(tmp_path, config=DistillationConfig, **kw):
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=3, learning_rate=1e-2,
                 logging_steps=5, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True)
+                disable_tqdm=True, lmbda=0.0)  # offline unless a test says otherwise (TRL's default is lmbda=1)
     base.update(kw)
     return config(**base)
 
@@ -58,7 +58,7 @@ def _eval_loss(trainer, batch):
 
 
 def test_student_learns_the_teacher_on_held_out_data(tmp_path, tiny_model_path, teacher_path):
-    trainer = DistillationTrainer(tiny_model_path, teacher_path, args=_args(tmp_path, max_steps=30),
+    trainer = DistillationTrainer(tiny_model_path, teacher_path, args=_args(tmp_path, max_steps=30, beta=0.5),
                                   train_dataset=_data(64, 0), eval_dataset=_data(16, 1))
     teacher_before = {n: p.clone() for n, p in trainer.teacher_model.named_parameters()}
     before = trainer.evaluate()
@@ -216,7 +216,8 @@ def test_on_policy_batches_hold_the_students_own_tokens(tmp_path, tiny_model_pat
     trained = 0
     for original, batch in zip(data, batches):
         for row in range(4):
-            start = int((original["labels"][row] != -100).nonzero()[0])
+            assert (original["labels"][row] == -100).all()  # lmbda=1 reads only the prompts, as TRL
+            start = int(original["attention_mask"][row].sum())
             prompt = original["input_ids"][row, :start]
             greedy = trainer.model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
                                             max_new_tokens=5, do_sample=False)[0, start:].tolist()
@@ -252,11 +253,13 @@ def test_on_policy_settings_are_checked(tmp_path, tiny_model_path, teacher_path)
     with pytest.raises(ConfigError, match="lmbda=1.5 must lie in"):
         _args(tmp_path, OnPolicyDistillationConfig, lmbda=1.5)
     with pytest.raises(ConfigError, match="set padding_free=False"):
-        _args(tmp_path, OnPolicyDistillationConfig, padding_free=True)
-    text = _on_policy(tmp_path, tiny_model_path, teacher_path, lmbda=1.0,
-                      data=Dataset.from_list([{"text": "the cat is on the tree"}] * 2))
+        _args(tmp_path, OnPolicyDistillationConfig, padding_free=True, lmbda=0.5)
+    with pytest.raises(ConfigError, match="language-modeling data .* without prompts"):
+        _on_policy(tmp_path, tiny_model_path, teacher_path, lmbda=0.5,
+                   data=Dataset.from_list([{"text": "the cat is on the tree"}] * 2))
+    whole = _on_policy(tmp_path, tiny_model_path, teacher_path, lmbda=0.0, completion_only_loss=False)
     with pytest.raises(DataError, match="has no prompt to sample a completion for"):
-        text.get_batch_samples(iter([_batch(text, 2)]), 1, torch.device("cpu"))
+        whole._student_batch(_batch(whole, 2), 0, "train")
 
 
 def test_flash_attention_teacher_keeps_padding_free_batches_in_one_row(tmp_path, tiny_model_path):
@@ -266,7 +269,7 @@ def test_flash_attention_teacher_keeps_padding_free_batches_in_one_row(tmp_path,
     teacher.config._attn_implementation = "flash_attention_2"  # only read to choose the batch layout
     data = Dataset.from_list([{"prompt": "the cat", "completion": " is red"}] * 4)
     args = DistillationConfig(output_dir=str(tmp_path), padding_free=True, use_cpu=True, report_to="none",
-                              save_strategy="no", disable_tqdm=True, max_length=32)
+                              save_strategy="no", disable_tqdm=True, max_length=32, lmbda=0.0)
     trainer = DistillationTrainer(tiny_model_path, teacher_model=teacher, args=args, train_dataset=data)
     assert trainer.data_collator.one_row is True
     student_only = DistillationTrainer(tiny_model_path, teacher_model=AutoModelForCausalLM.from_pretrained(

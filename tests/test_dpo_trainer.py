@@ -87,7 +87,8 @@ def test_loss_and_metrics_match_float64_reference(tmp_path, tiny_model_path, los
         h = (pol["chosen"] - rf["chosen"]) - (pol["rejected"] - rf["rejected"])
         expected = -_logsig(beta * h).mean()
         if loss_type == "sigmoid,sft":
-            expected = expected + 0.3 * (-pol["chosen"] / pol["chosen_len"]).mean()
+            # TRL's 'sft' term: the token-mean NLL over all chosen completion tokens of the batch
+            expected = expected + 0.3 * (-pol["chosen"].sum() / pol["chosen_len"].sum())
 
     trainer.model.eval()
     for padding_free in (False, True):
@@ -104,7 +105,7 @@ def test_loss_and_metrics_match_float64_reference(tmp_path, tiny_model_path, los
     assert metrics["logps/rejected"] == pytest.approx(pol["rejected"].mean().item(), abs=1e-4)
 
 
-def test_bco_pair_shifts_rewards_by_their_running_mean(tmp_path, tiny_model_path):
+def test_bco_pair_has_no_running_mean_shift_as_in_trl(tmp_path, tiny_model_path):
     beta = 0.5
     ref = _model(tiny_model_path, seed=1)
     trainer = DPOTrainer(tiny_model_path, ref_model=ref, args=_args(tmp_path, beta=beta, loss_type="bco_pair"),
@@ -112,14 +113,11 @@ def test_bco_pair_shifts_rewards_by_their_running_mean(tmp_path, tiny_model_path
     rows = [trainer.train_dataset[i] for i in range(8)]
     pol, rf = _completion_logps64(trainer.model, rows), _completion_logps64(ref, rows)
     chosen_rewards, rejected_rewards = beta * (pol["chosen"] - rf["chosen"]), beta * (pol["rejected"] - rf["rejected"])
-    trainer.model.train()  # training updates the running mean (before using it)
-    seen = []
-    for part in (slice(0, 3), slice(3, 8)):
+    trainer.model.train()
+    for part in (slice(0, 3), slice(3, 8)):  # TRL 1.16's bco_pair: -logsig(r_c) - logsig(-r_r), no delta
         batch = PreferenceCollator(trainer.processing_class.pad_token_id)(rows[part])
         loss = trainer.compute_loss(trainer.model, batch)
-        seen += chosen_rewards[part].tolist() + rejected_rewards[part].tolist()
-        delta = sum(seen) / len(seen)
-        expected = (-_logsig(chosen_rewards[part] - delta) - _logsig(-(rejected_rewards[part] - delta))).mean()
+        expected = (-_logsig(chosen_rewards[part]) - _logsig(-rejected_rewards[part])).mean()
         assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
 
 
@@ -167,7 +165,7 @@ def _counting(model):
 
 
 def test_precomputed_reference_is_cached_on_disk_and_invalidated_by_data(tmp_path, tiny_model_path):
-    args = _args(tmp_path, precompute_ref_log_probs=True, per_device_eval_batch_size=3)
+    args = _args(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=3)
     first_model = _model(tiny_model_path)
     first_calls = _counting(first_model)
     first = DPOTrainer(first_model, args=args, train_dataset=_data())
@@ -253,7 +251,8 @@ def test_empty_dataset(tmp_path, tiny_model_path):
 
 
 def test_prompt_filling_max_length(tmp_path, tiny_model_path):
-    with pytest.raises(DataError, match="Row 0: prompt longer than max_length leaving nothing to compare"):
+    # As in TRL, keep_start drops rows whose prompt fills max_length; when none is left the run stops.
+    with pytest.raises(DataError, match="Every row of train_dataset is dropped because their prompt alone fills"):
         DPOTrainer(tiny_model_path, args=_args(tmp_path, max_length=4, max_prompt_length=None),
                    train_dataset=_data())
 
@@ -284,4 +283,4 @@ def test_loss_type_from_the_command_line(tmp_path):
     (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--loss_type", "sigmoid,sft",
                                                     "--loss_weights", "1", "0.5"])
     assert parsed.loss_type == ["sigmoid", "sft"] and parsed.loss_weights == [1.0, 0.5]
-    assert _args(tmp_path, loss_type="ipo").loss_type == "ipo"
+    assert _args(tmp_path, loss_type="ipo").loss_type == ["ipo"]  # a list, as TRL makes it

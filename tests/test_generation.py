@@ -177,3 +177,61 @@ def test_completion_seeds_and_stop_tokens(tokenizer, tiny_model_path):
     assert stop_token_ids(tokenizer, model) == [tokenizer.eos_token_id, 7]
     backend = create_generation_backend(model, tokenizer, None)
     assert isinstance(backend, TransformersBackend) and backend.eos_token_ids == [tokenizer.eos_token_id, 7]
+
+
+def test_generation_kwargs_reach_generate(model, tokenizer, prompts):
+    allowed = [tokenizer.eos_token_id, 11, 12, 13]
+    suppressed = [t for t in range(model.config.vocab_size) if t not in allowed]
+    sampling = SamplingParams(max_tokens=6, extra={"suppress_tokens": suppressed})
+    completions = _backend(model, tokenizer).generate(prompts, 3, sampling, seed=4)
+    assert {t for c in completions for t in c.token_ids} <= set(allowed)
+    plain = _backend(model, tokenizer).generate(prompts, 3, SamplingParams(max_tokens=6), seed=4)
+    assert not {t for c in plain for t in c.token_ids} <= set(allowed)  # without it other tokens come up
+    with pytest.raises(ConfigError, match=r"GenerationConfig does not know: \['presence_penalty'\]"):
+        _backend(model, tokenizer).generate(prompts, 1, SamplingParams(max_tokens=2, extra={"presence_penalty": 1}))
+
+
+def test_cache_implementation_and_generation_kwargs_build_the_generation_config():
+    from posttrain.generation.transformers_backend import generation_config
+
+    config = generation_config(SamplingParams(max_tokens=5, repetition_penalty=1.3, extra={"no_repeat_ngram_size": 2}),
+                               [2, 7], 0, cache_implementation="static")
+    assert (config.cache_implementation, config.no_repeat_ngram_size, config.max_new_tokens) == ("static", 2, 5)
+    assert (config.do_sample, config.num_beams, config.eos_token_id, config.repetition_penalty) == (False, 1, [2, 7], 1.3)
+    assert generation_config(SamplingParams(max_tokens=5), [2], 0).cache_implementation is None
+
+
+def test_a_trainer_config_reaches_the_backend(model, tokenizer):
+    from posttrain.trainers.grpo import GRPOConfig
+
+    args = GRPOConfig(output_dir="unused", use_cpu=True, cache_implementation="dynamic",
+                      generation_kwargs='{"no_repeat_ngram_size": 3}', per_device_train_batch_size=8)
+    backend = create_generation_backend(model, tokenizer, args)
+    assert backend.cache_implementation == "dynamic"
+    assert args.sampling_params().extra == {"no_repeat_ngram_size": 3} and args.sampling_params().min_p == 0.0
+
+
+def test_continuous_batching_request_order_is_prompt_major():
+    from posttrain.generation.continuous_batching import request_order
+
+    assert request_order(["req_1", "req_0__child#0", "req_0", "req_1__child#0"], 2, 2) == [
+        "req_0", "req_0__child#0", "req_1", "req_1__child#0"]
+    with pytest.raises(RuntimeError, match=r"no result for the requests \['req_1'\]"):
+        request_order(["req_0"], 2, 1)
+
+
+@pytest.mark.slow
+def test_continuous_batching_generates_reproducible_prompt_major_completions(model, tokenizer, prompts):
+    from posttrain.generation.continuous_batching import ContinuousBatchingBackend
+
+    backend = ContinuousBatchingBackend(model, tokenizer.pad_token_id, [tokenizer.eos_token_id, 11])
+    sampling = SamplingParams(max_tokens=4, top_k=3)
+    completions = backend.generate(prompts[:2], 2, sampling, seed=[1, 2])
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1]
+    assert [c.token_ids for c in backend.generate(prompts[:2], 2, sampling, seed=[1, 2])] == \
+        [c.token_ids for c in completions]
+    for completion in completions:
+        logits = _step_logits(model, prompts[completion.prompt_index], completion.token_ids)
+        for step, token in enumerate(completion.token_ids):
+            assert logits[step][token] >= logits[step].topk(3).values[-1]
+        assert completion.finished_with_eos == (completion.token_ids[-1] in (tokenizer.eos_token_id, 11))

@@ -53,7 +53,10 @@ def test_loss_matches_float64_reference_with_kl_pairs_and_weights(tmp_path, tiny
         for i, row in enumerate(rows):
             logratios.append(_logp64(policy, row["input_ids"], row["completion_mask"])
                              - _logp64(ref, row["input_ids"], row["completion_mask"]))
-            other = rows[(i + 1) % len(rows)]  # prompt i with completion i + 1
+            # TRL's pairing: in runs of per_device_train_batch_size (4) rows, prompt i takes row i - 1's
+            # completion, the run's first row its last row's.
+            run_start = i - i % 4
+            other = rows[i - 1] if i > run_start else rows[min(run_start + 4, len(rows)) - 1]
             start, other_start = row["completion_mask"].index(1), other["completion_mask"].index(1)
             ids = row["input_ids"][:start] + other["input_ids"][other_start:]
             mask = [0] * start + other["completion_mask"][other_start:]
@@ -91,7 +94,7 @@ def test_apo_zero_unpaired_has_no_kl_pairs(tmp_path, tiny_model_path, tokenizer)
                  - _logp64(ref, row["input_ids"], row["completion_mask"]))
             expected.append(1 - torch.sigmoid(2.0 * r) if row["label"] else torch.sigmoid(2.0 * r))
     assert loss == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
-    assert "kl" not in trainer._metrics["eval"]
+    assert trainer._metrics["eval"]["kl"] == [0.0]  # TRL logs z0 = 0 for this loss
 
 
 def test_desirable_reward_rises_above_undesirable(tmp_path, tiny_model_path):
@@ -143,7 +146,7 @@ def test_conversational_rows_train_on_the_assistant_reply(tmp_path, tiny_model_p
          "label": c == "blue"} for c in ("blue", "red")])
     row = KTOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=data).train_dataset[0]
     trained = [t for t, m in zip(row["input_ids"], row["completion_mask"]) if m]
-    assert tokenizer.decode(trained) == "blue<|im_end|>"
+    assert tokenizer.decode(trained) == "blue<|im_end|>\n"  # the whole rendered turn, as in TRL
     assert tokenizer.decode(row["input_ids"]).startswith("<|im_start|>user\ncolor?<|im_end|>")
 
 
@@ -188,3 +191,12 @@ def test_peft_reference_is_the_adapter_disabled_policy(tmp_path, tiny_model_path
     assert logs[0]["loss"] == pytest.approx(0.5, abs=1e-5)  # LoRA starts as a no-op: policy = reference
     assert logs[-1]["rewards/margins"] > 0
     assert all(torch.equal(p, dict(trainer.model.named_parameters())[n]) for n, p in base.items())
+
+
+def test_rows_whose_prompt_fills_max_length_are_dropped(tmp_path, tiny_model_path, caplog):
+    data = Dataset.from_list([{"prompt": "the cat is" + " very" * 20, "completion": " good", "label": True}]
+                             + [dict(row) for row in _unpaired(4)])
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, max_length=16), train_dataset=data)
+    assert len(trainer.train_dataset) == 4 and "Dropping 1 of 5 rows" in caplog.text
+    assert all(1 in mask for mask in trainer.train_dataset["completion_mask"])

@@ -12,8 +12,12 @@ from posttrain.losses.policy import (
     clipped_value_loss,
     entropy_from_logits,
     kl_k3,
+    VespoParams,
+    policy_objective,
     truncated_importance_weights,
+    vespo_weights,
 )
+from posttrain.losses.token_weights import high_entropy_mask, off_policy_sequence_mask, sampler_importance_weights
 
 
 def as_tensor(rows, requires_grad: bool = False) -> torch.Tensor:
@@ -107,7 +111,7 @@ def test_sequence_level_ratio_by_hand():
     )
     ratio = math.exp(0.1)
     assert_close(loss, [[-1.2, -1.2, -1.2], [ratio, ratio, 0.0]])
-    assert_close(stats["clip_ratio_high"], 3 / 5)
+    assert_close(stats["clip_ratio_high"], 1 / 2)  # at sequence level a fraction of sequences, as TRL's
     assert_close(stats["clip_ratio_low"], 0.0)
     loss.sum().backward()
     assert_close(logps.grad, [[0.0, 0.0, 0.0], [ratio, ratio, 0.0]])
@@ -268,3 +272,190 @@ def test_truncated_importance_weights():
     assert not weights.requires_grad
     with pytest.raises(ConfigError, match="cap=0"):
         truncated_importance_weights(trainer_logps, sampler_logps, cap=0)
+
+
+# -- GRPO's loss types, against a plain-Python float64 reference ----------------------------------------------
+def _sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def reference_objective(logps, old, adv, mask, loss_type, level="token", eps_low=0.2, eps_high=0.2, delta=None,
+                        tau_pos=1.0, tau_neg=1.05, vespo=(2.0, 3.0, 3.0, 2.0), keep=None, sampler=None,
+                        ref=None, beta=0.0, bias_correction=False):
+    """Per-token losses written from the papers' formulas, one token at a time. `keep` and `sampler` are per
+    token lists (a sequence-level value repeated over the row)."""
+    rows = []
+    for b, row_mask in enumerate(mask):
+        valid = [t for t, m in enumerate(row_mask) if m]
+        token_log_ratio = [logps[b][t] - old[b][t] for t in range(len(row_mask))]
+        sequence_log_ratio = sum(token_log_ratio[t] for t in valid) / len(valid)
+        a = adv[b]
+        # VESPO: w = exp(sum of the row's log ratios + log sampler ratios), phi(w) = e^lam w^k e^(-lam w)
+        log_w = sum(min(max(token_log_ratio[t], -20), 20) for t in valid)
+        if sampler is not None:
+            log_w += sum(min(max(math.log(sampler[b][t]), math.log(1e-8)), 20) for t in range(len(row_mask)))
+        log_w = min(max(log_w, math.log(1e-8)), 20)
+        k, lam = (vespo[0], vespo[1]) if a >= 0 else (vespo[2], vespo[3])
+        phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
+        row = []
+        for t, m in enumerate(row_mask):
+            if not m:
+                row.append(0.0)
+                continue
+            r = math.exp(sequence_log_ratio if level == "sequence" else token_log_ratio[t])
+            if loss_type == "cispo":
+                loss = -min(r, eps_high) * a * logps[b][t]
+            elif loss_type == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                loss = -4 / tau * _sigmoid(tau * (r - 1)) * a
+            elif loss_type == "vespo":
+                loss = -phi * a * logps[b][t]
+            else:
+                unclipped = r if delta is None else min(r, delta)
+                loss = -min(unclipped * a, min(max(r, 1 - eps_low), 1 + eps_high) * a)
+            if keep is not None:
+                loss *= keep[b][t]
+            if sampler is not None and loss_type != "vespo":
+                loss *= sampler[b][t]
+            if ref is not None:
+                d = ref[b][t] - logps[b][t]
+                kl = math.exp(d) - d - 1
+                loss += beta * kl * (r if bias_correction else 1.0)
+            row.append(loss)
+        rows.append(row)
+    return rows
+
+
+def _objective_batch(seed=7):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(3, 5, generator=generator, dtype=torch.float64) * 2 - 0.05
+    old_logps = logps + 0.4 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    ref_logps = logps + 0.5 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    advantages = as_tensor([0.8, -1.3, 0.0])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    return logps, old_logps, ref_logps, advantages, mask
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "luspo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_every_loss_type_matches_reference(loss_type, level):
+    logps, old_logps, ref_logps, advantages, mask = _objective_batch()
+    generator = torch.Generator().manual_seed(3)
+    keep = (torch.rand(3, 5, generator=generator) > 0.3).double()
+    sampler = 0.5 + torch.rand(3, 5, generator=generator, dtype=torch.float64)
+    options = dict(epsilon_low=0.2, epsilon_high=0.3 if loss_type != "cispo" else 1.1, importance_sampling_level=level)
+    loss, stats = policy_objective(
+        logps, old_logps, advantages, mask, loss_type=loss_type, keep=keep, sampler_ratio=sampler,
+        ref_logps=ref_logps, beta=0.07, kl_bias_correction=True, sapo_temperature_pos=0.9,
+        sapo_temperature_neg=1.3, vespo=VespoParams(2.5, 3.5, 1.5, 2.2), **options)
+    expected = reference_objective(
+        logps.tolist(), old_logps.tolist(), advantages.tolist(), mask.tolist(), loss_type, level, 0.2,
+        options["epsilon_high"], None, 0.9, 1.3, (2.5, 3.5, 1.5, 2.2), keep.tolist(), sampler.tolist(),
+        ref_logps.tolist(), 0.07, True)
+    assert_close(loss, expected)
+    assert ("clip_ratio" in stats) == (loss_type in ("dapo", "luspo"))
+    assert ("cispo_clip_ratio" in stats) == (loss_type == "cispo")
+
+
+def test_delta_caps_the_unclipped_ratio_for_negative_advantages():
+    # A = -1 with r = 5: plain clip gives -min(-5, -1.2) = 5; delta = 3 caps it: -min(-3, -1.2) = 3. With A = +1
+    # the clip binds first (-1.2) whatever delta is. The capped token has no gradient.
+    logps = as_tensor([[math.log(5.0), math.log(5.0), math.log(2.0)]], requires_grad=True)
+    advantages = as_tensor([[-1.0, 1.0, -1.0]])
+    loss, _ = clipped_policy_loss(logps, torch.zeros(1, 3, dtype=torch.float64), advantages, torch.ones(1, 3),
+                                  delta=3.0)
+    assert_close(loss, [[3.0, -1.2, 2.0]])
+    loss.sum().backward()
+    assert_close(logps.grad, [[0.0, 0.0, 2.0]])  # d(-r A)/dlogp = -A r = 2 where nothing binds
+
+
+def test_surrogate_gradients_by_hand():
+    # cispo: -sg(min(r, eps_high)) A log pi has gradient -min(r, eps_high) A; sapo: -(4/tau) sigmoid(tau (r-1)) A
+    # has gradient -4 sigmoid' (tau (r - 1)) r A, which is -r A at r = 1 (the vanilla policy gradient).
+    logps = as_tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
+    old = as_tensor([[math.log(0.25), math.log(0.25)]])  # r = 2 and 1
+    advantages = as_tensor([1.5])
+    loss, stats = policy_objective(logps, old, advantages, torch.ones(1, 2), loss_type="cispo", epsilon_high=1.5)
+    loss.sum().backward()
+    assert_close(logps.grad, [[-1.5 * 1.5, -1.0 * 1.5]])
+    assert_close(stats["cispo_clip_ratio"], 0.5)
+    logps.grad = None
+    loss, _ = policy_objective(logps, old, advantages, torch.ones(1, 2), loss_type="sapo", sapo_temperature_pos=2.0)
+    loss.sum().backward()
+    s = _sigmoid(2.0 * (2 - 1))
+    assert_close(logps.grad, [[-4 * s * (1 - s) * 2 * 1.5, -1.5]])
+
+
+def test_vespo_weight_peaks_at_one_and_is_detached():
+    logps = as_tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, stats = policy_objective(logps, logps.detach(), as_tensor([2.0]), torch.ones(1, 2), loss_type="vespo")
+    assert_close(stats["vespo_phi"], [[1.0]])  # w = 1: phi = e^lam e^-lam = 1
+    loss.sum().backward()
+    assert_close(logps.grad, [[-2.0, -2.0]])  # -phi A, phi carries no gradient
+    far = vespo_weights(as_tensor([[1.0, 1.0]]), as_tensor([1.0]), torch.ones(1, 2))
+    assert_close(far, [[math.exp(3.0 + 2 * 2.0 - 3.0 * math.exp(2.0))]])
+
+
+@pytest.mark.parametrize("loss_type", ["luspo", "sapo", "cispo", "vespo"])
+def test_surrogate_aggregations(loss_type):
+    loss, mask = random_batch(2)
+    actual = aggregate_loss(loss, mask, loss_type, total_sequences=10, total_tokens=40, max_completion_length=6)
+    sums = [sum(l for l, m in zip(row, ms) if m) for row, ms in zip(loss.tolist(), mask.tolist())]
+    expected = {"luspo": sum(sums) / 10, "sapo": sum(s / sum(ms) for s, ms in zip(sums, mask.tolist())) / 10,
+                "cispo": sum(sums) / 40, "vespo": sum(sums) / 40}[loss_type]
+    assert_close(actual, expected)
+
+
+# -- token selection and sampler weights ----------------------------------------------------------------------
+def _quantile(values, q):
+    values = sorted(values)
+    position = q * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+@pytest.mark.parametrize("top", [0.0, 0.2, 0.5, 1.0])
+def test_high_entropy_mask_matches_reference(top):
+    generator = torch.Generator().manual_seed(11)
+    entropy = torch.rand(3, 6, generator=generator, dtype=torch.float64) * 4
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    selected = high_entropy_mask(entropy, mask, top)
+    valid = [e for row, ms in zip(entropy.tolist(), mask.tolist()) for e, m in zip(row, ms) if m]
+    threshold = _quantile(valid, 1 - top)
+    expected = [[bool(m) and e >= threshold for e, m in zip(row, ms)]
+                for row, ms in zip(entropy.tolist(), mask.tolist())]
+    assert selected.tolist() == expected
+    if top in (0.0, 1.0):  # only the highest-entropy token, or every valid token
+        assert sum(map(sum, expected)) == (1 if top == 0.0 else len(valid))
+    with pytest.raises(ConfigError, match="top_entropy_quantile=1.5"):
+        high_entropy_mask(entropy, mask, 1.5)
+
+
+def test_off_policy_mask_by_hand():
+    # Row means of log(pi_behaviour / pi): 0.6 (A < 0: dropped), 0.6 (A >= 0: kept), 0.2 (kept: close enough),
+    # and a NaN behaviour log-prob counts as 0 (row 3: mean 0.3 over its 2 tokens, kept).
+    logps = torch.zeros(4, 2, dtype=torch.float64)
+    behaviour = as_tensor([[0.5, 0.7], [0.6, 0.6], [0.2, 0.2], [0.6, float("nan")]])
+    keep = off_policy_sequence_mask(logps, behaviour, as_tensor([-1.0, 0.0, -1.0, -1.0]), torch.ones(4, 2), 0.5)
+    assert_close(keep, [[0.0], [1.0], [1.0], [1.0]])
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampler_importance_weights_modes(mode):
+    trainer = as_tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    sampler = as_tensor([[math.log(4.0), -math.log(5.0), 0.0], [-math.log(2.0), float("nan"), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # row 1: padding holds 9, the sampler could not score token 1
+    weights = sampler_importance_weights(trainer, sampler, mask, mode, clip_min=0.5, clip_max=3.0)
+    token = [[0.25, 5.0, 1.0], [2.0, 1.0, 1.0]]
+    sequence = [[0.25 * 5.0], [2.0]]
+    ratios = token if mode.startswith("token") else sequence
+    if mode.endswith("truncate"):
+        expected = [[min(max(r, 0.5), 3.0) for r in row] for row in ratios]
+    else:
+        expected = [[r if 0.5 <= r <= 3.0 else 0.0 for r in row] for row in ratios]
+    assert_close(weights, expected)
+    open_top = sampler_importance_weights(trainer, sampler, mask, mode, clip_min=None, clip_max=None
+                                          ) if mode.endswith("mask") else None
+    if open_top is not None:
+        assert_close(open_top, ratios)

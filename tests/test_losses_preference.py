@@ -24,6 +24,8 @@ REJECTED = [-6.0, -2.5, -9.1]
 REF_CHOSEN = [-5.5, -3.3, -7.0]
 REF_REJECTED = [-5.7, -4.8, -6.6]
 NLL = [1.3, 0.4, 2.2]
+CHOSEN_LEN = [3, 7, 2]
+REJECTED_LEN = [5, 1, 4]
 BETA = 0.7
 
 
@@ -64,6 +66,8 @@ def reference(loss_type: str, eps: float = 0.0, delta: float = 0.0, tau: float =
         return [smoothed_logistic(b * (c - r), eps) for c, r in zip(chosen, rejected)]
     if loss_type == "sft":
         return list(NLL)
+    if loss_type == "sigmoid_norm":  # DPO on per-token log-ratios
+        return [-logsig(b * (c / lc - r / lr)) for (c, r), lc, lr in zip(pairs(), CHOSEN_LEN, REJECTED_LEN)]
     out = []
     for c, r in pairs():
         h = c - r
@@ -97,6 +101,8 @@ def reference(loss_type: str, eps: float = 0.0, delta: float = 0.0, tau: float =
 
 
 def run_dpo(loss_type, **kwargs):
+    if loss_type == "sigmoid_norm":
+        kwargs.update(chosen_lengths=tensor(CHOSEN_LEN), rejected_lengths=tensor(REJECTED_LEN))
     return dpo_loss(
         tensor(CHOSEN), tensor(REJECTED), tensor(REF_CHOSEN), tensor(REF_REJECTED),
         loss_type=loss_type, beta=BETA, chosen_nll=tensor(NLL), **kwargs,
@@ -124,6 +130,7 @@ CASES = [
     ("discopop", {}),
     ("discopop", {"discopop_tau": 0.5}),
     ("sft", {}),
+    ("sigmoid_norm", {}),
 ]
 
 
@@ -152,20 +159,22 @@ def test_label_smoothing_changes_sigmoid_loss_and_half_is_symmetric():
 
 
 def f_prime(u: float, kind: str, alpha: float) -> float:
-    """f'(u) from Wang et al. 2023, Table 1."""
+    """f'(u) from Wang et al. 2023, Table 1. TRL's (and posttrain's) alpha is 1 - the paper's alpha: the paper's
+    alpha divergence f'(u) = (1 - u^-a) / a with a = 1 - alpha (reverse KL, log u + 1, at a = 0)."""
     if kind == "reverse_kl":
         return math.log(u) + 1
     if kind == "forward_kl":
         return -1 / u
     if kind == "js_divergence":
         return math.log(2 * u / (1 + u))
-    return (1 - u ** (-alpha)) / alpha
+    a = 1 - alpha
+    return math.log(u) if a == 0 else (1 - u ** (-a)) / a
 
 
 @pytest.mark.parametrize(
     ("kind", "alpha"),
     [("reverse_kl", 1.0), ("forward_kl", 1.0), ("js_divergence", 1.0), ("alpha_divergence", 0.5),
-     ("alpha_divergence", 1.0)],
+     ("alpha_divergence", 0.3), ("alpha_divergence", 1.0), ("alpha_divergence", 1.7)],
 )
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_f_divergence_sigmoid_loss(kind, alpha, eps):
@@ -177,10 +186,68 @@ def test_f_divergence_sigmoid_loss(kind, alpha, eps):
     close(losses, expected)
 
 
-def test_alpha_divergence_at_one_equals_forward_kl():
+def test_alpha_divergence_at_zero_equals_forward_kl_and_at_one_reverse_kl():
     forward, _, _ = run_dpo("sigmoid", f_divergence_type="forward_kl")
+    alpha_zero, _, _ = run_dpo("sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.0)
+    close(alpha_zero, forward.tolist())
+    plain, _, _ = run_dpo("sigmoid")
     alpha_one, _, _ = run_dpo("sigmoid", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0)
-    close(alpha_one, forward.tolist())
+    close(alpha_one, plain.tolist())
+
+
+def test_alpha_divergence_default_half_matches_trl_formula():
+    # TRL 1.16: score = (exp((alpha - 1) * log-ratio) - 1) / (alpha - 1); the DPO logit is the scores' difference.
+    losses, _, _ = run_dpo("sigmoid", f_divergence_type="alpha_divergence")  # default alpha 0.5
+    expected = []
+    for c, r in pairs():
+        score_c, score_r = (math.exp(-0.5 * c) - 1) / -0.5, (math.exp(-0.5 * r) - 1) / -0.5
+        expected.append(-logsig(BETA * (score_c - score_r)))
+    close(losses, expected)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "js_divergence", "alpha_divergence"])
+def test_f_divergence_with_length_normalised_losses_keeps_trl_score_constants(kind):
+    # ipo / sigmoid_norm divide each score by its length, so f' constants matter; TRL's scores are
+    # forward_kl 1 - 1/u, js log 2 + log sigmoid(log u), alpha (u^(alpha-1) - 1)/(alpha-1).
+    def score(x):
+        if kind == "forward_kl":
+            return 1 - math.exp(-x)
+        if kind == "js_divergence":
+            return math.log(2) + logsig(x)
+        return (math.exp(-0.7 * x) - 1) / -0.7
+
+    lengths = dict(chosen_lengths=tensor(CHOSEN_LEN), rejected_lengths=tensor(REJECTED_LEN))
+    for loss_type in ("ipo", "sigmoid_norm"):
+        losses, _, _ = run_dpo(loss_type, f_divergence_type=kind, f_alpha_divergence_coef=0.3, **lengths)
+        expected = []
+        for (c, r), lc, lr in zip(pairs(), CHOSEN_LEN, REJECTED_LEN):
+            d = score(c) / lc - score(r) / lr
+            expected.append((d - 1 / (2 * BETA)) ** 2 if loss_type == "ipo" else -logsig(BETA * d))
+        close(losses, expected)
+
+
+def test_wpo_weights_and_pair_weighting():
+    from posttrain.losses.preference import wpo_weights
+
+    # two sequences of 3 positions; mask picks the completion tokens
+    token_logps = tensor([[0.0, -1.2, -0.4], [0.0, -2.0, 0.0]])
+    lss = tensor([[0.0, -0.9, -0.2], [0.0, -1.5, 0.0]])  # log sum_v p_v^2
+    mask = tensor([[0, 1, 1], [0, 1, 0]])
+    weights = wpo_weights(token_logps, lss, mask)
+    close(weights, [math.exp(((-1.2 + 0.9) + (-0.4 + 0.2)) / 2), math.exp(-2.0 + 1.5)])
+    w = tensor([0.5, 0.2, 0.9])
+    losses, _, _ = run_dpo("sigmoid", pair_weights=w)
+    close(losses, [x * wi for x, wi in zip(reference("sigmoid"), [0.5, 0.2, 0.9])])
+
+
+def test_length_desensitized_logps():
+    from posttrain.losses.preference import length_desensitized_logps
+
+    token_logps = tensor([[0.0, -1.0, -2.0, -3.0, -4.0], [0.0, -0.5, -0.25, 0.0, 0.0]])
+    mask = tensor([[0, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
+    shared = tensor([1, 1])  # min(4, 1): only the first completion token of each counts fully
+    out = length_desensitized_logps(token_logps * mask, mask, shared, 0.3)
+    close(out, [-1.0 + 0.3 * (-2.0 - 3.0 - 4.0), -0.25])
 
 
 def test_combined_loss_types_are_weighted_per_example():
@@ -244,8 +311,10 @@ def test_sigmoid_gradient_matches_analytic_and_rewards_are_detached():
         ({"loss_type": "robust", "label_smoothing": 0.5}, ConfigError, "below 0.5"),
         ({"loss_type": "exo_pair"}, ConfigError, "label_smoothing > 0"),
         ({"f_divergence_type": "tv"}, ConfigError, "f_divergence_type"),
-        ({"loss_type": "ipo", "f_divergence_type": "js_divergence"}, ConfigError, "'sigmoid' loss only"),
-        ({"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.0}, ConfigError, "positive"),
+        ({"loss_type": "nca_pair", "f_divergence_type": "js_divergence"}, ConfigError, "only applies to loss types"),
+        ({"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": math.inf}, ConfigError, "finite"),
+        ({"loss_type": "aot", "use_weighting": True}, ConfigError, "sorts the batch"),
+        ({"ld_alpha": 1.5}, ConfigError, r"ld_alpha=1.5 must lie in \[0, 1\]"),
         ({"loss_type": "discopop", "discopop_tau": 0.0}, ConfigError, "discopop_tau"),
     ],
 )

@@ -9,7 +9,9 @@ tests/test_online_engine.py MODEL_PATH OUT_DIR PER_DEVICE_BATCH_SIZE`.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,12 +110,34 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
      r"generation_batch_size=8 means steps_per_generation=2 .* but steps_per_generation=3 was set too"),
     (dict(num_generations=1), r"num_generations=1, but GRPO needs at least 2 completions per prompt; its "
                               r"advantages compare"),
-    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
+    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
     (dict(scale_rewards="std"), r"scale_rewards='std' is not one of"),
     (dict(importance_sampling_level="segment"), r"importance_sampling_level='segment' is not one of"),
     (dict(temperature=0.0), r"temperature=0.0 is invalid"),
     (dict(num_iterations=0), r"num_iterations=0 must be at least 1"),
     (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
+    (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
+    (dict(vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size.*tensor parallelism needs several GPUs"),
+    (dict(vllm_group_port=1234), r"vllm_group_port.*not an NCCL group"),
+    (dict(max_tool_calling_iterations=3), r"max_tool_calling_iterations.*not supported yet"),
+    (dict(log_completions_hub_repo="me/completions"), r"log_completions_hub_repo.*Hugging Face Hub"),
+    (dict(sync_ref_model=True), r"sync_ref_model=True updates the reference model, but beta=0"),
+    (dict(beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in"),
+    (dict(ref_model_sync_steps=0), r"ref_model_sync_steps=0 must be at least 1"),
+    (dict(pad_to_multiple_of=0), r"pad_to_multiple_of=0 must be a positive int, 'auto' or None"),
+    (dict(generation_kwargs={"temperature": 0.5}), r"generation_kwargs\['temperature'\] is the config's "
+                                                   r"temperature; set temperature=\.\.\. instead"),
+    (dict(generation_kwargs={"max_new_tokens": 5}), r"set max_completion_length=\.\.\. instead"),
+    (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\] cannot be changed: beam search"),
+    (dict(use_vllm=True, cache_implementation="static"), r"cache_implementation='static' sets up transformers'"),
+    (dict(vllm_structured_outputs_regex="[ab]+"), r"vllm_structured_outputs_regex .* but use_vllm=False"),
+    (dict(vllm_model_impl="torch"), r"vllm_model_impl='torch' is not one of \('vllm', 'transformers'\)"),
+    (dict(use_vllm=True, vllm_mode="server", vllm_max_model_length=256),
+     r"vllm_max_model_length=256 applies to colocated vLLM; .* -- --max-model-len"),
+    (dict(num_generations_eval=0), r"num_generations_eval=0 must be at least 1"),
+    (dict(num_completions_to_print=0), r"num_completions_to_print=0 must be at least 1"),
+    (dict(transformers_continuous_batching_config={"max_batch_tokens": 64}),
+     r"use_transformers_continuous_batching=False; set it to True"),
 ])
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -140,7 +164,14 @@ CONSTRUCTION_ERRORS = {
     "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward functions given"),
     "fewer prompts than a round": (
         dict(train_dataset=prompt_dataset(1)), DataError, r"has 1 prompts but one generation round uses 2"),
-    "eval dataset": (dict(eval_dataset=prompt_dataset()), ConfigError, "does not evaluate on an eval_dataset"),
+    "tools": (dict(tools=[len]), ConfigError, r"GRPOTrainer\(tools=\.\.\.\): tool calling .* not supported yet"),
+    "rollout_func": (dict(rollout_func=len), ConfigError, r"rollout_func=\.\.\.\): tool calling"),
+    "eval set without a reward column": (
+        dict(eval_dataset=Dataset.from_list([{"prompt": "a b"}] * 4)), DataError,
+        r"eval_dataset lacks the columns \['answer'\] that train_dataset passes to the reward functions"),
+    "eval batch not a multiple of the eval group": (
+        dict(eval_dataset=prompt_dataset(4)), ConfigError,
+        r"per_device_eval_batch_size=8 .* must be a multiple of num_generations_eval=3"),
     "missing prompt": (
         dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": "c"}, {"prompt": None}])), DataError,
         r"Row 2, column 'prompt': expected a string like row 0, got None"),
@@ -155,7 +186,7 @@ def test_bad_input_fails_at_construction(case, tmp_path, tiny_model_path):
     overrides, error, message = CONSTRUCTION_ERRORS[case]
     inputs = {"reward_funcs": target_fraction, "train_dataset": prompt_dataset(), **overrides}
     with pytest.raises(error, match=message):
-        GRPOTrainer(tiny_model_path, args=make_config(tmp_path), **inputs)
+        GRPOTrainer(tiny_model_path, args=make_config(tmp_path, num_generations_eval=3), **inputs)
 
 
 def test_a_tokenizer_without_eos_fails_at_construction(tmp_path, tiny_model_path, fresh_tokenizer):
@@ -201,6 +232,7 @@ def test_rollout_batches_drop_padding_no_row_of_the_slice_needs():
         loss_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]]),
         finished=torch.tensor([True, True, False]),
         rewards=torch.tensor([1.0, 2.0, 3.0]),
+        per_function_rewards=torch.tensor([[1.0], [2.0], [3.0]]),
         tensors={"advantages": torch.tensor([0.1, 0.2, 0.3]), "old_logps": torch.arange(9.0).view(3, 3)},
     )
     batch = rollout.batch(0, 2)
@@ -259,7 +291,9 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
     def length_reward(completion_ids, **kwargs):
         return [float(len(ids)) for ids in completion_ids]
 
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=[length_reward, target_fraction],
+    model = stopping_model(tiny_model_path)
+    initial = copy.deepcopy(model)
+    trainer = train(model, tmp_path, reward=[length_reward, target_fraction],
                     reward_weights=[1.0, 10.0], log_completions=True, mask_truncated_completions=True)
     rollout = trainer.rollout
     lengths = rollout.completion_mask.sum(1).double()
@@ -278,13 +312,29 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
         "advantages/mean": advantages.mean(), "advantages/std": advantages.std(),
         "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(), "completions/clipped_ratio": 1 - finished.double().mean(),
+        "completions/mean_terminated_length": lengths[finished].mean(),
+        "completions/min_terminated_length": lengths[finished].min(),
+        "completions/max_terminated_length": lengths[finished].max(),
+        "num_tokens": rollout.prompt_mask.sum() + lengths.sum(),
     }
     for key, value in expected.items():
         assert logged(trainer, key, 1) == pytest.approx(float(value), abs=1e-5), key
     assert torch.allclose(rollout.tensors["advantages"].double(), advantages, atol=1e-5)
     assert torch.equal(rollout.loss_mask, rollout.completion_mask * finished[:, None])
-    for key in ("time/generation", "time/scoring", "time/update", "entropy", "clip_ratio/region_mean"):
-        assert logged(trainer, key, 1) >= 0
+    for key in ("time/generation", "time/scoring", "time/update"):
+        assert 0 < logged(trainer, key, 1) < 600
+    # One pass over freshly generated completions: every ratio is exactly 1, so nothing is clipped.
+    assert logged(trainer, "clip_ratio/region_mean", 1) == 0.0
+    # Entropy of the policy before its update over the trained tokens, in float64.
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
+    with torch.no_grad():
+        logits = initial.double()(input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+                                  attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    width = rollout.prompt_ids.shape[1]
+    logps = logits[:, width - 1:-1].log_softmax(-1)
+    entropy = -(logps.exp() * logps).sum(-1)
+    trained = rollout.loss_mask.double()
+    assert logged(trainer, "entropy", 1) == pytest.approx(float((entropy * trained).sum() / trained.sum()), rel=1e-4)
     assert "kl" not in trainer.state.log_history[0]  # beta = 0: no reference
 
     records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
@@ -338,6 +388,124 @@ def test_steps_per_generation_does_not_change_the_first_update(tmp_path, tiny_mo
     assert len(two.rollout) == 16 and "old_logps" in two.rollout.tensors and "old_logps" not in one.rollout.tensors
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
+
+
+# -- options ------------------------------------------------------------------------------------------------
+def test_shuffle_dataset_false_keeps_the_dataset_order(tmp_path, tiny_model_path):
+    assert [t[3] for b in RolloutSampler(6, 2, 1, 0, 1, seed=3, shuffle=False) for t in b] == list(range(6))
+    seen = []
+
+    def record_answers(completions, answer, **kwargs):
+        seen.append(list(answer))
+        return [0.0] * len(completions)
+
+    train(tiny_model_path, tmp_path / "ordered", reward=record_answers, shuffle_dataset=False, max_steps=2)
+    assert seen == [[0] * 4 + [1] * 4, [2] * 4 + [3] * 4]
+    train(tiny_model_path, tmp_path / "shuffled", reward=record_answers, max_steps=2)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()  # seed=0, epoch 0
+    assert seen[2:] == [[order[0]] * 4 + [order[1]] * 4, [order[2]] * 4 + [order[3]] * 4]
+
+
+def test_pad_to_multiple_of_pads_the_batches_without_changing_the_loss(tmp_path, tiny_model_path):
+    plain = train(stopping_model(tiny_model_path), tmp_path / "plain", reward=low_id_fraction)
+    padded = train(stopping_model(tiny_model_path), tmp_path / "padded", reward=low_id_fraction,
+                   pad_to_multiple_of=16)
+    assert plain.rollout.completion_ids.shape[1] % 16 and plain.rollout.prompt_ids.shape[1] % 16
+    for rollout in (padded.rollout, padded.rollout.batch(0, 4)):
+        widths = [rollout["completion_ids"].shape[1], rollout["prompt_ids"].shape[1]] if isinstance(rollout, dict) \
+            else [rollout.completion_ids.shape[1], rollout.prompt_ids.shape[1]]
+        assert all(w % 16 == 0 for w in widths), widths
+    assert logged(padded, "loss", 1) == pytest.approx(logged(plain, "loss", 1), abs=1e-6)
+    assert plain.pad_multiple is None  # "auto": no padding off Neuron
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_model_path, fresh_tokenizer):
+    fresh_tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                     "{{ ' mood ' + (mood or 'none') }}")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"cat {i}"}]} for i in range(4)])
+    trainer = GRPOTrainer(tiny_model_path, target_fraction, train_dataset=data, processing_class=fresh_tokenizer,
+                          args=make_config(tmp_path, chat_template_kwargs='{"mood": "sunny"}'))
+    assert fresh_tokenizer.decode(trainer.train_dataset[0]["prompt_ids"]) == "cat 0 mood sunny"
+
+
+def test_disable_dropout_switches_the_policys_dropout_off(tmp_path, tiny_model_path):
+    def with_dropout():
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        model.model.extra_dropout = torch.nn.Dropout(0.5)
+        return model
+
+    for disable, p in ((True, 0.0), (False, 0.5)):
+        trainer = GRPOTrainer(with_dropout(), target_fraction, train_dataset=prompt_dataset(),
+                              args=make_config(tmp_path, disable_dropout=disable))
+        assert trainer.model.model.extra_dropout.p == p
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tiny_model_path):
+    snapshots = ParameterSnapshots()
+    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, callbacks=[snapshots],
+                    max_steps=3, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
+    reference = {n: p.double() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters()}
+    policy = {n: p.double() for n, p in snapshots.after_step[1].items()}  # the reference mixes at step 2 only
+    expected = {n: 0.3 * policy[n] + 0.7 * reference[n] for n in reference}
+    moved = max((expected[n] - reference[n]).abs().max() for n in reference)
+    assert moved > 1e-4
+    for name, value in trainer.ref_model.named_parameters():
+        torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
+
+
+def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_path, tiny_model_path):
+    calls = []
+
+    def recorded(prompts, completion_ids, trainer_state, **kwargs):
+        rewards = low_id_fraction(completion_ids)
+        calls.append((list(prompts), rewards))
+        return rewards
+
+    eval_data = prompt_dataset(5)
+    trainer = GRPOTrainer(tiny_model_path, recorded, train_dataset=prompt_dataset(), eval_dataset=eval_data,
+                          args=make_config(tmp_path, num_generations_eval=2, per_device_eval_batch_size=4))
+    metrics = trainer.evaluate()
+    # 5 prompts, 2 per round (4 completions / 2): 3 rounds, the last one filled up with prompt 0 again.
+    prompts = [p for call in calls for p in call[0]]
+    assert prompts == [p for p in list(eval_data["prompt"]) + [eval_data[0]["prompt"]] for _ in range(2)]
+    rewards = torch.tensor([r for call in calls for r in call[1]], dtype=torch.float64)
+    assert metrics["eval_reward"] == pytest.approx(float(rewards.view(3, 4).mean(1).mean()), abs=1e-6)
+    assert metrics["eval_rewards/recorded/mean"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
+    assert math.isfinite(metrics["eval_loss"]) and "eval_completions/mean_length" in metrics
+    assert trainer.evaluate()["eval_reward"] == metrics["eval_reward"]  # eval sampling is seeded
+    assert trainer.state.log_history[-1]["eval_reward"] == metrics["eval_reward"]
+
+    calls.clear()
+    trainer = GRPOTrainer(tiny_model_path, recorded, train_dataset=prompt_dataset(), eval_dataset=eval_data,
+                          args=make_config(tmp_path / "during", num_generations_eval=2, per_device_eval_batch_size=4,
+                                           eval_strategy="steps", eval_steps=1))
+    trainer.train()
+    assert len(calls) == 1 + 3 and "eval_reward" in trainer.state.log_history[-2]
+
+
+def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, capsys):
+    train(tiny_model_path, tmp_path, log_completions=True, num_completions_to_print=3)
+    printed = capsys.readouterr().out
+    assert "Completions at step 1:" in printed and printed.count("\n- reward ") == 3
+    train(tiny_model_path, tmp_path / "unique", log_completions=True, log_unique_prompts=True)
+    printed = capsys.readouterr().out
+    assert printed.count("\n- reward ") == 2  # 2 prompts x 4 completions, each prompt once
+
+
+def test_options_match_trl_defaults_and_signatures(tmp_path):
+    import inspect
+
+    from posttrain.trainers.rloo import RLOOTrainer
+
+    surface = json.loads((REPO_ROOT / "tests" / "data" / "trl_1.16_surface.json").read_text())
+    for ours in (GRPOConfig, RLOOConfig):
+        defaults = surface["configs"][ours.__name__]
+        for name in ("max_completion_length", "min_p", "vllm_mode", "vllm_server_host", "vllm_server_timeout",
+                     "shuffle_dataset", "pad_to_multiple_of", "num_generations", "beta", "ref_model_mixup_alpha",
+                     "ref_model_sync_steps", "vllm_model_impl", "vllm_group_port", "num_generations_eval"):
+            assert getattr(ours(output_dir=str(tmp_path)), name) == defaults[name], (ours.__name__, name)
+    for ours in (GRPOTrainer, RLOOTrainer):
+        assert list(inspect.signature(ours).parameters) == surface["trainers"][ours.__name__]
 
 
 # -- two processes ---------------------------------------------------------------------------------------------

@@ -28,10 +28,10 @@ def test_conversational_row_prompt_has_generation_prompt_completion_ends_with_en
            "rejected": _chat("assistant", "blue")}
     out = _tok(row, tokenizer)
     assert out["prompt_ids"] == _ids(tokenizer, "<|im_start|>user\nsay red<|im_end|>\n<|im_start|>assistant\n")
-    # The template's newline after <|im_end|> is not part of the completion.
-    assert out["chosen_ids"] == _ids(tokenizer, "red<|im_end|>")
-    assert out["rejected_ids"] == _ids(tokenizer, "blue<|im_end|>")
-    assert out["chosen_ids"][-1] == tokenizer.eos_token_id
+    # As in TRL, the template's newline after <|im_end|> belongs to the completion.
+    assert out["chosen_ids"] == _ids(tokenizer, "red<|im_end|>\n")
+    assert out["rejected_ids"] == _ids(tokenizer, "blue<|im_end|>\n")
+    assert out["chosen_ids"][-2] == tokenizer.eos_token_id
 
 
 def test_conversational_implicit_prompt_is_extracted(tokenizer):
@@ -52,26 +52,59 @@ def test_standard_row_appends_eos_once_and_implicit_prompt_splits_at_whitespace(
     assert implicit["chosen_ids"] == _ids(tokenizer, "good") + [eos]
 
 
-def test_truncation_keeps_prompt_end_and_completion_start(tokenizer):
+def test_part_limits_keep_prompt_end_and_completion_start(tokenizer):
     prompt, chosen, rejected = "one two three four five six", " red green blue cat", " dog"
     p, c, r = _ids(tokenizer, prompt, True), _ids(tokenizer, chosen) + [2], _ids(tokenizer, rejected) + [2]
     assert len(p) > 4 and len(c) > 5
     row = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     out = _tok(row, tokenizer, max_prompt_length=4, max_completion_length=3)
     assert out == {"prompt_ids": p[-4:], "chosen_ids": c[:3], "rejected_ids": r[:3]}
-    # max_length cuts the completion after the prompt has been cut.
-    out = _tok(row, tokenizer, max_prompt_length=4, max_length=6)
-    assert out == {"prompt_ids": p[-4:], "chosen_ids": c[:2], "rejected_ids": r[:2]}
-    # Without max_prompt_length the whole prompt stays and the completion gets what is left.
-    out = _tok(row, tokenizer, max_length=len(p) + 1)
-    assert out == {"prompt_ids": p, "chosen_ids": c[:1], "rejected_ids": r[:1]}
+    assert _tok(row, tokenizer) == {"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}
 
 
-def test_prompt_filling_max_length_names_the_row(tokenizer):
-    row = {"prompt": "one two three four five six", "chosen": " red", "rejected": " dog"}
-    fmt = detect_format(row.keys(), row)
-    with pytest.raises(DataError, match="Row 7: prompt longer than max_length leaving nothing to compare"):
-        tokenize_preference(row, tokenizer, fmt, row=7, max_length=len(_ids(tokenizer, row["prompt"], True)))
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_collator_max_length_cuts_each_sequence_as_truncation_mode_says(mode):
+    # TRL's rule: prompt + completion is cut to max_length, keeping its first (keep_start) or last (keep_end) tokens.
+    rows = [{"prompt_ids": [1, 2, 3, 4], "chosen_ids": [5, 6, 7], "rejected_ids": [8]}]
+    batch = PreferenceCollator(0, max_length=5, truncation_mode=mode)(rows)
+    if mode == "keep_start":
+        assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 8]]
+        assert batch["completion_mask"].tolist() == [[0, 0, 0, 0, 1], [0, 0, 0, 0, 1]]
+    else:  # the chosen sequence loses the start of its prompt; the short rejected one is untouched
+        assert batch["input_ids"].tolist() == [[3, 4, 5, 6, 7], [1, 2, 3, 4, 8]]
+        assert batch["completion_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]]
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1] * 5]
+    free = PreferenceCollator(0, padding_free=True, max_length=5, truncation_mode=mode)(rows)
+    assert free["input_ids"][0].tolist() == sum(batch["input_ids"].tolist(), [])
+
+
+def test_collator_pads_to_a_multiple():
+    rows = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]}]
+    batch = PreferenceCollator(0, pad_to_multiple_of=8)(rows)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [1, 2, 4, 5, 0, 0, 0, 0]]
+    assert batch["attention_mask"].sum().item() == 7 and batch["completion_mask"].shape == (2, 8)
+
+
+def test_rows_without_a_comparison_are_dropped_with_a_warning(tokenizer, caplog):
+    rows = [{"prompt": "one two three four five six", "chosen": " red", "rejected": " dog"},
+            {"prompt": "one", "chosen": " red", "rejected": " dog green blue"}]
+    prompt_len = len(_ids(tokenizer, rows[0]["prompt"], True))
+    data = Dataset.from_list(rows)
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        kept = prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=prompt_len)
+    assert len(kept) == 1 and "Dropping 1 of 2 rows" in caplog.text  # its prompt alone fills max_length
+    assert len(prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=prompt_len,
+                                          truncation_mode="keep_end")) == 2  # keep_end keeps every row
+    # The reward trainer's rule (TRL's): drop a row when either full sequence exceeds max_length.
+    first = prompt_len + max(len(_ids(tokenizer, " red")), len(_ids(tokenizer, " dog"))) + 1
+    second = len(_ids(tokenizer, "one", True)) + len(_ids(tokenizer, " dog green blue")) + 1
+    assert first != second
+    kept = prepare_preference_dataset(data, tokenizer, trainer="RewardTrainer", max_length=min(first, second),
+                                      truncation_mode="drop")
+    assert len(kept) == 1 and len(kept[0]["prompt_ids"]) == (
+        prompt_len if first < second else len(_ids(tokenizer, "one", True)))
+    with pytest.raises(DataError, match="Every row of train_dataset is dropped"):
+        prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=1)
 
 
 def test_collator_padded_batch_element_by_element():

@@ -14,6 +14,7 @@ import pytest
 import posttrain.cli.report as report_module
 from posttrain.cli.report import (
     Series,
+    display_name,
     load_log_history,
     metric_groups,
     plot_group,
@@ -99,14 +100,57 @@ def test_every_metric_key_is_plotted_and_run_statistics_are_not():
 
 
 def _drawn_lines(figure) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in figure.axes[0].get_lines()}
+    """Every labelled data line of every panel (reference levels drawn for one-point series are unlabelled)."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for axes in figure.axes for line in axes.get_lines() if not line.get_label().startswith("_")}
 
 
 def test_figures_draw_exactly_the_grouped_series():
     for name, lines in metric_groups(HISTORY).items():
         figure = plot_group(name, lines)
         assert _drawn_lines(figure) == EXPECTED_GROUPS[name]
-        assert figure.axes[0].get_title() == name and figure.axes[0].get_xlabel() == "step"
+        assert figure.get_suptitle() == name
+
+
+def test_each_quantity_has_its_own_panel_and_scale():
+    """A train metric shares a panel only with its eval twin; every panel scales to its own data."""
+    figure = plot_group("rewards", metric_groups(HISTORY)["rewards"])
+    panels = {axes.get_title(): sorted(line.get_label() for line in axes.get_lines()
+                                       if not line.get_label().startswith("_")) for axes in figure.axes}
+    assert panels == {"rewards/accuracy/mean": ["rewards/accuracy/mean"],
+                      "rewards/accuracy/std": ["rewards/accuracy/std"],
+                      "rewards/margins": ["eval_rewards/margins", "rewards/margins"],
+                      "rewards/accuracies": ["rewards/accuracies"]}
+    assert all(axes.get_xlabel() == "step" for axes in figure.axes)
+    figure = plot_group("mixed", {"big": Series([1, 2], [1000.0, 2000.0]), "small": Series([1, 2], [0.001, 0.002])})
+    big, small = figure.axes
+    assert big.get_ylim()[0] > 500 and small.get_ylim()[1] < 0.01
+
+
+def test_a_metric_logged_once_is_drawn_as_a_line_not_a_dot():
+    """max_steps < logging_steps gives one log row: each train value spans the window it averages (steps 0-3);
+    an eval value logged once is a level across its panel."""
+    history = [{"loss": 2.0, "entropy": 1.5, "step": 3}, {"eval_loss": 1.5, "step": 3}]
+    groups = metric_groups(history)
+    assert groups["loss"]["loss"].window_start == 0 and groups["loss"]["eval_loss"].window_start == 3
+    loss_axes = plot_group("loss", groups["loss"]).axes[0]
+    (segment,) = loss_axes.collections
+    assert [list(map(list, path)) for path in segment.get_segments()] == [[[0.0, 2.0], [3.0, 2.0]]]
+    levels = [line for line in loss_axes.get_lines() if line.get_label().startswith("_")]
+    assert [list(line.get_ydata()) for line in levels] == [[1.5, 1.5]]
+    # A later window starts at the previous train log, not at the eval row in between.
+    later = metric_groups([{"loss": 1.0, "step": 2}, {"eval_loss": 1.0, "step": 2}, {"loss": 1.0, "kl": 0.5, "step": 5}])
+    assert later["kl"]["kl"].window_start == 2
+
+
+def test_reward_model_paths_become_short_names():
+    assert display_name("rewards//tmp/models/Qwen2-RM/mean") == "rewards/Qwen2-RM/mean"
+    assert display_name("eval_rewards/org/Skywork-RM/std") == "eval_rewards/Skywork-RM/std"
+    assert display_name("rewards/accuracy/mean") == "rewards/accuracy/mean"
+    assert display_name("loss") == "loss"
+    figure = plot_group("rewards", {"rewards/org/RM/mean": Series([1, 2], [0.5, 0.75])})
+    assert figure.axes[0].get_title() == "rewards/RM/mean"
+    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["rewards/RM/mean"]
 
 
 def test_write_report_embeds_every_plot_and_summarises_the_run(tmp_path, monkeypatch):

@@ -114,7 +114,7 @@ def test_conversational_and_implicit_prompt_data(tmp_path, tiny_model_path, toke
     implicit = Dataset.from_list([{"chosen": "the sky is blue", "rejected": "the sky is red"}] * 2)
     conv = RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=conversational).train_dataset[0]
     assert tokenizer.decode(conv["prompt_ids"]).endswith("<|im_start|>assistant\n")
-    assert tokenizer.decode(conv["chosen_ids"]) == "blue<|im_end|>"
+    assert tokenizer.decode(conv["chosen_ids"]) == "blue<|im_end|>\n"  # the whole rendered turn, as in TRL
     row = RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=implicit).train_dataset[0]
     assert tokenizer.decode(row["prompt_ids"]) == "the sky is "
     assert tokenizer.decode(row["rejected_ids"]) == "red<|im_end|>"

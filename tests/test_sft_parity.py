@@ -10,6 +10,7 @@ from datasets import Dataset
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.errors import ConfigError
 from posttrain.losses.sft import IGNORE_INDEX
+from posttrain.models.tiny import save_tiny_model
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
@@ -219,22 +220,8 @@ def test_compute_loss_func_replaces_the_loss_and_compute_metrics_gets_logits(tmp
                    compute_loss_func=double_nll)
 
 
-def _tiny_moe(tokenizer, path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = Qwen3MoeForCausalLM(config)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def test_router_aux_loss_is_added_with_its_coefficient(tmp_path, tiny_model_path, tokenizer):
-    path = _tiny_moe(tokenizer, tmp_path / "moe")
+    path = save_tiny_model(tmp_path / "moe", moe=True)
     for coef in (None, 0.5):
         trainer = SFTTrainer(path, args=_args(tmp_path, router_aux_loss_coef=coef), train_dataset=_text(4))
         batch = trainer.data_collator(list(trainer.train_dataset))

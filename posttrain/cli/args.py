@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from posttrain.cli.model import ModelConfig
 from posttrain.errors import ConfigError
 
 BOOL_TEXTS = {"true": True, "false": False}
@@ -27,33 +28,18 @@ BOOL_TEXTS = {"true": True, "false": False}
 MAX_METAVAR_CHOICES = 6
 
 
-@dataclass
-class ModelArguments:
-    """Which model to train, how to load it, and whether to train a LoRA adapter instead of all weights."""
-
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Required. Hub id, local directory, or 'builtin:SmolLM2-135M-Instruct'."},
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = field(
-        default=None, metadata={"help": "Weight dtype at load time (default float32; 'auto' keeps the checkpoint's)."}
-    )
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention kernel, e.g. 'sdpa', 'eager', 'flash_attention_2'."}
-    )
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt, e.g. q_proj v_proj (default: all linear layers)."}
-    )
+# The model flags are TRL's ModelConfig; the old name stays for existing imports.
+ModelArguments = ModelConfig
 
 
 @dataclass
 class RewardArguments:
     """The rewards of the online methods (GRPO, RLOO, PPO); their weights are the config's `reward_weights`."""
 
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A reward model (hub id or local directory of a sequence classifier), "
+                                        "scored before the reward_funcs."},
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": "Reward functions: names from posttrain.rewards.REWARD_FUNCTIONS, dotted import paths "
@@ -288,6 +274,10 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     for key in values:
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name_message(str(key), list(hints))}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: {missing[0]} is required; got {values}.")
     converted = {key: convert_value(value, hints[key], f"{where}: {key}") for key, value in values.items()}
     return cls(**converted)
 
@@ -349,6 +339,12 @@ def build_parser(prog: str, description: str, groups: list[FlagGroup]) -> argpar
                            allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
                         help="YAML file with the same keys as the flags; flags given here override it.")
+    add_flags(parser, groups)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, groups: list[FlagGroup]) -> None:
+    """One `--<field>` per field of each group, under the group's heading; values stay text until converted."""
     for group in groups:
         section = parser.add_argument_group(group.title)
         hints = field_hints(group.cls)
@@ -363,22 +359,30 @@ def build_parser(prog: str, description: str, groups: list[FlagGroup]) -> argpar
                 text = f"{text} (default: {default})".strip()
             nargs = _nargs(hints[name])
             section.add_argument(
-                f"--{name}", dest=name, default=argparse.SUPPRESS, nargs=nargs,
+                *_spellings(name), dest=name, default=argparse.SUPPRESS, nargs=nargs,
                 const="true" if nargs == "?" else None, metavar=_metavar(hints[name]),
                 help=text.replace("%", "%%"),
             )
-    return parser
+            # A setting that is on by default can be switched off with --no_<name>, as with TRL's parser.
+            if default is True and _nargs(hints[name]) == "?" and f"no_{name}" not in fields:
+                section.add_argument(*_spellings(f"no_{name}"), dest=name, action="store_const", const="false",
+                                     default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def _first_unknown(tokens: list[str], known: list[str]) -> ConfigError:
+def _spellings(name: str) -> list[str]:
+    """`--some_setting` and, as TRL's (transformers') parser also accepts it, `--some-setting`."""
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
+def first_unknown(tokens: list[str], known: list[str]) -> ConfigError:
     for token in tokens:
         if token.startswith("-"):
             return ConfigError(unknown_name_message(token.lstrip("-").split("=", 1)[0], known, prefix="--"))
     return ConfigError(f"unexpected argument {tokens[0]!r}; every setting is a --flag VALUE pair.")
 
 
-def load_yaml_settings(path: str, hints: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a YAML config file, each converted to its field's type."""
+def read_yaml_mapping(path) -> dict[str, Any]:
+    """The mapping a YAML config file holds (empty for an empty file), with clear errors for anything else."""
     import yaml
 
     file = Path(path)
@@ -392,12 +396,33 @@ def load_yaml_settings(path: str, hints: dict[str, Any]) -> dict[str, Any]:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path} must hold a mapping of settings (key: value lines), not {type(loaded).__name__}.")
+    return loaded
+
+
+def load_yaml_settings(path: str, hints: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a YAML config file, each converted to its field's type."""
+    loaded = read_yaml_mapping(path)
+    if not loaded:
+        return {}
+    export_env(loaded.pop("env", None), path)
     settings = {}
     for key, value in loaded.items():
         if key not in hints:
             raise ConfigError(f"{path}: {unknown_name_message(str(key), list(hints))}")
         settings[key] = convert_value(value, hints[key], f"{path}: {key}")
     return settings
+
+
+def export_env(env: Any, path: str) -> None:
+    """A YAML config's `env:` mapping (as in TRL's configs) set in os.environ before anything else runs."""
+    import os
+
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        raise ConfigError(f"{path}: `env` must be a mapping of VARIABLE: value, not {type(env).__name__}.")
+    for key, value in env.items():
+        os.environ[str(key)] = str(value)
 
 
 def parse_settings(parser: argparse.ArgumentParser, groups: list[FlagGroup], argv: list[str]) -> dict[str, Any]:
@@ -411,7 +436,7 @@ def parse_settings(parser: argparse.ArgumentParser, groups: list[FlagGroup], arg
         hints.update({name: group_hints[name] for name in group.names})
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise _first_unknown(unknown, list(hints))
+        raise first_unknown(unknown, list(hints))
     given = vars(namespace)
     config_path = given.pop("config", None)
     settings = load_yaml_settings(config_path, hints) if config_path else {}

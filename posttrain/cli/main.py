@@ -1,7 +1,9 @@
 """The `posttrain` command: `posttrain sft|dpo|kto|reward|grpo|rloo|ppo [--flag value ...]`, plus
 `posttrain env`, `posttrain report OUTPUT_DIR`, `posttrain vllm-serve MODEL` and `posttrain --version`.
 
-A training command builds its flags from the method's config dataclass (see `posttrain.cli.args`), loads the
+A training command takes the flags of TRL's `trl <method>` (the method's config, TRL's ModelConfig,
+ScriptArguments and DatasetMixtureConfig fields, `--config run.yaml`) plus posttrain's own (eval_dataset_name,
+eval_split_size, num_processes, ...). It builds its flags from the dataclasses (see `posttrain.cli.args`), loads the
 data (`posttrain.cli.data`), trains in this process (or re-launches itself through `accelerate launch` for
 several processes), then saves the model, the trainer state and the report, and prints a one-screen summary.
 Mistakes in flags, YAML or data exit with status 2 and one message; anything else keeps its traceback.
@@ -9,6 +11,7 @@ Mistakes in flags, YAML or data exit with status 2 and one message; anything els
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -29,13 +32,13 @@ from posttrain.cli.args import (
     CommandParser,
     FlagGroup,
     LaunchArguments,
-    ModelArguments,
     RewardArguments,
     build_parser,
     flag_groups,
     parse_settings,
 )
 from posttrain.cli.data import DataArguments, load_training_data
+from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
 from posttrain.errors import ConfigError, PosttrainError
 
 USAGE_ERROR = 2
@@ -60,9 +63,6 @@ class Method:
     config: str
     kind: str
     summary: str
-
-    def available(self) -> bool:
-        return importlib.util.find_spec(self.module) is not None
 
     def load(self) -> tuple[type, type]:
         module = importlib.import_module(self.module)
@@ -143,12 +143,8 @@ def top_level(argv: list[str]) -> int:
 
 
 def usage() -> str:
-    available = {name: method for name, method in METHODS.items() if method.available()}
-    missing = [name for name in METHODS if name not in available]
     lines = ["usage: posttrain COMMAND [--flag VALUE ...] [--config run.yaml]", "", "training commands:"]
-    lines += [f"  {name:<8}  {method.summary}" for name, method in available.items()]
-    if missing:
-        lines.append(f"  (not available yet: {', '.join(missing)})")
+    lines += [f"  {name:<8}  {method.summary}" for name, method in METHODS.items()]
     lines += ["", "other commands:"] + [f"  {name:<8}  {text}" for name, text in TOOLS.items()]
     lines += ["  --version", "", "`posttrain COMMAND --help` lists that command's flags."]
     return "\n".join(lines)
@@ -159,8 +155,9 @@ def usage() -> str:
 
 def command_groups(method: Method, config_class: type) -> list[FlagGroup]:
     """The flags of a training command: the config's fields first (a name it defines is its own), then the
-    model, data, reward (online methods) and process flags."""
-    classes = [(f"training ({config_class.__name__})", config_class), ("model", ModelArguments),
+    model (TRL's ModelConfig), data (TRL's ScriptArguments and DatasetMixtureConfig), reward (online methods)
+    and process flags: the flags of TRL's `trl <method>`."""
+    classes = [(f"training ({config_class.__name__})", config_class), ("model", ModelConfig),
                ("data", DataArguments)]
     if method.kind == "online":
         classes.append(("rewards", RewardArguments))
@@ -170,10 +167,6 @@ def command_groups(method: Method, config_class: type) -> list[FlagGroup]:
 def train_command(name: str, argv: list[str]) -> int:
     started = time.perf_counter()
     method = METHODS[name]
-    if not method.available():
-        ready = [other for other, candidate in METHODS.items() if candidate.available()]
-        raise ConfigError(f"`posttrain {name}` is not available yet ({method.module} is not in this installation); "
-                          f"available: {', '.join(ready)}.")
     trainer_class, config_class = method.load()
     groups = command_groups(method, config_class)
     parser = build_parser(f"posttrain {name}", f"{method.summary}; every {config_class.__name__} field is a flag.",
@@ -188,16 +181,23 @@ def train_command(name: str, argv: list[str]) -> int:
         if launch.num_processes > 1 or launch.accelerate_config:
             return relaunch(name, argv, launch, settings)
 
-    model_args = ModelArguments(**values[ModelArguments])
-    config = build_config(name, config_class, values[config_class], model_args)
+    model_args = ModelConfig(**values[ModelConfig])
+    config = build_config(name, config_class, values[config_class], model_args, given=set(settings))
     peft_config = lora_config(model_args, method.kind, settings)
+    quantization_config = get_quantization_config(model_args)
     extra = reward_arguments(RewardArguments(**values[RewardArguments])) if method.kind == "online" else {}
+    if quantization_config is not None:
+        extra["quantization_config"] = quantization_config
+    data_args = DataArguments(**values[DataArguments])
     with config.main_process_first(desc="loading the dataset"):
-        train_dataset, eval_dataset = load_training_data(DataArguments(**values[DataArguments]), seed=config.seed)
+        train_dataset, eval_dataset = load_training_data(data_args, seed=config.seed,
+                                                         evaluate=config.eval_strategy != "no")
 
     _configure_logging()
     trainer = trainer_class(model=model_args.model_name_or_path, args=config, train_dataset=train_dataset,
                             eval_dataset=eval_dataset, peft_config=peft_config, **extra)
+    if data_args.ignore_bias_buffers:
+        ignore_bool_buffers(trainer.model)
     _show_live_metrics(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     if eval_dataset is not None and config.eval_strategy == "no":
@@ -220,8 +220,19 @@ def _configure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def build_config(name: str, config_class: type, values: dict[str, Any], model_args: ModelArguments):
-    """The method's config from the given settings; `--dtype` / `--attn_implementation` go to model_init_kwargs."""
+def ignore_bool_buffers(model) -> None:
+    """TRL's `ignore_bias_buffers`: DDP leaves boolean buffers (causal masks) out of its buffer broadcast."""
+    import torch
+
+    model._ddp_params_and_buffers_to_ignore = [name for name, buffer in model.named_buffers()
+                                               if buffer.dtype == torch.bool]
+
+
+def build_config(name: str, config_class: type, values: dict[str, Any], model_args: ModelConfig,
+                 given: set[str] | None = None):
+    """The method's config from the given settings; the model flags (`--dtype`, `--attn_implementation`,
+    `--model_revision`) go to model_init_kwargs, under the config's own model_init_kwargs (as in TRL's scripts),
+    and a flag given explicitly that contradicts them is an error."""
     if not model_args.model_name_or_path:
         raise ConfigError("--model_name_or_path is required (a hub id, a local directory, or "
                           "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config.")
@@ -230,14 +241,18 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
         raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: no such directory.")
     values = dict(values)
     values.setdefault("output_dir", f"outputs/{name}")
+    given = set(values) | {"dtype", "attn_implementation"} if given is None else given
     init_kwargs = dict(values.get("model_init_kwargs") or {})
-    for key in ("dtype", "attn_implementation"):
-        flag_value = getattr(model_args, key)
-        if flag_value is None:
+    flags = {"dtype": "dtype", "attn_implementation": "attn_implementation", "revision": "model_revision"}
+    for key, flag in flags.items():
+        flag_value = getattr(model_args, flag)
+        if flag_value is None or (key == "revision" and flag_value == "main"):  # main: from_pretrained's default
             continue
         if key in init_kwargs and init_kwargs[key] != flag_value:
-            raise ConfigError(f"--{key} {flag_value} conflicts with model_init_kwargs {{'{key}': "
-                              f"{init_kwargs[key]!r}}}; set it in one place.")
+            if flag in given:
+                raise ConfigError(f"--{flag} {flag_value} conflicts with model_init_kwargs {{'{key}': "
+                                  f"{init_kwargs[key]!r}}}; set it in one place.")
+            continue
         init_kwargs[key] = flag_value
     values["model_init_kwargs"] = init_kwargs or None
     try:
@@ -248,30 +263,28 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
         raise ConfigError(f"{config_class.__name__}: {' '.join(str(err).split())}") from None
 
 
-def lora_config(model_args: ModelArguments, kind: str, settings: dict[str, Any]):
-    """A peft LoraConfig when --use_peft is on; LoRA flags without it are a mistake, not silently ignored."""
-    lora_flags = sorted(name for name in settings if name.startswith("lora_"))
+def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
+    """A peft LoraConfig when --use_peft is on (TRL's get_peft_config); LoRA flags without it are a mistake, not
+    silently ignored. A reward model's adapter is a sequence classifier's unless --lora_task_type says otherwise."""
+    lora_flags = sorted(name for name in settings if name in LORA_FIELDS)
     if not model_args.use_peft:
         if lora_flags:
             raise ConfigError(f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop "
                               f"the LoRA settings.")
         return None
-    from peft import LoraConfig
-
-    targets = model_args.lora_target_modules
-    return LoraConfig(
-        r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-        target_modules="all-linear" if targets in (None, ["all-linear"]) else targets,
-        task_type="SEQ_CLS" if kind == "reward" else "CAUSAL_LM",
-    )
+    if kind == "reward" and "lora_task_type" not in settings:
+        model_args = dataclasses.replace(model_args, lora_task_type="SEQ_CLS")
+    return get_peft_config(model_args)
 
 
 def reward_arguments(args: RewardArguments) -> dict[str, Any]:
-    """The trainer's `reward_funcs`: library functions, imported functions, or reward model names."""
-    if not args.reward_funcs:
+    """The trainer's `reward_funcs`: a reward model first (as TRL's scripts order them), then library
+    functions, imported functions, or reward model names."""
+    if not args.reward_funcs and not args.reward_model_name_or_path:
         raise ConfigError("--reward_funcs is required for this method: name one or more rewards, e.g. "
-                          "--reward_funcs accuracy_reward think_format_reward.")
-    return {"reward_funcs": [resolve_reward(spec) for spec in args.reward_funcs]}
+                          "--reward_funcs accuracy_reward think_format_reward (or give --reward_model_name_or_path).")
+    models = [args.reward_model_name_or_path] if args.reward_model_name_or_path else []
+    return {"reward_funcs": models + [resolve_reward(spec) for spec in args.reward_funcs or []]}
 
 
 def resolve_reward(spec: str):
@@ -317,7 +330,10 @@ def relaunch(name: str, argv: list[str], launch: LaunchArguments, settings: dict
     import subprocess
 
     if launch.accelerate_config and not Path(launch.accelerate_config).is_file():
-        raise ConfigError(f"--accelerate_config {launch.accelerate_config}: no such file.")
+        preset = "" if Path(launch.accelerate_config).suffix else (
+            " posttrain ships no named accelerate presets (TRL's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu); write "
+            "one with `accelerate config` and pass its path.")
+        raise ConfigError(f"--accelerate_config {launch.accelerate_config}: no such file.{preset}")
     child_args = _without_launch_flags(argv)
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     if launch.accelerate_config:
@@ -441,6 +457,9 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     rows += [(package, _version(package)) for package in CORE_PACKAGES]
     rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
     rows.append(("accelerator", _accelerator()))
+    from posttrain.rewards.sandbox import sandbox_backend
+
+    rows.append(("code sandbox", sandbox_backend()))
     return "\n".join(f"{name:<14} {value}" for name, value in rows)
 
 

@@ -1,8 +1,9 @@
 """End-of-run report: one PNG per metric group and a self-contained report.html in the output directory.
 
 Everything is rebuilt from the Trainer's ``log_history`` (plus the optional ``completions.jsonl`` written by
-the online trainers), so the same code serves the end of training and ``posttrain report OUTPUT_DIR`` on a
-finished run. matplotlib is imported only when a plot is drawn, so importing this module stays cheap.
+the online trainers), so the same code serves the end of training and ``posttrain report OUTPUT_DIR`` on any run:
+every trainer appends each log entry to ``metrics.jsonl`` as it logs, whatever the save strategy. Each quantity gets
+its own panel (its own scale); matplotlib is imported only when a plot is drawn, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 REPORT_NAME = "report.html"
+METRICS_NAME = "metrics.jsonl"
 STATE_NAME = "trainer_state.json"
 COMPLETIONS_NAME = "completions.jsonl"
 EVAL_PREFIX = "eval_"
@@ -45,18 +47,27 @@ RUN_STATISTICS = frozenset(
 
 
 class Series(NamedTuple):
-    """One metric as plotted: the steps where it was logged with a finite value, and those values."""
+    """One metric as plotted: the steps where it was logged with a finite value, and those values.
+
+    ``window_start``: the step the first value's logging window began at (train metrics are averages over the
+    steps since the previous log), so a metric logged once is drawn as a line over that window, not a lone dot.
+    """
 
     steps: list[float]
     values: list[float]
+    window_start: float = 0.0
 
 
 def load_log_history(output_dir: str | Path) -> list[dict[str, Any]]:
-    """Read ``log_history`` from OUTPUT_DIR/trainer_state.json, else from the newest checkpoint-N/.
+    """Read the log history from OUTPUT_DIR/metrics.jsonl (written as the run logs), else from trainer_state.json,
+    else from the newest checkpoint-N/.
 
-    The top-level file exists only once the run called ``save_state()``; every checkpoint carries its own copy,
-    so an interrupted or still-running run can be reported too.
+    metrics.jsonl is there whatever the save strategy, also for an interrupted or still-running run; the
+    trainer_state.json files serve runs made before it existed.
     """
+    metrics_path = Path(output_dir) / METRICS_NAME
+    if metrics_path.is_file():
+        return _read_metrics_jsonl(metrics_path)
     state_path = _find_trainer_state(Path(output_dir))
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
@@ -68,6 +79,23 @@ def load_log_history(output_dir: str | Path) -> list[dict[str, Any]]:
             f"{state_path} has no 'log_history' list of dicts; pass the trainer_state.json that "
             "transformers' Trainer writes, or give write_report(log_history=...) directly."
         )
+    return history
+
+
+def _read_metrics_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One log entry per line; a half-written last line (a run killed mid-write) is skipped."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    history = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise DataError(f"{path} line {number} is not valid JSON ({err}); fix or delete that line.") from err
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {number} is not a JSON object of logged metrics; fix or delete that line.")
+        history.append(row)
     return history
 
 
@@ -105,6 +133,7 @@ def _collect_series(log_history: list[dict[str, Any]]) -> dict[str, Series]:
     pretends to have been logged.
     """
     series: dict[str, Series] = {}
+    last_train_step = 0.0  # where the current train logging window began
     for index, row in enumerate(log_history):
         step = _as_number(row.get("step"))
         if step is None or not math.isfinite(step):
@@ -112,14 +141,19 @@ def _collect_series(log_history: list[dict[str, Any]]) -> dict[str, Series]:
                 f"log_history row {index} has no numeric 'step' ({row!r}); every row the Trainer logs carries "
                 "one, so add it when building the history by hand."
             )
+        is_train_row = not any(key.startswith(EVAL_PREFIX) or key in RUN_STATISTICS for key in row)
         for key, raw in row.items():
             value = _as_number(raw)
             if key == "step" or value is None:
                 continue
             points = series.setdefault(key, Series([], []))
             if math.isfinite(value):
+                if not points.steps:
+                    series[key] = points = points._replace(window_start=last_train_step if is_train_row else step)
                 points.steps.append(row["step"])
                 points.values.append(value)
+        if is_train_row:
+            last_train_step = step
     return series
 
 
@@ -154,26 +188,58 @@ def _matplotlib() -> tuple[type, type]:
     return Figure, FigureCanvasAgg
 
 
-def plot_group(name: str, lines: dict[str, Series]) -> Figure:
-    """Draw one group on shared axes against the step; eval lines are dashed with markers as they are sparse."""
-    figure_class, canvas_class = _matplotlib()
-    figure = figure_class(figsize=(7, 4), dpi=100, layout="tight")
-    canvas_class(figure)
-    axes = figure.add_subplot()
+def display_name(key: str) -> str:
+    """A metric key short enough to read: a reward model's path in ``rewards/<path>/mean`` becomes its last
+    component (``rewards/<name>/mean``), as TRL names reward models; other keys are unchanged."""
+    prefix = EVAL_PREFIX if key.startswith(EVAL_PREFIX) else ""
+    parts = [part for part in key.removeprefix(prefix).split("/") if part]
+    if len(parts) > 3:
+        parts = [parts[0], parts[-2], parts[-1]]
+    return prefix + "/".join(parts) if parts else key
+
+
+def panels(lines: dict[str, Series]) -> dict[str, dict[str, Series]]:
+    """Quantity -> its lines: a train metric and its ``eval_`` twin share a panel (same scale), nothing else does."""
+    grouped: dict[str, dict[str, Series]] = {}
     for key, points in lines.items():
-        is_eval = key.startswith(EVAL_PREFIX)
-        axes.plot(
-            points.steps,
-            points.values,
-            label=key,
-            linestyle="--" if is_eval else "-",
-            marker="o" if is_eval or len(points.steps) < 2 else None,
-            markersize=4,
-        )
-    axes.set(title=name, xlabel="step")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+        grouped.setdefault(key.removeprefix(EVAL_PREFIX), {})[key] = points
+    return grouped
+
+
+def plot_group(name: str, lines: dict[str, Series]) -> Figure:
+    """Draw one group, one panel per quantity with its own y scale, against the step.
+
+    Eval lines are dashed with markers (they are sparse). A metric logged once is a line, not a lone dot: a train
+    value over the logging window it averages, an eval value as a level across the panel.
+    """
+    figure_class, canvas_class = _matplotlib()
+    quantities = panels(lines)
+    columns = 1 if len(quantities) == 1 else 2
+    rows = math.ceil(len(quantities) / columns)
+    figure = figure_class(figsize=(7 if columns == 1 else 11, 1.2 + 2.8 * rows), dpi=100, layout="constrained")
+    canvas_class(figure)
+    for index, (quantity, quantity_lines) in enumerate(quantities.items()):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        for key, points in quantity_lines.items():
+            _draw_series(axes, key, points)
+        axes.set(title="" if display_name(quantity) == name else display_name(quantity), xlabel="step")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    figure.suptitle(name)
     return figure
+
+
+def _draw_series(axes, key: str, points: Series) -> None:
+    is_eval = key.startswith(EVAL_PREFIX)
+    style = {"label": display_name(key), "linestyle": "--" if is_eval else "-", "markersize": 4}
+    if len(points.steps) != 1:
+        axes.plot(points.steps, points.values, marker="o" if is_eval or len(points.steps) < 20 else None, **style)
+        return
+    (line,) = axes.plot(points.steps, points.values, marker="o", **style)
+    if is_eval or points.window_start >= points.steps[0]:
+        axes.axhline(points.values[0], color=line.get_color(), linestyle=":", linewidth=1)
+    else:
+        axes.hlines(points.values[0], points.window_start, points.steps[0], color=line.get_color(), linewidth=1.5)
 
 
 def _plot_file_name(group: str, taken: set[str]) -> str:
@@ -320,7 +386,7 @@ def _summary_html(log_history: list[dict[str, Any]]) -> str:
         else:
             numbers_html = '<td class="num">no finite value</td>' + '<td class="num"></td>' * 3
         count_html = f'<td class="num">{len(points.values)}</td>'
-        metric_rows.append(f"<tr><td>{html.escape(key)}</td>{numbers_html}{count_html}</tr>")
+        metric_rows.append(f"<tr><td>{html.escape(display_name(key))}</td>{numbers_html}{count_html}</tr>")
     return (
         f"<h2>Summary</h2>\n<table>{fact_rows}</table>\n<table>\n"
         "<tr><th>metric</th><th>final</th><th>at step</th><th>min</th><th>max</th><th>points</th></tr>\n"
@@ -334,7 +400,7 @@ def _plots_html(groups: dict[str, dict[str, Series]], plots: dict[str, Path]) ->
     figures = []
     for name, path in plots.items():
         data = base64.b64encode(path.read_bytes()).decode("ascii")
-        keys = html.escape(", ".join(groups[name]), quote=True)
+        keys = html.escape(", ".join(map(display_name, groups[name])), quote=True)
         figures.append(
             f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(name, quote=True)}: {keys}" '
             f'title="{html.escape(path.name, quote=True)}">'
@@ -352,20 +418,42 @@ def _as_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=1)
 
 
+def _reward_columns(records: list[dict[str, Any]]) -> list[str]:
+    """Reward-function names from the records' optional ``rewards`` mapping (name -> that function's reward)."""
+    names: dict[str, None] = {}
+    for record in records:
+        if isinstance(record.get("rewards"), dict):
+            names.update(dict.fromkeys(map(str, record["rewards"])))
+    return list(names)
+
+
+def _number_cell(value: Any) -> str:
+    number = _as_number(value)
+    return f'<td class="num">{"" if number is None or not math.isfinite(number) else _format_number(number)}</td>'
+
+
 def _completions_html(records: list[dict[str, Any]]) -> str:
+    """Prompt, completion and total reward per record, plus one column per reward function where the records
+    carry ``rewards`` (a function that gave no reward for a record leaves its cell empty)."""
     if not records:
         return ""
+    functions = _reward_columns(records)
     rows = []
     for record in records:
-        reward = _as_number(record.get("reward"))
+        per_function = record.get("rewards") if isinstance(record.get("rewards"), dict) else {}
         cells = [
             f'<td class="num">{html.escape(str(record["step"]))}</td>',
             f"<td><pre>{html.escape(_as_text(record.get('prompt', '')))}</pre></td>",
             f"<td><pre>{html.escape(_as_text(record['completion']))}</pre></td>",
-            f'<td class="num">{"" if reward is None else _format_number(reward)}</td>',
+            _number_cell(record.get("reward")),
+            *(_number_cell(per_function.get(name)) for name in functions),
         ]
         rows.append("<tr>" + "".join(cells) + "</tr>")
+    # A reward model is named by its path; its last component reads better and is what TRL calls it.
+    function_headers = "".join(f"<th>{html.escape(name.rstrip('/').rsplit('/', 1)[-1] or name)}</th>"
+                               for name in functions)
     return (
         "<h2>Sample completions</h2>\n<table>\n"
-        "<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th></tr>\n" + "\n".join(rows) + "\n</table>"
+        f"<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th>{function_headers}</tr>\n"
+        + "\n".join(rows) + "\n</table>"
     )

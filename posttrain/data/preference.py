@@ -29,8 +29,8 @@ def _text_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], dict[str, list[int]]]:
-    """Prompt rendered with the generation prompt; each completion is the rendered continuation, which ends
-    with the end-of-turn token but not with the whitespace the template puts after it."""
+    """Prompt rendered with the generation prompt; each completion is the whole rendered continuation: the
+    end-of-turn token and whatever the template puts after it (ChatML's newline), as TRL trains it."""
     require_chat_template(tokenizer)
     prompt = list(example["prompt"])
     continue_final = prompt[-1]["role"] == "assistant"  # an assistant-ended prompt is continued, not answered
@@ -45,7 +45,7 @@ def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], 
                 f"{column} completion cannot be told apart. Check the chat template (it must render earlier turns "
                 "the same way whatever follows them)."
             )
-        completions[column] = _text_ids(tokenizer, full[len(prompt_text):].rstrip(), add_special_tokens=False)
+        completions[column] = _text_ids(tokenizer, full[len(prompt_text):], add_special_tokens=False)
     # The template carries any BOS itself.
     return _text_ids(tokenizer, prompt_text, add_special_tokens=False), completions
 
@@ -70,12 +70,11 @@ def tokenize_preference(
     row: int,
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
-    max_length: int | None = None,
 ) -> dict[str, list[int]]:
     """`prompt_ids`, `chosen_ids`, `rejected_ids` for one standard or conversational preference row.
 
-    Truncation keeps the end of the prompt (the part next to the answer) and the start of each completion;
-    `max_length` then bounds prompt + completion by cutting the completion.
+    The optional per-part limits keep the end of the prompt (the part next to the answer) and the start of
+    each completion. The bound on the whole sequence (`max_length`) is applied by `PreferenceCollator`.
     """
     if not fmt.has_explicit_prompt:
         example = extract_prompt(example)
@@ -86,18 +85,9 @@ def tokenize_preference(
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
     for column, ids in completions.items():
-        keep = len(ids) if max_completion_length is None else max_completion_length
-        if max_length is not None:
-            keep = min(keep, max_length - len(prompt_ids))
-        if keep <= 0 and ids and max_length is not None:
-            raise DataError(
-                f"Row {row}: prompt longer than max_length leaving nothing to compare: its prompt takes "
-                f"{len(prompt_ids)} of max_length={max_length} tokens and no '{column}' token is left. Raise "
-                "max_length, lower max_prompt_length (the prompt keeps its end), or drop the row."
-            )
-        if keep <= 0:
+        if not ids:
             raise DataError(f"Row {row}: the '{column}' completion has no tokens. Fix or drop the row.")
-        completions[column] = ids[:keep]
+        completions[column] = ids if max_completion_length is None else ids[:max_completion_length]
     return {"prompt_ids": prompt_ids, **{f"{c}_ids": ids for c, ids in completions.items()}}
 
 
@@ -121,6 +111,35 @@ def warn_identical_pairs(dataset, name: str = "train_dataset") -> list[int]:
     return same
 
 
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str):
+    """Drops the rows that `max_length` leaves without a comparison, with a warning naming how many.
+
+    mode 'keep_start' (DPO: the collator cuts each sequence's end) drops rows whose prompt alone fills max_length;
+    'keep_end' (the collator keeps each sequence's end) drops nothing; 'drop' (reward modelling, as TRL does) drops
+    rows where prompt + chosen or prompt + rejected is longer than max_length.
+    """
+    if max_length is None or mode == "keep_end" or not len(dataset):
+        return dataset
+    if mode == "keep_start":
+        keep = [len(p) < max_length for p in dataset["prompt_ids"]]
+        why = f"their prompt alone fills max_length={max_length}, leaving no completion token"
+    else:
+        keep = [len(p) + max(len(c), len(r)) <= max_length
+                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+        why = f"prompt + chosen or prompt + rejected is longer than max_length={max_length}"
+    dropped = len(keep) - sum(keep)
+    if dropped == len(keep):
+        raise DataError(f"Every row of {name} is dropped because {why}. Raise max_length (or set it to None).")
+    if dropped:
+        logger.warning("Dropping %d of %d rows of %s: %s. Raise max_length to keep them.", dropped, len(keep), name,
+                       why)
+        dataset = dataset.select([i for i, k in enumerate(keep) if k])
+    return dataset
+
+
 def prepare_preference_dataset(
     dataset,
     tokenizer,
@@ -130,11 +149,12 @@ def prepare_preference_dataset(
     max_prompt_length: int | None = None,
     max_completion_length: int | None = None,
     max_length: int | None = None,
+    truncation_mode: str = "keep_start",
     num_proc: int | None = None,
 ):
-    """Validates a preference dataset and tokenizes every row (checking each); keeps the FLOAT_COLUMNS.
-
-    `trainer` names the caller in error messages.
+    """Validates a preference dataset and tokenizes every row (checking each); keeps the FLOAT_COLUMNS; drops the
+    rows `max_length` leaves without a comparison (see `drop_overlong_rows`; `truncation_mode` 'drop' is the
+    reward trainer's rule). `trainer` names the caller in error messages.
     """
     first = dataset[0] if len(dataset) else {}
     if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
@@ -142,13 +162,13 @@ def prepare_preference_dataset(
     fmt = validate_dataset(dataset, ("preference",), trainer, name)
     if fmt.conversational:
         require_chat_template(tokenizer)
-    limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                  max_length=max_length)
+    limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
     dataset = dataset.map(
         _tokenize_row, with_indices=True, num_proc=num_proc,
         remove_columns=[c for c in dataset.column_names if c not in FLOAT_COLUMNS],
         fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, limits=limits), desc=f"Tokenizing {name}",
     )
+    dataset = drop_overlong_rows(dataset, max_length, truncation_mode, name)
     warn_identical_pairs(dataset, name)
     return dataset
 
@@ -157,20 +177,34 @@ def prepare_preference_dataset(
 class PreferenceCollator:
     """B preference rows -> 2B sequences: prompt+chosen (rows 0..B-1), then prompt+rejected (rows B..2B-1).
 
-    `completion_mask` is 1 on completion tokens, except on a sequence's first token (which nothing predicts;
-    it matters only for an empty prompt). Padded batches are right padded with an `attention_mask`;
-    padding-free batches are one row with `position_ids` restarting at 0 for each sequence (see collators.py).
+    Each sequence longer than `max_length` is cut: 'keep_start' keeps its first max_length tokens (the end of the
+    completion goes), 'keep_end' its last ones (the start of the prompt goes). `completion_mask` is 1 on
+    completion tokens, except on a sequence's first token (which nothing predicts; it matters only for an empty
+    or cut-away prompt). Padded batches are right padded, to a multiple of `pad_to_multiple_of` if set, with an
+    `attention_mask`; padding-free batches are one row with `position_ids` restarting at 0 for each sequence.
     """
 
     pad_token_id: int
     padding_free: bool = False
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self):
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode={self.truncation_mode!r}; choose from {list(TRUNCATION_MODES)}.")
+
+    def _cut(self, ids: list) -> list:
+        if self.max_length is None or len(ids) <= self.max_length:
+            return ids
+        return ids[: self.max_length] if self.truncation_mode == "keep_start" else ids[len(ids) - self.max_length:]
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         sequences, masks = [], []
         for column in ("chosen_ids", "rejected_ids"):
             for e in examples:
-                sequences.append(list(e["prompt_ids"]) + list(e[column]))
-                mask = [0] * len(e["prompt_ids"]) + [1] * len(e[column])
+                sequences.append(self._cut(list(e["prompt_ids"]) + list(e[column])))
+                mask = self._cut([0] * len(e["prompt_ids"]) + [1] * len(e[column]))
                 mask[0] = 0
                 masks.append(mask)
         if self.padding_free:
@@ -181,10 +215,11 @@ class PreferenceCollator:
                 "use_cache": False,
             }
         else:
+            multiple = self.pad_to_multiple_of
             batch = {
-                "input_ids": pad(sequences, self.pad_token_id),
-                "attention_mask": pad([[1] * len(s) for s in sequences], 0),
-                "completion_mask": pad(masks, 0),
+                "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
+                "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
+                "completion_mask": pad(masks, 0, multiple_of=multiple),
             }
         for column in FLOAT_COLUMNS:
             if column in examples[0]:

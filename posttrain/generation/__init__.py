@@ -15,7 +15,13 @@ def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
         from .vllm_backend import create_vllm_backend
 
         return create_vllm_backend(model, tokenizer, args, stop_ids)
-    return TransformersBackend(model, tokenizer.pad_token_id, stop_ids)
+    if getattr(args, "use_transformers_continuous_batching", False):
+        from .continuous_batching import ContinuousBatchingBackend
+
+        return ContinuousBatchingBackend(model, tokenizer.pad_token_id, stop_ids,
+                                         getattr(args, "transformers_continuous_batching_config", None))
+    return TransformersBackend(model, tokenizer.pad_token_id, stop_ids,
+                               cache_implementation=getattr(args, "cache_implementation", None))
 
 
 __all__ = [

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,8 @@ from ..errors import ConfigError
 @dataclass(frozen=True)
 class SamplingParams:
     """How completions are sampled. Filters apply in this order: repetition penalty, temperature, top-k,
-    top-p, min-p; 0 (top_k, min_p) and 1.0 (top_p, repetition_penalty) switch a filter off."""
+    top-p, min-p; 0 (top_k, min_p) and 1.0 (top_p, repetition_penalty) switch a filter off. `extra` holds
+    backend-specific settings (the config's generation_kwargs); `regex` constrains completions (vLLM only)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -26,6 +28,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -71,9 +75,10 @@ class GenerationBackend(ABC):
         batch across processes or calls does not change what is sampled.
         """
 
-    def sync_weights(self, model) -> None:
-        """Makes the sampler use `model`'s current weights. Nothing to do for a backend that samples with
-        the training model itself."""
+    def sync_weights(self, model, force: bool = False) -> None:
+        """Makes the sampler use `model`'s current weights: when its schedule says so (once per training
+        round), or now with `force` (evaluation). Nothing to do for a backend that samples with the training
+        model itself."""
 
 
 def completion_seeds(seed: int | Sequence[int] | None, num_prompts: int, n: int) -> list[int] | None:

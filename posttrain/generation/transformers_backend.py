@@ -23,6 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from ..errors import ConfigError
 from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
 
 
@@ -56,6 +57,21 @@ def _filters(sampling: SamplingParams) -> list[LogitsProcessor]:
     return filters
 
 
+def generation_config(sampling: SamplingParams, eos_token_ids: Sequence[int], pad_token_id: int,
+                      **settings) -> GenerationConfig:
+    """Greedy decoding over the filtered, Gumbel-noised scores, plus `sampling.extra` (generation_kwargs),
+    each key of which must be a GenerationConfig setting (an unknown one would be ignored without a word)."""
+    known = GenerationConfig().to_dict()
+    unknown = sorted(set(sampling.extra) - set(known))
+    if unknown:
+        raise ConfigError(f"generation_kwargs has keys that transformers' GenerationConfig does not know: {unknown}. "
+                          "Fix their spelling or drop them (vLLM-only settings need use_vllm=True).")
+    return GenerationConfig(**{
+        **sampling.extra, "max_new_tokens": sampling.max_tokens, "do_sample": False, "num_beams": 1,
+        "repetition_penalty": sampling.repetition_penalty, "eos_token_id": list(eos_token_ids),
+        "pad_token_id": pad_token_id, **{k: v for k, v in settings.items() if v is not None}})
+
+
 class TransformersBackend(GenerationBackend):
     """Generates with `model` (the trainer's model object, so it always has the current weights).
 
@@ -63,10 +79,12 @@ class TransformersBackend(GenerationBackend):
     mode without gradients; the model's train/eval mode is restored afterwards.
     """
 
-    def __init__(self, model, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, model, pad_token_id: int, eos_token_ids: Sequence[int],
+                 cache_implementation: str | None = None) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
+        self.cache_implementation = cache_implementation
 
     @torch.no_grad()
     def generate(
@@ -85,11 +103,8 @@ class TransformersBackend(GenerationBackend):
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r)) + r for r in rows], device=device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_tokens, do_sample=False, num_beams=1, use_cache=True,
-            repetition_penalty=sampling.repetition_penalty, eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-        )
+        config = generation_config(sampling, self.eos_token_ids, self.pad_token_id,
+                                   cache_implementation=self.cache_implementation)
         processors = LogitsProcessorList([*_filters(sampling), SeededGumbelSampler(seeds, device)])
         was_training = model.training
         model.eval()
@@ -98,11 +113,13 @@ class TransformersBackend(GenerationBackend):
                                     logits_processor=processors)
         finally:
             model.train(was_training)
-        return [self._completion(i // n, generated) for i, generated in enumerate(output[:, width:].tolist())]
+        return [completion_from_tokens(i // n, generated, self.eos_token_ids)
+                for i, generated in enumerate(output[:, width:].tolist())]
 
-    def _completion(self, prompt_index: int, generated: list[int]) -> Completion:
-        """Keeps the tokens up to and including the first stop token (what follows is padding)."""
-        for position, token in enumerate(generated):
-            if token in self.eos_token_ids:
-                return Completion(prompt_index, generated[: position + 1], None, True)
-        return Completion(prompt_index, generated, None, False)
+
+def completion_from_tokens(prompt_index: int, generated: list[int], eos_token_ids: Sequence[int]) -> Completion:
+    """Keeps the tokens up to and including the first stop token (what follows is padding)."""
+    for position, token in enumerate(generated):
+        if token in eos_token_ids:
+            return Completion(prompt_index, generated[: position + 1], None, True)
+    return Completion(prompt_index, generated, None, False)

@@ -202,11 +202,11 @@ class VLLMServerBackend(GenerationBackend):
         return self.client.generate(prompt_ids, n, sampling, completion_seeds(seed, len(prompt_ids), 1),
                                     self.stop_token_ids, context=context)
 
-    def sync_weights(self, model) -> None:
-        if not self.schedule.due():
+    def sync_weights(self, model, force: bool = False) -> None:
+        if not force and not self.schedule.due():
             return
         if _is_main_process():
-            context = f"weight sync at optimizer step {self.schedule.step}"
+            context = "weight sync for evaluation" if force else f"weight sync at optimizer step {self.schedule.step}"
             with policy_weights(model) as weights:
                 save_weights(weights, self.sync_dir, self.dtype)
             self.client.reload_weights(str(self.sync_dir), context=context)
@@ -223,7 +223,7 @@ class VLLMColocateBackend(GenerationBackend):
 
     def __init__(self, model, tokenizer, stop_token_ids: Sequence[int], max_model_len: int, sync_steps: int = 1,
                  steps_per_round: int = 1, kv_cache_gb: float | None = 1.0, gpu_memory_utilization: float = 0.3,
-                 enable_sleep_mode: bool = False, seed: int = 0) -> None:
+                 enable_sleep_mode: bool = False, seed: int = 0, model_impl: str = "vllm") -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             from vllm import LLM
@@ -242,7 +242,8 @@ class VLLMColocateBackend(GenerationBackend):
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker makes it a no-op in its process (ours)
         self.llm = LLM(model=self._directory.name, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                       generation_config="vllm", enable_sleep_mode=enable_sleep_mode, seed=seed, **memory)
+                       generation_config="vllm", enable_sleep_mode=enable_sleep_mode, seed=seed,
+                       model_impl=model_impl, **memory)
         torch.set_num_threads = set_num_threads
         if enable_sleep_mode:
             self.llm.sleep(level=1)
@@ -254,18 +255,24 @@ class VLLMColocateBackend(GenerationBackend):
 
         _check_lengths(prompt_ids, sampling, self.max_model_len, "the colocated vLLM engine")
         seeds = completion_seeds(seed, len(prompt_ids), 1) or [None] * len(prompt_ids)
+        structured = {}
+        if sampling.regex is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
         params = [VLLMSamplingParams(
-            n=n, seed=s, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-            stop_token_ids=self.stop_token_ids, logprobs=0, detokenize=False) for s in seeds]
+            **sampling.extra, **structured, n=n, seed=s, max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty, stop_token_ids=self.stop_token_ids, logprobs=0,
+            detokenize=False) for s in seeds]
         with self._awake():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids], params,
                                         use_tqdm=False)
         return [completion_from_output(i, sample.token_ids, _sampled_logprobs(sample), self.stop_token_ids)
                 for i, output in enumerate(outputs) for sample in output.outputs]
 
-    def sync_weights(self, model) -> None:
-        if not self.schedule.due():
+    def sync_weights(self, model, force: bool = False) -> None:
+        if not force and not self.schedule.due():
             return
         with self._awake(), policy_weights(model) as weights:
             self.llm.collective_rpc("posttrain_reload_from_tensors", args=(weights,))
@@ -322,13 +329,15 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
                           "`posttrain vllm-serve`, 'colocate' for vLLM inside the training process.")
     common = dict(sync_steps=args.vllm_sync_steps, steps_per_round=args.steps_per_generation)
     if mode == "server":
-        url = args.vllm_server_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        client = VLLMClient(url, timeout_s=args.vllm_server_timeout_s, connect_timeout_s=args.vllm_server_timeout_s)
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
         vocab_size = getattr(_policy(model).config, "vocab_size", None)
         return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
     context = _policy(model).config.max_position_embeddings
-    max_model_len = min(context, (args.max_prompt_length or context) + args.max_completion_length)
+    max_model_len = args.vllm_max_model_length or min(
+        context, (args.max_prompt_length or context) + args.max_completion_length)
     return VLLMColocateBackend(model, tokenizer, stop_token_ids, max_model_len=max_model_len,
+                               model_impl=args.vllm_model_impl,
                                kv_cache_gb=args.vllm_kv_cache_gb,
                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed, **common)

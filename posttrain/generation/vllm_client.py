@@ -156,6 +156,9 @@ class VLLMClient:
             "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": list(stop_token_ids),
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
         }
+        body.update(sampling.extra)
+        if sampling.regex is not None:
+            body["structured_outputs"] = {"regex": sampling.regex}
         if seed is not None:
             body["seed"] = seed
         answer = self.request("POST", "/v1/completions", body, what="generation", context=context)

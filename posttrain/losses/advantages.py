@@ -5,11 +5,14 @@ Everything here produces *targets*: inputs are detached and nothing is different
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.errors import ConfigError
 
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -48,6 +51,40 @@ def group_advantages(
     elif scale_rewards == "batch":
         centred = centred / (groups.std() + eps)
     return centred.reshape(-1)
+
+
+def _nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std of the non-NaN entries; NaN where fewer than two."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    count = (~values.isnan()).sum(dim=dim, keepdim=True)
+    variance = torch.nansum((values - mean) ** 2, dim=dim, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, variance.sqrt(), torch.nan)
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+def decoupled_advantages(
+    rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int, eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO advantages (multi_objective_aggregation="normalize_then_sum"): normalise each reward function
+    within its group first, then sum with the weights, then normalise over the batch.
+
+    rewards_per_function [N, F] (NaN where a function does not apply), groups of `num_generations`
+    consecutive rows. Per function: (r - group mean) / (group std + eps), NaN-aware; their weighted sum
+    (NaN entries skipped) is centred and scaled by the batch's mean and std (+ eps). Summing raw rewards
+    first would let the function with the largest spread drown the others; normalising each first gives
+    every objective its own say. Rows no function applies to, and NaN results, get advantage 0.
+    """
+    if rewards_per_function.dim() != 2 or weights.numel() != rewards_per_function.shape[1]:
+        raise ConfigError(f"rewards_per_function {tuple(rewards_per_function.shape)} must be [N, F] with one of "
+                          f"the {weights.numel()} reward_weights per column.")
+    per_function = rewards_per_function.detach()
+    groups = _grouped(per_function[:, 0], num_generations).shape[0]
+    grouped = per_function.reshape(groups, num_generations, -1)
+    normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, 1, True) + eps)
+    summed = torch.nansum(normalised.reshape(per_function.shape) * weights.to(per_function), dim=1)
+    summed[per_function.isnan().all(dim=1)] = torch.nan
+    advantages = (summed - torch.nanmean(summed)) / (_nanstd(summed) + eps)
+    return torch.nan_to_num(advantages, nan=0.0)
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -152,3 +189,38 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """The coefficient is fixed: nothing to update."""
+
+
+class AdaptiveEntropyController:
+    """Adaptive entropy-bonus coefficient of Skywork-OR1 (He et al. 2025): raises the coefficient by `delta`
+    after an optimizer step whose mean token entropy was at or below `target`, lowers it otherwise, within
+    [coef_min, coef_max]. The bonus only applies while the last measured entropy is at or below the target
+    (none before the first measurement), so it acts against entropy collapse and stays off otherwise.
+    `state()` / `load_state()` carry the two numbers a resumed run needs.
+    """
+
+    def __init__(self, coef: float, target: float, delta: float, coef_min: float, coef_max: float) -> None:
+        if not coef_min <= coef_max or delta < 0:
+            raise ConfigError(f"Adaptive entropy control needs entropy_coef_min ({coef_min}) <= entropy_coef_max "
+                              f"({coef_max}) and entropy_coef_delta ({delta}) >= 0.")
+        self.coef, self.target, self.delta = coef, target, delta
+        self.coef_min, self.coef_max = coef_min, coef_max
+        self.last_entropy = math.inf
+
+    def applied_coef(self) -> float:
+        """The coefficient the bonus uses during the current optimizer step."""
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        """After an optimizer step, with that step's mean token entropy (all micro-batches and processes)."""
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_entropy = float(entropy)
+
+    def state(self) -> dict[str, float]:
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_world_entropy"])

@@ -6,12 +6,32 @@ Per-token functions return 0 where mask is 0, so padding never reaches a gradien
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from posttrain.errors import ConfigError
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# Aggregations every online trainer accepts; GRPO also takes the surrogates after them.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = LOSS_TYPES + ("cispo", "sapo", "luspo", "vespo")
+# Losses whose per-token term is the PPO clipped surrogate (the others replace the clip).
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# How each loss type reduces its per-token loss (aggregate_loss): the surrogates borrow an aggregation.
+_AGGREGATION = {"grpo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo", "dapo": "dapo", "luspo": "luspo",
+                "sapo": "grpo", "cispo": "dapo", "vespo": "dapo"}
+
+
+@dataclass(frozen=True)
+class VespoParams:
+    """Shape of VESPO's gamma weight phi(w) = exp(lam) * w^k * exp(-lam * w), per advantage sign."""
+
+    k_pos: float = 2.0
+    lambda_pos: float = 3.0
+    k_neg: float = 3.0
+    lambda_neg: float = 2.0
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -24,36 +44,96 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from the sampled tokens' log-probs: k1 = log pi - log pi_ref (unbiased,
+    may be negative per token), or k3 (`kl_k3`)."""
+    if estimator not in ("k1", "k3"):
+        raise ConfigError(f"kl_estimator={estimator!r} must be 'k1' or 'k3'.")
+    return logps - ref_logps if estimator == "k1" else kl_k3(logps, ref_logps)
+
+
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
-def clipped_policy_loss(
+def _choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """torch.where of two numbers in `like`'s dtype (python floats would round through float32)."""
+    return torch.where(condition, torch.tensor(if_true, dtype=like.dtype, device=like.device),
+                       torch.tensor(if_false, dtype=like.dtype, device=like.device))
+
+
+def vespo_weights(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: VespoParams = VespoParams(),
+    sampler_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """VESPO's per-sequence weight phi(w) [B, 1], detached (VESPO, 2026).
+
+    w = exp(sum_t log_ratio_t) is the sequence's importance weight (a sum, not GSPO's mean), times the
+    product of the per-token sampler correction `sampler_ratio` when given. phi(w) = exp(lam + k log w - lam w)
+    peaks at phi(1) = 1 and decays smoothly for w far from 1, replacing the hard clip; (k, lam) are
+    (k_pos, lambda_pos) for advantages >= 0, else the _neg pair. Each token's log ratio is clamped to
+    [-20, 20] and log w to [log 1e-8, 20] so that exp cannot overflow.
+    """
+    floor = math.log(1e-8)
+    with torch.no_grad():
+        weights = mask.to(log_ratio.dtype)
+        log_w = (log_ratio.detach().clamp(-20.0, 20.0) * weights).sum(dim=1, keepdim=True)
+        if sampler_ratio is not None:
+            log_w = log_w + torch.log(sampler_ratio).clamp(floor, 20.0).sum(dim=1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        advantages = advantages.reshape(advantages.shape[0], -1)[:, :1]
+        non_negative = advantages >= 0
+        k = _choose(non_negative, params.k_pos, params.k_neg, log_w)
+        lam = _choose(non_negative, params.lambda_pos, params.lambda_neg, log_w).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def policy_objective(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    loss_type: str = "grpo",
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
+    delta: float | None = None,
     importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo: VespoParams = VespoParams(),
+    keep: torch.Tensor | None = None,
+    sampler_ratio: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
+    kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO/GRPO clipped surrogate per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) [+ beta * k3].
+    """Per-token policy loss [B, T] of one of GRPO_LOSS_TYPES, and its statistics.
 
-    r = exp(logps - old_logps). `advantages` is [B] (one per sequence, GRPO/RLOO) or [B, T] (PPO).
-    epsilon_high defaults to epsilon_low; a larger one lets low-probability tokens grow (DAPO "clip-higher").
-    importance_sampling_level="sequence" is GSPO (Zheng et al. 2025): every token of a sequence uses
-    the sequence's length-normalised log ratio, mean over its valid tokens of (logps - old_logps), so the
-    whole sequence is clipped together. With beta > 0 the k3 KL to `ref_logps` is added per token.
+    r = exp(logps - old_logps) per token, or with importance_sampling_level="sequence" (GSPO, Zheng et al.
+    2025) the sequence's mean log ratio over its valid tokens, shared by its tokens. `advantages` is [B] or
+    [B, T]. The policy term per loss type (sg = stop-gradient):
+    - clip family (grpo, bnpo, dr_grpo, dapo, luspo): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with
+      `delta` the unclipped r is also capped at delta (two-sided clipping, INTELLECT-2), so a negative
+      advantage cannot push a very large ratio further.
+    - cispo (MiniMax-M1): -sg(min(r, eps_high)) A log pi: clips the weight, never drops a token's gradient.
+    - sapo (SAPO): -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_temperature_pos if A > 0 else _neg: a soft
+      gate with gradient r at r = 1 that fades smoothly off-policy instead of cutting off.
+    - vespo: -phi(w) A log pi with phi from `vespo_weights` (the sampler correction enters phi).
+    The policy term is multiplied by `keep` (0/1 token or sequence selection: high-entropy tokens,
+    off-policy masking) and, except for vespo, by `sampler_ratio` (the sampler-mismatch importance weight,
+    [B, T] or [B, 1]). Then beta * k3 KL to `ref_logps` is added, times r itself (not detached) when
+    `kl_bias_correction` (DeepSeek-V3.2: makes the KL gradient that of the true reverse KL off-policy).
 
-    Returns (per_token_loss [B, T], stats). stats, all detached, are fractions of valid tokens:
-    "clip_ratio_low" (r below 1 - eps_low with A < 0), "clip_ratio_high" (r above 1 + eps_high with A > 0),
-    "clip_ratio" (either: the tokens whose gradient the clip removes), and "kl" (mean k3) when
-    ref_logps is given.
+    Stats (detached): "kl" (mean of the KL term before beta, when ref_logps is given); clip family:
+    "clip_ratio_low" / "_high" / "clip_ratio" (fractions of valid tokens, of sequences at sequence level, whose
+    gradient the clip removes) and "clip_ratio_low_per_sequence" / "clip_ratio_high_per_sequence" [B];
+    cispo: "cispo_clip_ratio"; vespo: "vespo_phi" [B, 1].
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} is not one of {GRPO_LOSS_TYPES}; pick one of them.")
     if not (0 <= epsilon_low < 1 and epsilon_high >= 0):
         raise ConfigError(
             f"epsilon_low={epsilon_low}, epsilon_high={epsilon_high}: the clip range needs "
@@ -70,31 +150,112 @@ def clipped_policy_loss(
     valid = mask.bool()
     weights = valid.to(logps.dtype)
     logps = torch.where(valid, logps, 0.0)
-    log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
+    token_log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
-        sequence_log_ratio = log_ratio.sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp(min=1)
-        log_ratio = sequence_log_ratio.expand_as(log_ratio)
+        log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp(min=1)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     advantages = advantages.detach()
+    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1] at sequence level
 
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    stats: dict[str, torch.Tensor] = {}
+    if loss_type in CLIP_LOSS_TYPES:
+        clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+        loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
+        with torch.no_grad():
+            low = (capped_ratio < 1 - epsilon_low) & (advantages < 0)
+            high = (capped_ratio > 1 + epsilon_high) & (advantages > 0)
+            stats.update(_clip_stats(low, high, weights))
+    elif loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        with torch.no_grad():
+            stats["cispo_clip_ratio"] = _fraction((ratio > epsilon_high) & (advantages > 0), weights)
+    elif loss_type == "sapo":
+        temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
+        loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+    else:  # vespo
+        phi = vespo_weights(token_log_ratio, advantages, valid, vespo, sampler_ratio)
+        loss = -phi * advantages * logps
+        stats["vespo_phi"] = phi
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
+    if sampler_ratio is not None and loss_type != "vespo":
+        loss = loss * sampler_ratio.detach().to(loss.dtype)
+    loss = loss.expand_as(logps)
 
-    stats = {}
     if ref_logps is not None:
         kl = kl_k3(logps, torch.where(valid, ref_logps.detach(), 0.0))
+        if kl_bias_correction:
+            kl = kl * ratio
         if beta > 0:
             loss = loss + beta * kl
         stats["kl"] = _masked_mean(kl.detach(), weights)
-    with torch.no_grad():
-        low = (ratio < 1 - epsilon_low) & (advantages < 0)
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        stats["clip_ratio_low"] = _masked_mean(low.to(weights.dtype), weights)
-        stats["clip_ratio_high"] = _masked_mean(high.to(weights.dtype), weights)
-        stats["clip_ratio"] = _masked_mean((low | high).to(weights.dtype), weights)
     return torch.where(valid, loss, 0.0), stats
+
+
+def _fraction(flags: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean of 0/1 `flags` over valid tokens ([B, T]) or over sequences ([B, 1], sequence-level ratios)."""
+    flags = flags.to(weights.dtype)
+    return flags.mean() if flags.shape[1] == 1 else _masked_mean(flags, weights)
+
+
+def _clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    def per_sequence(flags):
+        flags = flags.to(weights.dtype)
+        if flags.shape[1] == 1:
+            return flags.squeeze(1)
+        return (flags * weights).sum(dim=1) / weights.sum(dim=1)  # NaN for a row without tokens, as TRL
+
+    return {"clip_ratio_low": _fraction(low, weights), "clip_ratio_high": _fraction(high, weights),
+            "clip_ratio": _fraction(low | high, weights),
+            "clip_ratio_low_per_sequence": per_sequence(low), "clip_ratio_high_per_sequence": per_sequence(high)}
+
+
+def objective_metrics(stats: dict[str, torch.Tensor], gather=lambda values: values) -> dict[str, torch.Tensor]:
+    """`policy_objective`'s stats under TRL's metric keys. `gather` collects per-sequence values from every
+    process for the extremes: clip_ratio/low_min and /high_max are the smallest and largest per-sequence clipped
+    fractions (sequences without tokens left out)."""
+    metrics = {}
+    if "clip_ratio" in stats:
+        low, high = gather(stats["clip_ratio_low_per_sequence"]), gather(stats["clip_ratio_high_per_sequence"])
+        metrics.update({"clip_ratio/low_mean": stats["clip_ratio_low"],
+                        "clip_ratio/high_mean": stats["clip_ratio_high"], "clip_ratio/region_mean": stats["clip_ratio"],
+                        "clip_ratio/low_min": low.nan_to_num(1.0).min(), "clip_ratio/high_max": high.nan_to_num(0.0).max()})
+    if "cispo_clip_ratio" in stats:
+        metrics["cispo_clip_ratio"] = stats["cispo_clip_ratio"]
+    if "vespo_phi" in stats:
+        metrics["vespo/phi_seq_mean"] = stats["vespo_phi"].mean()
+    if "kl" in stats:
+        metrics["kl"] = stats["kl"]
+    return metrics
+
+
+def clipped_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    importance_sampling_level: str = "token",
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    delta: float | None = None,
+    kl_bias_correction: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped surrogate per token: -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) [+ beta * k3].
+
+    `policy_objective` with the clip family; see there for r, the sequence level (GSPO), `delta`, the KL term
+    and the stats. epsilon_high defaults to epsilon_low; a larger one lets low-probability tokens grow (DAPO
+    "clip-higher").
+    """
+    return policy_objective(
+        logps, old_logps, advantages, mask, loss_type="grpo", epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        delta=delta, importance_sampling_level=importance_sampling_level, ref_logps=ref_logps, beta=beta,
+        kl_bias_correction=kl_bias_correction)
 
 
 def aggregate_loss(
@@ -112,6 +273,8 @@ def aggregate_loss(
     - "bnpo":    sum_it l_it m_it / total_tokens
     - "dr_grpo": sum_it l_it m_it / (total_sequences * max_completion_length)   (Dr. GRPO, Liu et al. 2025)
     - "dapo":    sum_it l_it m_it / total_tokens, total_tokens required (DAPO, Yu et al. 2025)
+    - "luspo":   sum_it l_it m_it / total_sequences   (each sequence's loss scaled by its length, LUSPO)
+    The surrogate loss types reduce as: "sapo" like "grpo"; "cispo" and "vespo" like "dapo".
 
     total_sequences and total_tokens default to this batch's own counts (B and sum m). Gradient
     accumulation and data parallelism must not change the gradient, so the engine passes the counts
@@ -122,8 +285,9 @@ def aggregate_loss(
     normalises each micro-batch separately. "dapo" insists on the global count, which is its definition.
     The caller undoes the Trainer's division by accumulation steps and DDP's mean over processes.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ConfigError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}; pick one of them.")
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} is not one of {GRPO_LOSS_TYPES}; pick one of them.")
+    named, loss_type = loss_type, _AGGREGATION[loss_type]
     weights = mask.to(per_token_loss.dtype)
     masked = per_token_loss * weights
     if total_sequences is None:
@@ -131,6 +295,8 @@ def aggregate_loss(
     if loss_type == "grpo":
         per_sequence = masked.sum(dim=1) / weights.sum(dim=1).clamp(min=1)
         return per_sequence.sum() / total_sequences
+    if loss_type == "luspo":
+        return masked.sum() / total_sequences
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ConfigError("loss_type='dr_grpo' normalises by max_completion_length: pass it.")
@@ -138,7 +304,7 @@ def aggregate_loss(
     if total_tokens is None:
         if loss_type == "dapo":
             raise ConfigError(
-                "loss_type='dapo' normalises by the number of completion tokens in the whole optimizer-step "
+                f"loss_type={named!r} normalises by the number of completion tokens in the whole optimizer-step "
                 "batch: pass total_tokens (or use loss_type='bnpo' for the local count)."
             )
         total_tokens = weights.sum().clamp(min=1)

@@ -4,6 +4,8 @@ All functions are pure: sequence log-probabilities in, per-example losses out. S
 sum of token log-probs over the completion (IPO callers pass the per-token average instead, see `dpo_loss`).
 The DPO and KTO functions return per-example losses unreduced so the trainer can divide their sum by the
 global number of examples, which keeps gradient accumulation and multi-process runs equivalent to one big batch.
+Token-level helpers (LD-DPO's length-desensitised sums, WPO's weights) turn per-token log-probs into the
+per-sequence numbers the losses take.
 """
 
 import math
@@ -17,14 +19,20 @@ from posttrain.errors import ConfigError, DataError
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
 )
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # Loss types whose formula has a label-noise rate; the others do not read `label_smoothing`.
 LABEL_SMOOTHING_TYPES = frozenset({"sigmoid", "robust", "exo_pair", "aot", "aot_unpaired"})
-# The f-divergence generalisation (Wang et al. 2023) is derived for the sigmoid loss only.
-F_DIVERGENCE_LOSS_TYPES = frozenset({"sigmoid", "sft"})
+# The f-divergence generalisation (Wang et al. 2023) leaves a beta * log Z(x) term that cancels only in the
+# chosen-minus-rejected score difference, so only the losses built on that difference take it (as in TRL).
+F_DIVERGENCE_LOSS_TYPES = frozenset(
+    {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
+# Loss types that compare length-normalised scores: they need the completion lengths.
+LENGTH_NORMALISED_TYPES = frozenset({"ipo", "sigmoid_norm"})
+# Losses that sort over the batch: a per-pair weight would land on the wrong quantile.
+SORTING_TYPES = frozenset({"aot", "aot_unpaired"})
 
 
 def bradley_terry_loss(
@@ -54,8 +62,10 @@ def validate_dpo_loss_settings(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     f_divergence_type: str = "reverse_kl",
-    f_alpha_divergence_coef: float = 1.0,
+    f_alpha_divergence_coef: float = 0.5,
     discopop_tau: float = 0.05,
+    use_weighting: bool = False,
+    ld_alpha: float | None = None,
 ) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """Check DPO loss settings (a config can call this before training) and return (types, weights)."""
     loss_types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
@@ -97,33 +107,47 @@ def validate_dpo_loss_settings(
         )
     if f_divergence_type != "reverse_kl" and not F_DIVERGENCE_LOSS_TYPES.issuperset(loss_types):
         raise ConfigError(
-            f"f_divergence_type={f_divergence_type!r} is defined for the 'sigmoid' loss only; "
-            "use it with loss_type 'sigmoid' (optionally plus 'sft') or set f_divergence_type='reverse_kl'."
+            f"f_divergence_type={f_divergence_type!r} only applies to loss types built on the chosen-minus-rejected "
+            f"score difference {sorted(F_DIVERGENCE_LOSS_TYPES)}, but loss_type is {list(loss_types)}; drop the "
+            "others or set f_divergence_type='reverse_kl'."
         )
-    if f_divergence_type == "alpha_divergence" and f_alpha_divergence_coef <= 0:
+    if not math.isfinite(f_alpha_divergence_coef):
+        raise ConfigError(f"f_alpha_divergence_coef={f_alpha_divergence_coef} must be a finite number.")
+    if use_weighting and SORTING_TYPES.intersection(loss_types):
         raise ConfigError(
-            f"f_alpha_divergence_coef={f_alpha_divergence_coef} must be positive (the paper uses alpha in (0, 1))."
+            f"use_weighting=True weights each pair, but loss_type {sorted(SORTING_TYPES.intersection(loss_types))} "
+            "sorts the batch, so a pair's weight would land on another pair's loss; set use_weighting=False or use "
+            "another loss type."
         )
+    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+        raise ConfigError(f"ld_alpha={ld_alpha} must lie in [0, 1] (1 = no down-weighting, 0 = ignore the tokens "
+                          "past the shorter completion's length), or be None.")
     if "discopop" in loss_types and discopop_tau <= 0:
         raise ConfigError(f"discopop_tau={discopop_tau} must be positive (the paper uses 0.05).")
     return loss_types, weights
 
 
-def _f_divergence_logits(
-    chosen_logratios: Tensor, rejected_logratios: Tensor, f_divergence_type: str, alpha: float
-) -> Tensor:
-    """f'(u_c) - f'(u_r) with u = pi/pi_ref, the DPO logit under an f-divergence (Wang et al. 2023, Table 1).
+def f_divergence_scores(logratios: Tensor, f_divergence_type: str, alpha: float = 0.5) -> Tensor:
+    """f'(u) at u = pi/pi_ref (given as log u): the score whose chosen-minus-rejected difference is the DPO logit
+    under an f-divergence (Wang et al. 2023, Table 1). The additive constants follow TRL, which matters for the
+    length-normalised losses (ipo, sigmoid_norm), where they no longer cancel.
 
-    Additive constants of f' cancel in the difference, so reverse KL gives the plain DPO logit.
+    alpha_divergence uses f'(u) = (u^(alpha-1) - 1) / (alpha - 1), TRL's parameterisation (it tends to log u, the
+    reverse KL, as alpha -> 1; the paper's alpha is 1 - this alpha, and the two agree at alpha = 0.5).
     """
-    if f_divergence_type == "reverse_kl":  # f'(u) = log u + 1
-        return chosen_logratios - rejected_logratios
-    if f_divergence_type == "forward_kl":  # f'(u) = -1/u
-        return torch.exp(-rejected_logratios) - torch.exp(-chosen_logratios)
-    if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u)) = log 2 + log u - log(1 + u)
-        return (chosen_logratios - rejected_logratios) - (F.softplus(chosen_logratios) - F.softplus(rejected_logratios))
-    # alpha divergence: f'(u) = (1 - u^-alpha) / alpha
-    return (torch.exp(-alpha * rejected_logratios) - torch.exp(-alpha * chosen_logratios)) / alpha
+    if f_divergence_type == "reverse_kl":  # f'(u) = log u
+        return logratios
+    if f_divergence_type == "forward_kl":  # f'(u) = 1 - 1/u
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u))
+        return math.log(2) + F.logsigmoid(logratios)
+    if abs(alpha - 1.0) < 1e-6:  # the limit alpha -> 1 is the reverse KL
+        return logratios
+    exponent = (alpha - 1.0) * logratios
+    if exponent.dtype in (torch.float16, torch.bfloat16):
+        exponent = exponent.float()
+    exponent = exponent.clamp(max=80.0)  # keeps exp() finite in float32, as TRL does
+    return ((torch.exp(exponent) - 1.0) / (alpha - 1.0)).to(logratios.dtype)
 
 
 def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:
@@ -142,19 +166,23 @@ def dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     f_divergence_type: str = "reverse_kl",
-    f_alpha_divergence_coef: float = 1.0,
+    f_alpha_divergence_coef: float = 0.5,
     chosen_nll: Tensor | None = None,
     bco_delta: Tensor | float = 0.0,
     discopop_tau: float = 0.05,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+    pair_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-example DPO-family losses [B], chosen rewards [B] and rejected rewards [B] (rewards detached).
 
     Rewards are beta * (policy - reference) log-probs. `loss_type` is one type or a list of types; the loss
-    is then sum_k loss_weights[k] * loss_k per example (weights default to 1). For 'ipo' the caller passes
-    length-averaged log-probs, as in the IPO paper; every other type takes summed log-probs. 'bco_pair'
-    subtracts `bco_delta`, the trainer's running mean of the rewards. 'sft' returns `chosen_nll` [B].
-    'aot' and 'aot_unpaired' sort over the batch, so their i-th loss belongs to the i-th quantile, not to
-    example i. The caller reduces the batch.
+    is then sum_k loss_weights[k] * loss_k per example (weights default to 1). 'ipo' and 'sigmoid_norm' divide
+    each f-divergence score by its completion length (`chosen_lengths`, `rejected_lengths`, token counts); without
+    lengths, 'ipo' takes the log-probs as given (pass length-averaged ones). 'bco_pair' subtracts `bco_delta`
+    (0 in TRL). 'sft' returns `chosen_nll` [B]. `pair_weights` [B] (WPO, see `wpo_weights`) multiplies every
+    pair's loss. 'aot' and 'aot_unpaired' sort over the batch, so their i-th loss belongs to the i-th quantile,
+    not to example i. The caller reduces the batch.
     """
     loss_types, weights = validate_dpo_loss_settings(
         loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
@@ -164,6 +192,9 @@ def dpo_loss(
         raise ConfigError(
             "loss_type 'sft' needs chosen_nll, the per-example NLL of the chosen completion; pass it to dpo_loss."
         )
+    if "sigmoid_norm" in loss_types and (chosen_lengths is None or rejected_lengths is None):
+        raise ConfigError("loss_type 'sigmoid_norm' needs chosen_lengths and rejected_lengths (completion token "
+                          "counts); pass both to dpo_loss.")
     if chosen_nll is not None and chosen_nll.shape != chosen_logps.shape:
         raise DataError(
             f"chosen_nll has shape {tuple(chosen_nll.shape)} but chosen_logps has {tuple(chosen_logps.shape)}; "
@@ -172,8 +203,15 @@ def dpo_loss(
 
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
-    # h = (pi_c - pi_r) - (ref_c - ref_r), or its f-divergence counterpart.
-    logits = _f_divergence_logits(chosen_logratios, rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    # h = (pi_c - pi_r) - (ref_c - ref_r), or its f-divergence counterpart f'(u_c) - f'(u_r).
+    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    logits = chosen_scores - rejected_scores
+    if chosen_lengths is not None and rejected_lengths is not None:
+        normalised = (chosen_scores / chosen_lengths.to(chosen_scores.dtype).clamp(min=1)
+                      - rejected_scores / rejected_lengths.to(rejected_scores.dtype).clamp(min=1))
+    else:
+        normalised = logits
     eps = label_smoothing
 
     total = torch.zeros_like(chosen_logratios)
@@ -183,7 +221,7 @@ def dpo_loss(
         elif name == "hinge":  # SLiC-HF calibration loss, Zhao et al. 2023: max(0, 1 - beta * h)
             losses = torch.relu(1 - beta * logits)
         elif name == "ipo":  # IPO, Azar et al. 2023 Eq. 17: (h - 1/(2 beta))^2
-            losses = (logits - 1 / (2 * beta)) ** 2
+            losses = (normalised - 1 / (2 * beta)) ** 2
         elif name == "robust":  # rDPO, Chowdhury et al. 2024: ((1-e) l(bh) - e l(-bh)) / (1-2e), l = -logsig
             losses = (-(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)
         elif name == "exo_pair":  # EXO-pref, Ji et al. 2024 Eq. 16: KL(softmax(b*logratios) || (1-e, e))
@@ -213,13 +251,42 @@ def dpo_loss(
         elif name == "discopop":  # DiscoPOP (LRML), Lu et al. 2024 Eq. 5: logistic/exp mix by sig(beta h / tau)
             modulation = torch.sigmoid(beta * logits / discopop_tau)
             losses = (1 - modulation) * -F.logsigmoid(beta * logits) + modulation * torch.exp(-beta * logits)
+        elif name == "sigmoid_norm":  # DPO on length-normalised scores (as TRL defines it)
+            losses = -F.logsigmoid(beta * normalised)
         else:  # "sft": NLL of the chosen completion (RPO-style auxiliary term when combined)
             losses = chosen_nll
         total = total + weight * losses
+    if pair_weights is not None:
+        total = total * pair_weights.detach()
 
     chosen_rewards = beta * chosen_logratios.detach()
     rejected_rewards = beta * rejected_logratios.detach()
     return total, chosen_rewards, rejected_rewards
+
+
+def length_desensitized_logps(token_logps: Tensor, mask: Tensor, shared_lengths: Tensor, ld_alpha: float) -> Tensor:
+    """LD-DPO (Liu et al. 2024): per-sequence log-probs [N] where completion tokens past the pair's shared length
+    count with weight `ld_alpha` (the first `shared_lengths[i]` completion tokens of sequence i count fully).
+
+    `token_logps` and `mask` are [N, T] (mask 1 on completion tokens); `shared_lengths` [N] is min(|y_w|, |y_l|)
+    of the pair each sequence belongs to. ld_alpha = 1 gives the plain sum.
+    """
+    position = mask.cumsum(-1)  # 1-based position among the completion tokens
+    shared = mask.bool() & (position <= shared_lengths[:, None])
+    tail = mask.bool() & (position > shared_lengths[:, None])
+    return (token_logps * shared).sum(-1) + ld_alpha * (token_logps * tail).sum(-1)
+
+
+def wpo_weights(token_logps: Tensor, token_log_sum_sq_probs: Tensor, mask: Tensor) -> Tensor:
+    """WPO (Zhou et al. 2024, Eq. 2 with the aligned probabilities of Sec. 3.2): per-sequence weights [N],
+    exp(mean over completion tokens of log p(y_t) - log sum_v p(v)^2), detached.
+
+    `token_log_sum_sq_probs` [N, T] is log sum_v p(v | prefix)^2 at each position; a pair's weight is the product
+    of its chosen and rejected sequences' weights.
+    """
+    mask = mask.to(token_logps.dtype)
+    aligned = ((token_logps - token_log_sum_sq_probs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return torch.exp(aligned).detach()
 
 
 def dpo_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, float]:

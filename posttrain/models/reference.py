@@ -5,7 +5,8 @@ Three ways to have one, from most to least memory:
 - a frozen copy of the policy as it was before training (the default);
 - a model the user passes (`ref_model`);
 - none at all when the policy is a PEFT model: the reference is the policy with its adapter disabled,
-  which is exactly the starting point when the adapter starts as a no-op (LoRA's B = 0).
+  which is exactly the starting point when the adapter starts as a no-op (LoRA's B = 0); or, for a policy
+  that arrives with a trained adapter, a frozen copy of that adapter named "ref" (`add_reference_adapter`).
 
 Use `create_reference_model` once at set-up and `reference_forward` around every reference forward:
 
@@ -76,13 +77,47 @@ def create_reference_model(
     return freeze(copy.deepcopy(unwrap(model)))
 
 
+REFERENCE_ADAPTER = "ref"
+
+
+def add_reference_adapter(model: nn.Module) -> None:
+    """Adds a frozen copy of a PEFT model's "default" adapter under the name "ref": the reference of a policy that
+    starts from a trained adapter is that adapter as it was, not the bare base model."""
+    peft_model = unwrap(model)
+    peft_model.add_adapter(REFERENCE_ADAPTER, peft_model.peft_config["default"])
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".default." in name:
+                ref_param = peft_model.get_parameter(name.replace(".default.", f".{REFERENCE_ADAPTER}."))
+                ref_param.copy_(param)
+                ref_param.requires_grad_(False)
+
+
+@contextmanager
+def _reference_adapter(peft_model):
+    """The PEFT model with its "ref" adapter active (if it has one), else with every adapter disabled."""
+    if REFERENCE_ADAPTER not in getattr(peft_model, "peft_config", {}):
+        with peft_model.disable_adapter():
+            yield
+        return
+    previous = peft_model.active_adapter
+    peft_model.set_adapter(REFERENCE_ADAPTER)
+    try:
+        yield
+    finally:
+        peft_model.set_adapter(previous)
+        for name, param in peft_model.named_parameters():  # set_adapter changes which adapter trains
+            if f".{REFERENCE_ADAPTER}." in name:
+                param.requires_grad_(False)
+
+
 @contextmanager
 def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator[nn.Module]:
     """Yields the module that computes reference outputs, in eval mode (no dropout) and under `torch.no_grad`.
 
     That is `ref_model` (which may be the policy itself, e.g. to precompute reference log-probs before
-    training) or, when it is None, the PEFT policy `model` with its adapter disabled. The module's training
-    mode is restored afterwards.
+    training) or, when it is None, the PEFT policy `model` with its "ref" adapter (see `add_reference_adapter`)
+    or else with its adapter disabled. The module's training mode is restored afterwards.
     """
     module = unwrap(model) if ref_model is None else ref_model
     if ref_model is None and not hasattr(module, "disable_adapter"):
@@ -91,7 +126,7 @@ def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), (module.disable_adapter() if ref_model is None else nullcontext()):
+        with torch.no_grad(), (_reference_adapter(module) if ref_model is None else nullcontext()):
             yield module
     finally:
         module.train(was_training)

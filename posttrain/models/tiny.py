@@ -87,12 +87,27 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers
     return model
 
 
-def save_tiny_model(directory: str | os.PathLike, seed: int = 0, **model_kwargs) -> str:
-    """Builds the tiny tokenizer and model and saves both to `directory` (skipped if already there)."""
+def build_tiny_moe_model(tokenizer, seed: int = 0, num_experts: int = 4, router_aux_loss_coef: float = 0.01):
+    """A randomly initialised Qwen3-MoE (two of `num_experts` experts per token), for the load-balancing loss."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=num_experts, num_experts_per_tok=2, router_aux_loss_coef=router_aux_loss_coef,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def save_tiny_model(directory: str | os.PathLike, seed: int = 0, moe: bool = False, **model_kwargs) -> str:
+    """Builds the tiny tokenizer and model (the Mixture-of-Experts one with `moe`) and saves both to `directory`
+    (skipped if already there)."""
     directory = Path(directory)
     if not (directory / "config.json").exists():
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+        build = build_tiny_moe_model if moe else build_tiny_model
+        model = build(tokenizer, seed=seed, **model_kwargs)
         directory.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(directory)
         model.save_pretrained(directory)

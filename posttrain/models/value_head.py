@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from .loading import load_causal_lm, resolve_model_path
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_MODEL_DIR = "value_model"  # where PolicyAndValueModel saves the value model, beside the policy
 
 
 @dataclass
@@ -175,3 +176,47 @@ class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
         outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
                                         output_hidden_states=True, **kwargs)
         return CausalLMWithValueOutput(logits=outputs.logits, values=self.v_head(outputs.hidden_states[-1]))
+
+
+# -- a separate critic (PPO) ------------------------------------------------------------------------------------
+class PolicyAndValueModel(CausalLMWrapper):
+    """The policy and a separate value model (a sequence classifier) as the one module the Trainer optimises.
+
+    The value of every position is the classifier's score head applied to its backbone's hidden state there
+    (the classifier itself would keep only the last token's).
+    """
+
+    def __init__(self, policy: nn.Module, value_model: PreTrainedModel) -> None:
+        super().__init__()
+        self.pretrained_model = policy
+        self.value_model = value_model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs: Any) -> CausalLMWithValueOutput:
+        logits = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       **kwargs).logits
+        backbone = getattr(self.value_model, self.value_model.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return CausalLMWithValueOutput(logits=logits, values=self.value_model.score(hidden).squeeze(-1).float())
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """The policy in `save_directory` (loadable as a causal LM as is), the value model in its `value_model/`."""
+        kwargs.pop("state_dict", None)  # each model saves its own weights
+        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        self.value_model.save_pretrained(os.path.join(save_directory, VALUE_MODEL_DIR), **kwargs)
+
+
+def check_value_model(value_model: PreTrainedModel, value_tokenizer, policy, tokenizer, source: str) -> None:
+    """The value model reads the policy's token ids, so both must have the same vocabulary and a per-token head."""
+    if not isinstance(getattr(value_model, "score", None), nn.Linear):
+        raise ConfigError(f"The value model ({source}, a {type(value_model).__name__}) has no per-token `score` "
+                          "head; use a causal-LM-based sequence classifier (e.g. a reward model trained with "
+                          "RewardTrainer) or set use_value_head=True.")
+    same = (value_tokenizer.get_vocab() == tokenizer.get_vocab() if value_tokenizer is not None else
+            value_model.get_input_embeddings().num_embeddings == policy.get_input_embeddings().num_embeddings)
+    if not same:
+        raise ConfigError(
+            f"The value model ({source}) has a different vocabulary from the policy, and it must read the "
+            "policy's token ids (no mapping between tokenizers is done). Pass a value_model built on the "
+            "policy's tokenizer (e.g. a reward model trained from the policy), or set use_value_head=True.")

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
@@ -67,6 +68,9 @@ class PosttrainConfig(TrainingArguments):
     # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
     remove_unused_columns: bool = field(default=False, metadata={"help": "Drop dataset columns the model's "
                                         "forward does not accept (posttrain's collators need theirs: keep False)."})
+    write_report: bool = field(
+        default=True, metadata={"help": "At the end of train(), write output_dir/report.html with PNG plots of the "
+                                        "logged metrics (needs matplotlib; metrics.jsonl is written either way)."})
 
     def __post_init__(self):
         self.reject_unsupported_options()
@@ -108,8 +112,8 @@ class PosttrainConfig(TrainingArguments):
 
 
 # report_to name -> (package to import, what to pip install)
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow"),
-            "trackio": ("trackio", "trackio"), "comet_ml": ("comet_ml", "comet-ml"), "clearml": ("clearml", "clearml"),
+TRACKERS = {"tensorboard": ("tensorboard", "'posttrain[tensorboard]'"), "wandb": ("wandb", "'posttrain[wandb]'"),
+            "mlflow": ("mlflow", "'posttrain[mlflow]'"), "trackio": ("trackio", "'posttrain[trackio]'"), "comet_ml": ("comet_ml", "comet-ml"), "clearml": ("clearml", "clearml"),
             "dvclive": ("dvclive", "dvclive"), "neptune": ("neptune", "neptune"), "swanlab": ("swanlab", "swanlab"),
             "codecarbon": ("codecarbon", "codecarbon"), "azure_ml": ("azureml.core", "azureml-core"),
             "dagshub": ("dagshub", "dagshub"), "flyte": ("flytekit", "flytekit")}
@@ -187,6 +191,22 @@ def disable_dropout_in_model(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def setup_router_aux_loss(model, coef: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's load-balancing loss (0.0: off), written into its config so that
+    its forward returns the loss as `outputs.aux_loss`. `coef` None takes the model's own coefficient."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    is_moe = hasattr(config, "output_router_logits")
+    if coef and not is_moe:
+        raise ConfigError(f"router_aux_loss_coef={coef} weights the load-balancing loss of a Mixture-of-Experts "
+                          f"model, but {type(model).__name__} has no experts (no router logits). Leave "
+                          "router_aux_loss_coef unset (None) or at 0.")
+    weight = float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef) if is_moe else 0.0
+    if hasattr(config, "router_aux_loss_coef"):
+        config.output_router_logits = weight != 0.0
+        config.router_aux_loss_coef = weight
+    return weight
+
+
 def ensure_pad_token(tokenizer) -> None:
     """Batching needs a pad token; without one, use EOS (padding is never trained or attended)."""
     if tokenizer.pad_token is None:
@@ -249,6 +269,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         # must neither divide by the accumulation steps again nor skip counting the effective batch.
         self.model_accepts_loss_kwargs = True
         self._init_guards()
+        self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.activation_offloading:

@@ -1,14 +1,16 @@
-"""Knowledge distillation: the student learns to match a frozen teacher's next-token distributions on the
-completion tokens of the data (Hinton et al. 2015; GKD's generalized JSD, Agarwal et al. 2024), optionally
-mixed with the plain NLL of the data.
+"""Knowledge distillation: the student learns to match a frozen teacher's next-token distributions (Hinton et
+al. 2015) under GKD's generalized JSD (Agarwal et al. 2024), on completions it samples itself (on-policy, as
+TRL's DistillationTrainer does), on the data's own completions (offline), or on a mix of both.
 
-Data is prepared exactly as for SFT (text, prompt-completion or conversations; completion / assistant masks;
-padding-free and packing): the trainer is an SFTTrainer whose per-batch loss sum is
+Per micro-batch the trainer draws whether its completions are the student's (probability `lmbda`, default 1:
+always, like TRL) or the data's. Either way the loss sum over the completion tokens is
 
-    alpha * sum_t JSD_beta(p_T(. | x_<t) ‖ p_S(. | x_<t)) + (1 - alpha) * sum_t -log p_S(x_t | x_<t)
+    alpha * sum_t JSD_beta(p_T(. | x_<t) ‖ p_S(. | x_<t)) + (1 - alpha) * sum_t -log p_S(x_t | x_<t),
 
-over trained tokens, divided by the trained tokens of the whole effective batch. The teacher sees the
-same token ids as the student, so the two must share a tokenizer (checked before training).
+divided by the completion tokens of the whole effective batch (TRL's normalisation). The teacher sees the same
+token ids as the student, so the two must share a tokenizer (checked before training). Data: prompt-only rows
+(on-policy only), prompt-completion or conversations (prepared as for SFT); with lmbda=1 only the prompts are
+read, as in TRL.
 """
 
 from __future__ import annotations
@@ -16,51 +18,162 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
+from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
+from torch.utils.data import SequentialSampler
 from transformers import PreTrainedModel
 
-from ..errors import ConfigError
+from ..data.chat import apply_chat_template, require_chat_template
+from ..data.formats import detect_format, is_message_list
+from ..errors import ConfigError, DataError
+from ..generation import SamplingParams, create_generation_backend, derive_seed, stop_token_ids
+from ..generation.transformers_backend import generation_config
 from ..losses.distillation import check_vocab_sizes, generalized_jsd, shared_vocab
+from ..losses.policy import entropy_from_logits
 from ..losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
 from ..models.loading import load_causal_lm, load_tokenizer
 from ..models.reference import freeze
+from .online_config import GENERATION_KWARGS_FIXED
 from .sft import SFTConfig, SFTTrainer, uses_flash_attention
 
 logger = logging.getLogger("posttrain")
 
+# generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
+# SamplingParams field each sets; other keys go to transformers' GenerationConfig.
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                  "max_tokens": "max_tokens"}
+
 
 @dataclass
 class DistillationConfig(SFTConfig):
+    unsupported_options: ClassVar[dict[str, str]] = {
+        **SFTConfig.unsupported_options,
+        "use_vllm": "on-policy completions are sampled with transformers' generate on the student; vLLM sampling "
+                    "for distillation needs vLLM and a GPU and is not wired here.",
+        "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; generation "
+                                     "always uses the full student weights.",
+        "max_tool_calling_iterations": "tool calling is not supported yet (issue #18); drop it.",
+    }
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    # -- student and teacher
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "The teacher (hub id, path or built-in name), used when no teacher_model "
                                         "is passed to the trainer."})
+    teacher_model_revision: str | None = field(
+        default=None, metadata={"help": "Revision (branch, tag or commit) of a teacher given by name."})
     teacher_model_init_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Keyword arguments for from_pretrained when the teacher is given by name "
                                         "or path, e.g. {'dtype': 'bfloat16'}."})
+    disable_dropout: bool = field(default=False, metadata={"help": "Switch off dropout in the student."})
+    # -- data and on-policy generation
+    max_completion_length: int | None = field(
+        default=512, metadata={"help": "Most tokens the student samples per on-policy completion."})
+    ds3_gather_for_generation: bool = field(
+        default=True, metadata={"help": "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training data every epoch."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "Pad batches to a multiple of this many tokens; 'auto' pads only on "
+                                          "Neuron devices (to 128), None never."})
     temperature: float = field(
-        default=1.0, metadata={"help": "Both distributions are softmax(logits / temperature); above 1 softens them."})
+        default=1.0, metadata={"help": "Sampling temperature of on-policy completions, and the temperature of both "
+                                       "distributions in the loss (softmax(logits / temperature))."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling of on-policy completions (0: off)."})
+    min_p: float | None = field(
+        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None: off)."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "More GenerationConfig settings for on-policy sampling; its temperature, "
+                                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens override the fields."})
+    chat_template_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for the chat template when rendering prompts."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Repetition penalty of on-policy sampling (1.0: none)."})
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "KV cache implementation of transformers' generate (e.g. 'static')."})
+    use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (not supported for distillation)."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (only with use_vllm)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (only with use_vllm)."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (only with use_vllm)."})
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "vLLM structured-output regex (only with use_vllm)."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (only with use_vllm)."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (only with use_vllm)."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (only with use_vllm)."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (only with use_vllm)."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-sync port (only with use_vllm)."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."})
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "Colocated vLLM context length (only with use_vllm)."})
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Colocated vLLM tensor parallelism (only with use_vllm)."})
+    # -- the loss
     beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
+        default=1.0, metadata={"help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
                                        "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."})
+    lmbda: float = field(
+        default=1.0, metadata={"help": "Probability that a micro-batch's completions are sampled by the student "
+                                       "(1: always on-policy, as TRL; 0: the data's completions only)."})
     alpha: float = field(
-        default=1.0, metadata={"help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the data "
-                                       "(1 = pure distillation, 0 = plain SFT)."})
+        default=1.0, metadata={"help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
+                                       "completions (1 = pure distillation, 0 = plain SFT)."})
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Most tool-calling turns per completion (tool calling is not supported yet: "
+                                        "keep None)."})
+    # -- logging
+    log_completions: bool = field(
+        default=False, metadata={"help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
+                                         "to output_dir/completions/ and print a sample."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "How many logged completions to print (None: all)."})
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "Print each prompt's completion only once."})
 
     def __post_init__(self):
-        if isinstance(self.teacher_model_init_kwargs, str):
-            self.teacher_model_init_kwargs = json.loads(self.teacher_model_init_kwargs)
+        for name in ("teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, json.loads(getattr(self, name)))
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.temperature <= 0:
             raise ConfigError(f"temperature={self.temperature} must be > 0 (1.0 leaves the distributions as they are).")
-        if not 0 <= self.beta <= 1:
-            raise ConfigError(f"beta={self.beta} must lie in [0, 1] (0: forward KL, 0.5: JSD, 1: reverse KL).")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"alpha={self.alpha} must lie in [0, 1] (1: pure distillation, 0: plain NLL).")
+        for name in ("beta", "alpha", "lmbda"):
+            if not 0 <= getattr(self, name) <= 1:
+                meaning = {"beta": "0: forward KL, 0.5: JSD, 1: reverse KL", "alpha": "1: pure distillation, 0: plain "
+                           "NLL", "lmbda": "the fraction of on-policy micro-batches"}[name]
+                raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1] ({meaning}).")
         if self.chunked_loss:
             raise ConfigError("chunked_loss=True is not available for distillation: the divergence needs the full "
                               "logits of student and teacher. Set chunked_loss=False.")
+        if self.lmbda > 0 and (self.padding_free or self.packing):
+            raise ConfigError(f"lmbda={self.lmbda}: on-policy distillation samples completions per row of a padded "
+                              "batch; set padding_free=False and packing=False (or lmbda=0 for offline distillation).")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
+        fixed = sorted(set(self.generation_kwargs or {}) & set(GENERATION_KWARGS_FIXED))
+        if fixed:
+            raise ConfigError(f"generation_kwargs[{fixed[0]!r}] cannot be changed: "
+                              f"{GENERATION_KWARGS_FIXED[fixed[0]]}. Drop it.")
         super().__post_init__()
+        if self.pad_to_multiple_of == "auto":  # TRL pads only for Neuron, which compiles once per shape
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        generation_config(self.sampling_params(), [], 0)  # checks the sampling settings before training
+
+    def sampling_params(self) -> SamplingParams:
+        """How on-policy completions are sampled: the config's settings, overridden by generation_kwargs."""
+        kwargs = self.generation_kwargs or {}
+        values = dict(max_tokens=self.max_completion_length or 512, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty,
+                      extra={k: v for k, v in kwargs.items() if k not in _SAMPLING_KEYS})
+        values.update({_SAMPLING_KEYS[k]: v for k, v in kwargs.items() if k in _SAMPLING_KEYS})
+        return SamplingParams(**values)
 
 
 def _name(model: str | PreTrainedModel) -> str:
@@ -104,19 +217,98 @@ def check_teacher_compatible(student: PreTrainedModel, student_tokenizer, teache
         )
 
 
+def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, template_kwargs: dict) -> dict:
+    """A prompt-only row: the prompt's ids (rendered with the generation prompt if conversational), nothing
+    trained; the student's sample supplies the completion."""
+    prompt = example["prompt"]
+    if conversational != is_message_list(prompt) or not (conversational or isinstance(prompt, str)):
+        expected = "a non-empty list of {'role', 'content'} messages" if conversational else "a string"
+        raise DataError(f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. "
+                        "Fix or drop that row.")
+    if conversational:
+        text = apply_chat_template({"prompt": prompt}, tokenizer, **template_kwargs)["prompt"]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise DataError(f"Row {row}: the prompt is empty after tokenization; sampling needs at least one prompt "
+                        "token. Remove the row or give it a prompt.")
+    return {"input_ids": ids, "completion_mask": [0] * len(ids)}
+
+
+def _completion_stats(completions) -> list[float]:
+    """[completions, summed length, min, max, cut at the length limit, ended, summed/min/max ended length]."""
+    lengths = [len(c.token_ids) for c in completions]
+    ended = [len(c.token_ids) for c in completions if c.finished_with_eos]
+    inf = float("inf")
+    return [float(len(lengths)), float(sum(lengths)), float(min(lengths, default=inf)),
+            float(max(lengths, default=-inf)), float(len(lengths) - len(ended)), float(len(ended)),
+            float(sum(ended)), float(min(ended, default=inf)), float(max(ended, default=-inf))]
+
+
 class DistillationTrainer(SFTTrainer):
-    """`DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...,
-    processing_class=..., peft_config=..., teacher_processing_class=None)`.
+    """`DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...)`, TRL's
+    signature; posttrain's extras `teacher_processing_class` (checks the tokenizers agree) and `data_collator`.
 
     `teacher_model` is a model, hub id, path or built-in name (default: args.teacher_model_name_or_path); it
-    is loaded with `teacher_model_init_kwargs`, frozen and kept in eval mode. Logged per micro-batch, as means
-    over trained tokens: distill_loss, nll, teacher_agreement (student and teacher top-1 tokens equal) and
-    SFT's mean_token_accuracy.
+    is loaded with `teacher_model_init_kwargs` (+ `teacher_model_revision`), frozen and kept in eval mode.
+    On-policy completions come from the generation backend (posttrain/generation), one seeded sample per
+    prompt. Evaluation batches without completions (prompt-only data) are sampled too. Logged as means over
+    completion tokens: TRL's entropy and completions/* keys, and posttrain's distill_loss, nll,
+    teacher_agreement (student and teacher top-1 tokens equal), on_policy, mean_token_accuracy.
     """
+    _name = "Distillation"  # the method the model card names and cites (posttrain/model_card.py)
 
-    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, *a,
-                 teacher_processing_class=None, **kw):
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args: DistillationConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        *,
+        teacher_processing_class=None,
+        data_collator=None,
+        **kwargs,
+    ):
         args = args or DistillationConfig(output_dir="outputs/distillation")
+        if tools:
+            raise ConfigError(f"tools={[getattr(t, '__name__', t) for t in tools]}: tool-calling rollouts are not "
+                              "supported by posttrain's DistillationTrainer yet (issue #18). Pass tools=None.")
+        teacher_model = self._resolve_teacher(model, teacher_model, args)
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, peft_config=peft_config, data_collator=data_collator,
+                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+                         **kwargs)
+        init_kwargs = None
+        if isinstance(teacher_model, str):
+            init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.teacher_model_init_kwargs or {})}
+            if args.teacher_model_revision is not None:
+                init_kwargs.setdefault("revision", args.teacher_model_revision)
+        teacher = load_causal_lm(teacher_model, init_kwargs)
+        check_teacher_compatible(self.model, self.processing_class, teacher,
+                                 _teacher_tokenizer(teacher_model, teacher_processing_class))
+        self.teacher_model = self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
+        if self.data_collator is self._own_collator:
+            # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
+            self.data_collator.one_row = uses_flash_attention(self.model) or uses_flash_attention(teacher)
+            self.data_collator.pad_to_multiple_of = args.pad_to_multiple_of
+        self._sampler = create_generation_backend(self.model, self.processing_class, args)
+        self._sampling = args.sampling_params()
+        self._stop_ids = set(stop_token_ids(self.processing_class, self.model))
+        self._coin = random.Random(args.seed)
+        self._eval_samples = 0
+        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        self._completion_log: deque = deque(maxlen=batch)
+
+    @staticmethod
+    def _resolve_teacher(model, teacher_model, args: DistillationConfig):
         if teacher_model is not None and args.teacher_model_name_or_path is not None:
             raise ConfigError(f"Two teachers: teacher_model={_name(teacher_model)!r} and "
                               f"teacher_model_name_or_path={args.teacher_model_name_or_path!r}; give only one.")
@@ -124,35 +316,148 @@ class DistillationTrainer(SFTTrainer):
         if teacher_model is None:
             raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model (a model, hub id or path) or "
                               "set teacher_model_name_or_path in the config.")
-        if teacher_model is model:
+        if teacher_model is model and not isinstance(model, str):  # a name loads a separate copy
             raise ConfigError("teacher_model is the student itself, so freezing it would stop training. Pass a "
                               "separately loaded teacher.")
-        if not isinstance(teacher_model, str) and args.teacher_model_init_kwargs:
-            raise ConfigError("teacher_model_init_kwargs only applies when the teacher is given by name or path; "
-                              "the teacher you passed is already loaded. Drop teacher_model_init_kwargs.")
-        super().__init__(model, args, *a, **kw)
-        teacher = load_causal_lm(teacher_model, args.teacher_model_init_kwargs)
-        check_teacher_compatible(self.model, self.processing_class, teacher,
-                                 _teacher_tokenizer(teacher_model, teacher_processing_class))
-        self.teacher_model = self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
-        # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
-        if self.data_collator is self._own_collator:
-            self.data_collator.one_row = uses_flash_attention(self.model) or uses_flash_attention(teacher)
+        if not isinstance(teacher_model, str):
+            for name in ("teacher_model_init_kwargs", "teacher_model_revision"):
+                if getattr(args, name):
+                    raise ConfigError(f"{name} only applies when the teacher is given by name or path; the teacher "
+                                      f"you passed is already loaded. Drop {name}.")
+        return teacher_model
 
+    # -- data --------------------------------------------------------------------------------------
+    def prepare_dataset(self, dataset, tokenizer, args: DistillationConfig, name: str):
+        """Prompt-only rows when only prompts are read (prompt-only data, or lmbda=1: TRL reads only the
+        prompt column); otherwise SFT's preparation of the completions."""
+        fmt = detect_format(dataset.column_names, dataset[0] if len(dataset) else None)
+        if fmt.kind == "prompt_only" or (args.lmbda == 1 and fmt.kind == "prompt_completion"):
+            if fmt.kind == "prompt_only" and args.lmbda < 1 and name == "train_dataset":
+                raise ConfigError(f"lmbda={args.lmbda}: some micro-batches train on the data's completions, but "
+                                  f"{name} has only prompts. Set lmbda=1.0 (always on-policy) or give completions.")
+            if fmt.conversational:
+                require_chat_template(tokenizer, "conversational prompts")
+            return dataset.map(
+                _tokenize_prompt, with_indices=True, remove_columns=dataset.column_names,
+                num_proc=args.dataset_num_proc,
+                fn_kwargs=dict(tokenizer=tokenizer, conversational=fmt.conversational,
+                               template_kwargs=args.chat_template_kwargs or {}),
+                desc=f"Tokenizing the prompts of {name}")
+        if fmt.kind == "language_modeling" and args.lmbda > 0:
+            raise ConfigError(f"lmbda={args.lmbda}: on-policy distillation samples completions for prompts, but "
+                              f"{name} is language-modeling data ({', '.join(fmt.columns)}) without prompts. Give "
+                              "'prompt' (+ 'completion') columns, or set lmbda=0 to distil on the text as it is.")
+        if args.chat_template_kwargs and fmt.conversational:
+            raise ConfigError("chat_template_kwargs is only applied to prompts that the student completes; with "
+                              f"lmbda={args.lmbda} {name}'s conversations are rendered as for SFT. Set lmbda=1 or drop "
+                              "chat_template_kwargs.")
+        return super().prepare_dataset(dataset, tokenizer, args, name)
+
+    def _get_train_sampler(self, train_dataset=None):
+        if not self.args.shuffle_dataset:
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        return super()._get_train_sampler(train_dataset)
+
+    # -- on-policy completions ---------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Draws which micro-batches of the effective batch are on-policy and samples them before the batch's
+        completion tokens are counted, so the loss is normalised by the tokens actually trained."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        flags = [self._coin.random() < self.args.lmbda for _ in batches]
+        batches = [self._student_batch(b, derive_seed(self.args.seed, self.state.global_step, i,
+                                                      self.accelerator.process_index), "train") if on else b
+                   for i, (b, on) in enumerate(zip(batches, flags))]
+        self._metrics["train"]["on_policy"].extend(float(on) for on in flags)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if "labels" in inputs and bool((inputs["labels"] == IGNORE_INDEX).all()):  # prompts only: sample
+            self._eval_samples += 1
+            seed = derive_seed(self.args.seed, self.state.global_step, self._eval_samples, 1 << 20,
+                               self.accelerator.process_index)
+            inputs = self._student_batch(inputs, seed, "eval")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _student_batch(self, batch: dict, seed: int, mode: str) -> dict:
+        """The batch with each row's completion replaced by one the student samples for the row's prompt: the
+        tokens before its first trained token, or the whole row when nothing in it is trained (prompt-only)."""
+        prompts = []
+        for row, labels in enumerate(batch["labels"]):
+            trained = (labels != IGNORE_INDEX).nonzero()
+            if len(trained) and int(trained[0]) == 0:
+                raise DataError(f"A row of the batch (number {row}) is trained from its first token, so it has no "
+                                "prompt to sample a completion for. On-policy distillation needs prompt-completion "
+                                "or conversational data.")
+            start = int(trained[0]) if len(trained) else int(batch["attention_mask"][row].sum())
+            prompts.append(batch["input_ids"][row, :start].tolist())
+        completions = self._sampler.generate(prompts, 1, self._sampling, seed=seed)
+        self._record_completions(prompts, completions, mode)
+        collated = self.data_collator([
+            {"input_ids": prompt + c.token_ids, "completion_mask": [0] * len(prompt) + [1] * len(c.token_ids)}
+            for prompt, c in zip(prompts, completions)
+        ])
+        return {k: v.to(batch["input_ids"].device) for k, v in collated.items()}
+
+    def _record_completions(self, prompts, completions, mode: str) -> None:
+        """TRL's completions/* metrics over all processes, and the texts for log_completions."""
+        stats = torch.tensor(_completion_stats(completions), device=self.accelerator.device)
+        s = self.accelerator.gather(stats.reshape(1, -1)).cpu()
+        count, ended = s[:, 0].sum().item(), s[:, 5].sum().item()
+        metrics = self._metrics[mode]
+        metrics["completions/mean_length"].append(s[:, 1].sum().item() / max(count, 1))
+        metrics["completions/min_length"].append(s[:, 2].min().item())
+        metrics["completions/max_length"].append(s[:, 3].max().item())
+        metrics["completions/clipped_ratio"].append(s[:, 4].sum().item() / max(count, 1))
+        # TRL reports 0 when no completion ended with a stop token.
+        metrics["completions/mean_terminated_length"].append(s[:, 6].sum().item() / ended if ended else 0.0)
+        metrics["completions/min_terminated_length"].append(s[:, 7].min().item() if ended else 0.0)
+        metrics["completions/max_terminated_length"].append(s[:, 8].max().item() if ended else 0.0)
+        if self.args.log_completions and mode == "train":
+            decode = self.processing_class.decode
+            self._completion_log.extend(
+                (decode(p, skip_special_tokens=True), decode(c.token_ids, skip_special_tokens=True))
+                for p, c in zip(prompts, completions))
+
+    # -- the loss ----------------------------------------------------------------------------------
     def _forward_nll(self, model, inputs, labels):
         """SFT's hook for the loss sum over trained tokens: here the alpha-mix of divergence and NLL."""
         student_logits = model(**inputs).logits
         with torch.no_grad():
             teacher_logits = shared_vocab(student_logits, self.teacher_model(**inputs).logits)
         mask = shift_for_next_token(labels) != IGNORE_INDEX
-        divergence = generalized_jsd(student_logits, teacher_logits, self.args.beta, mask,
-                                     self.args.temperature).sum()
+        temperature = self.args.temperature
+        divergence = generalized_jsd(student_logits, teacher_logits, self.args.beta, mask, temperature).sum()
         nll, correct, count = nll_sum(student_logits, labels)
-        agree = (student_logits[mask].argmax(-1) == teacher_logits[mask].argmax(-1)).sum()
-        totals = self.accelerator.gather(torch.stack([divergence.detach(), nll.detach(), agree.float(),
-                                                      count.float()]).reshape(1, 4)).sum(0)
-        means = (totals[:3] / totals[3].clamp(min=1)).tolist()
+        with torch.no_grad():
+            entropy = entropy_from_logits(student_logits[mask].float() / temperature).sum()
+            agree = (student_logits[mask].argmax(-1) == teacher_logits[mask].argmax(-1)).sum()
+        totals = self.accelerator.gather(torch.stack([divergence.detach(), nll.detach(), agree.float(), entropy,
+                                                      count.float()]).reshape(1, 5)).sum(0)
+        means = (totals[:4] / totals[4].clamp(min=1)).tolist()
         metrics = self._metrics["train" if model.training else "eval"]
-        for key, value in zip(("distill_loss", "nll", "teacher_agreement"), means):
+        for key, value in zip(("distill_loss", "nll", "teacher_agreement", "entropy"), means):
             metrics[key].append(value)
         return self.args.alpha * divergence + (1 - self.args.alpha) * nll, correct, count
+
+    # -- logging -----------------------------------------------------------------------------------
+    def log(self, logs, start_time=None):
+        super().log(logs, start_time)
+        if "loss" in logs and self.args.log_completions and self._completion_log and self.is_world_process_zero():
+            self._write_completions()
+
+    def _write_completions(self) -> None:
+        """Saves the latest on-policy pairs as output_dir/completions/completions_<step>.parquet (TRL's file) and
+        prints a sample."""
+        import pandas as pd
+
+        rows = list(self._completion_log)
+        table = pd.DataFrame({"step": [self.state.global_step] * len(rows), "prompt": [p for p, _ in rows],
+                              "completion": [c for _, c in rows]})
+        folder = os.path.join(self.args.output_dir, "completions")
+        os.makedirs(folder, exist_ok=True)
+        table.to_parquet(os.path.join(folder, f"completions_{self.state.global_step:05d}.parquet"))
+        shown = table.drop_duplicates(subset=["prompt"]) if self.args.log_unique_prompts else table
+        if self.args.num_completions_to_print is not None:
+            shown = shown.head(self.args.num_completions_to_print)
+        for prompt, completion in zip(shown["prompt"], shown["completion"]):
+            logger.info("step %d | prompt: %r | completion: %r", self.state.global_step, prompt, completion)

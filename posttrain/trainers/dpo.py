@@ -4,6 +4,9 @@ log-probability of chosen completions over rejected ones, relative to a fixed re
 Each step runs chosen and rejected through the policy in one forward (2B sequences, or one padding-free
 row). The reference is a frozen copy, a model the user passes, the PEFT policy with its adapter disabled,
 or log-probs computed once before training and cached on disk (`precompute_ref_log_probs`).
+`ReferenceConfig` / `ReferenceTrainer` hold what DPO shares with KTO (reference handling, TR-DPO syncing,
+the MoE auxiliary loss, the token metrics TRL logs); each sequence over `max_length` is cut by the collator
+as `truncation_mode` says, exactly as TRL does.
 """
 
 from __future__ import annotations
@@ -16,15 +19,23 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ..callbacks import SyncRefModelCallback
-from ..data.preference import PreferenceCollator, prepare_preference_dataset
+from ..data.preference import TRUNCATION_MODES, PreferenceCollator, prepare_preference_dataset
+from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
 from ..errors import ConfigError
 from ..losses.logprobs import next_token_logps
-from ..losses.preference import dpo_loss, dpo_metrics, validate_dpo_loss_settings
+from ..losses.preference import (
+    dpo_loss,
+    dpo_metrics,
+    length_desensitized_logps,
+    validate_dpo_loss_settings,
+    wpo_weights,
+)
+from ..models.loading import load_tokenizer
 from ..models.reference import (
+    add_reference_adapter,
     checkpoint_fingerprint,
     cached_tensors,
     create_reference_model,
@@ -32,42 +43,43 @@ from ..models.reference import (
     reference_forward,
     weights_fingerprint,
 )
-from .base import BaseTrainer, PosttrainConfig
+from .base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
 
 logger = logging.getLogger("posttrain")
 
-REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """'auto' (TRL's default) pads to a multiple of 128 only on Neuron, which posttrain does not target: no extra
+    padding. The command line passes numbers and 'none' as strings."""
+    if isinstance(value, str):
+        value = None if value.lower() in ("auto", "none", "null") else int(value)
+    if value is not None and value < 1:
+        raise ConfigError(f"pad_to_multiple_of={value} must be at least 1 (or None for no extra padding).")
+    return value
+
+
 @dataclass
-class DPOConfig(PosttrainConfig):
+class ReferenceConfig(PosttrainConfig):
+    """Options shared by the trainers that compare the policy with a reference model (DPO, KTO)."""
+
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    beta: float = field(default=0.1, metadata={"help": "Strength of the pull towards the reference: rewards are "
-                                                       "beta * log(pi / pi_ref)."})
-    loss_type: str | list[str] = field(
-        default="sigmoid", metadata={"help": "DPO loss, or several to sum (a list, or comma-separated names): "
-                                             "sigmoid, hinge, ipo, robust, exo_pair, nca_pair, bco_pair, sppo_hard, "
-                                             "aot, aot_unpaired, apo_zero, apo_down, discopop, sft."})
-    loss_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per loss_type entry (default: 1 each)."})
-    label_smoothing: float = field(
-        default=0.0, metadata={"help": "Assumed rate of flipped preference labels (cDPO / robust / EXO), in [0, 0.5]."})
-    f_divergence_type: str = field(
-        default="reverse_kl", metadata={"help": "Divergence to the reference for the sigmoid loss: reverse_kl (DPO), "
-                                                "forward_kl, js_divergence or alpha_divergence."})
-    f_alpha_divergence_coef: float = field(
-        default=1.0, metadata={"help": "alpha of the alpha divergence (f_divergence_type='alpha_divergence')."})
-    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion tokens; the completion is cut to fit."})
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep at most the last this-many prompt tokens."})
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many tokens of each completion."})
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
+                                        "training loss (default: the model config's value; 0 turns it off)."})
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Turn dropout off in the policy and the reference (log-probs of the same "
+                                        "sequences are compared across forwards)."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding "
+                                          "off Neuron)."})
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute the reference log-probs of the whole dataset once before training "
                                          "(cached on disk) instead of a reference forward every step."})
+    precompute_ref_batch_size: int | None = field(
+        default=None, metadata={"help": "Batch size of that precomputation (default: per_device_train_batch_size "
+                                        "for the train set, per_device_eval_batch_size for eval sets)."})
     ref_cache_dir: str = field(
         default=os.path.join("~", ".cache", "posttrain", "ref_logps"),
         metadata={"help": "Where precomputed reference log-probs are cached, keyed by reference weights, data and "
@@ -77,20 +89,78 @@ class DPOConfig(PosttrainConfig):
     ref_model_mixup_alpha: float = field(
         default=0.6, metadata={"help": "TR-DPO mixing weight: ref = alpha * policy + (1 - alpha) * ref."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: optimizer steps between syncs."})
-    padding_free: bool = field(
-        default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."})
 
     def __post_init__(self):
-        # Comma-separated names (the command line's form) -> a list; a single name stays a string.
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ConfigError("sync_ref_model updates the reference during training, so its log-probs cannot be "
+                              "precomputed; set precompute_ref_log_probs=False or sync_ref_model=False.")
+        if not 0 < self.ref_model_mixup_alpha <= 1:
+            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in (0, 1].")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
+        if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
+            raise ConfigError(f"precompute_ref_batch_size={self.precompute_ref_batch_size} must be at least 1 (or "
+                              "None for the per-device batch size).")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
+        super().__post_init__()
+
+
+@dataclass
+class DPOConfig(ReferenceConfig):
+    beta: float = field(default=0.1, metadata={"help": "Strength of the pull towards the reference: rewards are "
+                                                       "beta * log(pi / pi_ref)."})
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": "DPO loss, or several to sum (a list, or comma-separated names): sigmoid, hinge, ipo, "
+                          "robust, exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
+                          "discopop, sft, sigmoid_norm."})
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per loss_type entry (default: 1 each)."})
+    ld_alpha: float | None = field(
+        default=None, metadata={"help": "LD-DPO: weight in [0, 1] of the completion tokens past the shorter "
+                                        "completion's length (None or 1: plain sums)."})
+    use_weighting: bool = field(
+        default=False, metadata={"help": "WPO: weight each pair by the policy's length-normalised probabilities of "
+                                         "its two completions."})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Assumed rate of flipped preference labels (cDPO / robust / EXO), in [0, 0.5]."})
+    f_divergence_type: str = field(
+        default="reverse_kl", metadata={"help": "Divergence to the reference: reverse_kl (DPO), forward_kl, "
+                                                "js_divergence or alpha_divergence."})
+    f_alpha_divergence_coef: float = field(
+        default=0.5, metadata={"help": "alpha of the alpha divergence, f'(u) = (u^(alpha-1) - 1) / (alpha - 1)."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Bound on each prompt + completion sequence, cut as truncation_mode says."})
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "How a sequence over max_length is cut: keep_start (drop its end) "
+                                                "or keep_end (drop the start of the prompt).",
+                                        "choices": ["keep_start", "keep_end"]})
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "posttrain extra: keep at most the last this-many prompt tokens."})
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "posttrain extra: keep at most the first this-many tokens of each "
+                                        "completion."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."})
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Deprecated in TRL: the padding token (default: the tokenizer's, else EOS)."})
+
+    def __post_init__(self):
+        # Comma-separated names (the command line's form) -> a list.
         entries = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-        names = [name.strip() for entry in entries for name in entry.split(",")]
-        self.loss_type = names[0] if len(names) == 1 else names
+        self.loss_type = [name.strip() for entry in entries for name in entry.split(",")]
         validate_dpo_loss_settings(
             self.loss_type, self.loss_weights, beta=self.beta, label_smoothing=self.label_smoothing,
             f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-            discopop_tau=self.discopop_tau,
+            discopop_tau=self.discopop_tau, use_weighting=self.use_weighting, ld_alpha=self.ld_alpha,
         )
-        for name in ("max_length", "max_prompt_length", "max_completion_length"):
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not supported; choose from "
+                              f"{list(TRUNCATION_MODES)}.")
+        for name in ("max_prompt_length", "max_completion_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
         if self.max_length is not None and self.max_prompt_length is not None \
@@ -99,20 +169,16 @@ class DPOConfig(PosttrainConfig):
                 f"max_prompt_length={self.max_prompt_length} leaves no room for the completion within "
                 f"max_length={self.max_length}; set max_prompt_length below max_length."
             )
-        if self.sync_ref_model and self.precompute_ref_log_probs:
-            raise ConfigError("sync_ref_model updates the reference during training, so its log-probs cannot be "
-                              "precomputed; set precompute_ref_log_probs=False or sync_ref_model=False.")
-        if not 0 < self.ref_model_mixup_alpha <= 1:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in (0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
         super().__post_init__()
 
 
 class SequenceLogps(NamedTuple):
-    logps: torch.Tensor  # [N] log-prob of each sequence's completion (sum over its tokens)
+    logps: torch.Tensor  # [N] log-prob of each sequence's completion (sum over its tokens; LD-DPO weighted)
     token_counts: torch.Tensor  # [N] completion tokens per sequence
-    mean_logits: torch.Tensor  # [N] detached: mean over completion tokens of the vocabulary-mean logit
+    token_logps: torch.Tensor  # [N, L] per completion-token log-probs (0 elsewhere), for the 'sft' term
+    mask: torch.Tensor  # [N, L] 1 on completion tokens
+    stats: dict  # detached per-sequence sums [N] for the metrics (logits, entropy, top1); [N, L] log_sum_sq for WPO
+    aux_loss: torch.Tensor | None  # a Mixture-of-Experts model's load-balancing loss
 
 
 def sequence_index(batch: dict) -> torch.Tensor:
@@ -124,60 +190,119 @@ def sequence_index(batch: dict) -> torch.Tensor:
     return torch.arange(rows, device=batch["input_ids"].device)[:, None].expand(rows, length)
 
 
-def sequence_logps(model, batch: dict) -> SequenceLogps:
-    """One forward of a `PreferenceCollator` batch; per-sequence completion log-probs, token counts, mean logits."""
+def _per_sequence(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[rows, T] token values -> [N, L], one right-padded row per sequence (a padding-free row is split)."""
+    if values.shape[0] > 1 or "position_ids" not in batch or "attention_mask" in batch:
+        return values
+    lengths = torch.bincount(sequence_index(batch)[0]).tolist()
+    return torch.nn.utils.rnn.pad_sequence(list(torch.split(values[0], lengths)), batch_first=True)
+
+
+@torch.no_grad()
+def _token_stats(logits: torch.Tensor, input_ids: torch.Tensor, wpo: bool, chunk: int = 512) -> dict:
+    """Per-token mean logit, entropy, whether the argmax is the next token, and (with `wpo`) log sum_v p_v^2, each
+    [rows, T] and aligned with the log-probs (entry t describes the prediction of token t, made at t - 1). Computed
+    `chunk` positions at a time so that no float32 copy of the full [rows, T, V] logits is held."""
+    names = ("logits", "entropy", "top1") + (("log_sum_sq",) if wpo else ())
+    out = {name: torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device) for name in names}
+    for start in range(0, logits.shape[1] - 1, chunk):
+        end = min(start + chunk, logits.shape[1] - 1)
+        part = logits[:, start:end].float()
+        log_probs = part.log_softmax(-1)
+        out["logits"][:, start + 1:end + 1] = part.mean(-1)
+        out["entropy"][:, start + 1:end + 1] = -(log_probs.exp() * log_probs).sum(-1)
+        out["top1"][:, start + 1:end + 1] = (part.argmax(-1) == input_ids[:, start + 1:end + 1]).float()
+        if wpo:
+            out["log_sum_sq"][:, start + 1:end + 1] = torch.logsumexp(2 * log_probs, -1)
+    return out
+
+
+def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool = False,
+                   router_logits: bool = False) -> SequenceLogps:
+    """One forward of a `PreferenceCollator` batch (2B sequences, chosen first); per-sequence completion log-probs,
+    token counts and the detached per-sequence sums behind the metrics (and WPO's weights with `wpo`)."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
-    token_logps = next_token_logps(logits, batch["input_ids"])
-    # The logit that predicts token t sits at t - 1, as for the log-probs.
-    token_logits = F.pad(logits[:, :-1].detach().float().mean(-1), (1, 0))
-    mask = batch["completion_mask"].to(token_logps.dtype)
-    index = sequence_index(batch).reshape(-1)
-    count = int(index.max()) + 1
+    if router_logits:
+        inputs["output_router_logits"] = True
+    outputs = model(**inputs, use_cache=False)
+    logits = outputs.logits
+    mask = _per_sequence(batch["completion_mask"], batch).to(torch.float32)
+    token_logps = _per_sequence(next_token_logps(logits, batch["input_ids"]), batch) * mask
+    counts = mask.sum(-1)
+    token_stats = _token_stats(logits.detach(), batch["input_ids"], wpo)
+    stats = {k: _per_sequence(v, batch) * mask for k, v in token_stats.items()}
+    stats = {k: v if k == "log_sum_sq" else v.sum(-1) for k, v in stats.items()}
+    if ld_alpha is None:
+        logps = token_logps.sum(-1)
+    else:
+        half = counts.shape[0] // 2
+        shared = torch.minimum(counts[:half], counts[half:]).repeat(2)
+        logps = length_desensitized_logps(token_logps, mask, shared, ld_alpha)
+    return SequenceLogps(logps, counts, token_logps, mask, stats, getattr(outputs, "aux_loss", None))
 
-    def per_sequence(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(count).index_add(0, index, (values * mask).reshape(-1))
 
-    counts = per_sequence(torch.ones_like(token_logps))
-    return SequenceLogps(per_sequence(token_logps), counts, per_sequence(token_logits) / counts.clamp(min=1))
-
-
-def _token_fingerprint(dataset) -> str:
+def _token_fingerprint(dataset, columns) -> str:
     """A hash of the tokenized rows: it changes with the data and with every tokenization setting."""
     digest = hashlib.sha256()
-    for batch in dataset.select_columns(list(ID_COLUMNS)).iter(batch_size=1024):
-        digest.update(json.dumps([batch[c] for c in ID_COLUMNS]).encode())
+    for batch in dataset.iter(batch_size=1024):
+        digest.update(json.dumps([batch[c] for c in columns]).encode())
     return digest.hexdigest()
 
 
-class DPOTrainer(BaseTrainer):
-    """`DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=..., processing_class=...,
-    peft_config=...)`.
+def load_processing_class(model, processing_class, args):
+    """The tokenizer: the one given, else loaded from `model` (before the model itself, which its options change)."""
+    if processing_class is None:
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
+    return processing_class
 
-    `ref_model` (a model, name or path) is the reference; without one it is a frozen copy of `model`, or the
-    PEFT policy with its adapter disabled. The loss is summed over pairs and divided by the number of pairs
-    in the whole effective batch (all accumulation steps and processes).
+
+class PreparesEvalDatasets:
+    """`evaluate(raw_dataset)` tokenizes the dataset first, as TRL does (a dataset already prepared, i.e. holding
+    `PREPARED_COLUMN`, or a name of an eval split, passes through)."""
+
+    PREPARED_COLUMN = "prompt_ids"
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self.prepare_eval_dataset(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
+        elif eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self.prepare_eval_dataset(eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def prepare_eval_dataset(self, dataset, name: str):
+        if self.PREPARED_COLUMN in dataset.column_names:
+            return dataset
+        return self.prepare_dataset(dataset, self.processing_class, self.args, name)
+
+
+class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
+    """What DPO and KTO share: the reference model (a frozen copy, the user's, the PEFT policy with its adapter
+    off, or log-probs precomputed once and cached on disk), TR-DPO syncing, dropout off, and the MoE aux loss.
+
+    A subclass names the columns the precomputation adds (`REF_COLUMNS`), the id columns that identify a row
+    (`ID_COLUMNS`) and how a batch's reference log-probs are computed (`reference_columns`).
     """
 
-    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *a, **kw):
-        args = args or DPOConfig(output_dir="outputs/dpo")
-        super().__init__(model, args, *a, **kw)
-        self._loss_types, self._loss_weights = validate_dpo_loss_settings(
-            args.loss_type, args.loss_weights, beta=args.beta, label_smoothing=args.label_smoothing,
-            f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
-            discopop_tau=args.discopop_tau,
-        )
-        self._bco_reward_sum = self._bco_reward_count = 0.0
+    REF_COLUMNS: tuple[str, ...] = ()
+    ID_COLUMNS: tuple[str, ...] = ()
+
+    def setup_reference(self, ref_model, pretrained_adapter: bool = False) -> None:
+        """`pretrained_adapter`: the policy arrived as a PEFT model (its adapter may be trained already), so the
+        reference is a frozen copy of that adapter, as in TRL."""
+        args = self.args
+        if pretrained_adapter and ref_model is None:
+            add_reference_adapter(self.model)
+        if args.disable_dropout and isinstance(ref_model, torch.nn.Module):
+            disable_dropout_in_model(ref_model)
+        self._setup_router_aux_loss()
         peft = is_peft_model(self.model)
         if args.precompute_ref_log_probs:
             self.ref_model = None
             self._precompute(ref_model, peft)
             return
         reference = create_reference_model(self.model, ref_model, peft=peft, model_init_kwargs=args.model_init_kwargs)
-        if reference is None:
-            self.ref_model = None
-        else:
-            self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
+        self.ref_model = None if reference is None else self.accelerator.prepare_model(reference, evaluation_mode=True)
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ConfigError("sync_ref_model needs a separate reference model, but with a PEFT policy the "
@@ -185,18 +310,62 @@ class DPOTrainer(BaseTrainer):
             self.add_callback(
                 SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps))
 
-    # -- data ------------------------------------------------------------------------------------
-    def prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
-        return prepare_preference_dataset(
-            dataset, tokenizer, trainer="DPOTrainer", name=name, max_prompt_length=args.max_prompt_length,
-            max_completion_length=args.max_completion_length, max_length=args.max_length,
-            num_proc=args.dataset_num_proc,
-        )
+    def _setup_router_aux_loss(self) -> None:
+        """A Mixture-of-Experts model's load-balancing loss joins the loss with router_aux_loss_coef (default: the
+        model config's own coefficient)."""
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        coef = self.args.router_aux_loss_coef
+        if coef and not hasattr(config, "output_router_logits"):
+            raise ConfigError(f"router_aux_loss_coef={coef} weights a Mixture-of-Experts load-balancing loss, but "
+                              f"{config.model_type} models return no router logits; leave router_aux_loss_coef unset.")
+        self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        self.aux_loss_enabled = hasattr(config, "output_router_logits") and bool(self.router_aux_loss_coef)
 
-    def default_collator(self, tokenizer, args: DPOConfig):
-        return PreferenceCollator(tokenizer.pad_token_id, padding_free=args.padding_free)
+    def add_aux_loss(self, loss: torch.Tensor, aux_loss) -> torch.Tensor:
+        if not self.aux_loss_enabled or aux_loss is None:
+            return loss
+        self.record_metrics({"aux_loss": aux_loss.detach()})
+        return loss + self.router_aux_loss_coef * aux_loss
 
-    # -- precomputed reference log-probs -----------------------------------------------------------
+    def reference_columns(self, reference, batch: dict) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def metric_inputs(self, inputs: dict) -> dict:
+        """The sequences whose logits `compute_metrics` receives (with their input_ids as labels), as in TRL."""
+        return {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The trainer's own loss; with `compute_metrics`, also the policy's logits (an extra forward)."""
+        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if prediction_loss_only:
+            return loss, None, None
+        batch = self.metric_inputs(self._prepare_inputs(inputs))
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(**batch, use_cache=False).logits
+        return loss, logits, batch["input_ids"]
+
+    def record_token_metrics(self, stats: dict, counts: torch.Tensor, attention_tokens, parts: dict) -> None:
+        """entropy, num_tokens and the token-weighted logits/<part> means, as TRL logs them."""
+        totals = {"entropy": stats["entropy"].sum(), "tokens": counts.sum()}
+        for name, part in parts.items():
+            totals[f"logits/{name}"] = stats["logits"][part].sum()
+            totals[f"tokens/{name}"] = counts[part].sum()
+        summed = self.accelerator.gather(torch.stack(list(totals.values()))[None].float()).sum(0).tolist()
+        totals = dict(zip(totals, summed))
+        metrics = {"entropy": totals["entropy"] / max(totals["tokens"], 1)}
+        for name in parts:
+            if totals[f"tokens/{name}"]:
+                metrics[f"logits/{name}"] = totals[f"logits/{name}"] / totals[f"tokens/{name}"]
+        if self.model.training:
+            tokens = self.accelerator.gather(attention_tokens.reshape(1)).sum().item()
+            self._total_train_tokens += int(tokens)
+        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [float(self._total_train_tokens)]
+        self.record_metrics(metrics)
+
+    def precompute_settings(self) -> dict:
+        """Settings besides the token ids that change the precomputed values (part of the cache key)."""
+        return {}
+
     def _precompute(self, ref_model, peft: bool) -> None:
         """Adds REF_COLUMNS to the train and eval datasets, from the disk cache when it has them."""
         if isinstance(ref_model, str):
@@ -206,6 +375,7 @@ class DPOTrainer(BaseTrainer):
             identity = {"name": source.config._name_or_path,
                         "weights": weights_fingerprint(source, skip_trainable=peft and ref_model is None)}
         identity["precision"] = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+        identity["settings"] = self.precompute_settings()
         loaded = {}
 
         def reference():  # loaded only on a cache miss, once
@@ -218,108 +388,155 @@ class DPOTrainer(BaseTrainer):
                     ).to(self.accelerator.device)
             return loaded["module"]
 
-        self.train_dataset = self._with_ref_logps(self.train_dataset, identity, reference)
+        self._precompute_source = (identity, reference, ref_model is not None or peft)
+        size = self.args.precompute_ref_batch_size
+        self.train_dataset = self._with_ref_logps(self.train_dataset, identity, reference,
+                                                  size or self.args.per_device_train_batch_size)
+        size = size or self.args.per_device_eval_batch_size
         if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._with_ref_logps(v, identity, reference) for k, v in self.eval_dataset.items()}
+            self.eval_dataset = {k: self._with_ref_logps(v, identity, reference, size)
+                                 for k, v in self.eval_dataset.items()}
         else:
-            self.eval_dataset = self._with_ref_logps(self.eval_dataset, identity, reference)
+            self.eval_dataset = self._with_ref_logps(self.eval_dataset, identity, reference, size)
 
-    def _with_ref_logps(self, dataset, identity: dict, reference):
-        if dataset is None or set(REF_COLUMNS) <= set(dataset.column_names):
+    def prepare_eval_dataset(self, dataset, name: str):
+        dataset = super().prepare_eval_dataset(dataset, name)
+        if not self.args.precompute_ref_log_probs or set(self.REF_COLUMNS) <= set(dataset.column_names):
             return dataset
-        key = {"reference": identity, "data": _token_fingerprint(dataset)}
+        identity, reference, reference_kept = self._precompute_source
+        if not reference_kept and self.state.global_step > 0:
+            raise ConfigError(
+                f"evaluate() got a new {name} after training began, but with precompute_ref_log_probs=True and no "
+                "ref_model the reference (the untrained policy) is no longer in memory. Pass it as eval_dataset when "
+                "creating the trainer, pass ref_model, or set precompute_ref_log_probs=False.")
+        size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        return self._with_ref_logps(dataset, identity, reference, size)
+
+    def _with_ref_logps(self, dataset, identity: dict, reference, batch_size: int):
+        if dataset is None or set(self.REF_COLUMNS) <= set(dataset.column_names):
+            return dataset
+        key = {"reference": identity, "data": _token_fingerprint(dataset.select_columns(list(self.ID_COLUMNS)),
+                                                                 self.ID_COLUMNS)}
 
         def compute() -> dict[str, torch.Tensor]:
-            loader = DataLoader(dataset.select_columns(list(ID_COLUMNS)), collate_fn=self.data_collator,
-                                batch_size=self.args.per_device_eval_batch_size)
-            chosen, rejected = [], []
+            loader = DataLoader(dataset.select_columns(list(self.ID_COLUMNS)), collate_fn=self.data_collator,
+                                batch_size=batch_size)
+            parts = {c: [] for c in self.REF_COLUMNS}
             with reference_forward(self.model, reference()) as ref, self.accelerator.autocast():
                 for batch in loader:
-                    batch = self._prepare_inputs(batch)
-                    logps = sequence_logps(ref, batch).logps.float()
-                    half = logps.shape[0] // 2
-                    chosen.append(logps[:half])
-                    rejected.append(logps[half:])
-            return {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+                    for column, values in self.reference_columns(ref, self._prepare_inputs(batch)).items():
+                        parts[column].append(values.float())
+            return {c: torch.cat(v) for c, v in parts.items()}
 
         with self.accelerator.main_process_first():
             logps, from_cache = cached_tensors(self.args.ref_cache_dir, key, compute)
         logger.info("Reference log-probs for %d rows %s.", len(dataset),
                     "loaded from the cache" if from_cache else "computed and cached")
-        return (dataset.add_column(REF_COLUMNS[0], logps["chosen"].tolist())
-                .add_column(REF_COLUMNS[1], logps["rejected"].tolist()))
+        for column in self.REF_COLUMNS:
+            dataset = dataset.add_column(column, logps[column].tolist())
+        return dataset
+
+
+class DPOTrainer(ReferenceTrainer):
+    """`DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=..., processing_class=...,
+    peft_config=...)`, TRL's keyword arguments in TRL's order.
+
+    `ref_model` (a model, name or path) is the reference; without one it is a frozen copy of `model`, or the
+    PEFT policy with its adapter disabled. The loss is summed over pairs and divided by the number of pairs
+    in the whole effective batch (all accumulation steps and processes).
+    """
+    _name = "DPO"  # the method the model card names and cites (posttrain/model_card.py)
+
+    REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+    ID_COLUMNS = ID_COLUMNS
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, **kwargs):
+        args = args or DPOConfig(output_dir="outputs/dpo")
+        processing_class = load_processing_class(model, processing_class, args)
+        configure_tokenizer(processing_class, args)  # pad_token
+        self._loss_types, self._loss_weights = validate_dpo_loss_settings(
+            args.loss_type, args.loss_weights, beta=args.beta, label_smoothing=args.label_smoothing,
+            f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
+            discopop_tau=args.discopop_tau, use_weighting=args.use_weighting, ld_alpha=args.ld_alpha,
+        )
+        self._total_train_tokens = 0
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
+                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
+        sync_model_with_tokenizer(self.accelerator.unwrap_model(self.model), self.processing_class, eos_changed=False)
+        self.setup_reference(ref_model, pretrained_adapter=peft_config is None and is_peft_model(model))
+
+    # -- data ------------------------------------------------------------------------------------
+    def prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
+        return prepare_preference_dataset(
+            dataset, tokenizer, trainer="DPOTrainer", name=name, max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length, max_length=args.max_length,
+            truncation_mode=args.truncation_mode, num_proc=args.dataset_num_proc,
+        )
+
+    def default_collator(self, tokenizer, args: DPOConfig):
+        return PreferenceCollator(tokenizer.pad_token_id, padding_free=args.padding_free, max_length=args.max_length,
+                                  truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)
+
+    def precompute_settings(self) -> dict:
+        return {"ld_alpha": self.args.ld_alpha, "max_length": self.args.max_length,
+                "truncation_mode": self.args.truncation_mode}
+
+    def reference_columns(self, reference, batch):
+        logps = sequence_logps(reference, batch, self.args.ld_alpha).logps
+        return dict(zip(self.REF_COLUMNS, logps.chunk(2)))
 
     # -- loss ------------------------------------------------------------------------------------
     def count_loss_items(self, batch):
         return (int(sequence_index(batch).max()) + 1) // 2
 
-    def _bco_delta(self, rewards: torch.Tensor, update: bool) -> float:
-        """BCO's shift: the running mean of all rewards seen in training so far (all processes)."""
-        if update:
-            rewards = self.accelerator.gather(rewards.detach().float())
-            self._bco_reward_sum += rewards.sum().item()
-            self._bco_reward_count += rewards.numel()
-        return self._bco_reward_sum / max(self._bco_reward_count, 1)
-
     def _reference_logps(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if all(c in inputs for c in REF_COLUMNS):
-            return inputs[REF_COLUMNS[0]], inputs[REF_COLUMNS[1]]
+        if all(c in inputs for c in self.REF_COLUMNS):
+            return tuple(inputs[c] for c in self.REF_COLUMNS)
         with reference_forward(model, self.ref_model) as ref:
-            logps = sequence_logps(ref, inputs).logps
-        half = logps.shape[0] // 2
-        return logps[:half], logps[half:]
+            return tuple(self.reference_columns(ref, inputs).values())
 
-    def _losses(self, policy: SequenceLogps, ref_chosen, ref_rejected, training: bool):
-        """Per-pair losses, chosen rewards and rejected rewards. 'ipo' gets length-averaged log-probs, the
-        other types summed ones (so one loss_type list may mix them). `training` updates BCO's running mean."""
+    def _losses(self, policy: SequenceLogps, ref_chosen, ref_rejected):
+        """Per-pair losses, chosen rewards and rejected rewards."""
         args = self.args
         half = policy.logps.shape[0] // 2
-        chosen, rejected = policy.logps[:half], policy.logps[half:]
-        counts = policy.token_counts.clamp(min=1)
+        counts = policy.token_counts
         extra = {}
-        if "sft" in self._loss_types:
-            extra["chosen_nll"] = -chosen / counts[:half]
-        if "bco_pair" in self._loss_types:
-            all_rewards = torch.cat([chosen - ref_chosen, rejected - ref_rejected]) * args.beta
-            extra["bco_delta"] = self._bco_delta(all_rewards, update=training)
-        total, rewards = 0.0, None
-        for averaged in (False, True):
-            group = [(t, w) for t, w in zip(self._loss_types, self._loss_weights) if (t == "ipo") == averaged]
-            if not group:
-                continue
-            norm_c, norm_r = (counts[:half], counts[half:]) if averaged else (1.0, 1.0)
-            losses, chosen_rewards, rejected_rewards = dpo_loss(
-                chosen / norm_c, rejected / norm_r, ref_chosen / norm_c, ref_rejected / norm_r,
-                loss_type=[t for t, _ in group], loss_weights=[w for _, w in group], beta=args.beta,
-                label_smoothing=args.label_smoothing, f_divergence_type=args.f_divergence_type,
-                f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau, **extra,
-            )
-            total = total + losses
-            rewards = rewards or (chosen_rewards, rejected_rewards)
-        return total, *rewards
+        if "sft" in self._loss_types:  # the chosen completions' token-mean NLL over the micro-batch, as in TRL
+            nll = -policy.token_logps[:half].sum() / counts[:half].sum().clamp(min=1)
+            extra["chosen_nll"] = nll.expand(half)
+        if args.use_weighting:
+            weights = wpo_weights(policy.token_logps.detach(), policy.stats["log_sum_sq"], policy.mask)
+            extra["pair_weights"] = weights[:half] * weights[half:]
+        return dpo_loss(
+            policy.logps[:half], policy.logps[half:], ref_chosen, ref_rejected,
+            loss_type=list(self._loss_types), loss_weights=list(self._loss_weights), beta=args.beta,
+            label_smoothing=args.label_smoothing, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
+            chosen_lengths=counts[:half], rejected_lengths=counts[half:], **extra,
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        policy = sequence_logps(model, inputs)
+        policy = sequence_logps(model, inputs, self.args.ld_alpha, wpo=self.args.use_weighting,
+                                router_logits=self.aux_loss_enabled)
         ref_chosen, ref_rejected = self._reference_logps(model, inputs)
-        losses, chosen_rewards, rejected_rewards = self._losses(policy, ref_chosen, ref_rejected, model.training)
+        losses, chosen_rewards, rejected_rewards = self._losses(policy, ref_chosen, ref_rejected)
         loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, len(losses), model.training)
-        self._record(policy, chosen_rewards, rejected_rewards)
+        loss = self.add_aux_loss(loss, policy.aux_loss)
+        self._record(policy, chosen_rewards, rejected_rewards, inputs)
         return (loss, None) if return_outputs else loss
 
-    def _record(self, policy: SequenceLogps, chosen_rewards, rejected_rewards) -> None:
+    def _record(self, policy: SequenceLogps, chosen_rewards, rejected_rewards, inputs) -> None:
         half = policy.logps.shape[0] // 2
         counts = policy.token_counts
+        parts = {"chosen": slice(None, half), "rejected": slice(half, None)}
+        attention = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
+        self.record_token_metrics(policy.stats, counts, torch.as_tensor(attention, device=counts.device), parts)
         metrics = dpo_metrics(chosen_rewards, rejected_rewards)
-        for name, part in (("chosen", slice(None, half)), ("rejected", slice(half, None))):
+        # Over all chosen completion tokens of all processes (a token-weighted ratio, as TRL computes it).
+        top1 = self.accelerator.gather(torch.stack([policy.stats["top1"][:half].sum(), counts[:half].sum()])[None])
+        metrics["mean_token_accuracy"] = top1[:, 0].sum() / top1[:, 1].sum().clamp(min=1)
+        for name, part in parts.items():
             metrics[f"logps/{name}"] = policy.logps[part].detach().mean()
-            # Token-weighted: the mean logit over all completion tokens of the batch.
-            weighted = (policy.mean_logits[part] * counts[part]).sum()
-            metrics[f"logits/{name}"] = weighted / counts[part].sum().clamp(min=1)
         self.record_metrics(metrics)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Evaluation computes the DPO loss (the batches carry no `labels` for the default step to find)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None

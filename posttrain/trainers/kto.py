@@ -2,9 +2,13 @@
 
 The implicit reward beta * log(pi/pi_ref) of a desirable completion is pushed above a reference point z0
 and that of an undesirable one below it. z0 estimates KL(pi || pi_ref) from mismatched pairs: within each
-micro-batch, prompt i is scored with completion (i + 1) mod B, the completion of its neighbour. The estimate
-is detached (as in the paper), computed without gradients, and pooled over all processes; it is not pooled
-over gradient-accumulation steps, so each micro-batch has its own z0.
+micro-batch, prompt i is scored with the completion of a neighbour (see below). The estimate is detached
+(as in the paper), computed without gradients, and pooled over all processes; it is not pooled over
+gradient-accumulation steps, so each micro-batch has its own z0.
+
+As in TRL, the mismatched pairs are fixed in the dataset: within each run of per_device_train_batch_size rows,
+prompt i gets the completion of row i - 1 (the first gets the last's). With the sequential sampling KTO needs
+(`train_sampling_strategy='sequential'`), those runs are exactly the micro-batches.
 """
 
 from __future__ import annotations
@@ -13,16 +17,16 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from datasets import Dataset
 
 from ..data.chat import require_chat_template, unpair_preference_dataset
 from ..data.collators import pad
 from ..data.formats import DatasetFormat, check_example, validate_dataset
 from ..data.tokenize import tokenize_example
 from ..errors import ConfigError, DataError
-from ..losses.logprobs import next_token_logps
 from ..losses.preference import KTO_LOSS_TYPES, kto_loss
-from ..models.reference import create_reference_model, reference_forward
-from .base import BaseTrainer, PosttrainConfig
+from ..models.reference import is_peft_model, reference_forward
+from .dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
 
 logger = logging.getLogger("posttrain")
 
@@ -32,8 +36,10 @@ RECOMMENDED_WEIGHTED_RATIO = (1.0, 4 / 3)
 
 
 @dataclass
-class KTOConfig(PosttrainConfig):
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+class KTOConfig(ReferenceConfig):
+    train_sampling_strategy: str = field(
+        default="sequential", metadata={"help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
+                                                "(its mismatched KL pairs are fixed per batch in the dataset)."})
     max_length: int | None = field(
         default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."})
     beta: float = field(default=0.1, metadata={"help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
@@ -46,7 +52,6 @@ class KTOConfig(PosttrainConfig):
         default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."})
 
     def __post_init__(self):
-        super().__post_init__()
         if self.loss_type not in KTO_LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(KTO_LOSS_TYPES)}.")
         if self.beta <= 0:
@@ -54,11 +59,45 @@ class KTOConfig(PosttrainConfig):
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             raise ConfigError(f"desirable_weight={self.desirable_weight} and undesirable_weight="
                               f"{self.undesirable_weight} must both be positive.")
+        strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
+        if self.loss_type == "kto" and strategy != "sequential":
+            raise ConfigError(
+                f"train_sampling_strategy={strategy!r}: loss_type 'kto' pairs each prompt with a neighbour's "
+                "completion inside its batch, fixed in the dataset, so the rows must come in order; set "
+                "train_sampling_strategy='sequential' (the default) or use loss_type='apo_zero_unpaired'.")
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise ConfigError(
+                f"per_device_train_batch_size={self.per_device_train_batch_size}: the KL reference point pairs each "
+                "prompt with another example's completion from the same batch, and a batch of one has none; set "
+                "per_device_train_batch_size to 2 or more.")
+        super().__post_init__()
 
 
 def _tokenize_row(example, row, tokenizer, fmt, completion_fmt, max_length):
     check_example(example, fmt, row)
-    return tokenize_example(example, tokenizer, completion_fmt, row=row, max_length=max_length)
+    out = tokenize_example(example, tokenizer, completion_fmt, row=row)
+    out = {k: v[:max_length] for k, v in out.items()}  # keep_start, as TRL's collator cuts
+    # As TRL, the completion is every token after the prompt, the template's whitespace after the turn included.
+    if 1 not in out["completion_mask"]:  # the prompt fills max_length: dropped by prepare_dataset
+        return out
+    start = out["completion_mask"].index(1)
+    out["completion_mask"] = [0] * start + [1] * (len(out["completion_mask"]) - start)
+    return out
+
+
+def add_kl_pairs(dataset, batch_size: int, max_length: int | None):
+    """`kl_input_ids` / `kl_completion_mask` per row: its prompt with the completion of the previous row of its run
+    of `batch_size` rows (the first row takes the run's last), cut to `max_length`."""
+    ids, masks = dataset["input_ids"], dataset["completion_mask"]
+    kl_ids, kl_masks = [], []
+    for start in range(0, len(ids), batch_size):
+        run = range(start, min(start + batch_size, len(ids)))
+        for i in run:
+            j = i - 1 if i > start else run[-1]
+            p, q = masks[i].index(1), masks[j].index(1)  # where each completion begins
+            kl_ids.append((ids[i][:p] + ids[j][q:])[:max_length])
+            kl_masks.append(([0] * p + masks[j][q:])[:max_length])
+    return dataset.add_column("kl_input_ids", kl_ids).add_column("kl_completion_mask", kl_masks)
 
 
 def check_class_balance(labels: list[bool], args: KTOConfig, name: str = "train_dataset") -> None:
@@ -89,60 +128,66 @@ def check_class_balance(labels: list[bool], args: KTOConfig, name: str = "train_
 
 
 class KTOCollator:
-    """B unpaired examples -> `label` [B] and B sequences (prompt + completion) with `completion_mask`; with
-    `mismatched_pairs`, B more rows follow: prompt i with the completion of example (i + 1) mod B, for the KL
-    reference point (truncated to `max_length`). A batch of one pairs its example with itself."""
+    """B unpaired examples -> `label` [B] and B sequences (prompt + completion) with `completion_mask`; when the rows
+    carry their mismatched pair (`kl_input_ids`, see `add_kl_pairs`), B more sequences follow. Precomputed
+    reference log-probs travel along."""
 
-    def __init__(self, pad_token_id: int, mismatched_pairs: bool = True, max_length: int | None = None):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
         self.pad_token_id = pad_token_id
-        self.mismatched_pairs = mismatched_pairs
-        self.max_length = max_length
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         sequences = [list(e["input_ids"]) for e in examples]
         masks = [list(e["completion_mask"]) for e in examples]
-        if self.mismatched_pairs:
-            starts = [mask.index(1) for mask in masks]  # where each completion begins
-            for i in range(len(examples)):
-                j = (i + 1) % len(examples)
-                sequences.append((sequences[i][: starts[i]] + sequences[j][starts[j]:])[: self.max_length])
-                masks.append(([0] * starts[i] + masks[j][starts[j]:])[: self.max_length])
-        return {
-            "input_ids": pad(sequences, self.pad_token_id),
-            "attention_mask": pad([[1] * len(s) for s in sequences], 0),
-            "completion_mask": pad(masks, 0),
+        if "kl_input_ids" in examples[0]:
+            sequences += [list(e["kl_input_ids"]) for e in examples]
+            masks += [list(e["kl_completion_mask"]) for e in examples]
+        multiple = self.pad_to_multiple_of
+        batch = {
+            "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
+            "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
+            "completion_mask": pad(masks, 0, multiple_of=multiple),
             "label": torch.tensor([e["label"] for e in examples], dtype=torch.bool),
         }
+        for column in KTOTrainer.ALL_REF_COLUMNS:
+            if column in examples[0]:
+                batch[column] = torch.tensor([float(e[column]) for e in examples], dtype=torch.float32)
+        return batch
 
 
-def completion_logps(model, input_ids, attention_mask, completion_mask) -> torch.Tensor:
-    """Summed log-probs of each row's completion tokens [rows] (trailing all-padding columns are dropped)."""
-    width = int(attention_mask.sum(-1).max())
-    input_ids, attention_mask, completion_mask = (t[:, :width] for t in (input_ids, attention_mask, completion_mask))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return (next_token_logps(logits, input_ids) * completion_mask).sum(-1)
+def _rows(batch: dict, part: slice) -> dict:
+    """The sequences `part` of a KTO batch, trailing all-padding columns dropped."""
+    width = int(batch["attention_mask"][part].sum(-1).max())
+    return {k: batch[k][part, :width] for k in ("input_ids", "attention_mask", "completion_mask")}
 
 
-class KTOTrainer(BaseTrainer):
-    """`KTOTrainer(model, args=KTOConfig(...), train_dataset=..., ref_model=None, peft_config=...)`.
+class KTOTrainer(ReferenceTrainer):
+    """`KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=..., processing_class=...,
+    peft_config=...)`, TRL's keyword arguments in TRL's order.
 
     Data: unpaired rows (`prompt`, `completion`, boolean `label`, True = desirable), standard or
     conversational; paired preference data (`chosen`/`rejected`) is unpaired into one desirable and one
     undesirable row per pair. The reference is `ref_model`, else a frozen copy of the policy, else (with
-    `peft_config`) the policy with its adapter disabled.
+    `peft_config`) the policy with its adapter disabled, or log-probs precomputed once (`precompute_ref_log_probs`).
     """
+    _name = "KTO"  # the method the model card names and cites (posttrain/model_card.py)
 
-    def __init__(self, model, args: KTOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, *, ref_model=None, **kwargs):
+    ALL_REF_COLUMNS = ("ref_logps", "ref_kl_logps")
+    PREPARED_COLUMN = "input_ids"
+
+    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, **kwargs):
         args = args or KTOConfig(output_dir="outputs/kto")
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, **kwargs)
-        self.ref_model = create_reference_model(self.model, ref_model, peft=peft_config is not None)
-        if self.ref_model is not None:
-            self.ref_model.to(self.accelerator.device)
-        if args.loss_type == "kto" and args.per_device_train_batch_size == 1:
-            logger.warning("per_device_train_batch_size=1: the KL reference point pairs each prompt with another "
-                           "example's completion from the same batch, and a batch of one has none, so z0 is "
-                           "estimated from the matched pair itself. Use a batch size of at least 2.")
+        kl = args.loss_type == "kto"
+        self.REF_COLUMNS = self.ALL_REF_COLUMNS if kl else self.ALL_REF_COLUMNS[:1]
+        self.ID_COLUMNS = ("input_ids", "completion_mask", "label") + (("kl_input_ids", "kl_completion_mask")
+                                                                       if kl else ())
+        self._total_train_tokens = 0
+        processing_class = load_processing_class(model, processing_class, args)
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
+                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
+        self.setup_reference(ref_model, pretrained_adapter=peft_config is None and is_peft_model(model))
 
     def prepare_dataset(self, dataset, tokenizer, args: KTOConfig, name: str):
         fmt: DatasetFormat = validate_dataset(dataset, ("unpaired_preference", "preference"), "KTOTrainer", name)
@@ -156,39 +201,62 @@ class KTOTrainer(BaseTrainer):
         completion_fmt = DatasetFormat("prompt_completion", fmt.conversational, ("prompt", "completion"))
         dataset = dataset.map(
             _tokenize_row, with_indices=True, num_proc=args.dataset_num_proc,
-            remove_columns=[c for c in dataset.column_names if c != "label"],
+            remove_columns=[c for c in dataset.column_names if c not in ("label", *self.ALL_REF_COLUMNS)],
             fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, completion_fmt=completion_fmt, max_length=args.max_length),
             desc=f"Tokenizing {name}",
         )
+        empty = [i for i, mask in enumerate(dataset["completion_mask"]) if 1 not in mask]
+        if empty:  # as TRL does, drop rows whose prompt alone fills max_length
+            if len(empty) == len(dataset):
+                raise DataError(f"Every row of {name} has a prompt that fills max_length={args.max_length}, leaving "
+                                "no completion token; raise max_length (or set it to None).")
+            logger.warning("Dropping %d of %d rows of %s: their prompt alone fills max_length=%s. Raise max_length "
+                           "to keep them.", len(empty), len(dataset), name, args.max_length)
+            dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
         if name == "train_dataset":
             check_class_balance(dataset["label"], args, name)
+        if args.loss_type == "kto" and isinstance(dataset, Dataset):
+            dataset = add_kl_pairs(dataset, args.per_device_train_batch_size, args.max_length)
         return dataset
 
     def default_collator(self, tokenizer, args: KTOConfig):
-        return KTOCollator(tokenizer.pad_token_id, mismatched_pairs=args.loss_type == "kto", max_length=args.max_length)
+        return KTOCollator(tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
 
     def count_loss_items(self, batch):
         return len(batch["label"])
 
+    def metric_inputs(self, inputs):
+        return _rows(inputs, slice(None, len(inputs["label"])))
+
+    def reference_columns(self, reference, batch):
+        n = len(batch["label"])
+        logps = sequence_logps(reference, _rows(batch, slice(None))).logps  # the examples and KL pairs in one forward
+        return dict(zip(self.REF_COLUMNS, (logps[:n], logps[n:])))
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        rows = (inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"])
-        logps = completion_logps(model, *(t[:n] for t in rows))
-        with reference_forward(model, self.ref_model) as reference:
-            ref_logps = completion_logps(reference, *rows)  # the examples and the mismatched pairs in one forward
+        policy = sequence_logps(model, _rows(inputs, slice(None, n)), router_logits=self.aux_loss_enabled)
+        if all(c in inputs for c in self.REF_COLUMNS):
+            ref = {c: inputs[c] for c in self.REF_COLUMNS}
+        else:
+            with reference_forward(model, self.ref_model) as reference:
+                ref = self.reference_columns(reference, inputs)
         policy_kl = ref_kl = None
-        if len(rows[0]) > n:
+        if "ref_kl_logps" in ref:
             with torch.no_grad():
-                policy_kl = self.accelerator.gather(completion_logps(model, *(t[n:] for t in rows)))
-            ref_kl = self.accelerator.gather(ref_logps[n:])
+                policy_kl = self.accelerator.gather(sequence_logps(model, _rows(inputs, slice(n, None))).logps)
+            ref_kl = self.accelerator.gather(ref["ref_kl_logps"])
         losses, rewards, kl = kto_loss(
-            logps, ref_logps[:n], labels, policy_kl, ref_kl, beta=self.args.beta,
+            policy.logps, ref["ref_logps"], labels, policy_kl, ref_kl, beta=self.args.beta,
             desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight,
             loss_type=self.args.loss_type,
         )
         loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, n, model.training)
-        self._record_class_metrics(labels, rewards, logps.detach(), kl if policy_kl is not None else None)
+        loss = self.add_aux_loss(loss, policy.aux_loss)
+        self.record_token_metrics(policy.stats, policy.token_counts, inputs["attention_mask"][:n].sum(),
+                                  {"chosen": labels, "rejected": ~labels})
+        self._record_class_metrics(labels, rewards, policy.logps.detach(), kl if policy_kl is not None else None)
         return (loss, {"rewards": rewards}) if return_outputs else loss
 
     def _record_class_metrics(self, labels, rewards, logps, kl=None) -> None:
@@ -199,7 +267,7 @@ class KTOTrainer(BaseTrainer):
         stats = torch.stack([desirable.sum(), undesirable.sum(), (rewards * desirable).sum(),
                              (rewards * undesirable).sum(), (logps * desirable).sum(), (logps * undesirable).sum()])
         n_d, n_u, reward_d, reward_u, logp_d, logp_u = self.accelerator.gather(stats[None]).sum(0).tolist()
-        metrics = {} if kl is None else {"kl": kl}
+        metrics = {"kl": kl if kl is not None else 0.0}
         if n_d:
             metrics.update({"rewards/chosen": reward_d / n_d, "logps/chosen": logp_d / n_d})
         if n_u:

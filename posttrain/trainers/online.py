@@ -20,224 +20,63 @@ a prompt are generated on the same process. Rewards are gathered, so group or ba
 process. Sampling is seeded per prompt (from the seed, the round and the prompt's position in the round),
 so the completions do not depend on how a round is split across processes or micro-batches.
 
-Metrics, per logging window: reward, reward_std (over the whole generation batch), frac_reward_zero_std
-(groups whose rewards are all equal), frac_reward_none (no reward applies), rewards/<name>/mean
-and /std, advantages/mean and /std, completions/mean_length, /min_length, /max_length, /clipped_ratio
-(fraction cut at max_completion_length), time/generation and time/scoring (seconds per generation round);
+Metrics, per logging window (TRL's names): num_tokens (prompt + completion tokens seen), reward, reward_std
+(over the whole generation batch), frac_reward_zero_std (groups whose rewards are all equal), rewards/<name>/mean
+and /std, completions/mean_length, /min_length, /max_length, /clipped_ratio (fraction cut at
+max_completion_length), /mean_terminated_length, /min_.., /max_.. (completions that ended); posttrain's own:
+frac_reward_none (no reward applies), advantages/mean and /std, time/generation and time/scoring (seconds per
+generation round);
 and per micro-batch: kl (when there is a reference), clip_ratio/low_mean, /high_mean, /region_mean,
-entropy, time/update (seconds per optimizer step, forward and backward).
+entropy, time/update (seconds per optimizer step, forward and backward). Evaluation (online_eval.py) logs the
+same keys with the eval_ prefix.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
 from ..errors import ConfigError, DataError
-from ..generation import SamplingParams, create_generation_backend, derive_seed
-from ..generation.vllm_backend import VLLM_MODES, sampler_logps_tensor, sampler_mismatch_metrics
+from ..generation import create_generation_backend
+from ..generation.vllm_backend import sampler_logps_tensor, sampler_mismatch_metrics
 from ..losses.logprobs import selective_log_softmax
 from ..losses.policy import (
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
     aggregate_loss,
-    clipped_policy_loss,
     entropy_from_logits,
-    truncated_importance_weights,
+    objective_metrics,
+    policy_objective,
 )
+from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
 from ..models.loading import load_tokenizer
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
-from .base import BaseTrainer, PosttrainConfig
-
+from ..callbacks import SyncRefModelCallback
+from .base import BaseTrainer, setup_router_aux_loss
+from .online_config import OnlineConfig
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
-PROMPT_COLUMN, PROMPT_IDS_COLUMN = "prompt", "prompt_ids"
-COMPLETIONS_LOG = "completions.jsonl"
+from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
 
-
-@dataclass
-class OnlineConfig(PosttrainConfig):
-    """Settings shared by the online trainers. See the module docstring for how the batch sizes relate."""
-
-    min_num_generations: ClassVar[int] = 1
-    method: ClassVar[str] = "the online trainer"  # how error messages name the method
-
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    # Generation
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."})
-    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
-    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the most likely tokens whose "
-                                                        "probabilities add up to top_p (1.0: off)."})
-    top_k: int = field(default=0, metadata={"help": "Keep only the top_k most likely tokens (0: off)."})
-    min_p: float = field(default=0.0, metadata={"help": "Drop tokens less likely than min_p times the most "
-                                                        "likely one (0: off)."})
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty on tokens already in the prompt or completion (1.0: off)."})
-    steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Optimizer steps trained on each generated batch before the next one is "
-                                        "generated (default 1, or derived from generation_batch_size)."})
-    generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions generated per round over all processes: "
-                                        "per_device_train_batch_size x gradient_accumulation_steps x "
-                                        "steps_per_generation x processes. Set this or steps_per_generation."})
-    num_iterations: int = field(
-        default=1, metadata={"help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
-                                     "completions with importance ratios to the generating policy."})
-    # Rewards
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (default: all 1.0)."})
-    reward_timeout_s: float = field(
-        default=60.0, metadata={"help": "Seconds an async reward function may take per batch."})
-    # Loss
-    loss_type: str = field(
-        default="dapo", metadata={"help": f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
-                                          "over completions), bnpo/dapo (mean over all tokens of the optimizer "
-                                          "step), dr_grpo (token sum / (completions x max_completion_length))."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no reference "
-                                                       "model is loaded)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."})
-    importance_sampling_level: str = field(
-        default="token", metadata={"help": "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per "
-                                           "completion)."})
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss (DAPO)."})
-    log_completions: bool = field(
-        default=False, metadata={"help": "Append {step, prompt, completion, reward} lines to "
-                                         "output_dir/completions.jsonl at every generation round."})
-    # vLLM generation (docs/vllm.md)
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of transformers' generate."})
-    vllm_mode: str = field(
-        default="server", metadata={"help": "'server': a vLLM server started with `posttrain vllm-serve`; "
-                                            "'colocate': vLLM inside the training process."})
-    vllm_server_url: str | None = field(
-        default=None, metadata={"help": "Server mode: the server's URL (default http://vllm_server_host:"
-                                        "vllm_server_port)."})
-    vllm_server_host: str = field(default="127.0.0.1", metadata={"help": "Server mode: the server's host."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
-    vllm_server_timeout_s: float = field(
-        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up, and for any one "
-                                         "request (a generation round included)."})
-    vllm_sync_dir: str | None = field(
-        default=None, metadata={"help": "Server mode: directory for the weights synced to the server, readable by "
-                                        "it under the same path (default: a temporary directory, right when both "
-                                        "run on one machine)."})
-    vllm_sync_steps: int = field(
-        default=1, metadata={"help": "Push the policy's weights to vLLM every this many optimizer steps."})
-    vllm_importance_sampling_correction: bool = field(
-        default=True, metadata={"help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
-                                        "corrects for vLLM sampling from slightly different probabilities."})
-    vllm_importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory "
-                                       "vLLM may take."})
-    vllm_kv_cache_gb: float | None = field(
-        default=1.0, metadata={"help": "Colocate mode: vLLM's KV cache in GiB (None: sized from "
-                                       "vllm_gpu_memory_utilization on a GPU)."})
-    vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU "
-                                         "between generation rounds."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.sampling_params()  # validates the sampling settings
-        self._check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        self._check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        self._check_choice("vllm_mode", self.vllm_mode, VLLM_MODES)
-        if self.vllm_importance_sampling_cap <= 0:
-            raise ConfigError(f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0 "
-                              "(typical: 2.0).")
-        if self.vllm_sync_steps < 1:
-            raise ConfigError(f"vllm_sync_steps={self.vllm_sync_steps} must be at least 1 (1: before every round).")
-        if self.num_iterations < 1:
-            raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
-        if self.beta < 0:
-            raise ConfigError(f"beta={self.beta} must be >= 0 (0 switches the KL term off).")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 (or None: no limit).")
-        if self.num_generations < self.min_num_generations:
-            reason = ("; its advantages compare each completion with the others of the same prompt"
-                      if self.min_num_generations > 1 else "")
-            raise ConfigError(
-                f"num_generations={self.num_generations}, but {self.method} needs at least "
-                f"{self.min_num_generations} completions per prompt{reason}. Set num_generations >= "
-                f"{self.min_num_generations} (typical: 4 to 16).")
-        self._resolve_generation_batch()
-
-    @staticmethod
-    def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {choices}; pick one of them.")
-
-    def _resolve_generation_batch(self) -> None:
-        """Sets generation_batch_size and steps_per_generation from whichever the user gave (checked)."""
-        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps  # per process
-        processes = self.world_size
-        step_batch = per_step * processes
-        spelled = (f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
-                   f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}")
-        if self.steps_per_generation is not None and self.steps_per_generation < 1:
-            raise ConfigError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
-        if self.generation_batch_size is not None:
-            if self.generation_batch_size < 1 or self.generation_batch_size % step_batch:
-                valid = ", ".join(str(step_batch * k) for k in range(1, 5))
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} must be a multiple of the completions of "
-                    f"one optimizer step, {spelled}. Valid values: {valid}, ... (steps_per_generation is "
-                    f"generation_batch_size / {step_batch}).")
-            derived = self.generation_batch_size // step_batch
-            if self.steps_per_generation not in (None, derived):
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} means steps_per_generation={derived} "
-                    f"({self.generation_batch_size} / {step_batch}), but steps_per_generation="
-                    f"{self.steps_per_generation} was set too. Set only one of them.")
-            self.steps_per_generation = derived
-        self.steps_per_generation = self.steps_per_generation or 1
-        self.generation_batch_size = step_batch * self.steps_per_generation
-        local = per_step * self.steps_per_generation
-        n = self.num_generations
-        if local % n:
-            divisors = [d for d in range(self.min_num_generations, local + 1) if local % d == 0]
-            steps = self.steps_per_generation * n // math.gcd(n, local)
-            raise ConfigError(
-                f"num_generations={n} must divide the {local} completions each process generates per round "
-                f"(per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
-                f"{self.gradient_accumulation_steps} x steps_per_generation {self.steps_per_generation}), because "
-                f"all completions of a prompt are generated on one process. Valid num_generations here: {divisors}; "
-                f"or keep num_generations={n} and make that product a multiple of {n} (e.g. "
-                f"steps_per_generation={steps}).")
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+__all__ = ["COMPLETIONS_LOG", "OnlineConfig", "OnlineTrainer", "Rollout", "RolloutSampler", "groupwise_advantages",
+           "nanstd"]
 
 
 # -- prompts -----------------------------------------------------------------------------------------------
-def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, max_prompt_length: int | None):
+def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, max_prompt_length: int | None,
+                     chat_template_kwargs: dict | None = None):
     prompt = example[PROMPT_COLUMN]
     if conversational != is_message_list(prompt) or not (conversational or isinstance(prompt, str)):
         expected = "a non-empty list of {'role', 'content'} messages" if conversational else "a string"
         raise DataError(f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. "
                         "Fix or drop that row.")
     if conversational:
-        text = apply_chat_template({PROMPT_COLUMN: prompt}, tokenizer)[PROMPT_COLUMN]
+        text = apply_chat_template({PROMPT_COLUMN: prompt}, tokenizer, **(chat_template_kwargs or {}))[PROMPT_COLUMN]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]
@@ -263,14 +102,14 @@ class RolloutSampler:
     """For every micro-step, this process's share of the current round's prompts, tagged with the round, the
     micro-step and each prompt's position ("slot") in the round.
 
-    Each epoch shuffles the prompts with (seed, epoch); round r of the epoch takes the next
+    Each epoch shuffles the prompts with (seed, epoch) (with shuffle=False they keep the dataset's order); round r of the epoch takes the next
     prompts_per_round of them, and process p takes the p-th contiguous block. A batch is repeated for every
     micro-step of its round, which lets the trainer find its place in the round (also after resuming).
     """
 
     def __init__(self, num_prompts: int, prompts_per_round: int, num_processes: int, process_index: int,
-                 micro_steps_per_round: int, seed: int) -> None:
-        self.num_prompts, self.prompts_per_round = num_prompts, prompts_per_round
+                 micro_steps_per_round: int, seed: int, shuffle: bool = True) -> None:
+        self.num_prompts, self.prompts_per_round, self.shuffle = num_prompts, prompts_per_round, shuffle
         self.num_processes, self.process_index = num_processes, process_index
         self.micro_steps_per_round, self.seed = micro_steps_per_round, seed
         self.rounds_per_epoch = num_prompts // prompts_per_round
@@ -283,7 +122,8 @@ class RolloutSampler:
         return self.rounds_per_epoch * self.micro_steps_per_round
 
     def __iter__(self):
-        order = torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = (torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+                 if self.shuffle else torch.arange(self.num_prompts))
         local = self.prompts_per_round // self.num_processes
         slots = range(self.process_index * local, (self.process_index + 1) * local)
         for r in range(self.rounds_per_epoch):
@@ -337,8 +177,11 @@ class Rollout:
     loss_mask: torch.Tensor
     finished: torch.Tensor  # [N] bool: ended with a stop token (else cut at max_completion_length)
     rewards: torch.Tensor  # [N], NaN where no reward function applies
+    per_function_rewards: torch.Tensor  # [N, reward functions], unweighted, NaN where a function does not apply
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     step_tokens: list[float] = field(default_factory=list)  # loss tokens per optimizer step, all processes
+    num_generations: int = 1  # completions per prompt (a group): num_generations, or num_generations_eval
+    pad_to_multiple_of: int | None = None  # batch widths are rounded up to a multiple of this
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -346,8 +189,8 @@ class Rollout:
     def batch(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Rows [start, stop) with the padding columns no row of the slice needs removed."""
         rows = slice(start, stop)
-        prompt_width = int(self.prompt_mask[rows].sum(1).max())
-        width = int(self.completion_mask[rows].sum(1).max())
+        prompt_width = self._width(self.prompt_mask[rows].sum(1).max(), self.prompt_mask.shape[1])
+        width = self._width(self.completion_mask[rows].sum(1).max(), self.completion_mask.shape[1])
         out = {"prompt_ids": self.prompt_ids[rows, -prompt_width:],
                "prompt_mask": self.prompt_mask[rows, -prompt_width:]}
         per_completion = {"completion_ids": self.completion_ids, "completion_mask": self.completion_mask,
@@ -357,17 +200,17 @@ class Rollout:
         return out
 
 
-def _pad(rows: list[list[int]], value: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _width(self, needed, available: int) -> int:
+        multiple = self.pad_to_multiple_of or 1
+        return min(-(-int(needed) // multiple) * multiple, available)
+
+
+def _pad(rows: list[list[int]], value: int, left: bool, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
+    width = -(-width // (multiple or 1)) * (multiple or 1)
     padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
     masks = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
     return torch.tensor(padded), torch.tensor(masks)
-
-
-def nanstd(values: torch.Tensor) -> torch.Tensor:
-    """Unbiased standard deviation of the non-NaN entries (0 with fewer than two)."""
-    finite = values[~values.isnan()]
-    return finite.std() if finite.numel() > 1 else torch.zeros((), dtype=values.dtype, device=values.device)
 
 
 def groupwise_advantages(
@@ -389,12 +232,14 @@ def groupwise_advantages(
 
 
 # -- the engine --------------------------------------------------------------------------------------------
-class OnlineTrainer(BaseTrainer):
-    """`XTrainer(model, reward_funcs, args=XConfig(...), train_dataset=..., processing_class=..., peft_config=...)`.
+class OnlineTrainer(OnlineEvaluation, BaseTrainer):
+    """`XTrainer(model, reward_funcs, args=XConfig(...), train_dataset=..., eval_dataset=..., peft_config=...)`.
 
-    `train_dataset` needs a 'prompt' column (strings, or conversations rendered with the chat template and
-    its generation prompt); every other column reaches the reward functions by name. `reward_funcs` is one
-    or a list of reward functions, reward models or reward model names (see `posttrain.rewards.scoring`).
+    `train_dataset` (and `eval_dataset`) need a 'prompt' column (strings, or conversations rendered with the
+    chat template and its generation prompt); every other column reaches the reward functions by name.
+    `reward_funcs` is one or a list of reward functions, reward models or reward model names (see
+    `posttrain.rewards.scoring`). Tool calling (`tools`, `rollout_func`, `environment_factory`) is not
+    supported yet.
     """
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
@@ -412,14 +257,20 @@ class OnlineTrainer(BaseTrainer):
         eval_dataset=None,
         processing_class=None,
         reward_processing_classes: list | None = None,
-        peft_config=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
     ):
         args = args or self.config_class(output_dir=f"outputs/{type(self).__name__.removesuffix('Trainer').lower()}")
-        if eval_dataset is not None:
-            raise ConfigError(f"{type(self).__name__} does not evaluate on an eval_dataset yet; drop eval_dataset "
-                              "(and eval_strategy) and score held-out prompts after training.")
+        for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory)):
+            if value is not None:
+                raise ConfigError(f"{type(self).__name__}({name}=...): tool calling and custom rollouts are not "
+                                  f"supported yet (issue #18); drop {name}.")
         if train_dataset is None:
             raise DataError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
         _require_prompt_column(train_dataset, "train_dataset")
@@ -431,6 +282,10 @@ class OnlineTrainer(BaseTrainer):
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           args.reward_timeout_s)
         self.reward_scorer.check_columns(self.reward_columns)
+        self._check_eval_setup(eval_dataset, args)
+        if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
+            raise ConfigError("sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
+                                  "reference is the adapter-disabled base; set sync_ref_model=False.")
         processing_class = processing_class or load_tokenizer(model)
         if processing_class.eos_token_id is None:
             raise ConfigError("The tokenizer has no EOS token, so a completion could never end before "
@@ -443,8 +298,9 @@ class OnlineTrainer(BaseTrainer):
                 f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}); "
                 "add prompts or lower per_device_train_batch_size, gradient_accumulation_steps or "
                 "steps_per_generation.")
-        super().__init__(model, args, train_dataset=train_dataset, processing_class=processing_class,
-                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers)
+        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config)
         self.sampling = args.sampling_params()
         self.generation_backend = create_generation_backend(self.model, self.processing_class, args)
         self.reward_scorer.to(self.accelerator.device)
@@ -453,8 +309,32 @@ class OnlineTrainer(BaseTrainer):
             reference = create_reference_model(self.model, peft=is_peft_model(self.model))
             if reference is not None:
                 self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
+        if args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha,
+                                                   args.ref_model_sync_steps))
+        self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
+        self._pending_completions: list[dict] = []
+
+    def check_prompt_dataset(self, dataset, name: str) -> None:
+        """A prompt column, and every column the reward functions read from the training set."""
+        _require_prompt_column(dataset, name)
+        missing = [c for c in self.reward_columns if c not in dataset.column_names]
+        if missing:
+            raise DataError(f"{name} lacks the columns {missing} that train_dataset passes to the reward functions; "
+                            "add them to it.")
+
+    def _check_eval_setup(self, eval_dataset, args: OnlineConfig) -> None:
+        datasets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+        for name, dataset in datasets:
+            if dataset is not None:
+                self.check_prompt_dataset(dataset, name if name == "eval_dataset" else f"eval_dataset[{name!r}]")
+        n = args.num_generations_eval or args.num_generations
+        if eval_dataset is not None and args.per_device_eval_batch_size % n:
+            raise ConfigError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} counts completions and "
+                              f"must be a multiple of num_generations_eval={n} (all completions of an eval prompt "
+                              "are generated together); change one of them.")
 
     # -- data ------------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: OnlineConfig, name: str):
@@ -465,7 +345,7 @@ class OnlineTrainer(BaseTrainer):
         return dataset.map(
             _tokenize_prompt, with_indices=True, num_proc=args.dataset_num_proc,
             fn_kwargs=dict(tokenizer=tokenizer, conversational=self.conversational,
-                           max_prompt_length=args.max_prompt_length),
+                           max_prompt_length=args.max_prompt_length, chat_template_kwargs=args.chat_template_kwargs),
             desc=f"Tokenizing the prompts of {name}",
         )
 
@@ -482,7 +362,7 @@ class OnlineTrainer(BaseTrainer):
             num_prompts=len(self.train_dataset), prompts_per_round=args.generation_batch_size // args.num_generations,
             num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
             micro_steps_per_round=self.micro_steps_per_round,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
+            seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=args.shuffle_dataset,
         )
         return _RolloutLoader(_TaggedPrompts(self.train_dataset), batch_sampler=sampler, collate_fn=_collate_tagged)
 
@@ -507,46 +387,71 @@ class OnlineTrainer(BaseTrainer):
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logps, entropy = self.completion_logps(model, inputs, with_entropy=True)
-        loss, metrics = self.policy_loss(inputs, logps)
+        # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus).
+        logps, entropy, outputs = self.completion_logps(model, inputs, with_entropy=True, return_outputs=True,
+                                                        entropy_grad=getattr(self, "trains_entropy", False))
+        loss, metrics = self.policy_loss(inputs, logps, entropy)
+        loss = self.add_router_aux_loss(loss, outputs, metrics)
         mask = inputs["loss_mask"].to(entropy.dtype)
-        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         self.record_metrics(metrics)
         return (loss, None) if return_outputs else loss
 
-    def policy_loss(self, inputs: dict[str, torch.Tensor], logps: torch.Tensor):
-        """This micro-batch's share of the optimizer step's clipped policy loss, and its metrics.
+    def add_router_aux_loss(self, loss: torch.Tensor, outputs, metrics: dict) -> torch.Tensor:
+        """Adds a Mixture-of-Experts model's load-balancing loss (per micro-batch, so divided by the accumulation
+        steps as the policy loss is shared out over them), and records it as `aux_loss`."""
+        aux_loss = getattr(outputs, "aux_loss", None)
+        if not self.router_aux_loss_coef or aux_loss is None:
+            return loss
+        metrics["aux_loss"] = aux_loss.detach()
+        return loss + self.router_aux_loss_coef * aux_loss / self.args.gradient_accumulation_steps
 
-        The share uses the step's totals over all micro-batches and processes; it is multiplied by the
-        number of processes because DDP averages the processes' gradients.
+    def policy_loss(self, inputs: dict[str, torch.Tensor], logps: torch.Tensor, entropy: torch.Tensor | None = None,
+                    keep: torch.Tensor | None = None):
+        """This micro-batch's share of the optimizer step's policy loss, and its metrics.
+
+        The per-token objective is `policy_objective` with `self.objective_options()` (GRPO's loss types), the
+        0/1 `keep` selection and, when the sampler returned its log-probs (vLLM), `self.sampler_ratio`. The
+        share uses the step's totals over all micro-batches and processes; it is multiplied by the number of
+        processes because DDP averages the processes' gradients. `entropy` is for methods that select tokens
+        or add a bonus by it (GRPO overrides this method).
         """
-        args = self.args
+        args, mask = self.args, inputs["loss_mask"]
         old_logps = inputs.get("old_logps", logps.detach())
-        per_token, stats = clipped_policy_loss(
-            logps, old_logps, inputs["advantages"], inputs["loss_mask"], epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high, importance_sampling_level=args.importance_sampling_level,
-            ref_logps=inputs.get("ref_logps"), beta=args.beta if self.kl_in_loss else 0.0,
-        )
         sampler_logps = inputs.get("sampler_logps")  # the sampler's own log-probs of these tokens (vLLM)
+        ratio = None
         if sampler_logps is not None and args.vllm_importance_sampling_correction:
-            per_token = per_token * truncated_importance_weights(old_logps, sampler_logps,
-                                                                 args.vllm_importance_sampling_cap)
-        loss = aggregate_loss(per_token, inputs["loss_mask"], args.loss_type,
-                              total_sequences=inputs["total_sequences"], total_tokens=inputs["total_tokens"],
-                              max_completion_length=args.max_completion_length)
-        metrics = {"clip_ratio/low_mean": stats["clip_ratio_low"], "clip_ratio/high_mean": stats["clip_ratio_high"],
-                   "clip_ratio/region_mean": stats["clip_ratio"]}
-        if "kl" in stats:
-            metrics["kl"] = stats["kl"]
+            ratio = self.sampler_ratio(old_logps, sampler_logps, mask)
+        per_token, stats = policy_objective(
+            logps, old_logps, inputs["advantages"], mask, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+            importance_sampling_level=args.importance_sampling_level, keep=keep, sampler_ratio=ratio,
+            ref_logps=inputs.get("ref_logps"), beta=args.beta if self.kl_in_loss else 0.0, **self.objective_options())
+        loss = aggregate_loss(per_token, mask, args.loss_type, total_sequences=inputs["total_sequences"],
+                              total_tokens=inputs["total_tokens"], max_completion_length=args.max_completion_length)
+        metrics = objective_metrics(stats, self.accelerator.gather)
         if sampler_logps is not None:
-            metrics.update(sampler_mismatch_metrics(old_logps, sampler_logps, inputs["loss_mask"]))
+            metrics.update(sampler_mismatch_metrics(old_logps, sampler_logps, mask))
+            if ratio is not None:
+                metrics.update(sampler_ratio_metrics(ratio, old_logps, sampler_logps, mask))
         return loss * self.accelerator.num_processes, metrics
 
+    def objective_options(self) -> dict:
+        """Extra keyword arguments of `policy_objective` (GRPO: its loss type and the options that shape it)."""
+        return {}
+
+    def sampler_ratio(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """Per-token importance weights min(pi_trainer / pi_sampler, vllm_importance_sampling_cap) (GRPO: its
+        vllm_importance_sampling_mode)."""
+        return sampler_importance_weights(trainer_logps, sampler_logps, mask, "token_truncate",
+                                          clip_max=self.args.vllm_importance_sampling_cap)
+
     def completion_logps(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False,
-                         return_outputs: bool = False):
+                         return_outputs: bool = False, entropy_grad: bool = False):
         """Per-token log-probs [B, T] of the completion tokens under `model` (logits divided by the sampling
-        temperature, as they were sampled), and their entropies when `with_entropy` (no gradient). With
-        `return_outputs` the model's outputs come third (PPO reads its values from the same forward)."""
+        temperature, as they were sampled), and their entropies when `with_entropy` (with a gradient only if
+        `entropy_grad`). With `return_outputs` the model's outputs come third (PPO reads its values from the
+        same forward)."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
@@ -557,7 +462,7 @@ class OnlineTrainer(BaseTrainer):
         logps = selective_log_softmax(logits, batch["completion_ids"])
         entropy = None
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = entropy_from_logits(logits)
         return (logps, entropy, outputs) if return_outputs else (logps, entropy)
 
@@ -568,13 +473,15 @@ class OnlineTrainer(BaseTrainer):
         return self.args.steps_per_generation > 1 or self.args.num_iterations > 1
 
     def make_rollout(self, rows: list[dict], slots: list[int], round_index: int) -> Rollout:
-        """Generates, scores and prepares this process's share of a round."""
-        args, n = self.args, self.args.num_generations
-        self.generation_backend.sync_weights(self.model)
+        """Generates, scores and prepares this process's share of a round: of training, or of evaluation while
+        `rollout_mode` is "eval" (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
+        args, mode = self.args, self.rollout_mode
+        n = args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
+        if mode == "train":
+            self.generation_backend.sync_weights(self.model)
         start = time.perf_counter()
         completions = self.generation_backend.generate(
-            [row[PROMPT_IDS_COLUMN] for row in rows], n, self.sampling,
-            seed=[derive_seed(args.seed, round_index, slot) for slot in slots])
+            [row[PROMPT_IDS_COLUMN] for row in rows], n, self.sampling, seed=self.round_seeds(round_index, slots, mode))
         generation_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -583,7 +490,8 @@ class OnlineTrainer(BaseTrainer):
         prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
         per_function, rewards = self.reward_scorer(
             prompts=prompts,
-            completions=[[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts,
+            completions=([[{"role": "assistant", "content": t}] for t in texts] if is_message_list(prompts[0])
+                         else texts),
             completion_ids=completion_ids,
             columns={c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
             trainer_state=self.state,
@@ -591,26 +499,37 @@ class OnlineTrainer(BaseTrainer):
         scoring_seconds = time.perf_counter() - start
 
         device = self.accelerator.device
+        multiple = self.pad_multiple
         prompt_ids, prompt_mask = _pad([row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)],
-                                       self.processing_class.pad_token_id, left=True)
-        completion_tensor, completion_mask = _pad(completion_ids, self.processing_class.pad_token_id, left=False)
+                                       self.processing_class.pad_token_id, left=True, multiple=multiple)
+        completion_tensor, completion_mask = _pad(completion_ids, self.processing_class.pad_token_id, left=False,
+                                                  multiple=multiple)
         finished = torch.tensor([c.finished_with_eos for c in completions])
         loss_mask = completion_mask * finished.unsqueeze(1) if args.mask_truncated_completions else completion_mask
         rollout = Rollout(round_index, prompt_ids.to(device), prompt_mask.to(device), completion_tensor.to(device),
-                          completion_mask.to(device), loss_mask.to(device), finished.to(device), rewards.to(device))
+                          completion_mask.to(device), loss_mask.to(device), finished.to(device), rewards.to(device),
+                          per_function.to(device), num_generations=n, pad_to_multiple_of=multiple)
         sampler_logps = sampler_logps_tensor(completions, completion_tensor.shape[1])
         if sampler_logps is not None:
             rollout.tensors["sampler_logps"] = sampler_logps.to(device)
         self.attach_rollout_tensors(rollout)
         all_rewards = self.accelerator.gather(rollout.rewards)
         rollout.tensors["advantages"] = self.compute_advantages(all_rewards, rollout)
-        rollout.step_tokens = self._step_token_totals(rollout)
+        rollout.step_tokens = self._step_token_totals(rollout) if mode == "train" else []
 
-        self._record_round(rollout, all_rewards, self.accelerator.gather(per_function.to(device)),
-                           generation_seconds, scoring_seconds)
-        if args.log_completions:
-            self._log_completions(prompts, texts, rewards.tolist())
+        self.record_round(rollout, all_rewards, self.accelerator.gather(rollout.per_function_rewards), mode,
+                          {"time/generation": generation_seconds, "time/scoring": scoring_seconds})
+        if args.log_completions and mode == "train":
+            self.log_completions(prompts, texts, rewards.tolist())
         return rollout
+
+    @property
+    def pad_multiple(self) -> int | None:
+        """pad_to_multiple_of resolved: 'auto' pads to 128 on Neuron (a compile per shape), else not at all."""
+        multiple = self.args.pad_to_multiple_of
+        if multiple == "auto":
+            return 128 if self.accelerator.device.type == "neuron" else None
+        return multiple
 
     def attach_rollout_tensors(self, rollout: Rollout) -> None:
         """Adds the tensors computed from the policy before the update: old log-probs (when the policy will
@@ -649,40 +568,3 @@ class OnlineTrainer(BaseTrainer):
         per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         local = rollout.loss_mask.sum(1).view(-1, per_step).sum(1).float()
         return self.accelerator.gather(local).view(-1, local.numel()).sum(0).tolist()
-
-    # -- metrics and logs ----------------------------------------------------------------------------------
-    def _record_round(self, rollout: Rollout, rewards: torch.Tensor, per_function: torch.Tensor,
-                      generation_seconds: float, scoring_seconds: float) -> None:
-        """Round metrics over all processes (the gathered tensors are the same on every process)."""
-        gather = self.accelerator.gather
-        lengths = gather(rollout.completion_mask.sum(1)).float()
-        advantages = gather(rollout.tensors["advantages"])
-        if advantages.dim() == 2:  # per-token advantages: statistics over the trained tokens
-            advantages = advantages[gather(rollout.loss_mask).bool()]
-        groups = rewards.view(-1, self.args.num_generations)
-        zero_std = [bool(nanstd(group) == 0) for group in groups]
-        clipped = ~gather(rollout.finished)
-        metrics = {
-            "reward": rewards.nanmean(), "reward_std": nanstd(rewards),
-            "frac_reward_zero_std": sum(zero_std) / len(zero_std), "frac_reward_none": rewards.isnan().float().mean(),
-            "advantages/mean": advantages.mean(), "advantages/std": nanstd(advantages),
-            "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(), "completions/clipped_ratio": clipped.float().mean(),
-            "time/generation": generation_seconds, "time/scoring": scoring_seconds,
-        }
-        for i, name in enumerate(self.reward_scorer.names):
-            metrics[f"rewards/{name}/mean"] = per_function[:, i].nanmean()
-            metrics[f"rewards/{name}/std"] = nanstd(per_function[:, i])
-        for key, value in metrics.items():
-            self._metrics["train"][key].append(float(value))
-
-    def _log_completions(self, prompts: list, texts: list[str], rewards: list[float]) -> None:
-        records = [{"step": self.state.global_step, "prompt": prompt, "completion": text,
-                    "reward": None if math.isnan(reward) else reward}
-                   for prompt, text, reward in zip(prompts, texts, rewards)]
-        records = gather_object(records)
-        if self.accelerator.is_main_process:
-            path = Path(self.args.output_dir) / COMPLETIONS_LOG
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as file:
-                file.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

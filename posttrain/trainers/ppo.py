@@ -16,30 +16,39 @@ towards target_kl (Ziegler et al. 2019).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import json
 import logging
+import math
 import os
+import time
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from torch import nn
-from transformers import PreTrainedModel
+from datasets import Dataset
+from transformers import DataCollatorWithPadding, PreTrainedModel, TrainingArguments
 
 from ..errors import ConfigError
+from ..generation import create_generation_backend, stop_token_ids
 from ..losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
-from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits
-from ..models.loading import load_sequence_classifier, load_tokenizer
-from ..models.reference import reference_forward, unwrap
-from ..models.value_head import AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper
+from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
+from ..models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
+from ..models.reference import freeze, reference_forward, unwrap
+from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
+    VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
+    check_value_model)
 from .online import OnlineConfig, OnlineTrainer, Rollout
+from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 
 logger = logging.getLogger(__name__)
 
-VALUE_MODEL_DIR = "value_model"
-
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
-_PPO_NAMES = {"num_ppo_epochs": "num_iterations", "cliprange": "epsilon", "kl_coef": "beta"}
+# response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
+_PPO_NAMES = {"num_ppo_epochs": "num_iterations", "cliprange": "epsilon", "kl_coef": "beta",
+              "response_length": "max_completion_length"}
 
 
 @dataclass
@@ -50,6 +59,11 @@ class PPOConfig(OnlineConfig):
     num_ppo_epochs times."""
 
     method: ClassVar[str] = "PPO"
+    unsupported_options: ClassVar[dict[str, str]] = {
+        **OnlineConfig.unsupported_options,
+        "router_aux_loss_coef": "the policy-and-value forward does not return a Mixture-of-Experts model's "
+                                "load-balancing loss yet, so it cannot be added to PPO's loss.",
+    }
 
     num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout (num_iterations in the "
@@ -87,6 +101,44 @@ class PPOConfig(OnlineConfig):
     use_value_head: bool = field(
         default=False, metadata={"help": "Put a value head on the policy instead of training a separate value "
                                          "model (less memory; the two losses share the network)."})
+    # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
+    temperature: float = field(
+        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."})
+    response_length: int = field(default=53, metadata={"help": "Same as max_completion_length."})
+    max_completion_length: int = field(default=53, metadata={"help": "Most tokens generated per completion."})
+    whiten_rewards: bool = field(
+        default=False, metadata={"help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
+                                         "variance, keeping their mean, before GAE."})
+    kl_estimator: str = field(
+        default="k1", metadata={"help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
+                                        "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."})
+    total_episodes: int | None = field(
+        default=None, metadata={"help": "Completions to train on in all; sets max_steps to the rollouts needed x "
+                                        "optimizer steps per rollout (None: num_train_epochs over the prompts)."})
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Completions per no-gradient forward pass when the rollout's log-probs and "
+                                      "values are computed (memory only; the results are the same)."})
+    num_sample_generations: int = field(
+        default=10, metadata={"help": "How many times in training to log near-greedy completions of one eval "
+                                      "batch with their scores (needs eval_dataset; 0: never)."})
+    stop_token: str | None = field(
+        default=None, metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops "
+                                        "there)."})
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."})
+    exp_name: str = field(
+        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."})
+    reward_model_path: str = field(
+        default="EleutherAI/pythia-160m", metadata={"help": "For scripts: where to load the reward model from (the "
+                                                            "trainer takes the model itself, reward_model=...)."})
+    sft_model_path: str = field(
+        default="EleutherAI/pythia-160m", metadata={"help": "For scripts: where to load the policy from (the trainer "
+                                                            "takes the model itself, model=...)."})
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."})
+    ref_adapter_name: str | None = field(
+        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one that is the reference "
+                                        "(default: the base model with adapters disabled)."})
     # The engine's names for three of the settings above, with PPO's defaults; set either name.
     num_iterations: int = field(default=4, metadata={"help": "Same as num_ppo_epochs."})
     epsilon: float = field(default=0.2, metadata={"help": "Same as cliprange."})
@@ -94,7 +146,22 @@ class PPOConfig(OnlineConfig):
 
     def __post_init__(self):
         self._merge_ppo_names()
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ConfigError(f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
+                              "((r - 1) - log r, lower variance).")
+        if self.stop_token not in (None, "eos"):
+            raise ConfigError(f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
+                              "token as stop_token_id.")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ConfigError("stop_token and stop_token_id are the same setting; set only one.")
+        if self.local_rollout_forward_batch_size < 1 or self.num_sample_generations < 0:
+            raise ConfigError(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
+                              f"and num_sample_generations={self.num_sample_generations} >= 0.")
+        if self.run_name is None:
+            self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         super().__post_init__()
+        if self.total_episodes is not None:
+            self._steps_from_episodes()
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -108,6 +175,16 @@ class PPOConfig(OnlineConfig):
         if self.target_kl is not None and (self.target_kl <= 0 or self.kl_coef == 0):
             raise ConfigError(f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
                               "and kl_coef > 0 (or target_kl=None for a fixed coefficient).")
+
+    def _steps_from_episodes(self) -> None:
+        """max_steps for total_episodes completions: whole rollouts, each num_ppo_epochs x num_mini_batches steps."""
+        if self.total_episodes < 1:
+            raise ConfigError(f"total_episodes={self.total_episodes} must be at least 1.")
+        if self.max_steps > 0:
+            raise ConfigError(f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
+                              "length of training; set only one.")
+        rollouts = math.ceil(self.total_episodes / self.generation_batch_size)
+        self.max_steps = rollouts * self.num_iterations * self.steps_per_generation
 
     def _merge_ppo_names(self) -> None:
         """Either name of a setting may be changed from the default (`cliprange` or `epsilon`, ...); changing both
@@ -146,83 +223,102 @@ class PPOConfig(OnlineConfig):
         self.num_mini_batches = self.steps_per_generation
 
 
-# -- the critic ------------------------------------------------------------------------------------------------
-class PolicyAndValueModel(CausalLMWrapper):
-    """The policy and a separate value model (a sequence classifier) as the one module the Trainer optimises.
-
-    The value of every position is the classifier's score head applied to its backbone's hidden state there
-    (the classifier itself would keep only the last token's).
-    """
-
-    def __init__(self, policy: nn.Module, value_model: PreTrainedModel) -> None:
-        super().__init__()
-        self.pretrained_model = policy
-        self.value_model = value_model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs: Any) -> CausalLMWithValueOutput:
-        logits = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       **kwargs).logits
-        backbone = getattr(self.value_model, self.value_model.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
-        return CausalLMWithValueOutput(logits=logits, values=self.value_model.score(hidden).squeeze(-1).float())
-
-    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
-        """The policy in `save_directory` (loadable as a causal LM as is), the value model in its `value_model/`."""
-        kwargs.pop("state_dict", None)  # each model saves its own weights
-        self.pretrained_model.save_pretrained(save_directory, **kwargs)
-        self.value_model.save_pretrained(os.path.join(save_directory, VALUE_MODEL_DIR), **kwargs)
-
-
-def _check_value_model(value_model: PreTrainedModel, value_tokenizer, policy, tokenizer, source: str) -> None:
-    """The value model reads the policy's token ids, so both must have the same vocabulary and a per-token head."""
-    if not isinstance(getattr(value_model, "score", None), nn.Linear):
-        raise ConfigError(f"The value model ({source}, a {type(value_model).__name__}) has no per-token `score` "
-                          "head; use a causal-LM-based sequence classifier (e.g. a reward model trained with "
-                          "RewardTrainer) or set use_value_head=True.")
-    same = (value_tokenizer.get_vocab() == tokenizer.get_vocab() if value_tokenizer is not None else
-            value_model.get_input_embeddings().num_embeddings == policy.get_input_embeddings().num_embeddings)
-    if not same:
-        raise ConfigError(
-            f"The value model ({source}) has a different vocabulary from the policy, and it must read the "
-            "policy's token ids (no mapping between tokenizers is done). Pass a value_model built on the "
-            "policy's tokenizer (e.g. a reward model trained from the policy), or set use_value_head=True.")
-
-
 # -- the trainer -------------------------------------------------------------------------------------------------
 class PPOTrainer(OnlineTrainer):
-    """`PPOTrainer(model, reward_funcs, args=PPOConfig(...), train_dataset=..., value_model=..., peft_config=...)`.
+    """`PPOTrainer(model, reward_funcs, args=PPOConfig(...), train_dataset=..., value_model=..., peft_config=...)`,
+    or the last TRL PPOTrainer's keywords: `PPOTrainer(args=..., processing_class=..., model=..., ref_model=...,
+    reward_model=..., train_dataset=..., value_model=..., data_collator=..., eval_dataset=...)`.
 
-    `reward_funcs`: a reward model (object, name or path of a one-label sequence classifier), reward
-    functions as for GRPO, or a list of both. `model` may be an `AutoModelForCausalLMWithValueHead` (its head
-    is the critic). `value_model` (object, name or path) defaults to a copy of the first reward model, or to a
-    value head on the policy when there is no reward model. The reference is a frozen copy of the policy,
-    or, with `peft_config`, the policy with its adapter disabled (no second copy).
+    `reward_funcs` (or TRL's `reward_model`): a reward model (object, name or path of a one-label sequence
+    classifier), reward functions as for GRPO, or a list of both. `model` may be an
+    `AutoModelForCausalLMWithValueHead` (its head is the critic). `value_model` (object, name or path) defaults
+    to a copy of the first reward model, or to a value head on the policy when there is no reward model. The
+    reference is `ref_model` if given, else a frozen copy of the policy, or, with `peft_config`, the policy with
+    its adapter disabled (no second copy). `train_dataset` has a 'prompt' column, or (TRL's PPO format) token ids
+    in 'input_ids', used as they are.
     """
+    _name = "PPO"  # the method the model card names and cites (posttrain/model_card.py)
 
     config_class = PPOConfig
     kl_in_loss = False
 
-    def __init__(self, model, reward_funcs, args: PPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes: list | None = None, peft_config=None,
-                 callbacks=None, optimizers=(None, None), value_model=None, value_processing_class=None):
+    def __init__(self, model=None, reward_funcs=None, args: PPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes: list | None = None,
+                 peft_config=None, callbacks=None, optimizers=(None, None), value_model=None,
+                 value_processing_class=None, *, ref_model=None, reward_model=None, data_collator=None):
         args = args or PPOConfig(output_dir="outputs/ppo")
+        reward_funcs = _trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator)
         head_model = model if isinstance(model, AutoModelForCausalLMWithValueHead) else None
+        if any(_is_token_id_format(d) for d in (train_dataset, eval_dataset)):
+            tokenizer = processing_class or load_tokenizer(model if head_model is None else head_model.pretrained_model)
+            train_dataset, eval_dataset = (_with_prompt_text(d, tokenizer) for d in (train_dataset, eval_dataset))
         if (head_model is not None or args.use_value_head) and value_model is not None:
             raise ConfigError("The policy has a value head (use_value_head=True or an "
                               "AutoModelForCausalLMWithValueHead), so value_model must not be given too.")
         if head_model is not None:
             model = head_model.pretrained_model
         reward_funcs, reward_processing_classes = _load_reward_models(reward_funcs, reward_processing_classes)
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, peft_config, callbacks, optimizers)
+        super().__init__(model, reward_funcs, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers)
+        self._use_adapters(args)
+        self._apply_stop_token(args)
+        if ref_model is not None and args.beta > 0:
+            self._use_ref_model(load_causal_lm(ref_model))
         self.model = self.model_wrapped = self._with_critic(head_model, value_model, value_processing_class,
                                                             reward_funcs, reward_processing_classes)
         self.model.to(self.args.device)
         self.callback_handler.model = self.model
         self.kl_controller = (AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
                               if args.target_kl is not None else FixedKLController(args.kl_coef))
+        self._rollouts = 0
+
+    def prepare_dataset(self, dataset, tokenizer, args, name: str):
+        """Token ids given in TRL's PPO format ('input_ids', kept as 'prompt_ids') are used as they are."""
+        if PROMPT_IDS_COLUMN in dataset.column_names:
+            self.conversational = False
+            return dataset
+        return super().prepare_dataset(dataset, tokenizer, args, name)
+
+    def _use_adapters(self, args: PPOConfig) -> None:
+        """model_adapter_name / ref_adapter_name: named adapters of a PEFT policy."""
+        names = [n for n in (args.model_adapter_name, args.ref_adapter_name) if n is not None]
+        if not names:
+            return
+        policy = unwrap(self.model)
+        available = set(getattr(policy, "peft_config", {}) or {})
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ConfigError(f"Adapters {missing} (model_adapter_name / ref_adapter_name) are not in the policy, "
+                              f"which has {sorted(available) or 'no PEFT adapters'}. Load them into the PeftModel "
+                              "(model.load_adapter(path, adapter_name=...)) or drop the setting.")
+        if args.ref_adapter_name is not None and args.sync_ref_model:
+            raise ConfigError("ref_adapter_name makes an adapter of the policy the reference; sync_ref_model=True "
+                              "needs a separate reference model. Set one of them off.")
+        policy.set_adapter(args.model_adapter_name or policy.active_adapter)
+
+    def _use_ref_model(self, ref_model: PreTrainedModel) -> None:
+        """TRL's ref_model: the given model, frozen, is the reference (also for sync_ref_model)."""
+        vocab, ref_vocab = (m.get_input_embeddings().num_embeddings for m in (unwrap(self.model), ref_model))
+        if vocab != ref_vocab:
+            raise ConfigError(f"ref_model has {ref_vocab} token embeddings but the policy {vocab}: the reference must "
+                              "read the policy's token ids. Pass a reference with the policy's tokenizer.")
+        old, self.ref_model = self.ref_model, self.accelerator.prepare_model(freeze(ref_model), evaluation_mode=True)
+        for callback in self.callback_handler.callbacks:
+            if getattr(callback, "ref_model", None) is old and old is not None:
+                callback.ref_model = self.ref_model
+
+    def _apply_stop_token(self, args: PPOConfig) -> None:
+        """stop_token_id ends completions too: the generation backend is rebuilt with it among the stop tokens."""
+        if args.stop_token_id is None or args.stop_token_id in stop_token_ids(self.processing_class, self.model):
+            return
+        if args.use_vllm:
+            raise ConfigError(f"stop_token_id={args.stop_token_id} is not among the stop tokens of the tokenizer and "
+                              "model, and the vLLM backend reads those when it starts; set "
+                              "model.generation_config.eos_token_id instead.")
+        config = unwrap(self.model).generation_config
+        config.eos_token_id = [*stop_token_ids(self.processing_class, self.model), args.stop_token_id]
+        self.generation_backend = create_generation_backend(self.model, self.processing_class, args)
 
     def _with_critic(self, head_model, value_model, value_processing_class, reward_funcs, reward_processing_classes):
         """The policy (self.model, already PEFT-wrapped if asked) together with its critic."""
@@ -247,15 +343,16 @@ class PPOTrainer(OnlineTrainer):
             value_model = load_sequence_classifier(value_model, 1, self.args.model_init_kwargs)
         else:
             value_model = load_sequence_classifier(value_model, 1)  # checks the class and num_labels
-        _check_value_model(value_model, value_processing_class, unwrap(policy), tokenizer, source)
+        check_value_model(value_model, value_processing_class, unwrap(policy), tokenizer, source)
         return PolicyAndValueModel(policy, value_model)
 
     # -- rollout ---------------------------------------------------------------------------------------------
     def attach_rollout_tensors(self, rollout: Rollout) -> None:
-        """Log-probs and values of the policy before the update (one forward), and the reference's log-probs."""
+        """Log-probs and values of the policy before the update (one forward), and the reference's log-probs,
+        in chunks of local_rollout_forward_batch_size completions."""
         logps = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
         values = torch.zeros_like(logps)
-        size = self.args.per_device_train_batch_size
+        size = self.args.local_rollout_forward_batch_size
         model = unwrap(self.model)
         with torch.no_grad():
             for start in range(0, len(rollout), size):
@@ -267,10 +364,61 @@ class PPOTrainer(OnlineTrainer):
         rollout.tensors["old_logps"] = torch.where(mask, logps, 0.0)
         rollout.tensors["old_values"] = torch.where(mask, values, 0.0)
         if self.args.beta > 0:
+            with self._reference() as lm, torch.no_grad():
+                ref_logps = torch.zeros_like(logps)
+                for start in range(0, len(rollout), size):
+                    chunk, _ = self.completion_logps(lm, rollout.batch(start, start + size))
+                    ref_logps[start:start + size, :chunk.shape[1]] = chunk
+                rollout.tensors["ref_logps"] = ref_logps
+        if not unwrap(self.model).training:  # an evaluation rollout
+            return
+        self._rollouts += 1
+        self._log_sample_generations()
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference LM: the policy with ref_adapter_name active, else the engine's reference (a separate
+        model, or the PEFT policy with its adapter disabled); the critic is not needed."""
+        name = self.args.ref_adapter_name
+        if name is None:
             with reference_forward(self.model, self.ref_model) as reference:
-                # With PEFT the reference is the policy's own LM with its adapter off: the critic is not needed.
-                lm = reference.pretrained_model if isinstance(reference, CausalLMWrapper) else reference
-                rollout.tensors["ref_logps"] = self._rollout_logps(rollout, lm)
+                yield reference.pretrained_model if isinstance(reference, CausalLMWrapper) else reference
+            return
+        wrapper = unwrap(self.model)
+        policy = wrapper.pretrained_model if isinstance(wrapper, CausalLMWrapper) else wrapper
+        trained, was_training = policy.active_adapter, policy.training
+        policy.set_adapter(name)
+        policy.eval()
+        try:
+            yield policy
+        finally:
+            policy.set_adapter(trained)  # PEFT makes the active adapter the trainable one again
+            policy.train(was_training)
+
+    def _log_sample_generations(self) -> None:
+        """TRL's num_sample_generations: that many times in training, near-greedy completions (temperature 0.01)
+        of the first eval batch are scored, logged and appended to output_dir/sample_generations.jsonl."""
+        args, data = self.args, self.eval_dataset
+        rollouts = max(1, math.ceil(self.state.max_steps / (args.num_iterations * args.steps_per_generation)))
+        if (args.num_sample_generations == 0 or data is None or isinstance(data, dict)
+                or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)):
+            return
+        rows = [data[i] for i in range(min(len(data), args.per_device_eval_batch_size))]
+        completions = self.generation_backend.generate([r[PROMPT_IDS_COLUMN] for r in rows], 1, dataclasses.replace(
+            self.sampling, temperature=0.01), seed=args.seed)
+        texts = [self.processing_class.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        _, scores = self.reward_scorer(
+            [r[PROMPT_COLUMN] for r in rows],
+            [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts,
+            [c.token_ids for c in completions], {c: [r[c] for r in rows] for c in self.reward_columns},
+            trainer_state=self.state)
+        if self.is_world_process_zero():
+            os.makedirs(args.output_dir, exist_ok=True)
+            records = [{"step": self.state.global_step, "prompt": r[PROMPT_COLUMN], "completion": t, "score": float(x)}
+                       for r, t, x in zip(rows, texts, scores.tolist())]
+            with open(os.path.join(args.output_dir, "sample_generations.jsonl"), "a") as f:
+                f.writelines(json.dumps(record) + "\n" for record in records)
+            logger.info("Sample generations at step %d: %s", self.state.global_step, records)
 
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
         """Per-token rewards (KL penalty, score at the last token) -> GAE advantages [N, T]; stores the returns.
@@ -288,11 +436,14 @@ class PPOTrainer(OnlineTrainer):
 
         kl = torch.zeros_like(rollout.tensors["old_logps"])
         if args.beta > 0:
-            kl = torch.where(mask, rollout.tensors["old_logps"] - rollout.tensors["ref_logps"], 0.0)
+            kl = torch.where(mask, kl_estimate(rollout.tensors["old_logps"], rollout.tensors["ref_logps"],
+                                               args.kl_estimator), 0.0)
         kl_coef = self.kl_controller.value
         token_rewards = -kl_coef * kl
         last = mask.sum(1) - 1
         token_rewards[torch.arange(len(rollout)), last] += scores
+        if args.whiten_rewards:
+            token_rewards = self._whiten_over_processes(token_rewards, mask, shift_mean=False)
         old_values = rollout.tensors["old_values"]
         advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
         rollout.tensors["returns"] = returns
@@ -322,11 +473,11 @@ class PPOTrainer(OnlineTrainer):
         values, mask = self.accelerator.gather((pad(values, dim=1), pad(mask, dim=1)))
         return values[mask]
 
-    def _whiten_over_processes(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`whiten` with the mean and variance of the trained tokens of all processes."""
+    def _whiten_over_processes(self, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+        """`whiten` with the mean and variance of the masked tokens of all processes."""
         pad = self.accelerator.pad_across_processes
-        all_advantages, all_mask = self.accelerator.gather((pad(advantages, dim=1), pad(mask, dim=1)))
-        return self.local_share(whiten(all_advantages, all_mask))[:, :advantages.shape[1]]
+        all_values, all_mask = self.accelerator.gather((pad(values, dim=1), pad(mask, dim=1)))
+        return self.local_share(whiten(all_values, all_mask, shift_mean=shift_mean))[:, :values.shape[1]]
 
     # -- update ----------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -405,3 +556,39 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     if returns.numel() < 2 or returns.var() == 0:
         return float("nan")
     return float(1 - (returns - values).var() / returns.var())
+
+
+def _trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator):
+    """reward_funcs from the last TRL PPOTrainer's keywords, checked."""
+    if isinstance(model, TrainingArguments):
+        raise ConfigError("PPOTrainer's first argument is the model; the last TRL PPOTrainer took args first. Pass "
+                          "the TRL arguments by keyword: PPOTrainer(args=..., processing_class=..., model=..., "
+                          "ref_model=..., reward_model=..., train_dataset=..., value_model=...).")
+    if model is None:
+        raise ConfigError("PPOTrainer needs model=... (the policy: a model, hub id or path).")
+    if ref_model is not None and ref_model is model:
+        raise ConfigError("ref_model is the policy itself, so the KL to it would always be 0. Pass a separate copy, "
+                          "or ref_model=None (a frozen copy is made; with PEFT the adapter-disabled base is used).")
+    if reward_model is not None and reward_funcs is not None:
+        raise ConfigError("reward_model and reward_funcs are the same argument (TRL's and posttrain's name); pass only "
+                          "one.")
+    if data_collator is not None and not isinstance(data_collator, DataCollatorWithPadding):
+        raise ConfigError(f"data_collator={type(data_collator).__name__}: posttrain batches and pads the prompts "
+                          "itself (as TRL's default DataCollatorWithPadding did); drop data_collator.")
+    return reward_funcs if reward_model is None else reward_model
+
+
+def _is_token_id_format(dataset) -> bool:
+    return isinstance(dataset, Dataset) and "input_ids" in dataset.column_names and "prompt" not in dataset.column_names
+
+
+def _with_prompt_text(dataset, tokenizer):
+    """A dataset in TRL's PPO format (prompt token ids in 'input_ids') with those ids as 'prompt_ids' and their
+    text as 'prompt' (for reward functions and logs); other datasets unchanged."""
+    if not _is_token_id_format(dataset):
+        return dataset
+    dataset = dataset.map(lambda row: {PROMPT_COLUMN: tokenizer.decode(row["input_ids"], skip_special_tokens=True),
+                                       PROMPT_IDS_COLUMN: list(row["input_ids"])},
+                          desc="Reading the token ids of TRL's PPO format")
+    return dataset.remove_columns([c for c in ("input_ids", "attention_mask", "token_type_ids", "lengths")
+                                   if c in dataset.column_names])

@@ -10,20 +10,41 @@ import torch
 from transformers import set_seed
 
 from ..data.preference import PreferenceCollator, prepare_preference_dataset
+from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
 from ..errors import ConfigError
 from ..losses.preference import bradley_terry_loss
 from ..models.loading import load_sequence_classifier
 from .base import BaseTrainer, PosttrainConfig
+from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
 
 
 @dataclass
 class RewardConfig(PosttrainConfig):
-    learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
+    learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "Token to use as EOS (appended to standard-format completions); must be in "
+                                        "the vocabulary (default: the tokenizer's)."})
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Token to pad with (default: the tokenizer's pad token, else its EOS)."})
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "A .jinja chat template file, or a tokenizer (directory or id) whose chat "
+                                        "template (and added tokens) to clone."})
     max_length: int | None = field(
-        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."})
+        default=1024, metadata={"help": "Rows where prompt + chosen or prompt + rejected is longer are dropped "
+                                        "(None keeps all)."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding "
+                                          "off Neuron)."})
     center_rewards_coefficient: float | None = field(
         default=None, metadata={"help": "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards "
                                         "centred on zero (Eisenstein et al. 2023 use 0.01)."})
+
+    def __post_init__(self):
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
+        super().__post_init__()
 
 
 def _load_reward_model(name: str, model_init_kwargs: dict | None):
@@ -31,18 +52,22 @@ def _load_reward_model(name: str, model_init_kwargs: dict | None):
     return load_sequence_classifier(name, num_labels=1, model_init_kwargs=model_init_kwargs)
 
 
-class RewardTrainer(BaseTrainer):
-    """`RewardTrainer(model, args=RewardConfig(...), train_dataset=..., processing_class=..., peft_config=...)`.
+class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
+    """`RewardTrainer(model, args=RewardConfig(...), train_dataset=..., processing_class=..., peft_config=...)`,
+    TRL's keyword arguments in TRL's order.
 
     `model` is a sequence classifier with one output, or the name or path of a causal LM or classifier
     checkpoint. Each pair is scored in one forward of 2B sequences; a sequence's reward is the classifier's
     output at its last non-padding token.
     """
+    _name = "Reward"  # the method the model card names and cites (posttrain/model_card.py)
 
     load_model = staticmethod(_load_reward_model)
 
-    def __init__(self, model, args: RewardConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, **kwargs):
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
+                 quantization_config=None, peft_config=None, **kwargs):
         args = args or RewardConfig(output_dir="outputs/reward")
         set_seed(args.seed)  # a checkpoint without a score head gets a new one: make its initialisation follow the seed
         if not isinstance(model, str):
@@ -52,18 +77,27 @@ class RewardTrainer(BaseTrainer):
                 f"peft_config.task_type is {peft_config.task_type!r}, but a reward model needs task_type='SEQ_CLS': "
                 "only then does PEFT train and save the new score head along with the adapter."
             )
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, **kwargs)
+        processing_class = load_processing_class(model, processing_class, args)
+        added = configure_tokenizer(processing_class, args)
+        make_added_tokens_trainable(peft_config, added)
+        self._total_train_tokens = 0
+        if optimizer_cls_and_kwargs is not None:
+            kwargs["optimizer_cls_and_kwargs"] = optimizer_cls_and_kwargs
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
+                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs)
         # The classifier finds each sequence's last real token through the pad id: it must be the collator's.
-        config = self.accelerator.unwrap_model(self.model).config
-        config.get_text_config().pad_token_id = self.processing_class.pad_token_id
+        sync_model_with_tokenizer(self.accelerator.unwrap_model(self.model), self.processing_class, added,
+                                  eos_changed=args.eos_token is not None)
 
     def prepare_dataset(self, dataset, tokenizer, args: RewardConfig, name: str):
         return prepare_preference_dataset(dataset, tokenizer, trainer="RewardTrainer", name=name,
-                                          max_length=args.max_length, num_proc=args.dataset_num_proc)
+                                          max_length=args.max_length, truncation_mode="drop",
+                                          num_proc=args.dataset_num_proc)
 
     def default_collator(self, tokenizer, args: RewardConfig):
         # Padded, not padding-free: the classifier reads one position per row.
-        return PreferenceCollator(tokenizer.pad_token_id)
+        return PreferenceCollator(tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
 
     def count_loss_items(self, batch):
         return len(batch["input_ids"]) // 2
@@ -73,7 +107,30 @@ class RewardTrainer(BaseTrainer):
         chosen, rejected = scores.squeeze(-1).float().chunk(2)
         loss = bradley_terry_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
         loss = self.effective_batch_mean(loss * len(chosen), num_items_in_batch, len(chosen), model.training)
-        self.record_metrics({"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()})
+        self._record(chosen.detach(), rejected.detach(), inputs["attention_mask"])
         if return_outputs:
             return loss, {"rewards": torch.stack([chosen, rejected], dim=-1).detach()}
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; with `compute_metrics`, also the scores [2B, 1] (chosen rows first) as predictions and no
+        labels, which is what TRL's reward trainer hands it."""
+        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if prediction_loss_only:
+            return loss, None, None
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+        return loss, scores.logits, ()
+
+    def _record(self, chosen, rejected, attention_mask) -> None:
+        """TRL's reward metrics: num_tokens, min/mean/max_reward over all sequences, accuracy and margin."""
+        mode = "train" if self.model.training else "eval"
+        if self.model.training:
+            self._total_train_tokens += int(self.accelerator.gather(attention_mask.sum().reshape(1)).sum().item())
+        self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        rewards = self.accelerator.gather(torch.cat([chosen, rejected]))
+        self._metrics[mode]["min_reward"].append(rewards.min().item())
+        self._metrics[mode]["max_reward"].append(rewards.max().item())
+        self.record_metrics({"mean_reward": torch.cat([chosen, rejected]).mean(),
+                             "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()})

@@ -20,7 +20,7 @@ from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_traina
 from ..errors import ConfigError, DataError
 from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
 from ..models.loading import load_tokenizer
-from .base import BaseTrainer, PosttrainConfig
+from .base import BaseTrainer, PosttrainConfig, setup_router_aux_loss
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -191,22 +191,6 @@ def uses_flash_attention(model) -> bool:
     return "flash" in (model.config._attn_implementation or "")
 
 
-def router_aux_loss_setup(model, coef: float | None) -> float:
-    """The weight of a Mixture-of-Experts model's load-balancing loss (0.0: off), written into its config so that
-    its forward returns the loss. `coef` None takes the model's own coefficient."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    is_moe = hasattr(config, "output_router_logits")
-    if coef and not is_moe:
-        raise ConfigError(f"router_aux_loss_coef={coef} weights the load-balancing loss of a Mixture-of-Experts "
-                          f"model, but {type(model).__name__} has no experts (no router logits). Leave "
-                          "router_aux_loss_coef unset (None) or at 0.")
-    weight = float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef) if is_moe else 0.0
-    if hasattr(config, "router_aux_loss_coef"):
-        config.output_router_logits = weight != 0.0
-        config.router_aux_loss_coef = weight
-    return weight
-
-
 class SFTTrainer(BaseTrainer):
     """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
     formatting_func=...)`, with TRL's keyword arguments in TRL's order.
@@ -217,6 +201,7 @@ class SFTTrainer(BaseTrainer):
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
     """
+    _name = "SFT"  # the method the model card names and cites (posttrain/model_card.py)
 
     def __init__(
         self,
@@ -261,7 +246,7 @@ class SFTTrainer(BaseTrainer):
             """Before PEFT wrapping and data preparation: the model agrees with the tokenizer; MoE loss set up."""
             sync_model_with_tokenizer(loaded, processing_class, added_tokens,
                                       eos_changed=args.eos_token is not None or bool(added_tokens))
-            self.router_aux_loss_coef = router_aux_loss_setup(loaded, args.router_aux_loss_coef)
+            self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
             return loaded
 
         if isinstance(model, str):

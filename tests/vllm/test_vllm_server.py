@@ -97,7 +97,7 @@ def test_a_failing_worker_call_is_reported_and_leaves_the_server_serving(vllm_se
 def test_grpo_in_server_mode_samples_from_the_current_policy(vllm_server, vllm_tiny_path, tmp_path):
     """Weights are synced every 2 steps: the sampler's log-probs agree with the trainer's at steps 1 and 3
     (just synced) and not at step 2 (generated with step 1's weights, one update behind)."""
-    trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_url=vllm_server,
+    trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_base_url=vllm_server,
                              vllm_sync_steps=2)
     trainer.train()
     diffs = logged_per_step(trainer, "sampler/logp_diff_max")
@@ -119,7 +119,7 @@ def test_server_killed_mid_run_stops_training_with_a_clear_error(vllm_server, vl
         return [float(len(ids)) for ids in completion_ids]
 
     trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, reward=reward_and_kill_after_first_round,
-                             vllm_mode="server", vllm_server_url=vllm_server, vllm_server_timeout_s=20)
+                             vllm_mode="server", vllm_server_base_url=vllm_server, vllm_server_timeout=20)
     started = time.monotonic()
     with pytest.raises(VLLMServerError) as error:
         trainer.train()

@@ -219,3 +219,21 @@ def test_server_errors_and_slow_answers_are_reported_not_waited_for():
         with pytest.raises(VLLMServerError, match="did not answer within 1 s"):
             VLLMClient(url, timeout_s=1).generate([[1]], 1, SAMPLING, None, [0])
         assert time.monotonic() - started < 3
+
+
+def test_generation_kwargs_and_the_regex_go_into_the_request():
+    client = VLLMClient("http://127.0.0.1:1", timeout_s=1)
+    client.model_name = "m"
+    sent = []
+
+    def request(method, path, body, **kwargs):
+        sent.append(body)
+        return {"choices": [{"index": 0, "token_ids": [5, 0], "logprobs": {"token_logprobs": [-0.5, -0.1]}}]}
+
+    client.request = request
+    sampling = SamplingParams(max_tokens=4, extra={"presence_penalty": 0.5}, regex="[ab]+")
+    completions = client.generate([[1, 2]], 1, sampling, [3], [0])
+    assert sent[0]["presence_penalty"] == 0.5 and sent[0]["structured_outputs"] == {"regex": "[ab]+"}
+    assert sent[0]["seed"] == 3 and completions[0].token_ids == [5, 0] and completions[0].finished_with_eos
+    client.generate([[1, 2]], 1, SAMPLING, None, [0])
+    assert "structured_outputs" not in sent[1] and "presence_penalty" not in sent[1]

@@ -1,0 +1,248 @@
+"""The model card (README.md) a run writes into its output_dir: what was trained from what, how, on which data,
+with which non-default settings, how it ended, with which library versions, and the method's paper to cite.
+
+Every trainer gets it through BaseTrainer (see posttrain/callbacks/run_artifacts.py); a trainer names its method
+with the class attribute ``_name`` (as TRL's trainers do), which keys ``PAPERS`` below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+CARD_NAME = "README.md"
+
+# Settings that describe where the run wrote, not how it trained; they would make two identical runs' cards differ.
+_MACHINE_SPECIFIC = frozenset({"output_dir", "logging_dir", "run_name", "hub_model_id", "hub_token", "push_to_hub_token"})
+
+
+# Values posttrain's config sets itself on a CPU (pinning needs an accelerator).
+_RESOLVED_AT_BUILD = {"dataloader_pin_memory": lambda: False, "accelerator_config": lambda: _accelerator_config()}
+
+
+def _accelerator_config():
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    return AcceleratorConfig()
+
+
+@dataclass(frozen=True)
+class Paper:
+    title: str
+    arxiv_id: str
+    bibtex: str
+
+
+PAPERS: dict[str, Paper] = {
+    "DPO": Paper(
+        "Direct Preference Optimization: Your Language Model is Secretly a Reward Model", "2305.18290",
+        "@inproceedings{rafailov2023direct,\n  title     = {{Direct Preference Optimization: Your Language Model is "
+        "Secretly a Reward Model}},\n  author    = {Rafael Rafailov and Archit Sharma and Eric Mitchell and "
+        "Christopher D. Manning and Stefano Ermon and Chelsea Finn},\n  booktitle = {Advances in Neural Information "
+        "Processing Systems 36},\n  year      = {2023}\n}"),
+    "KTO": Paper(
+        "KTO: Model Alignment as Prospect Theoretic Optimization", "2402.01306",
+        "@article{ethayarajh2024kto,\n  title   = {{KTO: Model Alignment as Prospect Theoretic Optimization}},\n"
+        "  author  = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},\n"
+        "  journal = {arXiv preprint arXiv:2402.01306},\n  year    = {2024}\n}"),
+    "GRPO": Paper(
+        "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models", "2402.03300",
+        "@article{shao2024deepseekmath,\n  title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in "
+        "Open Language Models}},\n  author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao "
+        "Song and Xiao Bi and Haowei Zhang and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},\n"
+        "  journal = {arXiv preprint arXiv:2402.03300},\n  year    = {2024}\n}"),
+    "RLOO": Paper(
+        "Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
+        "2402.14740",
+        "@inproceedings{ahmadian2024back,\n  title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization "
+        "for Learning from Human Feedback in LLMs}},\n  author    = {Arash Ahmadian and Chris Cremer and Matthias "
+        "Gall{\\'e} and Marzieh Fadaee and Julia Kreutzer and Olivier Pietquin and Ahmet {\\\"U}st{\\\"u}n and Sara "
+        "Hooker},\n  booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational "
+        "Linguistics},\n  year      = {2024}\n}"),
+    "PPO": Paper(
+        "Fine-Tuning Language Models from Human Preferences", "1909.08593",
+        "@article{ziegler2019finetuning,\n  title   = {{Fine-Tuning Language Models from Human Preferences}},\n"
+        "  author  = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and "
+        "Dario Amodei and Paul Christiano and Geoffrey Irving},\n  journal = {arXiv preprint arXiv:1909.08593},\n"
+        "  year    = {2019}\n}"),
+    "Distillation": Paper(
+        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes", "2306.13649",
+        "@inproceedings{agarwal2024onpolicy,\n  title     = {{On-Policy Distillation of Language Models: Learning "
+        "from Self-Generated Mistakes}},\n  author    = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and "
+        "Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},\n  booktitle = {The Twelfth "
+        "International Conference on Learning Representations},\n  year      = {2024}\n}"),
+}
+
+_VERSIONED = ("posttrain", "transformers", "torch", "datasets", "accelerate", "peft")
+
+
+def method_name(trainer) -> str:
+    """The trainer's ``_name`` (e.g. "DPO"), else its class name without "Trainer"."""
+    return getattr(trainer, "_name", None) or type(trainer).__name__.removesuffix("Trainer") or "posttrain"
+
+
+def base_model_id(trainer) -> str | None:
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    name = getattr(config, "_name_or_path", None)
+    return name or None
+
+
+def dataset_names(trainer) -> list[str]:
+    """Hub ids of the training/eval datasets where they can be told: the ``owner___name`` folder datasets caches
+    a Hub dataset in (kept by every ``map``), else the builder's ``dataset_name``; nothing for in-memory data."""
+    datasets = [getattr(trainer, "train_dataset", None)]
+    eval_dataset = getattr(trainer, "eval_dataset", None)
+    datasets += list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    names: list[str] = []
+    for dataset in datasets:
+        name = _dataset_name(dataset)
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def _dataset_name(dataset) -> str | None:
+    for cache_file in getattr(dataset, "cache_files", None) or []:
+        for part in Path(cache_file.get("filename", "")).parts:
+            if (match := re.fullmatch(r"([\w.-]+)___([\w.-]+)", part)) and not part.startswith("parquet___"):
+                return f"{match.group(1)}/{match.group(2)}"
+    info = getattr(dataset, "info", None)
+    name = getattr(info, "dataset_name", None)
+    return name if name and name not in ("generator", "json", "csv", "parquet", "text", "arrow") else None
+
+
+def non_default_settings(args) -> dict[str, Any]:
+    """The config's settings that differ from the declared defaults; paths, tokens and settings resolved when the
+    config is built from an automatic default (None, e.g. bf16 on a CPU) are left out.
+
+    (A default config is not built to compare with: building one resets accelerate's state mid-run.)
+    """
+    from dataclasses import MISSING, fields
+
+    changed = {}
+    for spec in fields(args):
+        if spec.name in _MACHINE_SPECIFIC or spec.name.startswith("_") or not spec.init:
+            continue
+        if spec.default is not MISSING:
+            default = spec.default
+        elif spec.default_factory is not MISSING:
+            default = spec.default_factory()
+        else:
+            default = None
+        raw = getattr(args, spec.name)
+        if spec.name in _RESOLVED_AT_BUILD and _RESOLVED_AT_BUILD[spec.name]() == raw:
+            continue
+        value, default = _plain(raw), _plain(default)
+        if value == default or (default in (None, "", "auto") and value in (False, [], {}, "", None)):
+            continue
+        changed[spec.name] = value
+    return changed
+
+
+def _plain(value):
+    value = getattr(value, "value", value)  # enums
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    return [] if value in ("none", ["none"]) else value  # report_to's spellings of "no tracker"
+
+
+def final_metrics(log_history: list[dict]) -> dict[str, float]:
+    """The last logged value of every numeric metric (train, eval and the run summary), in order of appearance."""
+    last: dict[str, float] = {}
+    for row in log_history:
+        for key, value in row.items():
+            if key not in ("step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                last[key] = value
+    return last
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for package in _VERSIONED:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    if "posttrain" not in found:
+        import posttrain
+
+        found["posttrain"] = posttrain.__version__
+    return found
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:.6g}" if math.isfinite(value) else str(value)
+    elif isinstance(value, (dict, list)):
+        text = json.dumps(value, default=str)
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: tuple[str, str], rows: dict[str, Any]) -> str:
+    lines = [f"| {header[0]} | {header[1]} |", "| --- | --- |"]
+    lines += [f"| `{key}` | {_cell(value)} |" for key, value in rows.items()]
+    return "\n".join(lines)
+
+
+def render_model_card(trainer, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                      tags: str | list[str] | None = None) -> str:
+    """The card's Markdown (YAML front matter for the Hub, then the sections)."""
+    args = trainer.args
+    method = method_name(trainer)
+    model_name = model_name or Path(args.output_dir).resolve().name
+    base = base_model_id(trainer)
+    on_hub = bool(base) and not os.path.isdir(base)
+    datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or dataset_names(trainer))
+    tag_list = ["posttrain", method.lower().replace(" ", "-"), *([tags] if isinstance(tags, str) else tags or [])]
+    front = ["---", "library_name: transformers", f"model_name: {json.dumps(model_name)}"]
+    if on_hub:
+        front.append(f"base_model: {json.dumps(base)}")
+    if datasets:
+        front.append("datasets:\n" + "\n".join(f"- {json.dumps(name)}" for name in datasets))
+    front += ["tags:\n" + "\n".join(f"- {json.dumps(tag)}" for tag in dict.fromkeys(tag_list)), "---"]
+
+    paper = PAPERS.get(method)
+    settings = non_default_settings(args)
+    found_versions = versions()
+    if on_hub:
+        origin = f"a fine-tuned version of [{base}](https://huggingface.co/{base})"
+    elif base:
+        origin = f"fine-tuned from the local model `{base}`"
+    else:
+        origin = "fine-tuned from a model passed as an object (its origin was not recorded)"
+    data = f" on {', '.join(f'`{name}`' for name in datasets)}" if datasets else ""
+    sections = [
+        "\n".join(front),
+        f"# {model_name}",
+        f"This model is {origin}. It was trained with **{method}**{data} using posttrain "
+        f"{found_versions.get('posttrain', '')}.",
+        "## Training procedure",
+        f"Method: {method}" + (f", from [{paper.title}](https://huggingface.co/papers/{paper.arxiv_id})." if paper
+                                else "."),
+        f"### Settings that differ from `{type(args).__name__}`'s defaults",
+        _table(("setting", "value"), settings) if settings else "None.",
+    ]
+    metrics = final_metrics(trainer.state.log_history)
+    sections += ["### Final metrics", _table(("metric", "last value"), metrics) if metrics else
+                 "None logged yet."]
+    sections += ["### Framework versions", "\n".join(f"- {name}: {version}" for name, version in found_versions.items())]
+    if paper:
+        sections += ["## Citation", f"{method}:", "```bibtex\n" + paper.bibtex + "\n```"]
+    return "\n\n".join(sections) + "\n"
+
+
+def write_model_card(trainer, output_dir: str | os.PathLike | None = None, **kwargs) -> Path:
+    """Writes README.md into ``output_dir`` (the run's by default); returns its path."""
+    directory = Path(output_dir or trainer.args.output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CARD_NAME
+    path.write_text(render_model_card(trainer, **kwargs), encoding="utf-8")
+    return path

@@ -1,0 +1,10 @@
+"""TRL's `trl.scripts.utils` names, from posttrain."""
+
+from posttrain.compat import (  # noqa: F401
+    DatasetConfig,
+    DatasetMixtureConfig,
+    ScriptArguments,
+    TrlParser,
+    get_dataset,
+    init_zero_verbose,
+)
