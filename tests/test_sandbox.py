@@ -183,6 +183,12 @@ def test_missing_bubblewrap_refuses_unless_the_process_sandbox_is_chosen(monkeyp
                 completions=["def f():\n    return 1"], tests=[["assert f() == 1"]]
             )
         assert scores == [1.0]
+        # A trainer given the reward stops when it is built, before any training.
+        from posttrain.rewards.scoring import RewardScorer
+
+        with pytest.raises(ConfigError, match="sandbox='bubblewrap' cannot run here"):
+            RewardScorer([get_code_execution_reward()])
+        RewardScorer([get_code_execution_reward(sandbox="process")])
     finally:
         sandbox_module._bubblewrap.cache_clear()
 

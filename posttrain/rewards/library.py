@@ -475,6 +475,7 @@ def get_code_execution_reward(
             scores[row] = len(passed & {str(index) for index in range(len(unit_tests))}) / len(unit_tests)
         return scores
 
+    code_execution_reward.sandbox = sandbox  # read by RewardScorer to check the sandbox before training
     return code_execution_reward
 
 

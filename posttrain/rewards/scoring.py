@@ -188,6 +188,11 @@ class RewardScorer:
         funcs, names = zip(*(self._load(entry, processing_class, i)
                              for i, (entry, processing_class) in enumerate(zip(reward_funcs, processing_classes))))
         self.names: list[str] = _unique(list(names))
+        for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
+            if getattr(func, "sandbox", None) is not None:
+                from .sandbox import check_sandbox
+
+                check_sandbox(func.sandbox)
         self._rewards = [_make_reward(name, func) for name, func in zip(self.names, funcs)]
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.timeout_s = timeout_s

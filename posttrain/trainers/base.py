@@ -79,8 +79,10 @@ class PosttrainConfig(TrainingArguments):
 
             self.model_init_kwargs = json.loads(self.model_init_kwargs)
         on_accelerator = _accelerator_available() and not self.use_cpu
-        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
-            self.activation_checkpointing = on_accelerator  # transformers' new name; it mirrors the old one
+        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
+            # transformers >= 5.20 calls it activation_checkpointing and mirrors the old name from it
+            renamed = any(f.name == "activation_checkpointing" for f in fields(self))
+            setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
         if self.nonfinite_policy not in NONFINITE_POLICIES:
