@@ -4,6 +4,7 @@ the first stop token, seeds make sampling reproducible and independent of the ba
 import math
 
 import pytest
+from datasets import Dataset
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -235,3 +236,21 @@ def test_continuous_batching_generates_reproducible_prompt_major_completions(mod
         for step, token in enumerate(completion.token_ids):
             assert logits[step][token] >= logits[step].topk(3).values[-1]
         assert completion.finished_with_eos == (completion.token_ids[-1] in (tokenizer.eos_token_id, 11))
+
+
+def test_colocated_vllm_on_a_cpu_refuses_heads_below_32_dimensions(tmp_path, tiny_model_path):
+    """vLLM's CPU attention needs head_dim >= 32: the tiny model (32 / 4 heads = 8) is refused when the trainer is
+    built, before vLLM is imported."""
+    import torch
+
+    from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain.errors import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("the limit is the CPU backend's")
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=8, report_to="none", use_cpu=True)
+    prompts = Dataset.from_list([{"prompt": "one two"}] * 4)
+    with pytest.raises(ConfigError, match=r"at least 32 dimensions, but this model's are 8 \(hidden_size 32 / 4"):
+        GRPOTrainer(tiny_model_path, lambda completions, **kw: [0.0] * len(completions), args=args,
+                    train_dataset=prompts)

@@ -321,6 +321,20 @@ def _check_lengths(prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
 
 
 # -- the factory's entry point ----------------------------------------------------------------------------------
+def check_cpu_head_dim(config) -> None:
+    """vLLM's CPU attention kernels need a head size of at least 32; a smaller one fails deep inside the engine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 32:
+        raise ConfigError(f"vLLM on a CPU needs attention heads of at least 32 dimensions, but this model's are "
+                          f"{head_dim} (hidden_size {config.hidden_size} / {config.num_attention_heads} heads). "
+                          "Generate with transformers (use_vllm=False), or use a model with head_dim >= 32.")
+
+
 def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -> GenerationBackend:
     """The vLLM backend that `args` (an OnlineConfig with use_vllm=True) asks for."""
     mode = args.vllm_mode
@@ -333,6 +347,7 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
         vocab_size = getattr(_policy(model).config, "vocab_size", None)
         return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
+    check_cpu_head_dim(_policy(model).config)
     context = _policy(model).config.max_position_embeddings
     max_model_len = args.vllm_max_model_length or min(
         context, (args.max_prompt_length or context) + args.max_completion_length)
