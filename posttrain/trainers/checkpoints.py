@@ -13,11 +13,13 @@ import os
 import re
 import shutil
 
+import torch
 from transformers import Trainer
 
 logger = logging.getLogger("posttrain")
 
 CHECKPOINT_MARKER = "posttrain_checkpoint_complete"
+TRAINER_STATE_FILE = "posttrain_trainer_state.pt"  # what a trainer keeps beyond transformers' (see below)
 
 
 def checkpoint_steps(root: str) -> list[int]:
@@ -58,6 +60,11 @@ class CheckpointMixin(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        state = self.checkpoint_state()
+        if state:
+            rank = self.accelerator.process_index
+            torch.save(state, os.path.join(folder, TRAINER_STATE_FILE if rank == 0 else f"{TRAINER_STATE_FILE}.{rank}"))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             root = self._get_output_dir(trial=trial)
@@ -67,6 +74,25 @@ class CheckpointMixin(Trainer):
                 os.fsync(f.fileno())
             best = self.state.best_model_checkpoint
             rotate(root, limit, {best} if best else set())
+
+    # A trainer whose resume needs more than the weights, optimizer, scheduler and RNG (a reference model that
+    # changes, a pending rollout, running statistics) returns it from `checkpoint_state` (per process: tensors,
+    # numbers, lists, dicts) and takes it back in `load_checkpoint_state`.
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        if state:
+            raise NotImplementedError(f"{type(self).__name__} saved state it cannot load: {sorted(state)}")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        rank = self.accelerator.process_index
+        path = os.path.join(checkpoint, TRAINER_STATE_FILE if rank == 0 else f"{TRAINER_STATE_FILE}.{rank}")
+        if os.path.exists(path):
+            self.load_checkpoint_state(torch.load(path, map_location=self.accelerator.device, weights_only=False))
 
     def last_complete_checkpoint(self) -> str | None:
         """The newest checkpoint folder in output_dir whose save finished, or None."""
