@@ -41,3 +41,16 @@ def smollm2_path():
     from posttrain.models.builtin import builtin_model_path
 
     return builtin_model_path()
+
+
+# The end-of-run report (matplotlib, about 1 s per handful of metrics) is tested by the report tests; elsewhere it
+# only costs time, so in-process training in the other test modules skips it (subprocess runs still write it).
+REPORT_TEST_MODULES = {"test_report", "test_report_run", "test_report_browser", "test_cli", "test_trackers"}
+
+
+@pytest.fixture(autouse=True)
+def _skip_end_of_run_report(request, monkeypatch):
+    if request.module.__name__.rsplit(".", 1)[-1] not in REPORT_TEST_MODULES:
+        from posttrain.callbacks.run_artifacts import RunArtifactsCallback
+
+        monkeypatch.setattr(RunArtifactsCallback, "_write_report", lambda self, args, state: None)

@@ -90,7 +90,7 @@ def test_fresh_working_directory_and_minimal_environment(sandbox, monkeypatch):
         assert os.path.basename(workdir).startswith("posttrain-sandbox-")
         assert not os.path.exists(workdir)  # removed afterwards
     else:
-        assert workdir == "/tmp"  # the sandbox's own tmpfs
+        assert workdir == "/tmp/work"  # on the sandbox's own tmpfs
 
 
 def test_infinite_loop_is_killed_within_the_timeout(sandbox):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -100,11 +101,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, tiny_model_path, m
 
     wandb.finish()  # transformers leaves the run open for the process's exit to close; close it to read it
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    history = []
-    for record in _wandb_records(run_file):
-        if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+    # wandb's service process writes the file; finish() can return before the last history records are on disk.
+    deadline = time.monotonic() + 30
+    while True:
+        history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                   for record in _wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
+        if sum("train/loss" in row for row in history) >= len(logged["loss"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for key, points in logged.items():
         read = [(row["train/global_step"], row[f"train/{key}"]) for row in history if f"train/{key}" in row]
         assert read == points, key

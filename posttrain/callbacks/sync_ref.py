@@ -50,3 +50,32 @@ class SyncRefModelCallback(TrainerCallback):
         alpha = self.alpha if self.alpha is not None else args.ref_model_mixup_alpha
         if self.ref_model is not None and state.global_step % steps == 0:
             mix_into_reference(model, self.ref_model, alpha)
+
+
+# A synced reference is trained state: a resumed run must start from the reference as it was at the checkpoint,
+# not from a fresh copy of the initial policy. Trainers that add the callback save and restore it with these.
+SYNC_REF_KEY = "sync_ref_model"
+
+
+def _sync_callback(trainer) -> SyncRefModelCallback | None:
+    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, SyncRefModelCallback)), None)
+
+
+def sync_ref_checkpoint_state(trainer) -> dict:
+    """{SYNC_REF_KEY: the synced reference's state_dict} when `trainer` has a SyncRefModelCallback, else {}."""
+    callback = _sync_callback(trainer)
+    if callback is None or callback.ref_model is None:
+        return {}
+    return {SYNC_REF_KEY: unwrap(callback.ref_model).state_dict()}
+
+
+def load_sync_ref_checkpoint_state(trainer, state: dict) -> None:
+    """Takes SYNC_REF_KEY out of `state` and loads it into the callback's reference."""
+    weights = state.pop(SYNC_REF_KEY, None)
+    if weights is None:
+        return
+    callback = _sync_callback(trainer)
+    if callback is None or callback.ref_model is None:
+        raise ConfigError("The checkpoint holds a TR-DPO reference model (it was saved with sync_ref_model=True), "
+                          "but this run does not sync one; resume with sync_ref_model=True or start a new run.")
+    unwrap(callback.ref_model).load_state_dict(weights)

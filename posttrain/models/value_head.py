@@ -95,6 +95,15 @@ class CausalLMWrapper(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    # What transformers' Trainer reads from the model it loads a checkpoint into: the LM's.
+    @property
+    def _keys_to_ignore_on_save(self):
+        return getattr(self.pretrained_model, "_keys_to_ignore_on_save", None)
+
+    def tie_weights(self) -> None:
+        if hasattr(self.pretrained_model, "tie_weights"):
+            self.pretrained_model.tie_weights()
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         for module in self.children():
             if hasattr(module, "gradient_checkpointing_enable"):
@@ -142,9 +151,18 @@ class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
         if isinstance(name_or_path_or_model, str):
             head_file = Path(resolve_model_path(name_or_path_or_model)) / VALUE_HEAD_FILE
             if head_file.is_file():
-                model.v_head.load_state_dict(load_file(head_file))
+                model.load_value_head(head_file.parent)
         model.v_head.to(lm.device)
         return model
+
+    def load_value_head(self, directory: str | os.PathLike) -> None:
+        """The head's weights from `value_head.safetensors` in `directory` (a saved model or a checkpoint)."""
+        head_file = Path(directory) / VALUE_HEAD_FILE
+        if not head_file.is_file():
+            raise ConfigError(f"{directory} has no {VALUE_HEAD_FILE}, so the value head cannot be loaded from it; "
+                              "point to a folder saved from an AutoModelForCausalLMWithValueHead (or its trainer).")
+        weight = self.v_head.summary.weight
+        self.v_head.load_state_dict(load_file(head_file, device=str(weight.device)))
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Saves the LM with its own `save_pretrained` (only the adapter for a PEFT model) and the head beside it.

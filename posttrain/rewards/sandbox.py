@@ -41,6 +41,7 @@ from typing import IO
 from posttrain.errors import ConfigError
 
 SANDBOXES = ("bubblewrap", "process")
+SANDBOX_WORKDIR = "/tmp/work"  # inside bubblewrap: the snippet's working and home directory, on its tmpfs
 NOBODY = 65534  # the uid/gid a root trainer's snippets run as
 
 PROCESS_SANDBOX_WARNING = (
@@ -221,8 +222,7 @@ def run_python(
     try:
         if isolated:
             command, _ = _bubblewrap()
-            argv = [*command, "--size", str(int(disk_mb * 2**20)), "--perms", "1777", "--tmpfs", "/tmp",
-                    "--chdir", "/tmp", "--", *_interpreter(limits)]
+            argv = [*_with_tmp_and_python(command, disk_mb), "--chdir", SANDBOX_WORKDIR, "--", *_interpreter(limits)]
             env, cwd = None, None
         else:
             argv, env, cwd = _interpreter(limits), _minimal_env(workdir), workdir
@@ -299,7 +299,8 @@ def _minimal_env(workdir: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _bubblewrap() -> tuple[tuple[str, ...] | None, str]:
-    """(the bubblewrap command line up to the tmpfs, its version) or (None, why it cannot run); probed once."""
+    """(the bubblewrap command line up to the tmpfs and the interpreter's binds, its version) or (None, why it
+    cannot run); probed once."""
     path = shutil.which("bwrap")
     if path is None:
         return None, "bubblewrap not found"
@@ -309,7 +310,7 @@ def _bubblewrap() -> tuple[tuple[str, ...] | None, str]:
         return None, f"bubblewrap does not start ({error})"
     command = tuple(_bubblewrap_command(path))
     probe = subprocess.run(
-        [*command, "--tmpfs", "/tmp", "--", sys.executable, "-I", "-c", "pass"],
+        [*_with_tmp_and_python(command, None), "--", sys.executable, "-I", "-c", "pass"],
         capture_output=True, text=True, timeout=30,
     )
     if probe.returncode != 0:
@@ -327,7 +328,7 @@ def _bubblewrap_command(bwrap: str) -> list[str]:
     else:
         unshare = ["--unshare-all", "--cap-drop", "ALL"]
     argv = [bwrap, *unshare, "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
-    for name, value in {**_SANDBOX_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
+    for name, value in {**_SANDBOX_ENV, "HOME": SANDBOX_WORKDIR, "TMPDIR": "/tmp"}.items():
         argv += ["--setenv", name, value]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     # Merged-/usr systems link /bin, /lib, ... into /usr: recreate the links; otherwise bind the directories.
@@ -338,12 +339,22 @@ def _bubblewrap_command(bwrap: str) -> list[str]:
             argv += ["--ro-bind", top, top]
     for name in ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives"):
         argv += ["--ro-bind-try", name, name]
+    return argv
+
+
+def _with_tmp_and_python(command, disk_mb: int | None) -> list[str]:
+    """The sandbox's own /tmp (a tmpfs, `disk_mb` large), then the interpreter's directories bound read-only on top,
+    so that an interpreter or virtual environment under /tmp stays visible."""
+    size = [] if disk_mb is None else ["--size", str(int(disk_mb * 2**20))]
+    argv = [*command, *size, "--perms", "1777", "--tmpfs", "/tmp"]
     for prefix in _python_dirs():
-        # Parents made world-traversable: bubblewrap would copy a private home's 0700 (e.g. /root/.pyenv).
-        parents = [parent for parent in _parents(prefix) if not os.path.islink(parent)]
+        # Parents made world-traversable: bubblewrap would copy a private home's 0700 (e.g. /root/.pyenv). The
+        # tmpfs /tmp keeps its 1777.
+        parents = [parent for parent in _parents(prefix) if not os.path.islink(parent) and parent != "/tmp"]
         argv += [arg for parent in parents for arg in ("--perms", "0755", "--dir", parent)]
         argv += ["--ro-bind", prefix, prefix]
-    return argv
+    # The work directory is its own folder of the tmpfs: an interpreter bound under /tmp shows in /tmp's listing.
+    return argv + ["--perms", "1777", "--dir", SANDBOX_WORKDIR]
 
 
 def _python_dirs() -> list[str]:

@@ -439,6 +439,17 @@ class DistillationTrainer(SFTTrainer):
             metrics[key].append(value)
         return self.args.alpha * divergence + (1 - self.args.alpha) * nll, correct, count
 
+    # -- resuming --------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """SFT's counters and the lmbda coin, so that the same micro-batches are on-policy after a resume."""
+        return {**super().checkpoint_state(), "lmbda_coin": self._coin.getstate()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        if "lmbda_coin" in state:
+            self._coin.setstate(state.pop("lmbda_coin"))
+        super().load_checkpoint_state(state)
+
     # -- logging -----------------------------------------------------------------------------------
     def log(self, logs, start_time=None):
         super().log(logs, start_time)

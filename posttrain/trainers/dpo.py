@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..callbacks import SyncRefModelCallback
+from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..data.preference import TRUNCATION_MODES, PreferenceCollator, prepare_preference_dataset
 from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
 from ..errors import ConfigError
@@ -361,6 +362,16 @@ class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
             self._total_train_tokens += int(tokens)
         self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [float(self._total_train_tokens)]
         self.record_metrics(metrics)
+
+    def checkpoint_state(self) -> dict:
+        """The num_tokens counter and TR-DPO's synced reference, so that a resumed run goes on from them."""
+        return {"num_tokens": self._total_train_tokens, **sync_ref_checkpoint_state(self)}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        load_sync_ref_checkpoint_state(self, state)
+        self._total_train_tokens = state.pop("num_tokens", 0)
+        super().load_checkpoint_state(state)
 
     def precompute_settings(self) -> dict:
         """Settings besides the token ids that change the precomputed values (part of the cache key)."""

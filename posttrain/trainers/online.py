@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -58,6 +58,7 @@ from ..models.loading import load_tokenizer
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
+from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from .base import BaseTrainer, setup_router_aux_loss
 from .online_config import OnlineConfig
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
@@ -102,9 +103,10 @@ class RolloutSampler:
     """For every micro-step, this process's share of the current round's prompts, tagged with the round, the
     micro-step and each prompt's position ("slot") in the round.
 
-    Each epoch shuffles the prompts with (seed, epoch) (with shuffle=False they keep the dataset's order); round r of the epoch takes the next
-    prompts_per_round of them, and process p takes the p-th contiguous block. A batch is repeated for every
-    micro-step of its round, which lets the trainer find its place in the round (also after resuming).
+    Each epoch shuffles the prompts with (seed, epoch) (with shuffle=False they keep the dataset's order);
+    round r of the epoch takes the next prompts_per_round of them, and process p takes the p-th contiguous block.
+    A batch is repeated for every micro-step of its round, which lets the trainer find its place in the round
+    (also after resuming).
     """
 
     def __init__(self, num_prompts: int, prompts_per_round: int, num_processes: int, process_index: int,
@@ -205,7 +207,8 @@ class Rollout:
         return min(-(-int(needed) // multiple) * multiple, available)
 
 
-def _pad(rows: list[list[int]], value: int, left: bool, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(rows: list[list[int]], value: int, left: bool,
+         multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     width = -(-width // (multiple or 1)) * (multiple or 1)
     padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
@@ -385,6 +388,24 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             self._metrics["train"]["time/update"].append(self._update_seconds)
             self._update_seconds = 0.0
         return loss
+
+    # -- resuming ----------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """This process's rollout when the checkpoint falls inside its round (steps_per_generation or
+        num_iterations > 1), so that a resumed run finishes the round on the same completions instead of
+        generating new ones with the updated policy; and the TR-GRPO synced reference."""
+        state = sync_ref_checkpoint_state(self)
+        steps_per_round = self.args.steps_per_generation * self.args.num_iterations
+        if self.rollout is not None and self.state.global_step % steps_per_round:
+            state["rollout"] = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+        return state
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        load_sync_ref_checkpoint_state(self, state)
+        if "rollout" in state:
+            self.rollout = Rollout(**state.pop("rollout"))
+        super().load_checkpoint_state(state)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus).

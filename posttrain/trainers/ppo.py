@@ -28,8 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
-from datasets import Dataset
-from transformers import DataCollatorWithPadding, PreTrainedModel, TrainingArguments
+from transformers import PreTrainedModel
 
 from ..errors import ConfigError
 from ..generation import create_generation_backend, stop_token_ids
@@ -42,6 +41,7 @@ from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     check_value_model)
 from .online import OnlineConfig, OnlineTrainer, Rollout
 from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
+from .ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +247,11 @@ class PPOTrainer(OnlineTrainer):
                  peft_config=None, callbacks=None, optimizers=(None, None), value_model=None,
                  value_processing_class=None, *, ref_model=None, reward_model=None, data_collator=None):
         args = args or PPOConfig(output_dir="outputs/ppo")
-        reward_funcs = _trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator)
+        reward_funcs = trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator)
         head_model = model if isinstance(model, AutoModelForCausalLMWithValueHead) else None
-        if any(_is_token_id_format(d) for d in (train_dataset, eval_dataset)):
+        if any(is_token_id_format(d) for d in (train_dataset, eval_dataset)):
             tokenizer = processing_class or load_tokenizer(model if head_model is None else head_model.pretrained_model)
-            train_dataset, eval_dataset = (_with_prompt_text(d, tokenizer) for d in (train_dataset, eval_dataset))
+            train_dataset, eval_dataset = (with_prompt_text(d, tokenizer) for d in (train_dataset, eval_dataset))
         if (head_model is not None or args.use_value_head) and value_model is not None:
             raise ConfigError("The policy has a value head (use_value_head=True or an "
                               "AutoModelForCausalLMWithValueHead), so value_model must not be given too.")
@@ -519,6 +519,38 @@ class PPOTrainer(OnlineTrainer):
                               max_completion_length=self.args.max_completion_length)
         return loss * self.accelerator.num_processes
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The KL coefficient (adaptive KL moves it) and the rollout count, beside the engine's state (which
+        carries the rollout when the checkpoint falls inside its epochs or mini-batches)."""
+        own = {"kl_coef": self.kl_controller.value, "rollouts": self._rollouts}
+        return {**super().checkpoint_state(), "ppo": own}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        own = state.pop("ppo", None)
+        super().load_checkpoint_state(state)
+        if own is not None:
+            self.kl_controller.value, self._rollouts = own["kl_coef"], own["rollouts"]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """A checkpoint of the policy and its critic, as `_save` writes it: the policy (full weights or PEFT
+        adapter) at the top, the value head's file or the value model's folder beside it."""
+        wrapper = self.model if model is None else model
+        if not isinstance(wrapper, CausalLMWrapper):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        super()._load_from_checkpoint(resume_from_checkpoint, wrapper.pretrained_model)
+        if isinstance(wrapper, PolicyAndValueModel):
+            super()._load_from_checkpoint(os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR), wrapper.value_model)
+        else:
+            wrapper.load_value_head(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's policy and critic."""
+        if not isinstance(self.model, CausalLMWrapper):
+            return super()._load_best_model()
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The policy loadable as a causal LM in output_dir, with the critic beside it (value head or value model)."""
         output_dir = output_dir or self.args.output_dir
@@ -556,39 +588,3 @@ def _explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     if returns.numel() < 2 or returns.var() == 0:
         return float("nan")
     return float(1 - (returns - values).var() / returns.var())
-
-
-def _trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator):
-    """reward_funcs from the last TRL PPOTrainer's keywords, checked."""
-    if isinstance(model, TrainingArguments):
-        raise ConfigError("PPOTrainer's first argument is the model; the last TRL PPOTrainer took args first. Pass "
-                          "the TRL arguments by keyword: PPOTrainer(args=..., processing_class=..., model=..., "
-                          "ref_model=..., reward_model=..., train_dataset=..., value_model=...).")
-    if model is None:
-        raise ConfigError("PPOTrainer needs model=... (the policy: a model, hub id or path).")
-    if ref_model is not None and ref_model is model:
-        raise ConfigError("ref_model is the policy itself, so the KL to it would always be 0. Pass a separate copy, "
-                          "or ref_model=None (a frozen copy is made; with PEFT the adapter-disabled base is used).")
-    if reward_model is not None and reward_funcs is not None:
-        raise ConfigError("reward_model and reward_funcs are the same argument (TRL's and posttrain's name); pass only "
-                          "one.")
-    if data_collator is not None and not isinstance(data_collator, DataCollatorWithPadding):
-        raise ConfigError(f"data_collator={type(data_collator).__name__}: posttrain batches and pads the prompts "
-                          "itself (as TRL's default DataCollatorWithPadding did); drop data_collator.")
-    return reward_funcs if reward_model is None else reward_model
-
-
-def _is_token_id_format(dataset) -> bool:
-    return isinstance(dataset, Dataset) and "input_ids" in dataset.column_names and "prompt" not in dataset.column_names
-
-
-def _with_prompt_text(dataset, tokenizer):
-    """A dataset in TRL's PPO format (prompt token ids in 'input_ids') with those ids as 'prompt_ids' and their
-    text as 'prompt' (for reward functions and logs); other datasets unchanged."""
-    if not _is_token_id_format(dataset):
-        return dataset
-    dataset = dataset.map(lambda row: {PROMPT_COLUMN: tokenizer.decode(row["input_ids"], skip_special_tokens=True),
-                                       PROMPT_IDS_COLUMN: list(row["input_ids"])},
-                          desc="Reading the token ids of TRL's PPO format")
-    return dataset.remove_columns([c for c in ("input_ids", "attention_mask", "token_type_ids", "lengths")
-                                   if c in dataset.column_names])

@@ -123,6 +123,14 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
             scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
         return loss, scores.logits, ()
 
+    def checkpoint_state(self) -> dict:
+        return {**super().checkpoint_state(), "num_tokens": self._total_train_tokens}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        self._total_train_tokens = state.pop("num_tokens", 0)
+        super().load_checkpoint_state(state)
+
     def _record(self, chosen, rejected, attention_mask) -> None:
         """TRL's reward metrics: num_tokens, min/mean/max_reward over all sequences, accuracy and margin."""
         mode = "train" if self.model.training else "eval"

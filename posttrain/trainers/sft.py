@@ -440,6 +440,16 @@ class SFTTrainer(BaseTrainer):
             self._input_tokens += int(totals[2])
         metrics["num_tokens"] = [float(self._input_tokens)]
 
+    def checkpoint_state(self) -> dict:
+        """The token counters, so that num_tokens and num_tokens_trained go on counting after a resume."""
+        return {"input_tokens": self._input_tokens, "trained_tokens": self._trained_tokens}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        self._input_tokens = state.pop("input_tokens", 0)
+        self._trained_tokens = state.pop("trained_tokens", 0)
+        super().load_checkpoint_state(state)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """With compute_metrics, evaluation also returns the logits and labels (one more forward pass)."""
         if prediction_loss_only:
