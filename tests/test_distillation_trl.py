@@ -12,6 +12,7 @@ from datasets import Dataset
 from posttrain import DistillationConfig, DistillationTrainer
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_tiny_model
+from _trl import import_trl
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split()
 
@@ -34,21 +35,6 @@ def _kw(tmp_path, **kw):
     return {**base, **kw}
 
 
-def _trl():
-    """TRL's distillation module. tests/vllm (a stand-in package for posttrain's own tests) has no version, which
-    TRL's import-time vLLM check cannot parse: TRL is told vLLM is absent while it imports."""
-    trl = pytest.importorskip("trl")
-    import trl.import_utils as import_utils
-
-    original = import_utils.is_vllm_available
-    import_utils.is_vllm_available = lambda *a, **k: False
-    try:
-        from trl.trainer import distillation_config, distillation_trainer  # noqa: F401
-    finally:
-        import_utils.is_vllm_available = original
-    return trl
-
-
 def _ours(tmp_path, tokenizer, data=None, teacher=None, **kw):
     return DistillationTrainer(build_tiny_model(tokenizer), teacher if teacher is not None else _teacher(tokenizer),
                                args=DistillationConfig(**_kw(tmp_path, **kw)), train_dataset=data or _prompts(8),
@@ -57,7 +43,7 @@ def _ours(tmp_path, tokenizer, data=None, teacher=None, **kw):
 
 @pytest.mark.parametrize("beta,temperature", [(1.0, 1.0), (0.5, 2.0), (0.0, 0.7)])
 def test_step0_loss_and_entropy_equal_trls_on_the_same_completions(tmp_path, tokenizer, beta, temperature):
-    trl = _trl()
+    trl = import_trl("distillation_config", "distillation_trainer")
     student, teacher = build_tiny_model(tokenizer), _teacher(tokenizer)
     theirs = trl.DistillationTrainer(
         model=student, teacher_model=teacher, processing_class=tokenizer, train_dataset=_prompts(4),
@@ -87,7 +73,7 @@ def test_step0_loss_and_entropy_equal_trls_on_the_same_completions(tmp_path, tok
 
 
 def test_signature_and_defaults_are_trls():
-    trl = _trl()
+    trl = import_trl("distillation_config", "distillation_trainer")
     params = list(inspect.signature(DistillationTrainer.__init__).parameters)[1:]
     theirs = list(inspect.signature(trl.DistillationTrainer.__init__).parameters)[1:]
     assert params[: len(theirs)] == theirs

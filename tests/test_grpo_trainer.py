@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import posttrain
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+from _trl import import_trl
 from test_online_engine import (
     ParameterSnapshots,
     logged,
@@ -249,21 +250,6 @@ def _stub(cls, **attributes):
     return obj
 
 
-def _import_trl_grpo():
-    """TRL with its GRPO module imported. tests/vllm (a stand-in package for posttrain's own tests) has no
-    version, which TRL's import-time vLLM check cannot parse: TRL is told vLLM is absent while it imports."""
-    trl = pytest.importorskip("trl")
-    import trl.import_utils as import_utils
-
-    original = import_utils.is_vllm_available
-    import_utils.is_vllm_available = lambda *a, **k: False
-    try:
-        from trl.trainer import grpo_config, grpo_trainer  # noqa: F401
-    finally:
-        import_utils.is_vllm_available = original
-    return trl
-
-
 def _side_by_side_batch(seed=0):
     generator = torch.Generator().manual_seed(seed)
     b, t = 6, 7
@@ -300,7 +286,7 @@ TRL_CASES = {
 def test_loss_matches_trl_on_the_same_tensors(case, tmp_path):
     """TRL's GRPOTrainer._compute_loss and posttrain's GRPOTrainer.policy_loss on one batch of log-probs,
     entropies and advantages (the forward pass stubbed out): equal loss, gradient and metrics."""
-    trl = _import_trl_grpo()
+    trl = import_trl("grpo_config", "grpo_trainer")
     options = dict(TRL_CASES[case])
     uses_sampler = "vllm_importance_sampling_mode" in options or "off_policy_mask_threshold" in options
     data = _side_by_side_batch()
