@@ -54,3 +54,19 @@ def _skip_end_of_run_report(request, monkeypatch):
         from posttrain.callbacks.run_artifacts import RunArtifactsCallback
 
         monkeypatch.setattr(RunArtifactsCallback, "_write_report", lambda self, args, state: None)
+
+
+@pytest.fixture(params=["bubblewrap", "process"])
+def sandbox(request):
+    """Each sandbox test runs on bubblewrap (skipped where it cannot run) and on the process fallback."""
+    import warnings
+
+    from posttrain.rewards import sandbox as sandbox_module
+
+    if request.param == "bubblewrap":
+        command, reason = sandbox_module._bubblewrap()
+        if command is None:
+            pytest.skip(f"bubblewrap cannot run here ({reason}); the process-sandbox variant still runs")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*weaker 'process' sandbox")
+        yield request.param

@@ -14,17 +14,6 @@ from posttrain.rewards import get_code_execution_reward, run_many, run_python
 from posttrain.rewards import sandbox as sandbox_module
 
 
-@pytest.fixture(params=["bubblewrap", "process"])
-def sandbox(request):
-    if request.param == "bubblewrap":
-        command, reason = sandbox_module._bubblewrap()
-        if command is None:
-            pytest.skip(f"bubblewrap cannot run here ({reason}); the process-sandbox variant still runs")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*weaker 'process' sandbox")
-        yield request.param
-
-
 def _is_gone(pid: int, wait_s: float = 2.0) -> bool:
     """True once `pid` no longer runs (missing, or a zombie nobody has reaped yet)."""
     deadline = time.monotonic() + wait_s

@@ -9,27 +9,14 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
 
 import pytest
 
 from posttrain.rewards import get_code_execution_reward, run_python
-from posttrain.rewards import sandbox as sandbox_module
 
 TESTS = ["assert f(1) == 2", "assert f(2) == 3"]
 CORRECT = "def f(x):\n    return x + 1\n"
 ROOT = os.geteuid() == 0
-
-
-@pytest.fixture(params=["bubblewrap", "process"])
-def sandbox(request):
-    if request.param == "bubblewrap":
-        command, reason = sandbox_module._bubblewrap()
-        if command is None:
-            pytest.skip(f"bubblewrap cannot run here ({reason}); the process-sandbox variant still runs")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*weaker 'process' sandbox")
-        yield request.param
 
 
 @pytest.fixture
