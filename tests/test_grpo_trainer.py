@@ -106,14 +106,14 @@ def test_grpo_advantages_per_scale(tmp_path, tiny_model_path, scale):
                           train_dataset=prompt_dataset())
     rewards = [0.5, 1.0, 3.0, 0.0, 2.0, 2.0, 4.0, -1.0, 7.0, 7.0, 7.0, 7.0]
     groups_of = lambda n: SimpleNamespace(num_generations=n)  # noqa: E731 (the rollout's group size)
-    advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(4))
+    advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(4)).advantages
     torch.testing.assert_close(advantages, torch.tensor(_group_advantages(rewards, 4, scale), dtype=torch.float64))
     # Groups follow the rollout (an evaluation round has num_generations_eval completions per prompt).
-    advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(2))
+    advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(2)).advantages
     torch.testing.assert_close(advantages, torch.tensor(_group_advantages(rewards, 2, scale), dtype=torch.float64))
     # A completion no reward applies to is left out of its group: the others are scored as a group of 3.
     with_none = trainer.compute_advantages(torch.tensor([float("nan")] + rewards[1:4], dtype=torch.float64),
-                                           groups_of(4))
+                                           groups_of(4)).advantages
     expected = [0.0] + _group_advantages(rewards[1:4], 3, scale)
     torch.testing.assert_close(with_none, torch.tensor(expected, dtype=torch.float64))
 
@@ -195,7 +195,7 @@ def test_peft_reference_is_the_policy_with_its_adapter_off(tmp_path, tiny_model_
         expected = _token_logps(base, _sequences(trainer.rollout))
     rollout = trainer.rollout
     for i, logps in enumerate(expected):
-        torch.testing.assert_close(rollout.tensors["ref_logps"][i, : len(logps)], logps, atol=1e-5, rtol=0)
+        torch.testing.assert_close(rollout.ref_logps[i, : len(logps)], logps, atol=1e-5, rtol=0)
     for name, param in trainer.model.get_base_model().named_parameters():
         if "lora_" not in name:
             torch.testing.assert_close(param, base.state_dict()[name.replace("base_layer.", "")])
@@ -211,8 +211,8 @@ def test_rloo_differs_from_grpo_only_in_its_advantages(tmp_path, tiny_model_path
     rewards = low_id_fraction([c for _, c in _sequences(rloo.rollout)])
     assert len(set(rewards)) > 2
     expected = torch.tensor(_leave_one_out(rewards, 4))
-    torch.testing.assert_close(rloo.rollout.tensors["advantages"], expected.float(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(grpo.rollout.tensors["advantages"], expected.float() * 3 / 4, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rloo.rollout.advantages, expected.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(grpo.rollout.advantages, expected.float() * 3 / 4, atol=1e-6, rtol=0)
     # The leave-one-out advantage is n / (n - 1) times the centred one, and so is the loss.
     assert abs(logged(grpo, "loss", 1)) > 1e-4
     assert logged(rloo, "loss", 1) == pytest.approx(logged(grpo, "loss", 1) * 4 / 3, abs=1e-6)
@@ -233,7 +233,7 @@ def test_rloo_puts_the_kl_to_the_reference_into_the_reward(tmp_path, tiny_model_
     kl = [(p - r).sum().item() for p, r in zip(policy, reference)]
     assert max(abs(k) for k in kl) > 1e-2
     expected = _leave_one_out([r - beta * k for r, k in zip(rewards, kl)], 4)
-    torch.testing.assert_close(rollout.tensors["advantages"].double(), torch.tensor(expected, dtype=torch.float64),
+    torch.testing.assert_close(rollout.advantages.double(), torch.tensor(expected, dtype=torch.float64),
                                atol=1e-5, rtol=0)
     assert logged(trainer, "reward", 2) == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)  # raw rewards
 
@@ -396,7 +396,7 @@ def test_normalize_then_sum_advantages(tmp_path, tiny_model_path):
     mean, std = mean_std(summed)
     expected = torch.tensor([(s - mean) / (std + 1e-4) for s in summed])
     assert expected.abs().max() > 0.5
-    torch.testing.assert_close(trainer.rollout.tensors["advantages"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trainer.rollout.advantages, expected, atol=1e-5, rtol=1e-5)
 
 
 def _step0_reference(trainer, model_path, keep_fraction=1.0):
@@ -413,7 +413,7 @@ def _step0_reference(trainer, model_path, keep_fraction=1.0):
             entropies.append(-(logps.exp() * logps).sum(-1))
     flat = torch.cat(entropies)
     threshold = torch.quantile(flat, 1 - keep_fraction)
-    advantages = rollout.tensors["advantages"].double()
+    advantages = rollout.advantages.double()
     kept = [e >= threshold for e in entropies]
     loss = -sum(a * k.sum() for a, k in zip(advantages, kept)) / flat.numel()
     return loss.item(), flat.mean().item(), flat[flat >= threshold].mean().item(), sum(int(k.sum()) for k in kept)
@@ -481,7 +481,7 @@ def test_step0_loss_of_each_surrogate_through_the_engine(tmp_path, tiny_model_pa
     trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, loss_type=loss_type,
                     epsilon_high=0.9, sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, learning_rate=0.0)
     sequences = _sequences(trainer.rollout)
-    advantages = trainer.rollout.tensors["advantages"].double().tolist()
+    advantages = trainer.rollout.advantages.double().tolist()
     with torch.no_grad():
         logps = _token_logps(_float64_model(tiny_model_path), sequences)
     tokens = sum(len(c) for _, c in sequences)
@@ -512,7 +512,7 @@ def grpo_options_record(model_path: str, out_dir: str, per_device: int) -> dict:
                     entropy_target=100.0, off_policy_mask_threshold=0.5)
     params = snapshots.after_step[0]
     return {"world_size": trainer.accelerator.num_processes, "params": params,
-            "advantages": trainer.rollout.tensors["advantages"], "loss": logged(trainer, "loss", 1),
+            "advantages": trainer.rollout.advantages, "loss": logged(trainer, "loss", 1),
             "entropy_coef": logged(trainer, "entropy_coef", 1), "coef": trainer.entropy_controller.coef,
             "last_entropy": trainer.entropy_controller.last_entropy}
 

@@ -229,11 +229,12 @@ def test_rollout_batches_drop_padding_no_row_of_the_slice_needs():
         prompt_mask=torch.tensor([[0, 0, 1], [0, 1, 1], [1, 1, 1]]),
         completion_ids=torch.tensor([[1, 0, 0], [2, 3, 0], [4, 5, 6]]),
         completion_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+        model_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
         loss_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]]),
         finished=torch.tensor([True, True, False]),
         rewards=torch.tensor([1.0, 2.0, 3.0]),
         per_function_rewards=torch.tensor([[1.0], [2.0], [3.0]]),
-        tensors={"advantages": torch.tensor([0.1, 0.2, 0.3]), "old_logps": torch.arange(9.0).view(3, 3)},
+        advantages=torch.tensor([0.1, 0.2, 0.3]), old_logps=torch.arange(9.0).view(3, 3),
     )
     batch = rollout.batch(0, 2)
     assert batch["prompt_ids"].tolist() == [[0, 5], [6, 7]] and batch["prompt_mask"].tolist() == [[0, 1], [1, 1]]
@@ -319,7 +320,7 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
     }
     for key, value in expected.items():
         assert logged(trainer, key, 1) == pytest.approx(float(value), abs=1e-5), key
-    assert torch.allclose(rollout.tensors["advantages"].double(), advantages, atol=1e-5)
+    assert torch.allclose(rollout.advantages.double(), advantages, atol=1e-5)
     assert torch.equal(rollout.loss_mask, rollout.completion_mask * finished[:, None])
     for key in ("time/generation", "time/scoring", "time/update"):
         assert 0 < logged(trainer, key, 1) < 600
@@ -385,7 +386,7 @@ def test_steps_per_generation_does_not_change_the_first_update(tmp_path, tiny_mo
     # The first optimizer step of the larger round trains on the same 8 completions (with old log-probs).
     assert torch.equal(two.rollout.completion_ids[:8, : one.rollout.completion_ids.shape[1]],
                        one.rollout.completion_ids)
-    assert len(two.rollout) == 16 and "old_logps" in two.rollout.tensors and "old_logps" not in one.rollout.tensors
+    assert len(two.rollout) == 16 and two.rollout.old_logps is not None and one.rollout.old_logps is None
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
 
@@ -518,7 +519,7 @@ def one_step_record(model_path: str, out_dir: str, per_device: int) -> dict:
         "rank": trainer.args.process_index, "world_size": trainer.accelerator.num_processes,
         "completion_ids": [rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
                            for i in range(len(rollout))],
-        "advantages": rollout.tensors["advantages"], "loss": logged(trainer, "loss", 1),
+        "advantages": rollout.advantages, "loss": logged(trainer, "loss", 1),
         "reward_std": logged(trainer, "reward_std", 1), "params": params,
     }
 

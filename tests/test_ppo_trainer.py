@@ -139,11 +139,11 @@ def test_rewards_advantages_and_returns_match_a_float64_reference(tmp_path, tiny
     advantages, returns, scores, kls = _expected_rollout(sequences, old, ref, values, kl_coef, gamma, lam, penalty)
     assert max(abs(k) for k in kls) > 1e-2  # the KL penalty is exercised
 
-    _assert_rows_close(rollout.tensors["old_logps"], old, atol=1e-5)
-    _assert_rows_close(rollout.tensors["ref_logps"], ref, atol=1e-5, zero_padding=False)  # the engine's
-    _assert_rows_close(rollout.tensors["old_values"], values, atol=1e-5)
-    _assert_rows_close(rollout.tensors["returns"], returns, atol=1e-5)
-    _assert_rows_close(rollout.tensors["advantages"], advantages, atol=1e-4)
+    _assert_rows_close(rollout.old_logps, old, atol=1e-5)
+    _assert_rows_close(rollout.ref_logps, ref, atol=1e-5, zero_padding=False)  # the engine's
+    _assert_rows_close(rollout.old_values, values, atol=1e-5)
+    _assert_rows_close(rollout.returns, returns, atol=1e-5)
+    _assert_rows_close(rollout.advantages, advantages, atol=1e-4)
     assert logged(trainer, "objective/scores", 2) == pytest.approx(sum(scores) / len(scores), abs=1e-6)
     assert logged(trainer, "objective/kl", 2) == pytest.approx(sum(kls) / len(kls), abs=1e-5)
     assert logged(trainer, "objective/non_score_reward", 2) == pytest.approx(-kl_coef * sum(kls) / len(kls), abs=1e-5)
@@ -205,9 +205,9 @@ def test_completions_no_reward_applies_to_are_not_trained_on(tmp_path, tiny_mode
     trainer = ppo(tiny_model_path, tmp_path, reward=every_other, use_value_head=True)
     rollout = trainer.rollout
     unscored = torch.arange(len(rollout)) % 2 == 0
-    assert not rollout.loss_mask[unscored].any() and not rollout.tensors["advantages"][unscored].any()
+    assert not rollout.loss_mask[unscored].any() and not rollout.advantages[unscored].any()
     assert (rollout.completion_mask[unscored].sum(1) > 0).all()  # what was generated is still recorded
-    trained = rollout.tensors["advantages"][rollout.loss_mask.bool()].double()
+    trained = rollout.advantages[rollout.loss_mask.bool()].double()
     assert trained.numel() == rollout.completion_mask[~unscored].sum()
     assert trained.mean().item() == pytest.approx(0.0, abs=1e-6) and trained.std().item() == pytest.approx(1.0)
 
@@ -284,7 +284,7 @@ def test_peft_policy_with_value_head_needs_no_second_model(tmp_path, tiny_model_
     trainer.train()
     with torch.no_grad():
         expected, _ = _logps_and_values(base, None, _sequences(trainer.rollout))
-    _assert_rows_close(trainer.rollout.tensors["ref_logps"], [e.double() for e in expected], atol=1e-5,
+    _assert_rows_close(trainer.rollout.ref_logps, [e.double() for e in expected], atol=1e-5,
                        zero_padding=False)
     assert abs(logged(trainer, "objective/kl", 3)) > 1e-3  # the adapter has moved the policy from its reference
     assert not torch.allclose(model.v_head.summary.weight, head)

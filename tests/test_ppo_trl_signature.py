@@ -83,7 +83,7 @@ def _rollout_reference(trainer, kl_coef, whiten_rewards, estimator):
     """Sequence KL (objective/kl) and GAE returns recomputed in float64 from the rollout's tensors."""
     r = trainer.rollout
     mask = r.completion_mask.bool()
-    old, ref, values = (r.tensors[k].double() for k in ("old_logps", "ref_logps", "old_values"))
+    old, ref, values = (getattr(r, k).double() for k in ("old_logps", "ref_logps", "old_values"))
     kl = torch.where(mask, (old - ref) if estimator == "k1" else torch.expm1(ref - old) - (ref - old), 0.0)
     rewards = -kl_coef * kl
     last = mask.sum(1) - 1
@@ -115,7 +115,7 @@ def test_kl_estimator_and_whiten_rewards_shape_the_rewards(tmp_path, tiny_model_
     kl, returns = _rollout_reference(trainer, 0.2, whiten_rewards, estimator)
     assert kl > 0.01 and logged(trainer, "objective/kl", 1) == pytest.approx(kl, rel=1e-5)
     mask = trainer.rollout.completion_mask.bool()
-    torch.testing.assert_close(trainer.rollout.tensors["returns"].double()[mask], returns[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(trainer.rollout.returns.double()[mask], returns[mask], rtol=1e-5, atol=1e-5)
 
 
 def test_total_episodes_response_length_and_stop_token_id(tmp_path, tiny_model_path):

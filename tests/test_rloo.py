@@ -39,7 +39,7 @@ def test_reward_clip_range_clips_the_rewards_before_the_baseline(tmp_path, tiny_
     lengths = rollout.completion_mask.sum(1).double().tolist()
     assert min(lengths) < 2 or max(lengths) > 5  # some rewards are clipped
     expected = _leave_one_out([min(max(x, 2.0), 5.0) for x in lengths], 4)
-    torch.testing.assert_close(rollout.tensors["advantages"].double(), torch.tensor(expected, dtype=torch.float64),
+    torch.testing.assert_close(rollout.advantages.double(), torch.tensor(expected, dtype=torch.float64),
                                atol=1e-6, rtol=0)
     assert logged(trainer, "reward", 1) == pytest.approx(sum(lengths) / len(lengths), abs=1e-6)  # raw rewards
     assert trainer.args.reward_clip_range == (2.0, 5.0)
@@ -50,7 +50,7 @@ def test_rloo_logs_the_kl_to_the_reference(tmp_path, tiny_model_path):
                     config_class=RLOOConfig, num_generations=4, beta=0.5, max_steps=2, learning_rate=0.05)
     rollout = trainer.rollout  # of step 2: the policy has moved from the reference
     mask = rollout.loss_mask.double()
-    expected = ((rollout.tensors["old_logps"] - rollout.tensors["ref_logps"]).double() * mask).sum() / mask.sum()
+    expected = ((rollout.old_logps - rollout.ref_logps).double() * mask).sum() / mask.sum()
     assert abs(float(expected)) > 1e-5
     assert logged(trainer, "kl", 2) == pytest.approx(float(expected), abs=1e-6)
     assert logged(trainer, "kl", 1) == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference

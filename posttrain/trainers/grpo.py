@@ -36,7 +36,7 @@ from ..losses.token_weights import (
     off_policy_sequence_mask,
     sampler_importance_weights,
 )
-from .online import OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages, nanstd
+from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages, nanstd
 
 # group_advantages' own epsilon, used the same way when the batch std is taken over scored rewards only.
 _STD_EPS = 1e-4
@@ -233,19 +233,20 @@ class GRPOTrainer(OnlineTrainer):
     config_class = GRPOConfig
 
     # -- advantages ----------------------------------------------------------------------------------------
-    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
         args = self.args
         if args.multi_objective_aggregation == "normalize_then_sum":
             per_function = self.accelerator.gather(rollout.per_function_rewards)
             weights = self.reward_scorer.weights.to(per_function.device)
-            return self.local_share(decoupled_advantages(per_function, weights, rollout.num_generations, _STD_EPS))
+            return Advantages(self.local_share(
+                decoupled_advantages(per_function, weights, rollout.num_generations, _STD_EPS)))
         scale = args.scale_rewards
         per_group = "none" if scale == "batch" else scale
         advantages = groupwise_advantages(rewards, rollout.num_generations,
                                           lambda group: group_advantages(group, group.numel(), per_group))
         if scale == "batch":
             advantages = advantages / (nanstd(rewards) + _STD_EPS)
-        return self.local_share(advantages)
+        return Advantages(self.local_share(advantages))
 
     # -- loss ----------------------------------------------------------------------------------------------
     def objective_options(self) -> dict:

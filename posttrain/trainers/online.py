@@ -1,17 +1,21 @@
 """The online RL engine: one rollout loop that GRPO, RLOO and PPO configure through a few hooks.
 
-Every `steps_per_generation` optimizer steps the engine generates a fresh batch and then trains on it:
+Every `steps_per_generation` optimizer steps the engine makes a fresh round (rollout.py holds its records) and
+then trains on it, in explicit phases:
 
-    prompts ──► generation backend: num_generations completions per prompt, as token ids
-            ──► RewardScorer (decoded text goes to the reward functions only)
-            ──► old log-probs (policy before the update) and reference log-probs (beta > 0)
-            ──► compute_advantages (the method's hook; rewards of the whole batch, all processes)
-            ──► steps_per_generation optimizer steps, repeated num_iterations times, each made of
+    prompts ──► generate_episodes: num_generations episodes per prompt, as token ids (Episode)
+            ──► score: RewardScorer (decoded text goes to the reward functions only)
+            ──► build_rollout: padded tensors with named fields (Rollout)
+            ──► policy_tensors: old log-probs (policy before the update), reference log-probs (beta > 0)
+            ──► compute_advantages: the method's estimator (rewards of the whole round, all processes)
+            ──► update: steps_per_generation optimizer steps, repeated num_iterations times, each made of
                 gradient_accumulation_steps micro-batches of per_device_train_batch_size completions:
-                clipped policy loss + aggregation over the whole optimizer step's totals.
+                policy_loss + aggregation over the whole optimizer step's totals.
 
-Hooks for a method: `compute_advantages` (required), `attach_rollout_tensors` (more per-completion tensors,
-e.g. PPO's values), `needs_old_logps`, `kl_in_loss`, and `policy_loss` / `compute_loss` (PPO adds a value loss).
+A method is its estimator and its loss: `compute_advantages` (required) returns `Advantages`;
+`policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
+adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads. Hooks return values; the
+engine puts them into the rollout.
 
 Batching. per_device_train_batch_size counts completions. One generation round produces
 generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation x
@@ -34,8 +38,7 @@ same keys with the eval_ prefix.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -63,9 +66,11 @@ from .base import BaseTrainer, setup_router_aux_loss
 from .online_config import OnlineConfig
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
+from .rollout import (Advantages, Episode, Rollout, RolloutLoader, RolloutSampler, TaggedPrompts, collate_tagged,
+                      groupwise_advantages, pad_rows)
 
-__all__ = ["COMPLETIONS_LOG", "OnlineConfig", "OnlineTrainer", "Rollout", "RolloutSampler", "groupwise_advantages",
-           "nanstd"]
+__all__ = ["COMPLETIONS_LOG", "Advantages", "Episode", "OnlineConfig", "OnlineTrainer", "Rollout", "RolloutSampler",
+           "groupwise_advantages", "nanstd"]
 
 
 # -- prompts -----------------------------------------------------------------------------------------------
@@ -96,142 +101,6 @@ def _require_prompt_column(dataset, name: str) -> None:
                         "dataset.rename_column('question', 'prompt').")
     if len(dataset) == 0:
         raise DataError(f"{name} is empty; pass at least one prompt.")
-
-
-# -- the order in which prompts are used -------------------------------------------------------------------
-class RolloutSampler:
-    """For every micro-step, this process's share of the current round's prompts, tagged with the round, the
-    micro-step and each prompt's position ("slot") in the round.
-
-    Each epoch shuffles the prompts with (seed, epoch) (with shuffle=False they keep the dataset's order);
-    round r of the epoch takes the next prompts_per_round of them, and process p takes the p-th contiguous block.
-    A batch is repeated for every micro-step of its round, which lets the trainer find its place in the round
-    (also after resuming).
-    """
-
-    def __init__(self, num_prompts: int, prompts_per_round: int, num_processes: int, process_index: int,
-                 micro_steps_per_round: int, seed: int, shuffle: bool = True) -> None:
-        self.num_prompts, self.prompts_per_round, self.shuffle = num_prompts, prompts_per_round, shuffle
-        self.num_processes, self.process_index = num_processes, process_index
-        self.micro_steps_per_round, self.seed = micro_steps_per_round, seed
-        self.rounds_per_epoch = num_prompts // prompts_per_round
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.rounds_per_epoch * self.micro_steps_per_round
-
-    def __iter__(self):
-        order = (torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-                 if self.shuffle else torch.arange(self.num_prompts))
-        local = self.prompts_per_round // self.num_processes
-        slots = range(self.process_index * local, (self.process_index + 1) * local)
-        for r in range(self.rounds_per_epoch):
-            round_index = self.epoch * self.rounds_per_epoch + r
-            indices = order[r * self.prompts_per_round + slots.start:][:local].tolist()
-            for micro_step in range(self.micro_steps_per_round):
-                yield [(round_index, micro_step, slot, index) for slot, index in zip(slots, indices)]
-
-
-class _TaggedPrompts(torch.utils.data.Dataset):
-    """Looks up the rows named by RolloutSampler's tags, keeping the tags."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, tag: tuple[int, int, int, int]):
-        return tag, self.dataset[tag[3]]
-
-
-def _collate_tagged(items: list) -> dict[str, Any]:
-    tags, rows = zip(*items)
-    return {"round": tags[0][0], "micro_step": tags[0][1], "slots": [t[2] for t in tags], "rows": list(rows)}
-
-
-class _RolloutLoader(DataLoader):
-    """A DataLoader whose epoch reaches the RolloutSampler (the Trainer calls set_epoch on the loader)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-
-# -- the generated batch -----------------------------------------------------------------------------------
-@dataclass
-class Rollout:
-    """One round's completions on this process, N = per-process generation batch, prompt-major.
-
-    Prompts are left-padded [N, P], completions right-padded [N, T]. `completion_mask` marks generated
-    tokens; `loss_mask` the ones trained on (without truncated completions when those are masked).
-    `tensors` holds the per-completion tensors the loss reads: shape [N] or [N, T] (completion-aligned):
-    advantages, old_logps, ref_logps, and whatever a method adds.
-    """
-
-    round: int
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    finished: torch.Tensor  # [N] bool: ended with a stop token (else cut at max_completion_length)
-    rewards: torch.Tensor  # [N], NaN where no reward function applies
-    per_function_rewards: torch.Tensor  # [N, reward functions], unweighted, NaN where a function does not apply
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    step_tokens: list[float] = field(default_factory=list)  # loss tokens per optimizer step, all processes
-    num_generations: int = 1  # completions per prompt (a group): num_generations, or num_generations_eval
-    pad_to_multiple_of: int | None = None  # batch widths are rounded up to a multiple of this
-
-    def __len__(self) -> int:
-        return self.completion_ids.shape[0]
-
-    def batch(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        """Rows [start, stop) with the padding columns no row of the slice needs removed."""
-        rows = slice(start, stop)
-        prompt_width = self._width(self.prompt_mask[rows].sum(1).max(), self.prompt_mask.shape[1])
-        width = self._width(self.completion_mask[rows].sum(1).max(), self.completion_mask.shape[1])
-        out = {"prompt_ids": self.prompt_ids[rows, -prompt_width:],
-               "prompt_mask": self.prompt_mask[rows, -prompt_width:]}
-        per_completion = {"completion_ids": self.completion_ids, "completion_mask": self.completion_mask,
-                          "loss_mask": self.loss_mask, **self.tensors}
-        for name, value in per_completion.items():
-            out[name] = value[rows, :width] if value.dim() == 2 else value[rows]
-        return out
-
-
-    def _width(self, needed, available: int) -> int:
-        multiple = self.pad_to_multiple_of or 1
-        return min(-(-int(needed) // multiple) * multiple, available)
-
-
-def _pad(rows: list[list[int]], value: int, left: bool,
-         multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    width = -(-width // (multiple or 1)) * (multiple or 1)
-    padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
-    masks = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded), torch.tensor(masks)
-
-
-def groupwise_advantages(
-    rewards: torch.Tensor, num_generations: int, advantage_fn: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """`advantage_fn(group)` for each prompt's group of rewards, over the completions some reward applies to.
-
-    A completion whose reward is NaN (no reward function applies) gets advantage 0 and is left out of its
-    group's statistics; so does every completion of a group with fewer than two scored completions.
-    `advantage_fn` receives the k scored rewards of one group (1-D) and returns their k advantages.
-    """
-    advantages = torch.zeros_like(rewards)
-    for start in range(0, rewards.numel(), num_generations):
-        group = rewards[start:start + num_generations]
-        scored = ~group.isnan()
-        if int(scored.sum()) >= 2:
-            advantages[start:start + num_generations][scored] = advantage_fn(group[scored])
-    return advantages
 
 
 # -- the engine --------------------------------------------------------------------------------------------
@@ -353,7 +222,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         )
 
     def default_collator(self, tokenizer, args):
-        return _collate_tagged
+        return collate_tagged
 
     @property
     def micro_steps_per_round(self) -> int:
@@ -367,7 +236,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             micro_steps_per_round=self.micro_steps_per_round,
             seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=args.shuffle_dataset,
         )
-        return _RolloutLoader(_TaggedPrompts(self.train_dataset), batch_sampler=sampler, collate_fn=_collate_tagged)
+        return RolloutLoader(TaggedPrompts(self.train_dataset), batch_sampler=sampler, collate_fn=collate_tagged)
 
     # -- one micro-step ----------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -397,7 +266,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         state = sync_ref_checkpoint_state(self)
         steps_per_round = self.args.steps_per_generation * self.args.num_iterations
         if self.rollout is not None and self.state.global_step % steps_per_round:
-            state["rollout"] = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+            state["rollout"] = self.rollout.state()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -487,7 +356,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                 entropy = entropy_from_logits(logits)
         return (logps, entropy, outputs) if return_outputs else (logps, entropy)
 
-    # -- generation rounds -------------------------------------------------------------------------------
+    # -- generation rounds: generate -> score -> policy tensors -> advantages ---------------------------------
     @property
     def needs_old_logps(self) -> bool:
         """The policy changes between generation and training only with several steps or passes per round."""
@@ -498,51 +367,73 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         `rollout_mode` is "eval" (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
         args, mode = self.args, self.rollout_mode
         n = args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
-        if mode == "train":
-            self.generation_backend.sync_weights(self.model)
         start = time.perf_counter()
-        completions = self.generation_backend.generate(
-            [row[PROMPT_IDS_COLUMN] for row in rows], n, self.sampling, seed=self.round_seeds(round_index, slots, mode))
+        episodes = self.generate_episodes(rows, n, self.round_seeds(round_index, slots, mode))
         generation_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        completion_ids = [c.token_ids for c in completions]
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
+        texts, completions = self.completion_texts(prompts, episodes)
         per_function, rewards = self.reward_scorer(
-            prompts=prompts,
-            completions=([[{"role": "assistant", "content": t}] for t in texts] if is_message_list(prompts[0])
-                         else texts),
-            completion_ids=completion_ids,
+            prompts=prompts, completions=completions, completion_ids=[e.token_ids for e in episodes],
             columns={c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
-            trainer_state=self.state,
-        )
+            trainer_state=self.state, **self.episode_reward_kwargs(episodes))
         scoring_seconds = time.perf_counter() - start
 
-        device = self.accelerator.device
-        multiple = self.pad_multiple
-        prompt_ids, prompt_mask = _pad([row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)],
-                                       self.processing_class.pad_token_id, left=True, multiple=multiple)
-        completion_tensor, completion_mask = _pad(completion_ids, self.processing_class.pad_token_id, left=False,
-                                                  multiple=multiple)
-        finished = torch.tensor([c.finished_with_eos for c in completions])
-        loss_mask = completion_mask * finished.unsqueeze(1) if args.mask_truncated_completions else completion_mask
-        rollout = Rollout(round_index, prompt_ids.to(device), prompt_mask.to(device), completion_tensor.to(device),
-                          completion_mask.to(device), loss_mask.to(device), finished.to(device), rewards.to(device),
-                          per_function.to(device), num_generations=n, pad_to_multiple_of=multiple)
-        sampler_logps = sampler_logps_tensor(completions, completion_tensor.shape[1])
-        if sampler_logps is not None:
-            rollout.tensors["sampler_logps"] = sampler_logps.to(device)
-        self.attach_rollout_tensors(rollout)
-        all_rewards = self.accelerator.gather(rollout.rewards)
-        rollout.tensors["advantages"] = self.compute_advantages(all_rewards, rollout)
-        rollout.step_tokens = self._step_token_totals(rollout) if mode == "train" else []
-
-        self.record_round(rollout, all_rewards, self.accelerator.gather(rollout.per_function_rewards), mode,
+        rollout = self.build_rollout(round_index, rows, n, episodes, rewards, per_function)
+        rollout = dataclasses.replace(rollout, **self.policy_tensors(rollout))
+        estimate = self.compute_advantages(self.accelerator.gather(rollout.rewards), rollout)
+        rollout = dataclasses.replace(
+            rollout, advantages=estimate.advantages, returns=estimate.returns,
+            loss_mask=rollout.loss_mask if estimate.loss_mask is None else estimate.loss_mask)
+        if mode == "train":
+            rollout.step_tokens = self._step_token_totals(rollout)
+        for key, value in estimate.metrics.items():
+            self._metrics[mode][key].append(float(value))
+        self.record_round(rollout, self.accelerator.gather(rollout.rewards),
+                          self.accelerator.gather(rollout.per_function_rewards), mode,
                           {"time/generation": generation_seconds, "time/scoring": scoring_seconds})
         if args.log_completions and mode == "train":
-            self.log_completions(prompts, texts, rewards.tolist())
+            self.log_completions(prompts, texts, rewards.tolist(), per_function.tolist())
         return rollout
+
+    def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
+        """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""
+        if self.rollout_mode == "train":
+            self.generation_backend.sync_weights(self.model)
+        completions = self.generation_backend.generate([row[PROMPT_IDS_COLUMN] for row in rows], n, self.sampling,
+                                                       seed=seeds)
+        return [Episode.single_turn(c) for c in completions]
+
+    def completion_texts(self, prompts: list, episodes: list[Episode]) -> tuple[list[str], list]:
+        """The decoded completions, and what the reward functions receive: the text, or for conversational
+        prompts the assistant's messages."""
+        texts = self.processing_class.batch_decode([e.token_ids for e in episodes], skip_special_tokens=True)
+        if not is_message_list(prompts[0]):
+            return texts, texts
+        return texts, [e.messages or [{"role": "assistant", "content": t}] for e, t in zip(episodes, texts)]
+
+    def episode_reward_kwargs(self, episodes: list[Episode]) -> dict:
+        """Extra keyword arguments for the reward functions from the episodes (none for single-turn)."""
+        return {}
+
+    def build_rollout(self, round_index: int, rows: list[dict], n: int, episodes: list[Episode],
+                      rewards: torch.Tensor, per_function: torch.Tensor) -> Rollout:
+        """Phase 2's result as padded tensors on the device."""
+        device, multiple, pad_id = self.accelerator.device, self.pad_multiple, self.processing_class.pad_token_id
+        prompt_ids, prompt_mask = pad_rows([row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)], pad_id,
+                                           left=True, multiple=multiple)
+        completion_ids, completion_mask = pad_rows([e.token_ids for e in episodes], pad_id, left=False,
+                                                   multiple=multiple)
+        model_mask = pad_rows([e.model_mask for e in episodes], 0, left=False, multiple=multiple)[0]
+        sampler_logps = sampler_logps_tensor(episodes, completion_ids.shape[1])
+        finished = torch.tensor([e.finished for e in episodes])
+        loss_mask = model_mask * finished.unsqueeze(1) if self.args.mask_truncated_completions else model_mask
+        return Rollout(round_index, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                       completion_mask.to(device), model_mask.to(device), loss_mask.to(device), finished.to(device),
+                       rewards.to(device), per_function.to(device), num_generations=n,
+                       sampler_logps=None if sampler_logps is None else sampler_logps.to(device),
+                       episodes=[e.info for e in episodes], pad_to_multiple_of=multiple)
 
     @property
     def pad_multiple(self) -> int | None:
@@ -552,14 +443,16 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             return 128 if self.accelerator.device.type == "neuron" else None
         return multiple
 
-    def attach_rollout_tensors(self, rollout: Rollout) -> None:
-        """Adds the tensors computed from the policy before the update: old log-probs (when the policy will
-        have changed by the time a micro-batch is trained) and reference log-probs (beta > 0)."""
+    def policy_tensors(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """Phase 3: the rollout fields computed from the models before the update: old log-probs (when the
+        policy will have changed by the time a micro-batch is trained) and reference log-probs (beta > 0)."""
+        out = {}
         if self.needs_old_logps:
-            rollout.tensors["old_logps"] = self._rollout_logps(rollout, unwrap(self.model))
+            out["old_logps"] = self._rollout_logps(rollout, unwrap(self.model))
         if self.args.beta > 0:
             with reference_forward(self.model, self.ref_model) as reference:
-                rollout.tensors["ref_logps"] = self._rollout_logps(rollout, reference)
+                out["ref_logps"] = self._rollout_logps(rollout, reference)
+        return out
 
     @torch.no_grad()
     def _rollout_logps(self, rollout: Rollout, model) -> torch.Tensor:
@@ -571,11 +464,11 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             logps[start:start + size, :chunk.shape[1]] = chunk
         return logps
 
-    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """The method's advantages for this process's completions, [N] or per token [N, T].
+    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
+        """Phase 4, the method's estimator: advantages for this process's completions, [N] or per token [N, T].
 
         `rewards` [num_processes * N] are the round's rewards over all processes in prompt order (NaN where
-        no reward function applies); `rollout` is this process's share, with its tensors attached.
+        no reward function applies); `rollout` is this process's share, with its policy tensors.
         """
         raise NotImplementedError
 

@@ -114,7 +114,7 @@ class OnlineEvaluation:
         if mode == "train":
             self.state.num_input_tokens_seen += int(prompt_lengths.sum() + lengths.sum())
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
-        advantages = gather(rollout.tensors["advantages"])
+        advantages = gather(rollout.advantages)
         if advantages.dim() == 2:  # per-token advantages: statistics over the trained tokens
             advantages = advantages[gather(rollout.loss_mask).bool()]
         groups = rewards.view(-1, rollout.num_generations)
@@ -140,12 +140,18 @@ class OnlineEvaluation:
             self._metrics[mode][key].append(float(value))
 
     # -- completions ---------------------------------------------------------------------------------------
-    def log_completions(self, prompts: list, texts: list[str], rewards: list[float]) -> None:
-        """Appends the round's completions (all processes) to output_dir/completions.jsonl and keeps them for
-        the console print at the next log."""
-        records = [{"step": self.state.global_step, "prompt": prompt, "completion": text,
-                    "reward": None if math.isnan(reward) else reward}
-                   for prompt, text, reward in zip(prompts, texts, rewards)]
+    def log_completions(self, prompts: list, texts: list[str], rewards: list[float],
+                        per_function: list[list[float]] | None = None) -> None:
+        """Appends the round's completions (all processes) to output_dir/completions.jsonl, with the total reward
+        and each reward function's, and keeps them for the console print at the next log."""
+        names = self.reward_scorer.names
+        records = []
+        for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards)):
+            record = {"step": self.state.global_step, "prompt": prompt, "completion": text,
+                      "reward": None if math.isnan(reward) else reward}
+            if per_function is not None:
+                record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, per_function[i])}
+            records.append(record)
         records = gather_object(records)
         if self.accelerator.is_main_process:
             path = Path(self.args.output_dir) / COMPLETIONS_LOG

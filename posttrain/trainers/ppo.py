@@ -39,7 +39,7 @@ from ..models.reference import freeze, reference_forward, unwrap
 from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
     check_value_model)
-from .online import OnlineConfig, OnlineTrainer, Rollout
+from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout
 from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 from .ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
 
@@ -347,7 +347,7 @@ class PPOTrainer(OnlineTrainer):
         return PolicyAndValueModel(policy, value_model)
 
     # -- rollout ---------------------------------------------------------------------------------------------
-    def attach_rollout_tensors(self, rollout: Rollout) -> None:
+    def policy_tensors(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """Log-probs and values of the policy before the update (one forward), and the reference's log-probs,
         in chunks of local_rollout_forward_batch_size completions."""
         logps = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
@@ -360,20 +360,19 @@ class PPOTrainer(OnlineTrainer):
                 chunk, _, outputs = self.completion_logps(model, batch, return_outputs=True)
                 logps[start:start + size, :chunk.shape[1]] = chunk
                 values[start:start + size, :chunk.shape[1]] = _completion_values(outputs, chunk.shape[1])
-        mask = rollout.completion_mask.bool()
-        rollout.tensors["old_logps"] = torch.where(mask, logps, 0.0)
-        rollout.tensors["old_values"] = torch.where(mask, values, 0.0)
+        mask = rollout.model_mask.bool()
+        out = {"old_logps": torch.where(mask, logps, 0.0), "old_values": torch.where(mask, values, 0.0)}
         if self.args.beta > 0:
             with self._reference() as lm, torch.no_grad():
                 ref_logps = torch.zeros_like(logps)
                 for start in range(0, len(rollout), size):
                     chunk, _ = self.completion_logps(lm, rollout.batch(start, start + size))
                     ref_logps[start:start + size, :chunk.shape[1]] = chunk
-                rollout.tensors["ref_logps"] = ref_logps
-        if not unwrap(self.model).training:  # an evaluation rollout
-            return
-        self._rollouts += 1
-        self._log_sample_generations()
+                out["ref_logps"] = ref_logps
+        if unwrap(self.model).training:  # not an evaluation rollout
+            self._rollouts += 1
+            self._log_sample_generations()
+        return out
 
     @contextlib.contextmanager
     def _reference(self):
@@ -420,34 +419,33 @@ class PPOTrainer(OnlineTrainer):
                 f.writelines(json.dumps(record) + "\n" for record in records)
             logger.info("Sample generations at step %d: %s", self.state.global_step, records)
 
-    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """Per-token rewards (KL penalty, score at the last token) -> GAE advantages [N, T]; stores the returns.
+    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
+        """Per-token rewards (KL penalty, score at the last token) -> GAE advantages [N, T] and the returns.
 
         A completion no reward function applies to is left out of training (its loss mask is cleared).
         """
         args = self.args
-        mask = rollout.completion_mask.bool()
+        mask = rollout.model_mask.bool()
         scores = self.local_share(rewards).clone()
         if args.missing_eos_penalty is not None:
             scores[~rollout.finished] -= args.missing_eos_penalty
         unscored = scores.isnan()
-        rollout.loss_mask = rollout.loss_mask.masked_fill(unscored.unsqueeze(1), 0)  # may share completion_mask
+        loss_mask = rollout.loss_mask.masked_fill(unscored.unsqueeze(1), 0)
         scores = scores.nan_to_num(0.0)
 
-        kl = torch.zeros_like(rollout.tensors["old_logps"])
+        kl = torch.zeros_like(rollout.old_logps)
         if args.beta > 0:
-            kl = torch.where(mask, kl_estimate(rollout.tensors["old_logps"], rollout.tensors["ref_logps"],
+            kl = torch.where(mask, kl_estimate(rollout.old_logps, rollout.ref_logps,
                                                args.kl_estimator), 0.0)
         kl_coef = self.kl_controller.value
         token_rewards = -kl_coef * kl
-        last = mask.sum(1) - 1
+        last = mask.long().cumsum(1).argmax(1)  # the last token the policy sampled
         token_rewards[torch.arange(len(rollout)), last] += scores
         if args.whiten_rewards:
             token_rewards = self._whiten_over_processes(token_rewards, mask, shift_mean=False)
-        old_values = rollout.tensors["old_values"]
+        old_values = rollout.old_values
         advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam)
-        rollout.tensors["returns"] = returns
-        trained = rollout.loss_mask.bool()
+        trained = loss_mask.bool()
         if args.whiten_advantages:
             advantages = self._whiten_over_processes(advantages, trained)
 
@@ -462,10 +460,8 @@ class PPOTrainer(OnlineTrainer):
             "objective/non_score_reward": non_score.mean(), "objective/rlhf_reward": (all_scores + non_score).mean(),
             "kl_coef": kl_coef, "value/explained_variance": _explained_variance(flat_values, flat_returns),
         }
-        for key, value in metrics.items():
-            self._metrics["train"][key].append(float(value))
         self.kl_controller.update(float(sequence_kl.mean()), args.generation_batch_size)
-        return advantages
+        return Advantages(advantages, returns=returns, loss_mask=loss_mask, metrics=metrics)
 
     def _gather_tokens(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The entries of [N, T] `values` where `mask` is set, over all processes (1-D)."""

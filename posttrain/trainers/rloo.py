@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..losses.advantages import leave_one_out_advantages, whiten
-from .online import OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages
+from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages
 
 
 @dataclass
@@ -76,16 +76,17 @@ class RLOOTrainer(OnlineTrainer):
         metrics.pop("kl", None)
         return loss, metrics
 
-    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
+        metrics = {}
         if self.args.reward_clip_range is not None:
             rewards = rewards.clamp(*self.args.reward_clip_range)  # NaN (no reward applies) stays NaN
         if self.args.beta > 0:
-            log_ratio = (rollout.tensors["old_logps"] - rollout.tensors["ref_logps"]) * rollout.loss_mask
+            log_ratio = (rollout.old_logps - rollout.ref_logps) * rollout.loss_mask
             rewards = rewards - self.args.beta * self.accelerator.gather(log_ratio.sum(1))
             totals = self.accelerator.gather(torch.stack([log_ratio.sum(), rollout.loss_mask.sum()]).reshape(1, 2))
-            self._metrics[self.rollout_mode]["kl"].append(float(totals[:, 0].sum() / totals[:, 1].sum().clamp(min=1)))
+            metrics["kl"] = float(totals[:, 0].sum() / totals[:, 1].sum().clamp(min=1))
         advantages = groupwise_advantages(rewards, rollout.num_generations,
                                           lambda group: leave_one_out_advantages(group, group.numel()))
         if self.args.normalize_advantages:
             advantages = whiten(advantages, mask=~rewards.isnan())
-        return self.local_share(advantages)
+        return Advantages(self.local_share(advantages), metrics=metrics)
