@@ -119,7 +119,7 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
     (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
     (dict(vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size.*tensor parallelism needs several GPUs"),
     (dict(vllm_group_port=1234), r"vllm_group_port.*not an NCCL group"),
-    (dict(max_tool_calling_iterations=3), r"max_tool_calling_iterations.*not supported yet"),
+    (dict(max_tool_calling_iterations=0), r"max_tool_calling_iterations=0: must be at least 1"),
     (dict(log_completions_hub_repo="me/completions"), r"log_completions_hub_repo.*Hugging Face Hub"),
     (dict(sync_ref_model=True), r"sync_ref_model=True updates the reference model, but beta=0"),
     (dict(beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in"),
@@ -154,6 +154,16 @@ def needs_solution(completions, solution, **kwargs):
     return [0.0] * len(completions)
 
 
+def add_numbers(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
 CONSTRUCTION_ERRORS = {
     "no prompt column": (
         dict(train_dataset=Dataset.from_list([{"question": "a", "answer": 1}] * 4)), DataError,
@@ -164,8 +174,10 @@ CONSTRUCTION_ERRORS = {
     "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward functions given"),
     "fewer prompts than a round": (
         dict(train_dataset=prompt_dataset(1)), DataError, r"has 1 prompts but one generation round uses 2"),
-    "tools": (dict(tools=[len]), ConfigError, r"GRPOTrainer\(tools=\.\.\.\): tool calling .* not supported yet"),
-    "rollout_func": (dict(rollout_func=len), ConfigError, r"rollout_func=\.\.\.\): tool calling"),
+    "tools with text prompts": (dict(tools=[add_numbers]), DataError,
+                                r"tools= and environment_factory= need conversational prompts"),
+    "rollout_func with tools": (dict(rollout_func=len, tools=[add_numbers]), ConfigError,
+                                r"rollout_func samples the episodes itself; it cannot be combined with tools="),
     "eval set without a reward column": (
         dict(eval_dataset=Dataset.from_list([{"prompt": "a b"}] * 4)), DataError,
         r"eval_dataset lacks the columns \['answer'\] that train_dataset passes to the reward functions"),
@@ -506,7 +518,8 @@ def test_options_match_trl_defaults_and_signatures(tmp_path):
                      "ref_model_sync_steps", "vllm_model_impl", "vllm_group_port", "num_generations_eval"):
             assert getattr(ours(output_dir=str(tmp_path)), name) == defaults[name], (ours.__name__, name)
     for ours in (GRPOTrainer, RLOOTrainer):
-        assert list(inspect.signature(ours).parameters) == surface["trainers"][ours.__name__]
+        trl = surface["trainers"][ours.__name__]
+        assert list(inspect.signature(ours).parameters)[:len(trl)] == trl  # posttrain's extras come after
 
 
 # -- two processes ---------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ from ..models.reference import create_reference_model, is_peft_model, reference_
 from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
 from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
+from ..tools import EnvironmentPool, tool_schemas
 from .base import BaseTrainer, setup_router_aux_loss
+from .episodes import make_episode_source
 from .online_config import OnlineConfig
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
@@ -110,8 +112,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     `train_dataset` (and `eval_dataset`) need a 'prompt' column (strings, or conversations rendered with the
     chat template and its generation prompt); every other column reaches the reward functions by name.
     `reward_funcs` is one or a list of reward functions, reward models or reward model names (see
-    `posttrain.rewards.scoring`). Tool calling (`tools`, `rollout_func`, `environment_factory`) is not
-    supported yet.
+    `posttrain.rewards.scoring`). `tools`, `environment_factory` and `rollout_func` make episodes multi-turn
+    (episodes.py).
     """
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
@@ -138,22 +140,24 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         environment_factory=None,
     ):
         args = args or self.config_class(output_dir=f"outputs/{type(self).__name__.removesuffix('Trainer').lower()}")
-        for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                            ("environment_factory", environment_factory)):
-            if value is not None:
-                raise ConfigError(f"{type(self).__name__}({name}=...): tool calling and custom rollouts are not "
-                                  f"supported yet (issue #18); drop {name}.")
         if train_dataset is None:
             raise DataError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
         _require_prompt_column(train_dataset, "train_dataset")
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not reward_funcs or any(f is None for f in reward_funcs):
+        if environment_factory is not None and reward_funcs == [None]:
+            reward_funcs = []  # the environment gives the reward
+        if (not reward_funcs and environment_factory is None) or any(f is None for f in reward_funcs):
             raise ConfigError("No reward functions given: pass reward_funcs, e.g. a function "
                               "f(prompts, completions, **columns) -> list[float], a reward model, or a list of them.")
         self.reward_columns = [c for c in train_dataset.column_names if c not in (PROMPT_COLUMN, PROMPT_IDS_COLUMN)]
+        self.environments = None if environment_factory is None else EnvironmentPool(environment_factory, tools or ())
+        if self.environments is not None:  # an environment with get_reward() is a reward source
+            reward_funcs += [function for _, function in self.environments.reward_functions()]
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
                                           args.reward_timeout_s)
-        self.reward_scorer.check_columns(self.reward_columns)
+        if rollout_func is None:  # its extra fields reach the reward functions; they are checked on the first round
+            self.reward_scorer.check_columns(self.reward_columns + (["environments"] if environment_factory else []))
+        self._tool_schemas = tool_schemas(tools) if tools and environment_factory is None else None
         self._check_eval_setup(eval_dataset, args)
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError("sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
@@ -185,6 +189,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha,
                                                    args.ref_model_sync_steps))
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
+        self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []
@@ -217,7 +222,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         return dataset.map(
             _tokenize_prompt, with_indices=True, num_proc=args.dataset_num_proc,
             fn_kwargs=dict(tokenizer=tokenizer, conversational=self.conversational,
-                           max_prompt_length=args.max_prompt_length, chat_template_kwargs=args.chat_template_kwargs),
+                           max_prompt_length=args.max_prompt_length,
+                           chat_template_kwargs={**(args.chat_template_kwargs or {}),
+                                                 **({"tools": self._tool_schemas} if self._tool_schemas else {})}),
             desc=f"Tokenizing the prompts of {name}",
         )
 
@@ -376,10 +383,13 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         texts, completions = self.completion_texts(prompts, episodes)
         per_function, rewards = self.reward_scorer(
             prompts=prompts, completions=completions, completion_ids=[e.token_ids for e in episodes],
-            columns={c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
-            trainer_state=self.state, **self.episode_reward_kwargs(episodes))
+            columns={**{c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
+                     **self.episode_columns(episodes)},
+            trainer_state=self.state)
         scoring_seconds = time.perf_counter() - start
 
+        if self.episode_source is not None and hasattr(self.episode_source, "tools"):
+            self.record_tool_use(episodes, mode)
         rollout = self.build_rollout(round_index, rows, n, episodes, rewards, per_function)
         rollout = dataclasses.replace(rollout, **self.policy_tensors(rollout))
         estimate = self.compute_advantages(self.accelerator.gather(rollout.rewards), rollout)
@@ -401,9 +411,10 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""
         if self.rollout_mode == "train":
             self.generation_backend.sync_weights(self.model)
-        completions = self.generation_backend.generate([row[PROMPT_IDS_COLUMN] for row in rows], n, self.sampling,
-                                                       seed=seeds)
-        return [Episode.single_turn(c) for c in completions]
+        prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]
+        if self.episode_source is not None:
+            return self.episode_source.generate(rows, prompt_ids, n, self.sampling, seeds, PROMPT_COLUMN)
+        return [Episode.single_turn(c) for c in self.generation_backend.generate(prompt_ids, n, self.sampling, seeds)]
 
     def completion_texts(self, prompts: list, episodes: list[Episode]) -> tuple[list[str], list]:
         """The decoded completions, and what the reward functions receive: the text, or for conversational
@@ -413,16 +424,28 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             return texts, texts
         return texts, [e.messages or [{"role": "assistant", "content": t}] for e, t in zip(episodes, texts)]
 
-    def episode_reward_kwargs(self, episodes: list[Episode]) -> dict:
-        """Extra keyword arguments for the reward functions from the episodes (none for single-turn)."""
-        return {}
+    def episode_columns(self, episodes: list[Episode]) -> dict[str, list]:
+        """Per-episode values the reward functions receive beside the dataset's columns (an environment's
+        `environments`, a rollout_func's extra fields)."""
+        return {key: [e.reward_kwargs[key] for e in episodes] for key in episodes[0].reward_kwargs}
+
+    def record_tool_use(self, episodes: list[Episode], mode: str) -> None:
+        """TRL's tool metrics over all processes: calls per episode, failed calls per call; and model turns per
+        episode."""
+        local = torch.tensor([[sum(e.info["tool_calls"] for e in episodes), sum(e.info["tool_failures"] for e in episodes),
+                               sum(e.info["turns"] for e in episodes), len(episodes)]], dtype=torch.float64,
+                             device=self.accelerator.device)
+        calls, failures, turns, count = self.accelerator.gather(local).sum(0).tolist()
+        self._metrics[mode]["tools/call_frequency"].append(calls / count)
+        self._metrics[mode]["tools/failure_frequency"].append(failures / calls if calls else 0.0)
+        self._metrics[mode]["tools/mean_turns"].append(turns / count)
 
     def build_rollout(self, round_index: int, rows: list[dict], n: int, episodes: list[Episode],
                       rewards: torch.Tensor, per_function: torch.Tensor) -> Rollout:
         """Phase 2's result as padded tensors on the device."""
         device, multiple, pad_id = self.accelerator.device, self.pad_multiple, self.processing_class.pad_token_id
-        prompt_ids, prompt_mask = pad_rows([row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)], pad_id,
-                                           left=True, multiple=multiple)
+        prompt_rows = [e.prompt_ids or rows[i // n][PROMPT_IDS_COLUMN] for i, e in enumerate(episodes)]
+        prompt_ids, prompt_mask = pad_rows(prompt_rows, pad_id, left=True, multiple=multiple)
         completion_ids, completion_mask = pad_rows([e.token_ids for e in episodes], pad_id, left=False,
                                                    multiple=multiple)
         model_mask = pad_rows([e.model_mask for e in episodes], 0, left=False, multiple=multiple)[0]

@@ -53,7 +53,6 @@ class OnlineConfig(PosttrainConfig):
                                      "parallelism needs several GPUs); keep 1, or serve a tensor-parallel model "
                                      "with `posttrain vllm-serve MODEL -- --tensor-parallel-size N` and "
                                      "vllm_mode='server'",
-        "max_tool_calling_iterations": "tool calling is not supported yet (issue #18); drop it",
         "log_completions_hub_repo": "pushing completions needs the Hugging Face Hub, which posttrain does not "
                                     "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
@@ -148,8 +147,15 @@ class OnlineConfig(PosttrainConfig):
     ref_model_sync_steps: int = field(
         default=512, metadata={"help": "With sync_ref_model: optimizer steps between two reference updates."})
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Most tool-calling turns per completion (tool calling: not supported "
-                                        "yet)."})
+        default=None, metadata={"help": "With tools= or environment_factory=: most tool turns per completion (None: "
+                                        "until the model stops calling tools or max_completion_length is reached)."})
+    tool_call_parser: str = field(
+        default="hermes", metadata={"help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
+                                            "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "
+                                            "posttrain.tools.register_parser."})
+    tool_timeout_s: float | None = field(
+        default=30.0, metadata={"help": "Seconds a tool call may take before the model is told it timed out "
+                                        "(None: no limit)."})
     # Logging
     log_completions: bool = field(
         default=False, metadata={"help": "Append {step, prompt, completion, reward} lines to "
@@ -233,6 +239,9 @@ class OnlineConfig(PosttrainConfig):
                               "(typical: 2.0).")
         if self.vllm_sync_steps < 1:
             raise ConfigError(f"vllm_sync_steps={self.vllm_sync_steps} must be at least 1 (1: before every round).")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
+            raise ConfigError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
+                              "or None for no limit.")
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:

@@ -109,7 +109,7 @@ class OnlineEvaluation:
         """A round's metrics over all processes under TRL's names (the gathered tensors are the same on every
         process), plus posttrain's own (reward function timings, advantages)."""
         gather = self.accelerator.gather
-        lengths = gather(rollout.completion_mask.sum(1)).float()
+        lengths = gather(rollout.model_mask.sum(1)).float()  # the model's tokens (not tool results)
         prompt_lengths = gather(rollout.prompt_mask.sum(1)).float()
         if mode == "train":
             self.state.num_input_tokens_seen += int(prompt_lengths.sum() + lengths.sum())

@@ -245,7 +245,8 @@ class PPOTrainer(OnlineTrainer):
     def __init__(self, model=None, reward_funcs=None, args: PPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes: list | None = None,
                  peft_config=None, callbacks=None, optimizers=(None, None), value_model=None,
-                 value_processing_class=None, *, ref_model=None, reward_model=None, data_collator=None):
+                 value_processing_class=None, *, ref_model=None, reward_model=None, data_collator=None, tools=None,
+                 rollout_func=None, environment_factory=None):
         args = args or PPOConfig(output_dir="outputs/ppo")
         reward_funcs = trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator)
         head_model = model if isinstance(model, AutoModelForCausalLMWithValueHead) else None
@@ -260,7 +261,8 @@ class PPOTrainer(OnlineTrainer):
         reward_funcs, reward_processing_classes = _load_reward_models(reward_funcs, reward_processing_classes)
         super().__init__(model, reward_funcs, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers)
+                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers, tools=tools,
+                         rollout_func=rollout_func, environment_factory=environment_factory)
         self._use_adapters(args)
         self._apply_stop_token(args)
         if ref_model is not None and args.beta > 0:

@@ -100,6 +100,8 @@ class Episode:
     finished: bool
     info: dict[str, Any] = field(default_factory=dict)
     messages: list[dict] | None = None  # the completion as chat messages, when it has tool turns
+    prompt_ids: list[int] | None = None  # the episode's own prompt when not the row's (environment, rollout_func)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the reward functions
 
     @classmethod
     def single_turn(cls, completion) -> Episode:
