@@ -37,6 +37,13 @@ def tokenize_with_spans(tokenizer, text: str, spans: list[Span] | None, add_spec
     return ids, mask
 
 
+def _content_text(content) -> str:
+    """A message's text: its string content, or the text of its typed blocks (multimodal messages)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or [] if part.get("type") == "text")
+
+
 def assistant_spans(tokenizer, messages: list[dict], row: int = 0, **template_kwargs) -> tuple[str, list[Span]]:
     """The rendered conversation and the character span of each assistant turn (content + end-of-turn)."""
     text = render(tokenizer, messages, **template_kwargs)
@@ -53,7 +60,7 @@ def assistant_spans(tokenizer, messages: list[dict], row: int = 0, **template_kw
                 cursor = spans[-1][1]
                 continue
         else:
-            start = text.find(message["content"], cursor)
+            start = text.find(_content_text(message["content"]), cursor)
             if start < 0:
                 raise DataError(
                     f"Row {row}: the chat template does not reproduce assistant message {i} verbatim, so its "
@@ -64,7 +71,7 @@ def assistant_spans(tokenizer, messages: list[dict], row: int = 0, **template_kw
         # earlier reasoning): the turn runs from its start to the first end-of-turn token.
         eos = tokenizer.eos_token
         stop = text.find(eos, start) if eos else -1
-        span = (start, stop + len(eos)) if stop >= 0 else (start, start + len(message["content"]))
+        span = (start, stop + len(eos)) if stop >= 0 else (start, start + len(_content_text(message["content"])))
         spans.append(span)
         cursor = span[1]
     return text, spans

@@ -25,6 +25,8 @@ from ..callbacks import SyncRefModelCallback
 from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..data.preference import TRUNCATION_MODES, PreferenceCollator, prepare_preference_dataset
 from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
+from ..data.vision import (VisionPreferenceCollator, VisionSetup, is_vision_dataset, tokenizer_of,
+                           validate_vision_dataset, vision_inputs)
 from ..errors import ConfigError
 from ..losses.logprobs import next_token_logps
 from ..losses.preference import (
@@ -148,6 +150,9 @@ class DPOConfig(ReferenceConfig):
         default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."})
     pad_token: str | None = field(
         default=None, metadata={"help": "Deprecated in TRL: the padding token (default: the tokenizer's, else EOS)."})
+    freeze_vision_tower: bool = field(
+        default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision tower's "
+                                        "weights fixed (with LoRA: no adapter on it, the projector trained in full)."})
 
     def __post_init__(self):
         # Comma-separated names (the command line's form) -> a list.
@@ -223,6 +228,7 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     """One forward of a `PreferenceCollator` batch (2B sequences, chosen first); per-sequence completion log-probs,
     token counts and the detached per-sequence sums behind the metrics (and WPO's weights with `wpo`)."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs.update(vision_inputs(batch))  # pixel values etc. of a vision-language batch
     if router_logits:
         inputs["output_router_logits"] = True
     outputs = model(**inputs, use_cache=False)
@@ -333,7 +339,8 @@ class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
 
     def metric_inputs(self, inputs: dict) -> dict:
         """The sequences whose logits `compute_metrics` receives (with their input_ids as labels), as in TRL."""
-        return {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        return {**{k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs},
+                **vision_inputs(inputs)}
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The trainer's own loss; with `compute_metrics`, also the policy's logits (an extra forward)."""
@@ -448,13 +455,14 @@ class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
         return dataset
 
 
-class DPOTrainer(ReferenceTrainer):
+class DPOTrainer(VisionSetup, ReferenceTrainer):
     """`DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=..., processing_class=...,
     peft_config=...)`, TRL's keyword arguments in TRL's order.
 
     `ref_model` (a model, name or path) is the reference; without one it is a frozen copy of `model`, or the
     PEFT policy with its adapter disabled. The loss is summed over pairs and divided by the number of pairs
-    in the whole effective batch (all accumulation steps and processes).
+    in the whole effective batch (all accumulation steps and processes). A dataset with an `images` / `image`
+    column (and an explicit prompt) trains a vision-language model: see `posttrain/data/vision.py`.
     """
     _name = "DPO"  # the method the model card names and cites (posttrain/model_card.py)
 
@@ -465,28 +473,53 @@ class DPOTrainer(ReferenceTrainer):
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, **kwargs):
         args = args or DPOConfig(output_dir="outputs/dpo")
-        processing_class = load_processing_class(model, processing_class, args)
-        configure_tokenizer(processing_class, args)  # pad_token
+        processing_class, peft_config = self.setup_vision(model, args, train_dataset, eval_dataset, processing_class,
+                                                          peft_config, load_tokenizer)
+        configure_tokenizer(tokenizer_of(processing_class), args)  # pad_token
+        freeze = args.freeze_vision_tower
+        if isinstance(model, str) and self._vision_model:
+            load = self.vision_loader(model, args)
+            self.load_model = lambda name, kw: self._adapted(load(name, kw), peft_config, freeze)
+        elif not isinstance(model, str):
+            self.adapt_vision_model(model, peft_config, freeze)
+        if isinstance(ref_model, str) and self._vision_model:  # a vision-language reference by name
+            ref_model = self.vision_loader(model, args)(ref_model, args.model_init_kwargs)
         self._loss_types, self._loss_weights = validate_dpo_loss_settings(
             args.loss_type, args.loss_weights, beta=args.beta, label_smoothing=args.label_smoothing,
             f_divergence_type=args.f_divergence_type, f_alpha_divergence_coef=args.f_alpha_divergence_coef,
             discopop_tau=args.discopop_tau, use_weighting=args.use_weighting, ld_alpha=args.ld_alpha,
         )
         self._total_train_tokens = 0
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
-        sync_model_with_tokenizer(self.accelerator.unwrap_model(self.model), self.processing_class, eos_changed=False)
+        with self.processor_pad_token(processing_class):
+            super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
+                             callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
+        self.finish_vision_setup(freeze)
+        sync_model_with_tokenizer(self.accelerator.unwrap_model(self.model), tokenizer_of(self.processing_class),
+                                  eos_changed=False)
         self.setup_reference(ref_model, pretrained_adapter=peft_config is None and is_peft_model(model))
+
+    def _adapted(self, loaded, peft_config, freeze: bool):
+        self.adapt_vision_model(loaded, peft_config, freeze)
+        return loaded
 
     # -- data ------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
+        if is_vision_dataset(dataset):  # validated here; images are processed in the collator
+            if "prompt" not in dataset.column_names:
+                raise ConfigError(f"{name} has images but no 'prompt' column: with images, give the prompt (with its "
+                                  "image placeholders) explicitly, e.g. with posttrain.data_utils.extract_prompt.")
+            validate_vision_dataset(dataset, tokenizer, ("preference",), "DPOTrainer", name)
+            return dataset
         return prepare_preference_dataset(
-            dataset, tokenizer, trainer="DPOTrainer", name=name, max_prompt_length=args.max_prompt_length,
+            dataset, tokenizer_of(tokenizer), trainer="DPOTrainer", name=name, max_prompt_length=args.max_prompt_length,
             max_completion_length=args.max_completion_length, max_length=args.max_length,
             truncation_mode=args.truncation_mode, num_proc=args.dataset_num_proc,
         )
 
     def default_collator(self, tokenizer, args: DPOConfig):
+        if self._vision:
+            return VisionPreferenceCollator(tokenizer, args.max_length, args.pad_to_multiple_of)
+        tokenizer = tokenizer_of(tokenizer)
         return PreferenceCollator(tokenizer.pad_token_id, padding_free=args.padding_free, max_length=args.max_length,
                                   truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of)
 

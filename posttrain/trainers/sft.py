@@ -17,6 +17,7 @@ from ..data.formats import DatasetFormat, check_example, is_message_list, valida
 from ..data.packing import pack_dataset
 from ..data.tokenize import tokenize_example, truncate
 from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from ..data.vision import VisionSetup, VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
 from ..errors import ConfigError, DataError
 from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
 from ..models.loading import load_tokenizer
@@ -68,6 +69,10 @@ class SFTConfig(PosttrainConfig):
         default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
     assistant_only_loss: bool = field(
         default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
+    freeze_vision_tower: bool = field(
+        default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision tower's "
+                                        "weights fixed (the projector and the language model train; with LoRA, the "
+                                        "tower gets no adapter and the projector is trained in full)."})
     loss_type: str = field(
         default="nll", metadata={"help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
                                          "token's NLL weighted by its detached probability)."})
@@ -191,13 +196,16 @@ def uses_flash_attention(model) -> bool:
     return "flash" in (model.config._attn_implementation or "")
 
 
-class SFTTrainer(BaseTrainer):
+class SFTTrainer(VisionSetup, BaseTrainer):
     """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
     formatting_func=...)`, with TRL's keyword arguments in TRL's order.
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
     attention, which needs the whole batch in one row; a collator passed by the caller is left as it is.
     `compute_loss_func(outputs, labels, num_items_in_batch=...)` replaces the loss (it gets the full logits).
+    Datasets with an `images` / `image` column train a vision-language model (`processing_class`: its processor,
+    loaded by default): rows are validated up front and processed in the collator (`posttrain/data/vision.py`);
+    image tokens are never trained; the vision tower is frozen unless `freeze_vision_tower=False`.
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
     """
@@ -233,10 +241,14 @@ class SFTTrainer(BaseTrainer):
                               "into prompt/completion columns yourself and drop formatting_func.")
         self._formatting_func = formatting_func
         self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
-        if processing_class is None:
-            model_id = model if isinstance(model, str) else model.config._name_or_path
-            processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
-        added_tokens = configure_tokenizer(processing_class, args)
+        processing_class, peft_config = self.setup_vision(model, args, train_dataset, eval_dataset, processing_class,
+                                                          peft_config, load_tokenizer)
+        if self._vision and formatting_func is not None:
+            raise ConfigError("formatting_func turns rows into plain text, which would drop the images of this "
+                              "dataset; format the dataset with map() instead and drop formatting_func.")
+        self._vision_completion_only = _completion_only(args, train_dataset)
+        tokenizer = tokenizer_of(processing_class)
+        added_tokens = configure_tokenizer(tokenizer, args)
         make_added_tokens_trainable(peft_config, added_tokens)
         self._own_collator: LanguageModelingCollator | None = None
         self._trained_tokens = 0
@@ -244,22 +256,25 @@ class SFTTrainer(BaseTrainer):
 
         def adapt(loaded):
             """Before PEFT wrapping and data preparation: the model agrees with the tokenizer; MoE loss set up."""
-            sync_model_with_tokenizer(loaded, processing_class, added_tokens,
+            sync_model_with_tokenizer(loaded, tokenizer, added_tokens,
                                       eos_changed=args.eos_token is not None or bool(added_tokens))
             self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
+            self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
             return loaded
 
         if isinstance(model, str):
-            load = type(self).load_model
+            load = self.vision_loader(model, args) or type(self).load_model
             self.load_model = lambda name, init_kwargs: adapt(load(name, init_kwargs))
         else:
             adapt(model)
-        super().__init__(
-            model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator, callbacks,
-            optimizers, quantization_config, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
+        with self.processor_pad_token(processing_class):
+            super().__init__(
+                model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator, callbacks,
+                optimizers, quantization_config, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
+                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            )
+        self.finish_vision_setup(args.freeze_vision_tower)
         if self.data_collator is self._own_collator:
             self.data_collator.one_row = uses_flash_attention(self.model)
         if args.chunked_loss:
@@ -269,6 +284,14 @@ class SFTTrainer(BaseTrainer):
     def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
         if self._skip_prepare:
             return dataset
+        if is_vision_dataset(dataset):  # validated here; images are processed in the collator
+            fmt = validate_vision_dataset(dataset, tokenizer, ("language_modeling", "prompt_completion"),
+                                          "SFTTrainer", name, args.dataset_text_field)
+            if args.assistant_only_loss and not (fmt.conversational and fmt.kind == "language_modeling"):
+                raise ConfigError("assistant_only_loss=True needs conversations in a 'messages' column; "
+                                  f"{name} is {fmt.kind.replace('_', '-')} data. Set assistant_only_loss=False.")
+            return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+        tokenizer = tokenizer_of(tokenizer)
         packing = args.packing if name == "train_dataset" or args.eval_packing is None else args.eval_packing
         if getattr(dataset, "format", {}).get("type") == "custom":
             raise ConfigError(f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
@@ -342,6 +365,10 @@ class SFTTrainer(BaseTrainer):
         )
 
     def default_collator(self, tokenizer, args: SFTConfig):
+        if self._vision:
+            return VisionSFTCollator(tokenizer, args.max_length, self._vision_completion_only,
+                                     args.assistant_only_loss, args.dataset_text_field, args.pad_to_multiple_of)
+        tokenizer = tokenizer_of(tokenizer)
         # The model is not known yet: `__init__` picks the padding-free layout once it is.
         self._own_collator = LanguageModelingCollator(tokenizer.pad_token_id,
                                                       padding_free=args.padding_free or args.packing,
