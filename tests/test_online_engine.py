@@ -496,13 +496,21 @@ def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_pa
     assert len(calls) == 1 + 3 and "eval_reward" in trainer.state.log_history[-2]
 
 
-def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, capsys):
+def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, capsys, monkeypatch):
+    import posttrain.trainers.online_eval as online_eval
+
+    printed_records = []
+    real = online_eval.print_completion_table
+    monkeypatch.setattr(online_eval, "print_completion_table",
+                        lambda records, *a, **k: (printed_records.append(records), real(records, *a, **k)))
     train(tiny_model_path, tmp_path, log_completions=True, num_completions_to_print=3)
     printed = capsys.readouterr().out
-    assert "Completions at step 1:" in printed and printed.count("\n- reward ") == 3
+    assert "Completions at step 1" in printed and "target_fraction" in printed and len(printed_records[-1]) == 3
+    logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    for record in printed_records[-1]:  # each printed row is a logged completion, with its per-function reward
+        assert record in logged and record["rewards"]["target_fraction"] == record["reward"]
     train(tiny_model_path, tmp_path / "unique", log_completions=True, log_unique_prompts=True)
-    printed = capsys.readouterr().out
-    assert printed.count("\n- reward ") == 2  # 2 prompts x 4 completions, each prompt once
+    assert len(printed_records[-1]) == 2  # 2 prompts x 4 completions, each prompt once
 
 
 def test_options_match_trl_defaults_and_signatures(tmp_path):

@@ -137,3 +137,60 @@ def test_a_named_tracker_that_is_missing_names_the_extra(tmp_path, monkeypatch, 
     with pytest.raises(ConfigError, match=rf"pip install 'posttrain\[{tracker}\]'"):
         SFTConfig(output_dir=str(tmp_path), report_to=tracker,
                   use_cpu=True)
+
+
+def _grpo_with_completions(tmp_path, tiny_model_path, report_to):
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    def short(completion_ids, **kwargs):
+        return [-float(len(ids)) for ids in completion_ids]
+
+    def has_the(completions, **kwargs):
+        return [float(" the" in c) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", report_to=report_to,
+                      use_cpu=True, disable_tqdm=True, log_completions=True, num_completions_to_print=2,
+                      write_report=False)
+    trainer = GRPOTrainer(tiny_model_path, [short, has_the], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": f"count {i}"} for i in range(8)]))
+    trainer.train()
+    return trainer
+
+
+def _check_rows(columns, rows):
+    assert columns == ["step", "prompt", "completion", "short", "has_the", "reward"] and len(rows) == 2
+    for row in rows:
+        assert row[-1] == pytest.approx(row[3] + row[4])  # the total is the sum of the per-function rewards
+
+
+@_requires("tensorboard")
+def test_completion_table_reaches_tensorboard(tmp_path, tiny_model_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    _grpo_with_completions(tmp_path, tiny_model_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors("completions/text_summary")]
+    assert [step for step, _ in texts] == [1, 2]
+    lines = texts[0][1].splitlines()
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    _check_rows(columns, [[*row[:3], *(float(v) for v in row[3:])] for row in rows])
+
+
+@_requires("mlflow")
+def test_completion_table_reaches_mlflow(tmp_path, tiny_model_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "posttrain-completions")
+    _grpo_with_completions(tmp_path, tiny_model_path, "mlflow")
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("posttrain-completions").experiment_id])
+    path = client.download_artifacts(run.info.run_id, "completions/step_000001.json", str(tmp_path / "dl"))
+    table = json.loads(open(path).read())
+    _check_rows(table["columns"], table["data"])

@@ -14,7 +14,7 @@ import re
 import shutil
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 logger = logging.getLogger("posttrain")
 
@@ -50,8 +50,26 @@ def rotate(root: str, keep: int | None, protected: set[str]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+LOG_WINDOW = "_log_window"  # the key of the logging window in a checkpoint's trainer state
+
+
+class _RestoreLogWindow(TrainerCallback):
+    """Gives a resumed trainer its checkpoint's logging window once transformers has reset its own."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.restore_log_window()
+
+
 class CheckpointMixin(Trainer):
     CHECKPOINT_MARKER = CHECKPOINT_MARKER
+
+    def train(self, *args, **kwargs):
+        if not any(isinstance(c, _RestoreLogWindow) for c in self.callback_handler.callbacks):
+            self.add_callback(_RestoreLogWindow(self))
+        return super().train(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         limit = self.args.save_total_limit
@@ -62,6 +80,9 @@ class CheckpointMixin(Trainer):
             self.args.save_total_limit = limit
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         state = self.checkpoint_state()
+        window = self._log_window()
+        if window is not None:
+            state = {**state, LOG_WINDOW: window}
         if state:
             rank = self.accelerator.process_index
             torch.save(state, os.path.join(folder, TRAINER_STATE_FILE if rank == 0 else f"{TRAINER_STATE_FILE}.{rank}"))
@@ -85,6 +106,32 @@ class CheckpointMixin(Trainer):
         if state:
             raise NotImplementedError(f"{type(self).__name__} saved state it cannot load: {sorted(state)}")
 
+    def _log_window(self) -> dict | None:
+        """What has been summed or collected since the last log, when a checkpoint falls inside a logging window
+        (logging_steps > 1): the loss sum, the step of the last log, and the metric buffers. Without it a resumed
+        run would log the window's mean over its resumed steps only."""
+        metrics = getattr(self, "_metrics", None) or {}
+        buffers = {mode: {k: list(v) for k, v in values.items() if v} for mode, values in metrics.items()}
+        last_logged = getattr(self, "_globalstep_last_logged", self.state.global_step)
+        if last_logged == self.state.global_step and not any(buffers.values()):
+            return None
+        loss = getattr(self, "_tr_loss", None)
+        return {"loss_sum": None if loss is None else loss.detach().clone(), "last_logged": last_logged,
+                "metrics": buffers}
+
+    def restore_log_window(self) -> None:
+        """Puts a checkpoint's logging window back (called when training begins, after transformers has reset its
+        logging state)."""
+        window, self._resumed_log_window = getattr(self, "_resumed_log_window", None), None
+        if window is None:
+            return
+        if window["loss_sum"] is not None:
+            self._tr_loss = self._tr_loss + window["loss_sum"].to(self._tr_loss.device)
+        self._globalstep_last_logged = window["last_logged"]
+        for mode, values in window["metrics"].items():
+            for key, buffer in values.items():
+                self._metrics[mode][key] = list(buffer) + list(self._metrics[mode][key])
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
@@ -92,7 +139,9 @@ class CheckpointMixin(Trainer):
         rank = self.accelerator.process_index
         path = os.path.join(checkpoint, TRAINER_STATE_FILE if rank == 0 else f"{TRAINER_STATE_FILE}.{rank}")
         if os.path.exists(path):
-            self.load_checkpoint_state(torch.load(path, map_location=self.accelerator.device, weights_only=False))
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._resumed_log_window = state.pop(LOG_WINDOW, None)
+            self.load_checkpoint_state(state)
 
     def last_complete_checkpoint(self) -> str | None:
         """The newest checkpoint folder in output_dir whose save finished, or None."""

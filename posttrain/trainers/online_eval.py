@@ -21,6 +21,7 @@ from accelerate.utils import gather_object
 from transformers import Trainer
 from transformers.trainer_utils import speed_metrics
 
+from ..callbacks.completion_table import log_completion_table, print_completion_table
 from ..generation import derive_seed
 
 PROMPT_COLUMN, PROMPT_IDS_COLUMN = "prompt", "prompt_ids"
@@ -175,7 +176,6 @@ class OnlineEvaluation:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
         if self.args.log_completions and self.accelerator.is_main_process and self._pending_completions:
-            lines = [f"Completions at step {self.state.global_step}:"]
-            for record in self.completions_to_print():
-                lines.append(f"- reward {record['reward']}: {record['prompt']!r} -> {record['completion']!r}")
-            print("\n".join(lines))
+            records, names, step = self.completions_to_print(), self.reward_scorer.names, self.state.global_step
+            print_completion_table(records, names, step)
+            log_completion_table(self.callback_handler.callbacks, records, names, step)
