@@ -152,7 +152,7 @@ def test_teacher_revision_is_used_when_loading_by_name(tmp_path, tokenizer, tiny
     ({"generation_kwargs": {"not_a_setting": 2}}, r"GenerationConfig does not know: \['not_a_setting'\]"),
     ({"lmbda": 0.5, "padding_free": True}, "set padding_free=False"),
     ({"top_p": 0.0}, "top_p=0.0 is invalid"),
-    ({"max_tool_calling_iterations": 3}, "tool calling is not supported yet"),
+    ({"max_tool_calling_iterations": 3}, "tool calling runs on the online engine"),
 ])
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, setting, message):
     with pytest.raises(ConfigError, match=message):
@@ -164,7 +164,7 @@ def test_errors_name_the_option(tmp_path, tokenizer):
         """Doubles x."""
         return 2 * x
 
-    with pytest.raises(ConfigError, match="tool-calling rollouts are not supported"):
+    with pytest.raises(ConfigError, match="tool-calling rollouts run on GRPOTrainer, RLOOTrainer and PPOTrainer"):
         DistillationTrainer(build_tiny_model(tokenizer), _teacher(tokenizer), args=DistillationConfig(**_kw(tmp_path)),
                             train_dataset=_prompts(4), processing_class=tokenizer, tools=[tool])
     with pytest.raises(ConfigError, match="teacher_model_revision only applies"):

@@ -57,7 +57,8 @@ class DistillationConfig(SFTConfig):
                     "for distillation needs vLLM and a GPU and is not wired here.",
         "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; generation "
                                      "always uses the full student weights.",
-        "max_tool_calling_iterations": "tool calling is not supported yet (issue #18); drop it.",
+        "max_tool_calling_iterations": "tool calling runs on the online engine (GRPOTrainer, RLOOTrainer, "
+                                       "PPOTrainer); distillation samples single-turn completions; drop it",
     }
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
@@ -124,8 +125,8 @@ class DistillationConfig(SFTConfig):
         default=1.0, metadata={"help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
                                        "completions (1 = pure distillation, 0 = plain SFT)."})
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Most tool-calling turns per completion (tool calling is not supported yet: "
-                                        "keep None)."})
+        default=None, metadata={"help": "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep "
+                                        "None."})
     # -- logging
     log_completions: bool = field(
         default=False, metadata={"help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
@@ -279,8 +280,9 @@ class DistillationTrainer(SFTTrainer):
     ):
         args = args or DistillationConfig(output_dir="outputs/distillation")
         if tools:
-            raise ConfigError(f"tools={[getattr(t, '__name__', t) for t in tools]}: tool-calling rollouts are not "
-                              "supported by posttrain's DistillationTrainer yet (issue #18). Pass tools=None.")
+            raise ConfigError(f"tools={[getattr(t, '__name__', t) for t in tools]}: tool-calling rollouts run on "
+                              "GRPOTrainer, RLOOTrainer and PPOTrainer; DistillationTrainer samples single-turn "
+                              "completions. Pass tools=None.")
         teacher_model = self._resolve_teacher(model, teacher_model, args)
         super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, peft_config=peft_config, data_collator=data_collator,
@@ -292,8 +294,7 @@ class DistillationTrainer(SFTTrainer):
             if args.teacher_model_revision is not None:
                 init_kwargs.setdefault("revision", args.teacher_model_revision)
         teacher = load_causal_lm(teacher_model, init_kwargs)
-        check_teacher_compatible(self.model, self.processing_class, teacher,
-                                 _teacher_tokenizer(teacher_model, teacher_processing_class))
+        self._check_teacher(teacher, _teacher_tokenizer(teacher_model, teacher_processing_class))
         self.teacher_model = self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
         if self.data_collator is self._own_collator:
             # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
@@ -306,6 +307,10 @@ class DistillationTrainer(SFTTrainer):
         self._eval_samples = 0
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         self._completion_log: deque = deque(maxlen=batch)
+
+    def _check_teacher(self, teacher, teacher_tokenizer) -> None:
+        """Hook: refuses a teacher whose token ids mean something else (cross-tokenizer methods override it)."""
+        check_teacher_compatible(self.model, self.processing_class, teacher, teacher_tokenizer)
 
     @staticmethod
     def _resolve_teacher(model, teacher_model, args: DistillationConfig):
@@ -364,9 +369,10 @@ class DistillationTrainer(SFTTrainer):
         completion tokens are counted, so the loss is normalised by the tokens actually trained."""
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         flags = [self._coin.random() < self.args.lmbda for _ in batches]
-        batches = [self._student_batch(b, derive_seed(self.args.seed, self.state.global_step, i,
-                                                      self.accelerator.process_index), "train") if on else b
-                   for i, (b, on) in enumerate(zip(batches, flags))]
+        seeds = [derive_seed(self.args.seed, self.state.global_step, i, self.accelerator.process_index)
+                 for i in range(len(batches))]
+        batches = [self._student_batch(b, seed, "train") if on else self._off_policy_batch(b, seed)
+                   for b, on, seed in zip(batches, flags, seeds)]
         self._metrics["train"]["on_policy"].extend(float(on) for on in flags)
         return batches, self._get_num_items_in_batch(batches, device)
 
@@ -378,9 +384,17 @@ class DistillationTrainer(SFTTrainer):
             inputs = self._student_batch(inputs, seed, "eval")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _student_batch(self, batch: dict, seed: int, mode: str) -> dict:
-        """The batch with each row's completion replaced by one the student samples for the row's prompt: the
-        tokens before its first trained token, or the whole row when nothing in it is trained (prompt-only)."""
+    def _off_policy_batch(self, batch: dict, seed: int) -> dict:
+        """Hook: the training batch of a micro-batch that is not on-policy (here the data's completions)."""
+        return batch
+
+    def loss_temperature(self) -> float:
+        """Hook: the softmax temperature of both distributions in the loss (here the sampling temperature)."""
+        return self.args.temperature
+
+    def _student_batch(self, batch: dict, seed: int, mode: str, sampler=None) -> dict:
+        """The batch with each row's completion replaced by one the student (or `sampler`) samples for the row's
+        prompt: the tokens before its first trained token, or the whole row when nothing in it is trained."""
         prompts = []
         for row, labels in enumerate(batch["labels"]):
             trained = (labels != IGNORE_INDEX).nonzero()
@@ -390,7 +404,7 @@ class DistillationTrainer(SFTTrainer):
                                 "or conversational data.")
             start = int(trained[0]) if len(trained) else int(batch["attention_mask"][row].sum())
             prompts.append(batch["input_ids"][row, :start].tolist())
-        completions = self._sampler.generate(prompts, 1, self._sampling, seed=seed)
+        completions = (sampler or self._sampler).generate(prompts, 1, self._sampling, seed=seed)
         self._record_completions(prompts, completions, mode)
         collated = self.data_collator([
             {"input_ids": prompt + c.token_ids, "completion_mask": [0] * len(prompt) + [1] * len(c.token_ids)}
@@ -425,7 +439,7 @@ class DistillationTrainer(SFTTrainer):
         with torch.no_grad():
             teacher_logits = shared_vocab(student_logits, self.teacher_model(**inputs).logits)
         mask = shift_for_next_token(labels) != IGNORE_INDEX
-        temperature = self.args.temperature
+        temperature = self.loss_temperature()
         divergence = generalized_jsd(student_logits, teacher_logits, self.args.beta, mask, temperature).sum()
         nll, correct, count = nll_sum(student_logits, labels)
         with torch.no_grad():

@@ -1,0 +1,140 @@
+"""GKD with TRL's `trl.experimental.gkd` API: Generalized Knowledge Distillation (Agarwal et al. 2024, "On-Policy
+Distillation of Language Models: Learning from Self-Generated Mistakes").
+
+A configuration of posttrain's DistillationTrainer: per micro-batch, with probability `lmbda` the student samples
+the completions (on-policy); otherwise the data's completions are used, or with `seq_kd=True` the teacher's
+samples (sequence-level KD, Kim & Rush 2016). The loss is the generalized JSD
+
+    JSD_beta = beta * KL(p_T ‖ m) + (1 - beta) * KL(p_S ‖ m),   m = beta * p_T + (1 - beta) * p_S
+
+summed over completion tokens and divided by the effective batch's completion tokens. As in TRL, `temperature`
+is the sampling temperature only: the divergence compares the untempered distributions.
+
+Data: TRL's `messages` rows (the last message is the completion, the rest the prompt); posttrain also takes
+prompt-completion rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..data.chat import require_chat_template
+from ..data.formats import is_message_list
+from ..errors import DataError
+from ..generation import create_generation_backend
+from ..losses.sft import IGNORE_INDEX
+from ..trainers.distillation import DistillationConfig, DistillationTrainer
+from ..trainers.sft import SFTTrainer
+
+
+@dataclass
+class GKDConfig(DistillationConfig):
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
+    temperature: float = field(
+        default=0.9, metadata={"help": "Sampling temperature of the student's (and with seq_kd the teacher's) "
+                                       "completions; the loss compares the untempered distributions."})
+    lmbda: float = field(
+        default=0.5, metadata={"help": "Probability that a micro-batch's completions are sampled by the student "
+                                       "(the on-policy fraction)."})
+    beta: float = field(
+        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
+                                       "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."})
+    max_new_tokens: int = field(
+        default=128, metadata={"help": "Most tokens sampled per completion (sets max_completion_length)."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
+    seq_kd: bool = field(
+        default=False, metadata={"help": "Sequence-level KD: micro-batches that are not on-policy train on "
+                                         "completions the teacher samples instead of the data's."})
+    shuffle_dataset: bool = field(
+        default=False, metadata={"help": "Shuffle the prepared dataset once with `seed` (batches are drawn in "
+                                         "random order either way)."})
+
+    def __post_init__(self):
+        self.max_completion_length = self.max_new_tokens
+        super().__post_init__()
+
+
+def _tokenize_messages(example: dict, row: int, tokenizer, max_length: int | None) -> dict:
+    """TRL's GKD tokenization of a `messages` row: the whole rendered conversation, trained from the first token
+    that starts at or after the end of the rendered prompt (the messages before the last, with the generation
+    prompt), so everything the template appends after the last message is trained too. Longer rows keep their
+    last max_length tokens."""
+    messages = example["messages"]
+    if not is_message_list(messages) or len(messages) < 2:
+        raise DataError(f"Row {row}, column 'messages': GKD needs a list of at least two {{'role', 'content'}} "
+                        f"messages (the last is the completion), got {messages!r:.80}. Fix or drop that row.")
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    start = next((i for i, (begin, _) in enumerate(encoded["offset_mapping"]) if begin >= len(prompt)), len(ids))
+    if max_length is not None and len(ids) > max_length:
+        start, ids = max(0, start - (len(ids) - max_length)), ids[-max_length:]
+    if start == 0:
+        raise DataError(f"Row {row}: no prompt token is left after keeping the last max_length={max_length} "
+                        "tokens, so there is nothing to sample a completion for. Raise max_length.")
+    return {"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]}
+
+
+class GKDTrainer(DistillationTrainer):
+    """`GKDTrainer(model, teacher_model, args=GKDConfig(...), train_dataset=...)`, with TRL's keyword arguments
+    in TRL's order; posttrain's extras (teacher_processing_class, quantization_config, compute_loss_func, ...)
+    after them. The loss and metrics are DistillationTrainer's (distill_loss, teacher_agreement, on_policy, ...).
+    """
+    _name = "GKD"
+
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: GKDConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        formatting_func=None,
+        *,
+        teacher_processing_class=None,
+        quantization_config=None,
+        **kwargs,
+    ):
+        args = args or GKDConfig(output_dir="outputs/gkd")
+        self._teacher_sampler = None
+        super().__init__(model, teacher_model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         quantization_config=quantization_config, peft_config=peft_config,
+                         teacher_processing_class=teacher_processing_class, data_collator=data_collator,
+                         compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                         formatting_func=formatting_func, **kwargs)
+
+    def prepare_dataset(self, dataset, tokenizer, args, name: str):
+        columns = dataset.column_names
+        if "messages" in columns and not {"prompt", "completion", "input_ids"} & set(columns):
+            require_chat_template(tokenizer, "GKD's messages")
+            dataset = dataset.map(_tokenize_messages, with_indices=True, remove_columns=columns,
+                                  num_proc=args.dataset_num_proc, desc=f"Tokenizing {name}",
+                                  fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length))
+            return SFTTrainer.prepare_dataset(self, dataset, tokenizer, args, name)  # tokenized rows as they are
+        return super().prepare_dataset(dataset, tokenizer, args, name)
+
+    def _get_train_sampler(self, train_dataset=None):
+        # shuffle_dataset has SFT's meaning here (a one-off shuffle); batches are always drawn at random, as in TRL.
+        return super(DistillationTrainer, self)._get_train_sampler(train_dataset)
+
+    def loss_temperature(self) -> float:
+        return 1.0
+
+    def _off_policy_batch(self, batch: dict, seed: int) -> dict:
+        if not self.args.seq_kd:
+            return batch
+        if self._teacher_sampler is None:
+            self._teacher_sampler = create_generation_backend(self.teacher_model, self.processing_class, self.args)
+        return self._student_batch(batch, seed, "train", sampler=self._teacher_sampler)
+
+
+__all__ = ["GKDConfig", "GKDTrainer"]
