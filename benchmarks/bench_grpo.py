@@ -5,7 +5,10 @@ so that a change in machine load hits both alike. Generation time is measured th
 model's `generate` is timed (both libraries call it on the policy object they were given); everything
 else of the training wall time is counted as update (forward, backward, optimizer, rewards, bookkeeping).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--repeats 3] [--steps 20]
+    OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--repeats 3] [--steps 20] [--baseline REV]
+
+`--baseline REV` adds posttrain as of git revision REV (checked out in a temporary worktree) as a third library,
+for before/after numbers of an engine change.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if library == "posttrain":
+    if library.startswith("posttrain"):  # "posttrain@REV" imports the worktree first on PYTHONPATH
         from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
     else:
         from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -79,7 +82,8 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
         trainer.train()
         wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {
+    source = sys.modules[trainer_class.__module__].__file__
+    return {"source": source,
         "library": library, "method": method, "wall_s": wall, "steps_per_s": steps / wall,
         "tokens_per_s": totals["tokens"] / wall, "generation_s": totals["generation_s"],
         "update_s": wall - totals["generation_s"],
@@ -92,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--baseline", help="also run posttrain at this git revision")
     parser.add_argument("--worker", nargs=3, metavar=("LIBRARY", "METHOD", "MODEL_PATH"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -102,14 +107,22 @@ def main() -> None:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     results: dict[tuple[str, str], list[dict]] = {}
+    libraries = LIBRARIES + ((f"posttrain@{options.baseline}",) if options.baseline else ())
     with tempfile.TemporaryDirectory() as directory:
         model_path = save_tiny_model(os.path.join(directory, "tiny"))
+        envs = {library: env for library in libraries}
+        if options.baseline:
+            worktree = os.path.join(directory, "baseline")
+            repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", worktree, options.baseline], check=True,
+                           capture_output=True)
+            envs[libraries[-1]] = dict(env, PYTHONPATH=worktree)
         for repeat in range(options.repeats):
             for method in METHODS:
-                for library in LIBRARIES if repeat % 2 == 0 else reversed(LIBRARIES):
+                for library in libraries if repeat % 2 == 0 else reversed(libraries):
                     command = [sys.executable, __file__, "--steps", str(options.steps), "--worker", library, method,
                                model_path]
-                    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+                    done = subprocess.run(command, env=envs[library], capture_output=True, text=True, check=True)
                     result = json.loads(done.stdout.strip().splitlines()[-1])
                     results.setdefault((library, method), []).append(result)
                     print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s", flush=True)
@@ -120,8 +133,10 @@ def main() -> None:
           "tokens per step, OMP_NUM_THREADS=1)")
     print("| method | library | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
+    if options.baseline:
+        subprocess.run(["git", "worktree", "prune"], cwd=os.path.dirname(os.path.abspath(__file__)), check=False)
     for method in METHODS:
-        for library in LIBRARIES:
+        for library in libraries:
             runs = results[(library, method)]
             cells = [format(statistics.median(r[c] for r in runs), spec) for c, spec in columns.items()]
             print(f"| {method} | {library} | " + " | ".join(cells) + " |")

@@ -39,6 +39,12 @@ class Paper:
     bibtex: str
 
 
+def _arxiv(title: str, arxiv_id: str, key: str, authors: str, year: int) -> Paper:
+    """A paper cited by its arXiv preprint."""
+    return Paper(title, arxiv_id, f"@article{{{key},\n  title   = {{{{{title}}}}},\n  author  = {{{authors}}},\n"
+                                  f"  journal = {{arXiv preprint arXiv:{arxiv_id}}},\n  year    = {{{year}}}\n}}")
+
+
 PAPERS: dict[str, Paper] = {
     "DPO": Paper(
         "Direct Preference Optimization: Your Language Model is Secretly a Reward Model", "2305.18290",
@@ -77,6 +83,17 @@ PAPERS: dict[str, Paper] = {
         "from Self-Generated Mistakes}},\n  author    = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and "
         "Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},\n  booktitle = {The Twelfth "
         "International Conference on Learning Representations},\n  year      = {2024}\n}"),
+    "ORPO": _arxiv("ORPO: Monolithic Preference Optimization without Reference Model", "2403.07691", "hong2024orpo", "Jiwoo Hong and Noah Lee and James Thorne", 2024),
+    "CPO": _arxiv("Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation", "2401.08417", "xu2024contrastive", "Haoran Xu and Amr Sharaf and Yunmo Chen and Weiting Tan and Lingfeng Shen and Benjamin Van Durme and Kenton Murray and Young Jin Kim", 2024),
+    "TPO": _arxiv("Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization", "2405.16681", "saeidi2024triple", "Amir Saeidi and Shivanshu Verma and Aswin RRV and Kashif Rasul and Chitta Baral", 2024),
+    "BCO": _arxiv("Binary Classifier Optimization for Large Language Model Alignment", "2404.04656", "jung2024binary", "Seungjae Jung and Gunsoo Han and Daniel Wontae Nam and Kyoung-Woon On", 2024),
+    "GKD": _arxiv("On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes", "2306.13649", "agarwal2024onpolicy", "Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem", 2024),
+    "PRM": _arxiv("Solving math word problems with process- and outcome-based feedback", "2211.14275", "uesato2022solving", "Jonathan Uesato and others", 2022),
+    "GMPO": _arxiv("Geometric-Mean Policy Optimization", "2507.20673", "zhao2025geometric", "Yuzhong Zhao and others", 2025),
+    "A2PO": _arxiv("Accelerating RL for LLM Reasoning with Optimal Advantage Regression", "2505.20686", "brantley2025accelerating", "Kiante Brantley and others", 2025),
+    "Online DPO": _arxiv("Direct Language Model Alignment from Online AI Feedback", "2402.04792", "guo2024direct", "Shangmin Guo and others", 2024),
+    "XPO": _arxiv("Exploratory Preference Optimization: Harnessing Implicit Q*-Approximation for Sample-Efficient RLHF", "2405.21046", "xie2024exploratory", "Tengyang Xie and Dylan J. Foster and Akshay Krishnamurthy and Corby Rosset and Ahmed Awadallah and Alexander Rakhlin", 2024),
+    "Nash-MD": _arxiv("Nash Learning from Human Feedback", "2312.00886", "munos2023nash", "Rémi Munos and others", 2023),
 }
 
 _VERSIONED = ("posttrain", "transformers", "torch", "datasets", "accelerate", "peft")

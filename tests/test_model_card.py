@@ -64,7 +64,15 @@ def test_every_trainer_names_its_method_and_every_cited_method_exists():
     assert {"SFTTrainer", "DPOTrainer", "GRPOTrainer"} <= set(trainers)
     names = {cls.__name__: getattr(cls, "_name", None) for cls in trainers.values()}
     assert all(names.values()), names
-    assert set(PAPERS) <= set(names.values())
+    import importlib
+    import pkgutil
+
+    import posttrain.experimental as experimental
+    for module in pkgutil.iter_modules(experimental.__path__):
+        for name, obj in vars(importlib.import_module(f"posttrain.experimental.{module.name}")).items():
+            if name.endswith("Trainer") and inspect.isclass(obj) and getattr(obj, "_name", None):
+                names[name] = obj._name
+    assert set(PAPERS) <= set(names.values()), set(PAPERS) - set(names.values())
     assert {"DPO", "KTO", "GRPO", "RLOO", "PPO", "Distillation"} <= set(PAPERS)
     for paper in PAPERS.values():
         assert paper.bibtex.startswith("@") and paper.bibtex.count("{") == paper.bibtex.count("}")
@@ -72,3 +80,19 @@ def test_every_trainer_names_its_method_and_every_cited_method_exists():
 
 def test_settings_resolved_at_build_are_not_reported_as_changes(tmp_path):
     assert non_default_settings(SFTConfig(output_dir=str(tmp_path), report_to="none")) == {}
+
+
+def test_save_model_elsewhere_and_create_model_card_write_cards(tmp_path, tiny_model_path):
+    from posttrain import SFTTrainer
+
+    rows = Dataset.from_list([{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(8)])
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+                     report_to="none", save_strategy="no", write_report=False, disable_tqdm=True)
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=rows)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "trained with **SFT**" in card and (tmp_path / "final" / "model.safetensors").exists()
+    trainer.create_model_card(model_name="my-model", tags=["arith"])
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert 'model_name: "my-model"' in card and '- "arith"' in card

@@ -216,7 +216,11 @@ def plot_group(name: str, lines: dict[str, Series]) -> Figure:
     quantities = panels(lines)
     columns = 1 if len(quantities) == 1 else 2
     rows = math.ceil(len(quantities) / columns)
-    figure = figure_class(figsize=(7 if columns == 1 else 11, 1.2 + 2.8 * rows), dpi=100, layout="constrained")
+    height = 1.2 + 2.8 * rows
+    figure = figure_class(figsize=(7 if columns == 1 else 11, height), dpi=100)
+    # Fixed margins: constrained layout measures every tick label and draws each figure twice (half the time).
+    figure.subplots_adjust(left=0.09 if columns == 1 else 0.07, right=0.97, bottom=0.55 / height,
+                           top=1 - 0.75 / height, wspace=0.25, hspace=1.0 / rows + 0.3)
     canvas_class(figure)
     for index, (quantity, quantity_lines) in enumerate(quantities.items()):
         axes = figure.add_subplot(rows, columns, index + 1)

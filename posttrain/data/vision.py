@@ -519,10 +519,24 @@ def merge_vision_inputs(rows: list[dict]) -> dict:
     images) to the most images."""
     keys = [k for k in VISION_INPUTS if any(k in row for row in rows)]
     out = {}
+    per_row = any(row["pixel_values"].dim() == 5 for row in rows if "pixel_values" in row)
     for key in keys:
         values = [row[key] for row in rows if key in row]
-        if values[0].dim() >= 4 and rows[0]["pixel_values"].dim() == 5:  # per row, padded to the most images
+        if values[0].dim() >= 4 and per_row:  # per row, padded to the most images
             most = max(v.shape[1] for v in values)
             values = [torch.cat([v, v.new_zeros((1, most - v.shape[1], *v.shape[2:]))], 1) for v in values]
         out[key] = torch.cat(values)
+    return out
+
+
+def vision_batch(parts: list[dict], prompt_width: int, completion_width: int = 0) -> dict:
+    """The image inputs of a batch of sequences, one `parts` entry per sequence (its prompt's inputs from
+    `split_vision_inputs`, with unpadded per-token inputs such as token_type_ids): the image entries merged, the
+    per-token ones left-padded with 0 to `prompt_width` and extended with 0 over `completion_width` tokens."""
+    out = merge_vision_inputs([{k: v for k, v in part.items() if k not in TOKEN_INPUTS} for part in parts])
+    for key in TOKEN_INPUTS:
+        if any(key in part for part in parts):
+            rows = [part[key] for part in parts]
+            out[key] = torch.stack([torch.cat([v.new_zeros(prompt_width - len(v)), v, v.new_zeros(completion_width)])
+                                    for v in rows])
     return out

@@ -93,7 +93,11 @@ class TransformersBackend(GenerationBackend):
         n: int,
         sampling: SamplingParams,
         seed: int | Sequence[int] | None = None,
+        vision: Sequence[dict] | None = None,
+        suppress_tokens: Sequence[int] | None = None,
     ) -> list[Completion]:
+        """`vision`: per prompt, its image inputs (`split_vision_inputs`, with unpadded per-token inputs), which
+        every completion of the prompt is generated with; `suppress_tokens` are never sampled (image tokens)."""
         model = extract_model_from_parallel(self.model)  # DDP/compile wrappers off; a PEFT model stays as is
         device = next(model.parameters()).device
         rows = [list(ids) for ids in prompt_ids for _ in range(n)]
@@ -104,13 +108,21 @@ class TransformersBackend(GenerationBackend):
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r)) + r for r in rows], device=device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         config = generation_config(sampling, self.eos_token_ids, self.pad_token_id,
-                                   cache_implementation=self.cache_implementation)
+                                   cache_implementation=self.cache_implementation,
+                                   suppress_tokens=list(suppress_tokens) if suppress_tokens else None)
+        images = {}
+        if vision is not None:
+            from ..data.vision import vision_batch
+
+            dtype = next(model.parameters()).dtype
+            images = {k: v.to(device, dtype) if k.startswith("pixel_values") else v.to(device)
+                      for k, v in vision_batch([part for part in vision for _ in range(n)], width).items()}
         processors = LogitsProcessorList([*_filters(sampling), SeededGumbelSampler(seeds, device)])
         was_training = model.training
         model.eval()
         try:
             output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                    logits_processor=processors)
+                                    logits_processor=processors, **images)
         finally:
             model.train(was_training)
         return [completion_from_tokens(i // n, generated, self.eos_token_ids)

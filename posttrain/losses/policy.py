@@ -13,7 +13,7 @@ import torch
 
 from posttrain.errors import ConfigError
 
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 # Aggregations every online trainer accepts; GRPO also takes the surrogates after them.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 GRPO_LOSS_TYPES = LOSS_TYPES + ("cispo", "sapo", "luspo", "vespo")
@@ -112,8 +112,10 @@ def policy_objective(
     """Per-token policy loss [B, T] of one of GRPO_LOSS_TYPES, and its statistics.
 
     r = exp(logps - old_logps) per token, or with importance_sampling_level="sequence" (GSPO, Zheng et al.
-    2025) the sequence's mean log ratio over its valid tokens, shared by its tokens. `advantages` is [B] or
-    [B, T]. The policy term per loss type (sg = stop-gradient):
+    2025) the sequence's mean log ratio over its valid tokens, shared by its tokens; "sequence_token" (GSPO-token,
+    the same paper) has the sequence ratio's value on every token but each token's own gradient,
+    r_t = sg(r_seq) * pi(y_t) / sg(pi(y_t)), so per-token advantages can weight tokens differently.
+    `advantages` is [B] or [B, T]. The policy term per loss type (sg = stop-gradient):
     - clip family (grpo, bnpo, dr_grpo, dapo, luspo): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with
       `delta` the unclipped r is also capped at delta (two-sided clipping, INTELLECT-2), so a negative
       advantage cannot push a very large ratio further.
@@ -152,8 +154,10 @@ def policy_objective(
     logps = torch.where(valid, logps, 0.0)
     token_log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
     log_ratio = token_log_ratio
-    if importance_sampling_level == "sequence":
+    if importance_sampling_level != "token":
         log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp(min=1)
+    if importance_sampling_level == "sequence_token":  # GSPO-token: the sequence's value, each token's gradient
+        log_ratio = log_ratio.detach() + logps - logps.detach()
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     advantages = advantages.detach()

@@ -74,7 +74,29 @@ def create_reference_model(
         return freeze(load_causal_lm(ref_model, model_init_kwargs) if isinstance(ref_model, str) else ref_model)
     if peft:
         return None
-    return freeze(copy.deepcopy(unwrap(model)))
+    return freeze(_copy_model(unwrap(model)))
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy; under DeepSpeed ZeRO-3 (parameters partitioned across processes) a fresh model with the gathered
+    full weights, built outside zero.Init (the trainer partitions it again), since a deep copy would hold empty
+    partitions and the policy's hooks."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not partitioned or not hasattr(model, "config"):
+        return copy.deepcopy(model)
+    import deepspeed
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    saved, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
+    try:
+        fresh = type(model)._from_config(model.config, dtype=next(iter(state.values())).dtype)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+    fresh.load_state_dict(state)
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    return fresh
 
 
 REFERENCE_ADAPTER = "ref"

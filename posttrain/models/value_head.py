@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
 
 from ..errors import ConfigError
 from .loading import load_causal_lm, resolve_model_path
@@ -31,8 +30,11 @@ VALUE_MODEL_DIR = "value_model"  # where PolicyAndValueModel saves the value mod
 
 
 @dataclass
-class CausalLMWithValueOutput(ModelOutput):
-    """`logits` [B, T, V] and `values` [B, T]; `loss` is always None (the trainer computes its own)."""
+class CausalLMWithValueOutput:
+    """`logits` [B, T, V] and `values` [B, T]; `loss` is always None (the trainer computes its own).
+
+    A plain dataclass, not a `ModelOutput` (a dict): its `values` field would hide `dict.values()`, which DDP calls
+    on a forward's output to find the tensors that take part in the backward pass."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None

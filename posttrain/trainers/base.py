@@ -14,8 +14,11 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
+from ..model_card import write_model_card
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
+from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, shard_frozen_models_under_zero3,
+                          use_gloo_on_cpu)
 from .guards import NONFINITE_POLICIES, GuardMixin
 
 logger = logging.getLogger("posttrain")
@@ -99,6 +102,10 @@ class PosttrainConfig(TrainingArguments):
             # accelerate fails ("Default process group has not been initialized") when a backend is
             # named in a single process; one config file should serve one and several processes.
             self.ddp_backend = None
+        if _launched_distributed():
+            use_gloo_on_cpu(self)
+        else:
+            refuse_unlaunched_multiprocess_config()
         if not torch.cuda.is_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator; on a CPU it only warns
         super().__post_init__()
@@ -252,7 +259,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
             )
         model_id = model if isinstance(model, str) else model.config._name_or_path
         processing_class = processing_class or load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
-        ensure_pad_token(processing_class)
+        ensure_pad_token(getattr(processing_class, "tokenizer", processing_class))  # a processor's tokenizer
         model = prepare_model(model, args, peft_config, load=self.load_model, quantization_config=quantization_config)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if train_dataset is not None:
@@ -272,6 +279,11 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         self.model_accepts_loss_kwargs = True
         self._init_guards()
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
+
+    def create_accelerator_and_postprocess(self):
+        with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/trainers/distributed.py)
+            super().create_accelerator_and_postprocess()
+        shard_frozen_models_under_zero3(self.accelerator)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.activation_offloading:
@@ -327,6 +339,20 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
                 logger.warning("resume_from_checkpoint=True but %s holds no complete checkpoint: starting fresh.",
                                self.args.output_dir)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's method: writes the README.md model card (posttrain/model_card.py) into output_dir."""
+        if self.is_world_process_zero():
+            write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer.save_model, plus the model card beside the weights when called by the user (checkpoints get
+        theirs from RunArtifactsCallback)."""
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            write_model_card(self, output_dir or self.args.output_dir)
 
     # -- metrics ---------------------------------------------------------------------------------
     def record_metrics(self, values: dict[str, torch.Tensor | float], reduce: str = "mean") -> None:

@@ -4,11 +4,13 @@ model; the KL to the reference (beta > 0) is a k3 penalty per token in the loss.
 
 Variants through the config: scale_rewards="none" with loss_type="dr_grpo" is Dr. GRPO (Liu et al. 2025);
 loss_type="dapo" with epsilon_high=0.28 and mask_truncated_completions=True is DAPO (Yu et al. 2025);
-importance_sampling_level="sequence" is GSPO (Zheng et al. 2025). Other surrogates (loss_type cispo, sapo,
-luspo, vespo), two-sided clipping (delta), high-entropy token selection (top_entropy_quantile), an entropy
-bonus with adaptive control, off-policy sequence masking, the vLLM importance-sampling modes and GDPO's
-multi-objective aggregation are pure functions in posttrain/losses/ (policy.py, token_weights.py,
-advantages.py) that this trainer wires in through OnlineTrainer's hooks.
+importance_sampling_level="sequence" is GSPO (Zheng et al. 2025), "sequence_token" GSPO-token;
+dynamic_sampling=True is DAPO's dynamic sampling (zero-variance groups replaced by groups generated for more
+prompts). Other surrogates (loss_type cispo, sapo, luspo, vespo), two-sided clipping (delta), high-entropy
+token selection (top_entropy_quantile), an entropy bonus with adaptive control, off-policy sequence masking,
+the vLLM importance-sampling modes and GDPO's multi-objective aggregation are pure functions in
+posttrain/losses/ (policy.py, token_weights.py, advantages.py) that this trainer wires in through
+OnlineTrainer's hooks.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from ..losses.token_weights import (
     off_policy_sequence_mask,
     sampler_importance_weights,
 )
-from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages, nanstd
+from ..generation.base import derive_seed
+from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, ScoredGroups, groupwise_advantages, nanstd
 
 # group_advantages' own epsilon, used the same way when the batch std is taken over scored rewards only.
 _STD_EPS = 1e-4
@@ -118,6 +121,14 @@ class GRPOConfig(OnlineConfig):
     use_bias_correction_kl: bool = field(default=True, metadata=_help(
         "Multiply the k3 KL term (beta > 0) by the importance ratio, which makes its gradient the unbiased "
         "reverse-KL gradient (DeepSeek-V3.2); changes the gradient even on-policy."))
+    dynamic_sampling: bool = field(default=False, metadata=_help(
+        "DAPO's dynamic sampling (verl: filter_groups): drop the groups whose rewards are all equal (zero "
+        "advantage, nothing to learn) and generate for more prompts until the round holds only groups with "
+        "reward variance, at most max_num_gen_batches generation batches per round; if still short, the round "
+        "is completed with zero-variance groups. Logs dynamic_sampling/fill_rate and /num_gen_batches."))
+    max_num_gen_batches: int = field(default=3, metadata=_help(
+        "dynamic_sampling: the most generation batches (the round's own plus extra ones of the same size, for "
+        "other prompts of the training set) generated for one round."))
     vllm_importance_sampling_cap: float | None = field(default=None, metadata=_help(
         "Deprecated alias of vllm_importance_sampling_clip_max (overrides it when set)."))
 
@@ -173,10 +184,19 @@ class GRPOConfig(OnlineConfig):
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ConfigError(f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg="
                               f"{self.sapo_temperature_neg} must be > 0.")
+        if self.dynamic_sampling and (self.max_num_gen_batches < 1 or self.num_generations < 2):
+            raise ConfigError(f"dynamic_sampling=True needs max_num_gen_batches >= 1 (it is "
+                              f"{self.max_num_gen_batches}) and num_generations >= 2 (it is {self.num_generations}).")
         if self.use_adaptive_entropy and not (self.entropy_coef_min <= self.entropy_coef_max
                                               and self.entropy_coef_delta >= 0):
             raise ConfigError(f"Adaptive entropy control needs entropy_coef_min ({self.entropy_coef_min}) <= "
                               f"entropy_coef_max ({self.entropy_coef_max}) and entropy_coef_delta >= 0.")
+
+
+def group_has_variance(group: torch.Tensor) -> bool:
+    """Whether a group's scored rewards (NaN: no reward applies) are at least two and not all equal."""
+    scored = group[~group.isnan()]
+    return scored.numel() >= 2 and bool((scored != scored[0]).any())
 
 
 class _Float32Head(nn.Linear):
@@ -231,6 +251,7 @@ class GRPOTrainer(OnlineTrainer):
     _name = "GRPO"  # the method the model card names and cites (posttrain/model_card.py)
 
     config_class = GRPOConfig
+    accepts_images = True  # image prompts (posttrain/trainers/online_vision.py)
 
     # -- advantages ----------------------------------------------------------------------------------------
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
@@ -247,6 +268,45 @@ class GRPOTrainer(OnlineTrainer):
         if scale == "batch":
             advantages = advantages / (nanstd(rewards) + _STD_EPS)
         return Advantages(self.local_share(advantages))
+
+    # -- dynamic sampling (DAPO) ----------------------------------------------------------------------------
+    def sample_groups(self, rows, n, seeds, round_index) -> ScoredGroups:
+        scored = super().sample_groups(rows, n, seeds, round_index)
+        if not getattr(self.args, "dynamic_sampling", False) or self.rollout_mode != "train":
+            return scored
+        return self._keep_informative_groups(scored, n, seeds, round_index)
+
+    def _keep_informative_groups(self, first: ScoredGroups, n: int, seeds: list[int], round_index: int):
+        """DAPO's dynamic sampling: keeps the groups with reward variance and generates batches for other prompts
+        (drawn from the training set with the round's seed) until the round is full of them or
+        max_num_gen_batches batches were generated (all processes stop together); a round still short is
+        completed with zero-variance groups, so its size never changes."""
+        need, scored, batches = len(first.rows), first, 1
+        kept, idle = [], []
+        while True:
+            varied = [g for g in range(len(scored.rows)) if group_has_variance(scored.rewards[g * n:(g + 1) * n])]
+            kept.append(scored.groups(varied))
+            idle.append(scored.groups([g for g in range(len(scored.rows)) if g not in varied]))
+            found = sum(len(part.rows) for part in kept)
+            short = torch.tensor([float(found < need)], device=self.accelerator.device)
+            if batches >= self.args.max_num_gen_batches or not bool(self.accelerator.gather(short).any()):
+                break
+            batches += 1
+            generator = torch.Generator().manual_seed(derive_seed(self.args.seed, round_index, batches,
+                                                                  self.accelerator.process_index, 1))
+            indices = torch.randint(len(self.train_dataset), (need,), generator=generator).tolist()
+            extra_seeds = [derive_seed(seed, batches) for seed in seeds]
+            scored = OnlineTrainer.sample_groups(self, [self.train_dataset[i] for i in indices], n, extra_seeds,
+                                                 round_index)
+            first.timings = {k: v + scored.timings.get(k, 0.0) for k, v in first.timings.items()}
+        pool = ScoredGroups.concat(kept + idle)
+        result = pool.groups(list(range(need)))
+        result.timings = first.timings
+        filled = torch.tensor([float(min(found, need)), float(need)], device=self.accelerator.device)
+        filled = self.accelerator.gather(filled.unsqueeze(0)).sum(0)
+        self._metrics["train"]["dynamic_sampling/fill_rate"].append(float(filled[0] / filled[1]))
+        self._metrics["train"]["dynamic_sampling/num_gen_batches"].append(float(batches))
+        return result
 
     # -- loss ----------------------------------------------------------------------------------------------
     def objective_options(self) -> dict:
@@ -292,10 +352,8 @@ class GRPOTrainer(OnlineTrainer):
         """OnlineTrainer's policy loss with GRPO's token selection (top_entropy_quantile, off-policy masking)
         and entropy bonus."""
         args, mask = self.args, inputs["loss_mask"]
-        selected = None
-        if args.top_entropy_quantile < 1.0:
-            population = self._gather_valid(entropy.detach(), mask)
-            selected = high_entropy_mask(entropy, mask, args.top_entropy_quantile, population)
+        selected = self.high_entropy_tokens(entropy, mask)
+        if selected is not None:
             keep = selected.to(logps.dtype)
         if args.off_policy_mask_threshold is not None:
             behaviour = inputs.get("sampler_logps", inputs.get("old_logps", logps.detach()))
@@ -306,6 +364,13 @@ class GRPOTrainer(OnlineTrainer):
         if self.trains_entropy:
             loss, metrics = self._add_entropy_bonus(loss, metrics, entropy, mask if selected is None else selected)
         return loss, metrics
+
+    def high_entropy_tokens(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The tokens top_entropy_quantile keeps (ranked over all processes' valid tokens), or None for all."""
+        if self.args.top_entropy_quantile >= 1.0:
+            return None
+        population = self._gather_valid(entropy.detach(), mask)
+        return high_entropy_mask(entropy, mask, self.args.top_entropy_quantile, population)
 
     def _add_entropy_bonus(self, loss, metrics, entropy, tokens):
         """loss - coef x mean entropy over `tokens`, this micro-batch's share (TRL: the bonus is a per-micro-batch

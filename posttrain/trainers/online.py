@@ -14,8 +14,9 @@ then trains on it, in explicit phases:
 
 A method is its estimator and its loss: `compute_advantages` (required) returns `Advantages`;
 `policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
-adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads. Hooks return values; the
-engine puts them into the rollout.
+adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
+lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
+the rollout.
 
 Batching. per_device_train_batch_size counts completions. One generation round produces
 generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation x
@@ -57,15 +58,16 @@ from ..losses.policy import (
     policy_objective,
 )
 from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
-from ..models.loading import load_tokenizer
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
 from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..tools import EnvironmentPool, tool_schemas
 from .base import BaseTrainer, setup_router_aux_loss
+from .distributed import gathered_for_generation
 from .episodes import make_episode_source
 from .online_config import OnlineConfig
+from .online_vision import forward_vision_inputs, setup_online_vision, tokenizer_of, uses_own_positions
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
 from .rollout import (Advantages, Episode, Rollout, RolloutLoader, RolloutSampler, TaggedPrompts, collate_tagged,
@@ -103,6 +105,38 @@ def _require_prompt_column(dataset, name: str) -> None:
                         "dataset.rename_column('question', 'prompt').")
     if len(dataset) == 0:
         raise DataError(f"{name} is empty; pass at least one prompt.")
+
+
+@dataclasses.dataclass
+class ScoredGroups:
+    """Phases 1-2's result: the prompts' rows and their episodes, n per row (prompt-major), with their rewards."""
+
+    rows: list[dict]
+    episodes: list[Episode]
+    prompts: list
+    texts: list[str]
+    rewards: torch.Tensor  # [len(rows) * n]
+    per_function: torch.Tensor  # [len(rows) * n, reward functions]
+    timings: dict[str, float]
+
+    def groups(self, indices: list[int]) -> ScoredGroups:
+        """The groups (rows) at `indices`, with their episodes."""
+        n = len(self.episodes) // max(len(self.rows), 1)
+        items = [g * n + k for g in indices for k in range(n)]
+        rows = torch.tensor(items, dtype=torch.long)
+        return ScoredGroups([self.rows[g] for g in indices], [self.episodes[i] for i in items],
+                            [self.prompts[i] for i in items], [self.texts[i] for i in items],
+                            self.rewards[rows], self.per_function[rows], dict(self.timings))
+
+    @staticmethod
+    def concat(parts: list[ScoredGroups]) -> ScoredGroups:
+        timings: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.timings.items():
+                timings[key] = timings.get(key, 0.0) + value
+        return ScoredGroups(sum((p.rows for p in parts), []), sum((p.episodes for p in parts), []),
+                            sum((p.prompts for p in parts), []), sum((p.texts for p in parts), []),
+                            torch.cat([p.rewards for p in parts]), torch.cat([p.per_function for p in parts]), timings)
 
 
 # -- the engine --------------------------------------------------------------------------------------------
@@ -162,8 +196,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError("sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
                                   "reference is the adapter-disabled base; set sync_ref_model=False.")
-        processing_class = processing_class or load_tokenizer(model)
-        if processing_class.eos_token_id is None:
+        processing_class, self.image_prompts = setup_online_vision(  # a processor and image prompts, or neither
+            self, model, args, train_dataset, eval_dataset, processing_class, tools, rollout_func, environment_factory)
+        if tokenizer_of(processing_class).eos_token_id is None:
             raise ConfigError("The tokenizer has no EOS token, so a completion could never end before "
                               "max_completion_length; set tokenizer.eos_token (for a chat model, its end-of-turn "
                               "token).")
@@ -178,10 +213,10 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                          processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config)
         self.sampling = args.sampling_params()
-        self.generation_backend = create_generation_backend(self.model, self.processing_class, args)
-        self.reward_scorer.to(self.accelerator.device)
+        self.generation_backend = create_generation_backend(self.model, tokenizer_of(self.processing_class), args)
+        self.reward_scorer.to(self.accelerator.device, self.accelerator)
         self.ref_model = None
-        if args.beta > 0:
+        if self.uses_reference:
             reference = create_reference_model(self.model, peft=is_peft_model(self.model))
             if reference is not None:
                 self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
@@ -215,7 +250,12 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     # -- data ------------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: OnlineConfig, name: str):
-        """Tokenizes each prompt once (cached by datasets' fingerprint) into a 'prompt_ids' column."""
+        """Tokenizes each prompt once (cached by datasets' fingerprint) into a 'prompt_ids' column (image prompts
+        are only validated: they are processed a round at a time)."""
+        if self.image_prompts is not None and PROMPT_COLUMN in dataset.column_names and len(dataset):
+            self.conversational = is_message_list(dataset[0][PROMPT_COLUMN])
+            return self.image_prompts.prepare(dataset, name, type(self).__name__)
+        tokenizer = tokenizer_of(tokenizer)
         self.conversational = is_message_list(dataset[0][PROMPT_COLUMN])
         if self.conversational:
             require_chat_template(tokenizer, "conversational prompts")
@@ -230,6 +270,20 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     def default_collator(self, tokenizer, args):
         return collate_tagged
+
+    # Method hooks (online DPO and its variants override them): whether a reference model is loaded and its
+    # log-probs computed; completions per micro-batch; the temperature the trained log-probs are taken at.
+    @property
+    def uses_reference(self) -> bool:
+        return self.args.beta > 0
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.args.per_device_train_batch_size
+
+    @property
+    def logps_temperature(self) -> float:
+        return self.args.temperature
 
     @property
     def micro_steps_per_round(self) -> int:
@@ -253,7 +307,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             self.rollout = self.make_rollout(inputs["rows"], inputs["slots"], inputs["round"])
         args = self.args
         position = inputs["micro_step"] % (args.steps_per_generation * args.gradient_accumulation_steps)
-        size = args.per_device_train_batch_size
+        size = self.micro_batch_size
         batch = self.rollout.batch(position * size, (position + 1) * size)
         batch["total_sequences"] = size * args.gradient_accumulation_steps * self.accelerator.num_processes
         batch["total_tokens"] = self.rollout.step_tokens[position // args.gradient_accumulation_steps]
@@ -352,10 +406,10 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-        width = batch["completion_ids"].shape[1]
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=width + 1, use_cache=False)
-        logits = outputs.logits[:, :-1] / self.args.temperature
+        width, images = batch["completion_ids"].shape[1], forward_vision_inputs(batch, model)
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False,
+                        position_ids=None if uses_own_positions(images) else position_ids, **images)
+        logits = outputs.logits[:, :-1] / self.logps_temperature
         logps = selective_log_softmax(logits, batch["completion_ids"])
         entropy = None
         if with_entropy:
@@ -374,20 +428,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         `rollout_mode` is "eval" (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
         args, mode = self.args, self.rollout_mode
         n = args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
-        start = time.perf_counter()
-        episodes = self.generate_episodes(rows, n, self.round_seeds(round_index, slots, mode))
-        generation_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
-        texts, completions = self.completion_texts(prompts, episodes)
-        per_function, rewards = self.reward_scorer(
-            prompts=prompts, completions=completions, completion_ids=[e.token_ids for e in episodes],
-            columns={**{c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
-                     **self.episode_columns(episodes)},
-            trainer_state=self.state)
-        scoring_seconds = time.perf_counter() - start
-
+        scored = self.sample_groups(rows, n, self.round_seeds(round_index, slots, mode), round_index)
+        rows, episodes, prompts, texts = scored.rows, scored.episodes, scored.prompts, scored.texts
+        rewards, per_function = scored.rewards, scored.per_function
         if self.episode_source is not None and hasattr(self.episode_source, "tools"):
             self.record_tool_use(episodes, mode)
         rollout = self.build_rollout(round_index, rows, n, episodes, rewards, per_function)
@@ -401,16 +444,35 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         for key, value in estimate.metrics.items():
             self._metrics[mode][key].append(float(value))
         self.record_round(rollout, self.accelerator.gather(rollout.rewards),
-                          self.accelerator.gather(rollout.per_function_rewards), mode,
-                          {"time/generation": generation_seconds, "time/scoring": scoring_seconds})
+                          self.accelerator.gather(rollout.per_function_rewards), mode, scored.timings)
         if args.log_completions and mode == "train":
             self.log_completions(prompts, texts, rewards.tolist(), per_function.tolist())
         return rollout
+
+    def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
+        """Phases 1 and 2: `n` episodes per prompt, scored. A hook: GRPO's dynamic sampling replaces the groups
+        whose rewards are all equal by generating for more prompts."""
+        start = time.perf_counter()
+        with gathered_for_generation(self.model):  # FSDP2: the sharded root's weights (distributed.py)
+            episodes = self.generate_episodes(rows, n, seeds)
+        generation_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
+        texts, completions = self.completion_texts(prompts, episodes)
+        per_function, rewards = self.reward_scorer(
+            prompts=prompts, completions=completions, completion_ids=[e.token_ids for e in episodes],
+            columns={**{c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
+                     **self.episode_columns(episodes)},
+            trainer_state=self.state)
+        return ScoredGroups(rows, episodes, prompts, texts, rewards, per_function,
+                            {"time/generation": generation_seconds, "time/scoring": time.perf_counter() - start})
 
     def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
         """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""
         if self.rollout_mode == "train":
             self.generation_backend.sync_weights(self.model)
+        if self.image_prompts is not None:
+            return self.image_prompts.generate(self.generation_backend, rows, n, self.sampling, seeds)
         prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]
         if self.episode_source is not None:
             return self.episode_source.generate(rows, prompt_ids, n, self.sampling, seeds, PROMPT_COLUMN)
@@ -443,7 +505,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def build_rollout(self, round_index: int, rows: list[dict], n: int, episodes: list[Episode],
                       rewards: torch.Tensor, per_function: torch.Tensor) -> Rollout:
         """Phase 2's result as padded tensors on the device."""
-        device, multiple, pad_id = self.accelerator.device, self.pad_multiple, self.processing_class.pad_token_id
+        device, multiple = self.accelerator.device, self.pad_multiple
+        pad_id = tokenizer_of(self.processing_class).pad_token_id
         prompt_rows = [e.prompt_ids or rows[i // n][PROMPT_IDS_COLUMN] for i, e in enumerate(episodes)]
         prompt_ids, prompt_mask = pad_rows(prompt_rows, pad_id, left=True, multiple=multiple)
         completion_ids, completion_mask = pad_rows([e.token_ids for e in episodes], pad_id, left=False,
@@ -456,7 +519,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                        completion_mask.to(device), model_mask.to(device), loss_mask.to(device), finished.to(device),
                        rewards.to(device), per_function.to(device), num_generations=n,
                        sampler_logps=None if sampler_logps is None else sampler_logps.to(device),
-                       episodes=[e.info for e in episodes], pad_to_multiple_of=multiple)
+                       episodes=[e.info for e in episodes], pad_to_multiple_of=multiple,
+                       vision=None if episodes[0].vision is None else [e.vision for e in episodes])
 
     @property
     def pad_multiple(self) -> int | None:
@@ -472,7 +536,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         out = {}
         if self.needs_old_logps:
             out["old_logps"] = self._rollout_logps(rollout, unwrap(self.model))
-        if self.args.beta > 0:
+        if self.uses_reference:
             with reference_forward(self.model, self.ref_model) as reference:
                 out["ref_logps"] = self._rollout_logps(rollout, reference)
         return out
@@ -502,6 +566,6 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     def _step_token_totals(self, rollout: Rollout) -> list[float]:
         """Loss tokens of each optimizer step of the round, summed over processes (aggregate_loss's totals)."""
-        per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        per_step = self.micro_batch_size * self.args.gradient_accumulation_steps
         local = rollout.loss_mask.sum(1).view(-1, per_step).sum(1).float()
         return self.accelerator.gather(local).view(-1, local.numel()).sum(0).tolist()

@@ -56,6 +56,7 @@ class RLOOTrainer(OnlineTrainer):
 
     config_class = RLOOConfig
     kl_in_loss = False
+    accepts_images = True  # image prompts (posttrain/trainers/online_vision.py)
 
     def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes: list | None = None, callbacks=None,

@@ -102,6 +102,7 @@ class Episode:
     messages: list[dict] | None = None  # the completion as chat messages, when it has tool turns
     prompt_ids: list[int] | None = None  # the episode's own prompt when not the row's (environment, rollout_func)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the reward functions
+    vision: dict[str, torch.Tensor] | None = None  # its prompt's image inputs (online_vision.py), shared by the group
 
     @classmethod
     def single_turn(cls, completion) -> Episode:
@@ -141,6 +142,7 @@ class Rollout:
     episodes: list[dict] = field(default_factory=list)  # each episode's `info`
     step_tokens: list[float] = field(default_factory=list)  # loss tokens per optimizer step, all processes
     pad_to_multiple_of: int | None = None  # batch widths are rounded up to a multiple of this
+    vision: list[dict] | None = None  # per completion, its prompt's image inputs (`Episode.vision`)
 
     PER_COMPLETION = ("completion_ids", "completion_mask", "model_mask", "loss_mask", "sampler_logps", "old_logps",
                       "ref_logps", "old_values", "advantages", "returns")
@@ -159,6 +161,10 @@ class Rollout:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value[rows, :width] if value.dim() == 2 else value[rows]
+        if self.vision is not None:  # pixel values etc., and per-token inputs over prompt + completion
+            from ..data.vision import vision_batch
+
+            out.update(vision_batch(self.vision[rows], out["prompt_ids"].shape[1], out["completion_ids"].shape[1]))
         return out
 
     def _width(self, needed, available: int) -> int:
