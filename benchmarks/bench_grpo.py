@@ -75,7 +75,8 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
     data = Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}"} for i in range(256)])
     with tempfile.TemporaryDirectory() as output_dir:
-        args = config_class(**settings(method, output_dir, steps))
+        extra = {"write_report": False} if library.startswith("posttrain") else {}  # TRL writes no report
+        args = config_class(**settings(method, output_dir, steps), **extra)
         trainer = trainer_class(model=model, reward_funcs=target_tokens, args=args, train_dataset=data,
                                 processing_class=tokenizer)
         start = time.perf_counter()
@@ -124,6 +125,8 @@ def main() -> None:
                                model_path]
                     done = subprocess.run(command, env=envs[library], capture_output=True, text=True, check=True)
                     result = json.loads(done.stdout.strip().splitlines()[-1])
+                    if library != "trl":
+                        print(f"  ({library} from {result['source']})", flush=True)
                     results.setdefault((library, method), []).append(result)
                     print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s", flush=True)
 

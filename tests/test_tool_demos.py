@@ -1,0 +1,129 @@
+"""The tool-calling demos (examples/grpo_tools.py, examples/grpo_environment.py): their pieces, and the whole
+pipelines on the tiny model (2 steps each) so that the examples cannot rot; the full runs on SmolLM2 are slow."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.tools import parse_tool_calls, tool_schemas, tool_suffix_ids, use_chatml_tool_template
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import grpo_environment as env_demo  # noqa: E402
+import grpo_tools as tools_demo  # noqa: E402
+
+
+@pytest.fixture()
+def tool_tokenizer(tiny_model_path):
+    return use_chatml_tool_template(AutoTokenizer.from_pretrained(tiny_model_path))
+
+
+def test_calculator_and_problems():
+    rng = random.Random(0)
+    for _ in range(50):
+        a, b, op = rng.randint(-9999, 9999), rng.randint(0, 9999), rng.choice("+-*")
+        assert tools_demo.calculator(f"{a} {op} {b}") == str({"+": a + b, "-": a - b, "*": a * b}[op])
+    with pytest.raises(ValueError, match="two integers"):
+        tools_demo.calculator("2 ** 10")
+    problems = tools_demo.make_problems(200, seed=3)
+    assert problems == tools_demo.make_problems(200, seed=3) != tools_demo.make_problems(200, seed=4)
+    for p in problems:
+        a, op, b = p["expression"].split()
+        assert 100 <= int(a) <= 9999 and 100 <= int(b) <= 9999 and op in "+*"
+    assert {p["expression"].split()[1] for p in problems} == {"+", "*"}
+
+
+def test_exact_answer_reward_reads_the_final_message():
+    conversation = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "content": "42"},
+                    {"role": "assistant", "content": "The answer is 1,042."}]
+    assert tools_demo.exact_answer([conversation, conversation, "it is 42", "no number"],
+                                   ["1042", "42", "42", "42"]) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_warm_up_transcripts_have_the_rollout_token_layout(tool_tokenizer):
+    """A warm-up transcript's ids are exactly what a GRPO tool episode would hold: prompt (with the tools) + the
+    call turn + the tool turn as `tool_suffix_ids` renders it + the answer turn; only the two model turns are
+    trained on, and the call they teach is one the hermes parser reads back."""
+    problem = tools_demo.make_problems(1, seed=0)[0]
+    messages = tools_demo.transcript(problem)
+    row = tools_demo.tokenized_transcripts(tool_tokenizer, [messages], [tools_demo.calculator])[0]
+    ids, mask = row["input_ids"], row["assistant_masks"]
+    schemas = tool_schemas([tools_demo.calculator])
+    prompt = tool_tokenizer.apply_chat_template(messages[:1], tools=schemas, add_generation_prompt=True,
+                                                tokenize=False)
+    prompt_ids = tool_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    suffix = tool_suffix_ids(tool_tokenizer, [messages[2]], tools=schemas)
+    assert ids[:len(prompt_ids)] == prompt_ids and not any(mask[:len(prompt_ids)])
+    call_end = ids.index(tool_tokenizer.eos_token_id, len(prompt_ids)) + 1
+    call_ids = ids[len(prompt_ids):call_end]
+    assert ids[call_end:call_end + len(suffix)] == suffix and not any(mask[call_end:call_end + len(suffix)])
+    assert all(mask[len(prompt_ids):call_end])
+    turn = parse_tool_calls(tool_tokenizer.decode(call_ids, skip_special_tokens=True), "hermes",
+                            tools=[tools_demo.calculator])
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": problem["expression"]})]
+    answer = tool_tokenizer.decode([t for t, m in zip(ids[call_end + len(suffix):], mask[call_end + len(suffix):])
+                                    if m], skip_special_tokens=True)
+    assert answer.strip() == f"The answer is {problem['answer']}."
+
+
+def test_guess_the_number_environment_and_transcripts():
+    game = env_demo.GuessTheNumber()
+    game.reset(secret=5)
+    assert [game.guess(n) for n in (2, 7, 5)] == ["higher", "lower", "correct"] and game.get_reward() == 1.0
+    game.reset(secret=3)
+    assert game.get_reward() == 0.0
+    rng = random.Random(0)
+    outcomes = []
+    for _ in range(100):
+        secret = rng.randint(env_demo.LOW, env_demo.HIGH)
+        messages = env_demo.transcript(secret, rng, max_guesses=3)
+        game.reset(secret=secret)
+        calls = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in messages if m.get("tool_calls")]
+        feedback = [m["content"] for m in messages if m["role"] == "tool"]
+        assert [game.guess(n) for n in calls] == feedback  # the transcripts tell the truth
+        assert len(set(calls)) == len(calls) <= 3  # never a guess the feedback already ruled out
+        outcomes.append(game.get_reward())
+        assert messages[-1]["content"].startswith("Found it") == bool(game.get_reward())
+    assert 0.3 < sum(outcomes) / len(outcomes) < 1.0  # random in-range guessing: room for GRPO to improve
+
+
+def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    results = tools_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, eval_size=4,
+                             max_completion_length=24, output_dir=str(tmp_path), log=lambda *a: None)
+    for phase in ("before", "after_sft", "after_grpo"):
+        assert set(results[phase]) == {"accuracy", "tool_call_rate"}
+        assert all(0.0 <= v <= 1.0 for v in results[phase].values())
+    assert len(results["grpo_reward"]) == 2 and set(results["seconds"]) == {"eval_before", "sft", "eval_sft", "grpo",
+                                                                            "eval_grpo"}
+
+
+def test_environment_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    results = env_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, eval_size=4,
+                           max_completion_length=24, output_dir=str(tmp_path), log=lambda *a: None)
+    assert all(0.0 <= results[p] <= 1.0 for p in ("before", "after_sft", "after_grpo"))
+    assert len(results["grpo_reward"]) == 2
+
+
+@pytest.mark.slow
+def test_tools_demo_on_smollm2(smollm2_path, tmp_path):
+    """The full demo: after SFT + GRPO, SmolLM2 calls the calculator and answers most held-out problems."""
+    from posttrain.models import load_causal_lm, load_tokenizer
+
+    results = tools_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), output_dir=str(tmp_path))
+    assert results["before"]["tool_call_rate"] < 0.1
+    assert results["after_grpo"]["tool_call_rate"] > 0.8
+    assert results["after_grpo"]["accuracy"] > results["before"]["accuracy"] + 0.5
+
+
+@pytest.mark.slow
+def test_environment_demo_on_smollm2(smollm2_path, tmp_path):
+    from posttrain.models import load_causal_lm, load_tokenizer
+
+    results = env_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), output_dir=str(tmp_path))
+    assert results["after_grpo"] > results["before"]
