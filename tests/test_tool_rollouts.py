@@ -321,3 +321,22 @@ def test_each_method_trains_on_tool_episodes(method, tmp_path, tiny_model_path, 
     assert losses and all(torch.isfinite(torch.tensor(losses)))
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
     json.dumps(trainer.rollout.episodes)  # episode facts stay plain data (they go into checkpoints)
+
+
+def test_sft_renders_each_rows_tools_like_trl(tmp_path, tiny_model_path, tool_tokenizer):
+    """A tool-calling SFT dataset with a per-row `tools` column (a list or its JSON text) shows the tools in the
+    rendered prompt, as TRL's SFT does."""
+    from posttrain import SFTConfig, SFTTrainer
+    from posttrain.tools import tool_schemas
+
+    schemas = tool_schemas([add])
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    messages = [{"role": "user", "content": "2 plus 3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "5"}]
+    rows = [{"messages": messages, "tools": json.dumps(schemas)}, {"messages": messages, "tools": None}]
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none", save_strategy="no")
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tool_tokenizer)
+    with_tools, without = (tool_tokenizer.decode(trainer.train_dataset[i]["input_ids"]) for i in range(2))
+    assert with_tools == tool_tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
+    assert "<tools>" in with_tools and "<tools>" not in without

@@ -10,6 +10,8 @@ inside the span, so the model learns to stop; whitespace the template adds after
 
 from __future__ import annotations
 
+import json
+
 from ..errors import DataError
 from .chat import render, require_chat_template
 from .formats import DatasetFormat
@@ -77,6 +79,22 @@ def assistant_spans(tokenizer, messages: list[dict], row: int = 0, **template_kw
     return text, spans
 
 
+def row_template_kwargs(example: dict, row: int = 0) -> dict:
+    """A row's own `tools` (a list of JSON schemas, or their JSON text as datasets often store them) and
+    `chat_template_kwargs`, for its chat template, as TRL reads them."""
+    out = dict(example.get("chat_template_kwargs") or {})
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise DataError(f"Row {row}, column 'tools': not valid JSON ({error}); give a list of tool schemas.") \
+                from error
+    if tools:
+        out["tools"] = tools
+    return out
+
+
 def tokenize_example(
     example: dict,
     tokenizer,
@@ -93,6 +111,7 @@ def tokenize_example(
     """`input_ids` and `completion_mask` for one language-modeling or prompt-completion example."""
     kw = template_kwargs or {}
     if fmt.conversational:
+        kw = {**kw, **row_template_kwargs(example, row)}
         require_chat_template(tokenizer)
         if fmt.kind == "language_modeling":
             messages, prompt_len = example["messages"], 0
