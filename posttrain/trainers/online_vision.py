@@ -14,15 +14,15 @@ from __future__ import annotations
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
 from ..data.transforms import prepare_multimodal_messages
-from ..data.vision import (TOKEN_INPUTS, check_vision_inputs, image_token_ids, is_processor, is_vision_checkpoint,
-                           is_vision_dataset, is_vision_model, load_processor, load_vision_model, open_image,
-                           row_images, split_vision_inputs, tokenizer_of, validate_vision_dataset)
+from ..data.vision import (TOKEN_INPUTS, VISION_INPUTS, check_vision_inputs, image_token_ids, is_processor,
+                           is_vision_checkpoint, is_vision_dataset, is_vision_model, load_processor, load_vision_model,
+                           open_image, row_images, split_vision_inputs, tokenizer_of, validate_vision_dataset)
 from ..errors import ConfigError, DataError
 from ..models.loading import load_tokenizer
 from .rollout import Episode
 from .online_eval import PROMPT_COLUMN
 
-__all__ = ["ImagePrompts", "setup_online_vision"]
+__all__ = ["ImagePrompts", "forward_vision_inputs", "setup_online_vision", "tokenizer_of", "uses_own_positions"]
 
 
 def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, processing_class, tools=None,
@@ -127,8 +127,6 @@ class ImagePrompts:
 
 def forward_vision_inputs(batch: dict, model) -> dict:
     """The image inputs of a rollout batch for `model`'s forward: on its device, pixels in its dtype."""
-    from ..data.vision import VISION_INPUTS
-
     parameter = next(model.parameters())
     out = {}
     for key in VISION_INPUTS:
@@ -142,5 +140,3 @@ def uses_own_positions(inputs: dict) -> bool:
     """Qwen2-VL-style models compute their multimodal rope positions themselves: no position_ids for them."""
     return "image_grid_thw" in inputs or "video_grid_thw" in inputs
 
-
-__all__ += ["forward_vision_inputs", "uses_own_positions", "tokenizer_of"]
