@@ -93,6 +93,10 @@ PAPERS: dict[str, Paper] = {
     "A2PO": _arxiv("Accelerating RL for LLM Reasoning with Optimal Advantage Regression", "2505.20686", "brantley2025accelerating", "Kiante Brantley and others", 2025),
     "Online DPO": _arxiv("Direct Language Model Alignment from Online AI Feedback", "2402.04792", "guo2024direct", "Shangmin Guo and others", 2024),
     "XPO": _arxiv("Exploratory Preference Optimization: Harnessing Implicit Q*-Approximation for Sample-Efficient RLHF", "2405.21046", "xie2024exploratory", "Tengyang Xie and Dylan J. Foster and Akshay Krishnamurthy and Corby Rosset and Ahmed Awadallah and Alexander Rakhlin", 2024),
+    "SDFT": _arxiv("Self-Distillation Enables Continual Learning", "2601.19897", "shenfeld2026selfdistillation",
+                   "Idan Shenfeld and others", 2026),
+    "SDPO": _arxiv("Reinforcement Learning via Self-Distillation", "2601.20802", "hubotter2026reinforcement",
+                   "Jonas H{\\\"u}botter and others", 2026),
     "Nash-MD": _arxiv("Nash Learning from Human Feedback", "2312.00886", "munos2023nash", "Rémi Munos and others", 2023),
 }
 

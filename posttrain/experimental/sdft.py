@@ -1,0 +1,452 @@
+"""SDFT with TRL's `trl.experimental.sdft` API: self-distillation fine-tuning (Shenfeld et al. 2026, "Self-Distillation
+Enables Continual Learning"), on posttrain's DistillationTrainer.
+
+The student samples a completion for the plain `prompt`; the teacher, a copy of the student itself (`base`: the
+initial weights, `ema`: an exponential moving average, `live`: the current weights), scores the same completion
+given the prompt plus a `privileged_context` (e.g. a demonstration) through `teacher_prompt_template`; the student
+is pulled towards the teacher's next-token distributions (posttrain/losses/self_distillation.py), averaged per
+completion, then over completions, as TRL does. `SelfDistillationTrainer` is the machinery SDPO
+(posttrain.experimental.sdpo) shares: only how the teacher's prompt is built (`_teacher_prompts`) and how the
+per-token losses become the loss (`_objective`) differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.data import Sampler, SequentialSampler
+
+from ..callbacks.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
+from ..data.chat import require_chat_template
+from ..data.collators import LanguageModelingCollator, pad
+from ..data.formats import is_message_list
+from ..data.vision import tokenizer_of
+from ..errors import ConfigError, DataError
+from ..losses.policy import aggregate_loss
+from ..losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
+from ..losses.sft import IGNORE_INDEX, shift_for_next_token
+from ..trainers.distillation import DistillationConfig, DistillationTrainer, _tokenize_prompt
+
+TEACHER_KINDS = ("base", "live", "ema")
+_NOT_SELF_DISTILLATION = ("DistillationTrainer's {} (teacher/student mixing of GKD) does not apply to "
+                          "self-distillation, whose objective is set by distillation_mode / distillation_alpha.")
+
+
+@dataclass
+class SelfDistillationConfig(DistillationConfig):
+    """The settings SDFT and SDPO share (TRL's names); each method's config sets TRL's defaults."""
+    unsupported_options: ClassVar[dict[str, str]] = {
+        **DistillationConfig.unsupported_options,
+        "use_teacher_server": "teacher log-probs from a vLLM server need vLLM (use_vllm), which posttrain does not "
+                              "wire for self-distillation; the teacher is scored locally.",
+        "num_iterations": "posttrain samples fresh completions for every micro-batch and updates on them once "
+                          "(TRL's default); re-using a generation batch for several updates is not implemented.",
+        "steps_per_generation": "completions are sampled per optimizer step (TRL's default, steps_per_generation = "
+                                "gradient_accumulation_steps); leave it None.",
+        "generation_batch_size": "completions are sampled per optimizer step (TRL's default, per_device_train_"
+                                 "batch_size * processes * gradient_accumulation_steps); leave it None.",
+        "teacher_model_name_or_path": "the teacher is the student itself (teacher_model_kind); drop it.",
+        "lmbda": _NOT_SELF_DISTILLATION.format("lmbda"),
+        "alpha": _NOT_SELF_DISTILLATION.format("alpha"),
+    }
+
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in student and teacher."})
+    max_prompt_length: int | None = field(
+        default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."})
+    max_completion_length: int | None = field(
+        default=256, metadata={"help": "Most tokens the student samples per completion."})
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (consecutive rows of a batch)."})
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Completions per prompt in evaluation (None: num_generations)."})
+    generation_batch_size: int | None = field(
+        default=None, metadata={"help": "Completions per generation round (only the default is supported)."})
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "Steps per generation round (only the default is supported)."})
+    num_iterations: int = field(default=1, metadata={"help": "Updates per generation batch (only 1)."})
+    use_teacher_server: bool = field(
+        default=False, metadata={"help": "Teacher log-probs from the vLLM server (not supported)."})
+    teacher_model_kind: str = field(
+        default="base", metadata={"help": "The teacher: 'base' (the initial student, frozen), 'live' (the current "
+                                          "student) or 'ema' (an exponential moving average of the student)."})
+    teacher_update_rate: float = field(
+        default=0.05, metadata={"help": "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy)."})
+    teacher_sync_steps: int = field(
+        default=1, metadata={"help": "EMA teacher: optimizer steps between updates."})
+    distillation_alpha: float = field(
+        default=0.5, metadata={"help": "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the "
+                                       "generalized JSD."})
+    distillation_mode: str = field(
+        default="topk_logits", metadata={"help": "'topk_logits' (the student's top-k tokens), 'full_logits' (the "
+                                                 "whole vocabulary) or 'sampled_token' (reverse KL on the sample)."})
+    distillation_topk: int | None = field(
+        default=100, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."})
+    distillation_is_clip: float | None = field(
+        default=2.0, metadata={"help": "Importance-weight clip for re-used rollouts; with fresh rollouts per step "
+                                       "(the only mode here, and TRL's default) TRL applies no weight either."})
+    distillation_add_tail: bool = field(
+        default=False, metadata={"help": "topk_logits: add the mass outside the top k as one more element "
+                                         "(else renormalise over the top k)."})
+
+    def __post_init__(self):
+        if self.teacher_model_kind not in TEACHER_KINDS:
+            raise ConfigError(f"teacher_model_kind={self.teacher_model_kind!r} is not one of {TEACHER_KINDS}.")
+        if not 0 < self.teacher_update_rate <= 1:
+            raise ConfigError(f"teacher_update_rate={self.teacher_update_rate} must lie in (0, 1].")
+        if self.teacher_sync_steps < 1:
+            raise ConfigError(f"teacher_sync_steps={self.teacher_sync_steps} must be at least 1.")
+        if self.distillation_mode not in DISTILLATION_MODES:
+            raise ConfigError(f"distillation_mode={self.distillation_mode!r} is not one of {DISTILLATION_MODES}.")
+        if not 0 <= self.distillation_alpha <= 1:
+            raise ConfigError(f"distillation_alpha={self.distillation_alpha} must lie in [0, 1].")
+        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+            raise ConfigError("distillation_mode='sampled_token' estimates reverse KL only: set distillation_alpha="
+                              f"1.0 (got {self.distillation_alpha}) or use 'full_logits' / 'topk_logits'.")
+        if self.distillation_mode == "topk_logits" and (self.distillation_topk is None or self.distillation_topk < 1):
+            raise ConfigError(f"distillation_mode='topk_logits' needs distillation_topk >= 1 (got "
+                              f"{self.distillation_topk}).")
+        if self.num_generations < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
+            raise ConfigError("num_generations and num_generations_eval must be at least 1.")
+        local = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if local % self.num_generations:
+            raise ConfigError(f"per_device_train_batch_size * gradient_accumulation_steps ({local}) must be a multiple "
+                              f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
+                              "in one optimizer step.")
+        if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
+            self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
+        super().__post_init__()
+
+
+@dataclass
+class SDFTConfig(SelfDistillationConfig):
+    """TRL's SDFTConfig fields and defaults; posttrain's distillation and SFT settings around them."""
+    generate_from_teacher: bool = field(
+        default=False, metadata={"help": "Sample completions from the teacher's prompt (with the student's "
+                                         "weights) instead of the student's prompt."})
+    teacher_prompt_template: str = field(
+        default="{prompt}\n\n{privileged_context}",
+        metadata={"help": "How the teacher's prompt joins the prompt (the last user message's text for "
+                          "conversations) and the privileged context; needs both placeholders."})
+    num_loss_tokens_to_skip: int = field(
+        default=0, metadata={"help": "Leave the first this many completion tokens out of the loss."})
+
+    def __post_init__(self):
+        if "{prompt}" not in self.teacher_prompt_template or "{privileged_context}" not in self.teacher_prompt_template:
+            raise ConfigError(f"teacher_prompt_template={self.teacher_prompt_template!r} needs both {{prompt}} and "
+                              "{privileged_context} placeholders.")
+        if self.num_loss_tokens_to_skip < 0:
+            raise ConfigError(f"num_loss_tokens_to_skip={self.num_loss_tokens_to_skip} must be >= 0.")
+        super().__post_init__()
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+@dataclass
+class _RowCollator(LanguageModelingCollator):
+    """The language-modeling collator, keeping each row's index into the trainer's raw rows (`sd_row`)."""
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        out = super().__call__(examples)
+        if examples and "sd_row" in examples[0]:
+            out["sd_row"] = torch.tensor([e["sd_row"] for e in examples], dtype=torch.long)
+        return out
+
+
+class _RepeatedSampler(Sampler):
+    """Each index of `base` `times` times in a row: a prompt's completions are consecutive rows (TRL's groups)."""
+
+    def __init__(self, base: Sampler, times: int):
+        self.base, self.times = base, times
+
+    def __len__(self) -> int:
+        return len(self.base) * self.times
+
+    def __iter__(self):
+        for index in self.base:
+            yield from [index] * self.times
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.base, "set_epoch"):
+            self.base.set_epoch(epoch)
+
+
+class _PromptSwapSampler:
+    """A generation backend that samples from other prompts (the teacher's) in place of the ones it is given."""
+
+    def __init__(self, backend, prompts: list[list[int]]):
+        self.backend, self.prompts = backend, prompts
+
+    def generate(self, prompt_ids, n, sampling, seed=None):
+        return self.backend.generate(self.prompts, n, sampling, seed=seed)
+
+
+def message_text(content: Any) -> str:
+    """A message's text: the string, or the text parts of a multimodal content list joined by spaces."""
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return str(content)
+
+
+def with_user_text(prompt: Any, template: str, **values: Any) -> Any:
+    """`template` filled with the prompt's text and `values`; for a conversation the last user message is replaced
+    by the filled template (earlier messages kept)."""
+    if not isinstance(prompt, list):
+        return template.format(prompt=prompt, **values)
+    if not prompt or prompt[-1].get("role") != "user":
+        raise DataError("Self-distillation builds the teacher's prompt from the last user message, but this prompt "
+                        f"ends with a {prompt[-1].get('role') if prompt else 'missing'!r} message. End prompts with "
+                        "a user turn.")
+    text = template.format(prompt=message_text(prompt[-1].get("content", "")), **values)
+    return list(prompt[:-1]) + [{"role": "user", "content": text}]
+
+
+def privileged_text(context: Any) -> str:
+    """A privileged_context as text: a string, the non-empty contents of a message list joined by newlines, or
+    str() of anything else."""
+    if context is None:
+        raise DataError("A row has no 'privileged_context' (None); SDFT's teacher prompt needs one per row.")
+    if isinstance(context, list) and context and isinstance(context[0], dict):
+        return "\n".join(t for t in (message_text(m.get("content", "")) for m in context) if t)
+    return context if isinstance(context, str) else str(context)
+
+
+def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: dict) -> list[int]:
+    """A prompt's ids as TRL makes the student's (the chat template with the generation prompt for messages, the
+    tokenizer's special tokens for text), cut to the last `keep` tokens."""
+    ids = _tokenize_prompt({"prompt": prompt}, row, tokenizer, is_message_list(prompt), template_kwargs)["input_ids"]
+    return ids[-keep:] if keep else ids
+
+
+def _tokenize_row(example: dict, row: int, tokenizer, keep: int | None, template_kwargs: dict, offset: int) -> dict:
+    ids = prompt_ids(example["prompt"], row, tokenizer, keep, template_kwargs)
+    return {"input_ids": ids, "completion_mask": [0] * len(ids), "sd_row": offset + row}
+
+
+class SelfDistillationTrainer(DistillationTrainer):
+    """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
+    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulation steps itself, as TRL does
+
+    def __init__(self, model, args: SelfDistillationConfig, train_dataset=None, eval_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, **kwargs):
+        if train_dataset is None:
+            raise ConfigError(f"{type(self).__name__} needs a train_dataset (rows with a 'prompt').")
+        from peft import PeftModel  # noqa: PLC0415 (peft is a dependency; imported where it is needed)
+
+        if args.teacher_model_kind == "ema" and (peft_config is not None or isinstance(model, PeftModel)):
+            raise ConfigError("teacher_model_kind='ema' with PEFT: TRL averages a separate teacher adapter, which "
+                              "posttrain does not implement. Use teacher_model_kind='base' or 'live', or train "
+                              "without peft_config.")
+        self._rows: list[dict] = []  # the raw dataset rows; prepared rows point into it (`sd_row`)
+        super().__init__(model, None, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_config, **kwargs)
+        if args.teacher_model_kind == "live":
+            self.teacher_model = None  # the student, scored without gradients
+        elif args.teacher_model_kind == "ema":
+            self.add_callback(SyncRefModelCallback(self.teacher_model, alpha=args.teacher_update_rate,
+                                                   sync_steps=args.teacher_sync_steps))
+
+    @staticmethod
+    def _resolve_teacher(model, teacher_model, args):
+        """The teacher starts as the student: a copy of the loaded model, or the same name loaded again."""
+        return model if isinstance(model, str) else copy.deepcopy(model)
+
+    def _check_teacher(self, teacher, teacher_tokenizer) -> None:
+        """The teacher is the student's own copy: same tokenizer by construction."""
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["input_ids", "completion_mask", "sd_row"]
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def prepare_dataset(self, dataset, tokenizer, args: SelfDistillationConfig, name: str):
+        """Rows with a 'prompt' (text or messages): the tokenized prompt, and the row's place in `_rows` (the other
+        columns are read from there when the teacher's prompt is built and rewards are scored)."""
+        if "prompt" not in dataset.column_names:
+            raise DataError(f"{name} has no 'prompt' column (columns: {dataset.column_names}); "
+                            f"{type(self).__name__} samples completions for prompts.")
+        if len(dataset) and is_message_list(dataset[0]["prompt"]):
+            require_chat_template(tokenizer_of(tokenizer), "conversational prompts")
+        offset = len(self._rows)
+        self._rows.extend(dataset.to_list())
+        return dataset.map(_tokenize_row, with_indices=True, remove_columns=dataset.column_names,
+                           num_proc=args.dataset_num_proc, desc=f"Tokenizing the prompts of {name}",
+                           fn_kwargs=dict(tokenizer=tokenizer_of(tokenizer), keep=args.max_prompt_length,
+                                          template_kwargs=args.chat_template_kwargs or {}, offset=offset))
+
+    def _prompt_ids(self, prompt, row: int, keep: int | None) -> list[int]:
+        """A teacher or generation prompt's ids, made as the student's are."""
+        return prompt_ids(prompt, row, tokenizer_of(self.processing_class), keep, self.args.chat_template_kwargs or {})
+
+    def default_collator(self, tokenizer, args):
+        self._own_collator = _RowCollator(tokenizer_of(tokenizer).pad_token_id)
+        return self._own_collator
+
+    def _get_train_sampler(self, train_dataset=None):
+        return _RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return _RepeatedSampler(SequentialSampler(eval_dataset),
+                                self.args.num_generations_eval or self.args.num_generations)
+
+    # -- rollouts and the teacher's inputs ---------------------------------------------------------------------
+    def _generation_prompts(self, rows: list[dict]) -> list[list[int]] | None:
+        """Hook: prompt ids to sample from instead of the student's (None: the student's)."""
+        return None
+
+    def _student_batch(self, batch: dict, seed: int, mode: str, sampler=None) -> dict:
+        rows = batch["sd_row"]
+        if sampler is None:
+            swapped = self._generation_prompts([self._rows[i] for i in rows.tolist()])
+            sampler = _PromptSwapSampler(self._sampler, swapped) if swapped is not None else None
+        out = super()._student_batch(batch, seed, mode, sampler)
+        out["sd_row"] = rows.to(out["input_ids"].device)
+        return out
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._attach_teacher_inputs(batches, "train")
+        return batches, count
+
+    def _teacher_prompts(self, rows: list[dict], prompts: list[list[int]], completions: list[list[int]],
+                         mode: str) -> tuple[list[list[int]], list[bool]]:
+        """Hook: each rollout's teacher prompt ids and whether the rollout is distilled (all rollouts of the
+        optimizer step in order; `prompts` / `completions` are the student's ids)."""
+        raise NotImplementedError
+
+    def _attach_teacher_inputs(self, batches: list[dict], mode: str) -> None:
+        """Adds to each batch the teacher's rows (its prompt + the same completion) and a per-row distill flag."""
+        parts = []  # (batch, row, prompt ids, completion ids)
+        for b, batch in enumerate(batches):
+            for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
+                trained = labels != IGNORE_INDEX
+                start = int(trained.nonzero()[0]) if trained.any() else int(batch["attention_mask"][r].sum())
+                parts.append((b, r, ids[:start].tolist(), labels[trained].tolist()))
+        rows = [self._rows[int(batches[b]["sd_row"][r])] for b, r, _, _ in parts]
+        teacher_prompts, active = self._teacher_prompts(rows, [p[2] for p in parts], [p[3] for p in parts], mode)
+        skip = getattr(self.args, "num_loss_tokens_to_skip", 0)
+        for b, batch in enumerate(batches):
+            mine = [(i, p) for i, p in enumerate(parts) if p[0] == b]
+            ids = [teacher_prompts[i] + p[3] for i, p in mine]
+            labels = [[IGNORE_INDEX] * len(teacher_prompts[i]) + [IGNORE_INDEX] * min(skip, len(p[3]))
+                      + p[3][skip:] for i, p in mine]
+            device = batch["input_ids"].device
+            pad_id = self._own_collator.pad_token_id
+            batch["teacher_input_ids"] = pad(ids, pad_id).to(device)
+            batch["teacher_attention_mask"] = pad([[1] * len(x) for x in ids], 0).to(device)
+            batch["teacher_labels"] = pad(labels, IGNORE_INDEX).to(device)
+            batch["sd_mask"] = torch.tensor([float(active[i]) for i, _ in mine], device=device)
+            if skip:  # the student's first completion tokens leave the loss too
+                for r, row_labels in enumerate(batch["labels"]):
+                    trained = (row_labels != IGNORE_INDEX).nonzero().flatten()[:skip]
+                    row_labels[trained] = IGNORE_INDEX
+
+    # -- the loss ----------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ConfigError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        mode = "train" if model.training else "eval"
+        if "teacher_input_ids" not in inputs:  # evaluation batches are sampled one at a time
+            self._attach_teacher_inputs([inputs], mode)
+        targets = shift_for_next_token(inputs["labels"])
+        mask = targets != IGNORE_INDEX
+        student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
+        if not mask.any():  # nothing to distil (e.g. every completion masked): a zero loss that keeps the graph
+            return student.sum() * 0.0
+        # Completion tokens sit at different offsets in the two rows; select them, then lay them out [B, T].
+        lengths = mask.sum(-1)
+        width = int(lengths.max()) if lengths.numel() else 0
+        slots = torch.arange(width, device=mask.device)[None, :] < lengths[:, None]
+        tokens = torch.zeros(slots.shape, dtype=torch.long, device=mask.device).masked_scatter(slots, targets[mask])
+        student_logits = student.new_zeros(*slots.shape, student.shape[-1]).masked_scatter(
+            slots[..., None], student[mask])
+        teacher_logits = None
+        if self._needs_teacher():
+            teacher_model = self.teacher_model if self.teacher_model is not None else model
+            with torch.no_grad():
+                teacher = teacher_model(input_ids=inputs["teacher_input_ids"],
+                                        attention_mask=inputs["teacher_attention_mask"], use_cache=False).logits
+                teacher_mask = shift_for_next_token(inputs["teacher_labels"]) != IGNORE_INDEX
+                teacher = teacher[..., : student.shape[-1]]
+                teacher_logits = teacher.new_zeros(*slots.shape, teacher.shape[-1]).masked_scatter(
+                    slots[..., None], teacher[teacher_mask])
+        loss = self._objective(student_logits, teacher_logits, tokens, slots, inputs, mode)
+        if model.training:
+            self._count_tokens(mask, inputs["attention_mask"])
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
+
+    def _count_tokens(self, mask, attention_mask) -> None:
+        """SFT's num_tokens / num_tokens_trained counters (completion tokens are the trained ones)."""
+        counts = torch.stack([mask.sum(), attention_mask.sum()]).float()[None]
+        trained, seen = self.accelerator.gather(counts).sum(0).tolist()
+        self._trained_tokens += int(trained)
+        self._input_tokens += int(seen)
+        self._metrics["train"]["num_tokens"] = [float(self._input_tokens)]
+
+    def _needs_teacher(self) -> bool:
+        return True
+
+    def _distillation_loss(self, student_logits, teacher_logits, tokens, slots, inputs, mode) -> torch.Tensor:
+        """TRL's aggregation: per-token losses averaged over each distilled completion, then over all rows."""
+        args = self.args
+        per_token = self_distillation_token_losses(
+            student_logits, teacher_logits, tokens, args.distillation_mode, args.distillation_alpha,
+            args.distillation_topk, args.distillation_add_tail, self.loss_temperature())
+        loss_mask = slots & (inputs["sd_mask"][:, None] > 0)
+        value = per_token[loss_mask].detach().float()
+        total = self.accelerator.gather(torch.stack([value.sum(), torch.tensor(float(value.numel()),
+                                                                               device=value.device)])[None]).sum(0)
+        mean = (total[0] / total[1].clamp(min=1)).item()
+        metrics = self._metrics[mode]
+        metrics["self_distillation/distillation_loss"].append(mean)
+        metrics[f"{self._name.lower()}/distillation_loss"].append(mean)
+        return aggregate_loss(per_token, loss_mask, "grpo")
+
+    def _objective(self, student_logits, teacher_logits, tokens, slots, inputs, mode) -> torch.Tensor:
+        """Hook: the loss of this micro-batch (here the distillation loss alone)."""
+        return self._distillation_loss(student_logits, teacher_logits, tokens, slots, inputs, mode)
+
+    # -- resuming ----------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The distillation trainer's state and, with an EMA teacher, the teacher's weights."""
+        return {**super().checkpoint_state(), **sync_ref_checkpoint_state(self)}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        state = dict(state)
+        load_sync_ref_checkpoint_state(self, state)
+        super().load_checkpoint_state(state)
+
+
+class SDFTTrainer(SelfDistillationTrainer):
+    """`SDFTTrainer(model, args=SDFTConfig(...), train_dataset=...)`, TRL's keyword arguments in TRL's order.
+
+    Data: a 'prompt' (text or messages) and a 'privileged_context' per row. Logged: TRL's
+    self_distillation/distillation_loss, sdft/distillation_loss and completions/* keys.
+    """
+    _name = "SDFT"
+
+    def __init__(self, model, args: SDFTConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, **kwargs):
+        args = args or SDFTConfig(output_dir="outputs/sdft")
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
+                         peft_config, **kwargs)
+
+    def _teacher_prompt(self, row: dict, index: int) -> list[int]:
+        prompt = with_user_text(row["prompt"], self.args.teacher_prompt_template,
+                                privileged_context=privileged_text(row.get("privileged_context")))
+        return self._prompt_ids(prompt, index, self.args.max_prompt_length)
+
+    def _generation_prompts(self, rows):
+        if not self.args.generate_from_teacher:
+            return None
+        return [self._teacher_prompt(row, i) for i, row in enumerate(rows)]
+
+    def _teacher_prompts(self, rows, prompts, completions, mode):
+        return [self._teacher_prompt(row, i) for i, row in enumerate(rows)], [True] * len(rows)
+
+
+__all__ = ["SDFTConfig", "SDFTTrainer", "SelfDistillationConfig", "SelfDistillationTrainer"]
