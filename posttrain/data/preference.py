@@ -16,6 +16,7 @@ from ..errors import DataError
 from .chat import extract_prompt, normalize_example, render, require_chat_template
 from .collators import pad
 from .formats import DatasetFormat, check_example, is_message_list, validate_dataset
+from .report import DatasetReport, cut_column
 
 logger = logging.getLogger("posttrain")
 
@@ -82,18 +83,32 @@ def tokenize_preference(
         prompt_ids, completions = _conversational_ids(normalize_example(example), tokenizer, row)
     else:
         prompt_ids, completions = _standard_ids(example, tokenizer)
-    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
     for column, ids in completions.items():
         if not ids:
             raise DataError(f"Row {row}: the '{column}' completion has no tokens. Fix or drop the row.")
-        completions[column] = ids if max_completion_length is None else ids[:max_completion_length]
-    return {"prompt_ids": prompt_ids, **{f"{c}_ids": ids for c, ids in completions.items()}}
+    out = {"prompt_ids": prompt_ids, **{f"{c}_ids": ids for c, ids in completions.items()}}
+    return _apply_limits(out, max_prompt_length, max_completion_length)
+
+
+def _apply_limits(out: dict, max_prompt_length: int | None, max_completion_length: int | None) -> dict:
+    """Keeps the end of the prompt and the start of each completion."""
+    if max_prompt_length is not None and len(out["prompt_ids"]) > max_prompt_length:
+        out["prompt_ids"] = out["prompt_ids"][len(out["prompt_ids"]) - max_prompt_length:]
+    if max_completion_length is not None:
+        for column in COMPLETIONS:
+            out[f"{column}_ids"] = out[f"{column}_ids"][:max_completion_length]
+    return out
 
 
 def _tokenize_row(example, row, tokenizer, fmt, limits):
+    """A tokenized row, with the tokens each per-part limit removed in report columns."""
     check_example(example, fmt, row)
-    return tokenize_preference(example, tokenizer, fmt, row=row, **limits)
+    full = tokenize_preference(example, tokenizer, fmt, row=row)
+    sizes = {k: len(v) for k, v in full.items()}
+    out = _apply_limits(full, **limits)
+    out[cut_column("max_prompt_length")] = sizes["prompt_ids"] - len(out["prompt_ids"])
+    out[cut_column("max_completion_length")] = sum(sizes[f"{c}_ids"] - len(out[f"{c}_ids"]) for c in COMPLETIONS)
+    return out
 
 
 def warn_identical_pairs(dataset, name: str = "train_dataset") -> list[int]:
@@ -114,7 +129,7 @@ def warn_identical_pairs(dataset, name: str = "train_dataset") -> list[int]:
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
-def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str):
+def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str, report: DatasetReport | None = None):
     """Drops the rows that `max_length` leaves without a comparison, with a warning naming how many.
 
     mode 'keep_start' (DPO: the collator cuts each sequence's end) drops rows whose prompt alone fills max_length;
@@ -136,6 +151,8 @@ def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str):
     if dropped:
         logger.warning("Dropping %d of %d rows of %s: %s. Raise max_length to keep them.", dropped, len(keep), name,
                        why)
+        if report is not None:
+            report.dropped(dropped, why)
         dataset = dataset.select([i for i, k in enumerate(keep) if k])
     return dataset
 
@@ -151,11 +168,14 @@ def prepare_preference_dataset(
     max_length: int | None = None,
     truncation_mode: str = "keep_start",
     num_proc: int | None = None,
+    report: DatasetReport | None = None,
 ):
     """Validates a preference dataset and tokenizes every row (checking each); keeps the FLOAT_COLUMNS; drops the
     rows `max_length` leaves without a comparison (see `drop_overlong_rows`; `truncation_mode` 'drop' is the
-    reward trainer's rule). `trainer` names the caller in error messages.
+    reward trainer's rule). `trainer` names the caller in error messages. `report` receives what was cut or dropped,
+    including the sequences the collator will cut to `max_length`.
     """
+    report = report if report is not None else DatasetReport(rows_in=len(dataset))
     first = dataset[0] if len(dataset) else {}
     if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
         dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
@@ -168,7 +188,13 @@ def prepare_preference_dataset(
         remove_columns=[c for c in dataset.column_names if c not in FLOAT_COLUMNS],
         fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, limits=limits), desc=f"Tokenizing {name}",
     )
-    dataset = drop_overlong_rows(dataset, max_length, truncation_mode, name)
+    dataset = report.take_cuts(drop_overlong_rows(dataset, max_length, truncation_mode, name, report))
+    if truncation_mode != "drop" and max_length is not None and len(dataset):
+        over = [max(len(p) + len(c) - max_length, 0) + max(len(p) + len(r) - max_length, 0)
+                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+        kept = "start" if truncation_mode == "keep_start" else "end"
+        report.truncated(sum(n > 0 for n in over), sum(over), "prompt + chosen/rejected longer than max_length "
+                                                              f"(the collator keeps each sequence's {kept})")
     warn_identical_pairs(dataset, name)
     return dataset
 

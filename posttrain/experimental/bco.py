@@ -21,7 +21,6 @@ import torch
 from ..data.chat import render, require_chat_template, unpair_preference_dataset
 from ..data.collators import pad
 from ..data.formats import DatasetFormat, validate_dataset
-from ..data.preference import TRUNCATION_MODES
 from ..errors import ConfigError, DataError
 from ..losses.bco import (
     bco_loss,
@@ -32,7 +31,8 @@ from ..losses.bco import (
 )
 from ..models.loading import load_causal_lm
 from ..models.reference import is_peft_model, reference_forward, unwrap
-from ..trainers.dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
+from ..trainers.dpo import (ReferenceConfig, ReferenceTrainer, check_length_settings, load_processing_class,
+                             sequence_logps)
 from ..trainers.kto import KTOCollator, KTOTrainer, _rows, _tokenize_row
 
 logger = logging.getLogger("posttrain")
@@ -91,15 +91,7 @@ class BCOConfig(ReferenceConfig):
                               "leave is_encoder_decoder unset.")
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not supported; choose from "
-                              f"{list(TRUNCATION_MODES)}.")
-        for name in ("max_prompt_length", "max_completion_length"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
-        if None not in (self.max_length, self.max_prompt_length) and self.max_prompt_length >= self.max_length:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length} leaves no room for the completion within "
-                              f"max_length={self.max_length}; set max_prompt_length below max_length.")
+        check_length_settings(self)
         if self.prompt_sample_size < 1:
             raise ConfigError(f"prompt_sample_size={self.prompt_sample_size} must be at least 1.")
         if not 0 <= self.min_density_ratio <= self.max_density_ratio:

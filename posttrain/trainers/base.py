@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
+from ..data.report import DataReportCallback
 from ..model_card import write_model_card
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
@@ -278,6 +279,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         # must neither divide by the accumulation steps again nor skip counting the effective batch.
         self.model_accepts_loss_kwargs = True
         self._init_guards()
+        self.add_callback(DataReportCallback(self))  # what data preparation cut or dropped, before training
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
 
     def create_accelerator_and_postprocess(self):

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from ..callbacks import SyncRefModelCallback
 from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..data.preference import TRUNCATION_MODES, PreferenceCollator, prepare_preference_dataset
+from ..data.report import DataReport
 from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
 from ..data.vision import (VisionPreferenceCollator, VisionSetup, is_vision_dataset, tokenizer_of,
                            validate_vision_dataset, vision_inputs)
@@ -61,6 +62,20 @@ def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
     if value is not None and value < 1:
         raise ConfigError(f"pad_to_multiple_of={value} must be at least 1 (or None for no extra padding).")
     return value
+
+
+def check_length_settings(config) -> None:
+    """truncation_mode, max_prompt_length and max_completion_length of a preference config (DPO, BCO, TPO)."""
+    if config.truncation_mode not in TRUNCATION_MODES:
+        raise ConfigError(f"truncation_mode={config.truncation_mode!r} is not supported; choose from "
+                          f"{list(TRUNCATION_MODES)}.")
+    for name in ("max_prompt_length", "max_completion_length"):
+        if getattr(config, name, None) is not None and getattr(config, name) < 1:
+            raise ConfigError(f"{name}={getattr(config, name)} must be at least 1 (or None for no limit).")
+    if None not in (config.max_length, getattr(config, "max_prompt_length", None)) \
+            and config.max_prompt_length >= config.max_length:
+        raise ConfigError(f"max_prompt_length={config.max_prompt_length} leaves no room for the completion within "
+                          f"max_length={config.max_length}; set max_prompt_length below max_length.")
 
 
 @dataclass
@@ -163,18 +178,7 @@ class DPOConfig(ReferenceConfig):
             f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
             discopop_tau=self.discopop_tau, use_weighting=self.use_weighting, ld_alpha=self.ld_alpha,
         )
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not supported; choose from "
-                              f"{list(TRUNCATION_MODES)}.")
-        for name in ("max_prompt_length", "max_completion_length"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
-        if self.max_length is not None and self.max_prompt_length is not None \
-                and self.max_prompt_length >= self.max_length:
-            raise ConfigError(
-                f"max_prompt_length={self.max_prompt_length} leaves no room for the completion within "
-                f"max_length={self.max_length}; set max_prompt_length below max_length."
-            )
+        check_length_settings(self)
         super().__post_init__()
 
 
@@ -514,6 +518,7 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
             dataset, tokenizer_of(tokenizer), trainer="DPOTrainer", name=name, max_prompt_length=args.max_prompt_length,
             max_completion_length=args.max_completion_length, max_length=args.max_length,
             truncation_mode=args.truncation_mode, num_proc=args.dataset_num_proc,
+            report=DataReport.of(self).start(name, len(dataset)),
         )
 
     def default_collator(self, tokenizer, args: DPOConfig):

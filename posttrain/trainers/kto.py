@@ -22,6 +22,7 @@ from datasets import Dataset
 from ..data.chat import require_chat_template, unpair_preference_dataset
 from ..data.collators import pad
 from ..data.formats import DatasetFormat, check_example, validate_dataset
+from ..data.report import DataReport, cut_column
 from ..data.tokenize import tokenize_example
 from ..errors import ConfigError, DataError
 from ..losses.preference import KTO_LOSS_TYPES, kto_loss
@@ -76,7 +77,9 @@ class KTOConfig(ReferenceConfig):
 def _tokenize_row(example, row, tokenizer, fmt, completion_fmt, max_length):
     check_example(example, fmt, row)
     out = tokenize_example(example, tokenizer, completion_fmt, row=row)
+    n = len(out["input_ids"])
     out = {k: v[:max_length] for k, v in out.items()}  # keep_start, as TRL's collator cuts
+    out[cut_column("max_length")] = n - len(out["input_ids"])
     # As TRL, the completion is every token after the prompt, the template's whitespace after the turn included.
     if 1 not in out["completion_mask"]:  # the prompt fills max_length: dropped by prepare_dataset
         return out
@@ -191,7 +194,8 @@ class KTOTrainer(ReferenceTrainer):
 
     def prepare_dataset(self, dataset, tokenizer, args: KTOConfig, name: str):
         fmt: DatasetFormat = validate_dataset(dataset, ("unpaired_preference", "preference"), "KTOTrainer", name)
-        if fmt.kind == "preference":
+        paired = fmt.kind == "preference"
+        if paired:
             logger.info("%s holds paired preference data: unpairing it into a desirable (chosen) and an undesirable "
                         "(rejected) example per pair.", name)
             dataset = unpair_preference_dataset(dataset, num_proc=args.dataset_num_proc)
@@ -199,6 +203,8 @@ class KTOTrainer(ReferenceTrainer):
         if fmt.conversational:
             require_chat_template(tokenizer)
         completion_fmt = DatasetFormat("prompt_completion", fmt.conversational, ("prompt", "completion"))
+        report = DataReport.of(self).start(name, len(dataset))
+        report.note(len(dataset) // 2 if paired else 0, "pairs unpaired into two rows each (counted as rows)")
         dataset = dataset.map(
             _tokenize_row, with_indices=True, num_proc=args.dataset_num_proc,
             remove_columns=[c for c in dataset.column_names if c not in ("label", *self.ALL_REF_COLUMNS)],
@@ -206,6 +212,7 @@ class KTOTrainer(ReferenceTrainer):
             desc=f"Tokenizing {name}",
         )
         empty = [i for i, mask in enumerate(dataset["completion_mask"]) if 1 not in mask]
+        report.dropped(len(empty), f"prompt alone fills max_length={args.max_length}")
         if empty:  # as TRL does, drop rows whose prompt alone fills max_length
             if len(empty) == len(dataset):
                 raise DataError(f"Every row of {name} has a prompt that fills max_length={args.max_length}, leaving "
@@ -213,6 +220,7 @@ class KTOTrainer(ReferenceTrainer):
             logger.warning("Dropping %d of %d rows of %s: their prompt alone fills max_length=%s. Raise max_length "
                            "to keep them.", len(empty), len(dataset), name, args.max_length)
             dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
+        dataset = report.take_cuts(dataset)  # the truncation of the rows kept
         if name == "train_dataset":
             check_class_balance(dataset["label"], args, name)
         if args.loss_type == "kto" and isinstance(dataset, Dataset):

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
+from ..data.report import DataReport, cut_column
 from ..errors import ConfigError, DataError
 from ..generation import create_generation_backend
 from ..generation.vllm_backend import sampler_logps_tensor, sampler_mismatch_metrics
@@ -93,9 +94,8 @@ def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, m
     if not ids:
         raise DataError(f"Row {row}: the prompt is empty after tokenization; generation needs at least one prompt "
                         "token. Remove the row or give it a prompt.")
-    if max_prompt_length is not None:
-        ids = ids[-max_prompt_length:]
-    return {PROMPT_IDS_COLUMN: ids}
+    cut = 0 if max_prompt_length is None else max(len(ids) - max_prompt_length, 0)
+    return {PROMPT_IDS_COLUMN: ids[cut:], cut_column("max_prompt_length"): cut}
 
 
 def _require_prompt_column(dataset, name: str) -> None:
@@ -259,14 +259,15 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         self.conversational = is_message_list(dataset[0][PROMPT_COLUMN])
         if self.conversational:
             require_chat_template(tokenizer, "conversational prompts")
-        return dataset.map(
+        report = DataReport.of(self).start(name, len(dataset))  # prompts cut by max_prompt_length
+        return report.take_cuts(dataset.map(
             _tokenize_prompt, with_indices=True, num_proc=args.dataset_num_proc,
             fn_kwargs=dict(tokenizer=tokenizer, conversational=self.conversational,
                            max_prompt_length=args.max_prompt_length,
                            chat_template_kwargs={**(args.chat_template_kwargs or {}),
                                                  **({"tools": self._tool_schemas} if self._tool_schemas else {})}),
             desc=f"Tokenizing the prompts of {name}",
-        )
+        ))
 
     def default_collator(self, tokenizer, args):
         return collate_tagged

@@ -10,6 +10,7 @@ import torch
 from transformers import set_seed
 
 from ..data.preference import PreferenceCollator, prepare_preference_dataset
+from ..data.report import DataReport
 from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
 from ..errors import ConfigError
 from ..losses.preference import bradley_terry_loss
@@ -93,7 +94,8 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     def prepare_dataset(self, dataset, tokenizer, args: RewardConfig, name: str):
         return prepare_preference_dataset(dataset, tokenizer, trainer="RewardTrainer", name=name,
                                           max_length=args.max_length, truncation_mode="drop",
-                                          num_proc=args.dataset_num_proc)
+                                          num_proc=args.dataset_num_proc,
+                                          report=DataReport.of(self).start(name, len(dataset)))
 
     def default_collator(self, tokenizer, args: RewardConfig):
         # Padded, not padding-free: the classifier reads one position per row.

@@ -15,6 +15,7 @@ from ..data.chat import normalize_example, require_chat_template
 from ..data.collators import IGNORE_INDEX, LanguageModelingCollator
 from ..data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
 from ..data.packing import pack_dataset
+from ..data.report import DataReport, cut_column, note_packing
 from ..data.tokenize import tokenize_example, truncate
 from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
 from ..data.vision import VisionSetup, VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
@@ -148,10 +149,12 @@ def _sft_args(args, model) -> SFTConfig:
 def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos,
                   truncation_mode):
     check_example(example, fmt, row)
-    return tokenize_example(
-        example, tokenizer, fmt, row=row, max_length=max_length, completion_only_loss=completion_only_loss,
+    out = tokenize_example(
+        example, tokenizer, fmt, row=row, completion_only_loss=completion_only_loss,
         assistant_only_loss=assistant_only_loss, add_eos=add_eos, truncation_mode=truncation_mode,
     )
+    ids, mask = truncate(out["input_ids"], out["completion_mask"], max_length, truncation_mode, row)
+    return {"input_ids": ids, "completion_mask": mask, cut_column("max_length"): len(out["input_ids"]) - len(ids)}
 
 
 def _format_row(example, row, formatting_func):
@@ -171,8 +174,9 @@ def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
         masks = [example[c] for c in ("completion_mask", "assistant_masks")
                  if example.get(c) is not None and (c != "completion_mask" or use_completion_mask)]
         labels = [t if all(bits) else IGNORE_INDEX for t, *bits in zip(ids, *masks)]
+    n = len(ids)
     ids, labels = truncate(list(ids), list(labels), max_length, truncation_mode, row, untrained=IGNORE_INDEX)
-    return {"input_ids": ids, "labels": labels}
+    return {"input_ids": ids, "labels": labels, cut_column("max_length"): n - len(ids)}
 
 
 def check_chunked_loss_supported(model) -> None:
@@ -298,15 +302,18 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                               "would bake in. Apply deterministic transforms with map() first, or pass "
                               "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator.")
         max_length = None if packing else args.max_length  # packing cuts to max_length itself
+        report = DataReport.of(self).start(name, len(dataset))
         if "input_ids" in dataset.column_names:
             dataset = self._prepare_tokenized(dataset, args, max_length, name)
         else:
             dataset = self._tokenize(dataset, tokenizer, args, max_length, name)
+        dataset = report.take_cuts(dataset)
         if packing:
             if args.shuffle_dataset:  # else neighbours in the data would share rows
                 dataset = dataset.shuffle(seed=args.seed)
             split = args.packing_split_long or args.packing_strategy == "bfd_split"
             strategy = "wrapped" if args.packing_strategy == "wrapped" else "bfd"
+            note_packing(report, dataset, args.max_length, strategy, split)
             dataset = pack_dataset(dataset, args.max_length, strategy, split, num_proc=args.dataset_num_proc)
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
