@@ -335,36 +335,55 @@ def _default(info: dataclasses.Field) -> Any:
 
 def build_parser(prog: str, description: str, groups: list[FlagGroup]) -> argparse.ArgumentParser:
     """An argparse parser with one flag per field; flags not given are absent from the parsed namespace."""
+    return spec_parser(prog, description, [flag_spec(group) for group in groups])
+
+
+def spec_parser(prog: str, description: str, specs: list[dict[str, Any]]) -> argparse.ArgumentParser:
+    """The parser of `build_parser` from flag specs (`flag_spec`), which may come from the on-disk cache."""
     parser = CommandParser(prog=prog, usage=f"{prog} [--config run.yaml] [--flag VALUE ...]", description=description,
                            allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
                         help="YAML file with the same keys as the flags; flags given here override it.")
-    add_flags(parser, groups)
+    add_flag_specs(parser, specs)
     return parser
+
+
+def flag_spec(group: FlagGroup) -> dict[str, Any]:
+    """How each field of the group appears on the command line, as JSON-able data: the help text (with the
+    choices and the default), metavar, nargs, and whether a `--no_<name>` spelling switches it off."""
+    hints = field_hints(group.cls)
+    fields = {f.name: f for f in dataclasses.fields(group.cls)}
+    flags = []
+    for name in group.names:
+        text = fields[name].metadata.get("help", "")
+        choices = _choices(hints[name])
+        if choices and len(choices) > MAX_METAVAR_CHOICES:
+            text = f"{text} Choices: {', '.join(choices)}.".strip()
+        default = _default(fields[name])
+        if default not in (None, dataclasses.MISSING):
+            text = f"{text} (default: {default})".strip()
+        nargs = _nargs(hints[name])
+        # A setting that is on by default can be switched off with --no_<name>, as with TRL's parser.
+        negatable = default is True and nargs == "?" and f"no_{name}" not in fields
+        flags.append({"name": name, "help": text, "default": repr(default), "metavar": _metavar(hints[name]),
+                      "nargs": nargs, "negatable": negatable})
+    return {"title": group.title, "flags": flags}
 
 
 def add_flags(parser: argparse.ArgumentParser, groups: list[FlagGroup]) -> None:
     """One `--<field>` per field of each group, under the group's heading; values stay text until converted."""
-    for group in groups:
-        section = parser.add_argument_group(group.title)
-        hints = field_hints(group.cls)
-        fields = {f.name: f for f in dataclasses.fields(group.cls)}
-        for name in group.names:
-            text = fields[name].metadata.get("help", "")
-            choices = _choices(hints[name])
-            if choices and len(choices) > MAX_METAVAR_CHOICES:
-                text = f"{text} Choices: {', '.join(choices)}.".strip()
-            default = _default(fields[name])
-            if default not in (None, dataclasses.MISSING):
-                text = f"{text} (default: {default})".strip()
-            nargs = _nargs(hints[name])
-            section.add_argument(
-                *_spellings(name), dest=name, default=argparse.SUPPRESS, nargs=nargs,
-                const="true" if nargs == "?" else None, metavar=_metavar(hints[name]),
-                help=text.replace("%", "%%"),
-            )
-            # A setting that is on by default can be switched off with --no_<name>, as with TRL's parser.
-            if default is True and _nargs(hints[name]) == "?" and f"no_{name}" not in fields:
+    add_flag_specs(parser, [flag_spec(group) for group in groups])
+
+
+def add_flag_specs(parser: argparse.ArgumentParser, specs: list[dict[str, Any]]) -> None:
+    for spec in specs:
+        section = parser.add_argument_group(spec["title"])
+        for flag in spec["flags"]:
+            name, nargs = flag["name"], flag["nargs"]
+            section.add_argument(*_spellings(name), dest=name, default=argparse.SUPPRESS, nargs=nargs,
+                                 const="true" if nargs == "?" else None, metavar=flag["metavar"],
+                                 help=flag["help"].replace("%", "%%"))
+            if flag["negatable"]:
                 section.add_argument(*_spellings(f"no_{name}"), dest=name, action="store_const", const="false",
                                      default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
@@ -399,7 +418,7 @@ def read_yaml_mapping(path) -> dict[str, Any]:
     return loaded
 
 
-def load_yaml_settings(path: str, hints: dict[str, Any]) -> dict[str, Any]:
+def load_yaml_settings(path: str, hints: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The settings of a YAML config file, each converted to its field's type."""
     loaded = read_yaml_mapping(path)
     if not loaded:
@@ -409,7 +428,7 @@ def load_yaml_settings(path: str, hints: dict[str, Any]) -> dict[str, Any]:
     for key, value in loaded.items():
         if key not in hints:
             raise ConfigError(f"{path}: {unknown_name_message(str(key), list(hints))}")
-        settings[key] = convert_value(value, hints[key], f"{path}: {key}")
+        settings[key] = value if key in skip else convert_value(value, hints[key], f"{path}: {key}")
     return settings
 
 
@@ -434,15 +453,21 @@ def parse_settings(parser: argparse.ArgumentParser, groups: list[FlagGroup], arg
     for group in groups:
         group_hints = field_hints(group.cls)
         hints.update({name: group_hints[name] for name in group.names})
+    return parse_flags(parser, hints, argv)
+
+
+def parse_flags(parser: argparse.ArgumentParser, hints: dict[str, Any], argv: list[str],
+                skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """`parse_settings` given each flag's type; the flags in `skip` are returned as given, unconverted."""
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         raise first_unknown(unknown, list(hints))
     given = vars(namespace)
     config_path = given.pop("config", None)
-    settings = load_yaml_settings(config_path, hints) if config_path else {}
+    settings = load_yaml_settings(config_path, hints, skip) if config_path else {}
     for name, raw in given.items():
         # One value after a list-typed flag is read like a single value: `--report_to none`, `--x '[1, 2]'`.
         if isinstance(raw, list) and len(raw) == 1:
             raw = raw[0]
-        settings[name] = convert_value(raw, hints[name], f"--{name}")
+        settings[name] = raw if name in skip else convert_value(raw, hints[name], f"--{name}")
     return settings

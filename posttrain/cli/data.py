@@ -112,11 +112,15 @@ class DataArguments(ScriptArguments):
     )
 
 
-def _check_data_file(path: Path) -> None:
-    """A missing, empty, or (for JSON) malformed file fails here with the file name and line number."""
+def _check_exists(path: Path) -> None:
     if not path.is_file():
         raise DataError(f"Data file {path} does not exist; check the path (relative paths start from "
                         f"{Path.cwd()}).")
+
+
+def _check_data_file(path: Path) -> None:
+    """A missing, empty, or (for JSON) malformed file fails here with the file name and line number."""
+    _check_exists(path)
     if path.suffix not in FILE_BUILDERS:
         raise DataError(f"{path} is not a supported data file; use one of {', '.join(FILE_BUILDERS)}, or a "
                         "dataset directory.")
@@ -317,6 +321,15 @@ def _check_arguments(args: DataArguments) -> None:
     if args.datasets is not None and args.dataset_test_split and not args.eval_dataset_name:
         raise ConfigError("--dataset_test_split needs one source; with a `datasets:` mixture use "
                           "--eval_dataset_name or --test_split_size.")
+
+
+def check_data_arguments(args: DataArguments) -> None:
+    """The checks that need neither datasets nor reading the data: contradictory flags and a data file that is
+    not there (the command runs them before importing the trainer)."""
+    _check_arguments(args)
+    for location in (args.dataset_name, args.eval_dataset_name):
+        if location and _looks_like_path(location) and not Path(location).expanduser().is_dir():
+            _check_exists(Path(location).expanduser())
 
 
 def load_training_data(args: DataArguments, seed: int, evaluate: bool = False):

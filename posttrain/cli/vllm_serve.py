@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..generation.vllm_client import WORKER_EXTENSION
 from .args import CommandParser
 
 DESCRIPTION = "start a vLLM server that the online trainers use with use_vllm=True, vllm_mode='server'"
@@ -52,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start the server described by `argv` (vllm-serve's arguments,
     then optionally `--` and arguments for vLLM itself)."""
+    from ..generation.vllm_client import WORKER_EXTENSION  # imports torch: only when a server starts
     from ..models.loading import resolve_model_path
 
     ours, passthrough = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])

