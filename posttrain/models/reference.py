@@ -95,7 +95,8 @@ def _copy_model(model: nn.Module) -> nn.Module:
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
     fresh.load_state_dict(state)
-    fresh.generation_config = copy.deepcopy(model.generation_config)
+    if getattr(model, "generation_config", None) is not None:  # a sequence classifier has none
+        fresh.generation_config = copy.deepcopy(model.generation_config)
     return fresh
 
 

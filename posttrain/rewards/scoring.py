@@ -133,6 +133,11 @@ class _ModelReward:
         return completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
 
 
+def _zero3(accelerator: Any) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
@@ -220,11 +225,15 @@ class RewardScorer:
                               f"({_function_name(entry)}) is a function, not a model; set that entry to None.")
         return entry, _function_name(entry)
 
-    def to(self, device: torch.device | str) -> RewardScorer:
-        """Moves the reward models to `device` (the policy's, usually); functions are unaffected."""
+    def to(self, device: torch.device | str, accelerator: Any = None) -> RewardScorer:
+        """Moves the reward models to `device` (the policy's, usually); functions are unaffected. With the
+        trainer's `accelerator`, each is placed as a frozen model (`prepare_model(..., evaluation_mode=True)`):
+        under DeepSpeed ZeRO-3 that makes it an inference engine that gathers its partitioned weights."""
         for reward in self._rewards:
             if isinstance(reward.func, _ModelReward):
                 reward.func.model.to(device)
+                if accelerator is not None and _zero3(accelerator):
+                    reward.func.model = accelerator.prepare_model(reward.func.model, evaluation_mode=True)
         return self
 
     def check_columns(self, columns: list[str]) -> None:

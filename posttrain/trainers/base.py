@@ -18,8 +18,8 @@ from ..data.report import DataReportCallback
 from ..model_card import write_model_card
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
-from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, shard_frozen_models_under_zero3,
-                          use_gloo_on_cpu)
+from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
+                          shard_frozen_models_under_zero3, use_gloo_on_cpu)
 from .guards import NONFINITE_POLICIES, GuardMixin
 
 logger = logging.getLogger("posttrain")
@@ -352,7 +352,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer.save_model, plus the model card beside the weights when called by the user (checkpoints get
         theirs from RunArtifactsCallback)."""
-        super().save_model(output_dir, _internal_call)
+        if _internal_call or not save_full_model_under_fsdp(self, output_dir or self.args.output_dir):
+            super().save_model(output_dir, _internal_call)  # (under sharded FSDP, transformers writes no weights)
         if not _internal_call and self.is_world_process_zero():
             write_model_card(self, output_dir or self.args.output_dir)
 

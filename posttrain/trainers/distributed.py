@@ -128,3 +128,16 @@ def gathered_for_generation(model):
         yield
     finally:
         model.reshard()
+
+
+def save_full_model_under_fsdp(trainer, output_dir: str) -> bool:
+    """`trainer.save_model` under FSDP with a sharded state dict (the shipped fsdp2.yaml): transformers writes no
+    weights there, so an export would be silently empty. This gathers the full state dict (a collective: every
+    process calls it) and writes a plain Hugging Face checkpoint that `from_pretrained` loads. Returns whether it
+    applied (False for other engines and FULL_STATE_DICT, where transformers already writes full weights)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        return False
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)
+    trainer._save(output_dir, state_dict=state_dict)
+    return True

@@ -17,7 +17,6 @@ towards target_kl (Ziegler et al. 2019).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -35,10 +34,11 @@ from ..generation import create_generation_backend, stop_token_ids
 from ..losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
 from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
 from ..models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
-from ..models.reference import freeze, reference_forward, unwrap
+from ..models.reference import _copy_model as copy_model, freeze, reference_forward, unwrap
 from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
     check_value_model)
+from .distributed import gathered_for_generation
 from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout
 from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 from .ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
@@ -338,7 +338,7 @@ class PPOTrainer(OnlineTrainer):
                 return AutoModelForCausalLMWithValueHead(policy)
             index = reward_models[0]
             source = f"a copy of the reward model reward_funcs[{index}]"
-            value_model = copy.deepcopy(reward_funcs[index]).requires_grad_(True)
+            value_model = copy_model(reward_funcs[index]).requires_grad_(True)  # ZeRO-3: gathered weights
             value_processing_class = reward_processing_classes[index]
         elif isinstance(value_model, str):
             value_processing_class = load_tokenizer(value_model, value_processing_class)
@@ -405,8 +405,10 @@ class PPOTrainer(OnlineTrainer):
                 or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)):
             return
         rows = [data[i] for i in range(min(len(data), args.per_device_eval_batch_size))]
-        completions = self.generation_backend.generate([r[PROMPT_IDS_COLUMN] for r in rows], 1, dataclasses.replace(
-            self.sampling, temperature=0.01), seed=args.seed)
+        with gathered_for_generation(self.model):  # FSDP2: the wrapper's root weights are sharded otherwise
+            completions = self.generation_backend.generate([r[PROMPT_IDS_COLUMN] for r in rows], 1,
+                                                           dataclasses.replace(self.sampling, temperature=0.01),
+                                                           seed=args.seed)
         texts = [self.processing_class.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         _, scores = self.reward_scorer(
             [r[PROMPT_COLUMN] for r in rows],

@@ -3,8 +3,8 @@
 Each engine is one `accelerate launch --config_file examples/accelerate_configs/<engine>.yaml` of worker.py with
 the shipped config unchanged (2 CPU processes over gloo), training all trainers in turn for 3 SGD steps; the
 reference is the same worker in one plain process. Compared per trainer: the logged loss of every step and every
-parameter after the last (to 1e-5, on both ranks), where the reference and teacher models live (sharded like the
-policy under ZeRO-3, replicated otherwise), and for the online trainers the advantages of the last round.
+parameter after the last (to 1e-5, on both ranks), where the reference, teacher and reward models live (sharded like
+the policy under ZeRO-3, replicated otherwise), and for the online trainers the advantages of the last round.
 
 Run with `pytest -m dist tests/dist` (about 2 minutes of CPU per engine).
 """
@@ -32,13 +32,7 @@ POLICY = {"ddp": "replicated", "fsdp2": "fsdp2", "zero2": "replicated", "zero3":
 PER_DEVICE = 2  # the online trainers use twice this (a group of 4 completions per process)
 TOLERANCE = 1e-5
 # Known failures (strict: a fix turns them into passes and the mark must go).
-KNOWN_FAILURES = {
-    ("fsdp2", "ppo"): "generation calls the policy inside the policy+value wrapper; the wrapper's FSDP2 root "
-                      "parameters (embeddings, norm, head) stay sharded (the engine must gather them for generation)",
-    ("zero3", "ppo"): "the reward model inside the reward scorer is loaded partitioned under ZeRO-3 and never "
-                      "wrapped by DeepSpeed (the scorer must place it with accelerator.prepare_model(..., "
-                      "evaluation_mode=True))",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _env() -> dict:
@@ -78,7 +72,9 @@ def single(tmp_path_factory, models) -> dict[str, list[dict]]:
     command = [sys.executable, str(WORKER), str(out), str(2 * PER_DEVICE), ",".join(TRAINERS), *models]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return _load(out, 1)
+    loaded = _load(out, 1)
+    print("\n[max RSS MB] single:", {t: [round(r.get("max_rss_mb", 0)) for r in ranks] for t, ranks in loaded.items()})
+    return loaded
 
 
 _launched: dict[str, dict[str, list[dict]]] = {}
@@ -92,6 +88,9 @@ def _launch(engine: str, models: list[str], out: Path) -> dict[str, list[dict]]:
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         _launched[engine] = _load(out, 2)
+        # peak resident memory of each process (cumulative over the trainers run so far), for docs/scaling.md
+        print(f"\n[max RSS MB] {engine}:", {t: [round(r.get("max_rss_mb", 0)) for r in ranks]
+                                           for t, ranks in _launched[engine].items()})
     return _launched[engine]
 
 
@@ -122,7 +121,7 @@ def test_two_processes_match_one_process(engine, trainer, models, single, tmp_pa
         # where the models live: the policy as the engine holds it; frozen reference and teacher models sharded
         # under ZeRO-3 (an inference engine) and replicated otherwise (TRL also shards them under FSDP2)
         assert rank["policy"] == POLICY[engine]
-        for attr in ("ref_model", "teacher_model"):
+        for attr in ("ref_model", "teacher_model", "reward_model"):
             if attr in reference:
                 assert rank.get(attr) == ("zero3" if engine == "zero3" else "replicated"), attr
     if "advantages" in reference:

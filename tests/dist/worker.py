@@ -9,6 +9,7 @@ Writes OUT_DIR/<trainer>.rank<r>.pt; a trainer that fails writes its traceback i
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import traceback
 
@@ -60,10 +61,11 @@ def _stopping_model(path: str):
     return model
 
 
-def build(name: str, out_dir: str, per_device: int, model: str, teacher: str, reward_model: str):
+def build(name: str, out_dir: str, per_device: int, model: str, teacher: str, reward_model: str, **overrides):
+    """`overrides`: training arguments that replace the common ones (checkpoint_worker.py saves and resumes)."""
     import posttrain as pt
 
-    common = _common(os.path.join(out_dir, name), per_device)
+    common = {**_common(os.path.join(out_dir, name), per_device), **overrides}
     online = dict(max_completion_length=6, temperature=1.0)
     if name in ("grpo", "rloo", "ppo"):
         # posttrain generates a prompt's whole group on one process: b=4 puts one group of 4 on each process
@@ -136,8 +138,8 @@ def record(name: str, trainer) -> dict:
     for attr in ("ref_model", "teacher_model", "value_model"):
         if getattr(trainer, attr, None) is not None:
             result[attr] = placement(getattr(trainer, attr))
-    scorer_models = [f for f in getattr(getattr(trainer, "scorer", None), "reward_funcs", []) or []
-                     if isinstance(f, torch.nn.Module)]
+    scorer = getattr(trainer, "reward_scorer", None)
+    scorer_models = [r.func.model for r in getattr(scorer, "_rewards", []) if hasattr(r.func, "model")]
     if scorer_models:
         result["reward_model"] = placement(scorer_models[0])
     if rollout is not None and "advantages" in getattr(rollout, "tensors", {}):
@@ -158,6 +160,7 @@ def main() -> None:
             result["moved"] = max((result["params"][n] - p).abs().max().item() for n, p in initial.items())
         except Exception:  # one trainer's failure must not hide the others' results
             result = {"error": traceback.format_exc()}
+        result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process's peak so far
         torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
