@@ -381,3 +381,38 @@ def test_tokenizer_special_tokens_go_on_plain_text_but_not_on_rendered_conversat
     rewards, _ = score(scorer, prompts=[[{"role": "user", "content": p}] for p in PROMPTS],
                        completions=[[{"role": "assistant", "content": c}] for c in COMPLETIONS])
     assert rewards[:, 0].tolist() == pytest.approx(direct_scores(classifier_path, chat), abs=1e-5)
+
+
+def test_skip_policy_scores_the_batch_without_a_failing_function_and_counts_it():
+    calls = {"n": 0}
+
+    def flaky(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        if calls["n"] == 2:
+            return [float("nan")] * len(completions)
+        return [1.0] * len(completions)
+
+    def steady(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    async def slow(completions, **kwargs):
+        await asyncio.sleep(5)
+        return [2.0] * len(completions)
+
+    scorer = RewardScorer([flaky, steady, slow], timeout_s=0.2, failure_policy="skip")
+    for expected_flaky in (math.nan, math.nan, 1.0):
+        per_function, total = scorer(["p", "q"], ["a", "b"], [[1], [2]], {})
+        got = per_function[:, 0].tolist()
+        assert all(math.isnan(v) for v in got) if math.isnan(expected_flaky) else got == [1.0, 1.0]
+        assert per_function[:, 1].tolist() == [0.5, 0.5] and per_function[:, 2].isnan().all()
+        assert total.tolist() == [0.5 + (0 if math.isnan(expected_flaky) else 1.0)] * 2
+    assert scorer.pop_faults() == {"flaky": 2, "steady": 0, "slow": 3}
+    assert scorer.pop_faults() == {"flaky": 0, "steady": 0, "slow": 0}
+    # The default stops at the first failure, naming the function.
+    with pytest.raises(RewardFunctionError, match="flaky"):
+        calls["n"] = 0
+        RewardScorer([flaky])(["p"], ["a"], [[1]], {})
+    with pytest.raises(ConfigError, match="reward_failure_policy='ignore'"):
+        RewardScorer([steady], failure_policy="ignore")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -27,6 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..data.chat import render, require_chat_template
 from ..errors import ConfigError, DataError, PosttrainError
 from ..models.loading import load_sequence_classifier, load_tokenizer
+
+logger = logging.getLogger("posttrain")
+FAILURE_POLICIES = ("error", "skip")  # what a failing reward function does to the run
 
 # Keyword arguments every reward function may ask for; dataset columns are passed beside them by name.
 STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -177,7 +181,13 @@ class RewardScorer:
         reward_weights: list[float] | None = None,
         reward_processing_classes: list | None = None,
         timeout_s: float = 60.0,
+        failure_policy: str = "error",
     ) -> None:
+        if failure_policy not in FAILURE_POLICIES:
+            raise ConfigError(f"reward_failure_policy={failure_policy!r} is not one of {FAILURE_POLICIES}: 'error' stops "
+                              "the run at a failing reward function, 'skip' scores the batch without it and counts it.")
+        self.failure_policy = failure_policy
+        self.faults: dict[str, int] = {}  # failures per reward function since `pop_faults` (failure_policy='skip')
         if not reward_funcs:
             raise ConfigError("No reward functions given; pass at least one function, model or model path in "
                               "reward_funcs.")
@@ -281,18 +291,23 @@ class RewardScorer:
                 except PosttrainError:  # already says what is wrong with the data or settings
                     raise
                 except Exception as error:
-                    raise self._failure(reward, kwargs, error) from error
+                    outputs[reward.name] = self._fault(reward, kwargs, error)
         if pending is not None:
             for reward, output in zip(async_rewards, pending.result()):
-                if isinstance(output, (RewardTimeoutError, PosttrainError)):
+                if isinstance(output, PosttrainError) and not isinstance(output, RewardTimeoutError):
                     raise output
-                if isinstance(output, Exception):
-                    raise self._failure(reward, kwargs, output) from output
-                outputs[reward.name] = output
-        rewards = torch.tensor([self._check_output(reward, outputs[reward.name], prompts)
-                                for reward in self._rewards], dtype=torch.float32).T
+                outputs[reward.name] = self._fault(reward, kwargs, output) if isinstance(output, Exception) \
+                    else output
+        columns = []
+        for reward in self._rewards:
+            try:
+                columns.append(self._check_output(reward, outputs[reward.name], prompts))
+            except RewardFunctionError as error:
+                columns.append(self._fault(reward, kwargs, error))
+        rewards = torch.tensor([[math.nan if v is None else v for v in column] for column in columns],
+                               dtype=torch.float32).T
         not_applicable = rewards.isnan()
-        if not_applicable.all():
+        if not_applicable.all() and not any(self.faults.values()):
             raise DataError(
                 f"No reward function applies to this batch: {', '.join(self.names)} returned None for all "
                 f"{len(prompts)} samples. Check that the dataset has the columns these rewards read and that "
@@ -328,6 +343,23 @@ class RewardScorer:
         if not reward.is_async:
             return reward.func(**reward.select(kwargs))
         return asyncio.run_coroutine_threadsafe(self._await(reward, kwargs), _event_loop()).result()
+
+    def _fault(self, reward: _Reward, kwargs: dict[str, Any], error: Exception) -> list[None]:
+        """A failing reward function (it raised, timed out, or returned something unusable): the error that stops
+        the run, or with failure_policy='skip' no reward from it for this batch, counted in `faults`."""
+        if self.failure_policy == "error":
+            if isinstance(error, (RewardTimeoutError, RewardFunctionError)):
+                raise error
+            raise self._failure(reward, kwargs, error) from error
+        logger.warning("Reward function '%s' failed on this batch and is skipped for it (reward_failure_policy="
+                       "'skip'): %s: %s", reward.name, type(error).__name__, error)
+        self.faults[reward.name] = self.faults.get(reward.name, 0) + 1
+        return [None] * len(kwargs["prompts"])
+
+    def pop_faults(self) -> dict[str, int]:
+        """Failures per reward function since the last call (all functions listed, 0 where none)."""
+        faults, self.faults = self.faults, {}
+        return {name: faults.get(name, 0) for name in self.names}
 
     def _failure(self, reward: _Reward, kwargs: dict[str, Any], error: Exception) -> RewardFunctionError:
         """The error to raise when `reward` raised on the batch, naming the first sample that fails on its own.

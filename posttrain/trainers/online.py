@@ -188,7 +188,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if self.environments is not None:  # an environment with get_reward() is a reward source
             reward_funcs += [function for _, function in self.environments.reward_functions()]
         self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          args.reward_timeout_s)
+                                          args.reward_timeout_s, args.reward_failure_policy)
         if rollout_func is None:  # its extra fields reach the reward functions; they are checked on the first round
             self.reward_scorer.check_columns(self.reward_columns + (["environments"] if environment_factory else []))
         self._tool_schemas = tool_schemas(tools) if tools and environment_factory is None else None

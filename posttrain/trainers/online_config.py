@@ -149,6 +149,11 @@ class OnlineConfig(PosttrainConfig):
     max_tool_calling_iterations: int | None = field(
         default=None, metadata={"help": "With tools= or environment_factory=: most tool turns per completion (None: "
                                         "until the model stops calling tools or max_completion_length is reached)."})
+    reward_failure_policy: str = field(
+        default="error", metadata={"help": "What a reward function that raises, times out or returns a non-finite "
+                                           "value does: 'error' stops the run naming it and the sample; 'skip' "
+                                           "gives no reward from it for that batch and counts it in "
+                                           "rewards/<name>/failures."})
     tool_call_parser: str = field(
         default="hermes", metadata={"help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
                                             "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "

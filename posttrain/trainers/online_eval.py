@@ -132,6 +132,11 @@ class OnlineEvaluation:
         for i, name in enumerate(self.reward_scorer.names):
             metrics[f"rewards/{name}/mean"] = per_function[:, i].nanmean()
             metrics[f"rewards/{name}/std"] = nanstd(per_function[:, i])
+        if self.reward_scorer.failure_policy == "skip":  # failed calls this round, summed over processes
+            faults = self.reward_scorer.pop_faults()
+            counts = gather(torch.tensor([list(faults.values())], dtype=torch.float32, device=rewards.device))
+            for name, count in zip(faults, counts.sum(0).tolist()):
+                metrics[f"rewards/{name}/failures"] = count
         metrics.update({
             "reward": rewards.nanmean(), "reward_std": nanstd(rewards),
             "frac_reward_zero_std": sum(zero_std) / len(zero_std), "frac_reward_none": rewards.isnan().float().mean(),
