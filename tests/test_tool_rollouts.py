@@ -340,3 +340,34 @@ def test_sft_renders_each_rows_tools_like_trl(tmp_path, tiny_model_path, tool_to
     with_tools, without = (tool_tokenizer.decode(trainer.train_dataset[i]["input_ids"]) for i in range(2))
     assert with_tools == tool_tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
     assert "<tools>" in with_tools and "<tools>" not in without
+
+
+def test_resume_inside_a_round_of_tool_episodes_is_exact(tmp_path, tiny_model_path, tool_tokenizer):
+    """steps_per_generation=2: the checkpoint of step 1 falls inside a round of tool episodes; the resumed run
+    trains step 2 on the saved episodes (not new ones) and ends with the straight run's weights."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 1
+
+    script, *_ = calculator_script(tool_tokenizer)
+    config = dict(steps_per_generation=2, max_steps=2, save_strategy="steps", save_steps=1, beta=0.0)
+
+    def make(out, callbacks=None):
+        trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, out, tiny_model_path, tool_tokenizer, script,
+                                               tools=[add], config=config, callbacks=callbacks)
+        return trainer, backend
+
+    straight, _ = make(tmp_path / "straight")
+    straight.train()
+    interrupted, _ = make(tmp_path / "run", [StopAfter()])
+    interrupted.train()
+    assert interrupted.state.global_step == 1
+    resumed, backend = make(tmp_path / "run")
+    resumed.train(resume_from_checkpoint=True)
+    assert backend.calls == []  # the round's episodes came from the checkpoint
+    assert resumed.rollout.episodes == straight.rollout.episodes
+    expected = dict(straight.model.named_parameters())
+    for name, value in resumed.model.named_parameters():
+        torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0, msg=name)
