@@ -28,7 +28,7 @@ from ..errors import ConfigError, DataError
 from ..losses.policy import aggregate_loss
 from ..losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from ..losses.sft import IGNORE_INDEX, shift_for_next_token
-from ..trainers.distillation import DistillationConfig, DistillationTrainer, _tokenize_prompt
+from ..trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
 
 TEACHER_KINDS = ("base", "live", "ema")
 _NOT_SELF_DISTILLATION = ("DistillationTrainer's {} (teacher/student mixing of GKD) does not apply to "
@@ -216,7 +216,7 @@ def privileged_text(context: Any) -> str:
 def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: dict) -> list[int]:
     """A prompt's ids as TRL makes the student's (the chat template with the generation prompt for messages, the
     tokenizer's special tokens for text), cut to the last `keep` tokens."""
-    ids = _tokenize_prompt({"prompt": prompt}, row, tokenizer, is_message_list(prompt), template_kwargs)["input_ids"]
+    ids = tokenize_prompt({"prompt": prompt}, row, tokenizer, is_message_list(prompt), template_kwargs)["input_ids"]
     return ids[-keep:] if keep else ids
 
 

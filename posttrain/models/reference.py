@@ -74,10 +74,10 @@ def create_reference_model(
         return freeze(load_causal_lm(ref_model, model_init_kwargs) if isinstance(ref_model, str) else ref_model)
     if peft:
         return None
-    return freeze(_copy_model(unwrap(model)))
+    return freeze(copy_model(unwrap(model)))
 
 
-def _copy_model(model: nn.Module) -> nn.Module:
+def copy_model(model: nn.Module) -> nn.Module:
     """A deep copy; under DeepSpeed ZeRO-3 (parameters partitioned across processes) a fresh model with the gathered
     full weights, built outside zero.Init (the trainer partitions it again), since a deep copy would hold empty
     partitions and the policy's hooks."""

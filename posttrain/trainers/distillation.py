@@ -218,7 +218,7 @@ def check_teacher_compatible(student: PreTrainedModel, student_tokenizer, teache
         )
 
 
-def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, template_kwargs: dict) -> dict:
+def tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, template_kwargs: dict) -> dict:
     """A prompt-only row: the prompt's ids (rendered with the generation prompt if conversational), nothing
     trained; the student's sample supplies the completion."""
     prompt = example["prompt"]
@@ -343,7 +343,7 @@ class DistillationTrainer(SFTTrainer):
             if fmt.conversational:
                 require_chat_template(tokenizer, "conversational prompts")
             return dataset.map(
-                _tokenize_prompt, with_indices=True, remove_columns=dataset.column_names,
+                tokenize_prompt, with_indices=True, remove_columns=dataset.column_names,
                 num_proc=args.dataset_num_proc,
                 fn_kwargs=dict(tokenizer=tokenizer, conversational=fmt.conversational,
                                template_kwargs=args.chat_template_kwargs or {}),

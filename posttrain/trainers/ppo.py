@@ -34,7 +34,7 @@ from ..generation import create_generation_backend, stop_token_ids
 from ..losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
 from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
 from ..models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
-from ..models.reference import _copy_model as copy_model, freeze, reference_forward, unwrap
+from ..models.reference import copy_model, freeze, reference_forward, unwrap
 from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
     check_value_model)
