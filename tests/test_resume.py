@@ -7,6 +7,8 @@ it), so the learning-rate schedule is the one of the straight run."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from datasets import Dataset
@@ -108,6 +110,33 @@ def _distillation(path, out, callbacks, **kw):
                                callbacks=callbacks)
 
 
+def _experimental(name, path, out, callbacks):
+    """The experimental trainers with state of their own: ORPO/CPO/TPO (token counters), BCO (running reward
+    shift), GMPO and online DPO (the online engine)."""
+    import importlib
+
+    module = importlib.import_module(f"posttrain.experimental.{name}")
+    if name in ("orpo", "cpo"):
+        config_class, trainer_class = (module.ORPOConfig, module.ORPOTrainer) if name == "orpo" else (
+            module.CPOConfig, module.CPOTrainer)
+        args = config_class(**_common(out, per_device_train_batch_size=4, max_length=64))
+        return trainer_class(path, args=args, train_dataset=_pairs(), callbacks=callbacks)
+    if name == "tpo":
+        data = _pairs().map(lambda row: {"reference": " truly good"})
+        args = module.TPOConfig(**_common(out, per_device_train_batch_size=4, max_length=64))
+        return module.TPOTrainer(path, args=args, train_dataset=data, callbacks=callbacks)
+    if name == "bco":
+        data = Dataset.from_list([{"prompt": f"{WORDS[i % 14]} is", "completion": " good" if i % 2 else " bad",
+                                   "label": bool(i % 2)} for i in range(16)])
+        args = module.BCOConfig(**_common(out, per_device_train_batch_size=4, max_length=64))
+        return module.BCOTrainer(path, args=args, train_dataset=data, callbacks=callbacks)
+    if name == "gmpo":
+        return _online(module.GMPOTrainer, module.GMPOConfig, path, out, callbacks)
+    args = module.OnlineDPOConfig(**_common(out, per_device_train_batch_size=2, max_new_tokens=6))
+    return module.OnlineDPOTrainer(path, reward_funcs=_low_ids, args=args, train_dataset=_prompts(),
+                                   callbacks=callbacks)
+
+
 CASES = {
     "sft": _sft,
     # The checkpoint of step 3 falls inside the logging window of steps 1-4: the loss sum and metric buffers are
@@ -129,6 +158,8 @@ CASES = {
     "distillation_on_policy": _distillation,
     # A mix: which micro-batches are on-policy is a random draw that must continue where it stopped.
     "distillation_mixed": lambda *a: _distillation(*a, lmbda=0.5),
+    **{f"experimental_{name}": functools.partial(_experimental, name)
+       for name in ("orpo", "cpo", "tpo", "bco", "gmpo", "online_dpo")},
 }
 
 # Cases that still diverge, each with the reason; strict, so that the fix shows up as an unexpected pass.
