@@ -171,6 +171,38 @@ def _literal(text: str | None) -> str:
     return "none" if text is None else json.dumps(text)
 
 
+def chatml_turns(newline_in_generation: bool) -> str:
+    """The message loop shared by posttrain's ChatML templates (after the system turn they each render): each
+    assistant reply, Hermes ``<tool_call>`` JSON included, inside ``{% generation %}`` with its ``<|im_end|>`` (and
+    the newline after it when `newline_in_generation`: a training template trains it, a rollout template leaves it
+    to the next turn's prefix); consecutive tool results in one user turn of ``<tool_response>`` blocks."""
+    end = "{{- '<|im_end|>\\n' }}{%- endgeneration %}" if newline_in_generation else (
+        "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}")
+    return (
+        "{%- for message in messages %}"
+        "{%- if loop.first and message['role'] == 'system' %}"
+        "{%- elif message['role'] == 'assistant' %}"
+        "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message['content'] or '' }}"
+        "{%- for call in message['tool_calls'] or [] %}"
+        "{%- set call = call['function'] if call['function'] is defined else call %}"
+        "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+        "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}"
+        "{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}" + end +
+        "{%- elif message['role'] == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
 def _chatml_training_template(default_system: str | None, tools_format: dict | None = None) -> str:
     """A ChatML template with ``{% generation %}`` around each assistant reply (text and tool calls) and its
     end-of-turn; a conversation without a system turn gets `default_system` first, if any. With
@@ -189,27 +221,7 @@ def _chatml_training_template(default_system: str | None, tools_format: dict | N
         "{{- '<|im_start|>system\\n' + " + _literal(default_system) + " + '<|im_end|>\\n' }}"
         "{%- endif %}"
     )
-    return system + (
-        "{%- for message in messages %}"
-        "{%- if message['role'] == 'system' and loop.first %}"
-        "{%- elif message['role'] == 'assistant' %}"
-        "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message['content'] or '' }}"
-        "{%- for call in message['tool_calls'] or [] %}"
-        "{%- set call = call['function'] if call['function'] is defined else call %}"
-        "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-        "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + (call['arguments'] | tojson)"
-        " + '}\\n</tool_call>' }}"
-        "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endgeneration %}"
-        "{%- elif message['role'] == 'tool' %}"
-        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-        "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-        "{%- else %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
+    return system + chatml_turns(newline_in_generation=True)
 
 
 _CALL = {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Paris"}}}

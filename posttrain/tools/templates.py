@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 
+from ..chat_template_utils import add_response_schema, chatml_turns
+
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 _TOOLS_INTRO = (
@@ -46,28 +48,7 @@ def chatml_tool_template(default_system: str | None = SMOLLM2_DEFAULT_SYSTEM) ->
         "{%- elif system_text is not none %}"
         "{{- '<|im_start|>system\\n' + system_text + '<|im_end|>\\n' }}"
         "{%- endif %}"
-        "{%- for message in messages %}"
-        "{%- if loop.first and has_system %}"
-        "{%- elif message['role'] == 'assistant' %}"
-        "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message['content'] or '' }}"
-        "{%- for call in message['tool_calls'] or [] %}"
-        "{%- set call = call['function'] if call['function'] is defined else call %}"
-        "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-        "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-        "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}"
-        "{%- endif %}"
-        "{{- '}\\n</tool_call>' }}"
-        "{%- endfor %}{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"
-        "{%- elif message['role'] == 'tool' %}"
-        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-        "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-        "{%- else %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
+    ) + chatml_turns(newline_in_generation=False)
 
 
 CHATML_TOOL_TEMPLATE = chatml_tool_template()
@@ -76,8 +57,6 @@ CHATML_TOOL_TEMPLATE = chatml_tool_template()
 def use_chatml_tool_template(processing_class, default_system: str | None = SMOLLM2_DEFAULT_SYSTEM):
     """Gives a ChatML tokenizer (or a processor's) the tool-calling template and the matching response parser
     (``response_template``, read by ``tokenizer.parse_response``). Returns the same object."""
-    from ..chat_template_utils import add_response_schema
-
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in tokenizer.get_vocab()]
     if missing:
