@@ -126,6 +126,7 @@ PAPERS: dict[str, Paper] = {
                       "2312.00886", "munos2023nash",
                       "Rémi Munos and others", 2023),
 }
+PAPERS["Server Distillation"] = PAPERS["GKD"]  # distillation from a served teacher: the same objective
 
 _VERSIONED = ("posttrain", "transformers", "torch", "datasets", "accelerate", "peft")
 

@@ -314,3 +314,46 @@ def test_bco_precomputed_reference_gives_the_live_loss(tmp_path, tiny_model_path
     assert (batch["input_ids"][batch["attention_mask"] == 0] == 7).all()  # padding_value pads the inputs
     live_loss = _step0(live, [live.train_dataset[i] for i in range(4)])[0]
     assert _step0(pre, [pre.train_dataset[i] for i in range(4)])[0] == pytest.approx(live_loss, rel=1e-5)
+
+
+# -- the data report ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["drop_and_cut_completions", "cut_prompts"])
+def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_path, case):
+    from posttrain.data.report import DataReport
+    from posttrain.experimental.bco import COMPLETION_CUT, NO_COMPLETION_LEFT, PROMPT_CUT
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    full = BCOTrainer(model, args=BCOConfig(output_dir=str(tmp_path / "full"), **dict(COMMON, max_length=None)),
+                      train_dataset=_unpaired(), processing_class=tokenizer).train_dataset
+    parts = [(m.index(1), len(m) - m.index(1)) for m in full["completion_mask"]]  # (prompt, completion) lengths
+    prompts = sorted(p for p, _ in parts)
+    if case == "drop_and_cut_completions":  # keep_start, no prompt limit: the prompt fills max_length -> dropped
+        limit = prompts[len(prompts) // 2]
+        assert prompts[0] < limit  # some rows survive, some do not
+        settings = dict(max_length=limit, truncation_mode="keep_start")
+        dropped = sum(p >= limit for p, _ in parts)
+        kept = [(p, c) for p, c in parts if p < limit]
+        prompt_cut = [0] * len(kept)
+        completion_cut = [max(p + c - limit, 0) for p, c in kept]
+    else:  # TRL's rule with max_prompt_length=2: an over-long row keeps the prompt's last 2 tokens, then the
+        # completion's first max_length - 2
+        limit = 3
+        assert prompts[0] > 2
+        settings = dict(max_length=limit, max_prompt_length=2, truncation_mode="keep_end")
+        dropped = 0
+        prompt_cut = [p - 2 for p, _ in parts]
+        completion_cut = [max(c - 1, 0) for _, c in parts]
+    trainer = BCOTrainer(model, args=BCOConfig(output_dir=str(tmp_path / "cut"), **dict(COMMON, **settings)),
+                         train_dataset=_unpaired(), processing_class=tokenizer)
+    report = DataReport.of(trainer).as_dict()["train_dataset"]
+    assert report["rows_in"] == 8 and report["rows_kept"] == 8 - dropped == len(trainer.train_dataset)
+    assert report["dropped"] == ({NO_COMPLETION_LEFT: dropped} if dropped else {})
+    expected = {}
+    for why, cuts in ((PROMPT_CUT, prompt_cut), (COMPLETION_CUT, completion_cut)):
+        if any(cuts):
+            expected[why] = {"rows": sum(n > 0 for n in cuts), "tokens": sum(cuts)}
+    assert expected and report["truncated"] == expected
+    # the tokens the report says were cut are the tokens missing from the prepared rows
+    assert sum(len(ids) for ids in trainer.train_dataset["input_ids"]) == \
+        sum(p + c for p, c in (parts if not dropped else [pc for pc in parts if pc[0] < limit])) - report["tokens_cut"]

@@ -285,3 +285,55 @@ def test_learns_from_a_teacher_with_another_tokenizer(tmp_path, tokenizer, teach
     losses = [h["distill_loss"] for h in trainer.state.log_history if "distill_loss" in h]
     assert len(losses) == 20
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+
+
+# -- TRL's extra GOLD metrics: on/off-policy losses, hybrid ULD's matched/unmatched terms ---------------------------
+def test_on_and_off_policy_losses_split_the_step_loss(tmp_path, tokenizer):
+    """Per optimizer step (logging_steps=1) with k of G micro-batches on-policy, TRL's definition gives
+    loss = on_policy_loss * k / G + off_policy_loss * (G - k) / G, each key present only when its kind occurred."""
+    trainer = GOLDTrainer(build_tiny_model(tokenizer), _teacher(tokenizer), processing_class=tokenizer,
+                          train_dataset=_messages(16, tokenizer), args=GOLDConfig(**_kw(
+                              tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=4,
+                              lmbda=0.5, max_completion_length=6, logging_steps=1, learning_rate=1e-3)))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4
+    mixed = 0
+    for h in logs:
+        on = round(h["on_policy"] * 4)
+        assert ("on_policy_loss" in h) == (on > 0) and ("off_policy_loss" in h) == (on < 4)
+        total = h.get("on_policy_loss", 0.0) * on / 4 + h.get("off_policy_loss", 0.0) * (4 - on) / 4
+        assert total == pytest.approx(h["loss"], abs=2e-4), h
+        mixed += 0 < on < 4
+    assert mixed  # the seed gives steps with both kinds, so the split is exercised
+
+
+def test_extra_metrics_equal_trls_over_a_logging_window(tmp_path, tokenizer, teacher_tokenizer_path):
+    """Two one-row steps in one logging window, hybrid ULD, no on-policy sampling: TRL's logged off_policy_loss,
+    matched_loss and unmatched_loss (rounded by TRL to 4 decimals) against ours. Without accumulation: TRL's GOLD
+    does not divide a micro-batch's loss by the accumulation steps, so with it TRL's values are that many times
+    ours (its logged loss too)."""
+    from transformers import AutoTokenizer
+
+    gold = _trl_gold()
+    teacher_tok = AutoTokenizer.from_pretrained(teacher_tokenizer_path)
+    row = _messages(1, tokenizer)[0]
+    from datasets import Dataset
+
+    data = Dataset.from_list([row, row])  # the same row twice: the sampling order cannot matter
+    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=2, logging_steps=2,
+                    use_uld_loss=True, uld_use_hybrid_loss=True, beta=0.3, learning_rate=1e-3,
+                    teacher_tokenizer_name_or_path=teacher_tokenizer_path)
+    theirs = gold.GOLDTrainer(model=build_tiny_model(tokenizer), teacher_model=_teacher(teacher_tok),
+                              train_dataset=data, processing_class=tokenizer, args=gold.GOLDConfig(**_kw(
+                                  tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)))
+    theirs.train()
+    ours = GOLDTrainer(build_tiny_model(tokenizer), _teacher(teacher_tok), train_dataset=data,
+                       processing_class=tokenizer, args=GOLDConfig(**_kw(tmp_path / "ours", **settings)))
+    ours.train()
+    trl_log, our_log = theirs.state.log_history[0], ours.state.log_history[0]
+    assert "on_policy_loss" not in trl_log and "on_policy_loss" not in our_log
+    assert our_log["loss"] == pytest.approx(trl_log["loss"], abs=1e-4)
+    assert our_log["matched_loss"] > 1e-3
+    for key in ("off_policy_loss", "matched_loss", "unmatched_loss"):
+        assert our_log[key] == pytest.approx(trl_log[key], abs=1.5e-4), key

@@ -384,3 +384,26 @@ def test_teacher_prompt_for_conversations_and_missing_context(tmp_path, tokenize
         with_user_text(prompt[:1] + [{"role": "assistant", "content": "x"}], "{prompt}")
     with pytest.raises(DataError, match="privileged_context"):
         privileged_text(None)
+
+
+@pytest.mark.parametrize("trainer_cls,config_cls", [(SDFTTrainer, SDFTConfig), (SDPOTrainer, SDPOConfig)])
+def test_data_report_counts_prompt_tokens_cut_by_max_prompt_length(tmp_path, tokenizer, tiny_model_path, trainer_cls,
+                                                                   config_cls):
+    from posttrain.data.report import CUT_REASONS, DataReport
+
+    data = Dataset.from_list([{"prompt": "Name " + "the red cat " * (i + 1) + ".", "privileged_context": "cat"}
+                              for i in range(4)])
+    if trainer_cls is SDPOTrainer:
+        data = data.remove_columns("privileged_context")
+        extra = dict(reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
+    else:
+        extra = {}
+    full = [len(tokenizer(row["prompt"])["input_ids"]) for row in data]  # text prompts: the tokenizer's own ids
+    keep = sorted(full)[1]
+    trainer = trainer_cls(tiny_model_path, args=config_cls(**_kw(tmp_path, max_prompt_length=keep)),
+                          train_dataset=data, processing_class=tokenizer, **extra)
+    assert [len(ids) for ids in trainer.train_dataset["input_ids"]] == [min(n, keep) for n in full]
+    report = DataReport.of(trainer).as_dict()["train_dataset"]
+    cut = [n - keep for n in full if n > keep]
+    assert report["rows_in"] == report["rows_kept"] == 4 and len(cut) == 2
+    assert report["truncated"] == {CUT_REASONS["max_prompt_length"]: {"rows": 2, "tokens": sum(cut)}}

@@ -209,3 +209,31 @@ def test_tpo_learns_the_preferred_completion(tmp_path, tiny_model_path):
     assert logs[-1]["loss"] < logs[0]["loss"]
     metrics = trainer.evaluate(data)  # a raw dataset is tokenized first, as in TRL
     assert metrics["eval_rewards/accuracies"] == 1.0 and metrics["eval_rewards/margins"] > 1.0
+
+
+@pytest.mark.parametrize("truncation_mode,tpo_alpha", [("keep_start", 1.0), ("keep_end", 0.0)])
+def test_tpo_data_report_counts_drops_and_the_collators_cuts(tmp_path, tiny_model_path, truncation_mode, tpo_alpha):
+    from posttrain.data.report import DataReport
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    full = TPOTrainer(model, args=TPOConfig(output_dir=str(tmp_path / "full"), **dict(COMMON, max_length=None)),
+                      train_dataset=_triples(6), processing_class=tok).train_dataset
+    prompts = sorted(len(p) for p in full["prompt_ids"])
+    limit = prompts[-1]  # the longest prompts fill max_length
+    assert prompts[0] < limit
+    trainer = TPOTrainer(model, args=TPOConfig(output_dir=str(tmp_path / "cut"), **dict(
+        COMMON, max_length=limit, truncation_mode=truncation_mode, tpo_alpha=tpo_alpha)),
+        train_dataset=_triples(6), processing_class=tok)
+    report = DataReport.of(trainer).as_dict()["train_dataset"]
+    dropped = sum(n >= limit for n in prompts) if truncation_mode == "keep_start" else 0
+    assert report["rows_in"] == 6 and report["rows_kept"] == 6 - dropped == len(trainer.train_dataset)
+    assert sum(report["dropped"].values()) == dropped
+    # the report's cut tokens are exactly those the collator leaves out of the batch
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    columns = ("chosen_ids", "rejected_ids") + (("reference_ids",) if tpo_alpha else ())
+    lengths = [len(r["prompt_ids"]) + len(r[c]) for c in columns for r in rows]
+    batch = trainer.data_collator(rows)
+    assert batch["attention_mask"].sum().item() == sum(lengths) - report["tokens_cut"]
+    assert report["rows_truncated"] == sum(any(len(r["prompt_ids"]) + len(r[c]) > limit for c in columns)
+                                           for r in rows) > 0

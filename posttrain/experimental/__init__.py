@@ -4,9 +4,12 @@ losses, the online engine, generation backends). Their names, settings and behav
 Each method lives in its own submodule with TRL's import path (`from trl.experimental.orpo import ORPOTrainer`
 becomes `from posttrain.experimental.orpo import ORPOTrainer`): offline preference `orpo`, `cpo` (SimPO,
 AlphaPO), `tpo`, `bco`; online preference `online_dpo`, `xpo`, `nash_md`; the GRPO family `gmpo`, `a2po`,
-`grpo_with_replay_buffer`; distillation `gkd`, `gold`, `iw_opd`, `sdft`, `sdpo`; process rewards `prm`; `judges`,
+`grpo_with_replay_buffer`, `async_grpo`; distillation `gkd`, `gold`, `iw_opd`, `sdft`, `sdpo`,
+`server_distillation` (a teacher served by vLLM), `async_distillation`; process rewards `prm`; agentic
+environments for GRPO `harbor` and `openreward`; `judges`,
 `winrate_callback`, `merge_model_callback`, `bema_for_ref_model`. XPO, Nash-MD, BCO, PRM, the replay buffer and the
-judges were dropped from TRL in 2026; they are kept here for the users who still train with them.
+judges were dropped from TRL in 2026; they are kept here for the users who still train with them. `kto` and
+`distillation` keep TRL's deprecated paths of the stable KTO and distillation trainers (with a FutureWarning).
 
 On-policy distillation (GKD, Agarwal et al. 2024) is now part of the stable DistillationTrainer (`lmbda`: the
 fraction of micro-batches whose completions the student samples itself). The names below keep their older

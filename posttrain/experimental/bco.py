@@ -21,6 +21,7 @@ import torch
 from ..data.chat import render, require_chat_template, unpair_preference_dataset
 from ..data.collators import pad
 from ..data.formats import DatasetFormat, validate_dataset
+from ..data.report import DataReport, cut_column
 from ..errors import ConfigError, DataError
 from ..losses.bco import (
     bco_loss,
@@ -101,6 +102,10 @@ class BCOConfig(ReferenceConfig):
 
 
 TRUNCATION_FIELDS = ("max_length", "max_prompt_length", "max_completion_length", "truncation_mode")
+# The data report's reasons (see `truncate_bco` for which end of each part goes).
+PROMPT_CUT = "prompt cut by max_length / max_prompt_length (truncation_mode picks the end kept)"
+COMPLETION_CUT = "completion cut by max_length / max_completion_length"
+NO_COMPLETION_LEFT = "truncation to max_length leaves no completion token"
 
 
 def truncate_bco(prompt: list, completion: list, max_length: int | None, max_prompt_length: int | None = None,
@@ -129,8 +134,11 @@ def truncate_bco(prompt: list, completion: list, max_length: int | None, max_pro
 def _tokenize_bco_row(example, row, tokenizer, fmt, completion_fmt, limits, embedding_tokenizer):
     out = _tokenize_row(example, row, tokenizer, fmt, completion_fmt, None)
     start = out["completion_mask"].index(1)
-    prompt, completion = truncate_bco(out["input_ids"][:start], out["input_ids"][start:], **limits)
-    out = {"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)}
+    full_prompt, full_completion = out["input_ids"][:start], out["input_ids"][start:]
+    prompt, completion = truncate_bco(full_prompt, full_completion, **limits)
+    out = {"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion),
+           cut_column(PROMPT_CUT): len(full_prompt) - len(prompt),
+           cut_column(COMPLETION_CUT): len(full_completion) - len(completion)}
     if embedding_tokenizer is not None:  # UDM: the prompt as text, in the embedding model's tokens
         text = (render(tokenizer, list(example["prompt"]), add_generation_prompt=True) if fmt.conversational
                 else example["prompt"])
@@ -215,7 +223,8 @@ class BCOTrainer(ReferenceTrainer):
     # -- data ------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: BCOConfig, name: str):
         fmt = validate_dataset(dataset, ("unpaired_preference", "preference"), "BCOTrainer", name)
-        if fmt.kind == "preference":
+        paired = fmt.kind == "preference"
+        if paired:
             dataset = unpair_preference_dataset(dataset, num_proc=args.dataset_num_proc)
             fmt = validate_dataset(dataset, ("unpaired_preference",), "BCOTrainer", name)
         if fmt.conversational:
@@ -229,7 +238,10 @@ class BCOTrainer(ReferenceTrainer):
                            embedding_tokenizer=self.embedding_tokenizer),
             desc=f"Tokenizing {name}",
         )
+        report = DataReport.of(self).start(name, len(dataset))
+        report.note(len(dataset) // 2 if paired else 0, "pairs unpaired into two rows each (counted as rows)")
         empty = [i for i, mask in enumerate(dataset["completion_mask"]) if 1 not in mask]
+        report.dropped(len(empty), NO_COMPLETION_LEFT)
         if empty:
             if len(empty) == len(dataset):
                 raise DataError(f"Every row of {name} loses its whole completion to max_length={args.max_length}; "
@@ -237,7 +249,7 @@ class BCOTrainer(ReferenceTrainer):
             logger.warning("Dropping %d of %d rows of %s: truncation to max_length=%s leaves no completion token.",
                            len(empty), len(dataset), name, args.max_length)
             dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
-        return dataset
+        return report.take_cuts(dataset)  # the truncation of the rows kept
 
     def default_collator(self, tokenizer, args: BCOConfig):
         pad_id = tokenizer.pad_token_id if args.padding_value is None else args.padding_value

@@ -15,13 +15,14 @@ divided by the rows of the effective batch (TRL: the mean over the micro-batch's
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from ..errors import ConfigError
-from ..losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequence_loss
+from ..losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequence_parts
 from ..losses.sft import IGNORE_INDEX, nll_sum
 from ..models.loading import load_tokenizer
 from ..trainers.distillation import DistillationConfig
@@ -201,7 +202,8 @@ def teacher_inputs(tokenizer, prompts: list[str], completions: list[str], extend
 class GOLDTrainer(GKDTrainer):
     """`GOLDTrainer(model, teacher_model, args=GOLDConfig(...), train_dataset=...)`, TRL's keyword arguments in TRL's
     order (posttrain's extras after them). Data as for GKD (TRL's `messages` rows, or prompt-completion rows).
-    With use_uld_loss the teacher may use any byte-level BPE tokenizer; logged: distill_loss (ULD per row)."""
+    With use_uld_loss the teacher may use any byte-level BPE tokenizer. Logged besides distillation's metrics:
+    TRL's on_policy_loss / off_policy_loss and, with hybrid ULD, matched_loss / unmatched_loss."""
     _name = "GOLD"
 
     def __init__(self, model=None, teacher_model=None, args: GOLDConfig | None = None, data_collator=None,
@@ -210,6 +212,8 @@ class GOLDTrainer(GKDTrainer):
                  teacher_processing_class=None, quantization_config=None, **kwargs):
         args = args or GOLDConfig(output_dir="outputs/gold")
         self.teacher_tokenizer, self._shared_ids = None, None
+        self._on_policy_flags: deque[bool] = deque()
+        self._policy_totals = torch.zeros(2, 2, dtype=torch.float64)  # [on, off] x [loss sum, optimizer steps]
         if args.use_uld_loss and args.teacher_tokenizer_name_or_path is not None:
             if teacher_processing_class is not None:
                 raise ConfigError("Two teacher tokenizers: teacher_processing_class and "
@@ -261,14 +265,15 @@ class GOLDTrainer(GKDTrainer):
             self.teacher_tokenizer, prompts, completions, args.use_extended_uld))
         with torch.no_grad():
             teacher_logits = self.teacher_model(input_ids=t_ids, attention_mask=t_mask).logits
-        per_row = torch.stack([uld_sequence_loss(
+        parts = [uld_sequence_parts(
             student_logits[i], teacher_logits[i], labels[i], t_labels[i], inputs["input_ids"][i], t_ids[i],
             student_offsets[i], t_offsets[i].cpu(), extended=args.use_extended_uld,
             strategy=args.uld_token_merge_strategy, student_temperature=args.uld_student_temperature,
             teacher_temperature=args.uld_teacher_temperature, skip_student_eos=args.uld_skip_student_eos,
             skip_teacher_eos=args.uld_skip_teacher_eos, shared=self._shared_ids, beta=args.beta,
             matched_weight=args.uld_hybrid_matched_weight, unmatched_weight=args.uld_hybrid_unmatched_weight)
-            for i in range(len(labels))])
+            for i in range(len(labels))]
+        per_row = torch.stack([loss for loss, _, _ in parts])
         rows = len(labels)
         loss_sum = args.uld_distillation_weight * per_row.sum()
         nll, correct, count = nll_sum(student_logits, labels)
@@ -282,7 +287,49 @@ class GOLDTrainer(GKDTrainer):
         metrics["distill_loss"].append(totals[0] / max(totals[4], 1))
         metrics["nll"].append(totals[1] / max(totals[3], 1))
         metrics["mean_token_accuracy"].append(totals[2] / max(totals[3], 1))
+        if self._shared_ids is not None:
+            self._record_hybrid_parts(parts, metrics, student_logits.device)
         return (loss, {}) if return_outputs else loss
+
+    def _record_hybrid_parts(self, parts, metrics, device) -> None:
+        """TRL's matched_loss / unmatched_loss: hybrid ULD's two terms (before their weights), the mean over the
+        micro-batch's compared rows. TRL keeps the last row's and divides its sum over the logging window by
+        optimizer steps, not micro-batches: the same with one row per micro-batch and no accumulation."""
+        compared = [(m.detach(), u.detach()) for _, m, u in parts if m is not None]
+        sums = torch.tensor([sum(float(m) for m, _ in compared), sum(float(u) for _, u in compared),
+                             float(len(compared))], device=device)
+        matched, unmatched, rows = self.accelerator.gather(sums.reshape(1, 3)).sum(0).tolist()
+        if rows:
+            metrics["matched_loss"].append(matched / rows)
+            metrics["unmatched_loss"].append(unmatched / rows)
+
+    # -- TRL's on_policy_loss / off_policy_loss ------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Keeps, in order, whether each micro-batch drawn for the step is on-policy (for training_step)."""
+        drawn = len(self._metrics["train"]["on_policy"])
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._on_policy_flags.extend(bool(f) for f in self._metrics["train"]["on_policy"][drawn:])
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Adds the micro-batch's loss to the on- or off-policy total: at each log, TRL's on_policy_loss /
+        off_policy_loss are the totals per optimizer step's worth of micro-batches (sum / (count / accumulation)),
+        i.e. the step loss as if every micro-batch had been of that kind. (TRL's GOLD does not divide a
+        micro-batch's loss by the accumulation steps, so its values, like its loss, are that many times ours.)"""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        on_policy = self._on_policy_flags.popleft() if self._on_policy_flags else False
+        self._policy_totals[0 if on_policy else 1] += torch.tensor(
+            [float(loss), 1.0 / self.args.gradient_accumulation_steps], dtype=torch.float64)
+        return loss
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs:  # a training log
+            totals = self.accelerator.reduce(self._policy_totals.to(self.accelerator.device), reduction="sum")
+            for key, (loss, steps) in zip(("on_policy_loss", "off_policy_loss"), totals.tolist()):
+                if steps > 0:
+                    logs[key] = loss / steps
+            self._policy_totals.zero_()
+        super().log(logs, start_time)
 
     def _write_completions(self) -> None:
         if self.state.global_step % self.args.log_completions_steps == 0:

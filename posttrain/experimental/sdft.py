@@ -23,6 +23,7 @@ from ..callbacks.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_
 from ..data.chat import require_chat_template
 from ..data.collators import LanguageModelingCollator, pad
 from ..data.formats import is_message_list
+from ..data.report import DataReport, cut_column
 from ..data.vision import tokenizer_of
 from ..errors import ConfigError, DataError
 from ..losses.policy import aggregate_loss
@@ -221,8 +222,10 @@ def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: d
 
 
 def _tokenize_row(example: dict, row: int, tokenizer, keep: int | None, template_kwargs: dict, offset: int) -> dict:
-    ids = prompt_ids(example["prompt"], row, tokenizer, keep, template_kwargs)
-    return {"input_ids": ids, "completion_mask": [0] * len(ids), "sd_row": offset + row}
+    full = prompt_ids(example["prompt"], row, tokenizer, None, template_kwargs)
+    ids = full[-keep:] if keep else full
+    return {"input_ids": ids, "completion_mask": [0] * len(ids), "sd_row": offset + row,
+            cut_column("max_prompt_length"): len(full) - len(ids)}
 
 
 class SelfDistillationTrainer(DistillationTrainer):
@@ -272,10 +275,12 @@ class SelfDistillationTrainer(DistillationTrainer):
             require_chat_template(tokenizer_of(tokenizer), "conversational prompts")
         offset = len(self._rows)
         self._rows.extend(dataset.to_list())
-        return dataset.map(_tokenize_row, with_indices=True, remove_columns=dataset.column_names,
-                           num_proc=args.dataset_num_proc, desc=f"Tokenizing the prompts of {name}",
-                           fn_kwargs=dict(tokenizer=tokenizer_of(tokenizer), keep=args.max_prompt_length,
-                                          template_kwargs=args.chat_template_kwargs or {}, offset=offset))
+        report = DataReport.of(self).start(name, len(dataset))  # prompts cut to max_prompt_length
+        return report.take_cuts(dataset.map(
+            _tokenize_row, with_indices=True, remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
+            desc=f"Tokenizing the prompts of {name}", fn_kwargs=dict(
+                tokenizer=tokenizer_of(tokenizer), keep=args.max_prompt_length,
+                template_kwargs=args.chat_template_kwargs or {}, offset=offset)))
 
     def _prompt_ids(self, prompt, row: int, keep: int | None) -> list[int]:
         """A teacher or generation prompt's ids, made as the student's are."""

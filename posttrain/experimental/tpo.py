@@ -17,16 +17,22 @@ from ..data.chat import extract_prompt
 from ..data.collators import pad
 from ..data.formats import DatasetFormat, check_example, validate_dataset
 from ..data.preference import (
-    TRUNCATION_MODES,
     PreferenceCollator,
     drop_overlong_rows,
     tokenize_preference,
     warn_identical_pairs,
 )
+from ..data.report import DataReport, DatasetReport
 from ..errors import ConfigError, DataError
 from ..losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
 from ..trainers.base import BaseTrainer, PosttrainConfig
-from ..trainers.dpo import PreparesEvalDatasets, ReferenceTrainer, load_processing_class, sequence_logps
+from ..trainers.dpo import (
+    PreparesEvalDatasets,
+    ReferenceTrainer,
+    check_length_settings,
+    load_processing_class,
+    sequence_logps,
+)
 
 
 @dataclass
@@ -62,9 +68,7 @@ class TPOConfig(PosttrainConfig):
     def __post_init__(self):
         if self.loss_type not in TPO_LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(TPO_LOSS_TYPES)}.")
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not supported; choose from "
-                              f"{list(TRUNCATION_MODES)}.")
+        check_length_settings(self)
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta} must be positive (it scales the log-probability margin).")
         if not 0 <= self.label_smoothing <= 0.5:
@@ -103,8 +107,9 @@ def _tokenize_triple(example, row, tokenizer, fmt):
     return {**pair, "reference_ids": gold["chosen_ids"]}
 
 
-def prepare_triple_dataset(dataset, tokenizer, args: TPOConfig, name: str):
-    """prompt_ids / chosen_ids / rejected_ids / reference_ids per row (see `tokenize_preference`)."""
+def prepare_triple_dataset(dataset, tokenizer, args: TPOConfig, name: str, report: DatasetReport | None = None):
+    """prompt_ids / chosen_ids / rejected_ids / reference_ids per row (see `tokenize_preference`). `report`
+    receives the rows dropped and the sequences the collator will cut to max_length."""
     fmt = validate_dataset(dataset, ("preference",), "TPOTrainer", name)
     if "reference" not in dataset.column_names:
         raise DataError(f"TPOTrainer needs a gold completion per row in a 'reference' column besides 'chosen' and "
@@ -112,7 +117,15 @@ def prepare_triple_dataset(dataset, tokenizer, args: TPOConfig, name: str):
     dataset = dataset.map(_tokenize_triple, with_indices=True, num_proc=args.dataset_num_proc,
                           remove_columns=dataset.column_names, fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt),
                           desc=f"Tokenizing {name}")
-    dataset = drop_overlong_rows(dataset, args.max_length, args.truncation_mode, name)
+    report = report if report is not None else DatasetReport(rows_in=len(dataset))
+    dataset = drop_overlong_rows(dataset, args.max_length, args.truncation_mode, name, report)
+    if args.max_length is not None:
+        columns = ("chosen_ids", "rejected_ids") + (("reference_ids",) if args.tpo_alpha != 0 else ())
+        over = [sum(max(len(row["prompt_ids"]) + len(row[c]) - args.max_length, 0) for c in columns)
+                for row in dataset.select_columns(["prompt_ids", *columns])]
+        kept = "start" if args.truncation_mode == "keep_start" else "end"
+        report.truncated(sum(n > 0 for n in over), sum(over), "prompt + chosen/rejected/reference longer than "
+                                                              f"max_length (the collator keeps each sequence's {kept})")
     warn_identical_pairs(dataset, name)
     return dataset
 
@@ -159,7 +172,7 @@ class TPOTrainer(PreparesEvalDatasets, BaseTrainer):
                          callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
 
     def prepare_dataset(self, dataset, tokenizer, args: TPOConfig, name: str):
-        return prepare_triple_dataset(dataset, tokenizer, args, name)
+        return prepare_triple_dataset(dataset, tokenizer, args, name, DataReport.of(self).start(name, len(dataset)))
 
     def default_collator(self, tokenizer, args: TPOConfig):
         return TriplePreferenceCollator(tokenizer.pad_token_id, max_length=args.max_length,

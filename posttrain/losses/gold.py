@@ -119,7 +119,12 @@ def _span(labels: torch.Tensor) -> tuple[int, int]:
     return (int(trained[0]), len(trained)) if len(trained) else (0, 0)
 
 
-def uld_sequence_loss(
+def uld_sequence_loss(*args, **kwargs) -> torch.Tensor:
+    """ULD of one sequence pair (see `uld_sequence_parts`, whose first element it is)."""
+    return uld_sequence_parts(*args, **kwargs)[0]
+
+
+def uld_sequence_parts(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, student_labels: torch.Tensor,
     teacher_labels: torch.Tensor, student_ids: torch.Tensor, teacher_ids: torch.Tensor,
     student_offsets: torch.Tensor | None = None, teacher_offsets: torch.Tensor | None = None, *,
@@ -127,8 +132,11 @@ def uld_sequence_loss(
     teacher_temperature: float = 1.0, skip_student_eos: bool = True, skip_teacher_eos: bool = True,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None, beta: float = 0.5, matched_weight: float | None = None,
     unmatched_weight: float | None = None,
-) -> torch.Tensor:
-    """ULD of one sequence pair: logits [T, V], labels/ids [T] (-100 outside the completion), byte offsets [T, 2]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, matched part, unmatched part) of ULD on one sequence pair; the parts are hybrid ULD's (with `shared`)
+    and None without it or when nothing was compared.
+
+    ULD: logits [T, V], labels/ids [T] (-100 outside the completion), byte offsets [T, 2]
     (needed when `extended`). The completion's last token is left out on a side with skip_*_eos. As in TRL's GOLD,
     the distributions compared under 'observed' are those AT the completion's positions; 'bayesian' reads them one
     position earlier (the ones predicting the completion's tokens). A side without completion tokens gives 0. With
@@ -139,7 +147,7 @@ def uld_sequence_loss(
     t_size -= int(skip_teacher_eos)
     zero = student_logits.sum() * 0.0
     if s_size <= 0 or t_size <= 0:
-        return zero
+        return zero, None, None
     if extended and (student_offsets is None or teacher_offsets is None):
         raise ConfigError("use_extended_uld=True aligns tokens by byte offsets; pass both sides' offsets.")
 
@@ -152,13 +160,13 @@ def uld_sequence_loss(
         if extended:
             groups = align_by_byte_offsets(*spans())
             if not groups[0]:
-                return zero
+                return zero, None, None
             s_drop, t_drop = len(groups[0][0]), len(groups[1][0])
         else:
             s_drop = t_drop = 1
         s_start, s_size, t_start, t_size = s_start + s_drop, s_size - s_drop, t_start + t_drop, t_size - t_drop
         if s_size <= 0 or t_size <= 0:
-            return zero
+            return zero, None, None
     shift = 1 if strategy == "bayesian" else 0
     s_probs = (student_logits[s_start - shift:s_start + s_size - shift] / student_temperature).softmax(-1)
     t_probs = (teacher_logits[t_start - shift:t_start + t_size - shift] / teacher_temperature).softmax(-1)
@@ -169,10 +177,10 @@ def uld_sequence_loss(
         s_aligned = merge_groups(s_probs, [sg for sg, _ in pairs], s_ids, strategy)
         t_aligned = merge_groups(t_probs, [tg for _, tg in pairs], t_ids, strategy)
         if not pairs:
-            return zero
+            return zero, None, None
     else:
         n = min(len(s_ids), len(t_ids))
         s_aligned, t_aligned = s_probs[:n], t_probs[:n]
     if shared is not None:
-        return hybrid_uld(s_aligned, t_aligned, shared, beta, matched_weight, unmatched_weight)[0]
-    return sorted_l1(s_aligned, t_aligned)
+        return hybrid_uld(s_aligned, t_aligned, shared, beta, matched_weight, unmatched_weight)
+    return sorted_l1(s_aligned, t_aligned), None, None

@@ -293,12 +293,16 @@ class DistillationTrainer(SFTTrainer):
             init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.teacher_model_init_kwargs or {})}
             if args.teacher_model_revision is not None:
                 init_kwargs.setdefault("revision", args.teacher_model_revision)
-        teacher = load_causal_lm(teacher_model, init_kwargs)
-        self._check_teacher(teacher, _teacher_tokenizer(teacher_model, teacher_processing_class))
-        self.teacher_model = self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
+        teacher = None  # `_resolve_teacher` gives None when no teacher is held locally (server distillation)
+        if teacher_model is not None:
+            teacher = load_causal_lm(teacher_model, init_kwargs)
+            self._check_teacher(teacher, _teacher_tokenizer(teacher_model, teacher_processing_class))
+        self.teacher_model = None if teacher is None else \
+            self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
         if self.data_collator is self._own_collator:
             # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
-            self.data_collator.one_row = uses_flash_attention(self.model) or uses_flash_attention(teacher)
+            self.data_collator.one_row = uses_flash_attention(self.model) or (
+                teacher is not None and uses_flash_attention(teacher))
             self.data_collator.pad_to_multiple_of = args.pad_to_multiple_of
         self._sampler = create_generation_backend(self.model, self.processing_class, args)
         self._sampling = args.sampling_params()
@@ -436,15 +440,13 @@ class DistillationTrainer(SFTTrainer):
     def _forward_nll(self, model, inputs, labels):
         """SFT's hook for the loss sum over trained tokens: here the alpha-mix of divergence and NLL."""
         student_logits = model(**inputs).logits
-        with torch.no_grad():
-            teacher_logits = shared_vocab(student_logits, self.teacher_model(**inputs).logits)
         mask = shift_for_next_token(labels) != IGNORE_INDEX
         temperature = self.loss_temperature()
-        divergence = generalized_jsd(student_logits, teacher_logits, self.args.beta, mask, temperature).sum()
+        divergence, teacher_top1 = self._divergence(inputs, student_logits, mask, temperature)
         nll, correct, count = nll_sum(student_logits, labels)
         with torch.no_grad():
             entropy = entropy_from_logits(student_logits[mask].float() / temperature).sum()
-            agree = (student_logits[mask].argmax(-1) == teacher_logits[mask].argmax(-1)).sum()
+            agree = (student_logits[mask].argmax(-1) == teacher_top1).sum()
         totals = self.accelerator.gather(torch.stack([divergence.detach(), nll.detach(), agree.float(), entropy,
                                                       count.float()]).reshape(1, 5)).sum(0)
         means = (totals[:4] / totals[4].clamp(min=1)).tolist()
@@ -452,6 +454,14 @@ class DistillationTrainer(SFTTrainer):
         for key, value in zip(("distill_loss", "nll", "teacher_agreement", "entropy"), means):
             metrics[key].append(value)
         return self.args.alpha * divergence + (1 - self.args.alpha) * nll, correct, count
+
+    def _divergence(self, inputs, student_logits, mask, temperature: float):
+        """Hook: the divergence summed over the `mask`ed positions, and the teacher's most likely token at each of
+        them (here from the local teacher's logits on the same inputs)."""
+        with torch.no_grad():
+            teacher_logits = shared_vocab(student_logits, self.teacher_model(**inputs).logits)
+        divergence = generalized_jsd(student_logits, teacher_logits, self.args.beta, mask, temperature).sum()
+        return divergence, teacher_logits[mask].argmax(-1)
 
     # -- resuming --------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:

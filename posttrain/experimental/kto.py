@@ -1,0 +1,24 @@
+"""`trl.experimental.kto`: KTO before its promotion to the stable API. `KTOConfig` and `KTOTrainer` here are the
+stable `posttrain.KTOConfig` / `posttrain.KTOTrainer` with a FutureWarning naming the stable import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..trainers.kto import KTOConfig as _KTOConfig
+from ..trainers.kto import KTOTrainer as _KTOTrainer
+from ._moved import moved_trainer_init, warn_moved
+
+
+@dataclass
+class KTOConfig(_KTOConfig):
+    def __post_init__(self):
+        warn_moved("KTOConfig", "kto", stacklevel=4)
+        super().__post_init__()
+
+
+class KTOTrainer(_KTOTrainer):
+    __init__ = moved_trainer_init(_KTOTrainer, "kto")
+
+
+__all__ = ["KTOConfig", "KTOTrainer"]
