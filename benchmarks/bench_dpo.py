@@ -1,11 +1,16 @@
-"""DPO with posttrain vs TRL on the same tiny model, data and settings; prints a table.
+"""DPO with posttrain vs TRL on the same model, data and settings; prints a table.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_dpo.py [--steps 30] [--repeats 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_dpo.py [--model tiny|smollm2] [--steps N] [--repeats 2]
 
 Each run is its own subprocess (so peak RSS is per run), and the runs alternate posttrain, trl, posttrain,
-trl, ... so that drift in machine load hits both alike. Both trainers get an explicit reference model that
-differs from the policy, which makes the step-0 loss a real check of the formula and the tokenization
-(with the policy as its own reference, every implementation starts at exactly log 2).
+trl, ... so that drift in machine load hits both alike. `tiny` (a Llama with hidden size 256, 4 layers, batch 8
+pairs): both trainers get an explicit reference model that differs from the policy, which makes the step-0 loss a
+real check of the formula and the tokenization (with the policy as its own reference, every implementation starts
+at exactly log 2). `smollm2` (the built-in SmolLM2-135M-Instruct, batch 4 pairs, float32): `ref_model=None`, the
+usual call, so each library keeps its own frozen copy of the policy.
+
+Speed is per CPU second of the process (one thread: the wall time of an idle machine, without the turns other
+jobs take on a shared one), between the ends of the first and the last step; wall-clock steps/s are shown too.
 """
 
 from __future__ import annotations
@@ -24,14 +29,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import print_comparison, step_timer
 
 WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
          "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
-SETTINGS = dict(beta=0.1, learning_rate=1e-5, per_device_train_batch_size=8, max_length=256, seed=0,
+SETTINGS = dict(beta=0.1, learning_rate=1e-5, max_length=256, seed=0,
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
                 use_cpu=True, disable_tqdm=True, gradient_checkpointing=False, bf16=False)
 
@@ -47,7 +51,10 @@ def synthetic_rows(n: int = 256, seed: int = 0) -> list[dict]:
             for _ in range(n)]
 
 
-def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
+MODELS = {"tiny": dict(steps=30, batch=8), "smollm2": dict(steps=5, batch=4)}
+
+
+def worker(impl: str, model_path: str, ref_path: str | None, steps: int, batch: int) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -56,8 +63,9 @@ def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
     rows = synthetic_rows()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    ref_model = AutoModelForCausalLM.from_pretrained(ref_path)
-    settings = dict(SETTINGS, output_dir=str(Path(tempfile.gettempdir()) / f"bench_dpo_{impl}"), max_steps=steps)
+    ref_model = AutoModelForCausalLM.from_pretrained(ref_path) if ref_path else None
+    settings = dict(SETTINGS, output_dir=str(Path(tempfile.gettempdir()) / f"bench_dpo_{impl}"), max_steps=steps,
+                    per_device_train_batch_size=batch)
     if impl == "posttrain":
         from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -72,11 +80,10 @@ def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
                                      for r in trainer.train_dataset)
     (wall_0, cpu_0), (wall_1, cpu_1) = timer.times[0], timer.times[-1]
     steps = len(timer.times) - 1
-    steps_per_s = steps / (wall_1 - wall_0)
     return {
         "impl": impl,
-        "steps_per_s": steps_per_s,
-        "tokens_per_s": steps_per_s * SETTINGS["per_device_train_batch_size"] * tokens_per_row,
+        "steps_per_s": steps / (wall_1 - wall_0),
+        "tokens_per_s": steps * batch * tokens_per_row / (cpu_1 - cpu_0),
         "cpu_ms_per_step": 1000 * (cpu_1 - cpu_0) / steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
@@ -87,26 +94,36 @@ def worker(impl: str, model_path: str, ref_path: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--model", choices=tuple(MODELS), default="tiny")
+    parser.add_argument("--steps", type=int, help="Optimizer steps per run (default: 30 tiny, 5 smollm2).")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--worker", choices=("posttrain", "trl"))
-    parser.add_argument("--model")
-    parser.add_argument("--ref")
+    parser.add_argument("--model-path")
+    parser.add_argument("--ref-path")
+    parser.add_argument("--batch", type=int)
     args = parser.parse_args()
+    steps, batch = args.steps or MODELS[args.model]["steps"], args.batch or MODELS[args.model]["batch"]
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.model, args.ref, args.steps)))
+        print("RESULT " + json.dumps(worker(args.worker, args.model_path, args.ref_path, steps, batch)))
         return
 
-    from posttrain.models.tiny import save_tiny_model
+    if args.model == "tiny":
+        from posttrain.models.tiny import save_tiny_model
 
-    root = Path(tempfile.mkdtemp(prefix="bench_dpo_"))
-    model = save_tiny_model(root / "policy", seed=0, hidden_size=256, num_layers=4)
-    ref = save_tiny_model(root / "ref", seed=1, hidden_size=256, num_layers=4)
+        root = Path(tempfile.mkdtemp(prefix="bench_dpo_"))
+        paths = ["--model-path", save_tiny_model(root / "policy", seed=0, hidden_size=256, num_layers=4),
+                 "--ref-path", save_tiny_model(root / "ref", seed=1, hidden_size=256, num_layers=4)]
+        title = "DPO, tiny Llama (hidden 256, 4 layers), explicit reference"
+    else:
+        from posttrain.models.builtin import builtin_model_path
+
+        paths = ["--model-path", builtin_model_path()]
+        title = "DPO, SmolLM2-135M-Instruct (float32), ref_model=None"
     results: dict[str, list[dict]] = {"posttrain": [], "trl": []}
     for _ in range(args.repeats):
         for impl in ("posttrain", "trl"):
-            cmd = [sys.executable, __file__, "--worker", impl, "--model", model, "--ref", ref,
-                   "--steps", str(args.steps)]
+            cmd = [sys.executable, __file__, "--worker", impl, "--model", args.model, *paths, "--steps", str(steps),
+                   "--batch", str(batch)]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
@@ -114,9 +131,11 @@ def main() -> None:
             results[impl].append(json.loads(line[len("RESULT "):]))
 
     same_tokens = results["posttrain"][0]["first_rows"] == results["trl"][0]["first_rows"]
-    title = (f"DPO, tiny Llama (hidden 256, 4 layers), batch {SETTINGS['per_device_train_batch_size']}, "
-             f"{args.steps} steps, OMP_NUM_THREADS=1, median of {args.repeats} alternating runs each")
-    p, t = (print_comparison(title, results)[impl] for impl in ("posttrain", "trl"))
+    title += (f", batch {batch} pairs, max_length {SETTINGS['max_length']}, {steps} steps, OMP_NUM_THREADS=1, "
+              f"median of {args.repeats} alternating runs each (tokens/s per CPU second; load average "
+              f"{os.getloadavg()[0]:.1f} at the end)")
+    rows = print_comparison(title, results)
+    p, t = rows["posttrain"], rows["trl"]
     print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}; "
           f"same token ids for the first rows: {same_tokens}")
 

@@ -1,9 +1,11 @@
 """GRPO and RLOO in posttrain against TRL on the same tiny model, prompts, reward and settings (CPU).
 
 Each run is a fresh process (so that peak RSS is its own), and the runs alternate between the libraries
-so that a change in machine load hits both alike. Generation time is measured the same way for both: the
-model's `generate` is timed (both libraries call it on the policy object they were given); everything
-else of the training wall time is counted as update (forward, backward, optimizer, rewards, bookkeeping).
+so that a change in machine load hits both alike. Generation time is the whole generation call: TRL's
+`model.generate` on the policy object, posttrain's generation backend (which decodes with its own loop);
+everything else of the training wall time is counted as update (forward, backward, optimizer, rewards,
+bookkeeping). Besides wall time, each run reports its process CPU time: on a machine shared with other jobs
+steps per CPU-second is the figure that measures the code.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--repeats 3] [--steps 20] [--baseline REV]
 
@@ -42,19 +44,28 @@ def settings(method: str, output_dir: str, steps: int) -> dict:
     )
 
 
-def timed_generate(model, pad_token_id: int, totals: dict) -> None:
-    """Wraps `model.generate` to add its wall time and the number of generated tokens to `totals`."""
-    generate = model.generate
+def timed_generate(owner, totals: dict, count) -> None:
+    """Wraps `owner.generate` to add its wall time and its number of generated tokens (`count(args, kwargs,
+    output)`) to `totals`."""
+    generate = owner.generate
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         output = generate(*args, **kwargs)
         totals["generation_s"] += time.perf_counter() - start
-        prompt_width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
-        totals["tokens"] += int((output[:, prompt_width:] != pad_token_id).sum())
+        totals["tokens"] += count(args, kwargs, output)
         return output
 
-    model.generate = wrapper
+    owner.generate = wrapper
+
+
+def generated_tokens(pad_token_id: int):
+    """Counts `model.generate`'s new tokens (what follows the prompt, padding excluded)."""
+    def count(args, kwargs, output):
+        prompt_width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
+        return int((output[:, prompt_width:] != pad_token_id).sum())
+
+    return count
 
 
 def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
@@ -71,7 +82,6 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     totals = {"generation_s": 0.0, "tokens": 0}
-    timed_generate(model, tokenizer.pad_token_id, totals)
     words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
     data = Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}"} for i in range(256)])
     with tempfile.TemporaryDirectory() as output_dir:
@@ -79,13 +89,20 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
         args = config_class(**settings(method, output_dir, steps), **extra)
         trainer = trainer_class(model=model, reward_funcs=target_tokens, args=args, train_dataset=data,
                                 processing_class=tokenizer)
-        start = time.perf_counter()
+        if library.startswith("posttrain") and hasattr(trainer, "generation_backend"):
+            # posttrain's backend decodes with its own loop (no `model.generate`): time the backend's call
+            timed_generate(trainer.generation_backend, totals,
+                           lambda args, kwargs, completions: sum(len(c.token_ids) for c in completions))
+        else:
+            timed_generate(model, totals, generated_tokens(tokenizer.pad_token_id))
+        start, start_cpu = time.perf_counter(), time.process_time()
         trainer.train()
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     source = sys.modules[trainer_class.__module__].__file__
     return {"source": source,
         "library": library, "method": method, "wall_s": wall, "steps_per_s": steps / wall,
+        "steps_per_cpu_s": steps / cpu,
         "tokens_per_s": totals["tokens"] / wall, "generation_s": totals["generation_s"],
         "update_s": wall - totals["generation_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -128,10 +145,11 @@ def main() -> None:
                     if library != "trl":
                         print(f"  ({library} from {result['source']})", flush=True)
                     results.setdefault((library, method), []).append(result)
-                    print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s", flush=True)
+                    print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s, "
+                          f"{result['steps_per_cpu_s']:.2f} steps/CPU-s", flush=True)
 
-    columns = {"steps_per_s": ".2f", "tokens_per_s": ".0f", "peak_rss_mb": ".0f", "generation_s": ".2f",
-               "update_s": ".2f", "first_reward": ".3f", "last_reward": ".3f"}
+    columns = {"steps_per_s": ".2f", "steps_per_cpu_s": ".2f", "tokens_per_s": ".0f", "peak_rss_mb": ".0f",
+               "generation_s": ".2f", "update_s": ".2f", "first_reward": ".3f", "last_reward": ".3f"}
     print(f"\nmedians over {options.repeats} runs of {options.steps} steps (tiny Llama, 16 completions of <= 16 "
           "tokens per step, OMP_NUM_THREADS=1)")
     print("| method | library | " + " | ".join(columns) + " |")

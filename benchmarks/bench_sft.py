@@ -14,11 +14,16 @@ Apples to apples:
 - the batch holds the whole (padded or packed) dataset, so every step trains the same sequences in
   both libraries, whatever their sampler or packing order; step-0 losses must then agree;
 - "padded": right padding with an attention mask; "packed": best-fit-decreasing packing, padding-free
-  (posttrain `packing=True`; TRL `packing=True`, its default `bfd` and padding-free);
+  (posttrain `packing=True`; TRL `packing=True`, its default `bfd` and padding-free); "wrapped": packing
+  with `packing_strategy="wrapped"` (posttrain keeps the sequence boundaries inside a row, TRL does not, so
+  their step-0 losses differ); "completion": the same texts cut into prompt + completion, completion-only
+  loss (both libraries' default); "messages": the same halves as a user and an assistant message, rendered
+  with the chat template, all tokens trained;
 - TRL defaults that differ from `TrainingArguments` are set to posttrain's: `bf16=False` (TRL turns on
   bf16 autocast), `gradient_checkpointing=False` (TRL: on); `logging_steps=1` for both. Each library
   otherwise computes its loss its own way: TRL's fused, chunked LM head (which also computes entropy
-  for logging), posttrain's full-logits NLL.
+  for logging), posttrain's fused chunked loss (its default; `--posttrain-full-logits` adds rows with
+  `chunked_loss=False`).
 
 Throughput is measured between the ends of the first and the last optimizer step (data loading,
 collation, forward, backward, optimizer and logging included; the first step's warm-up excluded).
@@ -77,11 +82,31 @@ class StepTimer(TrainerCallback):
         return (clock[-1] - clock[0]) / (len(clock) - 1)
 
 
+MODES = ("padded", "packed", "wrapped", "completion", "messages")
+
+
+def make_dataset(texts: list[str], mode: str):
+    """The rows of `mode`: plain text, or each text's first half as the prompt / user turn and the rest as the
+    completion / assistant turn (the completion starts with a space, so both halves tokenize as the whole)."""
+    from datasets import Dataset
+
+    if mode in ("padded", "packed", "wrapped"):
+        return Dataset.from_list([{"text": t} for t in texts])
+    halves = []
+    for text in texts:
+        words = text.split(" ")
+        cut = len(words) // 2
+        halves.append((" ".join(words[:cut]), " " + " ".join(words[cut:])))
+    if mode == "completion":
+        return Dataset.from_list([{"prompt": p, "completion": c} for p, c in halves])
+    return Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
+                              for p, c in halves])
+
+
 def train(library: str, model_path: str, mode: str, steps: int, max_length: int, lengths: list[int],
-          batch_size: int) -> dict:
+          batch_size: int, chunked_loss: bool | None = None, peft: bool = False) -> dict:
     """One benchmark run (inside a fresh interpreter): trains `steps` steps and returns timings."""
     import torch
-    from datasets import Dataset
     from transformers import AutoTokenizer
 
     if library == "posttrain":
@@ -90,16 +115,22 @@ def train(library: str, model_path: str, mode: str, steps: int, max_length: int,
         from trl import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    dataset = Dataset.from_list([{"text": t} for t in make_texts(tokenizer, lengths)])
-    packed = mode == "packed"
+    dataset = make_dataset(make_texts(tokenizer, lengths), mode)
+    extra = {"chunked_loss": chunked_loss} if library == "posttrain" and chunked_loss is not None else {}
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_sft_"), max_steps=steps, per_device_train_batch_size=batch_size,
-        max_length=max_length, packing=packed, learning_rate=1e-4, logging_steps=1, seed=0,
+        max_length=max_length, packing=mode in ("packed", "wrapped"),
+        packing_strategy="wrapped" if mode == "wrapped" else "bfd", learning_rate=1e-4, logging_steps=1, seed=0,
         bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no",
-        disable_tqdm=True,
+        disable_tqdm=True, **extra,
     )
     assert torch.get_num_threads() == 1, "set OMP_NUM_THREADS=1 before torch is imported"
-    trainer = SFTTrainer(model_path, args=args, train_dataset=dataset)
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model_path, args=args, train_dataset=dataset, peft_config=peft_config)
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
     assert len(rows) <= batch_size, "each step must train on the whole dataset"
     batch = trainer.data_collator(rows)
@@ -109,7 +140,8 @@ def train(library: str, model_path: str, mode: str, steps: int, max_length: int,
     trainer.add_callback(timer)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"loss0": losses[0], "step_s": timer.seconds_per_step(timer.cpu),
+    steps_s = timer.seconds_per_step(timer.cpu)
+    return {"loss0": losses[0], "steps_per_s": 1 / steps_s, "tokens_per_s": trained / steps_s, "step_s": steps_s,
             "wall_step_s": timer.seconds_per_step(timer.wall), "trained_tokens": trained, "real_tokens": real,
             "params": sum(p.numel() for p in trainer.model.parameters())}
 
@@ -134,12 +166,14 @@ def _model_paths(rows: list[str], workdir: str) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="Comma-separated: " + ", ".join(ROWS))
-    parser.add_argument("--modes", default="padded,packed")
+    parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated: " + ", ".join(MODES))
     parser.add_argument("--repeats", type=int, default=2, help="Runs per library (alternating).")
     parser.add_argument("--tcmalloc", action="store_true", help="Also run both libraries with LD_PRELOAD=tcmalloc.")
+    parser.add_argument("--posttrain-full-logits", action="store_true",
+                        help="Also run posttrain with chunked_loss=False (against the same TRL runs).")
     cli = parser.parse_args()
     rows, modes = cli.rows.split(","), cli.modes.split(",")
-    allocators = {"malloc": {}}
+    allocators = {"malloc": {"LD_PRELOAD": ""}}  # not what scripts/env.sh may have preloaded
     if cli.tcmalloc:
         path = tcmalloc_path()
         if path is None:
@@ -153,13 +187,21 @@ def main() -> None:
         for row in rows:
             for mode in modes:
                 for alloc, env in allocators.items():
-                    runs = {"posttrain": [], "trl": []}
+                    variants = {"posttrain": None, "trl": None}
+                    if cli.posttrain_full_logits:
+                        variants["posttrain full logits"] = False
+                    runs = {name: [] for name in variants}
                     for _ in range(cli.repeats):
-                        for library in runs:
-                            kwargs = dict(library=library, model_path=paths[row], mode=mode, **ROWS[row])
-                            runs[library].append(run_isolated("bench_sft:train", kwargs, env=env))
-                    table.append(_table_row(row, mode, alloc, runs, peak))
-                    print_table(HEADERS, table[-1:], title=None)
+                        for name, chunked in variants.items():
+                            kwargs = dict(library=name.split()[0], model_path=paths[row], mode=mode,
+                                          chunked_loss=chunked, **ROWS[row])
+                            runs[name].append(run_isolated("bench_sft:train", kwargs, env=env))
+                    for name in runs:
+                        if name.startswith("posttrain"):
+                            label = mode + name[len("posttrain"):]
+                            table.append(_table_row(row, label, alloc, {"posttrain": runs[name], "trl": runs["trl"]},
+                                                    peak))
+                            print_table(HEADERS, table[-1:], title=None)
     print()
     print_table(HEADERS, table, title=f"SFT, posttrain (pt) vs TRL, 1 thread, best of {cli.repeats} alternating runs "
                                       f"each; pt/trl = speed ratio (CPU time; wall time); fp32 matmul peak "
@@ -179,7 +221,8 @@ def _table_row(row: str, mode: str, alloc: str, runs: dict[str, list[dict]], pea
 
     wall = {lib: min(r["wall_step_s"] for r in results) for lib, results in runs.items()}
     return [row, mode, alloc, pt["trained_tokens"], 1 / pt["step_s"], 1 / trl["step_s"], trl["step_s"] / pt["step_s"],
-            wall["trl"] / wall["posttrain"], pt["trained_tokens"] / pt["step_s"], trl["trained_tokens"] / trl["step_s"], rss["posttrain"], rss["trl"],
+            wall["trl"] / wall["posttrain"], pt["trained_tokens"] / pt["step_s"], trl["trained_tokens"] / trl["step_s"],
+            rss["posttrain"], rss["trl"],
             f"{pt['loss0']:.6f}", f"{trl['loss0']:.6f}", f"{abs(pt['loss0'] - trl['loss0']):.1e}", mfu(pt), mfu(trl)]
 
 

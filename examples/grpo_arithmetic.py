@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--max_completion_length", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--dynamic_sampling", action="store_true",
+                        help="DAPO dynamic sampling: regenerate groups whose completions all got the same reward")
     parser.add_argument("--output_dir", default="outputs/grpo_arithmetic")
     options = parser.parse_args()
 
@@ -81,6 +83,7 @@ def main() -> None:
         per_device_train_batch_size=options.per_device_train_batch_size, num_generations=options.num_generations,
         max_completion_length=options.max_completion_length, max_prompt_length=128, temperature=1.0,
         logging_steps=5, save_strategy="no", report_to="none", log_completions=True, seed=0,
+        dynamic_sampling=options.dynamic_sampling,
         use_cpu=not torch.cuda.is_available(),
     )
     trainer = GRPOTrainer(model, numeric_accuracy, args=args, train_dataset=arithmetic_problems(options.train_size, 0),

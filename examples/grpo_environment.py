@@ -4,8 +4,8 @@
 Each rollout gets its own `GuessTheNumber` environment, reset with the dataset row's secret; its public method
 ``guess(number)`` is the model's tool and answers "higher", "lower" or "correct"; ``get_reward()`` gives 1.0 when
 the secret was found. A short SFT warm-up on synthetic games (guesses that respect the feedback but are otherwise
-random) teaches the call format, then GRPO trains on the environment's reward. The held-out success rate (greedy)
-is printed before, after the warm-up and after GRPO, with the reward per GRPO step.
+random) teaches the call format, then GRPO trains on the environment's reward. The held-out success rate (sampled
+at temperature 1, fixed seeds) is printed before, after the warm-up and after GRPO, with the reward per GRPO step.
 
     OMP_NUM_THREADS=2 python examples/grpo_environment.py
 """
@@ -17,7 +17,7 @@ import random
 import time
 
 from datasets import Dataset
-from grpo_tools import MODEL, evaluate_episodes, grpo_config, tokenized_transcripts, warm_up
+from grpo_tools import MODEL, evaluate_episodes, grpo_config, grpo_history, tokenized_transcripts, warm_up
 
 from posttrain import GRPOTrainer
 from posttrain.tools import use_chatml_tool_template
@@ -73,15 +73,17 @@ def transcript(secret: int, rng: random.Random, max_guesses: int) -> list[dict]:
 
 
 def success_rate(model, tokenizer, held_out: Dataset, max_completion_length: int, max_iterations: int) -> float:
+    """The policy's mean reward on the held-out games, sampled at temperature 1 with fixed seeds: every game has
+    the same prompt, so greedy decoding would play only 8 distinct games whatever eval_size is."""
     episodes = evaluate_episodes(model, tokenizer, held_out.to_list(), [], max_completion_length, max_iterations,
-                                 environment_factory=GuessTheNumber)
+                                 environment_factory=GuessTheNumber, temperature=1.0)
     return sum(e.info["reward"] for e in episodes) / len(episodes)
 
 
 def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 16, grpo_steps: int = 10, eval_size: int = 64,
         max_guesses: int = 3, max_completion_length: int = 160, output_dir: str = "outputs/grpo_environment",
         log=print) -> dict:
-    """The whole demo; returns the three success rates, the GRPO reward per step and the phase times."""
+    """The whole demo; returns the three success rates, the GRPO metrics per step and the phase times."""
     use_chatml_tool_template(tokenizer)
     held_out = games(eval_size, seed=1234)
     results, times = {}, {}
@@ -109,10 +111,10 @@ def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 16, grpo_step
                           train_dataset=games(grpo_steps * 8, seed=2), processing_class=tokenizer,
                           environment_factory=GuessTheNumber)
     timed("grpo", trainer.train)
-    results["grpo_reward"] = [round(h["reward"], 3) for h in trainer.state.log_history if "reward" in h]
+    results["grpo"] = grpo_history(trainer)
     results["after_grpo"] = timed("eval_grpo", lambda: rate(trainer.model))
     log(f"success after GRPO: {results['after_grpo']:.3f} (GRPO {times['grpo']} s, eval {times['eval_grpo']} s)")
-    log(f"GRPO reward per step: {results['grpo_reward']}")
+    log(f"GRPO per step: {results['grpo']}")
     results["seconds"] = times
     return results
 

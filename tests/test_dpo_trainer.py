@@ -284,3 +284,51 @@ def test_loss_type_from_the_command_line(tmp_path):
                                                     "--loss_weights", "1", "0.5"])
     assert parsed.loss_type == ["sigmoid", "sft"] and parsed.loss_weights == [1.0, 0.5]
     assert _args(tmp_path, loss_type="ipo").loss_type == ["ipo"]  # a list, as TRL makes it
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(tiny_model_path, monkeypatch,
+                                                                               attention):
+    """Rows of very different lengths: the padded batch runs as fewer rows, each prompt once for its chosen and
+    rejected completions, through the hidden-state path (no [tokens x vocab] logits); each sequence's log-prob,
+    metric sums and gradient equal float64 computed on it alone. A left-padded batch (left as it is) agrees."""
+    from posttrain.trainers import preference_common
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention)
+    rows = [{"prompt_ids": list(range(5, 5 + p)), "chosen_ids": [40 + i for i in range(c)],
+             "rejected_ids": [80 + i for i in range(r)]} for p, c, r in ((30, 6, 9), (3, 2, 4), (12, 5, 1), (40, 7, 3))]
+    batch = PreferenceCollator(0)(rows)
+    layouts = []
+    monkeypatch.setattr(preference_common, "shared_layout", lambda *args, f=preference_common.shared_layout:
+                        layouts.append(f(*args)) or layouts[-1])
+    got = preference_common.sequence_logps(model, batch)
+    # Fewer positions than the prompts and completions hold when each is computed once per sequence.
+    assert layouts[0][0]["input_ids"].numel() < sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"])
+                                                    + len(r["rejected_ids"]) for r in rows)
+    got.logps.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model64 = copy.deepcopy(model).double()
+    model64.zero_grad()
+    expected, entropy, tokens = [], [], []
+    for kind in ("chosen", "rejected"):
+        for row in rows:
+            ids = row["prompt_ids"] + row[f"{kind}_ids"]
+            logp = torch.log_softmax(model64(torch.tensor([ids])).logits[0], -1)
+            steps = range(len(row["prompt_ids"]), len(ids))
+            expected.append(sum(logp[t - 1, ids[t]] for t in steps))
+            entropy.append(sum(-(logp[t - 1].exp() * logp[t - 1]).sum() for t in steps).item())
+            tokens.append(len(steps))
+    torch.stack(expected).sum().backward()
+    torch.testing.assert_close(got.logps.double(), torch.stack(expected).detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got.stats["entropy"].double(), torch.tensor(entropy, dtype=torch.float64), atol=1e-4,
+                               rtol=1e-5)
+    assert got.token_counts.tolist() == tokens
+    for name, param in model64.named_parameters():
+        torch.testing.assert_close(grads[name].double(), param.grad, atol=1e-4, rtol=1e-4)
+    pads = (batch["attention_mask"] == 0).sum(-1).tolist()  # RoPE: shifting a whole sequence changes nothing
+    left = {k: torch.stack([row.roll(pad) for row, pad in zip(v, pads)]) for k, v in batch.items()}
+    layouts.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(preference_common.sequence_logps(model, left).logps, got.logps.detach(),
+                                   atol=1e-4, rtol=1e-5)
+    assert layouts == []

@@ -12,6 +12,9 @@ soak is 20 minutes):
     POSTTRAIN_SOAK_SECONDS=1200 .venv/bin/python -m pytest -m slow tests/test_soak.py
 
 This file is also the worker: python tests/test_soak.py MODEL_PATH OUT_DIR
+
+The vLLM part (GRPO in server mode with the server killed and restarted, plus failing rewards) needs the vLLM
+environment and lives in tests/vllm/test_vllm_soak.py (same POSTTRAIN_SOAK_SECONDS).
 """
 
 from __future__ import annotations

@@ -9,14 +9,16 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..errors import ConfigError
-from ..models.reference import unwrap
+from ..models.reference import full_state_dict, gathered_weights, load_full_state_dict, named_weights
 
 
 def mix_into_reference(policy: nn.Module, ref_model: nn.Module, alpha: float) -> None:
-    """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (matched by name)."""
-    policy_params = dict(unwrap(policy).named_parameters())
-    with torch.no_grad():
-        for name, ref_param in unwrap(ref_model).named_parameters():
+    """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (matched by name); under ZeRO-3 and FSDP2
+    (a collective there) on the parameters as the engines hold them."""
+    policy_params, ref_params = named_weights(policy), named_weights(ref_model)
+    with torch.no_grad(), gathered_weights(policy_params.values()), \
+            gathered_weights(ref_params.values(), modify=True):
+        for name, ref_param in ref_params.items():
             ref_param.mul_(1 - alpha).add_(policy_params[name].detach().to(ref_param.dtype), alpha=alpha)
 
 
@@ -37,8 +39,7 @@ class SyncRefModelCallback(TrainerCallback):
         self.ref_model, self.accelerator, self.alpha, self.sync_steps = ref_model, accelerator, alpha, sync_steps
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        ref_names = {n for n, _ in unwrap(self.ref_model).named_parameters()}
-        missing = sorted(ref_names - {n for n, _ in unwrap(model).named_parameters()})
+        missing = sorted(set(named_weights(self.ref_model)) - set(named_weights(model)))
         if missing:
             raise ConfigError(
                 f"sync_ref_model: the reference has parameters the policy lacks (e.g. {missing[:3]}); TR-DPO "
@@ -66,7 +67,7 @@ def sync_ref_checkpoint_state(trainer) -> dict:
     callback = _sync_callback(trainer)
     if callback is None or callback.ref_model is None:
         return {}
-    return {SYNC_REF_KEY: unwrap(callback.ref_model).state_dict()}
+    return {SYNC_REF_KEY: full_state_dict(callback.ref_model)}  # full tensors: a sharded reference is gathered
 
 
 def load_sync_ref_checkpoint_state(trainer, state: dict) -> None:
@@ -78,4 +79,4 @@ def load_sync_ref_checkpoint_state(trainer, state: dict) -> None:
     if callback is None or callback.ref_model is None:
         raise ConfigError("The checkpoint holds a TR-DPO reference model (it was saved with sync_ref_model=True), "
                           "but this run does not sync one; resume with sync_ref_model=True or start a new run.")
-    unwrap(callback.ref_model).load_state_dict(weights)
+    load_full_state_dict(callback.ref_model, weights)

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from posttrain import __version__
+from posttrain.cli.runtime import allocator_report, threads_report
 
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
 OPTIONAL_PACKAGES = {
@@ -41,6 +42,8 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     rows += [(package, _version(package)) for package in CORE_PACKAGES]
     rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
     rows.append(("accelerator", _accelerator()))
+    rows.append(("allocator", allocator_report()))
+    rows.append(("threads", threads_report()))
     from posttrain.rewards.sandbox import sandbox_backend
 
     rows.append(("code sandbox", sandbox_backend()))

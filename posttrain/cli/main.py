@@ -39,6 +39,7 @@ from posttrain.cli.args import (
 )
 from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
 from posttrain.cli.environment import environment_report
+from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
 from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
 from posttrain.errors import ConfigError, PosttrainError
@@ -96,8 +97,11 @@ TOOLS = {
 
 def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (0 done, 2 usage error)."""
+    console = argv is None  # this process is the command: it may set its threads and re-execute (not in a test)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and (argv[0] in METHODS or argv[0] in TOOLS) else None
+    if console and command in METHODS and not {"-h", "--help"} & set(argv):
+        prepare_training_process(argv)  # tcmalloc/jemalloc preloaded, OpenMP threads = physical cores
     prog = f"posttrain {command}" if command else "posttrain"
     try:
         if command in METHODS:

@@ -6,6 +6,9 @@ reload, prefix-cache reset), posttrain's worker extension (correct weight reload
 the sampling distribution actually used (`processed_logprobs`), no sampling defaults taken from the
 model's generation_config (the trainer sends every sampling setting), eager mode unless `--compile`, and
 a capped KV cache. Arguments after `--` go to vLLM unchanged.
+
+If the server dies mid-run, start it again with the same command (same host and port): the trainers wait for
+it (up to their vllm_server_timeout), push their current weights to it again and carry on.
 """
 
 from __future__ import annotations

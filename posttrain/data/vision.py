@@ -19,7 +19,7 @@ import copy
 import difflib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -263,6 +263,26 @@ def configure_vision_peft(peft_config, model, freeze_tower: bool) -> None:
         peft_config.exclude_modules = r".*\b(" + "|".join(VISION_TOWERS) + r")\b.*"
 
 
+def adapt_vision_model(model, peft_config, freeze_tower: bool):
+    """Before PEFT wrapping (every trainer, offline and online): with LoRA, the projector trained in full and no
+    adapter in a frozen tower (`configure_vision_peft`); the tower frozen when `freeze_tower`. A text-only model is
+    left as it is. Returns `model`."""
+    if is_vision_model(model):
+        if peft_config is not None:
+            configure_vision_peft(peft_config, model, freeze_tower)
+        if freeze_tower:
+            freeze_vision_tower(model)
+    return model
+
+
+def freeze_vision_tower_field():
+    """The `freeze_vision_tower` config field the vision-capable trainers share."""
+    return field(default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision "
+                                                 "tower's weights fixed (the projector and the language model train; "
+                                                 "with LoRA, the tower gets no adapter and the projector is trained "
+                                                 "in full). TRL trains every weight."})
+
+
 def vision_inputs(batch: dict) -> dict:
     """The image inputs of a collated batch, for the model's forward."""
     return {k: batch[k] for k in VISION_INPUTS if k in batch}
@@ -478,8 +498,7 @@ class VisionSetup:
         return load_vision_model if self._vision_model else None
 
     def adapt_vision_model(self, loaded, peft_config, freeze_tower: bool) -> None:
-        if peft_config is not None and is_vision_model(loaded):
-            configure_vision_peft(peft_config, loaded, freeze_tower)
+        adapt_vision_model(loaded, peft_config, freeze_tower)
 
     processor_pad_token = staticmethod(pad_token_view)
 

@@ -34,7 +34,7 @@ from ..models.loading import load_causal_lm
 from ..models.reference import is_peft_model, reference_forward, unwrap
 from ..trainers.dpo import (ReferenceConfig, ReferenceTrainer, check_length_settings, load_processing_class,
                              sequence_logps)
-from ..trainers.kto import KTOCollator, KTOTrainer, _rows, _tokenize_row
+from ..trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
 
 logger = logging.getLogger("posttrain")
 
@@ -132,7 +132,7 @@ def truncate_bco(prompt: list, completion: list, max_length: int | None, max_pro
 
 
 def _tokenize_bco_row(example, row, tokenizer, fmt, completion_fmt, limits, embedding_tokenizer):
-    out = _tokenize_row(example, row, tokenizer, fmt, completion_fmt, None)
+    out = tokenize_kto_row(example, row, tokenizer, fmt, completion_fmt, None)
     start = out["completion_mask"].index(1)
     full_prompt, full_completion = out["input_ids"][:start], out["input_ids"][start:]
     prompt, completion = truncate_bco(full_prompt, full_completion, **limits)
@@ -280,7 +280,7 @@ class BCOTrainer(ReferenceTrainer):
             peft_model.train(was_training)
 
     def reference_columns(self, reference, batch):
-        return {"ref_logps": sequence_logps(reference, _rows(batch, slice(None))).logps}
+        return {"ref_logps": sequence_logps(reference, kto_rows(batch, slice(None))).logps}
 
     # -- UDM -------------------------------------------------------------------------------------
     def _embed(self, batch: dict) -> torch.Tensor:
@@ -326,7 +326,7 @@ class BCOTrainer(ReferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        policy = sequence_logps(model, _rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
+        policy = sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
         if "ref_logps" in inputs:
             ref_logps = inputs["ref_logps"]
         else:

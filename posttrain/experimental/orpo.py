@@ -24,14 +24,9 @@ from ..losses.logprobs import next_token_logps
 from ..losses.preference import dpo_metrics
 from ..losses.reference_free import orpo_loss
 from ..trainers.base import BaseTrainer, PosttrainConfig
-from ..trainers.dpo import (
-    PreparesEvalDatasets,
-    ReferenceTrainer,
-    SequenceLogps,
-    load_processing_class,
-    sequence_index,
-    sequence_logps,
-)
+from ..trainers.dpo import PreparesEvalDatasets, load_processing_class
+from ..trainers.preference_common import PreferenceMetricsMixin, SequenceLogps, sequence_index, sequence_logps
+
 
 @dataclass
 class ReferenceFreeConfig(PosttrainConfig):
@@ -79,16 +74,12 @@ class ORPOConfig(ReferenceFreeConfig):
         super().__post_init__()
 
 
-class ReferenceFreeTrainer(PreparesEvalDatasets, BaseTrainer):
+class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
     """Preference training on the policy's own log-probs: DPO's data layer and forward, a subclass's loss.
 
     `pair_losses(policy, logits, inputs)` returns the per-pair losses (NLL term included), chosen and rejected
     rewards and extra metrics. The losses are summed and divided by the number of pairs in the whole effective batch.
     """
-
-    # What DPO and KTO also log (entropy, num_tokens, token-weighted logits/<part>) and their MoE aux loss.
-    record_token_metrics = ReferenceTrainer.record_token_metrics
-    add_aux_loss = ReferenceTrainer.add_aux_loss
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),

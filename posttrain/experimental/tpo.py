@@ -28,11 +28,11 @@ from ..losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
 from ..trainers.base import BaseTrainer, PosttrainConfig
 from ..trainers.dpo import (
     PreparesEvalDatasets,
-    ReferenceTrainer,
     check_length_settings,
     load_processing_class,
     sequence_logps,
 )
+from ..trainers.preference_common import PreferenceMetricsMixin
 
 
 @dataclass
@@ -152,7 +152,7 @@ class TriplePreferenceCollator(PreferenceCollator):
                 "completion_mask": pad(masks, 0, multiple_of=multiple)}
 
 
-class TPOTrainer(PreparesEvalDatasets, BaseTrainer):
+class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
     """`TPOTrainer(model, args=TPOConfig(...), train_dataset=..., processing_class=..., peft_config=...)`, TRL's
     keyword arguments in TRL's order. The loss is summed over pairs and divided by the pairs of the whole effective
     batch; the gold NLL is the token mean over the micro-batch's gold completions, added to each pair's loss."""
@@ -206,8 +206,7 @@ class TPOTrainer(PreparesEvalDatasets, BaseTrainer):
     def _record(self, policy, scores, chosen_rewards, rejected_rewards, inputs, n: int) -> None:
         parts = {"chosen": slice(None, n), "rejected": slice(n, 2 * n)}
         # entropy and num_tokens cover every sequence of the batch, the gold ones included (as TRL logs them)
-        ReferenceTrainer.record_token_metrics(self, policy.stats, policy.token_counts,
-                                              inputs["attention_mask"].sum(), parts)
+        self.record_token_metrics(policy.stats, policy.token_counts, inputs["attention_mask"].sum(), parts)
         metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
                    "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
                    "rewards/margins": (chosen_rewards - rejected_rewards).mean(),

@@ -80,6 +80,11 @@ class GenerationBackend(ABC):
         round), or now with `force` (evaluation). Nothing to do for a backend that samples with the training
         model itself."""
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Counts of backend events since the last call, for the trainer's logs (the same keys on every
+        process; e.g. the vLLM server backend's `vllm/reconnects`)."""
+        return {}
+
 
 def completion_seeds(seed: int | Sequence[int] | None, num_prompts: int, n: int) -> list[int] | None:
     """One seed per completion (prompt-major), derived from a call seed or from one seed per prompt."""

@@ -1,30 +1,50 @@
-"""Generation with the training model itself through transformers' `generate` (KV cache, left padding).
+"""Generation with the training model itself (transformers, KV cache, left padding).
 
 Sampling uses the Gumbel-max trick with one random stream per completion: after the repetition penalty,
 temperature, top-k, top-p and min-p filters, each row adds Gumbel noise drawn from its own seeded
 generator and takes the arg-max, which is an exact sample from the filtered softmax. Because no row
 draws from a shared random state, a completion depends only on its prompt, its seed and the weights,
 not on which other prompts are in the batch or on which process it is generated.
+
+Decoding runs in this module's own loop (`decode`) rather than `model.generate`, for two savings that
+`generate` cannot make: each distinct prompt is prefilled once and its KV cache is copied to the group's
+`n` completions (GRPO's prompts are repeated `num_generations` times, so `generate` would prefill each
+one n times), and a row that has sampled a stop token leaves the batch, so finished completions stop
+costing compute (`generate` keeps decoding them as padding until the last row ends). What the loop does
+not handle (images, `generation_kwargs`, a non-dynamic cache, models whose cache cannot be copied by
+rows) goes through `model.generate` with the same sampler, which samples the same tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from transformers import (
+    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import ConfigError
 from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+
+
+def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(generators), vocab_size] Gumbel(0, 1) noise, row i from generators[i]."""
+    uniform = torch.stack([torch.rand(vocab_size, generator=g, device=device, dtype=torch.float32)
+                           for g in generators])
+    tiny = torch.finfo(torch.float32).tiny
+    return -torch.log((-torch.log(uniform.clamp(min=tiny))).clamp(min=tiny))
 
 
 class SeededGumbelSampler(LogitsProcessor):
@@ -35,13 +55,7 @@ class SeededGumbelSampler(LogitsProcessor):
         self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        vocab_size = scores.shape[-1]
-        uniform = torch.stack([
-            torch.rand(vocab_size, generator=g, device=scores.device, dtype=torch.float32) for g in self.generators
-        ])
-        tiny = torch.finfo(torch.float32).tiny
-        gumbel = -torch.log((-torch.log(uniform.clamp(min=tiny))).clamp(min=tiny))
-        return scores.float() + gumbel
+        return scores.float() + gumbel_noise(self.generators, scores.shape[-1], scores.device)
 
 
 def _filters(sampling: SamplingParams) -> list[LogitsProcessor]:
@@ -72,19 +86,43 @@ def generation_config(sampling: SamplingParams, eos_token_ids: Sequence[int], pa
         "pad_token_id": pad_token_id, **{k: v for k, v in settings.items() if v is not None}})
 
 
-class TransformersBackend(GenerationBackend):
-    """Generates with `model` (the trainer's model object, so it always has the current weights).
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of `rows` left-padded to the longest."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(r)) + list(r) for r in rows], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return input_ids, attention_mask
 
-    All n * len(prompts) completions are generated in one left-padded batch with the KV cache, in eval
-    mode without gradients; the model's train/eval mode is restored afterwards.
+
+class TransformersBackend(GenerationBackend):
+    """Generates with `model` (the trainer's model object, so it always has the current weights), in eval mode
+    without gradients; the model's train/eval mode is restored afterwards.
+
+    `share_prefill=False` prefills every completion's copy of its prompt and `drop_finished=False` keeps
+    finished rows in the batch (both as `generate` does): the same completions, slower; they exist to measure
+    each saving. `return_logprobs` reports the sampler's log-probabilities of the sampled tokens (log-softmax of
+    the filtered scores, as vLLM's processed log-probs); the `generate` fallback reports none.
     """
 
     def __init__(self, model, pad_token_id: int, eos_token_ids: Sequence[int],
-                 cache_implementation: str | None = None) -> None:
+                 cache_implementation: str | None = None, share_prefill: bool = True, drop_finished: bool = True,
+                 return_logprobs: bool = False) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.cache_implementation = cache_implementation
+        self.share_prefill = share_prefill
+        self.drop_finished = drop_finished
+        self.return_logprobs = return_logprobs
+        self._unwrapped: tuple | None = None  # (self.model, the model to call, whether `decode` can run it)
+
+    def unwrapped(self):
+        """The model to call (DDP/compile wrappers off; a PEFT model stays as is) and whether `decode` can run it,
+        worked out once per model object: accelerate's unwrapping looks up installed packages on every call."""
+        if self._unwrapped is None or self._unwrapped[0] is not self.model:
+            model = extract_model_from_parallel(self.model)
+            self._unwrapped = (self.model, model, rows_can_be_copied(model))
+        return self._unwrapped[1:]
 
     @torch.no_grad()
     def generate(
@@ -98,15 +136,97 @@ class TransformersBackend(GenerationBackend):
     ) -> list[Completion]:
         """`vision`: per prompt, its image inputs (`split_vision_inputs`, with unpadded per-token inputs), which
         every completion of the prompt is generated with; `suppress_tokens` are never sampled (image tokens)."""
-        model = extract_model_from_parallel(self.model)  # DDP/compile wrappers off; a PEFT model stays as is
-        device = next(model.parameters()).device
-        rows = [list(ids) for ids in prompt_ids for _ in range(n)]
+        model, decodable = self.unwrapped()
         seeds = completion_seeds(seed, len(prompt_ids), n)
         if seeds is None:  # fresh randomness, drawn from the global generator (which seeding reproduces)
-            seeds = [derive_seed(int(torch.randint(2**62, ()))) for _ in rows]
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(r)) + r for r in rows], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+            seeds = [derive_seed(int(torch.randint(2**62, ()))) for _ in range(len(prompt_ids) * n)]
+        was_training = model.training
+        model.eval()
+        try:
+            if vision is None and not sampling.extra and self.cache_implementation in (None, "dynamic") and decodable:
+                return self.decode(model, prompt_ids, n, sampling, seeds, suppress_tokens)
+            return self.generate_with_transformers(model, prompt_ids, n, sampling, seeds, vision, suppress_tokens)
+        finally:
+            model.train(was_training)
+
+    def decode(self, model, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
+               seeds: list[int], suppress_tokens: Sequence[int] | None = None) -> list[Completion]:
+        """Prefill (each distinct prompt once, unless share_prefill is off), then one token per step for the rows
+        still running."""
+        device = next(model.parameters()).device
+        copies = 1 if self.share_prefill else n
+        input_ids, attention_mask = left_pad([p for p in prompt_ids for _ in range(copies)], self.pad_token_id, device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
+        quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                       use_cache=True, logits_to_keep=1, **quiet).logits[:, -1].float()
+        if copies != n:  # the group's n completions continue from one prompt's cache
+            cache.batch_repeat_interleave(n)
+            logits, input_ids, attention_mask, position_ids = (
+                t.repeat_interleave(n, dim=0) for t in (logits, input_ids, attention_mask, position_ids))
+
+        rows = input_ids.shape[0]
+        active = torch.arange(rows, device=device)  # which completion each batch row is
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        next_position = position_ids[:, -1] + 1
+        generated = torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(rows, sampling.max_tokens, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        stops = torch.tensor(self.eos_token_ids, device=device)
+        penalty = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty) \
+            if sampling.repetition_penalty != 1.0 else None
+        filters = _filters(sampling)
+        # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
+        # spares transformers building it from the 2D mask at every step.
+        ready_mask = model.config._attn_implementation == "sdpa"
+        for step in range(sampling.max_tokens):
+            scores = logits
+            if penalty is not None:  # over the padded prompt and the completion so far, as generate does
+                scores = penalty(torch.cat([input_ids[active], generated[active, :step]], dim=1), scores)
+            if suppress_tokens:
+                scores[:, list(suppress_tokens)] = -float("inf")
+            for apply in filters:
+                scores = apply(None, scores)
+            if sampling.top_k == 1:  # greedy: the noise would only break exact ties
+                tokens = scores.argmax(-1)
+            else:
+                tokens = (scores + gumbel_noise([generators[i] for i in active.tolist()], scores.shape[-1],
+                                                device)).argmax(-1)
+            generated[active, step] = tokens
+            if self.return_logprobs:
+                logprobs[active, step] = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+            running = ~finished[active]
+            lengths[active] += running.long()
+            finished[active] |= torch.isin(tokens, stops)
+            keep = ~finished[active]
+            if step + 1 == sampling.max_tokens or not keep.any():
+                break
+            if self.drop_finished and not keep.all():
+                index = keep.nonzero()[:, 0]
+                cache.batch_select_indices(index)
+                active, tokens, attention_mask, next_position = (
+                    t[index] for t in (active, tokens, attention_mask, next_position))
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
+            step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
+            logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
+                           cache=cache, use_cache=True, **quiet).logits[:, -1].float()
+            next_position = next_position + 1
+        token_lists, lengths, finished = generated.tolist(), lengths.tolist(), finished.tolist()
+        logprob_lists = logprobs.tolist() if self.return_logprobs else None
+        return [Completion(i // n, token_lists[i][:lengths[i]],
+                           logprob_lists[i][:lengths[i]] if logprob_lists else None, finished[i])
+                for i in range(rows)]
+
+    def generate_with_transformers(self, model, prompt_ids: Sequence[Sequence[int]], n: int,
+                                   sampling: SamplingParams, seeds: list[int], vision: Sequence[dict] | None = None,
+                                   suppress_tokens: Sequence[int] | None = None) -> list[Completion]:
+        """All n * len(prompts) completions in one left-padded `model.generate` batch."""
+        device = next(model.parameters()).device
+        input_ids, attention_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, device)
+        width = input_ids.shape[1]
         config = generation_config(sampling, self.eos_token_ids, self.pad_token_id,
                                    cache_implementation=self.cache_implementation,
                                    suppress_tokens=list(suppress_tokens) if suppress_tokens else None)
@@ -118,15 +238,20 @@ class TransformersBackend(GenerationBackend):
             images = {k: v.to(device, dtype) if k.startswith("pixel_values") else v.to(device)
                       for k, v in vision_batch([part for part in vision for _ in range(n)], width).items()}
         processors = LogitsProcessorList([*_filters(sampling), SeededGumbelSampler(seeds, device)])
-        was_training = model.training
-        model.eval()
-        try:
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                    logits_processor=processors, **images)
-        finally:
-            model.train(was_training)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                logits_processor=processors, **images)
         return [completion_from_tokens(i // n, generated, self.eos_token_ids)
                 for i, generated in enumerate(output[:, width:].tolist())]
+
+
+def rows_can_be_copied(model) -> bool:
+    """Whether `decode` can run `model`: a decoder whose cache is made of plain key/value layers (copied and
+    selected by rows), and whose forward takes the cache as `cache`."""
+    config = model.config
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes `cache` on
+    if config.is_encoder_decoder or "cache" not in inspect.signature(base.forward).parameters:
+        return False
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
 def completion_from_tokens(prompt_index: int, generated: list[int], eos_token_ids: Sequence[int]) -> Completion:

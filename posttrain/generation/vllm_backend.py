@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +30,13 @@ from accelerate.utils import extract_model_from_parallel
 from ..errors import ConfigError
 from ..models.reference import is_peft_model, unwrap
 from .base import Completion, GenerationBackend, SamplingParams, completion_seeds
-from .vllm_client import WORKER_EXTENSION, VLLMClient, VLLMServerError, completion_from_output
+from .vllm_client import (
+    WORKER_EXTENSION,
+    VLLMClient,
+    VLLMServerError,
+    VLLMServerUnreachable,
+    completion_from_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -172,18 +180,34 @@ class VLLMServerBackend(GenerationBackend):
     """Generates with a running vLLM server; syncs weights through a directory the server can read.
 
     `sync_dir` must be visible to the server under the same path (the default, a temporary directory, is
-    right when both run on one machine). In a multi-process run only the main process writes and pushes
-    the weights; the others wait for it.
+    right when both run on one machine). In a multi-process run every process sends its own prompts; only the
+    main process writes and pushes the weights (once per round) while the others wait, and all of them use its
+    directory, so that any of them can make a restarted server reload the weights pushed last.
+
+    A server that goes away (connection refused or reset) is waited for, at most `reconnect_timeout_s`
+    (default: the client's connect_timeout_s, which is vllm_server_timeout); once it answers it is checked
+    again, reloads the weights pushed last (a restarted server holds its start-up weights), and the
+    interrupted request is sent again. Every push carries a version that the server remembers, so a server
+    restarted between two requests is noticed as well. `reconnects` counts both kinds of event.
     """
 
     def __init__(self, client: VLLMClient, stop_token_ids: Sequence[int], sync_steps: int = 1,
                  steps_per_round: int = 1, sync_dir: str | os.PathLike | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, reconnect_timeout_s: float | None = None) -> None:
         self.client = client
         self.stop_token_ids = list(stop_token_ids)
         self.schedule = _SyncSchedule(sync_steps, steps_per_round)
-        self._default_dir = None if sync_dir else tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-")
-        self.sync_dir = Path(sync_dir or self._default_dir.name)
+        self._default_dir = None
+        if not sync_dir and _is_main_process():
+            self._default_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-")
+            sync_dir = self._default_dir.name
+        sync_dir, self._run_id = _from_main_process(str(sync_dir), uuid.uuid4().hex[:12])
+        self.sync_dir = Path(sync_dir)
+        self.reconnect_timeout_s = client.connect_timeout_s if reconnect_timeout_s is None else reconnect_timeout_s
+        self.pushes = 0  # weight pushes so far, counted alike on every process (the version of the last one)
+        self.reconnects = 0
+        self._unreported = 0  # reconnects not yet handed to the trainer's logs (pop_metrics)
+        self._stale = False  # the server does not hold the weights pushed last: reload them before the next request
         info = client.wait_until_ready()
         self.max_model_len = int(info["max_model_len"])
         self.dtype = getattr(torch, info["dtype"], None)
@@ -192,6 +216,7 @@ class VLLMServerBackend(GenerationBackend):
             raise ConfigError(f"The vLLM server at {client.base_url} serves {info['model']!r} with a vocabulary of "
                               f"{served_vocab} tokens, but the trained model has {vocab_size}: it serves another "
                               "model. Start the server with the model you train.")
+        self._served = (info["model"], served_vocab)
         self.rounds = 0
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
@@ -199,18 +224,86 @@ class VLLMServerBackend(GenerationBackend):
         _check_lengths(prompt_ids, sampling, self.max_model_len, f"the vLLM server at {self.client.base_url}")
         self.rounds += 1
         context = f"generation round {self.rounds}, at optimizer step {self.schedule.step}"
-        return self.client.generate(prompt_ids, n, sampling, completion_seeds(seed, len(prompt_ids), 1),
-                                    self.stop_token_ids, context=context)
+        seeds = completion_seeds(seed, len(prompt_ids), 1)
+        return self._call(lambda: self.client.generate(prompt_ids, n, sampling, seeds, self.stop_token_ids,
+                                                       context=context), context)
 
     def sync_weights(self, model, force: bool = False) -> None:
         if not force and not self.schedule.due():
             return
+        self.pushes += 1
         if _is_main_process():
             context = "weight sync for evaluation" if force else f"weight sync at optimizer step {self.schedule.step}"
             with policy_weights(model) as weights:
                 save_weights(weights, self.sync_dir, self.dtype)
-            self.client.reload_weights(str(self.sync_dir), context=context)
+            self._stale = True
+            self._call(None, context)
         _wait_for_main_process()
+
+    def pop_metrics(self) -> dict[str, float]:
+        """For the trainer's logs: `vllm/reconnects`, the server losses recovered from since the last call."""
+        count, self._unreported = self._unreported, 0
+        return {"vllm/reconnects": float(count)}
+
+    # -- a server that goes away ---------------------------------------------------------------------------------
+    @property
+    def _version(self) -> str:
+        return f"{self._run_id}-{self.pushes}"
+
+    def _call(self, operation, context: str):
+        """`operation()` (if any) once the server holds the weights pushed last, waiting for a server that went
+        away and retrying."""
+        while True:
+            try:
+                if self.pushes and not self._stale and self.client.weights_version(context)["version"] != self._version:
+                    self._count_reconnect()
+                    logger.warning("The vLLM server at %s no longer holds the weights pushed last (%s): it was "
+                                   "restarted. Pushing them again (reconnect %d of this run).", self.client.base_url,
+                                   context, self.reconnects)
+                    self._stale = True
+                if self._stale:
+                    self.client.reload_weights(str(self.sync_dir), context, version=self._version)
+                    self._stale = False
+                return None if operation is None else operation()
+            except VLLMServerUnreachable as error:
+                self._wait_for_server(error)
+
+    def _wait_for_server(self, error: VLLMServerUnreachable) -> None:
+        """Waits for the server to answer again and checks it (model, posttrain's worker extension); raises the
+        original error, saying so, if it does not come back in time."""
+        url, timeout = self.client.base_url, self.reconnect_timeout_s
+        logger.warning("%s Waiting up to %g s (vllm_server_timeout) for it to come back; restart it on the same "
+                       "host and port to continue the run.", error, timeout)
+        started = time.monotonic()
+        try:
+            info = self.client.wait_until_ready(timeout)
+        except VLLMServerError as failure:
+            if time.monotonic() - started < timeout:  # it answered, but not as a posttrain server of this model
+                raise
+            raise VLLMServerError(f"{error} It did not come back within {timeout:g} s (vllm_server_timeout)."
+                                  ) from failure
+        if (info["model"], info.get("vocab_size")) != self._served:
+            raise VLLMServerError(f"The vLLM server at {url} came back serving {info['model']!r} (vocabulary "
+                                  f"{info.get('vocab_size')}) instead of {self._served[0]!r} (vocabulary "
+                                  f"{self._served[1]}). Restart it with the model you train.")
+        self._count_reconnect()
+        self._stale = self.pushes > 0  # a restarted server holds its start-up weights
+        logger.warning("Reconnected to the vLLM server at %s after %.0f s (reconnect %d of this run)%s.", url,
+                       time.monotonic() - started, self.reconnects,
+                       "; pushing the weights of the last sync again" if self._stale else "")
+
+    def _count_reconnect(self) -> None:
+        self.reconnects += 1
+        self._unreported += 1
+
+
+def _from_main_process(*values):
+    """`values` as the main process has them (every process calls this)."""
+    if not torch.distributed.is_initialized():
+        return values
+    objects = list(values)
+    torch.distributed.broadcast_object_list(objects, src=0)
+    return tuple(objects)
 
 
 class VLLMColocateBackend(GenerationBackend):

@@ -5,7 +5,9 @@ generation goes through `/v1/completions` with prompt token ids; weights go thro
 routes (`/pause`, `/collective_rpc`, `/reset_prefix_cache`, `/resume`, and for GPUs the weight-transfer
 routes). Every request has a timeout, and every failure raises `VLLMServerError` naming the server's URL,
 what was being done (and the training step, when the caller gives one) and what went wrong, so a dead or
-unreachable server stops training with a message instead of a hang.
+unreachable server stops training with a message instead of a hang. A server that cannot be reached at all
+(connection refused or reset: stopped or restarting) raises the subclass `VLLMServerUnreachable`, which
+the server backend answers by waiting for the server to come back.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ SERVE_HINT = "start it with `posttrain vllm-serve MODEL --host HOST --port PORT`
 
 class VLLMServerError(RuntimeError):
     """The vLLM server could not be reached, answered with an error, or is not set up for posttrain."""
+
+
+class VLLMServerUnreachable(VLLMServerError):
+    """No connection to the vLLM server (refused, reset, closed mid-answer): it is down or restarting. Unlike an
+    HTTP error or a timeout, waiting for it can help."""
 
 
 class VLLMClient:
@@ -73,8 +80,8 @@ class VLLMClient:
                                   f"{timeout:g} s. Raise the client timeout if the server is just slow.") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
             reason = getattr(err, "reason", None) or err
-            raise VLLMServerError(f"{what}{where} failed: could not reach the vLLM server at {url} ({reason}). "
-                                  f"Is it running? If not, {SERVE_HINT}.") from None
+            raise VLLMServerUnreachable(f"{what}{where} failed: could not reach the vLLM server at {url} ({reason}). "
+                                        f"Is it running? If not, {SERVE_HINT}.") from None
         try:
             return json.loads(raw) if raw else None
         except json.JSONDecodeError:
@@ -182,17 +189,24 @@ class VLLMClient:
             pool.shutdown(wait=False, cancel_futures=True)
 
     # -- weight sync, portable path ------------------------------------------------------------------------
-    def reload_weights(self, directory: str, context: str = "") -> None:
-        """Makes the server load the safetensors files in `directory` (which it must be able to read):
-        generation is paused (in-flight requests finish first), the weights are reloaded, the prefix cache
-        (KV blocks computed with the old weights) is reset, and generation resumes, also after a failure."""
+    def reload_weights(self, directory: str, context: str = "", version: str | None = None) -> None:
+        """Makes the server load the safetensors files in `directory` (which it must be able to read), and
+        remember them as `version`: generation is paused (in-flight requests finish first), the weights are
+        reloaded, the prefix cache (KV blocks computed with the old weights) is reset, and generation resumes,
+        also after a failure."""
         self.request("POST", "/pause?mode=wait", {}, what="pausing generation for a weight sync", context=context)
         try:
-            self.collective_rpc("posttrain_reload_from_path", [directory], context=context,
+            self.collective_rpc("posttrain_reload_from_path", [directory, version], context=context,
                                 what=f"reloading the weights from {directory}")
             self.reset_prefix_cache(context)
         finally:
             self.request("POST", "/resume", {}, what="resuming generation after a weight sync", context=context)
+
+    def weights_version(self, context: str = "") -> dict[str, Any]:
+        """The server's `{"version", "reloads"}` (see `PosttrainWorkerExtension.posttrain_weights_version`);
+        with several workers (tensor parallelism) they hold the same weights, so the first one answers."""
+        return self.collective_rpc("posttrain_weights_version", what="asking which weights the server holds",
+                                   context=context, timeout_s=60.0)[0]
 
     def reset_prefix_cache(self, context: str = "", attempts: int = 20) -> None:
         """Resets the prefix cache; vLLM refuses while KV blocks are held, so it is retried briefly."""

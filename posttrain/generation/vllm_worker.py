@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-PROTOCOL_VERSION = 1  # bumped when the calls below change; the client refuses a server that differs
+PROTOCOL_VERSION = 2  # bumped when the calls below change; the client refuses a server that differs
 
 
 class PosttrainWorkerExtension:
@@ -40,9 +40,20 @@ class PosttrainWorkerExtension:
             "vocab_size": int(model_config.get_vocab_size()),
         }
 
-    def posttrain_reload_from_path(self, weights_path: str) -> dict:
-        """Loads every `*.safetensors` file in `weights_path` (names as in the Hugging Face checkpoint)."""
-        return self._posttrain_reload(weights_path=weights_path)
+    def posttrain_reload_from_path(self, weights_path: str, version: str | None = None) -> dict:
+        """Loads every `*.safetensors` file in `weights_path` (names as in the Hugging Face checkpoint) and
+        remembers `version`, the trainer's name for these weights."""
+        self._posttrain_version = None  # a reload that fails half-way leaves no version: the trainer pushes again
+        result = self._posttrain_reload(weights_path=weights_path)
+        self._posttrain_version = version
+        return result
+
+    def posttrain_weights_version(self) -> dict:
+        """Which weights this worker holds: the `version` of the last reload (None: the start-up weights, as
+        after a restart) and how many reloads it has done. The trainer compares the version with the one it
+        pushed last, so a server restarted between two requests is noticed, not silently sampled from."""
+        return {"version": getattr(self, "_posttrain_version", None),
+                "reloads": getattr(self, "_posttrain_reloads", 0)}
 
     def posttrain_reload_from_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Loads `(name, tensor)` pairs handed over in process (colocate mode, no multiprocessing)."""
@@ -52,6 +63,7 @@ class PosttrainWorkerExtension:
         start = time.perf_counter()
         self.reload_weights(**source)
         _refresh_output_layer(self.model_runner.get_model())
+        self._posttrain_reloads = getattr(self, "_posttrain_reloads", 0) + 1
         return {"seconds": time.perf_counter() - start}
 
 

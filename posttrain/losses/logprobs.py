@@ -1,8 +1,19 @@
-"""Log-probabilities of given tokens, the quantity every preference and policy loss starts from."""
+"""Log-probabilities of given tokens, the quantity every preference and policy loss starts from.
+
+`linear_logps` computes them straight from final hidden states and the output layer, a bounded number of rows at a
+time, so that the [tokens x vocab] logits never exist at once: the backward pass recomputes each chunk's logits
+instead of keeping them. Per token it can also give the detached statistics trainers log (mean logit, entropy,
+whether the target is the argmax, log sum_v p_v^2 for WPO), from the same chunk of logits.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+# Floats of logits one chunk may hold (64 MiB in float32): rows per chunk = this // vocabulary size.
+CHUNK_ELEMENTS = 1 << 24
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -20,3 +31,110 @@ def next_token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Ten
     log p(input_ids[t] | input_ids[:t]); entry 0 has no prediction and is 0."""
     logps = selective_log_softmax(logits[:, :-1], input_ids[:, 1:])
     return torch.nn.functional.pad(logps, (1, 0), value=0.0)
+
+
+class TokenScores(NamedTuple):
+    """Per-row results of `linear_logps`; the statistics are detached and None unless asked for."""
+
+    logps: torch.Tensor  # [N] log p(index), differentiable
+    mean_logits: torch.Tensor | None = None  # [N] mean over the vocabulary of the logits
+    entropy: torch.Tensor | None = None  # [N] -sum_v p_v log p_v
+    top1: torch.Tensor | None = None  # [N] 1.0 where index is the (first) argmax
+    log_sum_sq: torch.Tensor | None = None  # [N] log sum_v p_v^2
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
+def _chunk_logits(hidden, weight, bias, dtype) -> torch.Tensor:
+    logits = hidden.to(dtype) @ weight.t()
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return logits.float()
+
+
+def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[i, v] * b[i, v] without an [N, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class _LinearLogps(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T + bias)[i, index[i]] by row chunks; the backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, chunk, stats: bool, log_sum_sq: bool):
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            rows = hidden.shape[0]
+            logz = hidden.new_empty(rows, dtype=torch.float32)
+            picked = hidden.new_empty(rows, dtype=torch.float32)
+            extra = {name: hidden.new_empty(rows, dtype=torch.float32)
+                     for name, wanted in (("mean_logits", stats), ("entropy", stats), ("top1", stats),
+                                          ("log_sum_sq", log_sum_sq)) if wanted}
+            for start in range(0, rows, chunk):
+                part = slice(start, start + chunk)
+                z = _chunk_logits(hidden[part], w, bias, dtype)
+                target = index[part]
+                picked[part] = z.gather(1, target[:, None]).squeeze(1)
+                if stats:
+                    extra["mean_logits"][part] = z.mean(-1)
+                    extra["top1"][part] = (z.argmax(-1) == target).float()
+                peak = z.amax(-1, keepdim=True)
+                probs = (z - peak).exp_()
+                total = probs.sum(-1)
+                logz[part] = peak.squeeze(1) + total.log()
+                if stats or log_sum_sq:
+                    probs.div_(total[:, None])
+                if stats:
+                    extra["entropy"][part] = logz[part] - _dot_rows(probs, z)
+                if log_sum_sq:
+                    extra["log_sum_sq"][part] = _dot_rows(probs, probs).log()
+        ctx.save_for_backward(hidden, weight, bias, index, logz)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.mark_non_differentiable(*extra.values())
+        return (picked - logz, *extra.values())
+
+    @staticmethod
+    def backward(ctx, grad_logps, *_):
+        hidden, weight, bias, index, logz = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        w = weight.to(dtype)
+        grad_logps = grad_logps.float()
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            h = hidden[part].to(dtype)
+            g = grad_logps[part]
+            # d log p_y / dz_v = 1[v = y] - p_v, times the incoming gradient of the row.
+            grad_z = _chunk_logits(h, w, bias, dtype).sub_(logz[part, None]).exp_().mul_(-g[:, None])
+            grad_z.scatter_add_(1, index[part, None], g[:, None])
+            grad_z = grad_z.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[part] = grad_z @ w
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t(), h)
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(0)
+        cast = (lambda grad, like: None if grad is None else grad.to(like.dtype))
+        return cast(grad_hidden, hidden), cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None
+
+
+def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, stats: bool = False, log_sum_sq: bool = False, chunk_size: int | None = None) -> TokenScores:
+    """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
+
+    Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows), in the forward
+    and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32
+    (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit, entropy and top-1 flag per
+    row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
+    """
+    chunk = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    outputs = _LinearLogps.apply(hidden, weight, bias, index, chunk, stats, log_sum_sq)
+    names = (("mean_logits", "entropy", "top1") if stats else ()) + (("log_sum_sq",) if log_sum_sq else ())
+    return TokenScores(outputs[0], **dict(zip(names, outputs[1:])))

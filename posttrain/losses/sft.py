@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("nll", "dft")
@@ -72,8 +71,78 @@ def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return sums.loss, sums.correct, sums.count
 
 
-def _chunk_sums(hidden, weight, bias, targets, loss_type: str, label_smoothing: float):
-    return _rows_sums(F.linear(hidden, weight, bias), targets, loss_type, label_smoothing)
+def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label_smoothing: float):
+    """One chunk's (loss sum, correct, entropy sum) and the gradient of its loss sum w.r.t. its logits.
+
+    d(loss)/d(logits) in closed form, per token with probabilities p and one-hot target e_y:
+    nll: p - e_y; dft: p(y) * (p - e_y) (p(y) is detached); label smoothing: p - (1 - eps) e_y - eps / V.
+    """
+    logp = F.linear(hidden, weight, bias).float()
+    logp -= logp.logsumexp(-1, keepdim=True)  # log-softmax in place: one [rows, vocab] buffer fewer
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    correct = (logp.argmax(-1) == targets).sum()
+    probs = logp.exp()
+    entropy = -(probs * logp).sum()
+    if loss_type == "dft":
+        scale = token_logp.exp()
+        loss = -(scale * token_logp).sum()
+    elif label_smoothing:
+        loss = -((1 - label_smoothing) * token_logp + label_smoothing * logp.mean(-1)).sum()
+    else:
+        loss = -token_logp.sum()
+    del logp
+    grad = probs  # reused in place: p - target distribution
+    rows = torch.arange(len(targets), device=grad.device)
+    grad[rows, targets] -= 1 - label_smoothing if loss_type == "nll" else 1
+    if loss_type == "nll" and label_smoothing:
+        grad -= label_smoothing / grad.shape[-1]
+    if loss_type == "dft":
+        grad *= scale.unsqueeze(-1)
+    return loss, correct, entropy, grad
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """The output projection and the token loss, chunk by chunk, with each chunk's gradients computed in the
+    forward pass (they are known in closed form there): no chunk is recomputed in the backward pass and
+    no [tokens, vocab] tensor outlives its chunk. Backward only scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, loss_type, label_smoothing):
+        need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
+        need_bias = bias is not None and bias.requires_grad
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            piece = slice(start, start + chunk_size)
+            rows = hidden[piece]
+            loss, right, chunk_entropy, grad = _chunk_forward_backward(rows, weight, bias, targets[piece], loss_type,
+                                                                       label_smoothing)
+            total += loss
+            correct += right
+            entropy += chunk_entropy
+            if need_hidden:
+                grad_hidden[piece] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_weight:
+                grad_weight.addmm_(grad.t(), rows.float())
+            if need_bias:
+                grad_bias += grad.sum(0)
+        # Kept on ctx (not save_for_backward): they are this function's own intermediates, scaled in place once.
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.mark_non_differentiable(correct, entropy)
+        return total, correct, entropy
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct, _grad_entropy):
+        if ctx.grads is None:
+            raise RuntimeError("chunked_token_loss_sums supports one backward pass per forward pass.")
+        grads = [None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(ctx.grads, ctx.dtypes)]
+        ctx.grads = None
+        return (*grads, None, None, None, None)
 
 
 def chunked_token_loss_sums(
@@ -82,22 +151,15 @@ def chunked_token_loss_sums(
 ) -> TokenSums:
     """`token_loss_sums` from final hidden states and the output projection, without the [tokens, vocab] logits.
 
-    Only trained positions are projected, `chunk_size` rows at a time, each chunk recomputed in the
-    backward pass (activation checkpointing), so peak memory holds one chunk's logits.
+    Only trained positions are projected, `chunk_size` rows at a time; each chunk's gradients are computed
+    as it goes (see `_FusedHeadLoss`), so peak memory holds one chunk's logits and no chunk is recomputed.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
     targets = shift_for_next_token(labels)
     keep = targets != IGNORE_INDEX
-    rows, wanted = hidden[keep], targets[keep]
-    total = hidden.new_zeros((), dtype=torch.float32)
-    entropy = hidden.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-    for start in range(0, rows.shape[0], chunk_size):
-        piece = slice(start, start + chunk_size)
-        loss, right, chunk_entropy = checkpoint(_chunk_sums, rows[piece], weight, bias, wanted[piece], loss_type,
-                                                label_smoothing, use_reentrant=False)
-        total = total + loss
-        correct = correct + right
-        entropy = entropy + chunk_entropy
+    total, correct, entropy = _FusedHeadLoss.apply(hidden[keep], weight, bias, targets[keep], chunk_size, loss_type,
+                                                   0.0 if loss_type == "dft" else label_smoothing)
     return TokenSums(total, correct, keep.sum(), entropy)
 
 

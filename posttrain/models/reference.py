@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,12 +78,20 @@ def create_reference_model(
 
 
 def copy_model(model: nn.Module) -> nn.Module:
-    """A deep copy; under DeepSpeed ZeRO-3 (parameters partitioned across processes) a fresh model with the gathered
-    full weights, built outside zero.Init (the trainer partitions it again), since a deep copy would hold empty
-    partitions and the policy's hooks."""
+    """A deep copy; of a model sharded by DeepSpeed ZeRO-3 or FSDP2 (a frozen reward model placed by the trainer), a
+    fresh model of its class holding the gathered full weights (a collective: every process calls it), since a deep
+    copy would hold only this process's shards and the engine's hooks. Under ZeRO-3 it is built outside zero.Init
+    (the trainer partitions it again)."""
+    from torch.distributed.tensor import DTensor
+
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    if not partitioned or not hasattr(model, "config"):
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if not (partitioned or sharded) or not hasattr(model, "config"):
         return copy.deepcopy(model)
+    if sharded:
+        state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                 for name, t in model.state_dict().items()}
+        return _fresh_copy(model, _unsharded_class(model), state)
     import deepspeed
     from transformers.integrations import deepspeed as hf_deepspeed
 
@@ -91,13 +99,74 @@ def copy_model(model: nn.Module) -> nn.Module:
         state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     saved, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
     try:
-        fresh = type(model)._from_config(model.config, dtype=next(iter(state.values())).dtype)
+        return _fresh_copy(model, type(model), state)
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def _unsharded_class(model: nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps it for a subclass that mixes in FSDPModule."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _fresh_copy(model: nn.Module, cls: type, state: dict) -> nn.Module:
+    fresh = cls._from_config(model.config, dtype=next(iter(state.values())).dtype)
     fresh.load_state_dict(state)
     if getattr(model, "generation_config", None) is not None:  # a sequence classifier has none
         fresh.generation_config = copy.deepcopy(model.generation_config)
     return fresh
+
+
+# -- a model's weights, whatever engine holds them -----------------------------------------------------
+def named_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's parameters by their names in the model itself (inside DDP and DeepSpeed engines, which prefix
+    them with "module."). They may be ZeRO-3 partitions or FSDP2 DTensor shards: read or change them through
+    `gathered_weights`, `full_state_dict` and `load_full_state_dict`."""
+    model = unwrap(model)
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__):
+        model = model.module
+    return dict(model.named_parameters())
+
+
+@contextmanager
+def gathered_weights(params, modify: bool = False) -> Iterator[None]:
+    """Makes ZeRO-3 partitioned parameters among `params` whole for the duration (a collective: every process
+    enters it); with `modify`, changes made to them are kept (every process must make the same ones). FSDP2
+    DTensor shards need no gathering for elementwise updates between models sharded alike, and plain tensors none."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0 if modify else None):
+        yield
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter in full, on the CPU (a collective under ZeRO-3 and FSDP2), by `named_weights`' names."""
+    weights = named_weights(model)
+    with gathered_weights(weights.values()):
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in weights.items()}
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Loads full tensors (as `full_state_dict` gives them) into the model, each process keeping its shard."""
+    weights = named_weights(model)
+    missing = sorted(set(weights) - set(state))
+    if missing:
+        raise ConfigError(f"The saved weights lack {missing[:3]}: they belong to a different model.")
+    with torch.no_grad(), gathered_weights(weights.values(), modify=True):
+        for name, param in weights.items():
+            value = state[name].to(param.dtype)
+            if hasattr(param, "full_tensor"):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            param.copy_(value)
 
 
 REFERENCE_ADAPTER = "ref"
@@ -142,6 +211,8 @@ def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator
     training) or, when it is None, the PEFT policy `model` with its "ref" adapter (see `add_reference_adapter`)
     or else with its adapter disabled. The module's training mode is restored afterwards.
     """
+    from ..trainers.distributed import root_gathered  # lazily: the trainers import this module
+
     module = unwrap(model) if ref_model is None else ref_model
     if ref_model is None and not hasattr(module, "disable_adapter"):
         raise TypeError("reference_forward needs a ref_model unless the policy is a PEFT model "
@@ -149,7 +220,8 @@ def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad(), (_reference_adapter(module) if ref_model is None else nullcontext()):
+        # an FSDP2-sharded reference keeps its head gathered: log-probs may be computed from it after the forward
+        with torch.no_grad(), (_reference_adapter(module) if ref_model is None else root_gathered(ref_model)):
             yield module
     finally:
         module.train(was_training)

@@ -137,9 +137,10 @@ class _ModelReward:
         return completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
 
 
-def _zero3(accelerator: Any) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
+def _shards_frozen_models(accelerator: Any) -> bool:
+    from ..trainers.distributed import frozen_model_sharding  # lazily: the trainers import this module
+
+    return frozen_model_sharding(accelerator) is not None
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -238,11 +239,11 @@ class RewardScorer:
     def to(self, device: torch.device | str, accelerator: Any = None) -> RewardScorer:
         """Moves the reward models to `device` (the policy's, usually); functions are unaffected. With the
         trainer's `accelerator`, each is placed as a frozen model (`prepare_model(..., evaluation_mode=True)`):
-        under DeepSpeed ZeRO-3 that makes it an inference engine that gathers its partitioned weights."""
+        under DeepSpeed ZeRO-3 and FSDP2 it is sharded like the policy (posttrain/trainers/distributed.py)."""
         for reward in self._rewards:
             if isinstance(reward.func, _ModelReward):
                 reward.func.model.to(device)
-                if accelerator is not None and _zero3(accelerator):
+                if accelerator is not None and _shards_frozen_models(accelerator):
                     reward.func.model = accelerator.prepare_model(reward.func.model, evaluation_mode=True)
         return self
 

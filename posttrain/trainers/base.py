@@ -19,7 +19,7 @@ from ..model_card import write_model_card
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
 from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
-                          shard_frozen_models_under_zero3, use_gloo_on_cpu)
+                          shard_frozen_models, use_gloo_on_cpu)
 from .guards import NONFINITE_POLICIES, GuardMixin
 
 logger = logging.getLogger("posttrain")
@@ -285,7 +285,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     def create_accelerator_and_postprocess(self):
         with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/trainers/distributed.py)
             super().create_accelerator_and_postprocess()
-        shard_frozen_models_under_zero3(self.accelerator)
+        shard_frozen_models(self.accelerator)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.activation_offloading:

@@ -139,7 +139,8 @@ class CheckpointMixin(Trainer):
         rank = self.accelerator.process_index
         path = os.path.join(checkpoint, TRAINER_STATE_FILE if rank == 0 else f"{TRAINER_STATE_FILE}.{rank}")
         if os.path.exists(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            device = self.accelerator.device  # torch.load rejects an indexed CPU ("cpu:0", a launched CPU run)
+            state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
             self._resumed_log_window = state.pop(LOG_WINDOW, None)
             self.load_checkpoint_state(state)
 

@@ -76,29 +76,64 @@ def refuse_unlaunched_multiprocess_config() -> None:
             f"<method> --num_processes {processes} ...`); to train in one process anyway, set {SINGLE_PROCESS_ENV}=1.")
 
 
-def shard_frozen_models_under_zero3(accelerator) -> None:
-    """Under DeepSpeed ZeRO-3, `accelerator.prepare_model(model, evaluation_mode=True)` (how posttrain places
-    reference and teacher models) wraps the frozen model in an inference-only ZeRO-3 engine: its parameters stay
-    partitioned like the policy's and are gathered layer by layer in the forward. Without it a model loaded while
-    ZeRO-3 is configured is created partitioned (zero.Init) but never gathered, and its forward fails."""
+def frozen_model_sharding(accelerator) -> str | None:
+    """How this run shards frozen models (reference, teacher, reward models): 'zero3' or 'fsdp2' where the engine
+    shards the policy's parameters, None where each process holds the policy whole (DDP, ZeRO-1/2), and a full
+    copy of a frozen model is what the policy costs too."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3:
+    if plugin is not None and plugin.zero_stage == 3:
+        return "zero3"
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(fsdp, "fsdp_version", 1) == 2:
+        return "fsdp2"
+    return None
+
+
+def shard_frozen_models(accelerator) -> None:
+    """Makes `accelerator.prepare_model(model, evaluation_mode=True)` (how posttrain places its reference, teacher
+    and reward models) shard the frozen model like the policy under ZeRO-3 and FSDP2; accelerate alone leaves a full
+    replica in every process there (FSDP2), or a model created partitioned by zero.Init that is never gathered and
+    whose forward fails (ZeRO-3). A model an engine already holds (DTensor parameters, a DeepSpeed engine) and
+    every training-mode call keep accelerate's own path."""
+    sharding = frozen_model_sharding(accelerator)
+    if sharding is None:
         return
     prepare = accelerator.prepare_model
 
     def prepare_model(model, device_placement=None, evaluation_mode=False):
-        if not evaluation_mode:
+        if not evaluation_mode or _engine_held(model):
             return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        return _zero3_inference_engine(model, plugin.deepspeed_config, accelerator.num_processes)
+        if sharding == "zero3":
+            return _zero3_inference_engine(model, accelerator.state.deepspeed_plugin.deepspeed_config,
+                                           accelerator.num_processes)
+        return _fsdp2_frozen(model, accelerator)
 
     accelerator.prepare_model = prepare_model
 
 
+def _engine_held(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDPModule) or any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _zero3_inference_engine(model, training_config: dict, num_processes: int):
+    """An inference-only ZeRO-3 engine (no optimizer). Parameters below `stage3_param_persistence_threshold`
+    elements stay gathered in every process after their first use; DeepSpeed's default (1e5) would keep whole
+    matrices of small models gathered, so the threshold is tied to the model's width as TRL does (10 x hidden
+    size: norms and biases stay, weight matrices are gathered only while their layer runs)."""
     import deepspeed
 
+    zero = {"stage": 3}
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden:
+        zero.update(stage3_param_persistence_threshold=10 * hidden,  # and prefetch about one weight matrix ahead
+                    stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "train_batch_size": num_processes, "zero_optimization": {"stage": 3}}
+              "train_batch_size": num_processes, "zero_optimization": zero}
     for precision in ("bf16", "fp16"):  # compute in the policy's precision ("auto" was resolved by the Trainer)
         section = training_config.get(precision) or {}
         if section.get("enabled") is True:
@@ -108,26 +143,61 @@ def _zero3_inference_engine(model, training_config: dict, num_processes: int):
     return engine
 
 
+def _fsdp2_frozen(model, accelerator):
+    """`fully_shard` for a model that only runs forward: each decoder layer (the model's `_no_split_modules`, or the
+    config's `fsdp_transformer_layer_cls_to_wrap`) is its own unit and the root holds the rest (embeddings, final
+    norm, head). Unlike the policy's units, every unit reshards after its forward: without a backward to free
+    them, units that stay gathered (accelerate's choice for the policy's root and head) would keep a full copy of
+    those weights in every process between steps. Precision, offloading and mesh follow the policy's plugin."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {"reshard_after_forward": True, "offload_policy": plugin.cpu_offload,
+              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+              "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    layer_names = set(getattr(model, "_no_split_modules", None) or ())
+    if plugin.transformer_cls_names_to_wrap:
+        named = set(plugin.transformer_cls_names_to_wrap)
+        if any(type(m).__name__ in named for m in model.modules()):  # the policy's layer class, if this has it
+            layer_names = named
+    for module in list(model.modules())[1:]:
+        if type(module).__name__ in layer_names:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    model.eval()
+    return model
+
+
 @contextlib.contextmanager
-def gathered_for_generation(model):
-    """Around generation: FSDP2 gathers a module's parameters in that module's own forward, but generation may
-    call a model nested inside the sharded root (PPO's policy inside the policy+value wrapper) and never run the
-    root's forward, so the root's parameters (embeddings, final norm, head) would stay sharded. This gathers them
-    before and frees them after; the decoder layers gather themselves as usual. A no-op for other engines
-    (ZeRO-3 gathers in each submodule's forward hooks)."""
+def root_gathered(model):
+    """Keeps an FSDP2 root's own parameters (embeddings, final norm, head: those outside its decoder-layer units)
+    gathered for the duration, then frees them; the decoder layers gather and free themselves as usual. Needed
+    where code reaches them outside the root's forward: generation that calls a model nested inside the root (PPO's
+    policy inside the policy+value wrapper), and log-probs computed from the hidden states with the head's weight
+    after the forward (a frozen model's root reshards after its forward). A no-op for other engines."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
         yield
         return
-    # FSDP2 picks its root as the first module to run forward; generation must not make a decoder layer the
-    # root, so the real root is initialised first (a no-op once it has run a forward).
-    model._get_fsdp_state()._lazy_init()
+    state = model._get_fsdp_state()
+    # FSDP2 picks its root as the first module to run forward; this must not make a decoder layer the root, so
+    # the real root is initialised first (a no-op once it has run a forward).
+    state._lazy_init()
+    resharding = [g for g in state._fsdp_param_groups if g._reshard_after_forward]
+    if resharding:  # its own forward would free them again
+        model.set_reshard_after_forward(False, recurse=False)
     model.unshard()
     try:
         yield
     finally:
         model.reshard()
+        if resharding:
+            model.set_reshard_after_forward(True, recurse=False)
+
+
+gathered_for_generation = root_gathered  # the name the generation call sites use
 
 
 def save_full_model_under_fsdp(trainer, output_dir: str) -> bool:
@@ -141,3 +211,18 @@ def save_full_model_under_fsdp(trainer, output_dir: str) -> bool:
     state_dict = trainer.accelerator.get_state_dict(trainer.model)
     trainer._save(output_dir, state_dict=state_dict)
     return True
+
+
+def held_parameter_count(model) -> tuple[int, int]:
+    """(parameter elements this process holds, elements of the whole model), to check how an engine placed a model:
+    a ZeRO-3 partition plus any parameter left gathered (below the persistence threshold), FSDP2's local DTensor
+    shards (a unit left unsharded after its forward holds plain full tensors), or everything for a replica."""
+    held = full = 0
+    for param in model.parameters():
+        if hasattr(param, "ds_id"):
+            held += param.ds_tensor.numel() + param.data.numel()
+            full += param.ds_numel
+        else:
+            held += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+            full += param.numel()
+    return held, full

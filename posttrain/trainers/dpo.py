@@ -2,11 +2,12 @@
 log-probability of chosen completions over rejected ones, relative to a fixed reference model.
 
 Each step runs chosen and rejected through the policy in one forward (2B sequences, or one padding-free
-row). The reference is a frozen copy, a model the user passes, the PEFT policy with its adapter disabled,
+row; `preference_common.sequence_logps` computes each shared prompt once and never builds the full logits).
+The reference is a frozen copy, a model the user passes, the PEFT policy with its adapter disabled,
 or log-probs computed once before training and cached on disk (`precompute_ref_log_probs`).
-`ReferenceConfig` / `ReferenceTrainer` hold what DPO shares with KTO (reference handling, TR-DPO syncing,
-the MoE auxiliary loss, the token metrics TRL logs); each sequence over `max_length` is cut by the collator
-as `truncation_mode` says, exactly as TRL does.
+`ReferenceConfig` / `ReferenceTrainer` hold what DPO shares with KTO (reference handling, TR-DPO syncing; the
+MoE auxiliary loss and the token metrics TRL logs come from `PreferenceMetricsMixin`); each sequence over
+`max_length` is cut by the collator as `truncation_mode` says, exactly as TRL does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -29,14 +29,7 @@ from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenize
 from ..data.vision import (VisionPreferenceCollator, VisionSetup, is_vision_dataset, tokenizer_of,
                            validate_vision_dataset, vision_inputs)
 from ..errors import ConfigError
-from ..losses.logprobs import next_token_logps
-from ..losses.preference import (
-    dpo_loss,
-    dpo_metrics,
-    length_desensitized_logps,
-    validate_dpo_loss_settings,
-    wpo_weights,
-)
+from ..losses.preference import dpo_loss, dpo_metrics, validate_dpo_loss_settings, wpo_weights
 from ..models.loading import load_tokenizer
 from ..models.reference import (
     add_reference_adapter,
@@ -48,6 +41,7 @@ from ..models.reference import (
     weights_fingerprint,
 )
 from .base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
+from .preference_common import PreferenceMetricsMixin, SequenceLogps, sequence_index, sequence_logps
 
 logger = logging.getLogger("posttrain")
 
@@ -182,76 +176,6 @@ class DPOConfig(ReferenceConfig):
         super().__post_init__()
 
 
-class SequenceLogps(NamedTuple):
-    logps: torch.Tensor  # [N] log-prob of each sequence's completion (sum over its tokens; LD-DPO weighted)
-    token_counts: torch.Tensor  # [N] completion tokens per sequence
-    token_logps: torch.Tensor  # [N, L] per completion-token log-probs (0 elsewhere), for the 'sft' term
-    mask: torch.Tensor  # [N, L] 1 on completion tokens
-    stats: dict  # detached per-sequence sums [N] for the metrics (logits, entropy, top1); [N, L] log_sum_sq for WPO
-    aux_loss: torch.Tensor | None  # a Mixture-of-Experts model's load-balancing loss
-
-
-def sequence_index(batch: dict) -> torch.Tensor:
-    """[rows, T] index of the sequence each token belongs to: the row in a padded batch; in a padding-free
-    row, the count of position-id restarts so far."""
-    if "position_ids" in batch and "attention_mask" not in batch:
-        return (batch["position_ids"] == 0).long().cumsum(-1) - 1
-    rows, length = batch["input_ids"].shape
-    return torch.arange(rows, device=batch["input_ids"].device)[:, None].expand(rows, length)
-
-
-def _per_sequence(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """[rows, T] token values -> [N, L], one right-padded row per sequence (a padding-free row is split)."""
-    if values.shape[0] > 1 or "position_ids" not in batch or "attention_mask" in batch:
-        return values
-    lengths = torch.bincount(sequence_index(batch)[0]).tolist()
-    return torch.nn.utils.rnn.pad_sequence(list(torch.split(values[0], lengths)), batch_first=True)
-
-
-@torch.no_grad()
-def _token_stats(logits: torch.Tensor, input_ids: torch.Tensor, wpo: bool, chunk: int = 512) -> dict:
-    """Per-token mean logit, entropy, whether the argmax is the next token, and (with `wpo`) log sum_v p_v^2, each
-    [rows, T] and aligned with the log-probs (entry t describes the prediction of token t, made at t - 1). Computed
-    `chunk` positions at a time so that no float32 copy of the full [rows, T, V] logits is held."""
-    names = ("logits", "entropy", "top1") + (("log_sum_sq",) if wpo else ())
-    out = {name: torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device) for name in names}
-    for start in range(0, logits.shape[1] - 1, chunk):
-        end = min(start + chunk, logits.shape[1] - 1)
-        part = logits[:, start:end].float()
-        log_probs = part.log_softmax(-1)
-        out["logits"][:, start + 1:end + 1] = part.mean(-1)
-        out["entropy"][:, start + 1:end + 1] = -(log_probs.exp() * log_probs).sum(-1)
-        out["top1"][:, start + 1:end + 1] = (part.argmax(-1) == input_ids[:, start + 1:end + 1]).float()
-        if wpo:
-            out["log_sum_sq"][:, start + 1:end + 1] = torch.logsumexp(2 * log_probs, -1)
-    return out
-
-
-def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool = False,
-                   router_logits: bool = False) -> SequenceLogps:
-    """One forward of a `PreferenceCollator` batch (2B sequences, chosen first); per-sequence completion log-probs,
-    token counts and the detached per-sequence sums behind the metrics (and WPO's weights with `wpo`)."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    inputs.update(vision_inputs(batch))  # pixel values etc. of a vision-language batch
-    if router_logits:
-        inputs["output_router_logits"] = True
-    outputs = model(**inputs, use_cache=False)
-    logits = outputs.logits
-    mask = _per_sequence(batch["completion_mask"], batch).to(torch.float32)
-    token_logps = _per_sequence(next_token_logps(logits, batch["input_ids"]), batch) * mask
-    counts = mask.sum(-1)
-    token_stats = _token_stats(logits.detach(), batch["input_ids"], wpo)
-    stats = {k: _per_sequence(v, batch) * mask for k, v in token_stats.items()}
-    stats = {k: v if k == "log_sum_sq" else v.sum(-1) for k, v in stats.items()}
-    if ld_alpha is None:
-        logps = token_logps.sum(-1)
-    else:
-        half = counts.shape[0] // 2
-        shared = torch.minimum(counts[:half], counts[half:]).repeat(2)
-        logps = length_desensitized_logps(token_logps, mask, shared, ld_alpha)
-    return SequenceLogps(logps, counts, token_logps, mask, stats, getattr(outputs, "aux_loss", None))
-
-
 def _token_fingerprint(dataset, columns) -> str:
     """A hash of the tokenized rows: it changes with the data and with every tokenization setting."""
     digest = hashlib.sha256()
@@ -287,7 +211,7 @@ class PreparesEvalDatasets:
         return self.prepare_dataset(dataset, self.processing_class, self.args, name)
 
 
-class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
+class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
     """What DPO and KTO share: the reference model (a frozen copy, the user's, the PEFT policy with its adapter
     off, or log-probs precomputed once and cached on disk), TR-DPO syncing, dropout off, and the MoE aux loss.
 
@@ -332,12 +256,6 @@ class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
         self.router_aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
         self.aux_loss_enabled = hasattr(config, "output_router_logits") and bool(self.router_aux_loss_coef)
 
-    def add_aux_loss(self, loss: torch.Tensor, aux_loss) -> torch.Tensor:
-        if not self.aux_loss_enabled or aux_loss is None:
-            return loss
-        self.record_metrics({"aux_loss": aux_loss.detach()})
-        return loss + self.router_aux_loss_coef * aux_loss
-
     def reference_columns(self, reference, batch: dict) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -355,24 +273,6 @@ class ReferenceTrainer(PreparesEvalDatasets, BaseTrainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             logits = model(**batch, use_cache=False).logits
         return loss, logits, batch["input_ids"]
-
-    def record_token_metrics(self, stats: dict, counts: torch.Tensor, attention_tokens, parts: dict) -> None:
-        """entropy, num_tokens and the token-weighted logits/<part> means, as TRL logs them."""
-        totals = {"entropy": stats["entropy"].sum(), "tokens": counts.sum()}
-        for name, part in parts.items():
-            totals[f"logits/{name}"] = stats["logits"][part].sum()
-            totals[f"tokens/{name}"] = counts[part].sum()
-        summed = self.accelerator.gather(torch.stack(list(totals.values()))[None].float()).sum(0).tolist()
-        totals = dict(zip(totals, summed))
-        metrics = {"entropy": totals["entropy"] / max(totals["tokens"], 1)}
-        for name in parts:
-            if totals[f"tokens/{name}"]:
-                metrics[f"logits/{name}"] = totals[f"logits/{name}"] / totals[f"tokens/{name}"]
-        if self.model.training:
-            tokens = self.accelerator.gather(attention_tokens.reshape(1)).sum().item()
-            self._total_train_tokens += int(tokens)
-        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [float(self._total_train_tokens)]
-        self.record_metrics(metrics)
 
     def checkpoint_state(self) -> dict:
         """The num_tokens counter and TR-DPO's synced reference, so that a resumed run goes on from them."""
@@ -533,7 +433,7 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
                 "truncation_mode": self.args.truncation_mode}
 
     def reference_columns(self, reference, batch):
-        logps = sequence_logps(reference, batch, self.args.ld_alpha).logps
+        logps = sequence_logps(reference, batch, self.args.ld_alpha, stats=False).logps
         return dict(zip(self.REF_COLUMNS, logps.chunk(2)))
 
     # -- loss ------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class KTOConfig(ReferenceConfig):
         super().__post_init__()
 
 
-def _tokenize_row(example, row, tokenizer, fmt, completion_fmt, max_length):
+def tokenize_kto_row(example, row, tokenizer, fmt, completion_fmt, max_length):
     check_example(example, fmt, row)
     out = tokenize_example(example, tokenizer, completion_fmt, row=row)
     n = len(out["input_ids"])
@@ -158,7 +158,7 @@ class KTOCollator:
         return batch
 
 
-def _rows(batch: dict, part: slice) -> dict:
+def kto_rows(batch: dict, part: slice) -> dict:
     """The sequences `part` of a KTO batch, trailing all-padding columns dropped."""
     width = int(batch["attention_mask"][part].sum(-1).max())
     return {k: batch[k][part, :width] for k in ("input_ids", "attention_mask", "completion_mask")}
@@ -206,7 +206,7 @@ class KTOTrainer(ReferenceTrainer):
         report = DataReport.of(self).start(name, len(dataset))
         report.note(len(dataset) // 2 if paired else 0, "pairs unpaired into two rows each (counted as rows)")
         dataset = dataset.map(
-            _tokenize_row, with_indices=True, num_proc=args.dataset_num_proc,
+            tokenize_kto_row, with_indices=True, num_proc=args.dataset_num_proc,
             remove_columns=[c for c in dataset.column_names if c not in ("label", *self.ALL_REF_COLUMNS)],
             fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, completion_fmt=completion_fmt, max_length=args.max_length),
             desc=f"Tokenizing {name}",
@@ -234,17 +234,18 @@ class KTOTrainer(ReferenceTrainer):
         return len(batch["label"])
 
     def metric_inputs(self, inputs):
-        return _rows(inputs, slice(None, len(inputs["label"])))
+        return kto_rows(inputs, slice(None, len(inputs["label"])))
 
     def reference_columns(self, reference, batch):
         n = len(batch["label"])
-        logps = sequence_logps(reference, _rows(batch, slice(None))).logps  # the examples and KL pairs in one forward
+        # The examples and KL pairs in one forward; no metrics are logged from the reference.
+        logps = sequence_logps(reference, kto_rows(batch, slice(None)), stats=False).logps
         return dict(zip(self.REF_COLUMNS, (logps[:n], logps[n:])))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        policy = sequence_logps(model, _rows(inputs, slice(None, n)), router_logits=self.aux_loss_enabled)
+        policy = sequence_logps(model, kto_rows(inputs, slice(None, n)), router_logits=self.aux_loss_enabled)
         if all(c in inputs for c in self.REF_COLUMNS):
             ref = {c: inputs[c] for c in self.REF_COLUMNS}
         else:
@@ -253,7 +254,8 @@ class KTOTrainer(ReferenceTrainer):
         policy_kl = ref_kl = None
         if "ref_kl_logps" in ref:
             with torch.no_grad():
-                policy_kl = self.accelerator.gather(sequence_logps(model, _rows(inputs, slice(n, None))).logps)
+                kl_logps = sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
+                policy_kl = self.accelerator.gather(kl_logps)
             ref_kl = self.accelerator.gather(ref["ref_kl_logps"])
         losses, rewards, kl = kto_loss(
             policy.logps, ref["ref_logps"], labels, policy_kl, ref_kl, beta=self.args.beta,

@@ -16,7 +16,8 @@ A method is its estimator and its loss: `compute_advantages` (required) returns 
 `policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
 adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
 lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
-the rollout.
+the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a background thread
+(async_rollouts.py).
 
 Batching. per_device_train_batch_size counts completions. One generation round produces
 generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation x
@@ -38,8 +39,9 @@ same keys with the eval_ prefix.
 
 from __future__ import annotations
 
-import time
+import contextlib
 import dataclasses
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -64,6 +66,7 @@ from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
 from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..tools import EnvironmentPool, tool_schemas
+from .async_rollouts import AsyncRolloutProducer
 from .base import BaseTrainer, setup_router_aux_loss
 from .distributed import gathered_for_generation
 from .episodes import make_episode_source
@@ -196,8 +199,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
             raise ConfigError("sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
                                   "reference is the adapter-disabled base; set sync_ref_model=False.")
-        processing_class, self.image_prompts = setup_online_vision(  # a processor and image prompts, or neither
-            self, model, args, train_dataset, eval_dataset, processing_class, tools, rollout_func, environment_factory)
+        processing_class, self.image_prompts, peft_config = setup_online_vision(  # processor, image prompts, LoRA
+            self, model, args, train_dataset, eval_dataset, processing_class, tools, rollout_func, environment_factory,
+            peft_config)
         if tokenizer_of(processing_class).eos_token_id is None:
             raise ConfigError("The tokenizer has no EOS token, so a completion could never end before "
                               "max_completion_length; set tokenizer.eos_token (for a chat model, its end-of-turn "
@@ -225,6 +229,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                                                    args.ref_model_sync_steps))
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
+        self.async_rollouts = None if args.async_generation_rounds is None else AsyncRolloutProducer(
+            self, args.async_generation_rounds, args.vllm_sync_steps)  # async_rollouts.py
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []
@@ -292,7 +298,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     def get_train_dataloader(self) -> DataLoader:
         args = self.args
-        sampler = RolloutSampler(
+        self.rollout_sampler = sampler = RolloutSampler(
             num_prompts=len(self.train_dataset), prompts_per_round=args.generation_batch_size // args.num_generations,
             num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
             micro_steps_per_round=self.micro_steps_per_round,
@@ -329,6 +335,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         steps_per_round = self.args.steps_per_generation * self.args.num_iterations
         if self.rollout is not None and self.state.global_step % steps_per_round:
             state["rollout"] = self.rollout.state()
+        if self.async_rollouts is not None:  # the rounds generated ahead, so that none is sampled again
+            state["async_rollouts"] = self.async_rollouts.state()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -336,7 +344,15 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         load_sync_ref_checkpoint_state(self, state)
         if "rollout" in state:
             self.rollout = Rollout(**state.pop("rollout"))
+        ahead = state.pop("async_rollouts", None)  # rounds generated ahead (regenerated when async is now off)
+        if ahead is not None and self.async_rollouts is not None:
+            self.async_rollouts.load_state(ahead)
         super().load_checkpoint_state(state)
+
+    def evaluate(self, *args, **kwargs):
+        """Evaluation generates with the policy's own weights: no round generates ahead meanwhile."""
+        with self.async_rollouts.paused() if self.async_rollouts is not None else contextlib.nullcontext():
+            return super().evaluate(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus).
@@ -455,7 +471,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         whose rewards are all equal by generating for more prompts."""
         start = time.perf_counter()
         with gathered_for_generation(self.model):  # FSDP2: the sharded root's weights (distributed.py)
-            episodes = self.generate_episodes(rows, n, seeds)
+            episodes = (self.async_rollouts.episodes(round_index, rows, n, seeds)
+                        if self.async_rollouts is not None and self.rollout_mode == "train"
+                        else self.generate_episodes(rows, n, seeds))
         generation_seconds = time.perf_counter() - start
         start = time.perf_counter()
         prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
@@ -521,6 +539,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                        rewards.to(device), per_function.to(device), num_generations=n,
                        sampler_logps=None if sampler_logps is None else sampler_logps.to(device),
                        episodes=[e.info for e in episodes], pad_to_multiple_of=multiple,
+                       policy_version=episodes[0].info.get("policy_version", self.state.global_step),
                        vision=None if episodes[0].vision is None else [e.vision for e in episodes])
 
     @property

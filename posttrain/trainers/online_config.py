@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
+from ..data.vision import freeze_vision_tower_field
 from ..errors import ConfigError
 from ..generation import SamplingParams
 from ..generation.vllm_backend import VLLM_MODES
@@ -60,6 +61,7 @@ class OnlineConfig(PosttrainConfig):
     loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES  # the loss_type values the method implements
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
     max_prompt_length: int | None = field(
         default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."})
@@ -110,6 +112,11 @@ class OnlineConfig(PosttrainConfig):
         default=None, metadata={"help": "Completions generated per round over all processes: "
                                         "per_device_train_batch_size x gradient_accumulation_steps x "
                                         "steps_per_generation x processes. Set this or steps_per_generation."})
+    async_generation_rounds: int | None = field(
+        default=None, metadata={"help": "Generate the training rounds in a background thread, up to this many "
+                                        "rounds ahead of the one training (k: a round is sampled with weights at "
+                                        "most k rounds old, corrected with vllm_importance_sampling_*; 0: each "
+                                        "round with its own weights). None: generate in the training loop."})
     num_iterations: int = field(
         default=1, metadata={"help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
                                      "completions with importance ratios to the generating policy."})
@@ -194,8 +201,9 @@ class OnlineConfig(PosttrainConfig):
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
     vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up, and for any one "
-                                         "request (a generation round included)."})
+        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up, or to come back "
+                                         "after it went away mid-run, and for any one request (a generation round "
+                                         "included)."})
     vllm_group_port: int = field(
         default=51216, metadata={"help": "Port of the NCCL group that sends weights to a vLLM server on GPUs "
                                          "(posttrain syncs weights through files: not supported)."})
@@ -209,10 +217,13 @@ class OnlineConfig(PosttrainConfig):
                                         "it under the same path (default: a temporary directory, right when both "
                                         "run on one machine)."})
     vllm_sync_steps: int = field(
-        default=1, metadata={"help": "Push the policy's weights to vLLM every this many optimizer steps."})
+        default=1, metadata={"help": "Push the policy's weights to vLLM every this many optimizer steps (with "
+                                     "async_generation_rounds: refresh the background sampler's weights, with "
+                                     "either backend)."})
     vllm_importance_sampling_correction: bool = field(
         default=True, metadata={"help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
-                                        "corrects for vLLM sampling from slightly different probabilities."})
+                                        "corrects for vLLM sampling from slightly different probabilities (and, "
+                                        "with async_generation_rounds, for sampling with older weights)."})
     vllm_importance_sampling_cap: float = field(
         default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."})
     vllm_gpu_memory_utilization: float = field(
@@ -247,6 +258,7 @@ class OnlineConfig(PosttrainConfig):
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             raise ConfigError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
                               "or None for no limit.")
+        self._check_async_generation()
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
@@ -310,6 +322,18 @@ class OnlineConfig(PosttrainConfig):
             if key in GENERATION_KWARGS_FIXED:
                 raise ConfigError(f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. "
                                   "Drop it.")
+
+    def _check_async_generation(self) -> None:
+        k = self.async_generation_rounds
+        if k is None:
+            return
+        if k < 0:
+            raise ConfigError(f"async_generation_rounds={k} must be >= 0 (rounds generated ahead), or None "
+                              "(synchronous generation).")
+        if self.use_vllm and self.vllm_mode == "colocate":
+            raise ConfigError(f"async_generation_rounds={k} generates beside training, but colocated vLLM runs "
+                              "inside the training process on its device; use vllm_mode='server' (`posttrain "
+                              "vllm-serve MODEL`), or the transformers backend (use_vllm=False).")
 
     def _check_reference_sync(self) -> None:
         if not 0 < self.ref_model_mixup_alpha <= 1:

@@ -137,6 +137,10 @@ class OnlineEvaluation:
             counts = gather(torch.tensor([list(faults.values())], dtype=torch.float32, device=rewards.device))
             for name, count in zip(faults, counts.sum(0).tolist()):
                 metrics[f"rewards/{name}/failures"] = count
+        events = self.generation_backend.pop_metrics()  # e.g. vllm/reconnects: server losses recovered from
+        if events:  # max over processes: one outage seen by every process counts once
+            counts = gather(torch.tensor([list(events.values())], dtype=torch.float32, device=rewards.device))
+            metrics.update(zip(events, counts.max(0).values.tolist()))
         metrics.update({
             "reward": rewards.nanmean(), "reward_std": nanstd(rewards),
             "frac_reward_zero_std": sum(zero_std) / len(zero_std), "frac_reward_none": rewards.isnan().float().mean(),

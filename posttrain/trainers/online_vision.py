@@ -11,12 +11,15 @@ suppresses them too) and, being in the prompt, never trained.
 
 from __future__ import annotations
 
+import copy
+
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
 from ..data.transforms import prepare_multimodal_messages
-from ..data.vision import (TOKEN_INPUTS, VISION_INPUTS, check_vision_inputs, image_token_ids, is_processor,
-                           is_vision_checkpoint, is_vision_dataset, is_vision_model, load_processor, load_vision_model,
-                           open_image, row_images, split_vision_inputs, tokenizer_of, validate_vision_dataset)
+from ..data.vision import (TOKEN_INPUTS, VISION_INPUTS, adapt_vision_model, check_vision_inputs, image_token_ids,
+                           is_processor, is_vision_checkpoint, is_vision_dataset, is_vision_model, load_processor,
+                           load_vision_model, open_image, row_images, split_vision_inputs, tokenizer_of,
+                           validate_vision_dataset)
 from ..errors import ConfigError, DataError
 from ..models.loading import load_tokenizer
 from .rollout import Episode
@@ -26,10 +29,12 @@ __all__ = ["ImagePrompts", "forward_vision_inputs", "setup_online_vision", "toke
 
 
 def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, processing_class, tools=None,
-                        rollout_func=None, environment_factory=None):
-    """Returns (processing_class, ImagePrompts or None). A vision-language model gets its processor by default;
-    datasets with images need a trainer that takes them, such a model and its processor, and the transformers
-    generation backend; anything else is refused here, before training."""
+                        rollout_func=None, environment_factory=None, peft_config=None):
+    """Returns (processing_class, ImagePrompts or None, peft_config). A vision-language model gets its processor
+    by default, its tower frozen (`freeze_vision_tower`) and, with LoRA, a copy of `peft_config` that trains the
+    projector in full, as in SFT and DPO (`adapt_vision_model`). Datasets with images need a trainer that takes
+    them, such a model and its processor, and the transformers generation backend; anything else is refused here,
+    before training."""
     name = type(trainer).__name__
     evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
     with_images = [d for d in [train_dataset, *evals] if d is not None and is_vision_dataset(d)]
@@ -38,10 +43,16 @@ def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, proce
     if processing_class is None:
         processing_class = (load_processor(model, args.trust_remote_code) if vision_model and with_images
                             else load_tokenizer(model))
-    if vision_model and isinstance(model, str):  # loaded as a vision-language model, not a causal LM
-        trainer.load_model = lambda path, init_kwargs: load_vision_model(path, init_kwargs)
+    if vision_model:
+        peft_config = None if peft_config is None else copy.copy(peft_config)  # completed for this model only
+        freeze = args.freeze_vision_tower
+        if isinstance(model, str):  # loaded as a vision-language model, not a causal LM
+            trainer.load_model = lambda path, init_kwargs: adapt_vision_model(load_vision_model(path, init_kwargs),
+                                                                              peft_config, freeze)
+        else:
+            adapt_vision_model(model, peft_config, freeze)
     if not with_images:
-        return processing_class, None
+        return processing_class, None, peft_config
     if not getattr(trainer, "accepts_images", False):
         raise ConfigError(f"{name} does not train on image prompts (GRPOTrainer and RLOOTrainer do); drop the "
                           "image column or use one of those trainers.")
@@ -60,7 +71,8 @@ def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, proce
         if value:
             raise ConfigError(f"{name}: {option} is not supported with image prompts (multi-turn episodes would "
                               f"have to carry the images through every turn); drop {option} or the image column.")
-    return processing_class, ImagePrompts(processing_class, args.max_prompt_length, args.chat_template_kwargs)
+    return (processing_class, ImagePrompts(processing_class, args.max_prompt_length, args.chat_template_kwargs),
+            peft_config)
 
 
 class ImagePrompts:

@@ -15,8 +15,10 @@ from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_traina
 from ..errors import ConfigError
 from ..losses.preference import bradley_terry_loss
 from ..models.loading import load_sequence_classifier
+from ..models.reference import unwrap
 from .base import BaseTrainer, PosttrainConfig
 from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
+from .preference_common import SequenceView, can_repack, repacked
 
 
 @dataclass
@@ -46,6 +48,22 @@ class RewardConfig(PosttrainConfig):
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
         super().__post_init__()
+
+
+def _score_parts(model):
+    """(decoder, score head, pad id) of a decoder-only sequence classifier whose score can be read from the decoder's
+    hidden states, or None: the head must be a linear layer (or PEFT's trained copy of one) applied per position."""
+    inner = unwrap(model)
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    config = inner.config
+    decoder = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
+    head = getattr(inner, "score", None)
+    linear = getattr(head, "original_module", head)  # PEFT's ModulesToSaveWrapper calls its trained copy
+    if (decoder is None or not isinstance(linear, torch.nn.Linear) or getattr(config, "vision_config", None)
+            or config.get_text_config().pad_token_id is None or not can_repack(model)):
+        return None
+    return decoder, head, config.get_text_config().pad_token_id
 
 
 def _load_reward_model(name: str, model_init_kwargs: dict | None):
@@ -104,9 +122,39 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     def count_loss_items(self, batch):
         return len(batch["input_ids"]) // 2
 
+    def _scores(self, model, input_ids, attention_mask) -> torch.Tensor:
+        """[2B] scores. The right-padded rows are repacked into fewer, fuller rows when that saves enough padding
+        (see `preference_common.repacked`), the decoder's hidden states captured and the score head applied at each
+        sequence's scored position: the rightmost non-padding token, as the classifier itself picks it."""
+        parts = None if self.is_fsdp_enabled or self.is_deepspeed_enabled else _score_parts(model)
+        lengths = attention_mask.sum(-1)
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        packed = None
+        if parts is not None and torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
+            where = torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids)
+            hidden_size = unwrap(model).config.get_text_config().hidden_size
+            packed = repacked(SequenceView(input_ids, None, where, lengths), hidden_size)
+        if packed is None:
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
+        decoder, head, pad_id = parts
+        packed_inputs, where = packed
+        captured = {}
+
+        def keep(module, args, output):
+            captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+        handle = decoder.register_forward_hook(keep)
+        try:  # through the (possibly DDP-wrapped) model, whose own pooled output is not used
+            model(**packed_inputs, use_cache=False)
+        finally:
+            handle.remove()
+        last = (columns * (input_ids != pad_id)).argmax(-1)
+        hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
+        return head(hidden[where[torch.arange(len(last), device=last.device), last]]).squeeze(-1)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        scores = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
-        chosen, rejected = scores.squeeze(-1).float().chunk(2)
+        scores = self._scores(model, inputs["input_ids"], inputs["attention_mask"])
+        chosen, rejected = scores.float().chunk(2)
         loss = bradley_terry_loss(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
         loss = self.effective_batch_mean(loss * len(chosen), num_items_in_batch, len(chosen), model.training)
         self._record(chosen.detach(), rejected.detach(), inputs["attention_mask"])

@@ -46,15 +46,21 @@ class RolloutSampler:
         return self.rounds_per_epoch * self.micro_steps_per_round
 
     def __iter__(self):
-        order = (torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for r in range(self.rounds_per_epoch):
+            round_index = self.epoch * self.rounds_per_epoch + r
+            tags = self.round_tags(round_index)
+            for micro_step in range(self.micro_steps_per_round):
+                yield [(round_index, micro_step, slot, index) for slot, index in tags]
+
+    def round_tags(self, round_index: int) -> list[tuple[int, int]]:
+        """This process's (slot, dataset index) pairs of round `round_index`, counted over all epochs (the
+        asynchronous producer looks rounds up before the loader reaches them)."""
+        epoch, r = divmod(round_index, self.rounds_per_epoch)
+        order = (torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
                  if self.shuffle else torch.arange(self.num_prompts))
         local = self.prompts_per_round // self.num_processes
         slots = range(self.process_index * local, (self.process_index + 1) * local)
-        for r in range(self.rounds_per_epoch):
-            round_index = self.epoch * self.rounds_per_epoch + r
-            indices = order[r * self.prompts_per_round + slots.start:][:local].tolist()
-            for micro_step in range(self.micro_steps_per_round):
-                yield [(round_index, micro_step, slot, index) for slot, index in zip(slots, indices)]
+        return list(zip(slots, order[r * self.prompts_per_round + slots.start:][:local].tolist()))
 
 
 class TaggedPrompts(torch.utils.data.Dataset):
@@ -143,6 +149,7 @@ class Rollout:
     step_tokens: list[float] = field(default_factory=list)  # loss tokens per optimizer step, all processes
     pad_to_multiple_of: int | None = None  # batch widths are rounded up to a multiple of this
     vision: list[dict] | None = None  # per completion, its prompt's image inputs (`Episode.vision`)
+    policy_version: int | None = None  # the optimizer step whose weights sampled the round
 
     PER_COMPLETION = ("completion_ids", "completion_mask", "model_mask", "loss_mask", "sampler_logps", "old_logps",
                       "ref_logps", "old_values", "advantages", "returns")

@@ -3,6 +3,7 @@ prompt-completion pairs or pre-tokenized rows."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -85,10 +86,13 @@ class SFTConfig(PosttrainConfig):
     packing_split_long: bool = field(
         default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
                                          "truncating them (as packing_strategy='bfd_split')."})
-    chunked_loss: bool = field(
-        default=False, metadata={"help": "Compute the loss in chunks without materialising [tokens, vocab] logits "
-                                         "(less memory, same result)."})
-    loss_chunk_size: int = field(default=1024, metadata={"help": "Tokens per chunk with chunked_loss."})
+    chunked_loss: bool | None = field(
+        default=None, metadata={"help": "Compute the loss in chunks of trained tokens without materialising "
+                                        "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
+                                        "wherever it gives the same result (a plain linear output layer, no "
+                                        "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
+                                        "insists, False computes the full logits."})
+    loss_chunk_size: int = field(default=256, metadata={"help": "Tokens per chunk with chunked_loss."})
 
     unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
 
@@ -118,6 +122,8 @@ class SFTConfig(PosttrainConfig):
         if (self.packing or self.eval_packing) and self.max_length is None:
             raise ConfigError("Packing needs max_length (the length of a packed row); set max_length or turn "
                               "packing / eval_packing off.")
+        if self.loss_chunk_size < 1:
+            raise ConfigError(f"loss_chunk_size={self.loss_chunk_size} must be a positive number of tokens.")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
                               "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off).")
@@ -179,19 +185,59 @@ def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
     return {"input_ids": ids, "labels": labels, cut_column("max_length"): n - len(ids)}
 
 
-def check_chunked_loss_supported(model) -> None:
-    """The chunked loss computes logits as hidden @ W^T + b from the output layer's own weight: models that
-    transform their logits further, or an adapter on the output layer, would be computed wrongly."""
+def chunked_loss_unsupported(model) -> str | None:
+    """Why the chunked loss would compute this model's loss wrongly, or None. It computes logits as
+    hidden @ W^T + b from the decoder's output and the output layer's own weight: models that transform their
+    logits further, an adapter on the output layer, or a model without `get_decoder` / `logits_to_keep` break that."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, attribute, None) not in (None, 1, 1.0):
-            raise ConfigError(f"chunked_loss=True does not support models whose logits are transformed "
-                              f"({attribute}={getattr(config, attribute)}); set chunked_loss=False.")
+            return (f"chunked_loss=True does not support models whose logits are transformed "
+                    f"({attribute}={getattr(config, attribute)}); set chunked_loss=False.")
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
-        raise ConfigError("chunked_loss=True needs a plain linear output layer; this one is "
-                          f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
-                          "leave lm_head out of the adapter's target modules.")
+        return ("chunked_loss=True needs a plain linear output layer; this one is "
+                f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
+                "leave lm_head out of the adapter's target modules.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "get_decoder", lambda: None)()
+    if decoder is None or decoder is base or "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return (f"chunked_loss=True needs a model with a separate decoder and a `logits_to_keep` argument; "
+                f"{type(base).__name__} has not. Set chunked_loss=False.")
+    return None
+
+
+def check_chunked_loss_supported(model) -> None:
+    """Raises ConfigError when `chunked_loss=True` cannot compute this model's loss (see `chunked_loss_unsupported`)."""
+    reason = chunked_loss_unsupported(model)
+    if reason is not None:
+        raise ConfigError(reason)
+
+
+def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) -> tuple[dict, torch.Tensor] | None:
+    """A right-padded batch laid out on fewer, fuller rows (`preference_common.repacked`: sequences side by side,
+    position ids restarting at 0, which keeps attention within each), with its labels moved along and -100 on each
+    sequence's first token (the previous sequence's last token must not predict it); None when the batch is not
+    right-padded or repacking would not save enough. Every token then gets the loss it gets in the padded batch."""
+    from .preference_common import SequenceView, repacked  # (it imports this module)
+
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    lengths = mask.sum(-1)
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    real = columns[None, :] < lengths[:, None]
+    if ids.dim() != 2 or not torch.equal(mask.bool(), real):
+        return None
+    where = torch.arange(ids.numel(), device=ids.device).view_as(ids)
+    packed = repacked(SequenceView(ids, None, where, lengths), hidden_size)
+    if packed is None:
+        return None
+    packed_inputs, where = packed
+    packed_labels = torch.full((packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype,
+                               device=labels.device)
+    packed_labels[where[real]] = labels[real]
+    packed_labels[where[:, 0]] = IGNORE_INDEX
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    return {**extra, **packed_inputs}, packed_labels.view_as(packed_inputs["input_ids"])
 
 
 def uses_flash_attention(model) -> bool:
@@ -281,8 +327,30 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         self.finish_vision_setup(args.freeze_vision_tower)
         if self.data_collator is self._own_collator:
             self.data_collator.one_row = uses_flash_attention(self.model)
+        self._chunked_loss = self._resolve_chunked_loss(args)
+        # Padded batches are computed on repacked rows (same losses, no work on padding) where the model keeps packed
+        # sequences apart; not with compute_loss_func (it gets the padded batch's logits) or an MoE auxiliary loss
+        # (the router statistics would count the filler tokens), nor in a subclass with its own forward (e.g. a
+        # teacher model that would need to keep packed sequences apart too).
+        from .preference_common import can_repack
+
+        self._repack_padded = (type(self)._forward_nll is SFTTrainer._forward_nll
+                               and not self._vision and self.compute_loss_func is None
+                               and not getattr(self, "router_aux_loss_coef", 0.0) and can_repack(self.model))
+
+    def _resolve_chunked_loss(self, args: SFTConfig) -> bool:
+        """chunked_loss=True is checked (an error if it cannot apply); None turns it on wherever it computes the
+        same loss as the full logits: not with compute_loss_func (it gets the logits), images, sharded weights
+        (FSDP / DeepSpeed gather the output layer only inside the model's forward) or torch_compile (the hook that
+        captures the hidden states would make the compiled model recompile)."""
         if args.chunked_loss:
             check_chunked_loss_supported(self.model)
+            return True
+        if args.chunked_loss is False or self.compute_loss_func is not None or self._vision or args.torch_compile:
+            return False
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return False
+        return chunked_loss_unsupported(self.model) is None
 
     # -- data ----------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: SFTConfig, name: str):
@@ -399,7 +467,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     def _forward_nll(self, model, inputs, labels):
         """(loss sum, correct, count, entropy sum, MoE aux loss or None) over this micro-batch's trained tokens."""
         loss_type, smoothing = self.args.loss_type, self.args.label_smoothing_factor
-        if not self.args.chunked_loss:
+        if not self._chunked_loss:
             outputs = model(**inputs)
             sums = token_loss_sums(outputs.logits, labels, loss_type, smoothing)
             return (*sums, getattr(outputs, "aux_loss", None))
@@ -427,6 +495,12 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         inputs = {"use_cache": False, **inputs}
         labels = inputs.pop("labels")
         row_tokens = inputs.pop("num_input_tokens", None)
+        if self._repack_padded and "attention_mask" in inputs:
+            hidden_size = self.accelerator.unwrap_model(model).config.get_text_config().hidden_size
+            packed = repack_padded_batch(inputs, labels, hidden_size)
+            if packed is not None:
+                row_tokens = inputs["attention_mask"].sum(-1)
+                inputs, labels = packed
         aux_weight = getattr(self, "router_aux_loss_coef", 0.0)
         if aux_weight:
             inputs["output_router_logits"] = True

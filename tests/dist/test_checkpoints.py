@@ -18,7 +18,8 @@ from test_equivalence import ROOT, _env
 pytestmark = [pytest.mark.dist]
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
-TRAINERS = ["sft", "grpo"]
+# dpo_sync: the TR-DPO reference (sharded, and changed by every step) is part of the state a resume restores
+TRAINERS = ["sft", "grpo", "dpo_sync"]
 # What the engine writes for its sharded state: FSDP2's distributed-checkpoint folder, DeepSpeed's per-rank
 # partitions of the parameters and of the optimizer state.
 SHARDED_STATE = {"fsdp2": ["pytorch_model_fsdp_0/", "optimizer_0/"],

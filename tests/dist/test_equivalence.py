@@ -4,7 +4,8 @@ Each engine is one `accelerate launch --config_file examples/accelerate_configs/
 the shipped config unchanged (2 CPU processes over gloo), training all trainers in turn for 3 SGD steps; the
 reference is the same worker in one plain process. Compared per trainer: the logged loss of every step and every
 parameter after the last (to 1e-5, on both ranks), where the reference, teacher and reward models live (sharded like
-the policy under ZeRO-3, replicated otherwise), and for the online trainers the advantages of the last round.
+the policy under ZeRO-3 and FSDP2, each process holding about half of them; replicated otherwise), and for the
+online trainers the advantages of the last round.
 
 Run with `pytest -m dist tests/dist` (about 2 minutes of CPU per engine).
 """
@@ -24,11 +25,14 @@ pytestmark = [pytest.mark.dist]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
-TRAINERS = ["sft", "dpo", "kto", "reward", "grpo", "rloo", "ppo", "distillation"]
+# dpo_sync: DPO with TR-DPO's reference sync after every step (the sharded reference is written to, not only read)
+TRAINERS = ["sft", "dpo", "dpo_sync", "kto", "reward", "grpo", "rloo", "ppo", "distillation"]
 ENGINES = ["ddp", "fsdp2", "zero2", "zero3"]
 EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
 # How the policy's parameters are held in each process.
 POLICY = {"ddp": "replicated", "fsdp2": "fsdp2", "zero2": "replicated", "zero3": "zero3"}
+# How frozen models (reference, teacher, reward) are held: sharded wherever the policy's parameters are.
+FROZEN = {"ddp": "replicated", "fsdp2": "fsdp2", "zero2": "replicated", "zero3": "zero3"}
 PER_DEVICE = 2  # the online trainers use twice this (a group of 4 completions per process)
 TOLERANCE = 1e-5
 # Known failures (strict: a fix turns them into passes and the mark must go).
@@ -118,12 +122,17 @@ def test_two_processes_match_one_process(engine, trainer, models, single, tmp_pa
         assert set(rank["params"]) == set(reference["params"])
         for name, value in reference["params"].items():
             torch.testing.assert_close(rank["params"][name], value, atol=TOLERANCE, rtol=0, msg=name)
-        # where the models live: the policy as the engine holds it; frozen reference and teacher models sharded
-        # under ZeRO-3 (an inference engine) and replicated otherwise (TRL also shards them under FSDP2)
+        # where the models live: the policy as the engine holds it; frozen reference, teacher and reward models
+        # sharded like the policy under ZeRO-3 (an inference engine) and FSDP2 (fully_shard, no optimizer), each
+        # process holding about half of their elements between steps; a full replica under DDP and ZeRO-2
         assert rank["policy"] == POLICY[engine]
         for attr in ("ref_model", "teacher_model", "reward_model"):
             if attr in reference:
-                assert rank.get(attr) == ("zero3" if engine == "zero3" else "replicated"), attr
+                assert rank.get(attr) == FROZEN[engine], attr
+                held, full = rank[attr + "_numel"]
+                assert full == reference[attr + "_numel"][1], attr
+                assert held == full if FROZEN[engine] == "replicated" else 0.45 * full < held < 0.55 * full, \
+                    (attr, held, full)
     if "advantages" in reference:
         # each process holds its own prompts' groups; together, the single process's round
         torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), reference["advantages"],

@@ -74,6 +74,9 @@ def build(name: str, out_dir: str, per_device: int, model: str, teacher: str, re
         return pt.SFTTrainer(model, args=pt.SFTConfig(max_length=64, **common), train_dataset=_prompt_completion())
     if name == "dpo":
         return pt.DPOTrainer(model, args=pt.DPOConfig(max_length=64, **common), train_dataset=_preference())
+    if name == "dpo_sync":  # TR-DPO: the policy is mixed into the (sharded) reference after every step
+        return pt.DPOTrainer(model, train_dataset=_preference(), args=pt.DPOConfig(
+            max_length=64, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, **common))
     if name == "kto":
         return pt.KTOTrainer(model, args=pt.KTOConfig(max_length=64, **common), train_dataset=_unpaired())
     if name == "reward":
@@ -125,6 +128,8 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def record(name: str, trainer) -> dict:
+    from posttrain.trainers.distributed import held_parameter_count
+
     logs = [h for h in trainer.state.log_history if "loss" in h]
     rollout = getattr(trainer, "rollout", None)
     result = {
@@ -138,10 +143,12 @@ def record(name: str, trainer) -> dict:
     for attr in ("ref_model", "teacher_model", "value_model"):
         if getattr(trainer, attr, None) is not None:
             result[attr] = placement(getattr(trainer, attr))
+            result[attr + "_numel"] = held_parameter_count(getattr(trainer, attr))
     scorer = getattr(trainer, "reward_scorer", None)
     scorer_models = [r.func.model for r in getattr(scorer, "_rewards", []) if hasattr(r.func, "model")]
     if scorer_models:
         result["reward_model"] = placement(scorer_models[0])
+        result["reward_model_numel"] = held_parameter_count(scorer_models[0])
     if rollout is not None and "advantages" in getattr(rollout, "tensors", {}):
         result["advantages"] = rollout.tensors["advantages"].detach().clone()
     return result

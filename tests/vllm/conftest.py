@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SERVER_START_TIMEOUT_S = 300.0
+SERVER_START_TIMEOUT_S = 600.0  # a start takes 30-80 s on a quiet 2-core machine, minutes on a loaded one
 
 
 @pytest.fixture(scope="session")
@@ -45,24 +45,31 @@ def unused_port() -> int:
 
 class ServerProcess:
     """A `posttrain vllm-serve` server on 127.0.0.1; `ensure()` (re)starts it when it is not running, so a
-    test may kill it."""
+    test may kill it, and `restart()` starts it again on the port it had, as an operator would."""
 
     def __init__(self, model_path: str, workdir: Path) -> None:
         self.model_path, self.workdir = model_path, workdir
         self.process: subprocess.Popen | None = None
         self.url = ""
+        self.port = 0
 
     def ensure(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        return self.start(free_port())
+
+    def restart(self) -> str:
+        return self.start(self.port)
+
+    def start(self, port: int) -> str:
         from posttrain.cli.vllm_serve import build_server_command
         from posttrain.generation.vllm_client import VLLMClient
 
-        if self.process is not None and self.process.poll() is None:
-            return self.url
-        port = free_port()
+        self.port = port
         command, env = build_server_command([
             self.model_path, "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
             "--kv-cache-gb", "0.25", "--cache-dir", str(self.workdir / "cache")])
-        log = open(self.workdir / f"server-{port}.log", "w")
+        log = open(self.workdir / f"server-{port}.log", "a")  # a restart on the same port appends
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"

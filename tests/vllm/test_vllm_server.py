@@ -1,10 +1,13 @@
 """Server mode against a real vLLM server (`posttrain vllm-serve` on 127.0.0.1, tiny Llama with tied
 embeddings): after a weight sync vLLM decodes and scores tokens exactly as the trainer's model does, PEFT
-adapters reach the server merged, GRPO trains through it, and a server killed mid-run stops training with
-a clear error instead of a hang."""
+adapters reach the server merged, GRPO trains through it, a server killed and restarted mid-run is
+reconnected to and gets the policy's weights again, and one that does not come back stops training with a
+clear error instead of a hang."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import pytest
@@ -20,6 +23,7 @@ from _vllm_reference import (
     PROMPTS,
     grpo_with_vllm,
     logged_per_step,
+    low_id_fraction,
     perturbed_model,
     reference_greedy,
     reference_logps,
@@ -108,8 +112,67 @@ def test_grpo_in_server_mode_samples_from_the_current_policy(vllm_server, vllm_t
     assert ratios[0] == pytest.approx(1.0, abs=1e-3) and ratios[2] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_server_killed_mid_run_stops_training_with_a_clear_error(vllm_server, vllm_server_process, vllm_tiny_path,
-                                                                  tmp_path):
+def test_server_killed_and_restarted_mid_run_is_reconnected_to_and_gets_the_last_pushed_weights(
+        vllm_server, vllm_server_process, vllm_tiny_path, tmp_path, caplog):
+    """Weights are pushed every 2 steps (rounds at steps 0, 1, 2: pushes at 0 and 2). The server is killed during
+    round 1's scoring and restarted on its port: round 2 has no push of its own, so only the reconnect's re-push
+    of step 0's weights keeps it from sampling with the server's start-up weights. Every completion's sampler
+    log-probs are checked against the weights pushed last before its round."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy_path = tmp_path / "policy"  # the policy starts far from what the server loads, so a lost push shows
+    perturbed_model(vllm_tiny_path, seed=4).save_pretrained(policy_path)
+    AutoTokenizer.from_pretrained(vllm_tiny_path).save_pretrained(policy_path)
+    restarts = []
+
+    def reward_and_kill_after_first_round(completion_ids, **kwargs):
+        if not restarts:
+            vllm_server_process.kill()
+            restarts.append(threading.Thread(target=vllm_server_process.restart))
+            restarts[0].start()
+        return low_id_fraction(completion_ids)
+
+    trainer = grpo_with_vllm(str(policy_path), tmp_path / "run", reward=reward_and_kill_after_first_round,
+                             vllm_mode="server", vllm_server_base_url=vllm_server, vllm_sync_steps=2,
+                             vllm_server_timeout=600)  # a server start may take minutes here
+    backend, pushed, rounds = trainer.generation_backend, [], []
+    sync_weights, generate = backend.sync_weights, backend.generate
+
+    def recording_sync_weights(model, force=False):
+        before = backend.pushes
+        sync_weights(model, force)
+        if backend.pushes > before:
+            pushed.append({name: value.detach().clone() for name, value in model.state_dict().items()})
+
+    def recording_generate(prompt_ids, n, sampling, seed=None):
+        completions = generate(prompt_ids, n, sampling, seed)
+        rounds.append((len(pushed), prompt_ids, completions))
+        return completions
+
+    backend.sync_weights, backend.generate = recording_sync_weights, recording_generate
+    with caplog.at_level(logging.WARNING, logger="posttrain.generation.vllm_backend"):
+        trainer.train()
+    restarts[0].join()
+    assert trainer.state.global_step == 3 and backend.reconnects == 1
+    assert sum(h.get("vllm/reconnects", 0) for h in trainer.state.log_history) == 1  # and it is in the logs
+    assert [pushes for pushes, _, _ in rounds] == [1, 1, 2]
+    messages = [r.getMessage() for r in caplog.records if r.name == "posttrain.generation.vllm_backend"]
+    assert len(messages) == 2 and "could not reach" in messages[0] and messages[1].startswith("Reconnected")
+    startup = AutoModelForCausalLM.from_pretrained(vllm_tiny_path, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+    for index, (pushes, prompt_ids, completions) in enumerate(rounds):
+        reference.load_state_dict(pushed[pushes - 1])
+        for completion in completions:
+            prompt = list(prompt_ids[completion.prompt_index])
+            sampler = torch.tensor(completion.logprobs, dtype=torch.float64)
+            expected = reference_logps(reference, prompt, completion.token_ids)
+            torch.testing.assert_close(sampler, expected, atol=LOGP_ATOL, rtol=0, msg=f"round {index + 1}")
+            if index == 1:  # the start-up weights would be far off: the check can tell a lost re-push
+                assert (sampler - reference_logps(startup, prompt, completion.token_ids)).abs().max() > 0.1
+
+
+def test_server_killed_mid_run_and_not_restarted_stops_training_with_a_clear_error(
+        vllm_server, vllm_server_process, vllm_tiny_path, tmp_path):
     rounds = []
 
     def reward_and_kill_after_first_round(completion_ids, **kwargs):
@@ -123,7 +186,8 @@ def test_server_killed_mid_run_stops_training_with_a_clear_error(vllm_server, vl
     started = time.monotonic()
     with pytest.raises(VLLMServerError) as error:
         trainer.train()
-    assert time.monotonic() - started < 60
+    assert 20 <= time.monotonic() - started < 60  # waited vllm_server_timeout for it to come back, no longer
     message = str(error.value)
     assert vllm_server in message and "optimizer step 1" in message and "could not reach" in message
+    assert "did not come back within 20 s" in message
     assert rounds == [16]

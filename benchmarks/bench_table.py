@@ -1,0 +1,180 @@
+"""One table of posttrain against TRL 1.16 for every trainer: steps/s, tokens/s, MFU and peak RSS, with ratios.
+
+    python benchmarks/bench_table.py [--repeats 3] [--only sft,reward,kto,dpo,grpo] [--smollm2] [--steps-scale 1]
+
+Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
+copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
+--smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto, DPO from bench_dpo,
+GRPO and RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain
+and TRL alternate, and each cell is the median of `--repeats` runs.
+
+Offline trainers are timed in process CPU time between the first and the last optimizer step: with one thread
+that is the step time of an idle machine, and other jobs on a shared machine do not count in it. GRPO/RLOO are
+timed in wall time over the whole training (generation included), so they are only comparable on a quiet
+machine. MFU = 6 x parameters x real tokens per second / the measured single-thread fp32 matmul peak (full
+fine-tuning only; attention-score FLOPs neglected). Peak RSS is the run's maximum resident set size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+import bench_dpo
+import bench_grpo
+import bench_reward_kto
+import bench_sft
+from common import REPO_ROOT, run_isolated, tcmalloc_path
+
+LIBRARIES = ("posttrain", "trl")
+SFT_MODES = {"padded": "SFT padded", "packed": "SFT packed BFD", "wrapped": "SFT packed wrapped",
+             "completion": "SFT completion-only", "messages": "SFT messages"}
+
+
+def _cpu_rates(result: dict) -> dict:
+    """steps/s and tokens/s in CPU time from a reward/KTO/DPO run (which report wall-time rates and CPU ms/step)."""
+    tokens_per_step = result["tokens_per_s"] / result["steps_per_s"]
+    steps = 1000 / result["cpu_ms_per_step"]
+    return {"steps_per_s": steps, "tokens_per_s": steps * tokens_per_step, "peak_rss_mb": result["peak_rss_mb"]}
+
+
+def _sft_rates(result: dict, peak: float, full: bool) -> dict:
+    out = {k: result[k] for k in ("steps_per_s", "tokens_per_s", "peak_rss_mb")}
+    if full:
+        out["mfu"] = 6 * result["params"] * result["real_tokens"] / result["step_s"] / peak
+    return out
+
+
+def _wall_rates(result: dict) -> dict:
+    return {k: result[k] for k in ("steps_per_s", "tokens_per_s", "peak_rss_mb")}
+
+
+def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_scale: float) -> list[tuple]:
+    """(trainer, setting, {library: zero-argument run returning a rates dict}) for every cell of the table."""
+    from posttrain.models.tiny import save_tiny_model
+
+    def steps(n: int) -> int:
+        return max(3, round(n * steps_scale))
+
+    cells = []
+    if "sft" in only:
+        paths = bench_sft._model_paths(["tiny-llama"] + (["smollm2-135m"] if smollm2 else []), str(workdir))
+        settings = dict(bench_sft.ROWS["tiny-llama"], steps=steps(bench_sft.ROWS["tiny-llama"]["steps"]))
+        for mode, label in SFT_MODES.items():
+            cells.append((label, "tiny Llama, batch 8", {
+                lib: (lambda lib=lib, mode=mode: _sft_rates(run_isolated("bench_sft:train", dict(
+                    library=lib, model_path=paths["tiny-llama"], mode=mode, **settings)), peak, True))
+                for lib in LIBRARIES}))
+        if smollm2:
+            smol = bench_sft.ROWS["smollm2-135m"]
+            for peft, label in ((False, "SFT SmolLM2-135M full"), (True, "SFT SmolLM2-135M LoRA r16")):
+                cells.append((label, "padded, batch 4 x 256", {
+                    lib: (lambda lib=lib, peft=peft: _sft_rates(run_isolated("bench_sft:train", dict(
+                        library=lib, model_path=paths["smollm2-135m"], mode="padded", peft=peft, **smol)),
+                        peak, not peft))
+                    for lib in LIBRARIES}))
+    root = workdir / "preference"
+    if {"reward", "kto"} & only:
+        bench_reward_kto.make_models(root)
+        for method in ("reward", "kto"):
+            if method in only:
+                cells.append(("Reward" if method == "reward" else "KTO", "tiny Llama, batch 8", {
+                    lib: (lambda lib=lib, method=method: _cpu_rates(run_isolated("bench_reward_kto:worker", dict(
+                        impl=lib, method=method, root=str(root), steps=steps(30)))))
+                    for lib in LIBRARIES}))
+    if "dpo" in only:
+        policy = save_tiny_model(workdir / "dpo" / "policy", seed=0, hidden_size=256, num_layers=4)
+        ref = save_tiny_model(workdir / "dpo" / "ref", seed=1, hidden_size=256, num_layers=4)
+        cells.append(("DPO", "tiny Llama, batch 8", {
+            lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
+                impl=lib, model_path=policy, ref_path=ref, steps=steps(30)))))
+            for lib in LIBRARIES}))
+    if {"grpo", "rloo"} & only:
+        tiny = save_tiny_model(workdir / "grpo")
+        for method in ("grpo", "rloo"):
+            if method in only:
+                cells.append((method.upper(), "tiny Llama, 16 completions (wall)", {
+                    lib: (lambda lib=lib, method=method: _wall_rates(run_isolated("bench_grpo:run_one", dict(
+                        library=lib, method=method, model_path=tiny, steps=steps(20)))))
+                    for lib in LIBRARIES}))
+    return cells
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
+
+
+def _row(trainer: str, setting: str, runs: dict[str, list[dict]]) -> list[str]:
+    med = {lib: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for lib, rs in runs.items()}
+    p, t = med["posttrain"], med["trl"]
+
+    def ratio(key):
+        return f"{p[key] / t[key]:.2f}x"
+
+    mfu = f"{p['mfu']:.2f} / {t['mfu']:.2f}" if "mfu" in p else ""
+    return [trainer, setting, f"{p['steps_per_s']:.3g} / {t['steps_per_s']:.3g}", ratio("steps_per_s"),
+            f"{p['tokens_per_s']:,.0f} / {t['tokens_per_s']:,.0f}", mfu,
+            f"{p['peak_rss_mb']:,.0f} / {t['peak_rss_mb']:,.0f}", f"{p['peak_rss_mb'] / t['peak_rss_mb']:.0%}"]
+
+
+HEADERS = ["trainer", "setting", "steps/s (pt / TRL)", "speed pt/TRL", "tokens/s (pt / TRL)", "MFU (pt / TRL)",
+           "peak RSS MB (pt / TRL)", "RSS pt/TRL"]
+
+
+def markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="Runs per library and cell (alternating); median.")
+    parser.add_argument("--only", default="sft,reward,kto,dpo,grpo,rloo", help="Comma-separated trainers to run.")
+    parser.add_argument("--smollm2", action="store_true", help="Add SmolLM2-135M SFT (full and LoRA): minutes a run.")
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="Scale every benchmark's step count.")
+    parser.add_argument("--tcmalloc", action="store_true", help="Run both libraries with tcmalloc preloaded.")
+    cli = parser.parse_args()
+    if cli.tcmalloc:
+        if tcmalloc_path() is None:
+            raise SystemExit("tcmalloc not found: apt-get install -y libtcmalloc-minimal4")
+        os.environ["LD_PRELOAD"] = tcmalloc_path()
+    else:
+        os.environ["LD_PRELOAD"] = ""  # not what scripts/env.sh may have preloaded: both libraries on glibc malloc
+    load_before = os.getloadavg()
+    peak = max(run_isolated("common:matmul_peak_flops")["flops"] for _ in range(3))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_table_") as workdir:
+        for trainer, setting, run in benchmarks(set(cli.only.split(",")), cli.smollm2, Path(workdir), peak,
+                                                cli.steps_scale):
+            runs = {lib: [] for lib in LIBRARIES}
+            for repeat in range(cli.repeats):
+                for lib in LIBRARIES if repeat % 2 == 0 else reversed(LIBRARIES):
+                    runs[lib].append(run[lib]())
+            rows.append(_row(trainer, setting, runs))
+            print(" | ".join(rows[-1]), flush=True)
+    load_after = os.getloadavg()
+    print()
+    print(f"posttrain vs TRL 1.16, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {_machine()}; "
+          f"1 thread per run, {'tcmalloc' if cli.tcmalloc else 'glibc malloc'}, median of {cli.repeats} alternating "
+          f"runs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min); fp32 matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s; offline steps in CPU time, GRPO/RLOO in wall time "
+          f"(`{Path(__file__).relative_to(REPO_ROOT)}`).")
+    print()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Held-out accuracy against training time: GRPO on SmolLM2-135M-Instruct with reasoning-gym 2-term arithmetic,
+posttrain and TRL 1.16 on one identical configuration.
+
+Both libraries get the same model, training problems, reward (examples/grpo_arithmetic.py), seed and GRPO
+settings, by the same TRL names. Every `--eval_every` optimizer steps (and before the first) the model is scored
+on the same `--eval_size` fixed held-out problems with greedy decoding, by the same code for both (posttrain's
+transformers backend, top-k 1): the evaluation is the measuring instrument, and its time is taken off the
+training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
+the order alternates. The clock is reported twice: wall seconds, and the process's CPU seconds, which is what
+the code costs when other jobs share the machine (wall time then measures the neighbours too).
+
+Levers (posttrain only; TRL has no equivalent) make an ablation one command per row, e.g.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_time_to_accuracy.py --sides posttrain --label no-shared-prefill \
+        --no_shared_prefill --output_dir outputs/tta
+
+    --dynamic_sampling      DAPO dynamic sampling (zero-variance groups regenerated, `--max_num_gen_batches`)
+    --no_shared_prefill     every completion prefills its own copy of the prompt (as `generate` does)
+    --no_drop_finished      finished completions stay in the decode batch until the last one ends
+
+Outputs, in `--output_dir`: points.csv (one row per evaluation, appended to across commands), table.md (the
+side-by-side summary of this command) and accuracy.png (accuracy against minutes, every curve in points.csv).
+The full comparison on a quiet machine:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_time_to_accuracy.py --steps 80 --eval_every 10 --eval_size 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, run_isolated
+
+MODEL = "builtin:SmolLM2-135M-Instruct"
+FIELDS = ("label", "library", "repeat", "step", "train_wall_s", "train_cpu_s", "accuracy")
+
+
+def _example():
+    """examples/grpo_arithmetic.py: the problems, the reward and the held-out evaluation."""
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    import grpo_arithmetic
+
+    return grpo_arithmetic
+
+
+def accuracy_tracker(evaluate, eval_every: int):
+    """A callback that evaluates at step 0 and every `eval_every` optimizer steps, and keeps the training clock
+    (wall and CPU seconds since training began, evaluations excluded)."""
+    from transformers import TrainerCallback
+
+    class AccuracyTracker(TrainerCallback):
+        def __init__(self):
+            self.points: list[dict] = []
+            self.eval_wall = self.eval_cpu = 0.0
+
+        def measure(self, step: int, model) -> None:
+            wall, cpu = time.perf_counter(), time.process_time()
+            train_wall, train_cpu = wall - self.start_wall - self.eval_wall, cpu - self.start_cpu - self.eval_cpu
+            accuracy = evaluate(model)
+            self.points.append({"step": step, "train_wall_s": train_wall, "train_cpu_s": train_cpu,
+                                "accuracy": accuracy})
+            self.eval_wall += time.perf_counter() - wall
+            self.eval_cpu += time.process_time() - cpu
+            print(f"step {step}: accuracy {accuracy:.3f} after {train_wall:.0f} s wall / {train_cpu:.0f} s CPU of "
+                  "training", file=sys.stderr, flush=True)
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.start_wall, self.start_cpu = time.perf_counter(), time.process_time()
+            self.measure(0, model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % eval_every == 0 or state.global_step == state.max_steps:
+                self.measure(state.global_step, model)
+
+    return AccuracyTracker()
+
+
+def run_side(library: str, settings: dict, eval_size: int, eval_every: int, train_size: int,
+             levers: dict) -> dict:
+    """Trains one side in this process; returns its evaluation points and generation statistics."""
+    import torch
+
+    from posttrain.models import load_causal_lm, load_tokenizer
+
+    example = _example()
+    if library == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+    else:
+        from posttrain import GRPOConfig, GRPOTrainer
+    tokenizer = load_tokenizer(MODEL)
+    model = load_causal_lm(MODEL)
+    held_out = example.arithmetic_problems(eval_size, seed=1234)
+
+    def evaluate(policy) -> float:
+        was_training = policy.training
+        try:
+            return example.held_out_accuracy(policy, tokenizer, held_out, settings["max_completion_length"])
+        finally:
+            policy.train(was_training)
+
+    tracker = accuracy_tracker(evaluate, eval_every)
+    with tempfile.TemporaryDirectory() as output_dir:
+        extra = {}
+        if library != "trl":
+            extra = {"write_report": False, "dynamic_sampling": levers["dynamic_sampling"],
+                     "max_num_gen_batches": levers["max_num_gen_batches"]}
+        args = GRPOConfig(output_dir=output_dir, **settings, **extra)
+        trainer = GRPOTrainer(model, example.numeric_accuracy, args=args, processing_class=tokenizer,
+                              train_dataset=example.arithmetic_problems(train_size, 0), callbacks=[tracker])
+        if library != "trl":
+            trainer.generation_backend.share_prefill = not levers["no_shared_prefill"]
+            trainer.generation_backend.drop_finished = not levers["no_drop_finished"]
+        torch.manual_seed(settings["seed"])
+        trainer.train()
+    logs = trainer.state.log_history
+    zero_std = [h["frac_reward_zero_std"] for h in logs if "frac_reward_zero_std" in h]
+    return {"points": tracker.points, "frac_reward_zero_std": sum(zero_std) / max(len(zero_std), 1),
+            "train_reward": [round(h["reward"], 3) for h in logs if "reward" in h]}
+
+
+def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> None:
+    """Appends the points to points.csv, writes this command's table.md, redraws accuracy.png from points.csv."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    points = output_dir / "points.csv"
+    new = not points.exists()
+    with points.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    headers = ["label", "library", "steps", "accuracy start", "accuracy end", "best", "train min wall",
+               "train min CPU", "frac zero-std groups"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |" for row in summary]
+    (output_dir / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with points.open() as handle:
+        everything = list(csv.DictReader(handle))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    curves = sorted({(r["label"], r["library"], r["repeat"]) for r in everything})
+    for label, library, repeat in curves:
+        run = [r for r in everything if (r["label"], r["library"], r["repeat"]) == (label, library, repeat)]
+        for axis, clock in zip(axes, ("train_wall_s", "train_cpu_s")):
+            axis.plot([float(r[clock]) / 60 for r in run], [float(r["accuracy"]) for r in run], marker="o",
+                      label=f"{library} {label} #{repeat}")
+    for axis, name in zip(axes, ("wall", "CPU")):
+        axis.set_xlabel(f"training minutes ({name} clock, evaluation excluded)")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out greedy accuracy")
+    axes[1].legend(fontsize=7)
+    figure.suptitle("GRPO, SmolLM2-135M-Instruct, 2-term arithmetic")
+    figure.tight_layout()
+    figure.savefig(output_dir / "accuracy.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sides", nargs="+", default=["trl", "posttrain"], choices=["trl", "posttrain"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--label", default="default", help="names this configuration's rows (ablations)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval_every", type=int, default=10)
+    parser.add_argument("--eval_size", type=int, default=200)
+    parser.add_argument("--train_size", type=int, default=2000)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--max_completion_length", type=int, default=16)
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dynamic_sampling", action="store_true")
+    parser.add_argument("--max_num_gen_batches", type=int, default=3)
+    parser.add_argument("--no_shared_prefill", action="store_true")
+    parser.add_argument("--no_drop_finished", action="store_true")
+    parser.add_argument("--output_dir", default="outputs/time_to_accuracy")
+    options = parser.parse_args()
+
+    settings = dict(
+        max_steps=options.steps, learning_rate=options.learning_rate,
+        per_device_train_batch_size=options.per_device_train_batch_size, num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length, temperature=options.temperature, beta=options.beta,
+        loss_type=options.loss_type, seed=options.seed, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, disable_tqdm=True)
+    levers = {k: getattr(options, k) for k in ("dynamic_sampling", "max_num_gen_batches", "no_shared_prefill",
+                                                "no_drop_finished")}
+    rows, summary = [], []
+    for repeat in range(options.repeats):
+        for library in options.sides if repeat % 2 == 0 else list(reversed(options.sides)):
+            started = time.perf_counter()
+            result = run_isolated("bench_time_to_accuracy:run_side", dict(
+                library=library, settings=settings, eval_size=options.eval_size, eval_every=options.eval_every,
+                train_size=options.train_size, levers=levers))
+            points = result["points"]
+            rows += [{"label": options.label, "library": library, "repeat": repeat, **p} for p in points]
+            summary.append([options.label, library, points[-1]["step"], points[0]["accuracy"],
+                            points[-1]["accuracy"], max(p["accuracy"] for p in points),
+                            points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
+                            result["frac_reward_zero_std"]])
+            print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in points) +
+                  f" ({time.perf_counter() - started:.0f} s with evaluations; load "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+    write_outputs(Path(options.output_dir), rows, summary)
+
+
+if __name__ == "__main__":
+    main()

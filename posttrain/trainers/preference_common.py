@@ -1,0 +1,348 @@
+"""What the preference trainers share (DPO, KTO, ORPO, CPO, BCO, TPO): one forward of a batch of sequences to
+per-sequence completion log-probs, and the token metrics / MoE auxiliary loss they log the way TRL does.
+
+`sequence_logps` scores only the completion tokens. When the model's output layer is a plain linear layer it
+never builds the [tokens x vocab] logits: the decoder's hidden states at the positions that predict a completion
+token go through `posttrain.losses.logprobs.linear_logps`, chunk by chunk. A right-padded batch is also laid out
+anew when that saves enough work (`shared_layout`): the prompt a chosen and a rejected sequence share is computed
+once, and pairs are packed into rows without padding; a 4D attention mask keeps each sequence to itself, so every
+sequence gets the log-probs it would get alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..data.vision import vision_inputs
+from ..errors import ConfigError
+from ..losses.logprobs import TokenScores, linear_logps, selective_log_softmax
+from ..losses.preference import length_desensitized_logps
+from ..models.reference import unwrap
+
+# Lay a padded batch out anew only if that saves at least this share of its cost (see `_cost`).
+MIN_PACKING_SAVING = 0.1
+STAT_NAMES = {"mean_logits": "logits", "entropy": "entropy", "top1": "top1"}
+
+
+class SequenceLogps(NamedTuple):
+    logps: torch.Tensor  # [N] log-prob of each sequence's completion (sum over its tokens; LD-DPO weighted)
+    token_counts: torch.Tensor  # [N] completion tokens per sequence
+    token_logps: torch.Tensor  # [N, L] per completion-token log-probs (0 elsewhere), for the 'sft' term
+    mask: torch.Tensor  # [N, L] 1 on completion tokens
+    stats: dict  # detached per-sequence sums [N] for the metrics (logits, entropy, top1); [N, L] log_sum_sq for WPO
+    aux_loss: torch.Tensor | None  # a Mixture-of-Experts model's load-balancing loss
+
+
+def sequence_index(batch: dict) -> torch.Tensor:
+    """[rows, T] index of the sequence each token belongs to: the row in a padded batch; in a padding-free
+    row, the count of position-id restarts so far."""
+    if "position_ids" in batch and "attention_mask" not in batch:
+        return (batch["position_ids"] == 0).long().cumsum(-1) - 1
+    rows, length = batch["input_ids"].shape
+    return torch.arange(rows, device=batch["input_ids"].device)[:, None].expand(rows, length)
+
+
+class SequenceView(NamedTuple):
+    """A batch seen one right-padded row per sequence, whatever the layout the model is called with."""
+
+    ids: torch.Tensor  # [N, L] token ids
+    scored: torch.Tensor  # [N, L] bool: completion tokens that something predicts (never a sequence's first)
+    where: torch.Tensor  # [N, L] flat index of each token among the model input's rows x columns
+    lengths: torch.Tensor  # [N]
+
+
+def sequence_view(batch: dict) -> SequenceView:
+    ids, mask = batch["input_ids"], batch["completion_mask"]
+    if "attention_mask" in batch or "position_ids" not in batch:
+        rows, width = ids.shape
+        where = torch.arange(rows * width, device=ids.device).view(rows, width)
+        lengths = (batch["attention_mask"].sum(-1) if "attention_mask" in batch
+                   else torch.full((rows,), width, device=ids.device))
+    else:  # padding-free: one row, split at each position-id restart
+        lengths = torch.bincount(sequence_index(batch)[0])
+        split = lengths.tolist()
+
+        def per_sequence(values):
+            return nn.utils.rnn.pad_sequence(list(torch.split(values, split)), batch_first=True)
+
+        ids, mask = per_sequence(ids[0]), per_sequence(mask[0])
+        where = per_sequence(torch.arange(batch["input_ids"].shape[1], device=ids.device))
+    scored = mask.bool().clone()
+    scored[:, 0] = False
+    return SequenceView(ids, scored, where, lengths)
+
+
+def output_head(model) -> nn.Linear | None:
+    """The output layer when log-probs may be computed from the decoder's hidden states (a plain linear layer whose
+    logits the model does not transform further, on a text model that exposes its decoder), else None."""
+    from .sft import check_chunked_loss_supported  # here: sft.py imports this module
+
+    if not isinstance(model, nn.Module):
+        return None
+    inner = unwrap(model)
+    if not hasattr(inner, "get_decoder") or getattr(inner.config, "vision_config", None) is not None:
+        return None
+    try:
+        check_chunked_loss_supported(inner)  # the conditions of SFT's chunked loss apply
+        inner.get_decoder()
+    except (ConfigError, AttributeError, NotImplementedError):
+        return None
+    return inner.get_output_embeddings()
+
+
+def can_repack(model, width: int | None = None) -> bool:
+    """Whether sequences may share rows: transformers models that build their masks with `masking_utils` (which
+    cuts a row at each position-id restart, and passes a custom 4D mask through unchanged) and attend with sdpa or
+    eager, without linear-attention layers. With `width`, under a custom 4D mask (`shared_layout`): also no sliding
+    window shorter than `width` tokens, since that mask does not apply it."""
+    inner = unwrap(model)
+    if hasattr(inner, "get_base_model"):  # PEFT
+        inner = inner.get_base_model()
+    module = sys.modules.get(type(inner).__module__)
+    config = inner.config.get_text_config()
+    kinds = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in kinds if kinds else window is not None
+    return (getattr(inner.config, "_attn_implementation", None) in ("sdpa", "eager")
+            and module is not None and hasattr(module, "create_causal_mask")
+            and kinds <= {"full_attention", "sliding_attention"}
+            and not (width is not None and sliding and width > (window or 0)))
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """(fill of each row, (row, offset) of each item) with rows of at most `capacity` tokens."""
+    fills: list[int] = []
+    placed: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for s in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, fill in enumerate(fills) if fill + lengths[s] <= capacity), len(fills))
+        if row == len(fills):
+            fills.append(0)
+        placed[s] = (row, fills[row])
+        fills[row] += lengths[s]
+    return fills, placed
+
+
+def _cost(rows: int, width: int, hidden_size: int | None) -> float:
+    """Work of a forward over rows x width positions: the per-token layers (about 24 H^2 FLOPs a token) plus
+    attention (4 H per pair of positions in a row), in units of one token's layers; attention ignored without H."""
+    return rows * width * (1 + (width / (6 * hidden_size) if hidden_size else 0))
+
+
+def _packing(units: list[int], hidden_size: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """First-fit decreasing with the row width (from the longest unit to twice it) that costs least."""
+    capacities = {max(units) * (4 + k) // 4 for k in range(5 if hidden_size else 1)}
+    return min((_first_fit_decreasing(units, c) for c in sorted(capacities)),
+               key=lambda layout: _cost(len(layout[0]), max(layout[0]), hidden_size))
+
+
+def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, torch.Tensor] | None:
+    """The sequences packed side by side into fewer rows, position ids restarting at 0 for each (models whose masks
+    come from `masking_utils` keep them apart from that alone): (model inputs, new `where`), or None when that
+    would not save MIN_PACKING_SAVING of the padded batch's cost (see `_cost`; `hidden_size` None counts positions
+    only). Leftover room in a row is one filler sequence of token 0, whose outputs nothing reads."""
+    lengths = view.lengths.tolist()
+    count, width = view.ids.shape
+    fills, placed = _packing(lengths, hidden_size)
+    rows, packed_width = len(fills), max(fills)
+    if _cost(rows, packed_width, hidden_size) > (1 - MIN_PACKING_SAVING) * _cost(count, width, hidden_size):
+        return None
+    device = view.ids.device
+    starts = torch.tensor([row * packed_width + offset for row, offset in placed], device=device)
+    columns = torch.arange(width, device=device)
+    real = columns[None, :] < view.lengths[:, None]
+    where = starts[:, None] + columns[None, :]
+    positions = (torch.arange(packed_width, device=device)[None, :] - torch.tensor(fills, device=device)[:, None])
+    positions = positions.clamp(min=0).flatten()
+    positions[where[real]] = columns.expand_as(where)[real]
+    ids = torch.zeros(rows * packed_width, dtype=view.ids.dtype, device=device)
+    ids[where[real]] = view.ids[real]
+    inputs = {"input_ids": ids.view(rows, packed_width), "position_ids": positions.view(rows, packed_width)}
+    return inputs, torch.where(real, where, 0)
+
+
+def shared_layout(view: SequenceView, hidden_size: int,
+                  mask_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor] | None:
+    """A cheaper layout of a right-padded batch of 2B sequences (chosen i and rejected i = sequence B + i): each pair
+    becomes one unit whose common prefix (the prompt, and any shared start of the completions) is computed once,
+    followed by the rest of each sequence; units are packed first-fit decreasing into rows. A 4D attention mask lets
+    each token see only its own sequence (prefix included), and position ids continue the prefix in both branches,
+    so every sequence gets exactly the hidden states it gets alone.
+
+    Returns (model inputs, new `where`), or None when it would not save MIN_PACKING_SAVING of the padded batch's
+    cost (see `_cost`). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
+    count, width = view.ids.shape
+    device = view.ids.device
+    columns = torch.arange(width, device=device)
+    real = columns[None, :] < view.lengths[:, None]
+    lengths = view.lengths.tolist()
+    pairs = count // 2 if count % 2 == 0 else 0
+    share = [0] * count  # leading tokens a sequence reads from its pair's first sequence
+    if pairs:
+        first, second = view.ids[:pairs], view.ids[pairs:]
+        same = (first == second) & real[:pairs] & real[pairs:]
+        share[pairs:] = same.int().cumprod(-1).sum(-1).tolist()
+    units = [lengths[i] + lengths[pairs + i] - share[pairs + i] for i in range(pairs)] or lengths
+
+    fills, placed = _packing(units, hidden_size)
+    rows, packed_width = len(fills), max(fills)
+    if _cost(rows, packed_width, hidden_size) > (1 - MIN_PACKING_SAVING) * _cost(count, width, hidden_size):
+        return None
+    unit_of = [i % pairs if pairs else i for i in range(count)]
+    # Slot of token t of sequence s: start of its unit, + t, + (first sequence's length - shared) past the prefix.
+    starts = torch.tensor([placed[u][0] * packed_width + placed[u][1] for u in unit_of], device=device)
+    jump = torch.tensor([lengths[i - pairs] - share[i] if pairs and i >= pairs else 0 for i in range(count)],
+                        device=device)
+    own = columns[None, :] >= torch.tensor(share, device=device)[:, None]
+    where = starts[:, None] + columns[None, :] + own * jump[:, None]
+    slots = rows * packed_width
+    row_of_slot = torch.arange(slots, device=device) // packed_width
+    unit = (len(units) + row_of_slot).clone()  # filler: one block per row
+    segment = torch.zeros(slots, dtype=torch.long, device=device)
+    positions = torch.arange(slots, device=device) % packed_width - torch.tensor(fills, device=device)[row_of_slot]
+    positions = positions.clamp(min=0)
+    ids = torch.zeros(slots, dtype=view.ids.dtype, device=device)
+    taken = where[real]
+    unit[taken] = torch.tensor(unit_of, device=device)[:, None].expand_as(where)[real]
+    positions[taken] = columns.expand_as(where)[real]
+    ids[taken] = view.ids[real]
+    if pairs:  # the branches past the shared prefix: 1 for the first sequence of a pair, 2 for the second
+        branch = torch.where(torch.arange(count, device=device) < pairs, 1, 2)[:, None].expand_as(where)
+        cut = torch.tensor([share[pairs + (i % pairs)] for i in range(count)], device=device)[:, None]
+        past = real & (columns[None, :] >= cut)
+        segment[where[past]] = branch[past]
+    unit, segment = unit.view(rows, 1, packed_width), segment.view(rows, 1, packed_width)
+    column = torch.arange(packed_width, device=device)
+    allowed = ((unit.transpose(1, 2) == unit) & (column[None, None, :] <= column[None, :, None])
+               & ((segment == 0) | (segment == segment.transpose(1, 2))))[:, None]
+    if mask_dtype is not None:
+        allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill_(
+            ~allowed, torch.finfo(mask_dtype).min)
+    inputs = {"input_ids": ids.view(rows, packed_width), "position_ids": positions.view(rows, packed_width),
+              "attention_mask": allowed}
+    return inputs, torch.where(real, where, 0)
+
+
+def _forward_hidden(model, inputs: dict):
+    """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only."""
+    captured = {}
+
+    def keep(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = unwrap(model).get_decoder().register_forward_hook(keep)
+    try:
+        outputs = model(**inputs, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured["hidden"], outputs
+
+
+@torch.no_grad()
+def _logits_stats(logits: torch.Tensor, index: torch.Tensor, log_sum_sq: bool, chunk: int = 256) -> dict:
+    """The statistics of `linear_logps` from given logits rows [n, V], `chunk` rows at a time."""
+    names = ("mean_logits", "entropy", "top1") + (("log_sum_sq",) if log_sum_sq else ())
+    out = {name: logits.new_empty(index.shape, dtype=torch.float32) for name in names}
+    for start in range(0, logits.shape[0], chunk):
+        part = slice(start, start + chunk)
+        z = logits[part].float()
+        logp = z.log_softmax(-1)
+        out["mean_logits"][part] = z.mean(-1)
+        out["entropy"][part] = -(logp.exp() * logp).sum(-1)
+        out["top1"][part] = (z.argmax(-1) == index[part]).float()
+        if log_sum_sq:
+            out["log_sum_sq"][part] = torch.logsumexp(2 * logp, -1)
+    return out
+
+
+def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool = False,
+                   router_logits: bool = False, stats: bool = True) -> SequenceLogps:
+    """One forward of a `PreferenceCollator` batch (2B sequences, chosen first; or any batch of sequences with a
+    `completion_mask`): per-sequence completion log-probs, token counts and, with `stats`, the detached
+    per-sequence sums behind the metrics (and WPO's per-token log sum p^2 with `wpo`).
+
+    `model` is a module or any callable returning `.logits` (then the full logits are computed)."""
+    view = sequence_view(batch)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    vision = vision_inputs(batch)  # pixel values etc. of a vision-language batch
+    head = None if vision else output_head(model)
+    where = view.where
+    config = unwrap(model).config if head is not None else None
+    # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
+    if head is not None and not router_logits and not getattr(config, "output_router_logits", False) \
+            and "attention_mask" in batch and can_repack(model, view.ids.shape[1]):
+        # The collator pads right, so each sequence is its first `length` tokens (checked, as a user's may not).
+        columns = torch.arange(view.ids.shape[1], device=view.ids.device)
+        if torch.equal(batch["attention_mask"].bool(), columns[None, :] < view.lengths[:, None]):
+            eager = config._attn_implementation == "eager"
+            packed = shared_layout(view, config.get_text_config().hidden_size,
+                                   next(model.parameters()).dtype if eager else None)
+            if packed is not None:
+                inputs, where = packed
+    inputs.update(vision)
+    if router_logits:
+        inputs["output_router_logits"] = True
+    # Position t of a sequence is predicted by its position t - 1.
+    predictors = where[:, :-1][view.scored[:, 1:]]
+    targets = view.ids[view.scored]
+    if head is not None:
+        hidden, outputs = _forward_hidden(model, inputs)
+        rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
+        scores = linear_logps(rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo)
+    else:
+        outputs = model(**inputs, use_cache=False)
+        logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]
+        extra = _logits_stats(logits.detach(), targets, wpo) if stats or wpo else {}
+        scores = TokenScores(selective_log_softmax(logits, targets), **extra)
+    scored = view.scored
+    mask = scored.to(torch.float32)
+
+    def per_token(values: torch.Tensor) -> torch.Tensor:
+        return mask.new_zeros(mask.shape).masked_scatter(scored, values.to(mask.dtype))
+
+    token_logps = per_token(scores.logps)
+    counts = mask.sum(-1)
+    sums = {name: per_token(getattr(scores, field)).sum(-1)
+            for field, name in STAT_NAMES.items() if getattr(scores, field) is not None}
+    if scores.log_sum_sq is not None:
+        sums["log_sum_sq"] = per_token(scores.log_sum_sq)
+    if ld_alpha is None:
+        logps = token_logps.sum(-1)
+    else:
+        half = counts.shape[0] // 2
+        shared = torch.minimum(counts[:half], counts[half:]).repeat(2)
+        logps = length_desensitized_logps(token_logps, mask, shared, ld_alpha)
+    return SequenceLogps(logps, counts, token_logps, mask, sums, getattr(outputs, "aux_loss", None))
+
+
+class PreferenceMetricsMixin:
+    """The metrics and MoE auxiliary loss of the trainers that score chosen/rejected (or desirable/undesirable)
+    completions: entropy, num_tokens and token-weighted logits/<part> means as TRL logs them, and the router
+    load-balancing loss joined with `router_aux_loss_coef` when `aux_loss_enabled`. Needs `_total_train_tokens`."""
+
+    def add_aux_loss(self, loss: torch.Tensor, aux_loss) -> torch.Tensor:
+        if not self.aux_loss_enabled or aux_loss is None:
+            return loss
+        self.record_metrics({"aux_loss": aux_loss.detach()})
+        return loss + self.router_aux_loss_coef * aux_loss
+
+    def record_token_metrics(self, stats: dict, counts: torch.Tensor, attention_tokens, parts: dict) -> None:
+        """entropy, num_tokens and the token-weighted logits/<part> means, as TRL logs them."""
+        totals = {"entropy": stats["entropy"].sum(), "tokens": counts.sum()}
+        for name, part in parts.items():
+            totals[f"logits/{name}"] = stats["logits"][part].sum()
+            totals[f"tokens/{name}"] = counts[part].sum()
+        summed = self.accelerator.gather(torch.stack(list(totals.values()))[None].float()).sum(0).tolist()
+        totals = dict(zip(totals, summed))
+        metrics = {"entropy": totals["entropy"] / max(totals["tokens"], 1)}
+        for name in parts:
+            if totals[f"tokens/{name}"]:
+                metrics[f"logits/{name}"] = totals[f"logits/{name}"] / totals[f"tokens/{name}"]
+        if self.model.training:
+            tokens = self.accelerator.gather(attention_tokens.reshape(1)).sum().item()
+            self._total_train_tokens += int(tokens)
+        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [float(self._total_train_tokens)]
+        self.record_metrics(metrics)

@@ -1,0 +1,52 @@
+"""RewardTrainer scores a padded batch on repacked rows: the same scores and gradients as the classifier's own
+forward on the padded batch, including its choice of the rightmost non-padding token."""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForSequenceClassification
+
+from posttrain import RewardConfig, RewardTrainer
+
+
+def _trainer(tmp_path, tiny_model_path):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    rows = [{"prompt": "the " * n + "sky is", "chosen": " blue" * (1 + n % 3), "rejected": " red"}
+            for n in (1, 12, 3, 20)]
+    args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to="none",
+                        use_cpu=True, save_strategy="no", disable_tqdm=True)
+    return RewardTrainer(model, args=args, train_dataset=Dataset.from_list(rows))
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("trailing_pad", [False, True])
+def test_repacked_scores_and_gradients_equal_the_padded_forward(tmp_path, tiny_model_path, trailing_pad):
+    trainer = _trainer(tmp_path, tiny_model_path)
+    model = trainer.model
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"]
+    if trailing_pad:  # a sequence whose last real token is the pad id: the classifier reads the token before it
+        ids[0, int(mask[0].sum()) - 1] = model.config.pad_token_id
+    lengths = mask.sum(-1)
+    assert (lengths.max() * len(lengths) - lengths.sum()) / (lengths.max() * len(lengths)) > 0.3  # worth repacking
+    model.train()
+    expected = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+    expected.pow(2).sum().backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    seen = []
+    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        (args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True)
+    got = trainer._scores(model, ids, mask)
+    handle.remove()
+    assert seen[0][0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
+    got.pow(2).sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grads = _grads(model)
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5)
