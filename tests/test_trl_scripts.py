@@ -1,7 +1,8 @@
-"""TRL 1.16's own training scripts run on posttrain: `trl/scripts/{sft,dpo,kto,reward,grpo,rloo}.py` are read from
+"""TRL 1.16's own training scripts run on posttrain: `trl/scripts/{sft,dpo,kto,reward,grpo,rloo,distillation}.py`
+are read from
 the installed TRL at test time (never stored in this repository), their `trl` imports rewritten to `posttrain`,
 and each is run as a subprocess with a YAML `--config` plus flags on local JSONL data and the tiny model, for two
-steps; each must finish and save a model that loads. All six start at once, so the file takes about as long as
+steps; each must finish and save a model that loads. All seven start at once, so the file takes about as long as
 the slowest one."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-SCRIPTS = ("sft", "dpo", "kto", "reward", "grpo", "rloo")
+SCRIPTS = ("sft", "dpo", "kto", "reward", "grpo", "rloo", "distillation")
 TIMEOUT_S = 240
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "HF_DATASETS_OFFLINE": "1"}
@@ -32,13 +33,14 @@ PREFERENCE_ROWS = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "reject
                    for i in range(12)]
 PROMPT_ROWS = [{"prompt": f"say {i}"} for i in range(12)]
 DATA = {"sft": SFT_ROWS, "dpo": PREFERENCE_ROWS, "kto": PREFERENCE_ROWS, "reward": PREFERENCE_ROWS,
-        "grpo": PROMPT_ROWS, "rloo": PROMPT_ROWS}
+        "grpo": PROMPT_ROWS, "rloo": PROMPT_ROWS, "distillation": PROMPT_ROWS}
 # Per script: extra YAML settings; the flags below override the YAML's max_steps (5 -> 2).
 # The online scripts import the reward by its dotted path from the working directory (TRL's script puts it on
 # sys.path); the reward varies with the completion's length, so the advantages are not all zero.
 EXTRA = {
     "grpo": {"num_generations": 2, "max_completion_length": 6, "reward_funcs": ["my_rewards.length_reward"]},
     "rloo": {"num_generations": 2, "max_completion_length": 6, "reward_funcs": ["my_rewards.length_reward"]},
+    "distillation": {"max_completion_length": 6},  # the teacher (the tiny model itself) is set in `runs`
 }
 # Records the YAML's `env:` value as the script process sees it.
 REWARD_MODULE = """import os
@@ -65,7 +67,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_path):
-    """All six scripts started together; `runs(name)` waits for one: (exit status, output, output_dir)."""
+    """All the scripts started together; `runs(name)` waits for one: (exit status, output, output_dir)."""
     if importlib.util.find_spec("trl") is None:
         pytest.skip("trl is not installed: TRL's scripts are read from the installed package")
     root = tmp_path_factory.mktemp("trl_scripts")
@@ -80,6 +82,8 @@ def runs(tmp_path_factory, tiny_model_path):
                   "max_steps": 5, "learning_rate": 1e-2, "per_device_train_batch_size": 4, "logging_steps": 1,
                   "save_strategy": "no", "report_to": "none", "seed": 0, "disable_tqdm": True,
                   "env": {"POSTTRAIN_TEST_MARKER": name}, **EXTRA.get(name, {})}
+        if name == "distillation":
+            config["teacher_model_name_or_path"] = tiny_model_path
         (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
         argv = [sys.executable, str(script), "--config", str(root / f"{name}.yaml"), "--max_steps", "2",
                 "--output_dir", str(root / f"out_{name}")]
@@ -117,7 +121,7 @@ def test_trl_script_trains_and_saves_a_model(runs, tiny_model_path, name):
     assert "Training completed" in output and f"Model saved to {out}" in output
     # One log line per step (logging_steps 1): the flag's max_steps 2 overrode the YAML's 5.
     assert output.count("{'loss'") == 2, output[-4000:]
-    if name in EXTRA:  # the YAML's env: section reached the process before the reward ran
+    if "reward_funcs" in EXTRA.get(name, {}):  # the YAML's env: section reached the process before the reward ran
         assert (out.parent / f"env_seen_{name}").is_file()
     model_class = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
     trained = model_class.from_pretrained(out)

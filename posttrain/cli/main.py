@@ -88,6 +88,7 @@ METHODS: dict[str, Method] = {
     "distill": Method("posttrain.trainers.distillation", "DistillationTrainer", "DistillationConfig", "offline",
                       "teacher -> student distillation (--teacher_model_name_or_path)"),
 }
+ALIASES = {"distillation": "distill"}  # TRL's name for the command
 TOOLS = {
     "env": "versions of posttrain, its dependencies and extras, and the accelerator",
     "report": "rebuild report.html and the plots of a run: posttrain report OUTPUT_DIR",
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (0 done, 2 usage error)."""
     console = argv is None  # this process is the command: it may set its threads and re-execute (not in a test)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ALIASES:
+        argv[0] = ALIASES[argv[0]]
     command = argv[0] if argv and (argv[0] in METHODS or argv[0] in TOOLS) else None
     if console and command in METHODS and not {"-h", "--help"} & set(argv):
         prepare_training_process(argv)  # tcmalloc/jemalloc preloaded, OpenMP threads = physical cores

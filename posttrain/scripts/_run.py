@@ -27,10 +27,10 @@ class RewardScriptArguments(ScriptArguments):
 
 def make_parser(name: str, script_arguments: type = ScriptArguments, subparsers=None, prog: str | None = None):
     """TRL's parser of the `name` script: (script arguments, the method's config, ModelConfig, mixture)."""
-    from posttrain.cli.main import METHODS
+    from posttrain.cli.main import ALIASES, METHODS
     from posttrain.cli.parser import TrlParser
 
-    config_class = METHODS[name].load()[1]
+    config_class = METHODS[ALIASES.get(name, name)].load()[1]
     types = (script_arguments, config_class, ModelConfig, DatasetMixtureConfig)
     if subparsers is not None:
         return subparsers.add_parser(name, help=f"Run the {name} training script", dataclass_types=types)
@@ -80,8 +80,9 @@ def _datasets(script_args, training_args, dataset_args):
 
 def run(name: str, script_args, training_args, model_args, dataset_args) -> None:
     """TRL's script body on posttrain: model flags into model_init_kwargs, data, trainer, train, save."""
-    from posttrain.cli.main import METHODS, ignore_bool_buffers
+    from posttrain.cli.main import ALIASES, METHODS, ignore_bool_buffers
 
+    name = ALIASES.get(name, name)
     trainer_class = METHODS[name].load()[0]
     init_kwargs = model_init_kwargs(model_args, training_args.trust_remote_code)
     init_kwargs.update(training_args.model_init_kwargs or {})

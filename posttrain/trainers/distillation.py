@@ -318,7 +318,8 @@ class DistillationTrainer(SFTTrainer):
 
     @staticmethod
     def _resolve_teacher(model, teacher_model, args: DistillationConfig):
-        if teacher_model is not None and args.teacher_model_name_or_path is not None:
+        named = args.teacher_model_name_or_path
+        if teacher_model is not None and named is not None and teacher_model != named:  # TRL's script passes both
             raise ConfigError(f"Two teachers: teacher_model={_name(teacher_model)!r} and "
                               f"teacher_model_name_or_path={args.teacher_model_name_or_path!r}; give only one.")
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
