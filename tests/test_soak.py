@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _faults import flaky_reward
+
 from posttrain.trainers.checkpoints import CHECKPOINT_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -157,26 +159,12 @@ def test_grpo_with_failing_rewards_finishes_and_counts_every_fault(tmp_path, tin
     """Issue #15 item 8 without the vLLM server: a reward function that raises 5% of the time, returns NaN 1% and
     sleeps past its timeout 1% (plus one of each at the start, so a short run sees all three). With
     reward_failure_policy='skip' the run reaches max_steps, and the logged failures add up to the injected ones."""
-    import asyncio
-
     from datasets import Dataset
 
     from posttrain import GRPOConfig, GRPOTrainer
 
     steps, rng, injected = max(8, int(BUDGET / 6)), random.Random(0), []
-    scheduled = {1: "raise", 2: "nan", 3: "timeout"}
-
-    async def flaky(completion_ids, **kwargs):
-        u = rng.random()
-        fault = scheduled.get(len(injected) + 1) or (
-            "raise" if u < 0.05 else "nan" if u < 0.06 else "timeout" if u < 0.07 else None)
-        injected.append(fault)
-        if fault == "raise":
-            raise RuntimeError("injected failure")
-        if fault == "timeout":
-            await asyncio.sleep(3.0)
-        values = [sum(t < 192 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-        return [float("nan")] * len(values) if fault == "nan" else values
+    flaky = flaky_reward(rng, injected)
 
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=6, logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to="none",

@@ -64,6 +64,14 @@ def support_divergence(
     dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     student = (student_logits.to(dtype) / temperature).log_softmax(-1).gather(-1, support)
     teacher = (teacher_logits.to(dtype) / temperature).log_softmax(-1).gather(-1, support)
+    return divergence_on_support(student, teacher, valid, beta, add_tail)
+
+
+def divergence_on_support(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, beta: float,
+                          add_tail: bool) -> torch.Tensor:
+    """Generalized JSD per position from the two log-probs at the support ids [..., K] (full-vocabulary
+    log-probs, read where `valid`): renormalised over the support, or with the rest of the mass as one more
+    element (`add_tail`)."""
     student = torch.where(valid, student, float("-inf"))
     teacher = torch.where(valid, teacher, float("-inf"))
     if add_tail:

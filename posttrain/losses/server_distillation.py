@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .iw_opd import _support_jsd, _with_tail
+from .iw_opd import divergence_on_support
 
 
 def server_support(topk_ids: torch.Tensor, topk_logps: torch.Tensor, sampled_ids: torch.Tensor,
@@ -43,15 +43,7 @@ def sparse_teacher_divergence(student_logits: torch.Tensor, support: torch.Tenso
     the teacher's log-probs `teacher_logps` [..., K], both restricted to the ids `support` [..., K] where `valid`."""
     dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     student = (student_logits.to(dtype) / temperature).log_softmax(-1).gather(-1, support)
-    student = torch.where(valid, student, float("-inf"))
-    teacher = torch.where(valid, teacher_logps.to(dtype), float("-inf"))
-    if add_tail:
-        (student, tail_valid), (teacher, _) = _with_tail(student, valid), _with_tail(teacher, valid)
-        valid = tail_valid
-    else:
-        student = student - torch.logsumexp(student, -1, keepdim=True)
-        teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
-    return _support_jsd(student, teacher, valid, beta)
+    return divergence_on_support(student, teacher_logps.to(dtype), valid, beta, add_tail)
 
 
 __all__ = ["server_support", "sparse_teacher_divergence"]

@@ -12,7 +12,6 @@ server restart); the issue's full soak is 20 minutes:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import threading
@@ -20,6 +19,7 @@ import time
 
 import pytest
 
+from _faults import flaky_reward
 from _vllm_reference import LOGP_ATOL, logged_per_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -34,19 +34,7 @@ def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_se
     from posttrain import GRPOConfig, GRPOTrainer
 
     steps, rng, injected = max(12, int(BUDGET / 6)), random.Random(int(os.environ.get("POSTTRAIN_SOAK_SEED", "0"))), []
-    scheduled = {1: "raise", 2: "nan", 3: "timeout"}
-
-    async def flaky(completion_ids, **kwargs):
-        u = rng.random()
-        fault = scheduled.get(len(injected) + 1) or (
-            "raise" if u < 0.05 else "nan" if u < 0.06 else "timeout" if u < 0.07 else None)
-        injected.append(fault)
-        if fault == "raise":
-            raise RuntimeError("injected failure")
-        if fault == "timeout":
-            await asyncio.sleep(3.0)
-        values = [sum(t < 192 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-        return [float("nan")] * len(values) if fault == "nan" else values
+    flaky = flaky_reward(rng, injected)
 
     kill_after, killed, finished = steps // 3, [], threading.Event()
 
