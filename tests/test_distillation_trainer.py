@@ -183,9 +183,9 @@ def test_errors_before_training(tmp_path, tiny_model_path, teacher_path, tokeniz
     data = _data(2, 0)
     with pytest.raises(ConfigError, match="needs a teacher"):
         DistillationTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=data)
-    with pytest.raises(ConfigError, match="Two teachers"):
+    with pytest.raises(ConfigError, match="Two teachers"):  # two different ones; the same one twice is TRL's script
         DistillationTrainer(tiny_model_path, teacher_path, train_dataset=data,
-                            args=_args(tmp_path, teacher_model_name_or_path=teacher_path))
+                            args=_args(tmp_path, teacher_model_name_or_path=tiny_model_path))
     student = build_tiny_model(tokenizer)
     with pytest.raises(ConfigError, match="teacher_model is the student itself"):
         DistillationTrainer(student, student, args=_args(tmp_path), train_dataset=data, processing_class=tokenizer)
