@@ -11,15 +11,7 @@ from posttrain.generation import SamplingParams, TransformersBackend
 from posttrain.generation.base import completion_seeds
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    texts = ["what is one plus two", "hello", "the cat and the dog are in the tree"]
-    return [tokenizer(t)["input_ids"] for t in texts]
+from test_generation import model, prompts  # noqa: E402,F401  (the same tiny model and prompts as the backend tests)
 
 
 @pytest.fixture(scope="module")
