@@ -9,9 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.generation import SamplingParams, TransformersBackend
 from posttrain.generation.base import completion_seeds
-
-
-from test_generation import model, prompts  # noqa: E402,F401  (the same tiny model and prompts as the backend tests)
+from test_generation import model, prompts  # noqa: F401  (the same tiny model and prompts as the backend tests)
 
 
 @pytest.fixture(scope="module")
