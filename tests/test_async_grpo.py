@@ -5,7 +5,6 @@ one round stale learns a verifiable reward."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from posttrain.errors import ConfigError
 from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, population_group_advantages
 
-from _trl import import_trl
+from _trl import import_trl_experimental as trl_experimental
 from test_online_engine import prompt_dataset, stopping_model
 
 # posttrain-wide differences (docs/trl_parity.md), and ignore_data_skip: posttrain replays the prompt order on resume
@@ -27,18 +26,6 @@ def _config(tmp_path, **overrides) -> AsyncGRPOConfig:
                     report_to="none", save_strategy="no", disable_tqdm=True, write_report=False)
     settings.update(overrides)
     return AsyncGRPOConfig(**settings)
-
-
-def trl_experimental(name: str):
-    """`trl.experimental.<name>`, imported while TRL is told vLLM is absent (see tests/_trl.py)."""
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:
-        return importlib.import_module(f"trl.experimental.{name}")
-    finally:
-        import_utils.is_vllm_available = original
 
 
 def test_import_path_defaults_and_signature_are_trls():

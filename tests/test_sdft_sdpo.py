@@ -3,7 +3,6 @@ the step-0 loss equal to TRL 1.16's SDFTTrainer / SDPOTrainer on the same tiny m
 defaults and signatures, bad settings stopped before training, and learning on tiny models."""
 
 import dataclasses
-import importlib
 import inspect
 import math
 
@@ -17,18 +16,7 @@ from posttrain.experimental.sdpo import SDPOConfig, SDPOTrainer
 from posttrain.generation import Completion
 from posttrain.losses.self_distillation import self_distillation_token_losses, successful_demonstrations
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl
-
-
-def _trl_experimental(name):
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:
-        return importlib.import_module(f"trl.experimental.{name}")
-    finally:
-        import_utils.is_vllm_available = original
+from _trl import import_trl_experimental as _trl_experimental
 
 
 # -- float64 references ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from posttrain.errors import ConfigError
 from posttrain.experimental import server_distillation
 from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl
+from _trl import import_trl_experimental
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split()
 
@@ -195,17 +195,9 @@ def test_a_local_teacher_is_refused(tmp_path, tokenizer, teacher_url):
 
 def test_config_fields_and_signature_are_trls():
     import dataclasses
-    import importlib
     import inspect
 
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:  # see tests/_trl.py: TRL must not look at the tests' vLLM stand-in while importing
-        theirs = importlib.import_module("trl.experimental.server_distillation")
-    finally:
-        import_utils.is_vllm_available = original
+    theirs = import_trl_experimental("server_distillation")
     ours = {f.name: f.default for f in dataclasses.fields(ServerDistillationConfig)}
     for name in ("teacher_model_server_url", "vllm_server_port", "loss_top_k", "loss_add_tail",
                  "reverse_kl_top_1_mode"):
