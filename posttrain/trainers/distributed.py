@@ -197,9 +197,6 @@ def root_gathered(model):
             model.set_reshard_after_forward(True, recurse=False)
 
 
-gathered_for_generation = root_gathered  # the name the generation call sites use
-
-
 def save_full_model_under_fsdp(trainer, output_dir: str) -> bool:
     """`trainer.save_model` under FSDP with a sharded state dict (the shipped fsdp2.yaml): transformers writes no
     weights there, so an export would be silently empty. This gathers the full state dict (a collective: every

@@ -68,7 +68,7 @@ from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkp
 from ..tools import EnvironmentPool, tool_schemas
 from .async_rollouts import AsyncRolloutProducer
 from .base import BaseTrainer, setup_router_aux_loss
-from .distributed import gathered_for_generation
+from .distributed import root_gathered
 from .episodes import make_episode_source
 from .online_config import OnlineConfig
 from .online_vision import forward_vision_inputs, setup_online_vision, tokenizer_of, uses_own_positions
@@ -470,7 +470,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         """Phases 1 and 2: `n` episodes per prompt, scored. A hook: GRPO's dynamic sampling replaces the groups
         whose rewards are all equal by generating for more prompts."""
         start = time.perf_counter()
-        with gathered_for_generation(self.model):  # FSDP2: the sharded root's weights (distributed.py)
+        with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (self.async_rollouts.episodes(round_index, rows, n, seeds)
                         if self.async_rollouts is not None and self.rollout_mode == "train"
                         else self.generate_episodes(rows, n, seeds))

@@ -38,7 +38,7 @@ from ..models.reference import copy_model, freeze, reference_forward, unwrap
 from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
     check_value_model)
-from .distributed import gathered_for_generation
+from .distributed import root_gathered
 from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout
 from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 from .ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
@@ -405,7 +405,7 @@ class PPOTrainer(OnlineTrainer):
                 or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)):
             return
         rows = [data[i] for i in range(min(len(data), args.per_device_eval_batch_size))]
-        with gathered_for_generation(self.model):  # FSDP2: the wrapper's root weights are sharded otherwise
+        with root_gathered(self.model):  # FSDP2: the wrapper's root weights are sharded otherwise
             completions = self.generation_backend.generate([r[PROMPT_IDS_COLUMN] for r in rows], 1,
                                                            dataclasses.replace(self.sampling, temperature=0.01),
                                                            seed=args.seed)
