@@ -2,7 +2,6 @@
 teacher and messages batch, TRL's config defaults and signature, seq_kd's teacher samples, and that it learns."""
 
 import dataclasses
-import importlib
 import inspect
 import random
 
@@ -13,20 +12,13 @@ from datasets import Dataset
 from posttrain.errors import DataError
 from posttrain.experimental.gkd import GKDConfig, GKDTrainer
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl
+from _trl import import_trl_experimental
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree".split()
 
 
 def _trl_gkd():
-    trl = import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:
-        return importlib.import_module("trl.experimental.gkd")
-    finally:
-        import_utils.is_vllm_available = original
+    return import_trl_experimental("gkd")
 
 
 def _messages(n, tokenizer, seed=0):

@@ -2,7 +2,6 @@
 same tensors, GOLD without ULD against TRL's GOLDTrainer at step 0, and a student learning from a teacher with a
 different tokenizer."""
 
-import importlib
 import itertools
 import math
 import random
@@ -15,19 +14,12 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.gold import GOLDConfig, GOLDTrainer
 from posttrain.losses.gold import align_by_byte_offsets, merge_groups, sorted_l1, uld_sequence_loss
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from _trl import import_trl
+from _trl import import_trl_experimental
 from test_gkd import _messages
 
 
 def _trl_gold():
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:
-        return importlib.import_module("trl.experimental.gold.gold_trainer")
-    finally:
-        import_utils.is_vllm_available = original
+    return import_trl_experimental("gold.gold_trainer")
 
 
 # -- the loss against float64 references --------------------------------------------------------------------------

@@ -3,7 +3,6 @@ here from the papers, TRL 1.16's trainers side by side on the same tensors, and 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections import defaultdict
 
@@ -13,7 +12,7 @@ import torch
 import posttrain
 from posttrain.experimental.gmpo import GMPOConfig, GMPOTrainer
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values, gmpo_objective
-from _trl import import_trl
+from _trl import import_trl, import_trl_experimental
 from test_grpo_trainer import _side_by_side_batch, _stub
 from test_online_engine import make_config, prompt_dataset, train
 
@@ -78,7 +77,7 @@ def test_gmpo_keep_selects_the_tokens_of_the_geometric_mean():
 
 def _import_trl_experimental(name: str):
     trl = import_trl("grpo_config", "grpo_trainer")
-    return trl, importlib.import_module(f"trl.experimental.{name}")
+    return trl, import_trl_experimental(name)
 
 
 @pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=0.04, epsilon=0.2, epsilon_high=0.3),
@@ -173,7 +172,7 @@ def test_a2po_optimal_values_and_loss_match_float64_references():
 def test_a2po_loss_matches_trl_on_the_same_model_and_completions(tmp_path, tiny_model_path):
     """TRL's A2POTrainer.compute_loss and posttrain's on the same tiny model, prompts, completions, rewards and V*."""
     import_trl("grpo_config")
-    a2po = importlib.import_module("trl.experimental.a2po")
+    a2po = import_trl_experimental("a2po")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

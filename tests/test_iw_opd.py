@@ -3,7 +3,6 @@ equal to TRL 1.16's IWOPDTrainer on the same tiny student, teacher and batch, TR
 on-policy learning."""
 
 import dataclasses
-import importlib
 import inspect
 import math
 
@@ -14,19 +13,12 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
 from posttrain.losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl
+from _trl import import_trl_experimental
 from test_gkd import _messages
 
 
 def _trl_iw_opd():
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, (lambda *a, **k: False)
-    try:
-        return importlib.import_module("trl.experimental.iw_opd")
-    finally:
-        import_utils.is_vllm_available = original
+    return import_trl_experimental("iw_opd")
 
 
 # -- float64 references ------------------------------------------------------------------------------------------

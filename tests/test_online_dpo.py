@@ -16,7 +16,7 @@ from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from posttrain.losses.online_preference import online_dpo_loss, pair_preferences
 from posttrain.trainers.online import Episode
 from test_online_engine import low_id_fraction, prompt_dataset
-from _trl import import_trl
+from _trl import import_trl_experimental
 
 
 def config(tmp_path, cls=OnlineDPOConfig, **overrides):
@@ -61,14 +61,8 @@ def test_config_fields_and_trainer_arguments_follow_trl():
     import dataclasses
     import inspect
 
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, lambda *a, **k: False
-    try:
-        from trl.experimental.online_dpo import OnlineDPOConfig as TRLConfig, OnlineDPOTrainer as TRLTrainer
-    finally:
-        import_utils.is_vllm_available = original
+    online_dpo = import_trl_experimental("online_dpo")
+    TRLConfig, TRLTrainer = online_dpo.OnlineDPOConfig, online_dpo.OnlineDPOTrainer
 
     def default(f):
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -107,14 +101,8 @@ COMPLETIONS = {  # per prompt: two fixed completions (token ids; EOS is appended
 
 
 def test_step0_loss_and_metrics_match_trl(tmp_path, tiny_model_path, tokenizer):
-    import_trl()
-    import trl.import_utils as import_utils
-
-    original, import_utils.is_vllm_available = import_utils.is_vllm_available, lambda *a, **k: False
-    try:  # tests/vllm (a stand-in) has no version for TRL's import-time check
-        from trl.experimental.online_dpo import OnlineDPOConfig as TRLConfig, OnlineDPOTrainer as TRLTrainer
-    finally:
-        import_utils.is_vllm_available = original
+    online_dpo = import_trl_experimental("online_dpo")
+    TRLConfig, TRLTrainer = online_dpo.OnlineDPOConfig, online_dpo.OnlineDPOTrainer
     from transformers import AutoModelForCausalLM
 
     prompts = ["cat 1 and dog", "dog 2 and dog"]

@@ -17,6 +17,7 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.cpo import CPOConfig, CPOTrainer
 from posttrain.experimental.orpo import ORPOConfig, ORPOTrainer
 from posttrain.losses.reference_free import alphapo_reward, cpo_loss, log1mexp, orpo_loss
+from _trl import import_trl_experimental
 
 # Per-token average completion log-probs (ORPO, ipo, simpo) and summed ones (sigmoid, hinge), three pairs.
 AVG_CHOSEN, AVG_REJECTED = [-0.9, -2.3, -0.05], [-1.4, -0.7, -3.2]
@@ -118,13 +119,7 @@ def _step0(trainer, batch, trl_side=False):
 
 
 def _trl_experimental(name):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _trl import import_trl
-
-    import_trl()
-    return pytest.importorskip(f"trl.experimental.{name}")
+    return import_trl_experimental(name)
 
 
 def _side_by_side(tmp_path, path, name, options):

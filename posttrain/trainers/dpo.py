@@ -26,8 +26,8 @@ from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkp
 from ..data.preference import TRUNCATION_MODES, PreferenceCollator, prepare_preference_dataset
 from ..data.report import DataReport
 from ..data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
-from ..data.vision import (VisionPreferenceCollator, VisionSetup, is_vision_dataset, tokenizer_of,
-                           validate_vision_dataset, vision_inputs)
+from ..data.vision import (VisionPreferenceCollator, VisionSetup, freeze_vision_tower_field, is_vision_dataset,
+                           tokenizer_of, validate_vision_dataset, vision_inputs)
 from ..errors import ConfigError
 from ..losses.preference import dpo_loss, dpo_metrics, validate_dpo_loss_settings, wpo_weights
 from ..models.loading import load_tokenizer
@@ -159,9 +159,7 @@ class DPOConfig(ReferenceConfig):
         default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."})
     pad_token: str | None = field(
         default=None, metadata={"help": "Deprecated in TRL: the padding token (default: the tokenizer's, else EOS)."})
-    freeze_vision_tower: bool = field(
-        default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision tower's "
-                                        "weights fixed (with LoRA: no adapter on it, the projector trained in full)."})
+    freeze_vision_tower: bool = freeze_vision_tower_field()
 
     def __post_init__(self):
         # Comma-separated names (the command line's form) -> a list.

@@ -19,7 +19,8 @@ from ..data.packing import pack_dataset
 from ..data.report import DataReport, cut_column, note_packing
 from ..data.tokenize import tokenize_example, truncate
 from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
-from ..data.vision import VisionSetup, VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
+from ..data.vision import (VisionSetup, VisionSFTCollator, freeze_vision_tower_field, is_vision_dataset, tokenizer_of,
+                           validate_vision_dataset)
 from ..errors import ConfigError, DataError
 from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
 from ..models.loading import load_tokenizer
@@ -71,10 +72,7 @@ class SFTConfig(PosttrainConfig):
         default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
     assistant_only_loss: bool = field(
         default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
-    freeze_vision_tower: bool = field(
-        default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision tower's "
-                                        "weights fixed (the projector and the language model train; with LoRA, the "
-                                        "tower gets no adapter and the projector is trained in full)."})
+    freeze_vision_tower: bool = freeze_vision_tower_field()
     loss_type: str = field(
         default="nll", metadata={"help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
                                          "token's NLL weighted by its detached probability)."})
