@@ -6,8 +6,9 @@ settings, by the same TRL names. Every `--eval_every` optimizer steps (and befor
 on the same `--eval_size` fixed held-out problems with greedy decoding, by the same code for both (posttrain's
 transformers backend, top-k 1): the evaluation is the measuring instrument, and its time is taken off the
 training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
-the order alternates. The clock is reported twice: wall seconds, and the process's CPU seconds, which is what
-the code costs when other jobs share the machine (wall time then measures the neighbours too).
+the order alternates, and with `--parallel` the sides run at once, one core each. The clock is reported twice:
+wall seconds, and the process's CPU seconds, which is what the code costs when other jobs share the machine (wall
+time then measures the neighbours too).
 
 Levers (posttrain only; TRL has no equivalent) make an ablation one command per row, e.g.
 
@@ -33,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import REPO_ROOT, run_isolated
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--max_num_gen_batches", type=int, default=3)
     parser.add_argument("--no_shared_prefill", action="store_true")
     parser.add_argument("--no_drop_finished", action="store_true")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run every side at once, one single-threaded process each (one core each on 2 cores)")
     parser.add_argument("--output_dir", default="outputs/time_to_accuracy")
     options = parser.parse_args()
 
@@ -197,22 +201,33 @@ def main() -> None:
         use_cpu=True, bf16=False, disable_tqdm=True)
     levers = {k: getattr(options, k) for k in ("dynamic_sampling", "max_num_gen_batches", "no_shared_prefill",
                                                 "no_drop_finished")}
+    runs = [(repeat, library) for repeat in range(options.repeats)
+            for library in (options.sides if repeat % 2 == 0 else list(reversed(options.sides)))]
+
+    def run(repeat_library):
+        repeat, library = repeat_library
+        started = time.perf_counter()
+        result = run_isolated("bench_time_to_accuracy:run_side", dict(
+            library=library, settings=settings, eval_size=options.eval_size, eval_every=options.eval_every,
+            train_size=options.train_size, levers=levers))
+        print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in result["points"])
+              + f" ({time.perf_counter() - started:.0f} s with evaluations; load {os.getloadavg()[0]:.1f})",
+              flush=True)
+        return result
+
+    if options.parallel:  # each side on its own core: same neighbours for both, half the waiting
+        with ThreadPoolExecutor(len(runs)) as pool:
+            results = list(pool.map(run, runs))
+    else:
+        results = [run(r) for r in runs]
     rows, summary = [], []
-    for repeat in range(options.repeats):
-        for library in options.sides if repeat % 2 == 0 else list(reversed(options.sides)):
-            started = time.perf_counter()
-            result = run_isolated("bench_time_to_accuracy:run_side", dict(
-                library=library, settings=settings, eval_size=options.eval_size, eval_every=options.eval_every,
-                train_size=options.train_size, levers=levers))
-            points = result["points"]
-            rows += [{"label": options.label, "library": library, "repeat": repeat, **p} for p in points]
-            summary.append([options.label, library, points[-1]["step"], points[0]["accuracy"],
-                            points[-1]["accuracy"], max(p["accuracy"] for p in points),
-                            points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
-                            result["frac_reward_zero_std"]])
-            print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in points) +
-                  f" ({time.perf_counter() - started:.0f} s with evaluations; load "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)
+    for (repeat, library), result in zip(runs, results):
+        points = result["points"]
+        rows += [{"label": options.label, "library": library, "repeat": repeat, **p} for p in points]
+        summary.append([options.label, library, points[-1]["step"], points[0]["accuracy"],
+                        points[-1]["accuracy"], max(p["accuracy"] for p in points),
+                        points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
+                        result["frac_reward_zero_std"]])
     write_outputs(Path(options.output_dir), rows, summary)
 
 

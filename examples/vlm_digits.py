@@ -98,9 +98,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/vlm_digits")
     parser.add_argument("--test_size", type=int, default=300)
-    parser.add_argument("--sft_steps", type=int, default=60)
-    parser.add_argument("--grpo_steps", type=int, default=12)
+    parser.add_argument("--sft_steps", type=int, default=150)
+    parser.add_argument("--grpo_steps", type=int, default=25)
+    parser.add_argument("--grpo_learning_rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip_sft", action="store_true",
+                        help="start GRPO from the SFT model an earlier run saved in OUTPUT_DIR/sft")
     parser.add_argument("--prepare_only", action="store_true",
                         help="only write the base model and the datasets (for the command-line steps)")
     args = parser.parse_args()
@@ -122,22 +125,27 @@ def main() -> None:
 
     # The settings of examples/vlm_digits_configs/sft.yaml and grpo.yaml.
     common = dict(logging_steps=5, save_strategy="no", report_to="none", seed=args.seed, disable_tqdm=True)
-    sft_data = load_dataset("json", data_files=str(out / "data" / "sft.jsonl"), split="train")
     sft_start = time.perf_counter()
-    sft = SFTTrainer(model_path, train_dataset=sft_data, args=SFTConfig(
-        output_dir=str(out / "sft"), max_steps=args.sft_steps, per_device_train_batch_size=16, learning_rate=2e-4,
-        lr_scheduler_type="cosine", warmup_steps=5, freeze_vision_tower=False, **common))  # the tower is fresh
-    sft.train()
-    sft.save_model()
+    if args.skip_sft:
+        sft_model = AutoModelForImageTextToText.from_pretrained(out / "sft")
+    else:
+        sft_data = load_dataset("json", data_files=str(out / "data" / "sft.jsonl"), split="train")
+        sft = SFTTrainer(model_path, train_dataset=sft_data, args=SFTConfig(
+            output_dir=str(out / "sft"), max_steps=args.sft_steps, per_device_train_batch_size=16,
+            learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5, freeze_vision_tower=False,
+            **common))  # the tower is fresh
+        sft.train()
+        sft.save_model()
+        sft_model = sft.model
     sft_seconds = time.perf_counter() - sft_start
-    after_sft = accuracy(sft.model, processor, test)
+    after_sft = accuracy(sft_model, processor, test)
     print(f"held-out accuracy after SFT: {after_sft:.3f} ({sft_seconds:.0f} s)")
 
     grpo_data = load_dataset("json", data_files=str(out / "data" / "grpo.jsonl"), split="train")
     grpo_start = time.perf_counter()
     grpo = GRPOTrainer(str(out / "sft"), reward_funcs=exact_match, train_dataset=grpo_data, args=GRPOConfig(
-        output_dir=str(out / "grpo"), max_steps=args.grpo_steps, per_device_train_batch_size=32, num_generations=8,
-        max_completion_length=2, learning_rate=2e-5, beta=0.0, temperature=1.0, dynamic_sampling=True,
+        output_dir=str(out / "grpo"), max_steps=args.grpo_steps, per_device_train_batch_size=64, num_generations=8,
+        max_completion_length=2, learning_rate=args.grpo_learning_rate, beta=0.0, temperature=1.0, dynamic_sampling=True,
         freeze_vision_tower=False, **common))
     grpo.train()
     grpo_seconds = time.perf_counter() - grpo_start
