@@ -92,7 +92,8 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
         ref = save_tiny_model(workdir / "dpo" / "ref", seed=1, hidden_size=256, num_layers=4)
         cells.append(("DPO", "tiny Llama, batch 8", {
             lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
-                impl=lib, model_path=policy, ref_path=ref, steps=steps(30)))))
+                impl=lib, model_path=policy, ref_path=ref, steps=steps(30),
+                batch=bench_dpo.MODELS["tiny"]["batch"]))))
             for lib in LIBRARIES}))
     if {"grpo", "rloo"} & only:
         tiny = save_tiny_model(workdir / "grpo")
