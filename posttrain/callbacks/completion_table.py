@@ -63,6 +63,11 @@ def log_completion_table(callbacks, records: list[dict], names: list[str], step:
 
             trackio.log({"completions": trackio.Table(dataframe=pd.DataFrame(rows, columns=columns))}, step=step)
         elif kind == "MLflowCallback" and getattr(callback, "_initialized", False):
+            # transformers logs metrics asynchronously; log_table reads the run back, so let those writes land first
+            # (a half-written metric file reads as "malformed").
+            flush = getattr(callback._ml_flow, "flush_async_logging", None)
+            if flush is not None:
+                flush()
             callback._ml_flow.log_table({c: [row[i] for row in rows] for i, c in enumerate(columns)},
                                         artifact_file=f"completions/step_{step:06d}.json")
         elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
