@@ -1,5 +1,6 @@
-"""RewardTrainer scores a padded batch on repacked rows: the same scores and gradients as the classifier's own
-forward on the padded batch, including its choice of the rightmost non-padding token."""
+"""RewardTrainer scores a padded batch on a cheaper layout — each pair's prompt computed once under a 4D mask, or
+the sequences repacked into fewer rows: the same scores and gradients as the classifier's own forward on the padded
+batch, including its choice of the rightmost non-padding token."""
 
 import pytest
 import torch
@@ -23,8 +24,14 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("layout", ["shared_prompt", "repacked"])
 @pytest.mark.parametrize("trailing_pad", [False, True])
-def test_repacked_scores_and_gradients_equal_the_padded_forward(tmp_path, tiny_model_path, trailing_pad):
+def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(tmp_path, tiny_model_path, trailing_pad,
+                                                                             layout, monkeypatch):
+    import posttrain.trainers.reward as reward
+
+    if layout == "repacked":
+        monkeypatch.setattr(reward, "shared_layout", lambda *args: None)
     trainer = _trainer(tmp_path, tiny_model_path)
     model = trainer.model
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
@@ -40,10 +47,15 @@ def test_repacked_scores_and_gradients_equal_the_padded_forward(tmp_path, tiny_m
     model.zero_grad(set_to_none=True)
     seen = []
     handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
-        (args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True)
+        ((args[0] if args else kwargs["input_ids"]).shape, kwargs.get("attention_mask"))), with_kwargs=True)
     got = trainer._scores(model, ids, mask)
     handle.remove()
-    assert seen[0][0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
+    (shape, attention_mask), = seen
+    assert shape[0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
+    if layout == "shared_prompt":  # each pair's prompt once: fewer positions than the sequences' tokens
+        assert attention_mask.dim() == 4 and shape[0] * shape[1] < lengths.sum()
+    else:
+        assert attention_mask is None
     got.pow(2).sum().backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     grads = _grads(model)

@@ -18,7 +18,7 @@ from ..models.loading import load_sequence_classifier
 from ..models.reference import unwrap
 from .base import BaseTrainer, PosttrainConfig
 from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
-from .preference_common import SequenceView, can_repack, repacked
+from .preference_common import SequenceView, can_repack, repacked, shared_layout
 
 
 @dataclass
@@ -123,8 +123,9 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         return len(batch["input_ids"]) // 2
 
     def _scores(self, model, input_ids, attention_mask) -> torch.Tensor:
-        """[2B] scores. The right-padded rows are repacked into fewer, fuller rows when that saves enough padding
-        (see `preference_common.repacked`), the decoder's hidden states captured and the score head applied at each
+        """[2B] scores. The right-padded rows get a cheaper layout when that saves enough work: each pair's shared
+        prompt computed once under a 4D mask (`preference_common.shared_layout`), else the sequences repacked into
+        fewer, fuller rows (`repacked`). The decoder's hidden states are captured and the score head applied at each
         sequence's scored position: the rightmost non-padding token, as the classifier itself picks it."""
         parts = None if self.is_fsdp_enabled or self.is_deepspeed_enabled else _score_parts(model)
         lengths = attention_mask.sum(-1)
@@ -132,8 +133,14 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         packed = None
         if parts is not None and torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
             where = torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids)
-            hidden_size = unwrap(model).config.get_text_config().hidden_size
-            packed = repacked(SequenceView(input_ids, None, where, lengths), hidden_size)
+            config = unwrap(model).config
+            view = SequenceView(input_ids, None, where, lengths)
+            if can_repack(model, input_ids.shape[1]):
+                eager = config._attn_implementation == "eager"
+                packed = shared_layout(view, config.get_text_config().hidden_size,
+                                       next(model.parameters()).dtype if eager else None)
+            if packed is None:
+                packed = repacked(view, config.get_text_config().hidden_size)
         if packed is None:
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
         decoder, head, pad_id = parts
