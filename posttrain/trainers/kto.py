@@ -28,6 +28,7 @@ from ..errors import ConfigError, DataError
 from ..losses.preference import KTO_LOSS_TYPES, kto_loss
 from ..models.reference import is_peft_model, reference_forward
 from .dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
+from .preference_common import SequenceLogps
 
 logger = logging.getLogger("posttrain")
 
@@ -158,6 +159,12 @@ class KTOCollator:
         return batch
 
 
+def first_sequences(scores: SequenceLogps, n: int) -> SequenceLogps:
+    """The first `n` sequences' part of `scores` (the aux loss, a batch total, unchanged)."""
+    return SequenceLogps(*(v[:n] for v in scores[:4]), {k: v[:n] for k, v in scores.stats.items()},
+                         scores.aux_loss)
+
+
 def kto_rows(batch: dict, part: slice) -> dict:
     """The sequences `part` of a KTO batch, trailing all-padding columns dropped."""
     width = int(batch["attention_mask"][part].sum(-1).max())
@@ -245,7 +252,13 @@ class KTOTrainer(ReferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        policy = sequence_logps(model, kto_rows(inputs, slice(None, n)), router_logits=self.aux_loss_enabled)
+        # The examples and their KL pairs (rows n..2n) in one forward: each pair shares its example's prompt, which
+        # `sequence_logps` then computes once; the KL pairs' log-probs are used detached, as TRL's no-grad forward.
+        # Not with a load-balancing loss, which is over the examples alone.
+        fused = not self.aux_loss_enabled
+        both = sequence_logps(model, kto_rows(inputs, slice(None) if fused else slice(None, n)),
+                              router_logits=self.aux_loss_enabled)
+        policy = first_sequences(both, n)
         if all(c in inputs for c in self.REF_COLUMNS):
             ref = {c: inputs[c] for c in self.REF_COLUMNS}
         else:
@@ -253,9 +266,12 @@ class KTOTrainer(ReferenceTrainer):
                 ref = self.reference_columns(reference, inputs)
         policy_kl = ref_kl = None
         if "ref_kl_logps" in ref:
-            with torch.no_grad():
-                kl_logps = sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
-                policy_kl = self.accelerator.gather(kl_logps)
+            if fused:
+                kl_logps = both.logps[n:].detach()
+            else:
+                with torch.no_grad():
+                    kl_logps = sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
+            policy_kl = self.accelerator.gather(kl_logps)
             ref_kl = self.accelerator.gather(ref["ref_kl_logps"])
         losses, rewards, kl = kto_loss(
             policy.logps, ref["ref_logps"], labels, policy_kl, ref_kl, beta=self.args.beta,
