@@ -3,9 +3,11 @@
 
 Each rollout gets its own `GuessTheNumber` environment, reset with the dataset row's secret; its public method
 ``guess(number)`` is the model's tool and answers "higher", "lower" or "correct"; ``get_reward()`` gives 1.0 when
-the secret was found. A short SFT warm-up on synthetic games (guesses that respect the feedback but are otherwise
-random) teaches the call format, then GRPO trains on the environment's reward. The held-out success rate (sampled
-at temperature 1, fixed seeds) is printed before, after the warm-up and after GRPO, with the reward per GRPO step.
+the secret was found, else partial credit for the share of wrong numbers the guesses ruled out (at most 0.5), so
+that a group of games whose secrets were all missed still tells a guess that halves the range from one that does
+not. A short SFT warm-up on synthetic games (guesses that respect the feedback but are otherwise random) teaches the
+call format, then GRPO trains on the environment's reward. The held-out success rate and mean reward (sampled at
+temperature 1, fixed seeds) are printed before, after the warm-up and after GRPO, with the reward per GRPO step.
 
     OMP_NUM_THREADS=2 python examples/grpo_environment.py
 """
@@ -32,6 +34,7 @@ class GuessTheNumber:
 
     def reset(self, secret: int, **kwargs) -> None:
         self.secret, self.found, self.guesses = int(secret), False, 0
+        self.low, self.high = LOW, HIGH  # the numbers the feedback so far leaves possible
 
     def guess(self, number: int) -> str:
         """Guess the secret number.
@@ -43,10 +46,17 @@ class GuessTheNumber:
         if number == self.secret:
             self.found = True
             return "correct"
-        return "higher" if number < self.secret else "lower"
+        if number < self.secret:
+            self.low = max(self.low, number + 1)
+            return "higher"
+        self.high = min(self.high, number - 1)
+        return "lower"
 
     def get_reward(self) -> float:
-        return float(self.found)
+        """1.0 when found; else half the share of the wrong numbers ruled out."""
+        if self.found:
+            return 1.0
+        return 0.5 * (HIGH - LOW - (self.high - self.low)) / (HIGH - LOW)
 
 
 def games(size: int, seed: int) -> Dataset:
@@ -72,18 +82,21 @@ def transcript(secret: int, rng: random.Random, max_guesses: int) -> list[dict]:
     return messages
 
 
-def success_rate(model, tokenizer, held_out: Dataset, max_completion_length: int, max_iterations: int) -> float:
-    """The policy's mean reward on the held-out games, sampled at temperature 1 with fixed seeds: every game has
-    the same prompt, so greedy decoding would play only 8 distinct games whatever eval_size is."""
+def success_rate(model, tokenizer, held_out: Dataset, max_completion_length: int,
+                 max_iterations: int) -> tuple[float, float]:
+    """(share of held-out games won, mean reward), sampled at temperature 1 with fixed seeds: every game has the
+    same prompt, so greedy decoding would play only 8 distinct games whatever eval_size is."""
     episodes = evaluate_episodes(model, tokenizer, held_out.to_list(), [], max_completion_length, max_iterations,
                                  environment_factory=GuessTheNumber, temperature=1.0)
-    return sum(e.info["reward"] for e in episodes) / len(episodes)
+    rewards = [e.info["reward"] for e in episodes]
+    return sum(r == 1.0 for r in rewards) / len(rewards), sum(rewards) / len(rewards)
 
 
 def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 16, grpo_steps: int = 10, eval_size: int = 64,
-        max_guesses: int = 3, max_completion_length: int = 160, output_dir: str = "outputs/grpo_environment",
-        log=print) -> dict:
-    """The whole demo; returns the three success rates, the GRPO metrics per step and the phase times."""
+        max_guesses: int = 3, max_completion_length: int = 160, episodes_per_step: int = 16,
+        learning_rate: float = 2e-5, output_dir: str = "outputs/grpo_environment", log=print) -> dict:
+    """The whole demo; returns the three success rates (and `<phase>_reward`, the mean rewards), the GRPO metrics
+    per step and the phase times."""
     use_chatml_tool_template(tokenizer)
     held_out = games(eval_size, seed=1234)
     results, times = {}, {}
@@ -94,26 +107,28 @@ def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 16, grpo_step
         times[name] = round(time.perf_counter() - start, 1)
         return value
 
-    def rate(policy):
-        return success_rate(policy, tokenizer, held_out, max_completion_length, max_guesses)
+    def evaluate(phase, policy, took=""):
+        results[phase], results[f"{phase}_reward"] = timed(
+            f"eval_{phase}", lambda: success_rate(policy, tokenizer, held_out, max_completion_length, max_guesses))
+        log(f"{phase}: success {results[phase]:.3f}, mean reward {results[f'{phase}_reward']:.3f} "
+            f"({took}eval {times[f'eval_{phase}']} s)")
 
-    results["before"] = timed("eval_before", lambda: rate(model))
-    log(f"success before: {results['before']:.3f} ({times['eval_before']} s)")
+    evaluate("before", model)
     rng = random.Random(1)
     sft_games = [transcript(rng.randint(LOW, HIGH), rng, max_guesses) for _ in range(sft_size)]
     warm = tokenized_transcripts(tokenizer, sft_games, [GuessTheNumber().guess])
     model = timed("sft", lambda: warm_up(model, tokenizer, warm, sft_steps, f"{output_dir}/sft", 1e-4))
-    results["after_sft"] = timed("eval_sft", lambda: rate(model))
-    log(f"success after SFT: {results['after_sft']:.3f} (SFT {times['sft']} s, eval {times['eval_sft']} s)")
+    evaluate("after_sft", model, f"SFT {times['sft']} s, ")
     trainer = GRPOTrainer(model, None, args=grpo_config(f"{output_dir}/grpo", grpo_steps,
                                                         max_completion_length=max_completion_length,
-                                                        max_tool_calling_iterations=max_guesses),
-                          train_dataset=games(grpo_steps * 8, seed=2), processing_class=tokenizer,
+                                                        max_tool_calling_iterations=max_guesses,
+                                                        per_device_train_batch_size=episodes_per_step,
+                                                        learning_rate=learning_rate),
+                          train_dataset=games(grpo_steps * episodes_per_step, seed=2), processing_class=tokenizer,
                           environment_factory=GuessTheNumber)
     timed("grpo", trainer.train)
     results["grpo"] = grpo_history(trainer)
-    results["after_grpo"] = timed("eval_grpo", lambda: rate(trainer.model))
-    log(f"success after GRPO: {results['after_grpo']:.3f} (GRPO {times['grpo']} s, eval {times['eval_grpo']} s)")
+    evaluate("after_grpo", trainer.model, f"GRPO {times['grpo']} s, ")
     log(f"GRPO per step: {results['grpo']}")
     results["seconds"] = times
     return results
@@ -126,11 +141,15 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=16)
     parser.add_argument("--grpo_steps", type=int, default=10)
     parser.add_argument("--eval_size", type=int, default=64)
+    parser.add_argument("--episodes_per_step", type=int, default=16, help="games per GRPO step (4 per prompt)")
+    parser.add_argument("--learning_rate", type=float, default=2e-5, help="GRPO's learning rate")
     parser.add_argument("--output_dir", default="outputs/grpo_environment")
     options = parser.parse_args()
     start = time.perf_counter()
     results = run(load_causal_lm(MODEL), load_tokenizer(MODEL), sft_steps=options.sft_steps,
-                  grpo_steps=options.grpo_steps, eval_size=options.eval_size, output_dir=options.output_dir)
+                  grpo_steps=options.grpo_steps, eval_size=options.eval_size,
+                  episodes_per_step=options.episodes_per_step, learning_rate=options.learning_rate,
+                  output_dir=options.output_dir)
     print(f"phase seconds: {results['seconds']}; total {time.perf_counter() - start:.0f} s")
 
 

@@ -76,6 +76,10 @@ def test_guess_the_number_environment_and_transcripts():
     assert [game.guess(n) for n in (2, 7, 5)] == ["higher", "lower", "correct"] and game.get_reward() == 1.0
     game.reset(secret=3)
     assert game.get_reward() == 0.0
+    game.reset(secret=5)  # 2 -> higher, 7 -> lower: 3..6 left, 4 of the 7 wrong numbers ruled out
+    assert [game.guess(n) for n in (2, 7)] == ["higher", "lower"] and game.get_reward() == 0.5 * 4 / 7
+    game.reset(secret=8)  # 7 -> higher: only 8 left, every wrong number ruled out, yet not found
+    assert game.guess(7) == "higher" and game.get_reward() == 0.5
     rng = random.Random(0)
     outcomes = []
     for _ in range(100):
@@ -86,8 +90,8 @@ def test_guess_the_number_environment_and_transcripts():
         feedback = [m["content"] for m in messages if m["role"] == "tool"]
         assert [game.guess(n) for n in calls] == feedback  # the transcripts tell the truth
         assert len(set(calls)) == len(calls) <= 3  # never a guess the feedback already ruled out
-        outcomes.append(game.get_reward())
-        assert messages[-1]["content"].startswith("Found it") == bool(game.get_reward())
+        outcomes.append(game.get_reward() == 1.0)
+        assert messages[-1]["content"].startswith("Found it") == (game.get_reward() == 1.0)
     assert 0.3 < sum(outcomes) / len(outcomes) < 1.0  # random in-range guessing: room for GRPO to improve
 
 
@@ -107,8 +111,10 @@ def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_toke
 def test_environment_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     results = env_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, eval_size=4,
-                           max_completion_length=24, output_dir=str(tmp_path), log=lambda *a: None)
-    assert all(0.0 <= results[p] <= 1.0 for p in ("before", "after_sft", "after_grpo"))
+                           max_completion_length=24, episodes_per_step=8, output_dir=str(tmp_path),
+                           log=lambda *a: None)
+    for phase in ("before", "after_sft", "after_grpo"):
+        assert 0.0 <= results[phase] <= results[f"{phase}_reward"] <= 1.0  # a win scores 1, a loss at most 0.5
     assert len(results["grpo"]["reward"]) == 2
 
 
