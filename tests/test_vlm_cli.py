@@ -61,3 +61,31 @@ def test_sft_then_grpo_from_the_example_configs(tmp_path, vlm_paths, monkeypatch
     assert len(rows) == 8 and all(set(row["rewards"]) == {"exact_match"} for row in rows)  # the demo's reward
     log = [json.loads(line) for line in open(grpo_out / "metrics.jsonl")]
     assert any("rewards/exact_match/mean" in entry for entry in log)
+
+
+def test_demo_accuracy_greedy_and_sampled(tmp_path, vlm_paths):
+    """The demo's held-out measure: greedy, and sampled at temperature 1 with a fixed seed (the same draws for the
+    same model, so two models are compared on the same randomness). Counted by hand from the replies."""
+    import sys
+
+    from transformers import AutoProcessor
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vlm_digits
+
+    path = vlm_paths["llava"]
+    model, processor = AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
+    samples = []
+    for i in range(6):
+        image(i).save(tmp_path / f"{i}.png")
+        samples.append((str(tmp_path / f"{i}.png"), i))
+    replies = []
+    real_decode = processor.batch_decode
+    processor.batch_decode = lambda *a, **k: replies.append(real_decode(*a, **k)) or replies[-1]
+    for temperature in (None, 1.0, 1.0):
+        got = vlm_digits.accuracy(model, processor, samples, batch_size=4, temperature=temperature)
+        texts = replies[-2] + replies[-1]  # two batches: 4 + 2 samples
+        right = sum(bool(m := vlm_digits.DIGIT.search(t)) and m.group() == str(d) for t, (_, d) in zip(texts, samples))
+        assert got == right / len(samples)
+    assert replies[2:4] == replies[4:6]  # seeded: the same draws again
+    assert replies[0:2] != replies[2:4]  # and not greedy's
