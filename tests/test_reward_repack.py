@@ -31,7 +31,7 @@ def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(tmp
     import posttrain.trainers.reward as reward
 
     if layout == "repacked":
-        monkeypatch.setattr(reward, "shared_layout", lambda *args: None)
+        monkeypatch.setattr(reward, "model_shared_layout", lambda *args: None)
     trainer = _trainer(tmp_path, tiny_model_path)
     model = trainer.model
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

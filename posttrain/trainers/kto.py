@@ -161,8 +161,9 @@ class KTOCollator:
 
 def first_sequences(scores: SequenceLogps, n: int) -> SequenceLogps:
     """The first `n` sequences' part of `scores` (the aux loss, a batch total, unchanged)."""
-    return SequenceLogps(*(v[:n] for v in scores[:4]), {k: v[:n] for k, v in scores.stats.items()},
-                         scores.aux_loss)
+    return scores._replace(logps=scores.logps[:n], token_counts=scores.token_counts[:n],
+                           token_logps=scores.token_logps[:n], mask=scores.mask[:n],
+                           stats={k: v[:n] for k, v in scores.stats.items()})
 
 
 def kto_rows(batch: dict, part: slice) -> dict:

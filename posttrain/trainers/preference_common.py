@@ -226,6 +226,18 @@ def shared_layout(view: SequenceView, hidden_size: int,
     return inputs, torch.where(real, where, 0)
 
 
+def model_shared_layout(model, view: SequenceView) -> tuple[dict, torch.Tensor] | None:
+    """`shared_layout` of a right-padded batch for `model`, with the 4D mask its attention takes (boolean for sdpa,
+    additive in the model's dtype for eager); None where that mask cannot be used (`can_repack` with the width) or
+    the layout would not save enough."""
+    if not can_repack(model, view.ids.shape[1]):
+        return None
+    config = unwrap(model).config
+    eager = config._attn_implementation == "eager"
+    return shared_layout(view, config.get_text_config().hidden_size,
+                         next(model.parameters()).dtype if eager else None)
+
+
 def _forward_hidden(model, inputs: dict):
     """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only."""
     captured = {}
@@ -273,13 +285,11 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     config = unwrap(model).config if head is not None else None
     # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
     if head is not None and not router_logits and not getattr(config, "output_router_logits", False) \
-            and "attention_mask" in batch and can_repack(model, view.ids.shape[1]):
+            and "attention_mask" in batch:
         # The collator pads right, so each sequence is its first `length` tokens (checked, as a user's may not).
         columns = torch.arange(view.ids.shape[1], device=view.ids.device)
         if torch.equal(batch["attention_mask"].bool(), columns[None, :] < view.lengths[:, None]):
-            eager = config._attn_implementation == "eager"
-            packed = shared_layout(view, config.get_text_config().hidden_size,
-                                   next(model.parameters()).dtype if eager else None)
+            packed = model_shared_layout(model, view)
             if packed is not None:
                 inputs, where = packed
     inputs.update(vision)

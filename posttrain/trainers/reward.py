@@ -18,7 +18,7 @@ from ..models.loading import load_sequence_classifier
 from ..models.reference import unwrap
 from .base import BaseTrainer, PosttrainConfig
 from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
-from .preference_common import SequenceView, can_repack, repacked, shared_layout
+from .preference_common import SequenceView, can_repack, model_shared_layout, repacked
 
 
 @dataclass
@@ -133,14 +133,9 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         packed = None
         if parts is not None and torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
             where = torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids)
-            config = unwrap(model).config
             view = SequenceView(input_ids, None, where, lengths)
-            if can_repack(model, input_ids.shape[1]):
-                eager = config._attn_implementation == "eager"
-                packed = shared_layout(view, config.get_text_config().hidden_size,
-                                       next(model.parameters()).dtype if eager else None)
-            if packed is None:
-                packed = repacked(view, config.get_text_config().hidden_size)
+            packed = model_shared_layout(model, view) or repacked(
+                view, unwrap(model).config.get_text_config().hidden_size)
         if packed is None:
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
         decoder, head, pad_id = parts
