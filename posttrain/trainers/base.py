@@ -16,6 +16,7 @@ from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
 from ..data.report import DataReportCallback
 from ..model_card import write_model_card
+from ..models.fused_layers import fuse_layers
 from ..models.loading import load_causal_lm, load_tokenizer
 from .checkpoints import CheckpointMixin
 from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
@@ -57,6 +58,11 @@ class PosttrainConfig(TrainingArguments):
     bf16: bool | None = field(
         default=None, metadata={"help": "bfloat16 mixed precision (default: on with an accelerator unless fp16 is "
                                         "set, off on a CPU)."})
+    fused_layers: bool = field(
+        default=True, metadata={"help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
+                                        "functions that keep fewer activations for the backward pass (about 40% "
+                                        "fewer; same numbers to rounding). Off with use_liger_kernel, which "
+                                        "replaces these layers itself."})
     activation_offloading: bool = field(
         default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
                                          "an accelerator)."})
@@ -184,6 +190,8 @@ def prepare_model(
                           "is already loaded. Drop model_init_kwargs or pass the model's name.")
     if getattr(args, "disable_dropout", False):
         disable_dropout_in_model(model)
+    if args.fused_layers and not args.use_liger_kernel:
+        fuse_layers(model)
     if peft_config is not None:
         from peft import get_peft_model
 
