@@ -55,6 +55,17 @@ class SequenceView(NamedTuple):
     lengths: torch.Tensor  # [N]
 
 
+def right_padded_view(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SequenceView | None:
+    """The rows as a `SequenceView` (no scored mask) when the batch is right-padded, each row's tokens its first
+    `length` columns (posttrain's collators pad right; a user's may not), else None."""
+    lengths = attention_mask.sum(-1)
+    columns = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    if input_ids.dim() != 2 or not torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
+        return None
+    return SequenceView(input_ids, None, torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids),
+                        lengths)
+
+
 def sequence_view(batch: dict) -> SequenceView:
     ids, mask = batch["input_ids"], batch["completion_mask"]
     if "attention_mask" in batch or "position_ids" not in batch:
@@ -285,13 +296,10 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     config = unwrap(model).config if head is not None else None
     # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
     if head is not None and not router_logits and not getattr(config, "output_router_logits", False) \
-            and "attention_mask" in batch:
-        # The collator pads right, so each sequence is its first `length` tokens (checked, as a user's may not).
-        columns = torch.arange(view.ids.shape[1], device=view.ids.device)
-        if torch.equal(batch["attention_mask"].bool(), columns[None, :] < view.lengths[:, None]):
-            packed = model_shared_layout(model, view)
-            if packed is not None:
-                inputs, where = packed
+            and "attention_mask" in batch and right_padded_view(view.ids, batch["attention_mask"]) is not None:
+        packed = model_shared_layout(model, view)
+        if packed is not None:
+            inputs, where = packed
     inputs.update(vision)
     if router_logits:
         inputs["output_router_logits"] = True

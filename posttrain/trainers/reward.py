@@ -18,7 +18,7 @@ from ..models.loading import load_sequence_classifier
 from ..models.reference import unwrap
 from .base import BaseTrainer, PosttrainConfig
 from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
-from .preference_common import SequenceView, can_repack, model_shared_layout, repacked
+from .preference_common import can_repack, model_shared_layout, repacked, right_padded_view
 
 
 @dataclass
@@ -128,12 +128,9 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         fewer, fuller rows (`repacked`). The decoder's hidden states are captured and the score head applied at each
         sequence's scored position: the rightmost non-padding token, as the classifier itself picks it."""
         parts = None if self.is_fsdp_enabled or self.is_deepspeed_enabled else _score_parts(model)
-        lengths = attention_mask.sum(-1)
-        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        view = None if parts is None else right_padded_view(input_ids, attention_mask)
         packed = None
-        if parts is not None and torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
-            where = torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids)
-            view = SequenceView(input_ids, None, where, lengths)
+        if view is not None:
             packed = model_shared_layout(model, view) or repacked(
                 view, unwrap(model).config.get_text_config().hidden_size)
         if packed is None:
@@ -150,6 +147,7 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
             model(**packed_inputs, use_cache=False)
         finally:
             handle.remove()
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = (columns * (input_ids != pad_id)).argmax(-1)
         hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
         return head(hidden[where[torch.arange(len(last), device=last.device), last]]).squeeze(-1)

@@ -217,18 +217,13 @@ def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) ->
     position ids restarting at 0, which keeps attention within each), with its labels moved along and -100 on each
     sequence's first token (the previous sequence's last token must not predict it); None when the batch is not
     right-padded or repacking would not save enough. Every token then gets the loss it gets in the padded batch."""
-    from .preference_common import SequenceView, repacked  # (it imports this module)
+    from .preference_common import repacked, right_padded_view  # (it imports this module)
 
-    ids, mask = inputs["input_ids"], inputs["attention_mask"]
-    lengths = mask.sum(-1)
-    columns = torch.arange(ids.shape[1], device=ids.device)
-    real = columns[None, :] < lengths[:, None]
-    if ids.dim() != 2 or not torch.equal(mask.bool(), real):
-        return None
-    where = torch.arange(ids.numel(), device=ids.device).view_as(ids)
-    packed = repacked(SequenceView(ids, None, where, lengths), hidden_size)
+    view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
+    packed = None if view is None else repacked(view, hidden_size)
     if packed is None:
         return None
+    real = inputs["attention_mask"].bool()
     packed_inputs, where = packed
     packed_labels = torch.full((packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype,
                                device=labels.device)
