@@ -40,17 +40,17 @@ class _SwiGLU(torch.autograd.Function):
         x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
         device_type, enabled, dtype = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            sigmoid = torch.sigmoid(gate)
-            silu = gate * sigmoid
+            silu = F.silu(gate)
             d_hidden = grad @ w_down
             d_up = d_hidden * silu
-            # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-            d_gate = d_hidden * up * sigmoid * (1 + gate * (1 - sigmoid))
+            d_gate = torch.ops.aten.silu_backward(d_hidden.mul_(up), gate)
             flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-            d_x = d_gate @ w_gate + d_up @ w_up if ctx.needs_input_grad[0] else None
+            d_x = None
+            if ctx.needs_input_grad[0]:
+                d_x = torch.addmm(flat(d_up) @ w_up, flat(d_gate), w_gate).view_as(x)
             d_w_gate = flat(d_gate).T @ flat(x) if ctx.needs_input_grad[1] else None
             d_w_up = flat(d_up).T @ flat(x) if ctx.needs_input_grad[2] else None
-            d_w_down = flat(grad).T @ flat(silu * up) if ctx.needs_input_grad[3] else None
+            d_w_down = flat(grad).T @ flat(silu.mul_(up)) if ctx.needs_input_grad[3] else None
         return d_x, d_w_gate, d_w_up, d_w_down
 
 
@@ -74,7 +74,8 @@ class _RMSNorm(torch.autograd.Function):
         d_x = None
         if ctx.needs_input_grad[0]:
             d_normed = (grad * weight).float()
-            d_x = (inv_rms * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))).to(x.dtype)
+            dot = (d_normed * normed).mean(-1, keepdim=True)
+            d_x = torch.addcmul(d_normed, normed, dot, value=-1).mul_(inv_rms).to(x.dtype)
         return d_x, d_weight, None
 
 
