@@ -93,6 +93,70 @@ def test_guess_the_number_environment_and_transcripts():
         outcomes.append(game.get_reward() == 1.0)
         assert messages[-1]["content"].startswith("Found it") == (game.get_reward() == 1.0)
     assert 0.3 < sum(outcomes) / len(outcomes) < 1.0  # random in-range guessing: room for GRPO to improve
+    # the weaker warm-up's games ignore the feedback: guesses anywhere in the range, repeats included
+    rng = random.Random(0)
+    inconsistent = 0
+    for _ in range(200):
+        secret = rng.randint(env_demo.LOW, env_demo.HIGH)
+        messages = env_demo.transcript(secret, rng, max_guesses=3, consistent=False)
+        game.reset(secret=secret)
+        calls = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in messages if m.get("tool_calls")]
+        assert [game.guess(n) for n in calls] == [m["content"] for m in messages if m["role"] == "tool"]
+        assert all(env_demo.LOW <= n <= env_demo.HIGH for n in calls)
+        low, high = env_demo.LOW, env_demo.HIGH
+        for n in calls:
+            inconsistent += not low <= n <= high
+            low, high = (max(low, n + 1), high) if n < secret else (low, min(high, n - 1))
+    assert inconsistent > 50
+
+
+def test_held_out_games_are_balanced_and_the_same_for_every_model():
+    rows = env_demo.held_out_games(24).to_list()
+    assert [r["secret"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    assert rows == env_demo.held_out_games(24).to_list()
+    assert all(r["prompt"] == [{"role": "user", "content": env_demo.INSTRUCTION}] for r in rows)
+
+
+def test_paired_gain_by_hand():
+    # differences 1, 0, 0, 0.5: mean 0.375; squared deviations 0.390625 + 2 * 0.140625 + 0.015625 = 0.6875,
+    # sample variance 0.6875 / 3, standard error sqrt(0.6875 / 3 / 4) = 0.239357...
+    gain, se = env_demo.paired_gain([0.0, 0.5, 1.0, 0.25], [1.0, 0.5, 1.0, 0.75])
+    assert gain == pytest.approx(0.375) and se == pytest.approx(0.2393568, abs=1e-6)
+    assert env_demo.paired_gain([0.2, 0.7], [0.2, 0.7]) == (0.0, 0.0)  # the same rewards: no gain, no noise
+    with pytest.raises(ValueError):
+        env_demo.paired_gain([0.0, 1.0], [1.0])  # games must be paired
+
+
+def test_compact_tool_template_keeps_the_rollout_token_layout(tool_tokenizer):
+    """The environment demo's short system turn lists the tool in one line; a warm-up game's ids are the prompt
+    the rollouts render + each call turn + each tool turn as `tool_suffix_ids` renders it (what a GRPO episode
+    holds), only the model's turns are trained on, and each call is one the hermes parser reads back."""
+    tokenizer = env_demo.use_compact_tool_template(tool_tokenizer)
+    game = env_demo.GuessTheNumber()
+    schemas = tool_schemas([game.guess])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": env_demo.INSTRUCTION}], tools=schemas,
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt == ("<|im_start|>system\nTools:\nguess(number): Guess the secret number.<|im_end|>\n"
+                      f"<|im_start|>user\n{env_demo.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    messages = env_demo.transcript(6, random.Random(3), max_guesses=3)
+    row = env_demo.tokenized_transcripts(tokenizer, [messages], [game.guess])[0]
+    ids, mask = row["input_ids"], row["assistant_masks"]
+    position = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert ids[:position] == tokenizer(prompt, add_special_tokens=False)["input_ids"] and not any(mask[:position])
+    calls = [m for m in messages if m.get("tool_calls")]
+    assert len(calls) == 2  # 4 -> higher, 6 -> correct: two rounds of call and tool turn
+    for call, answer in zip(calls, [m for m in messages if m["role"] == "tool"]):
+        end = ids.index(tokenizer.eos_token_id, position) + 1
+        assert all(mask[position:end])
+        turn = parse_tool_calls(tokenizer.decode(ids[position:end], skip_special_tokens=True), "hermes",
+                                tools=[game.guess])
+        expected = call["tool_calls"][0]["function"]["arguments"]
+        assert [(c.name, c.arguments) for c in turn.calls] == [("guess", expected)]
+        suffix = tool_suffix_ids(tokenizer, [answer], tools=schemas)
+        assert ids[end:end + len(suffix)] == suffix and not any(mask[end:end + len(suffix)])
+        position = end + len(suffix)
+    assert tokenizer.decode([t for t, m in zip(ids[position:], mask[position:]) if m],
+                            skip_special_tokens=True).strip() == messages[-1]["content"]
 
 
 def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
@@ -110,12 +174,15 @@ def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_toke
 
 def test_environment_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    results = env_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, eval_size=4,
+    results = env_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, before_size=2, eval_size=4,
                            max_completion_length=24, episodes_per_step=8, output_dir=str(tmp_path),
                            log=lambda *a: None)
-    for phase in ("before", "after_sft", "after_grpo"):
+    for phase, size in (("before", 2), ("after_sft", 4), ("after_grpo", 4)):
         assert 0.0 <= results[phase] <= results[f"{phase}_reward"] <= 1.0  # a win scores 1, a loss at most 0.5
-    assert len(results["grpo"]["reward"]) == 2
+        assert len(results[f"{phase}_rewards"]) == size
+    assert (results["gain"], results["gain_se"]) == env_demo.paired_gain(results["after_sft_rewards"],
+                                                                          results["after_grpo_rewards"])
+    assert set(results["grpo"]) == set(env_demo.HISTORY) and all(len(v) == 2 for v in results["grpo"].values())
 
 
 def test_default_budget_fits_every_answer(smollm2_path):
@@ -135,6 +202,33 @@ def test_default_budget_fits_every_answer(smollm2_path):
     assert last_eos - mask.index(1) <= budget
 
 
+def test_environment_budget_fits_three_calls_not_the_third_answer(smollm2_path):
+    """With SmolLM2's tokenizer a lost game's three calls and the two answers between them fit in the environment
+    demo's max_completion_length, so the third guess always counts; the third answer does not fit, so the rollout
+    ends there instead of sampling a closing turn that the reward never reads. A won game's closing turn fits."""
+    import inspect
+
+    from posttrain.models import load_tokenizer
+
+    tokenizer = env_demo.use_compact_tool_template(load_tokenizer(smollm2_path))
+    budget = inspect.signature(env_demo.run).parameters["max_completion_length"].default
+    guess = env_demo.GuessTheNumber().guess
+
+    def model_turn_ends(messages):  # completion tokens up to the end of each model turn, as a rollout counts them
+        row = env_demo.tokenized_transcripts(tokenizer, [messages], [guess])[0]
+        mask, prompt_length = row["assistant_masks"], row["assistant_masks"].index(1)
+        return [i + 1 - prompt_length for i in range(len(mask) - 1) if mask[i] and not mask[i + 1]]
+
+    lost = env_demo.transcript(8, random.Random(2), max_guesses=3)
+    assert len(model_turn_ends(lost)) == 4 and lost[-1]["content"] == "I ran out of guesses."
+    third_call_end = model_turn_ends(lost)[2]
+    third_answer = tool_suffix_ids(tokenizer, [lost[6]], tools=tool_schemas([guess]))
+    assert third_call_end <= budget <= third_call_end + len(third_answer)  # the rollout ends when >= budget
+    won = env_demo.transcript(8, random.Random(0), max_guesses=3)  # found with the second guess
+    assert won[-1]["content"] == "Found it: 8." and len(model_turn_ends(won)) == 3
+    assert model_turn_ends(won)[-1] <= budget
+
+
 @pytest.mark.slow
 def test_tools_demo_on_smollm2(smollm2_path, tmp_path):
     """A reduced demo (24 held-out problems, 2 warm-up steps, 4 GRPO steps): no call before; the short warm-up
@@ -151,8 +245,10 @@ def test_tools_demo_on_smollm2(smollm2_path, tmp_path):
 
 @pytest.mark.slow
 def test_environment_demo_on_smollm2(smollm2_path, tmp_path):
+    """A reduced demo (4 GRPO steps, 16 held-out games): no call before training, games played after it."""
     from posttrain.models import load_causal_lm, load_tokenizer
 
-    results = env_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), grpo_steps=4, eval_size=24,
+    results = env_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), grpo_steps=4, eval_size=16,
                            output_dir=str(tmp_path), log=lambda *a: None)
-    assert results["after_grpo"] > results["before"]
+    assert results["before_reward"] == 0.0
+    assert results["after_grpo_reward"] > 0.2 and max(results["grpo"]["tools/call_frequency"]) > 1.0
