@@ -56,7 +56,7 @@ def test_sft_then_grpo_from_the_example_configs(tmp_path, vlm_paths, monkeypatch
     assert cli.main(["grpo", "--config", str(CONFIGS / "grpo.yaml"), "--model_name_or_path", str(sft_out),
                      "--dataset_name", str(grpo_data), "--output_dir", str(grpo_out), "--learning_rate", "1e-3",
                      "--per_device_train_batch_size", "8", "--num_generations", "4", "--log_completions", "true",
-                     "--dynamic_sampling", "false", *SHORT]) == 0
+                     "--dynamic_sampling", "false", "--warmup_steps", "0", *SHORT]) == 0
     rows = [json.loads(line) for line in open(grpo_out / "completions.jsonl")]
     assert len(rows) == 8 and all(set(row["rewards"]) == {"exact_match"} for row in rows)  # the demo's reward
     log = [json.loads(line) for line in open(grpo_out / "metrics.jsonl")]
@@ -89,3 +89,45 @@ def test_demo_accuracy_greedy_and_sampled(tmp_path, vlm_paths):
         assert got == right / len(samples)
     assert replies[2:4] == replies[4:6]  # seeded: the same draws again
     assert replies[0:2] != replies[2:4]  # and not greedy's
+
+
+def test_paired_flips_mcnemar_exact():
+    """The demo's paired comparison of SFT and GRPO on the same digits, checked by hand: only the changed verdicts
+    count, and the p-value is the two-sided binomial tail of their split."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vlm_digits
+
+    before = [True, True, False, False, True, False]
+    after = [True, False, True, True, True, False]
+    # one right -> wrong (the second), two wrong -> right (third, fourth): 3 changes split 1 / 2, as even as can be
+    assert vlm_digits.paired_flips(before, after) == (1, 2, 1.0)
+    # 0 / 5: P(split at least this uneven) = 2 x (1/2)^5 = 1/16
+    assert vlm_digits.paired_flips([False] * 5 + [True], [True] * 6) == (0, 5, 0.0625)
+    # 1 / 7: 2 x (C(8,0) + C(8,1)) / 2^8 = 18/256
+    assert vlm_digits.paired_flips([True] + [False] * 7, [False] + [True] * 7) == (1, 7, 18 / 256)
+    assert vlm_digits.paired_flips([True, False], [True, False]) == (0, 0, 1.0)  # nothing changed
+    assert vlm_digits.paired_flips([True, False], [False, True])[:2] == (1, 1)
+
+
+def test_script_grpo_defaults_are_the_config():
+    """examples/vlm_digits.py's GRPO defaults and examples/vlm_digits_configs/grpo.yaml describe the same run."""
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vlm_digits
+
+    config = yaml.safe_load(open(CONFIGS / "grpo.yaml"))
+    args = vlm_digits.arguments().parse_args([])
+    assert config["per_device_train_batch_size"] == args.grpo_prompts * args.num_generations  # counts completions
+    assert config["num_generations"] == args.num_generations
+    assert config["learning_rate"] == args.grpo_learning_rate
+    assert config["lr_scheduler_type"] == args.grpo_scheduler
+    assert config["warmup_steps"] == args.grpo_warmup_steps
+    assert config["max_steps"] == args.grpo_steps
+    assert config["seed"] == args.seed
+    sft = yaml.safe_load(open(CONFIGS / "sft.yaml"))
+    assert sft["max_steps"] == args.sft_steps
