@@ -4,7 +4,8 @@ Left to autograd, `down(silu(gate(x)) * up(x))` keeps four [tokens x intermediat
 (gate(x), silu of it, up(x), their product) and each RMSNorm keeps two [tokens x hidden] ones; at 1,024 tokens that
 is about 500 MB of SmolLM2-135M's 1.3 GB of activations. These functions keep only what the backward cannot cheaply
 rebuild (gate(x) and up(x); the norm's input and inverse RMS) and redo the elementwise rest. The matmuls are the
-same, so speed is unchanged, and values and gradients equal the modules' own to rounding.
+same, so speed stays within a few percent (a SmolLM2-shaped MLP 1.015x the time, its norm 0.77x), and values and
+gradients equal the modules' own to rounding.
 
 `fuse_layers(model)` rebinds `forward` on each module whose class has Llama's exact forward (compared by bytecode,
 so a model family that changed the formula is left alone) and a SiLU activation. At call time the fused path is
