@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
 QUESTION = "Which digit is this?"
 DIGIT = re.compile(r"\d")
@@ -122,16 +123,11 @@ def paired_flips(before: list[bool], after: list[bool]) -> tuple[int, int, float
     return lost, gained, min(1.0, 2 * tail)
 
 
-class HeldOutAccuracy:
+class HeldOutAccuracy(TrainerCallback):
     """Prints held-out accuracy, greedy and sampled, every `every` optimizer steps (the random state is kept)."""
 
     def __init__(self, processor, samples, every: int):
         self.processor, self.samples, self.every = processor, samples, every
-
-    def __getattr__(self, name):  # the other TrainerCallback events: nothing to do
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every:
