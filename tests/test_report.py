@@ -227,6 +227,19 @@ def test_sample_completions_spreads_steps_and_keeps_the_first_per_step(tmp_path)
                       (30, "30-0"), (30, "30-1"), (50, "50-0"), (50, "50-1")]
 
 
+def test_sample_completions_shows_tool_transcripts_first(tmp_path):
+    path = tmp_path / "completions.jsonl"
+    call = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                                  "function": {"name": "f", "arguments": {}}}]}]
+    lines = [json.dumps({"step": 1, "prompt": "p", "completion": f"c{i}",
+                         **({"transcript": call} if i in (2, 4) else {})}) for i in range(5)]
+    path.write_text("\n".join(lines) + "\n")
+    # The first plain records give way to the tool episodes; the kept ones stay in the order they came.
+    assert [r["completion"] for r in sample_completions(path, steps=2, per_step=2)] == ["c2", "c4"]
+    assert [r["completion"] for r in sample_completions(path, steps=2, per_step=3)] == ["c1", "c2", "c4"]
+    assert [r["completion"] for r in sample_completions(path, steps=2, per_step=1)] == ["c2"]
+
+
 def test_completions_table_escapes_html(tmp_path):
     records = [
         {"step": 1, "prompt": "<script>alert(1)</script>", "completion": "a < b & c", "reward": 0.5},

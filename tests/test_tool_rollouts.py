@@ -16,6 +16,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.callbacks.completion_table import completion_table, completion_text
+from posttrain.cli.report import write_report
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation.base import Completion, GenerationBackend
 from posttrain.losses.logprobs import selective_log_softmax
@@ -146,6 +148,29 @@ def test_tool_episode_tokens_masks_and_messages(tmp_path, tiny_model_path, tool_
     assert metrics["tools/mean_turns"] == [1.5]
     # Completion lengths count the model's tokens only.
     assert metrics["completions/max_length"] == [float(len(call) + len(answer))]
+
+
+def test_tool_transcripts_are_logged_and_marked_in_the_table_and_report(tmp_path, tiny_model_path, tool_tokenizer):
+    script = calculator_script(tool_tokenizer)[0]
+    trainer, _ = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
+                                     tools=[add], config=dict(log_completions=True))
+    trainer.make_rollout([trainer.train_dataset[i] for i in range(2)], [0, 1], 0)
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and [bool(r.get("transcript")) for r in records] == [True, False, True, False]
+    lines = [
+        "[tool call: add] {\"a\": 2, \"b\": 3}",
+        "[tool result: add] 5",
+        "[assistant] the sum is 5",
+    ]
+    assert completion_text(records[0]) == "\n".join(lines)
+    assert completion_text(records[1]) == records[1]["completion"] == "it is 7"
+    columns, rows = completion_table(records, trainer.reward_scorer.names)
+    assert rows[0][columns.index("completion")] == "\n".join(lines)
+    # The report shows the two tool episodes (before the plain ones) with each call and each result marked.
+    page = write_report(tmp_path, log_history=[{"loss": 1.0, "step": 1}]).read_text()
+    assert '<span class="call">[tool call: add] {&quot;a&quot;: 2, &quot;b&quot;: 3}</span>' in page
+    assert '<span class="result">[tool result: add] 5</span>\n[assistant] the sum is 5' in page
+    assert page.count('<span class="call">') == 2 and "it is 7" not in page
 
 
 def test_loss_gradient_is_over_model_tokens_only(tmp_path, tiny_model_path, tool_tokenizer):

@@ -1,18 +1,28 @@
 """The online trainers' `log_completions`: a table of prompts, completions and rewards (total and per reward
 function) printed to the console with rich at each log, and sent to every tracker the run reports to as a table
-(W&B and trackio tables, an MLflow JSON table artifact, a TensorBoard text panel)."""
+(W&B and trackio tables, an MLflow JSON table artifact, a TensorBoard text panel). A tool-calling episode is shown
+as its transcript, each tool call and tool result on a marked line."""
 
 from __future__ import annotations
 
 import json
 import math
 
-__all__ = ["completion_table", "log_completion_table", "print_completion_table"]
+from posttrain.cli.report import transcript_lines
+
+__all__ = ["completion_table", "completion_text", "log_completion_table", "print_completion_table"]
 
 
 def _text(value, limit: int | None = None) -> str:
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return text if limit is None or len(text) <= limit else text[:limit] + "…"
+
+
+def completion_text(record: dict) -> str:
+    """A record's completion as shown: its transcript with the tool calls and results marked, else its text."""
+    if record.get("transcript"):
+        return "\n".join(text for _, text in transcript_lines(record["transcript"]))
+    return _text(record["completion"])
 
 
 def _number(value) -> float | None:
@@ -25,7 +35,7 @@ def completion_table(records: list[dict], names: list[str]) -> tuple[list[str], 
     rows = []
     for record in records:
         per_function = record.get("rewards") or {}
-        rows.append([record["step"], _text(record["prompt"]), _text(record["completion"]),
+        rows.append([record["step"], _text(record["prompt"]), completion_text(record),
                      *(_number(per_function.get(name)) for name in names), _number(record["reward"])])
     return columns, rows
 

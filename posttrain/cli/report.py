@@ -268,7 +268,8 @@ def save_plots(groups: dict[str, dict[str, Series]], output_dir: str | Path) -> 
 
 
 def sample_completions(path: str | Path, steps: int = 4, per_step: int = 2) -> list[dict[str, Any]]:
-    """The first ``per_step`` records at up to ``steps`` logged steps spread evenly from the first to the last.
+    """The first ``per_step`` records at up to ``steps`` logged steps spread evenly from the first to the last,
+    those with a tool-calling ``transcript`` before the others.
 
     The file is streamed and only the kept records stay in memory, since online runs can log many of them.
     """
@@ -295,6 +296,11 @@ def sample_completions(path: str | Path, steps: int = 4, per_step: int = 2) -> l
             kept = by_step.setdefault(record["step"], [])
             if len(kept) < per_step:
                 kept.append(record)
+            elif record.get("transcript"):  # tool-calling episodes are worth showing before plain completions
+                plain = next((i for i, other in enumerate(kept) if not other.get("transcript")), None)
+                if plain is not None:
+                    kept.pop(plain)
+                    kept.append(record)
     logged = sorted(by_step)
     if len(logged) > steps:
         logged = [logged[round(i * (len(logged) - 1) / (steps - 1))] for i in range(steps)]
@@ -352,6 +358,8 @@ figure img {{ max-width: 100%; }}
 figcaption {{ font-size: 0.85em; color: #555; }}
 pre {{ white-space: pre-wrap; max-height: 20em; overflow: auto; margin: 0; }}
 .meta {{ color: #666; }}
+.call {{ background: #e8f0fe; font-weight: 600; }}
+.result {{ background: #e6f4ea; }}
 </style>
 </head>
 <body>
@@ -422,6 +430,27 @@ def _as_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=1)
 
 
+def transcript_lines(messages: list[dict]) -> list[tuple[str, str]]:
+    """A multi-turn completion as (kind, text) lines, kind a message's role or "call" / "result": each tool call
+    with its arguments and each tool result on its own marked line, so a reader sees what the model asked and was
+    told (the decoded completion text has lost the turns' roles)."""
+    lines = []
+    for message in messages:
+        if message.get("role") == "tool":
+            name, content = message.get("name", "tool"), _as_text(message.get("content", ""))
+            lines.append(("result", f"[tool result: {name}] {content}"))
+            continue
+        if message.get("content"):
+            role = str(message.get("role", "?"))
+            lines.append((role, f"[{role}] {_as_text(message['content'])}"))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            lines.append(("call", f"[tool call: {function.get('name', '?')}] {arguments}"))
+    return lines
+
+
 def _reward_columns(records: list[dict[str, Any]]) -> list[str]:
     """Reward-function names from the records' optional ``rewards`` mapping (name -> that function's reward)."""
     names: dict[str, None] = {}
@@ -436,6 +465,14 @@ def _number_cell(value: Any) -> str:
     return f'<td class="num">{"" if number is None or not math.isfinite(number) else _format_number(number)}</td>'
 
 
+def _completion_html(record: dict[str, Any]) -> str:
+    """The completion cell: a tool-calling episode's transcript with its calls and results marked, else the text."""
+    if not record.get("transcript"):
+        return html.escape(_as_text(record["completion"]))
+    return "\n".join(f'<span class="{kind}">{html.escape(text)}</span>' if kind in ("call", "result")
+                     else html.escape(text) for kind, text in transcript_lines(record["transcript"]))
+
+
 def _completions_html(records: list[dict[str, Any]]) -> str:
     """Prompt, completion and total reward per record, plus one column per reward function where the records
     carry ``rewards`` (a function that gave no reward for a record leaves its cell empty)."""
@@ -448,7 +485,7 @@ def _completions_html(records: list[dict[str, Any]]) -> str:
         cells = [
             f'<td class="num">{html.escape(str(record["step"]))}</td>',
             f"<td><pre>{html.escape(_as_text(record.get('prompt', '')))}</pre></td>",
-            f"<td><pre>{html.escape(_as_text(record['completion']))}</pre></td>",
+            f"<td><pre>{_completion_html(record)}</pre></td>",
             _number_cell(record.get("reward")),
             *(_number_cell(per_function.get(name)) for name in functions),
         ]

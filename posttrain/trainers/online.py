@@ -463,7 +463,8 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         self.record_round(rollout, self.accelerator.gather(rollout.rewards),
                           self.accelerator.gather(rollout.per_function_rewards), mode, scored.timings)
         if args.log_completions and mode == "train":
-            self.log_completions(prompts, texts, rewards.tolist(), per_function.tolist())
+            self.log_completions(prompts, texts, rewards.tolist(), per_function.tolist(),
+                                 [e.messages for e in episodes])
         return rollout
 
     def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:

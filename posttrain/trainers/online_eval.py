@@ -151,9 +151,12 @@ class OnlineEvaluation:
 
     # -- completions ---------------------------------------------------------------------------------------
     def log_completions(self, prompts: list, texts: list[str], rewards: list[float],
-                        per_function: list[list[float]] | None = None) -> None:
+                        per_function: list[list[float]] | None = None,
+                        transcripts: list[list[dict] | None] | None = None) -> None:
         """Appends the round's completions (all processes) to output_dir/completions.jsonl, with the total reward
-        and each reward function's, and keeps them for the console print at the next log."""
+        and each reward function's, and keeps them for the console print at the next log. An episode with tool
+        turns also keeps its `transcript` (its messages: the tool calls and results), which the table and the
+        run report show with the calls and results marked; its decoded text alone has lost the turns' roles."""
         names = self.reward_scorer.names
         records = []
         for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards)):
@@ -161,6 +164,8 @@ class OnlineEvaluation:
                       "reward": None if math.isnan(reward) else reward}
             if per_function is not None:
                 record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, per_function[i])}
+            if transcripts is not None and transcripts[i]:
+                record["transcript"] = transcripts[i]
             records.append(record)
         records = gather_object(records)
         if self.accelerator.is_main_process:
