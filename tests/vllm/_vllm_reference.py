@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from posttrain.generation import SamplingParams
+from posttrain.tools import ParsedTurn, ToolCall
+from posttrain.trainers.episodes import ToolRollouts
+
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 9]]
 EOS = 2
 # Both sides compute in float32 but with different matmul kernels (oneDNN in vLLM), so logits of magnitude
@@ -64,3 +68,25 @@ def grpo_with_vllm(model_path: str, output_dir, reward=low_id_fraction, **vllm_s
 
 def logged_per_step(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def echo(text: str) -> str:
+    """Repeats its argument.
+
+    Args:
+        text: What to repeat.
+    """
+    return f"echo: {text}"
+
+
+def every_turn_calls_echo(text: str) -> ParsedTurn:
+    return ParsedTurn("", [ToolCall("echo", {"text": str(len(text))})])
+
+
+def tool_episodes(backend, tokenizer, max_tokens: int = 48):
+    """Greedy two-call episodes of PROMPTS where every finished turn calls `echo` (a random model writes no call)."""
+    rollouts = ToolRollouts(backend, tokenizer, [echo], None, max_completion_length=max_tokens, max_iterations=2,
+                            parser=every_turn_calls_echo)
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in PROMPTS]
+    return rollouts.generate(rows, PROMPTS, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seeds=[0, 1, 2],
+                             prompt_column="prompt"), rollouts

@@ -1,5 +1,6 @@
-"""Multi-turn tool episodes on vLLM colocate: greedy episodes give the same token ids as on the transformers
-backend, continuing each turn from the ids so far (prompt + sampled turns + tool turns).
+"""Multi-turn tool episodes on vLLM colocate (server mode: test_vllm_server.py): greedy episodes give the same
+token ids as on the transformers backend, continuing each turn from the ids so far (prompt + sampled turns + tool
+turns).
 
 A random tiny model never writes a tool call or ends a turn by itself, so the episode is made multi-turn from
 plain greedy sampling: a parser reads every finished turn as one call of `echo`, and a token the model emits
@@ -10,34 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.generation import SamplingParams, TransformersBackend
-from posttrain.tools import ParsedTurn, ToolCall, use_chatml_tool_template
-from posttrain.trainers.episodes import ToolRollouts
+from posttrain.generation import TransformersBackend
+from posttrain.tools import use_chatml_tool_template
 
-from _vllm_reference import PROMPTS, perturbed_model, reference_greedy
+from _vllm_reference import PROMPTS, perturbed_model, reference_greedy, tool_episodes
 
 pytestmark = pytest.mark.vllm
-
-
-def echo(text: str) -> str:
-    """Repeats its argument.
-
-    Args:
-        text: What to repeat.
-    """
-    return f"echo: {text}"
-
-
-def every_turn_calls_echo(text: str) -> ParsedTurn:
-    return ParsedTurn("", [ToolCall("echo", {"text": str(len(text))})])
-
-
-def tool_episodes(backend, tokenizer, max_tokens: int = 48):
-    rollouts = ToolRollouts(backend, tokenizer, [echo], None, max_completion_length=max_tokens, max_iterations=2,
-                            parser=every_turn_calls_echo)
-    rows = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in PROMPTS]
-    return rollouts.generate(rows, PROMPTS, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seeds=[0, 1, 2],
-                             prompt_column="prompt"), rollouts
 
 
 def test_greedy_tool_episode_is_identical_on_transformers_and_vllm_colocate(vllm_tiny_untied_path):
