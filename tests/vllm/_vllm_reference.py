@@ -90,3 +90,29 @@ def tool_episodes(backend, tokenizer, max_tokens: int = 48):
     rows = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in PROMPTS]
     return rollouts.generate(rows, PROMPTS, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seeds=[0, 1, 2],
                              prompt_column="prompt"), rollouts
+
+
+def transformers_tool_episodes(model_path: str, seed: int):
+    """A perturbed model, its tokenizer with a tool template, stop ids that end prompt 0's first greedy turn after
+    4 tokens, and tool_episodes on the transformers backend (checked to be multi-turn): the reference that a
+    vLLM backend given the same model and stop ids must reproduce token for token."""
+    from transformers import AutoTokenizer
+
+    from posttrain.generation import TransformersBackend
+    from posttrain.tools import use_chatml_tool_template
+
+    model = perturbed_model(model_path, seed=seed)
+    tokenizer = use_chatml_tool_template(AutoTokenizer.from_pretrained(model_path), default_system=None)
+    greedy, gap = reference_greedy(model, PROMPTS[0], 6)
+    assert gap > 1e-3, "near-tie in the greedy reference: pick another seed"
+    stop_ids = [tokenizer.eos_token_id, greedy[3]]
+    episodes, rollouts = tool_episodes(TransformersBackend(model, tokenizer.pad_token_id, stop_ids), tokenizer)
+    assert episodes[0].token_ids[:4] == greedy[:4] and episodes[0].info["turns"] >= 2  # a real multi-turn episode
+    assert rollouts.stats.calls >= 1 and 0 in episodes[0].model_mask  # tool-turn tokens are in the episode
+    return model, tokenizer, stop_ids, episodes
+
+
+def assert_same_episodes(expected, actual) -> None:
+    for mine, theirs in zip(expected, actual, strict=True):
+        assert (theirs.token_ids, theirs.model_mask, theirs.info, theirs.finished) == (
+            mine.token_ids, mine.model_mask, mine.info, mine.finished)

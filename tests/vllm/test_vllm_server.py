@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-from posttrain.generation import SamplingParams, TransformersBackend
+from posttrain.generation import SamplingParams
 from posttrain.generation.vllm_backend import VLLMServerBackend
 from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
-from posttrain.tools import use_chatml_tool_template
 
 from _vllm_reference import (
     EOS,
     LOGP_ATOL,
     PROMPTS,
+    assert_same_episodes,
     grpo_with_vllm,
     logged_per_step,
     low_id_fraction,
@@ -29,6 +29,7 @@ from _vllm_reference import (
     reference_greedy,
     reference_logps,
     tool_episodes,
+    transformers_tool_episodes,
 )
 
 pytestmark = pytest.mark.vllm
@@ -70,24 +71,10 @@ def test_synced_server_samples_and_scores_like_the_trainer_model(vllm_server, vl
 def test_greedy_tool_episode_is_identical_on_transformers_and_the_server(vllm_server, vllm_tiny_path):
     """Multi-turn through the server: every turn continues from the episode's token ids (prompt, sampled turns
     and tool turns), as on the transformers backend (tool_episodes: a parser reads every turn as a call)."""
-    from transformers import AutoTokenizer
-
-    model = perturbed_model(vllm_tiny_path, seed=1)
-    tokenizer = use_chatml_tool_template(AutoTokenizer.from_pretrained(vllm_tiny_path), default_system=None)
-    greedy, gap = reference_greedy(model, PROMPTS[0], 6)
-    assert gap > 1e-3, "near-tie in the greedy reference: pick another seed"
-    stop_ids = [tokenizer.eos_token_id, greedy[3]]  # the first turn of prompt 0 ends after 4 tokens
-    local, rollouts = tool_episodes(TransformersBackend(model, tokenizer.pad_token_id, stop_ids), tokenizer)
-    backend = VLLMServerBackend(VLLMClient(vllm_server, timeout_s=120), stop_ids,
-                                vocab_size=model.config.vocab_size)
+    model, tokenizer, stop_ids, expected = transformers_tool_episodes(vllm_tiny_path, seed=1)
+    backend = VLLMServerBackend(VLLMClient(vllm_server, timeout_s=120), stop_ids, vocab_size=model.config.vocab_size)
     backend.sync_weights(model)
-    remote, _ = tool_episodes(backend, tokenizer)
-
-    assert local[0].token_ids[:4] == greedy[:4] and local[0].info["turns"] >= 2  # a real multi-turn episode
-    assert rollouts.stats.calls >= 1 and 0 in local[0].model_mask
-    for mine, theirs in zip(local, remote):
-        assert (theirs.token_ids, theirs.model_mask, theirs.info, theirs.finished) == (
-            mine.token_ids, mine.model_mask, mine.info, mine.finished)
+    assert_same_episodes(expected, tool_episodes(backend, tokenizer)[0])
 
 
 def test_seeded_generation_is_reproducible_and_independent_of_the_batch(vllm_server, vllm_tiny_path):
