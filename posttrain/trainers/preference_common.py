@@ -55,15 +55,20 @@ class SequenceView(NamedTuple):
     lengths: torch.Tensor  # [N]
 
 
-def right_padded_view(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SequenceView | None:
-    """The rows as a `SequenceView` (no scored mask) when the batch is right-padded, each row's tokens its first
-    `length` columns (posttrain's collators pad right; a user's may not), else None."""
-    lengths = attention_mask.sum(-1)
+def is_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+    """Each row's tokens are its first `attention_mask.sum()` columns (posttrain's collators pad right; a user's
+    may not)."""
     columns = torch.arange(input_ids.shape[-1], device=input_ids.device)
-    if input_ids.dim() != 2 or not torch.equal(attention_mask.bool(), columns[None, :] < lengths[:, None]):
+    return input_ids.dim() == 2 and torch.equal(attention_mask.bool(),
+                                                columns[None, :] < attention_mask.sum(-1)[:, None])
+
+
+def right_padded_view(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SequenceView | None:
+    """The rows as a `SequenceView` (no scored mask) when the batch is right-padded, else None."""
+    if not is_right_padded(input_ids, attention_mask):
         return None
     return SequenceView(input_ids, None, torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids),
-                        lengths)
+                        attention_mask.sum(-1))
 
 
 def sequence_view(batch: dict) -> SequenceView:
@@ -296,7 +301,7 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     config = unwrap(model).config if head is not None else None
     # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
     if head is not None and not router_logits and not getattr(config, "output_router_logits", False) \
-            and "attention_mask" in batch and right_padded_view(view.ids, batch["attention_mask"]) is not None:
+            and "attention_mask" in batch and is_right_padded(view.ids, batch["attention_mask"]):
         packed = model_shared_layout(model, view)
         if packed is not None:
             inputs, where = packed
