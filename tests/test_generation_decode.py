@@ -141,3 +141,79 @@ def test_eager_attention_builds_its_own_masks(tiny_model_path, tokenizer, prompt
         eager, prompts, 3, sampling, completion_seeds(2, 3, 3))
     completions = _backend(eager, tokenizer, stops).generate(prompts, 3, sampling, seed=2)
     assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
+
+
+def test_llama_decode_step_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_path, tokenizer, prompts):
+    """decode_step.py's Llama step (fused layers on, as trainers load models) against the model's own forward
+    over ten decode steps of left-padded rows with the group's cache copied, as the decode loop runs them."""
+    from transformers import DynamicCache
+
+    from posttrain.generation.decode_step import llama_decode_step
+    from posttrain.generation.transformers_backend import left_pad
+    from posttrain.models.fused_layers import fuse_layers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    assert fuse_layers(model) > 0
+    input_ids, mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = []
+    with torch.no_grad():
+        for _ in range(2):
+            caches.append(DynamicCache(config=model.config))
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=caches[-1],
+                           use_cache=True, logits_to_keep=1).logits
+            caches[-1].batch_repeat_interleave(2)
+        step = llama_decode_step(model)
+        assert step is not None
+        tokens, mask, position = logits[:, -1].argmax(-1).repeat_interleave(2), mask.repeat_interleave(2, 0), \
+            positions[:, -1:].repeat_interleave(2, 0) + 1
+        for _ in range(10):
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+            ready = mask[:, None, None, :].bool()
+            expected = model(input_ids=tokens[:, None], attention_mask=ready, position_ids=position, cache=caches[0],
+                             use_cache=True).logits
+            fast = step(tokens[:, None], ready, position, caches[1])
+            assert torch.equal(fast, expected)
+            tokens, position = (expected[:, -1] + torch.randn_like(expected[:, -1])).argmax(-1), position + 1
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_llama_decode_step_is_only_taken_where_it_is_exact(tiny_model_path, model):
+    """Hooks (offloading, FSDP, spies), training mode, gradients, other attention implementations and PEFT models
+    go through the model's forward."""
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.generation.decode_step import llama_decode_step
+
+    with torch.no_grad():
+        assert llama_decode_step(model) is not None
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+        assert llama_decode_step(model) is None
+        handle.remove()
+        model.train()
+        assert llama_decode_step(model) is None
+        model.eval()
+        eager = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
+        assert llama_decode_step(eager) is None
+        lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                              LoraConfig(r=2, target_modules=["q_proj"])).eval()
+        assert llama_decode_step(lora) is None and llama_decode_step(lora.get_base_model()) is None
+    assert llama_decode_step(model) is None  # a gradient is wanted
+
+
+@pytest.mark.parametrize("budget", [1, 3 * 4 * 385 * 5, 1 << 30], ids=["per-step", "3-steps", "all"])
+def test_step_noise_draws_what_gumbel_noise_draws_step_by_step(budget):
+    """The decode loop draws several steps of each row's uniforms at once on the CPU: bitwise the per-step noise,
+    while rows leave the batch (a vocabulary of 385, which no vector width divides)."""
+    from posttrain.generation.transformers_backend import StepNoise, gumbel_noise
+
+    seeds = [11, 12, 13, 14, 15]
+    noise = StepNoise([torch.Generator().manual_seed(s) for s in seeds], 385, torch.device("cpu"), 10,
+                      budget_bytes=budget)
+    reference = [torch.Generator().manual_seed(s) for s in seeds]
+    rows = [0, 1, 2, 3, 4]
+    for step in range(10):
+        assert torch.equal(noise(rows, step), gumbel_noise([reference[i] for i in rows], 385, "cpu"))
+        if step in (1, 4, 5):
+            rows = rows[:1] + rows[2:]

@@ -37,14 +37,49 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import ConfigError
 from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+from .decode_step import llama_decode_step
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(generators), vocab_size] Gumbel(0, 1) noise, row i from generators[i]."""
-    uniform = torch.stack([torch.rand(vocab_size, generator=g, device=device, dtype=torch.float32)
-                           for g in generators])
+    return _gumbel(torch.stack([torch.rand(vocab_size, generator=g, device=device, dtype=torch.float32)
+                                for g in generators]))
+
+
+def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
     tiny = torch.finfo(torch.float32).tiny
     return -torch.log((-torch.log(uniform.clamp(min=tiny))).clamp(min=tiny))
+
+
+class StepNoise:
+    """The decode loop's Gumbel noise: `noise(rows, step)` is [len(rows), vocab_size], row i from generators[rows[i]],
+    bitwise what `gumbel_noise` gives step by step. On the CPU a generator's stream does not depend on how its draws
+    are split into calls, so each row draws the uniforms of several steps at once (up to `budget_bytes` for all
+    rows): one call per row every few steps instead of one per row and step; each step's [rows, vocab] block is then
+    transformed on its own, as `gumbel_noise` does. Elsewhere (CUDA's Philox offsets advance per call) every step
+    draws on its own."""
+
+    def __init__(self, generators: Sequence[torch.Generator], vocab_size: int, device: torch.device, max_steps: int,
+                 budget_bytes: int = 32 << 20) -> None:
+        self.generators, self.vocab_size, self.device = generators, vocab_size, device
+        per_step = 4 * vocab_size * max(len(generators), 1)
+        self.steps = max(1, min(max_steps, budget_bytes // per_step)) if torch.device(device).type == "cpu" else 1
+        self.block: torch.Tensor | None = None  # uniforms [rows drawn for, steps, vocab]
+        self.block_rows: list[int] = []
+        self.block_start = 0
+
+    def __call__(self, rows: list[int], step: int) -> torch.Tensor:
+        if self.steps == 1:
+            return gumbel_noise([self.generators[i] for i in rows], self.vocab_size, self.device)
+        if self.block is None or step >= self.block_start + self.steps:
+            self.block = torch.stack([torch.rand(self.steps, self.vocab_size, generator=self.generators[i],
+                                                 device=self.device, dtype=torch.float32) for i in rows])
+            self.block_rows, self.block_start = list(rows), step
+        offset = step - self.block_start
+        if rows == self.block_rows:
+            return _gumbel(self.block[:, offset].contiguous())
+        position = {row: i for i, row in enumerate(self.block_rows)}
+        return _gumbel(self.block[[position[row] for row in rows], offset])
 
 
 class SeededGumbelSampler(LogitsProcessor):
@@ -170,6 +205,7 @@ class TransformersBackend(GenerationBackend):
         rows = input_ids.shape[0]
         active = torch.arange(rows, device=device)  # which completion each batch row is
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        noise = StepNoise(generators, logits.shape[-1], device, sampling.max_tokens)
         next_position = position_ids[:, -1] + 1
         generated = torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, sampling.max_tokens, device=device)
@@ -182,6 +218,8 @@ class TransformersBackend(GenerationBackend):
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
         ready_mask = model.config._attn_implementation == "sdpa"
+        # A Llama runs its decode steps without transformers' per-module wrappers: the same logits (decode_step.py).
+        fast_step = llama_decode_step(model) if ready_mask else None
         for step in range(sampling.max_tokens):
             scores = logits
             if penalty is not None:  # over the padded prompt and the completion so far, as generate does
@@ -193,8 +231,7 @@ class TransformersBackend(GenerationBackend):
             if sampling.top_k == 1:  # greedy: the noise would only break exact ties
                 tokens = scores.argmax(-1)
             else:
-                tokens = (scores + gumbel_noise([generators[i] for i in active.tolist()], scores.shape[-1],
-                                                device)).argmax(-1)
+                tokens = (scores + noise(active.tolist(), step)).argmax(-1)
             generated[active, step] = tokens
             if self.return_logprobs:
                 logprobs[active, step] = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
@@ -211,8 +248,11 @@ class TransformersBackend(GenerationBackend):
                     t[index] for t in (active, tokens, attention_mask, next_position))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
             step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
-            logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
-                           cache=cache, use_cache=True, **quiet).logits[:, -1].float()
+            if fast_step is not None:
+                logits = fast_step(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
+            else:
+                logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
+                               cache=cache, use_cache=True, **quiet).logits[:, -1].float()
             next_position = next_position + 1
         token_lists, lengths, finished = generated.tolist(), lengths.tolist(), finished.tolist()
         logprob_lists = logprobs.tolist() if self.return_logprobs else None
