@@ -148,11 +148,13 @@ def warm_up(model, tokenizer, dataset: Dataset, steps: int, output_dir: str, lea
 
 def grpo_config(output_dir: str, steps: int, **overrides) -> GRPOConfig:
     """The small-budget GRPO settings both demos share. The learning rate is higher than a long run would use:
-    a handful of steps must move a policy that the short warm-up left stochastic."""
+    a handful of steps must move a policy that the short warm-up left stochastic. `log_completions` keeps every
+    episode in output_dir/completions.jsonl; the run's report.html shows a few transcripts, tool calls marked."""
     settings = dict(output_dir=output_dir, max_steps=steps, learning_rate=3e-5, per_device_train_batch_size=8,
                     num_generations=4, max_completion_length=96, temperature=1.0, beta=0.0, logging_steps=1,
                     save_strategy="no", report_to="none", seed=0, use_cpu=not torch.cuda.is_available(),
-                    disable_tqdm=True, max_tool_calling_iterations=2)
+                    disable_tqdm=True, max_tool_calling_iterations=2, log_completions=True,
+                    num_completions_to_print=1)
     settings.update(overrides)
     return GRPOConfig(**settings)
 

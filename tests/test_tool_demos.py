@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.cli.report import write_report
 from posttrain.tools import parse_tool_calls, tool_schemas, tool_suffix_ids, use_chatml_tool_template
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -170,6 +171,9 @@ def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_toke
     assert all(len(values) == 2 for values in results["grpo"].values())
     assert set(results["seconds"]) == {"eval_before", "sft", "eval_sft", "eval_sft_sampled", "grpo", "eval_grpo",
                                        "eval_grpo_sampled"}
+    # Every episode is logged for the run report, which shows tool transcripts (the suite skips writing it).
+    logged = (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()
+    assert len(logged) == 2 * 8 and "Sample completions" in write_report(tmp_path / "grpo").read_text()
 
 
 def test_environment_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
@@ -241,6 +245,10 @@ def test_tools_demo_on_smollm2(smollm2_path, tmp_path):
     assert results["after_sft"]["tool_call_rate"] > 0.5
     assert min(results["grpo"]["frac_reward_zero_std"]) < 1.0
     assert results["after_grpo"]["accuracy"] > results["before"]["accuracy"] + 0.3
+    # The run report shows episodes that called the calculator, the call and its result marked.
+    page = write_report(tmp_path / "grpo").read_text()
+    assert '<span class="call">[tool call: calculator] {&quot;' in page
+    assert '<span class="result">[tool result: calculator] ' in page
 
 
 @pytest.mark.slow
