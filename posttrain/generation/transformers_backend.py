@@ -204,16 +204,18 @@ class TransformersBackend(GenerationBackend):
 
         rows = input_ids.shape[0]
         active = torch.arange(rows, device=device)  # which completion each batch row is
+        active_rows = list(range(rows))  # the same, as a list: the per-row bookkeeping is done in Python
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         noise = StepNoise(generators, logits.shape[-1], device, sampling.max_tokens)
         next_position = position_ids[:, -1] + 1
-        generated = torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros(rows, sampling.max_tokens, device=device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        stops = torch.tensor(self.eos_token_ids, device=device)
+        token_lists: list[list[int]] = [[] for _ in range(rows)]  # up to and including the stop token
+        logprob_lists: list[list[float]] = [[] for _ in range(rows)]
+        finished = [False] * rows
+        stops = set(self.eos_token_ids)
         penalty = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty) \
             if sampling.repetition_penalty != 1.0 else None
+        generated = None if penalty is None else torch.full((rows, sampling.max_tokens), self.pad_token_id,
+                                                             dtype=torch.long, device=device)
         filters = _filters(sampling)
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
@@ -231,22 +233,29 @@ class TransformersBackend(GenerationBackend):
             if sampling.top_k == 1:  # greedy: the noise would only break exact ties
                 tokens = scores.argmax(-1)
             else:
-                tokens = (scores + noise(active.tolist(), step)).argmax(-1)
-            generated[active, step] = tokens
-            if self.return_logprobs:
-                logprobs[active, step] = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-            running = ~finished[active]
-            lengths[active] += running.long()
-            finished[active] |= torch.isin(tokens, stops)
-            keep = ~finished[active]
-            if step + 1 == sampling.max_tokens or not keep.any():
+                tokens = (scores + noise(active_rows, step)).argmax(-1)
+            if generated is not None:
+                generated[active, step] = tokens
+            sampled = tokens.tolist()
+            step_logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist() \
+                if self.return_logprobs else None
+            keep = []
+            for i, (row, token) in enumerate(zip(active_rows, sampled)):
+                if not finished[row]:  # (with drop_finished off a finished row samples on, as padding)
+                    token_lists[row].append(token)
+                    if step_logprobs is not None:
+                        logprob_lists[row].append(step_logprobs[i])
+                    finished[row] = token in stops
+                keep.append(not finished[row])
+            if step + 1 == sampling.max_tokens or not any(keep):
                 break
-            if self.drop_finished and not keep.all():
-                index = keep.nonzero()[:, 0]
+            if self.drop_finished and not all(keep):
+                index = torch.tensor([i for i, kept in enumerate(keep) if kept], device=device)
                 cache.batch_select_indices(index)
                 active, tokens, attention_mask, next_position = (
                     t[index] for t in (active, tokens, attention_mask, next_position))
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
+                active_rows = [row for row, kept in zip(active_rows, keep) if kept]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
             step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
             if fast_step is not None:
                 logits = fast_step(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
@@ -254,10 +263,7 @@ class TransformersBackend(GenerationBackend):
                 logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
                                cache=cache, use_cache=True, **quiet).logits[:, -1].float()
             next_position = next_position + 1
-        token_lists, lengths, finished = generated.tolist(), lengths.tolist(), finished.tolist()
-        logprob_lists = logprobs.tolist() if self.return_logprobs else None
-        return [Completion(i // n, token_lists[i][:lengths[i]],
-                           logprob_lists[i][:lengths[i]] if logprob_lists else None, finished[i])
+        return [Completion(i // n, token_lists[i], logprob_lists[i] if self.return_logprobs else None, finished[i])
                 for i in range(rows)]
 
     def generate_with_transformers(self, model, prompt_ids: Sequence[Sequence[int]], n: int,
