@@ -143,28 +143,29 @@ def test_eager_attention_builds_its_own_masks(tiny_model_path, tokenizer, prompt
     assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
 
 
-def test_llama_decode_step_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_path, tokenizer, prompts):
-    """decode_step.py's Llama step (fused layers on, as trainers load models) against the model's own forward
-    over ten decode steps of left-padded rows with the group's cache copied, as the decode loop runs them."""
+def test_llama_forward_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_path, tokenizer, prompts):
+    """models/llama_forward.py against the model's own forward (fused layers on, as trainers load models): the
+    prefill of left-padded prompts (2D mask), ten decode steps with the group's cache copied (4D SDPA mask), as the
+    decode loop runs them, and a cache-less forward of whole sequences in training mode (old log-probs)."""
     from transformers import DynamicCache
 
-    from posttrain.generation.decode_step import llama_decode_step
     from posttrain.generation.transformers_backend import left_pad
     from posttrain.models.fused_layers import fuse_layers
+    from posttrain.models.llama_forward import llama_forward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     assert fuse_layers(model) > 0
     input_ids, mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    caches = []
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
     with torch.no_grad():
-        for _ in range(2):
-            caches.append(DynamicCache(config=model.config))
-            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=caches[-1],
-                           use_cache=True, logits_to_keep=1).logits
-            caches[-1].batch_repeat_interleave(2)
-        step = llama_decode_step(model)
-        assert step is not None
+        forward = llama_forward(model)
+        assert forward is not None
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=caches[0],
+                       use_cache=True, logits_to_keep=1).logits
+        assert torch.equal(forward(input_ids, mask, positions, caches[1], logits_to_keep=1), logits)
+        for cache in caches:
+            cache.batch_repeat_interleave(2)
         tokens, mask, position = logits[:, -1].argmax(-1).repeat_interleave(2), mask.repeat_interleave(2, 0), \
             positions[:, -1:].repeat_interleave(2, 0) + 1
         for _ in range(10):
@@ -172,34 +173,36 @@ def test_llama_decode_step_gives_the_models_logits_and_cache_bit_for_bit(tiny_mo
             ready = mask[:, None, None, :].bool()
             expected = model(input_ids=tokens[:, None], attention_mask=ready, position_ids=position, cache=caches[0],
                              use_cache=True).logits
-            fast = step(tokens[:, None], ready, position, caches[1])
-            assert torch.equal(fast, expected)
+            assert torch.equal(forward(tokens[:, None], ready, position, caches[1]), expected)
             tokens, position = (expected[:, -1] + torch.randn_like(expected[:, -1])).argmax(-1), position + 1
-    for a, b in zip(caches[0].layers, caches[1].layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        model.train()
+        sequences, mask = left_pad([p + [5, 6, 7] for p in prompts], tokenizer.pad_token_id, "cpu")
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        expected = model(input_ids=sequences, attention_mask=mask, position_ids=positions, use_cache=False,
+                         logits_to_keep=4).logits
+        assert torch.equal(llama_forward(model)(sequences, mask, positions, logits_to_keep=4), expected)
 
 
-def test_llama_decode_step_is_only_taken_where_it_is_exact(tiny_model_path, model):
-    """Hooks (offloading, FSDP, spies), training mode, gradients, other attention implementations and PEFT models
-    go through the model's forward."""
+def test_llama_forward_is_only_taken_where_it_is_exact(tiny_model_path, model):
+    """Hooks (offloading, FSDP, spies), gradients, other attention implementations and PEFT models go through the
+    model's forward."""
     from peft import LoraConfig, get_peft_model
 
-    from posttrain.generation.decode_step import llama_decode_step
+    from posttrain.models.llama_forward import llama_forward
 
     with torch.no_grad():
-        assert llama_decode_step(model) is not None
+        assert llama_forward(model) is not None
         handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
-        assert llama_decode_step(model) is None
+        assert llama_forward(model) is None
         handle.remove()
-        model.train()
-        assert llama_decode_step(model) is None
-        model.eval()
         eager = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
-        assert llama_decode_step(eager) is None
+        assert llama_forward(eager) is None
         lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
                               LoraConfig(r=2, target_modules=["q_proj"])).eval()
-        assert llama_decode_step(lora) is None and llama_decode_step(lora.get_base_model()) is None
-    assert llama_decode_step(model) is None  # a gradient is wanted
+        assert llama_forward(lora) is None and llama_forward(lora.get_base_model()) is None
+    assert llama_forward(model) is None  # a gradient is wanted
 
 
 @pytest.mark.parametrize("budget", [1, 3 * 4 * 385 * 5, 1 << 30], ids=["per-step", "3-steps", "all"])

@@ -36,8 +36,8 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from ..errors import ConfigError
+from ..models.llama_forward import llama_forward
 from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
-from .decode_step import llama_decode_step
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -195,8 +195,13 @@ class TransformersBackend(GenerationBackend):
         cache = DynamicCache(config=model.config)
         # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
         quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                       use_cache=True, logits_to_keep=1, **quiet).logits[:, -1].float()
+        # A Llama runs without transformers' per-module wrappers: the same logits (models/llama_forward.py).
+        fast = llama_forward(model)
+        if fast is not None:
+            logits = fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
+        else:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                           use_cache=True, logits_to_keep=1, **quiet).logits[:, -1].float()
         if copies != n:  # the group's n completions continue from one prompt's cache
             cache.batch_repeat_interleave(n)
             logits, input_ids, attention_mask, position_ids = (
@@ -220,8 +225,6 @@ class TransformersBackend(GenerationBackend):
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
         ready_mask = model.config._attn_implementation == "sdpa"
-        # A Llama runs its decode steps without transformers' per-module wrappers: the same logits (decode_step.py).
-        fast_step = llama_decode_step(model) if ready_mask else None
         for step in range(sampling.max_tokens):
             scores = logits
             if penalty is not None:  # over the padded prompt and the completion so far, as generate does
@@ -257,8 +260,8 @@ class TransformersBackend(GenerationBackend):
                 active_rows = [row for row, kept in zip(active_rows, keep) if kept]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
             step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
-            if fast_step is not None:
-                logits = fast_step(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
+            if fast is not None:
+                logits = fast(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
             else:
                 logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
                                cache=cache, use_cache=True, **quiet).logits[:, -1].float()

@@ -61,6 +61,7 @@ from ..losses.policy import (
     policy_objective,
 )
 from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
+from ..models.llama_forward import llama_forward
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
@@ -424,9 +425,12 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
         width, images = batch["completion_ids"].shape[1], forward_vision_inputs(batch, model)
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False,
-                        position_ids=None if uses_own_positions(images) else position_ids, **images)
-        logits = outputs.logits[:, :-1] / self.logps_temperature
+        fast = None if images or return_outputs else llama_forward(model)  # no gradient: the same logits, faster
+        outputs = None if fast is not None else model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False,
+            position_ids=None if uses_own_positions(images) else position_ids, **images)
+        logits = (outputs.logits if fast is None else fast(input_ids, attention_mask, position_ids,
+                                                           logits_to_keep=width + 1))[:, :-1] / self.logps_temperature
         logps = selective_log_softmax(logits, batch["completion_ids"])
         entropy = None
         if with_entropy:

@@ -1,16 +1,16 @@
-"""One decode step of a Llama model without transformers' per-module machinery, for the decode loop.
+"""Llama forwards without transformers' per-module machinery, for the forwards that need no gradient.
 
-A decode forward of a small model is mostly Python: `nn.Module.__call__` around every linear layer, norm and
-attention, transformers' output-capturing and keyword-merging wrappers, attribute lookups through
-`nn.Module.__getattr__`. On the tiny benchmark model (2 layers, hidden size 32) that is about a third of the
-3 ms a step takes. `llama_decode_step` runs the same step as `LlamaForCausalLM.forward` with a ready-made 4D
-SDPA mask and a cache: the same tensor operations in the same order on the same tensors (the linear layers as
-`F.linear` with their weights, the norms' and the rotary embedding's own code, transformers' attention function,
-the cache's own `update`), so the logits and the cache are bitwise those of `model(...)`. It applies only where
-that holds by construction: the exact Llama classes with plain `nn.Linear`/`nn.Embedding` layers and a SiLU
-MLP, SDPA attention, eval mode, and no hooks anywhere (accelerate offloading, FSDP, DeepSpeed ZeRO-3 and test
-spies all work through hooks); anything else (PEFT, quantized layers, other families) returns None and the loop
-calls the model.
+A forward of a small model is mostly Python: `nn.Module.__call__` around every linear layer, norm and attention,
+transformers' output-capturing and keyword-merging wrappers, attribute lookups through `nn.Module.__getattr__`.
+On the tiny benchmark model (2 layers, hidden size 32) that is about a third of the 3 ms a decode step takes.
+`llama_forward` runs what `LlamaForCausalLM.forward` runs: transformers' own mask function (a ready-made 4D mask
+passes through it unchanged), the same tensor operations in the same order on the same tensors (the linear layers
+as `F.linear` with their weights, the norms' and the rotary embedding's own code, transformers' attention
+function, the cache's own `update`), so logits and cache are bitwise those of `model(...)`. It applies only where
+that holds by construction: the exact Llama classes with plain `nn.Linear`/`nn.Embedding` layers and a SiLU MLP,
+SDPA attention, no gradient, and no hooks anywhere (accelerate offloading, FSDP, DeepSpeed ZeRO-3 and test spies
+all work through hooks); anything else (PEFT, quantized layers, other families) gets None and calls the model.
+The decode loop uses it for its prefill and its steps, the online trainers for their old and reference log-probs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _plain_linear(layer) -> bool:
 
 def _own_forward(module: nn.Module) -> bool:
     """No instance forward other than fused_layers' (which runs the class's forward when no gradient is wanted)."""
-    from ..models.fused_layers import _fused_mlp_forward, _fused_norm_forward
+    from .fused_layers import _fused_mlp_forward, _fused_norm_forward
 
     forward = vars(module).get("forward")
     return forward is None or getattr(forward, "__func__", None) in (_fused_norm_forward, _fused_mlp_forward)
@@ -43,7 +43,7 @@ def _eligible(model) -> bool:
     from transformers.activations import SiLUActivation
     from transformers.models.llama import modeling_llama as llama
 
-    if type(model) is not llama.LlamaForCausalLM or model.training or torch.is_grad_enabled():
+    if type(model) is not llama.LlamaForCausalLM or torch.is_grad_enabled():
         return False
     if model.config._attn_implementation != "sdpa" or torch_module._has_any_global_hook():
         return False
@@ -66,32 +66,38 @@ def _eligible(model) -> bool:
     return True
 
 
-def llama_decode_step(model) -> Callable | None:
-    """`step(input_ids [B, 1], mask [B, 1, 1, L] bool, position_ids [B, 1], cache) -> logits [B, 1, V]`, equal to
-    `model(input_ids=..., attention_mask=mask, position_ids=..., cache=cache, use_cache=True).logits`, or None when
-    `model` is not one this module reproduces exactly (see the module docstring). The weights are looked up once:
-    build a step per generation call, not across optimizer steps that could replace parameters."""
+def llama_forward(model) -> Callable | None:
+    """`forward(input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0) -> logits`, equal to
+    `model(input_ids=..., attention_mask=..., position_ids=..., cache=cache, use_cache=cache is not None,
+    logits_to_keep=...).logits` (`attention_mask` 2D, or 4D ready for SDPA), or None when `model` is not one this
+    module reproduces exactly (see the module docstring). The weights are looked up once: build a forward per use,
+    not across optimizer steps that could replace parameters."""
     if not _eligible(model):
         return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
     from transformers.models.llama import modeling_llama as llama
 
-    inner = model.model
+    inner, config = model.model, model.config
     attention = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", llama.eager_attention_forward)
     rotate = llama.apply_rotary_pos_emb  # looked up as the attention's forward does (a patched one included)
     embedding, rotary, final_norm, head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
     layers = []
-    for layer in inner.layers[: model.config.num_hidden_layers]:
+    for layer in inner.layers[: config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         projections = tuple((p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                                                           mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        dropout = attn.attention_dropout if attn.training else 0.0
         layers.append((layer.input_layernorm, layer.post_attention_layernorm, attn, attn.head_dim, attn.layer_idx,
-                       attn.scaling, projections))
+                       attn.scaling, dropout, projections))
 
-    def step(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         hidden = nn.Embedding.forward(embedding, input_ids)
+        mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+                                  position_ids=position_ids)
         cos, sin = rotary(hidden, position_ids)
-        for norm_in, norm_post, attn, head_dim, layer_idx, scaling, weights in layers:
+        for norm_in, norm_post, attn, head_dim, layer_idx, scaling, dropout, weights in layers:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = weights
             residual = hidden
             x = llama.LlamaRMSNorm.forward(norm_in, hidden)
@@ -101,12 +107,14 @@ def llama_decode_step(model) -> Callable | None:
             key = F.linear(x, k_w, k_b).view(shape).transpose(1, 2)
             value = F.linear(x, v_w, v_b).view(shape).transpose(1, 2)
             query, key = rotate(query, key, cos, sin)
-            key, value = cache.update(key, value, layer_idx)
-            out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=scaling)
+            if cache is not None:
+                key, value = cache.update(key, value, layer_idx)
+            out, _ = attention(attn, query, key, value, mask, dropout=dropout, scaling=scaling)
             hidden = residual + F.linear(out.reshape(*input_shape, -1).contiguous(), o_w, o_b)
             residual = hidden
             x = llama.LlamaRMSNorm.forward(norm_post, hidden)
             hidden = residual + F.linear(F.silu(F.linear(x, g_w, g_b)) * F.linear(x, u_w, u_b), d_w, d_b)
-        return F.linear(llama.LlamaRMSNorm.forward(final_norm, hidden), head.weight, head.bias)
+        hidden = slice_logits_to_keep(llama.LlamaRMSNorm.forward(final_norm, hidden), logits_to_keep)
+        return F.linear(hidden, head.weight, head.bias)
 
-    return step
+    return forward
