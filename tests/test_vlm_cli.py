@@ -127,6 +127,7 @@ def test_script_grpo_defaults_are_the_config():
     assert config["learning_rate"] == args.grpo_learning_rate
     assert config["lr_scheduler_type"] == args.grpo_scheduler
     assert config["warmup_steps"] == args.grpo_warmup_steps
+    assert config["beta"] == args.grpo_beta
     assert config["max_steps"] == args.grpo_steps
     assert config["seed"] == args.seed
     sft = yaml.safe_load(open(CONFIGS / "sft.yaml"))
