@@ -4,8 +4,11 @@ Each run is a fresh process (so that peak RSS is its own), and the runs alternat
 so that a change in machine load hits both alike. Generation time is the whole generation call: TRL's
 `model.generate` on the policy object, posttrain's generation backend (which decodes with its own loop);
 everything else of the training wall time is counted as update (forward, backward, optimizer, rewards,
-bookkeeping). Besides wall time, each run reports its process CPU time: on a machine shared with other jobs
-steps per CPU-second is the figure that measures the code.
+bookkeeping). Steps per second are timed from the end of the first step to the end of the last, in wall time and
+in process CPU time (on a machine shared with other jobs steps per CPU-second is the figure that measures the
+code), as the offline benchmarks time their steps: what `train()` does once before its first step (both
+libraries' Trainer runs a full `gc.collect()` there, 0.3-0.4 s) is no step's cost. `run_steps_per_s` is the
+whole `train()` call's rate, start-up included.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_grpo.py [--repeats 3] [--steps 20] [--baseline REV]
 
@@ -68,6 +71,20 @@ def generated_tokens(pad_token_id: int):
     return count
 
 
+def step_end_times(trainer) -> list[tuple[float, float]]:
+    """(wall, process CPU) time at the end of every optimizer step of `trainer`, filled as it trains."""
+    from transformers import TrainerCallback
+
+    times: list[tuple[float, float]] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append((time.perf_counter(), time.process_time()))
+
+    trainer.add_callback(StepEnds())
+    return times
+
+
 def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     """Trains one configuration in this process and returns its measurements."""
     from datasets import Dataset
@@ -95,16 +112,19 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
                            lambda args, kwargs, completions: sum(len(c.token_ids) for c in completions))
         else:
             timed_generate(model, totals, generated_tokens(tokenizer.pad_token_id))
-        start, start_cpu = time.perf_counter(), time.process_time()
+        step_ends = step_end_times(trainer)
+        start = time.perf_counter()
         trainer.train()
-        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     source = sys.modules[trainer_class.__module__].__file__
+    (first_wall, first_cpu), (last_wall, last_cpu) = step_ends[0], step_ends[-1]
+    steps_per_s = (steps - 1) / (last_wall - first_wall)
     return {"source": source,
-        "library": library, "method": method, "wall_s": wall, "steps_per_s": steps / wall,
-        "steps_per_cpu_s": steps / cpu,
-        "tokens_per_s": totals["tokens"] / wall, "generation_s": totals["generation_s"],
-        "update_s": wall - totals["generation_s"],
+        "library": library, "method": method, "wall_s": wall, "steps_per_s": steps_per_s,
+        "steps_per_cpu_s": (steps - 1) / (last_cpu - first_cpu), "run_steps_per_s": steps / wall,
+        "tokens_per_step": totals["tokens"] / steps, "tokens_per_s": totals["tokens"] / steps * steps_per_s,
+        "generation_s": totals["generation_s"], "update_s": wall - totals["generation_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "first_reward": statistics.mean(rewards[:3]), "last_reward": statistics.mean(rewards[-3:]),
     }
@@ -148,7 +168,8 @@ def main() -> None:
                     print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s, "
                           f"{result['steps_per_cpu_s']:.2f} steps/CPU-s", flush=True)
 
-    columns = {"steps_per_s": ".2f", "steps_per_cpu_s": ".2f", "tokens_per_s": ".0f", "peak_rss_mb": ".0f",
+    columns = {"steps_per_s": ".2f", "steps_per_cpu_s": ".2f", "run_steps_per_s": ".2f", "tokens_per_s": ".0f",
+               "peak_rss_mb": ".0f",
                "generation_s": ".2f", "update_s": ".2f", "first_reward": ".3f", "last_reward": ".3f"}
     print(f"\nmedians over {options.repeats} runs of {options.steps} steps (tiny Llama, 16 completions of <= 16 "
           "tokens per step, OMP_NUM_THREADS=1)")
