@@ -71,24 +71,12 @@ def generated_tokens(pad_token_id: int):
     return count
 
 
-def step_end_times(trainer) -> list[tuple[float, float]]:
-    """(wall, process CPU) time at the end of every optimizer step of `trainer`, filled as it trains."""
-    from transformers import TrainerCallback
-
-    times: list[tuple[float, float]] = []
-
-    class StepEnds(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append((time.perf_counter(), time.process_time()))
-
-    trainer.add_callback(StepEnds())
-    return times
-
-
 def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     """Trains one configuration in this process and returns its measurements."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common import step_timer
 
     if library.startswith("posttrain"):  # "posttrain@REV" imports the worktree first on PYTHONPATH
         from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -112,13 +100,14 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
                            lambda args, kwargs, completions: sum(len(c.token_ids) for c in completions))
         else:
             timed_generate(model, totals, generated_tokens(tokenizer.pad_token_id))
-        step_ends = step_end_times(trainer)
+        timer = step_timer()
+        trainer.add_callback(timer)
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     source = sys.modules[trainer_class.__module__].__file__
-    (first_wall, first_cpu), (last_wall, last_cpu) = step_ends[0], step_ends[-1]
+    (first_wall, first_cpu), (last_wall, last_cpu) = timer.times[0], timer.times[-1]
     steps_per_s = (steps - 1) / (last_wall - first_wall)
     return {"source": source,
         "library": library, "method": method, "wall_s": wall, "steps_per_s": steps_per_s,
