@@ -5,7 +5,7 @@ The model is LLaVA-style: the built-in SmolLM2-135M-Instruct as the language mod
 (`posttrain.models.tiny_vlm`). Held-out accuracy (300 digits; the first digit of the reply) is measured before
 training, after SFT and after GRPO, with the wall times: greedy, and sampled at temperature 1 (seeded), which is what
 GRPO optimises. SFT and GRPO are also compared digit by digit (how many flip wrong -> right and right -> wrong, with
-McNemar's exact p-value): a paired test, far more sensitive than two accuracies' difference. GRPO: 25 steps of 16
+McNemar's exact p-value): a paired test, far more sensitive than two accuracies' difference. GRPO: 20 steps of 16
 prompts x 4 completions, learning rate 3e-5 (3 warmup steps, then linear decay), no KL term, dynamic sampling.
 
     OMP_NUM_THREADS=2 python examples/vlm_digits.py
@@ -147,7 +147,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default="outputs/vlm_digits")
     parser.add_argument("--test_size", type=int, default=300)
     parser.add_argument("--sft_steps", type=int, default=150)
-    parser.add_argument("--grpo_steps", type=int, default=25)
+    parser.add_argument("--grpo_steps", type=int, default=20)
     parser.add_argument("--grpo_prompts", type=int, default=16, help="prompts per GRPO step")
     parser.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     parser.add_argument("--grpo_learning_rate", type=float, default=3e-5)
