@@ -48,11 +48,16 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
 
 
+def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits and their softmax sums in float32, or float64 for a float64 model (its references)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _chunk_logits(hidden, weight, bias, dtype) -> torch.Tensor:
     logits = hidden.to(dtype) @ weight.t()
     if bias is not None:
         logits = logits + bias.to(dtype)
-    return logits.float()
+    return logits.to(_logits_dtype(dtype))
 
 
 def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -68,10 +73,10 @@ class _LinearLogps(torch.autograd.Function):
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            rows = hidden.shape[0]
-            logz = hidden.new_empty(rows, dtype=torch.float32)
-            picked = hidden.new_empty(rows, dtype=torch.float32)
-            extra = {name: hidden.new_empty(rows, dtype=torch.float32)
+            rows, exact = hidden.shape[0], _logits_dtype(dtype)
+            logz = hidden.new_empty(rows, dtype=exact)
+            picked = hidden.new_empty(rows, dtype=exact)
+            extra = {name: hidden.new_empty(rows, dtype=exact)
                      for name, wanted in (("mean_logits", stats), ("entropy", stats), ("top1", stats),
                                           ("log_sum_sq", log_sum_sq)) if wanted}
             for start in range(0, rows, chunk):
@@ -81,7 +86,7 @@ class _LinearLogps(torch.autograd.Function):
                 picked[part] = z.gather(1, target[:, None]).squeeze(1)
                 if stats:
                     extra["mean_logits"][part] = z.mean(-1)
-                    extra["top1"][part] = (z.argmax(-1) == target).float()
+                    extra["top1"][part] = (z.argmax(-1) == target).to(exact)
                 peak = z.amax(-1, keepdim=True)
                 probs = (z - peak).exp_()
                 total = probs.sum(-1)
@@ -102,11 +107,12 @@ class _LinearLogps(torch.autograd.Function):
         hidden, weight, bias, index, logz = ctx.saved_tensors
         dtype, chunk = ctx.dtype, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        exact = _logits_dtype(dtype)
+        grad_hidden = torch.zeros_like(hidden, dtype=exact) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=exact) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=exact) if need_bias else None
         w = weight.to(dtype)
-        grad_logps = grad_logps.float()
+        grad_logps = grad_logps.to(exact)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             h = hidden[part].to(dtype)
@@ -117,8 +123,10 @@ class _LinearLogps(torch.autograd.Function):
             grad_z = grad_z.to(dtype)
             if grad_hidden is not None:
                 grad_hidden[part] = grad_z @ w
-            if grad_weight is not None:
+            if grad_weight is not None and grad_weight.dtype == dtype:
                 grad_weight.addmm_(grad_z.t(), h)
+            elif grad_weight is not None:  # an autocast dtype: accumulate in float32 all the same
+                grad_weight += (grad_z.t() @ h).to(exact)
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
         cast = (lambda grad, like: None if grad is None else grad.to(like.dtype))
@@ -130,9 +138,9 @@ def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
 
     Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows), in the forward
-    and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32
-    (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit, entropy and top-1 flag per
-    row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
+    and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32,
+    float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
+    entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
     """
     chunk = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
     outputs = _LinearLogps.apply(hidden, weight, bias, index, chunk, stats, log_sum_sq)

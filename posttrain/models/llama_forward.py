@@ -69,7 +69,8 @@ def _eligible(model) -> bool:
 def llama_forward(model) -> Callable | None:
     """`forward(input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0) -> logits`, equal to
     `model(input_ids=..., attention_mask=..., position_ids=..., cache=cache, use_cache=cache is not None,
-    logits_to_keep=...).logits` (`attention_mask` 2D, or 4D ready for SDPA), or None when `model` is not one this
+    logits_to_keep=...).logits` (`attention_mask` 2D, or 4D ready for SDPA); with `hidden=True` the final
+    hidden states the output layer would read instead of the logits. None when `model` is not one this
     module reproduces exactly (see the module docstring). The weights are looked up once: build a forward per use,
     not across optimizer steps that could replace parameters."""
     if not _eligible(model):
@@ -92,15 +93,15 @@ def llama_forward(model) -> Callable | None:
                        attn.scaling, dropout, projections))
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                logits_to_keep: int = 0) -> torch.Tensor:
-        hidden = nn.Embedding.forward(embedding, input_ids)
-        mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+                logits_to_keep: int = 0, hidden: bool = False) -> torch.Tensor:
+        states = nn.Embedding.forward(embedding, input_ids)
+        mask = create_causal_mask(config=config, inputs_embeds=states, attention_mask=attention_mask, cache=cache,
                                   position_ids=position_ids)
-        cos, sin = rotary(hidden, position_ids)
+        cos, sin = rotary(states, position_ids)
         for norm_in, norm_post, attn, head_dim, layer_idx, scaling, dropout, weights in layers:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = weights
-            residual = hidden
-            x = llama.LlamaRMSNorm.forward(norm_in, hidden)
+            residual = states
+            x = llama.LlamaRMSNorm.forward(norm_in, states)
             input_shape = x.shape[:-1]
             shape = (*input_shape, -1, head_dim)
             query = F.linear(x, q_w, q_b).view(shape).transpose(1, 2)
@@ -110,11 +111,11 @@ def llama_forward(model) -> Callable | None:
             if cache is not None:
                 key, value = cache.update(key, value, layer_idx)
             out, _ = attention(attn, query, key, value, mask, dropout=dropout, scaling=scaling)
-            hidden = residual + F.linear(out.reshape(*input_shape, -1).contiguous(), o_w, o_b)
-            residual = hidden
-            x = llama.LlamaRMSNorm.forward(norm_post, hidden)
-            hidden = residual + F.linear(F.silu(F.linear(x, g_w, g_b)) * F.linear(x, u_w, u_b), d_w, d_b)
-        hidden = slice_logits_to_keep(llama.LlamaRMSNorm.forward(final_norm, hidden), logits_to_keep)
-        return F.linear(hidden, head.weight, head.bias)
+            states = residual + F.linear(out.reshape(*input_shape, -1).contiguous(), o_w, o_b)
+            residual = states
+            x = llama.LlamaRMSNorm.forward(norm_post, states)
+            states = residual + F.linear(F.silu(F.linear(x, g_w, g_b)) * F.linear(x, u_w, u_b), d_w, d_b)
+        states = slice_logits_to_keep(llama.LlamaRMSNorm.forward(final_norm, states), logits_to_keep)
+        return states if hidden else F.linear(states, head.weight, head.bias)
 
     return forward

@@ -53,15 +53,12 @@ from ..data.report import DataReport, cut_column
 from ..errors import ConfigError, DataError
 from ..generation import create_generation_backend
 from ..generation.vllm_backend import sampler_logps_tensor, sampler_mismatch_metrics
-from ..losses.logprobs import selective_log_softmax
 from ..losses.policy import (
     aggregate_loss,
-    entropy_from_logits,
     objective_metrics,
     policy_objective,
 )
 from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
-from ..models.llama_forward import llama_forward
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
 from ..callbacks import SyncRefModelCallback
@@ -72,7 +69,8 @@ from .base import BaseTrainer, setup_router_aux_loss
 from .distributed import root_gathered
 from .episodes import make_episode_source
 from .online_config import OnlineConfig
-from .online_vision import forward_vision_inputs, setup_online_vision, tokenizer_of, uses_own_positions
+from .online_logps import completion_logps
+from .online_vision import setup_online_vision, tokenizer_of
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
 from .rollout import (Advantages, Episode, Rollout, RolloutLoader, RolloutSampler, TaggedPrompts, collate_tagged,
@@ -356,11 +354,13 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             return super().evaluate(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus).
-        logps, entropy, outputs = self.completion_logps(model, inputs, with_entropy=True, return_outputs=True,
-                                                        entropy_grad=getattr(self, "trains_entropy", False))
+        # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus); the model's
+        # outputs are needed only for a Mixture-of-Experts balancing loss.
+        logps, entropy, *outputs = self.completion_logps(model, inputs, with_entropy=True,
+                                                         return_outputs=bool(self.router_aux_loss_coef),
+                                                         entropy_grad=getattr(self, "trains_entropy", False))
         loss, metrics = self.policy_loss(inputs, logps, entropy)
-        loss = self.add_router_aux_loss(loss, outputs, metrics)
+        loss = self.add_router_aux_loss(loss, outputs[0] if outputs else None, metrics)
         mask = inputs["loss_mask"].to(entropy.dtype)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         self.record_metrics(metrics)
@@ -417,26 +417,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     def completion_logps(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False,
                          return_outputs: bool = False, entropy_grad: bool = False):
-        """Per-token log-probs [B, T] of the completion tokens under `model` (logits divided by the sampling
-        temperature, as they were sampled), and their entropies when `with_entropy` (with a gradient only if
-        `entropy_grad`). With `return_outputs` the model's outputs come third (PPO reads its values from the
-        same forward)."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
-        width, images = batch["completion_ids"].shape[1], forward_vision_inputs(batch, model)
-        fast = None if images or return_outputs else llama_forward(model)  # no gradient: the same logits, faster
-        outputs = None if fast is not None else model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False,
-            position_ids=None if uses_own_positions(images) else position_ids, **images)
-        logits = (outputs.logits if fast is None else fast(input_ids, attention_mask, position_ids,
-                                                           logits_to_keep=width + 1))[:, :-1] / self.logps_temperature
-        logps = selective_log_softmax(logits, batch["completion_ids"])
-        entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits)
-        return (logps, entropy, outputs) if return_outputs else (logps, entropy)
+        """`online_logps.completion_logps` at the sampling temperature."""
+        return completion_logps(model, batch, self.logps_temperature, with_entropy=with_entropy,
+                                return_outputs=return_outputs, entropy_grad=entropy_grad)
 
     # -- generation rounds: generate -> score -> policy tensors -> advantages ---------------------------------
     @property

@@ -182,11 +182,33 @@ def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, 
 
 def shared_layout(view: SequenceView, hidden_size: int,
                   mask_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor] | None:
-    """A cheaper layout of a right-padded batch of 2B sequences (chosen i and rejected i = sequence B + i): each pair
-    becomes one unit whose common prefix (the prompt, and any shared start of the completions) is computed once,
-    followed by the rest of each sequence; units are packed first-fit decreasing into rows. A 4D attention mask lets
-    each token see only its own sequence (prefix included), and position ids continue the prefix in both branches,
-    so every sequence gets exactly the hidden states it gets alone.
+    """`prefix_layout` of a right-padded batch of 2B sequences (chosen i and rejected i = sequence B + i): each
+    pair is one unit sharing the prompt and any common start of its two completions. (An odd count: no pairs.)"""
+    count = view.ids.shape[0]
+    if count % 2:
+        return prefix_layout(view, [[i] for i in range(count)], [0] * count, hidden_size, mask_dtype)
+    pairs = count // 2
+    return prefix_layout(view, [[i, pairs + i] for i in range(pairs)],
+                         common_prefix(view, list(range(pairs)), list(range(pairs, count))), hidden_size, mask_dtype)
+
+
+def common_prefix(view: SequenceView, firsts: list[int], others: list[int]) -> list[int]:
+    """For each pair (firsts[i], others[i]) of sequences, how many leading tokens they have in common."""
+    a, b = (torch.tensor(index, device=view.ids.device) for index in (firsts, others))
+    columns = torch.arange(view.ids.shape[1], device=view.ids.device)
+    both = torch.minimum(view.lengths[a], view.lengths[b])
+    same = (view.ids[a] == view.ids[b]) & (columns[None, :] < both[:, None])
+    return same.int().cumprod(-1).sum(-1).tolist()
+
+
+def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int], hidden_size: int,
+                  mask_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor] | None:
+    """A cheaper layout of a right-padded batch whose sequences come in groups ("units", lists of sequence
+    indices) that start alike: the first sequence of unit u is laid out whole, and the others read its first
+    `shared[u]` tokens (which they must equal: the prompt of DPO's pair, or of an online group's completions)
+    and add only the rest of their own. Units are packed first-fit decreasing into rows. A 4D attention mask lets
+    each token see its unit's shared prefix and its own sequence, and position ids continue the prefix in every
+    branch, so every sequence gets exactly the hidden states it gets alone.
 
     Returns (model inputs, new `where`), or None when it would not save MIN_PACKING_SAVING of the padded batch's
     cost (see `_cost`). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
@@ -195,41 +217,39 @@ def shared_layout(view: SequenceView, hidden_size: int,
     columns = torch.arange(width, device=device)
     real = columns[None, :] < view.lengths[:, None]
     lengths = view.lengths.tolist()
-    pairs = count // 2 if count % 2 == 0 else 0
-    share = [0] * count  # leading tokens a sequence reads from its pair's first sequence
-    if pairs:
-        first, second = view.ids[:pairs], view.ids[pairs:]
-        same = (first == second) & real[:pairs] & real[pairs:]
-        share[pairs:] = same.int().cumprod(-1).sum(-1).tolist()
-    units = [lengths[i] + lengths[pairs + i] - share[pairs + i] for i in range(pairs)] or lengths
-
-    fills, placed = _packing(units, hidden_size)
+    sizes = [lengths[m[0]] + sum(lengths[s] - shared[u] for s in m[1:]) for u, m in enumerate(units)]
+    fills, placed = _packing(sizes, hidden_size)
     rows, packed_width = len(fills), max(fills)
     if _cost(rows, packed_width, hidden_size) > (1 - MIN_PACKING_SAVING) * _cost(count, width, hidden_size):
         return None
-    unit_of = [i % pairs if pairs else i for i in range(count)]
-    # Slot of token t of sequence s: start of its unit, + t, + (first sequence's length - shared) past the prefix.
-    starts = torch.tensor([placed[u][0] * packed_width + placed[u][1] for u in unit_of], device=device)
-    jump = torch.tensor([lengths[i - pairs] - share[i] if pairs and i >= pairs else 0 for i in range(count)],
-                        device=device)
-    own = columns[None, :] >= torch.tensor(share, device=device)[:, None]
-    where = starts[:, None] + columns[None, :] + own * jump[:, None]
+    # Token t of sequence s sits at its unit's start + t, and past what it reads from the unit's first sequence
+    # (`reads`), `jump` further: behind the sequences of its unit laid out before it.
+    start, reads, jump, cut, unit_of, branch = ([0] * count for _ in range(6))
+    for u, members in enumerate(units):
+        base, cursor = placed[u][0] * packed_width + placed[u][1], lengths[members[0]]
+        for k, s in enumerate(members):
+            start[s], cut[s], unit_of[s], branch[s] = base, shared[u], u, k + 1
+            if k:
+                reads[s], jump[s] = shared[u], cursor - shared[u]
+                cursor += lengths[s] - shared[u]
+
+    def tensor(values):
+        return torch.tensor(values, device=device)[:, None]
+
+    where = tensor(start) + columns[None, :] + (columns[None, :] >= tensor(reads)) * tensor(jump)
     slots = rows * packed_width
     row_of_slot = torch.arange(slots, device=device) // packed_width
     unit = (len(units) + row_of_slot).clone()  # filler: one block per row
-    segment = torch.zeros(slots, dtype=torch.long, device=device)
+    segment = torch.zeros(slots, dtype=torch.long, device=device)  # 0: a unit's shared prefix, k: its k-th branch
     positions = torch.arange(slots, device=device) % packed_width - torch.tensor(fills, device=device)[row_of_slot]
     positions = positions.clamp(min=0)
     ids = torch.zeros(slots, dtype=view.ids.dtype, device=device)
     taken = where[real]
-    unit[taken] = torch.tensor(unit_of, device=device)[:, None].expand_as(where)[real]
+    unit[taken] = tensor(unit_of).expand_as(where)[real]
     positions[taken] = columns.expand_as(where)[real]
     ids[taken] = view.ids[real]
-    if pairs:  # the branches past the shared prefix: 1 for the first sequence of a pair, 2 for the second
-        branch = torch.where(torch.arange(count, device=device) < pairs, 1, 2)[:, None].expand_as(where)
-        cut = torch.tensor([share[pairs + (i % pairs)] for i in range(count)], device=device)[:, None]
-        past = real & (columns[None, :] >= cut)
-        segment[where[past]] = branch[past]
+    past = real & (columns[None, :] >= tensor(cut))
+    segment[where[past]] = tensor(branch).expand_as(where)[past]
     unit, segment = unit.view(rows, 1, packed_width), segment.view(rows, 1, packed_width)
     column = torch.arange(packed_width, device=device)
     allowed = ((unit.transpose(1, 2) == unit) & (column[None, None, :] <= column[None, :, None])
@@ -254,7 +274,7 @@ def model_shared_layout(model, view: SequenceView) -> tuple[dict, torch.Tensor] 
                          next(model.parameters()).dtype if eager else None)
 
 
-def _forward_hidden(model, inputs: dict):
+def forward_hidden(model, inputs: dict):
     """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only."""
     captured = {}
 
@@ -312,7 +332,7 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     predictors = where[:, :-1][view.scored[:, 1:]]
     targets = view.ids[view.scored]
     if head is not None:
-        hidden, outputs = _forward_hidden(model, inputs)
+        hidden, outputs = forward_hidden(model, inputs)
         rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
         scores = linear_logps(rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo)
     else:
