@@ -18,6 +18,8 @@ Levers (posttrain only; TRL has no equivalent) make an ablation one command per 
     --dynamic_sampling      DAPO dynamic sampling (zero-variance groups regenerated, `--max_num_gen_batches`)
     --no_shared_prefill     every completion prefills its own copy of the prompt (as `generate` does)
     --no_drop_finished      finished completions stay in the decode batch until the last one ends
+    --no_shared_prompt_forward  the log-prob forward and backward run every completion with its own copy of the
+                            prompt (the padded batch) instead of each group's prompt once
 
 Outputs, in `--output_dir`: points.csv (one row per evaluation, appended to across commands), table.md (the
 side-by-side summary of this command) and accuracy.png (accuracy against minutes, every curve in points.csv).
@@ -118,6 +120,10 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
         if library != "trl":
             trainer.generation_backend.share_prefill = not levers["no_shared_prefill"]
             trainer.generation_backend.drop_finished = not levers["no_drop_finished"]
+            if levers["no_shared_prompt_forward"]:
+                from posttrain.trainers import online_logps
+
+                online_logps.shared_prompt_logps = lambda *args: None
         torch.manual_seed(settings["seed"])
         trainer.train()
     logs = trainer.state.log_history
@@ -188,6 +194,7 @@ def main() -> None:
     parser.add_argument("--max_num_gen_batches", type=int, default=3)
     parser.add_argument("--no_shared_prefill", action="store_true")
     parser.add_argument("--no_drop_finished", action="store_true")
+    parser.add_argument("--no_shared_prompt_forward", action="store_true")
     parser.add_argument("--parallel", action="store_true",
                         help="run every side at once, one single-threaded process each (one core each on 2 cores)")
     parser.add_argument("--output_dir", default="outputs/time_to_accuracy")
@@ -200,7 +207,7 @@ def main() -> None:
         loss_type=options.loss_type, seed=options.seed, logging_steps=1, save_strategy="no", report_to="none",
         use_cpu=True, bf16=False, disable_tqdm=True)
     levers = {k: getattr(options, k) for k in ("dynamic_sampling", "max_num_gen_batches", "no_shared_prefill",
-                                                "no_drop_finished")}
+                                                "no_drop_finished", "no_shared_prompt_forward")}
     runs = [(repeat, library) for repeat in range(options.repeats)
             for library in (options.sides if repeat % 2 == 0 else list(reversed(options.sides)))]
 

@@ -21,6 +21,8 @@ def record(path, args, env):
                       "wait": env.get("OMP_WAIT_POLICY")}))
     sys.exit(0)
 os.execve = record
+if "FAKE_BUSY" in os.environ:  # what busy_cores would have seen
+    runtime.busy_cores = lambda: int(os.environ["FAKE_BUSY"])
 runtime.prepare_training_process(sys.argv[1:])
 print(json.dumps({"path": None, "threads": os.environ.get("OMP_NUM_THREADS")}))
 """
@@ -29,9 +31,10 @@ print(json.dumps({"path": None, "threads": os.environ.get("OMP_NUM_THREADS")}))
 def _probe(args, **env):
     base = {k: v for k, v in os.environ.items()
             if k not in ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", runtime.ALLOCATOR_ENV, runtime.REEXEC_ENV)}
+    env = {"FAKE_BUSY": "0", **env}  # the machine's load must not change the expected threads
     done = subprocess.run([sys.executable, "-c", PROBE, *args], env={**base, **env}, capture_output=True, text=True,
                           check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]), stderr=done.stderr)
 
 
 needs_allocator = pytest.mark.skipif(runtime.find_allocator() is None, reason="no tcmalloc/jemalloc installed")
@@ -87,3 +90,60 @@ def test_env_reports_allocator_and_threads(monkeypatch):
     lines = dict(line.split(None, 1) for line in environment_report(optional={}).splitlines())
     assert lines["allocator"].startswith(f"training: glibc malloc ({runtime.ALLOCATOR_ENV}=system)")
     assert lines["threads"].startswith("1 (OMP_NUM_THREADS) of ")
+
+
+def _stat(rows: dict[int, tuple[int, int]]) -> str:
+    """/proc/stat text with the given (busy, idle) jiffies per CPU (user = busy, idle split idle / iowait)."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
+    lines += [f"cpu{cpu} {busy} 0 0 {idle - idle // 4} {idle // 4} 0 0 0 0 0" for cpu, (busy, idle) in rows.items()]
+    return "\n".join(lines + ["intr 1 2 3", "ctxt 9"]) + "\n"
+
+
+def test_busy_cores_counts_the_cores_other_work_keeps_busy(monkeypatch, tmp_path):
+    path = tmp_path / "stat"
+    path.write_text(_stat({0: (100, 900), 1: (500, 500), 2: (0, 0), 3: (7, 7)}))
+    before = runtime.cpu_times(str(path))
+    assert before == {0: (1000, 900), 1: (1000, 500), 2: (0, 0), 3: (14, 7)}
+    # Over the look: CPU 0 80% busy, CPU 1 70%, CPU 2 100%, CPU 3 idle.
+    path.write_text(_stat({0: (180, 920), 1: (570, 530), 2: (50, 0), 3: (7, 57)}))
+    after = runtime.cpu_times(str(path))
+    monkeypatch.setattr(runtime, "_cores_of_cpus", lambda: {0: "0", 1: "1", 2: "2", 3: "3"})
+    assert runtime.busy_cores(before, after) == 2  # CPUs 0 and 2 (BUSY_SHARE 0.75)
+    monkeypatch.setattr(runtime, "_cores_of_cpus", lambda: {0: "0,2", 2: "0,2", 1: "1", 3: "3"})
+    assert runtime.busy_cores(before, after) == 1  # two busy hyper-threads of one core
+    monkeypatch.setattr(runtime, "_cores_of_cpus", lambda: {1: "1", 3: "3"})  # affinity: the others only
+    assert runtime.busy_cores(before, after) == 0
+    assert runtime.cpu_times(str(tmp_path / "missing")) == {}
+
+
+def test_threads_leave_the_busy_cores_to_the_other_work(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "physical_cores", lambda: 8)
+    assert runtime.thread_settings(1, busy=0)["OMP_NUM_THREADS"] == "8"
+    assert runtime.thread_settings(1, busy=3)["OMP_NUM_THREADS"] == "5"
+    assert runtime.thread_settings(2, busy=3)["OMP_NUM_THREADS"] == "2"
+    assert runtime.thread_settings(1, busy=8)["OMP_NUM_THREADS"] == "1"  # never none
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in runtime.thread_settings(1, busy=5)
+
+
+@pytest.mark.skipif(runtime.physical_cores() < 2, reason="needs two cores")
+def test_a_training_command_says_when_it_leaves_cores_to_other_work():
+    out = _probe(["sft"], FAKE_BUSY="1", **{runtime.ALLOCATOR_ENV: "system"})
+    assert out["threads"] == str(runtime.physical_cores() - 1)
+    assert "other work keeps 1 of the" in out["stderr"] and "OMP_NUM_THREADS" in out["stderr"]
+    assert "other work" not in _probe(["sft"], **{runtime.ALLOCATOR_ENV: "system"})["stderr"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_busy_cores_sees_a_busy_loop_on_another_cpu():
+    """A real neighbour: a Python busy loop pinned to one of our CPUs for the whole look."""
+    cpu = max(os.sched_getaffinity(0))
+    code = f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.time() + 3\nwhile time.time() < end: pass"
+    neighbour = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        import time
+        time.sleep(0.5)  # started and pinned
+        assert runtime.busy_cores() >= 1
+    finally:
+        neighbour.kill()

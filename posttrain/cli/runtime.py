@@ -7,9 +7,12 @@ compute thread count.
   loaded, a training command re-executes itself once with it in LD_PRELOAD (an allocator cannot be swapped in
   after the process has started). POSTTRAIN_ALLOCATOR=system turns this off; a path chooses the library.
 - Threads: OMP_NUM_THREADS, when unset, becomes the number of physical cores this process may run on (hyper-
-  threads only contend for the same units), divided among the processes of a multi-process run. Idle OpenMP
-  threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, when unset), so that on a machine shared with
-  other jobs a waiting thread does not burn the core another job or this run's own next op needs.
+  threads only contend for the same units) that other work is not keeping busy, divided among the processes of a
+  multi-process run. A core counts as busy when it was at least BUSY_SHARE busy over a short look at /proc/stat
+  before training: an OpenMP thread on such a core gets a fraction of it, and every parallel region waits for
+  that thread, so on 2 cores with one taken two threads run slower than one. Idle OpenMP threads sleep instead
+  of spinning (OMP_WAIT_POLICY=PASSIVE, when unset), so that a waiting thread does not burn the core another job
+  or this run's own next op needs.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from __future__ import annotations
 import glob
 import os
 import sys
+import time
 
 ALLOCATOR_ENV = "POSTTRAIN_ALLOCATOR"  # "system" (no preload), or a library path to preload
 REEXEC_ENV = "POSTTRAIN_ALLOCATOR_REEXEC"  # set in the re-executed process: never re-execute twice
 # In order of preference; each as found in the usual library directories.
 ALLOCATOR_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libjemalloc.so.2")
+BUSY_SHARE = 0.75  # a core this busy with other work while we look gets no thread
+BUSY_LOOK_S = 0.3  # how long we look
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
                 "/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
@@ -55,28 +61,68 @@ def loaded_allocator() -> str | None:
     return None
 
 
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (its affinity mask): hyper-thread siblings count once."""
+def _cores_of_cpus() -> dict[int, str]:
+    """{CPU this process may run on (its affinity mask): its physical core} (hyper-thread siblings share one)."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
-    cores = set()
+        return {cpu: str(cpu) for cpu in range(os.cpu_count() or 1)}
+    cores = {}
     for cpu in cpus:
         siblings = glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         try:
             with open(siblings[0], encoding="utf-8") as f:
-                cores.add(f.read().strip())
+                cores[cpu] = f.read().strip()
         except (IndexError, OSError):
-            cores.add(str(cpu))
-    return max(1, len(cores))
+            cores[cpu] = str(cpu)
+    return cores
 
 
-def thread_settings(num_processes: int = 1) -> dict[str, str]:
-    """The OpenMP variables to set where the user has not: threads = physical cores / processes; passive waiting."""
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (its affinity mask): hyper-thread siblings count once."""
+    return max(1, len(set(_cores_of_cpus().values())))
+
+
+def cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
+    """{CPU: (all jiffies, idle + iowait jiffies)} since boot; {} where /proc/stat cannot be read."""
+    times = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0].startswith("cpu") and fields[0][3:].isdigit():
+                    values = [int(v) for v in fields[1:]]
+                    times[int(fields[0][3:])] = (sum(values), values[3] + (values[4] if len(values) > 4 else 0))
+    except (OSError, ValueError, IndexError):
+        return {}
+    return times
+
+
+def busy_cores(before: dict[int, tuple[int, int]] | None = None,
+               after: dict[int, tuple[int, int]] | None = None) -> int:
+    """Physical cores of this process that other work kept at least BUSY_SHARE busy between two `cpu_times`
+    snapshots (taken BUSY_LOOK_S apart when not given); a core counts once any of its hyper-threads is busy."""
+    if before is None or after is None:
+        before = cpu_times()
+        time.sleep(BUSY_LOOK_S)
+        after = cpu_times()
+    busy = set()
+    for cpu, core in _cores_of_cpus().items():
+        if cpu in before and cpu in after:
+            total, idle = (a - b for a, b in zip(after[cpu], before[cpu]))
+            if total > 0 and (total - idle) >= BUSY_SHARE * total:
+                busy.add(core)
+    return len(busy)
+
+
+def thread_settings(num_processes: int = 1, busy: int | None = None) -> dict[str, str]:
+    """The OpenMP variables to set where the user has not: threads = the physical cores other work leaves free
+    (`busy`, measured when None; at least 1), shared among the processes; passive waiting."""
     settings = {}
     if "OMP_NUM_THREADS" not in os.environ:
-        settings["OMP_NUM_THREADS"] = str(max(1, physical_cores() // max(1, num_processes)))
+        cores = physical_cores()
+        free = cores - min(busy_cores() if busy is None else busy, cores - 1)
+        settings["OMP_NUM_THREADS"] = str(max(1, free // max(1, num_processes)))
     if "OMP_WAIT_POLICY" not in os.environ:
         settings["OMP_WAIT_POLICY"] = "PASSIVE"
     return settings
@@ -98,7 +144,13 @@ def _num_processes(argv: list[str]) -> int:
 def prepare_training_process(argv: list[str]) -> None:
     """Sets the thread variables and, when an allocator is to be preloaded and is not, re-executes this command
     with it (the call does not return then). `argv`: the command's arguments after the program name."""
-    os.environ.update(thread_settings(_num_processes(argv)))
+    processes = _num_processes(argv)
+    busy = busy_cores() if "OMP_NUM_THREADS" not in os.environ else 0
+    settings = thread_settings(processes, busy)
+    if busy and physical_cores() > 1:
+        print(f"posttrain: other work keeps {busy} of the {physical_cores()} cores busy; training with "
+              f"{settings['OMP_NUM_THREADS']} thread(s) per process (OMP_NUM_THREADS sets it)", file=sys.stderr)
+    os.environ.update(settings)
     if os.environ.get(REEXEC_ENV) or "torch" in sys.modules:
         return  # already re-executed (even if the preload failed), or too late: torch has its allocator
     library = find_allocator()
@@ -125,7 +177,9 @@ def allocator_report() -> str:
 
 def threads_report() -> str:
     """One line for `posttrain env`: the compute threads a single-process training command would use."""
-    settings = thread_settings()
+    busy = busy_cores() if "OMP_NUM_THREADS" not in os.environ else 0
+    settings = thread_settings(busy=busy)
     threads = settings.get("OMP_NUM_THREADS") or f"{os.environ['OMP_NUM_THREADS']} (OMP_NUM_THREADS)"
     wait = settings.get("OMP_WAIT_POLICY") or f"{os.environ['OMP_WAIT_POLICY']} (OMP_WAIT_POLICY)"
-    return f"{threads} of {physical_cores()} physical cores, OpenMP waiting {wait.lower()}"
+    others = f" ({busy} busy with other work now)" if busy else ""
+    return f"{threads} of {physical_cores()} physical cores{others}, OpenMP waiting {wait.lower()}"
