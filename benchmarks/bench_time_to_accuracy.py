@@ -8,7 +8,8 @@ transformers backend, top-k 1): the evaluation is the measuring instrument, and 
 training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
 the order alternates, and with `--parallel` the sides run at once, one core each. The clock is reported twice:
 wall seconds, and the process's CPU seconds, which is what the code costs when other jobs share the machine (wall
-time then measures the neighbours too).
+time then measures the neighbours too). Both sides run with tcmalloc preloaded, as the `posttrain` command runs
+(`--allocator system` for glibc malloc).
 
 Levers (posttrain only; TRL has no equivalent) make an ablation one command per row, e.g.
 
@@ -39,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO_ROOT, run_isolated
+from common import REPO_ROOT, run_isolated, tcmalloc_path
 
 MODEL = "builtin:SmolLM2-135M-Instruct"
 FIELDS = ("label", "library", "repeat", "step", "train_wall_s", "train_cpu_s", "accuracy")
@@ -198,7 +199,12 @@ def main() -> None:
     parser.add_argument("--parallel", action="store_true",
                         help="run every side at once, one single-threaded process each (one core each on 2 cores)")
     parser.add_argument("--output_dir", default="outputs/time_to_accuracy")
+    parser.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
+                        help="both sides with tcmalloc preloaded (as the `posttrain` command runs) or glibc malloc")
     options = parser.parse_args()
+    # The allocator changes a CPU step's time a lot here, for both libraries: set per command, never inherited.
+    allocator = {"LD_PRELOAD": (tcmalloc_path() or "") if options.allocator == "tcmalloc" else ""}
+    print(f"allocator: {allocator['LD_PRELOAD'] or 'glibc malloc'}", flush=True)
 
     settings = dict(
         max_steps=options.steps, learning_rate=options.learning_rate,
@@ -216,7 +222,7 @@ def main() -> None:
         started = time.perf_counter()
         result = run_isolated("bench_time_to_accuracy:run_side", dict(
             library=library, settings=settings, eval_size=options.eval_size, eval_every=options.eval_every,
-            train_size=options.train_size, levers=levers))
+            train_size=options.train_size, levers=levers), env=allocator)
         print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in result["points"])
               + f" ({time.perf_counter() - started:.0f} s with evaluations; load {os.getloadavg()[0]:.1f})",
               flush=True)
