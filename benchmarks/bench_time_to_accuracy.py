@@ -6,7 +6,8 @@ settings, by the same TRL names. Every `--eval_every` optimizer steps (and befor
 on the same `--eval_size` fixed held-out problems with greedy decoding, by the same code for both (posttrain's
 transformers backend, top-k 1): the evaluation is the measuring instrument, and its time is taken off the
 training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
-the order alternates, and with `--parallel` the sides run at once, one core each. The clock is reported twice:
+the order alternates and repeat r trains with seed `--seed` + r (one run per side is mostly sampling luck: its
+completions decide the curve), and with `--parallel` the two sides of a repeat run at once, one core each. The clock is reported twice:
 wall seconds, and the process's CPU seconds, which is what the code costs when other jobs share the machine (wall
 time then measures the neighbours too). Both sides run with tcmalloc preloaded, as the `posttrain` command runs
 (`--allocator system` for glibc malloc).
@@ -133,6 +134,14 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
             "train_reward": [round(h["reward"], 3) for h in logs if "reward" in h]}
 
 
+def first_gain(points: list[dict], gain: float) -> str:
+    """The first evaluation at least `gain` above the first one, as "step S, M min" of wall training time."""
+    for point in points:
+        if point["accuracy"] >= points[0]["accuracy"] + gain - 1e-9:
+            return f"step {point['step']}, {point['train_wall_s'] / 60:.1f} min"
+    return "not reached"
+
+
 def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> None:
     """Appends the points to points.csv, writes this command's table.md, redraws accuracy.png from points.csv."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +153,7 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
             writer.writeheader()
         writer.writerows(rows)
     headers = ["label", "library", "steps", "accuracy start", "accuracy end", "best", "train min wall",
-               "train min CPU", "frac zero-std groups"]
+               "train min CPU", "frac zero-std groups", "first +10 points"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |" for row in summary]
     (output_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -177,7 +186,7 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sides", nargs="+", default=["trl", "posttrain"], choices=["trl", "posttrain"])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side, repeat r with seed --seed + r")
     parser.add_argument("--label", default="default", help="names this configuration's rows (ablations)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
@@ -221,7 +230,7 @@ def main() -> None:
         repeat, library = repeat_library
         started = time.perf_counter()
         result = run_isolated("bench_time_to_accuracy:run_side", dict(
-            library=library, settings=settings, eval_size=options.eval_size, eval_every=options.eval_every,
+            library=library, settings={**settings, "seed": options.seed + repeat}, eval_size=options.eval_size, eval_every=options.eval_every,
             train_size=options.train_size, levers=levers), env=allocator)
         print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in result["points"])
               + f" ({time.perf_counter() - started:.0f} s with evaluations; load {os.getloadavg()[0]:.1f})",
@@ -229,7 +238,7 @@ def main() -> None:
         return result
 
     if options.parallel:  # each side on its own core: same neighbours for both, half the waiting
-        with ThreadPoolExecutor(len(runs)) as pool:
+        with ThreadPoolExecutor(len(options.sides)) as pool:
             results = list(pool.map(run, runs))
     else:
         results = [run(r) for r in runs]
@@ -240,7 +249,7 @@ def main() -> None:
         summary.append([options.label, library, points[-1]["step"], points[0]["accuracy"],
                         points[-1]["accuracy"], max(p["accuracy"] for p in points),
                         points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
-                        result["frac_reward_zero_std"]])
+                        result["frac_reward_zero_std"], first_gain(points, 0.10)])
     write_outputs(Path(options.output_dir), rows, summary)
 
 
