@@ -115,13 +115,18 @@ def busy_cores(before: dict[int, tuple[int, int]] | None = None,
     return len(busy)
 
 
-def thread_settings(num_processes: int = 1, busy: int | None = None) -> dict[str, str]:
+def busy_now() -> int:
+    """`busy_cores()`, looked at only when OMP_NUM_THREADS leaves the thread count to us (0 otherwise)."""
+    return busy_cores() if "OMP_NUM_THREADS" not in os.environ else 0
+
+
+def thread_settings(num_processes: int = 1, busy: int = 0) -> dict[str, str]:
     """The OpenMP variables to set where the user has not: threads = the physical cores other work leaves free
-    (`busy`, measured when None; at least 1), shared among the processes; passive waiting."""
+    (all but `busy`; at least 1), shared among the processes; passive waiting."""
     settings = {}
     if "OMP_NUM_THREADS" not in os.environ:
         cores = physical_cores()
-        free = cores - min(busy_cores() if busy is None else busy, cores - 1)
+        free = cores - min(busy, cores - 1)
         settings["OMP_NUM_THREADS"] = str(max(1, free // max(1, num_processes)))
     if "OMP_WAIT_POLICY" not in os.environ:
         settings["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -145,7 +150,7 @@ def prepare_training_process(argv: list[str]) -> None:
     """Sets the thread variables and, when an allocator is to be preloaded and is not, re-executes this command
     with it (the call does not return then). `argv`: the command's arguments after the program name."""
     processes = _num_processes(argv)
-    busy = busy_cores() if "OMP_NUM_THREADS" not in os.environ else 0
+    busy = busy_now()
     settings = thread_settings(processes, busy)
     if busy and physical_cores() > 1:
         print(f"posttrain: other work keeps {busy} of the {physical_cores()} cores busy; training with "
@@ -177,7 +182,7 @@ def allocator_report() -> str:
 
 def threads_report() -> str:
     """One line for `posttrain env`: the compute threads a single-process training command would use."""
-    busy = busy_cores() if "OMP_NUM_THREADS" not in os.environ else 0
+    busy = busy_now()
     settings = thread_settings(busy=busy)
     threads = settings.get("OMP_NUM_THREADS") or f"{os.environ['OMP_NUM_THREADS']} (OMP_NUM_THREADS)"
     wait = settings.get("OMP_WAIT_POLICY") or f"{os.environ['OMP_WAIT_POLICY']} (OMP_WAIT_POLICY)"

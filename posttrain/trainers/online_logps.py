@@ -22,7 +22,8 @@ from ..losses.policy import entropy_from_logits
 from ..models.llama_forward import llama_forward
 from ..models.reference import unwrap
 from .online_vision import forward_vision_inputs, uses_own_positions
-from .preference_common import SequenceView, can_repack, common_prefix, forward_hidden, output_head, prefix_layout
+from .preference_common import (SequenceView, can_repack, common_prefix, forward_hidden, layout_settings, output_head,
+                                prefix_layout)
 
 
 def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False,
@@ -80,10 +81,7 @@ def shared_prompt_layout(model, batch: dict[str, torch.Tensor]):
     firsts, others = [m[0] for m in units for _ in m[1:]], [s for m in units for s in m[1:]]
     common = iter(common_prefix(view, firsts, others) if others else [])
     shared = [min([next(common) for _ in m[1:]], default=0) for m in units]
-    config = unwrap(model).config
-    eager = config._attn_implementation == "eager"
-    layout = prefix_layout(view, units, shared, config.get_text_config().hidden_size,
-                           next(model.parameters()).dtype if eager else None)
+    layout = prefix_layout(view, units, shared, *layout_settings(model))
     return None if layout is None else (*layout, prompt_lengths)
 
 

@@ -268,10 +268,15 @@ def model_shared_layout(model, view: SequenceView) -> tuple[dict, torch.Tensor] 
     the layout would not save enough."""
     if not can_repack(model, view.ids.shape[1]):
         return None
+    return shared_layout(view, *layout_settings(model))
+
+
+def layout_settings(model) -> tuple[int, torch.dtype | None]:
+    """(hidden size, mask dtype) that `prefix_layout` needs for `model`: a boolean mask for sdpa, an additive one in
+    the model's dtype for eager attention."""
     config = unwrap(model).config
     eager = config._attn_implementation == "eager"
-    return shared_layout(view, config.get_text_config().hidden_size,
-                         next(model.parameters()).dtype if eager else None)
+    return config.get_text_config().hidden_size, next(model.parameters()).dtype if eager else None
 
 
 def forward_hidden(model, inputs: dict):
