@@ -84,6 +84,7 @@ def worker(impl: str, model_path: str, ref_path: str | None, steps: int, batch: 
         "impl": impl,
         "steps_per_s": steps / (wall_1 - wall_0),
         "tokens_per_s": steps * batch * tokens_per_row / (cpu_1 - cpu_0),
+        "tokens_per_step": batch * tokens_per_row,
         "cpu_ms_per_step": 1000 * (cpu_1 - cpu_0) / steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),

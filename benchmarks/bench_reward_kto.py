@@ -105,6 +105,7 @@ def worker(impl: str, method: str, root: str, steps: int) -> dict:
     return {
         "steps_per_s": steps_per_s,
         "tokens_per_s": steps_per_s * SETTINGS["per_device_train_batch_size"] * tokens_per_row,
+        "tokens_per_step": SETTINGS["per_device_train_batch_size"] * tokens_per_row,
         "cpu_ms_per_step": 1000 * (cpu_1 - cpu_0) / timed,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),

@@ -4,8 +4,8 @@
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
 copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
---smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto, DPO from bench_dpo,
-GRPO and RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain
+--smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto, DPO from bench_dpo
+(tiny Llama; with --smollm2 also SmolLM2-135M, `ref_model=None`), GRPO and RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain
 and TRL alternate, and each cell is the median of `--repeats` runs.
 
 Every trainer is timed in process CPU time between the first and the last optimizer step (GRPO/RLOO: generation
@@ -37,9 +37,9 @@ SFT_MODES = {"padded": "SFT padded", "packed": "SFT packed BFD", "wrapped": "SFT
 
 def _cpu_rates(result: dict) -> dict:
     """steps/s and tokens/s in CPU time from a reward/KTO/DPO run (which report wall-time rates and CPU ms/step)."""
-    tokens_per_step = result["tokens_per_s"] / result["steps_per_s"]
     steps = 1000 / result["cpu_ms_per_step"]
-    return {"steps_per_s": steps, "tokens_per_s": steps * tokens_per_step, "peak_rss_mb": result["peak_rss_mb"]}
+    return {"steps_per_s": steps, "tokens_per_s": steps * result["tokens_per_step"],
+            "peak_rss_mb": result["peak_rss_mb"]}
 
 
 def _sft_rates(result: dict, peak: float, full: bool) -> dict:
@@ -97,6 +97,15 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
                 impl=lib, model_path=policy, ref_path=ref, steps=steps(30),
                 batch=bench_dpo.MODELS["tiny"]["batch"]))))
             for lib in LIBRARIES}))
+        if smollm2:
+            from posttrain.models.builtin import builtin_model_path
+
+            smol = bench_dpo.MODELS["smollm2"]
+            cells.append(("DPO SmolLM2-135M full", f"ref_model=None, batch {smol['batch']} pairs", {
+                lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
+                    impl=lib, model_path=builtin_model_path(), ref_path=None, steps=steps(smol["steps"]),
+                    batch=smol["batch"]))))
+                for lib in LIBRARIES}))
     if {"grpo", "rloo"} & only:
         tiny = save_tiny_model(workdir / "grpo")
         for method in ("grpo", "rloo"):
@@ -146,7 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="Runs per library and cell (alternating); median.")
     parser.add_argument("--only", default="sft,reward,kto,dpo,grpo,rloo", help="Comma-separated trainers to run.")
-    parser.add_argument("--smollm2", action="store_true", help="Add SmolLM2-135M SFT (full and LoRA): minutes a run.")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="Add SmolLM2-135M SFT (full and LoRA) and DPO: minutes a run.")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="Scale every benchmark's step count.")
     parser.add_argument("--tcmalloc", action="store_true", help="Run both libraries with tcmalloc preloaded.")
     cli = parser.parse_args()

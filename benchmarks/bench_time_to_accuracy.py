@@ -7,7 +7,8 @@ on the same `--eval_size` fixed held-out problems with greedy decoding, by the s
 transformers backend, top-k 1): the evaluation is the measuring instrument, and its time is taken off the
 training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
 the order alternates and repeat r trains with seed `--seed` + r (one run per side is mostly sampling luck: its
-completions decide the curve), and with `--parallel` the two sides of a repeat run at once, one core each. The clock is reported twice:
+completions decide the curve), and the table adds each library's mean curve over its runs (accuracy and clocks
+averaged step by step) with its first +10 points; with `--parallel` the two sides of a repeat run at once, one core each. The clock is reported twice:
 wall seconds, and the process's CPU seconds, which is what the code costs when other jobs share the machine (wall
 time then measures the neighbours too). Both sides run with tcmalloc preloaded, as the `posttrain` command runs
 (`--allocator system` for glibc malloc).
@@ -142,6 +143,31 @@ def first_gain(points: list[dict], gain: float) -> str:
     return "not reached"
 
 
+def mean_curve(runs: list[list[dict]]) -> list[dict]:
+    """The runs' points averaged step by step (accuracy and training clocks), over the steps every run evaluated:
+    the expected curve of a configuration, which the single runs' sampling luck scatters around."""
+    steps = sorted(set.intersection(*({p["step"] for p in run} for run in runs)))
+    at = [{p["step"]: p for p in run} for run in runs]
+    return [{"step": step, **{key: sum(run[step][key] for run in at) / len(at)
+                              for key in ("train_wall_s", "train_cpu_s", "accuracy")}} for step in steps]
+
+
+def summary_rows(label: str, runs: list[tuple[str, dict]]) -> list[list]:
+    """One table row per run, then with several runs of a library one for the mean of its runs."""
+    def row(name, points, zero_std):
+        return [label, name, points[-1]["step"], points[0]["accuracy"], points[-1]["accuracy"],
+                max(p["accuracy"] for p in points), points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
+                zero_std, first_gain(points, 0.10)]
+
+    rows = [row(library, result["points"], result["frac_reward_zero_std"]) for library, result in runs]
+    for library in dict.fromkeys(library for library, _ in runs):
+        mine = [result for name, result in runs if name == library]
+        if len(mine) > 1:
+            rows.append(row(f"{library}: mean of {len(mine)}", mean_curve([r["points"] for r in mine]),
+                            sum(r["frac_reward_zero_std"] for r in mine) / len(mine)))
+    return rows
+
+
 def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> None:
     """Appends the points to points.csv, writes this command's table.md, redraws accuracy.png from points.csv."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -242,14 +268,9 @@ def main() -> None:
             results = list(pool.map(run, runs))
     else:
         results = [run(r) for r in runs]
-    rows, summary = [], []
-    for (repeat, library), result in zip(runs, results):
-        points = result["points"]
-        rows += [{"label": options.label, "library": library, "repeat": repeat, **p} for p in points]
-        summary.append([options.label, library, points[-1]["step"], points[0]["accuracy"],
-                        points[-1]["accuracy"], max(p["accuracy"] for p in points),
-                        points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
-                        result["frac_reward_zero_std"], first_gain(points, 0.10)])
+    rows = [{"label": options.label, "library": library, "repeat": repeat, **p}
+            for (repeat, library), result in zip(runs, results) for p in result["points"]]
+    summary = summary_rows(options.label, [(library, result) for (_, library), result in zip(runs, results)])
     write_outputs(Path(options.output_dir), rows, summary)
 
 

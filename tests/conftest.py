@@ -31,6 +31,17 @@ def fresh_tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
+@pytest.fixture(params=["sdpa", "eager"])
+def model64(request, tokenizer):
+    """The tiny model (seed 3) in float64, with each attention implementation: the layouts with 4D masks must give
+    every sequence what it gets alone under both."""
+    from posttrain.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, seed=3).double()
+    model.set_attn_implementation(request.param)
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The built-in SmolLM2-135M-Instruct checkpoint (converted once into the default cache)."""

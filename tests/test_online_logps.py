@@ -7,7 +7,6 @@ and completions of every length down to one token."""
 import pytest
 import torch
 
-from posttrain.models.tiny import build_tiny_model
 from posttrain.trainers import online_logps
 from posttrain.trainers.online_logps import completion_logps, shared_prompt_layout
 
@@ -36,11 +35,9 @@ def _batch() -> dict[str, torch.Tensor]:
             "completion_mask": completion_mask}
 
 
-@pytest.fixture(params=["sdpa", "eager"])
-def model(request, tokenizer):
-    model = build_tiny_model(tokenizer, seed=3).double()
-    model.set_attn_implementation(request.param)
-    return model
+@pytest.fixture()
+def model(model64):
+    return model64
 
 
 def _unshared(model, batch, temperature):

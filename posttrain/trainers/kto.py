@@ -29,6 +29,7 @@ from ..losses.preference import KTO_LOSS_TYPES, kto_loss
 from ..models.reference import is_peft_model, reference_forward
 from .dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
 from .preference_common import SequenceLogps
+from .prefix_cache import trained_and_continuation_logps
 
 logger = logging.getLogger("posttrain")
 
@@ -253,13 +254,7 @@ class KTOTrainer(ReferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        # The examples and their KL pairs (rows n..2n) in one forward: each pair shares its example's prompt, which
-        # `sequence_logps` then computes once; the KL pairs' log-probs are used detached, as TRL's no-grad forward.
-        # Not with a load-balancing loss, which is over the examples alone.
-        fused = not self.aux_loss_enabled
-        both = sequence_logps(model, kto_rows(inputs, slice(None) if fused else slice(None, n)),
-                              router_logits=self.aux_loss_enabled)
-        policy = first_sequences(both, n)
+        policy, kl_logps = self._policy_logps(model, inputs, n)
         if all(c in inputs for c in self.REF_COLUMNS):
             ref = {c: inputs[c] for c in self.REF_COLUMNS}
         else:
@@ -267,11 +262,6 @@ class KTOTrainer(ReferenceTrainer):
                 ref = self.reference_columns(reference, inputs)
         policy_kl = ref_kl = None
         if "ref_kl_logps" in ref:
-            if fused:
-                kl_logps = both.logps[n:].detach()
-            else:
-                with torch.no_grad():
-                    kl_logps = sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
             policy_kl = self.accelerator.gather(kl_logps)
             ref_kl = self.accelerator.gather(ref["ref_kl_logps"])
         losses, rewards, kl = kto_loss(
@@ -285,6 +275,24 @@ class KTOTrainer(ReferenceTrainer):
                                   {"chosen": labels, "rejected": ~labels})
         self._record_class_metrics(labels, rewards, policy.logps.detach(), kl if policy_kl is not None else None)
         return (loss, {"rewards": rewards}) if return_outputs else loss
+
+    def _policy_logps(self, model, inputs, n: int) -> tuple[SequenceLogps, torch.Tensor | None]:
+        """The examples' log-probs with gradient and their KL pairs' (rows n..2n, when present) without, which TRL
+        computes in a separate no-grad forward. Each pair shares its example's prompt: the examples run first and
+        the pairs read that prompt from their attention cache (`prefix_cache`); where that cannot be used, both run
+        in one forward that computes the prompt once (the pairs then go through the backward pass for nothing). With
+        a load-balancing loss, which is over the examples alone, the pairs get a forward of their own."""
+        if inputs["input_ids"].shape[0] == n:
+            return sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled), None
+        if self.aux_loss_enabled:
+            policy = sequence_logps(model, kto_rows(inputs, slice(None, n)), router_logits=True)
+            with torch.no_grad():
+                return policy, sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
+        cached = trained_and_continuation_logps(model, kto_rows(inputs, slice(None)), n)
+        if cached is not None:
+            return cached
+        both = sequence_logps(model, kto_rows(inputs, slice(None)))
+        return first_sequences(both, n), both.logps[n:].detach()
 
     def _record_class_metrics(self, labels, rewards, logps, kl=None) -> None:
         """Means over the desirable and the undesirable examples of all processes (a class may be absent),

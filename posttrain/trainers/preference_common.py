@@ -202,7 +202,8 @@ def common_prefix(view: SequenceView, firsts: list[int], others: list[int]) -> l
 
 
 def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int], hidden_size: int,
-                  mask_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor] | None:
+                  mask_dtype: torch.dtype | None,
+                  min_saving: float = MIN_PACKING_SAVING) -> tuple[dict, torch.Tensor] | None:
     """A cheaper layout of a right-padded batch whose sequences come in groups ("units", lists of sequence
     indices) that start alike: the first sequence of unit u is laid out whole, and the others read its first
     `shared[u]` tokens (which they must equal: the prompt of DPO's pair, or of an online group's completions)
@@ -210,8 +211,8 @@ def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int],
     each token see its unit's shared prefix and its own sequence, and position ids continue the prefix in every
     branch, so every sequence gets exactly the hidden states it gets alone.
 
-    Returns (model inputs, new `where`), or None when it would not save MIN_PACKING_SAVING of the padded batch's
-    cost (see `_cost`). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
+    Returns (model inputs, new `where`), or None when it would not save `min_saving` of the padded batch's cost
+    (see `_cost`; the layout never costs more). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
     count, width = view.ids.shape
     device = view.ids.device
     columns = torch.arange(width, device=device)
@@ -220,7 +221,7 @@ def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int],
     sizes = [lengths[m[0]] + sum(lengths[s] - shared[u] for s in m[1:]) for u, m in enumerate(units)]
     fills, placed = _packing(sizes, hidden_size)
     rows, packed_width = len(fills), max(fills)
-    if _cost(rows, packed_width, hidden_size) > (1 - MIN_PACKING_SAVING) * _cost(count, width, hidden_size):
+    if _cost(rows, packed_width, hidden_size) > (1 - min_saving) * _cost(count, width, hidden_size):
         return None
     # Token t of sequence s sits at its unit's start + t, and past what it reads from the unit's first sequence
     # (`reads`), `jump` further: behind the sequences of its unit laid out before it.
@@ -279,8 +280,9 @@ def layout_settings(model) -> tuple[int, torch.dtype | None]:
     return config.get_text_config().hidden_size, next(model.parameters()).dtype if eager else None
 
 
-def forward_hidden(model, inputs: dict):
-    """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only."""
+def forward_hidden(model, inputs: dict, **options):
+    """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only. `options`
+    go to the model (default `use_cache=False`)."""
     captured = {}
 
     def keep(module, args, output):
@@ -288,7 +290,7 @@ def forward_hidden(model, inputs: dict):
 
     handle = unwrap(model).get_decoder().register_forward_hook(keep)
     try:
-        outputs = model(**inputs, use_cache=False, logits_to_keep=1)
+        outputs = model(**inputs, **{"use_cache": False, **options}, logits_to_keep=1)
     finally:
         handle.remove()
     return captured["hidden"], outputs
@@ -345,7 +347,11 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
         logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]
         extra = _logits_stats(logits.detach(), targets, wpo) if stats or wpo else {}
         scores = TokenScores(selective_log_softmax(logits, targets), **extra)
-    scored = view.scored
+    return assemble_scores(view.scored, scores, ld_alpha, getattr(outputs, "aux_loss", None))
+
+
+def assemble_scores(scored: torch.Tensor, scores: TokenScores, ld_alpha: float | None, aux_loss) -> SequenceLogps:
+    """`SequenceLogps` from the scores of the `scored` [N, L] tokens, in their row-major order."""
     mask = scored.to(torch.float32)
 
     def per_token(values: torch.Tensor) -> torch.Tensor:
@@ -363,7 +369,7 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
         half = counts.shape[0] // 2
         shared = torch.minimum(counts[:half], counts[half:]).repeat(2)
         logps = length_desensitized_logps(token_logps, mask, shared, ld_alpha)
-    return SequenceLogps(logps, counts, token_logps, mask, sums, getattr(outputs, "aux_loss", None))
+    return SequenceLogps(logps, counts, token_logps, mask, sums, aux_loss)
 
 
 class PreferenceMetricsMixin:
