@@ -185,6 +185,12 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
     (output_dir / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
+    plot_curves(points, output_dir / "accuracy.png")
+
+
+def plot_curves(points: Path, image: Path) -> None:
+    """Accuracy against training minutes (wall and CPU clock) for every run in `points`, and dashed, each library's
+    mean curve over the repeats of a label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,13 +198,21 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
 
     with points.open() as handle:
         everything = list(csv.DictReader(handle))
+    runs = {}
+    for r in everything:
+        runs.setdefault((r["label"], r["library"], r["repeat"]), []).append(
+            {"step": int(r["step"]), **{k: float(r[k]) for k in ("train_wall_s", "train_cpu_s", "accuracy")}})
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    curves = sorted({(r["label"], r["library"], r["repeat"]) for r in everything})
-    for label, library, repeat in curves:
-        run = [r for r in everything if (r["label"], r["library"], r["repeat"]) == (label, library, repeat)]
+    curves = [(f"{library} {label} #{repeat}", run, {"marker": "o", "alpha": 0.6})
+              for (label, library, repeat), run in sorted(runs.items())]
+    for label, library in sorted({(label, library) for label, library, _ in runs}):
+        mine = [run for (l, lib, _), run in runs.items() if (l, lib) == (label, library)]
+        if len(mine) > 1:
+            curves.append((f"{library} {label}: mean of {len(mine)}", mean_curve(mine),
+                           {"linestyle": "--", "linewidth": 2.5, "color": "black" if library == "trl" else "tab:blue"}))
+    for name, run, style in curves:
         for axis, clock in zip(axes, ("train_wall_s", "train_cpu_s")):
-            axis.plot([float(r[clock]) / 60 for r in run], [float(r["accuracy"]) for r in run], marker="o",
-                      label=f"{library} {label} #{repeat}")
+            axis.plot([p[clock] / 60 for p in run], [p["accuracy"] for p in run], label=name, **style)
     for axis, name in zip(axes, ("wall", "CPU")):
         axis.set_xlabel(f"training minutes ({name} clock, evaluation excluded)")
         axis.grid(alpha=0.3)
@@ -206,7 +220,7 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
     axes[1].legend(fontsize=7)
     figure.suptitle("GRPO, SmolLM2-135M-Instruct, 2-term arithmetic")
     figure.tight_layout()
-    figure.savefig(output_dir / "accuracy.png", dpi=120)
+    figure.savefig(image, dpi=120)
 
 
 def main() -> None:
