@@ -71,8 +71,9 @@ class ServerDistillationConfig(DistillationConfig):
 class TeacherServer:
     """A teacher behind an OpenAI-compatible vLLM server: log-probs of given token sequences, nothing generated."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
+    def __init__(self, base_url: str, connect_timeout_s: float | None = None):
         self.client = VLLMClient(base_url)
+        connect_timeout_s = CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
