@@ -21,14 +21,12 @@ from .preference_common import (SequenceLogps, SequenceView, assemble_scores, ca
 
 
 def applicable(model, batch: dict) -> bool:
-    """A plain text model whose output layer is linear, masks built by `masking_utils` (sdpa/eager), a right-padded
-    batch, no MoE router loss, no gradient checkpointing (which turns the cache off)."""
-    if output_head(model) is None or not can_repack(model, batch["input_ids"].shape[1]):
-        return False
+    """Masks built by `masking_utils` (sdpa/eager), a right-padded batch, no MoE router loss, no gradient
+    checkpointing (which turns the cache off). (The caller also needs a linear output layer, `output_head`.)"""
     inner = unwrap(model)
-    config = inner.config
-    return ("attention_mask" in batch and is_right_padded(batch["input_ids"], batch["attention_mask"])
-            and not getattr(config, "output_router_logits", False)
+    return (can_repack(model, batch["input_ids"].shape[1]) and "attention_mask" in batch
+            and is_right_padded(batch["input_ids"], batch["attention_mask"])
+            and not getattr(inner.config, "output_router_logits", False)
             and not getattr(inner, "is_activation_checkpointing", False))
 
 
@@ -72,8 +70,9 @@ def trained_and_continuation_logps(model, batch: dict, n: int,
                                    stats: bool = True) -> tuple[SequenceLogps, torch.Tensor] | None:
     """For a right-padded batch of 2n sequences, where sequence n + i continues a prefix of sequence i: the first n
     scored with gradient (as `sequence_logps` scores them) and the summed completion log-probs of the other n,
-    detached. None when the model or batch does not allow it (see `applicable`)."""
-    if not applicable(model, batch):
+    detached. None without a linear output layer or where `applicable` says no."""
+    head = output_head(model)
+    if head is None or not applicable(model, batch):
         return None
     view = sequence_view(batch)
     hidden_size, mask_dtype = layout_settings(model)
@@ -89,7 +88,6 @@ def trained_and_continuation_logps(model, batch: dict, n: int,
     starts = [(slot // width, slot % width) for slot in first_slots]
     cache = DynamicCache(config=unwrap(model).config)
     hidden, outputs = forward_hidden(model, inputs, cache=cache, use_cache=True)
-    head = output_head(model)
     predictors = where[:, :-1][trained.scored[:, 1:]]
     scores = linear_logps(hidden.reshape(-1, hidden.shape[-1])[predictors], head.weight, trained.ids[trained.scored],
                           head.bias, stats=stats)
