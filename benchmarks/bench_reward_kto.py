@@ -51,23 +51,25 @@ def preference_rows(n: int = 256, seed: int = 0) -> list[dict]:
             for _ in range(n)]
 
 
-def unpaired_rows() -> list[dict]:
-    """The preference rows as unpaired KTO rows, desirable and undesirable alternating."""
+def unpaired_rows(rows: int | None = None) -> list[dict]:
+    """The preference rows as unpaired KTO rows, desirable and undesirable alternating (the first `rows`)."""
     return [{"prompt": r["prompt"], "completion": r[column], "label": column == "chosen"}
-            for r in preference_rows(128) for column in ("chosen", "rejected")]
+            for r in preference_rows(128) for column in ("chosen", "rejected")][:rows]
 
 
-def sequences(method: str, tokenizer) -> list[list[int]]:
+def sequences(method: str, tokenizer, rows: int | None = None) -> list[list[int]]:
     """The token sequences a step trains on, per row: prompt + completion + EOS (counted the same for both)."""
     def ids(prompt, completion):
         return tokenizer(prompt + completion)["input_ids"] + [tokenizer.eos_token_id]
 
     if method == "reward":
         return [ids(r["prompt"], r["chosen"]) + ids(r["prompt"], r["rejected"]) for r in preference_rows()]
-    return [ids(r["prompt"], r["completion"]) for r in unpaired_rows()]
+    return [ids(r["prompt"], r["completion"]) for r in unpaired_rows(rows)]
 
 
-def worker(impl: str, method: str, root: str, steps: int) -> dict:
+def worker(impl: str, method: str, root: str, steps: int, rows: int | None = None) -> dict:
+    """One run. `rows` (KTO): train on the first `rows` rows only, so that the run goes over them epoch after epoch
+    (posttrain then reuses each row's reference log-probs from its first epoch: `cache_ref_log_probs`)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -95,10 +97,10 @@ def worker(impl: str, method: str, root: str, steps: int) -> dict:
         model = AutoModelForCausalLM.from_pretrained(root / "policy")
         ref_model = AutoModelForCausalLM.from_pretrained(root / "ref")
         trainer = KTOTrainer(model, ref_model=ref_model, args=KTOConfig(**settings),
-                             train_dataset=Dataset.from_list(unpaired_rows()), processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(unpaired_rows(rows)), processing_class=tokenizer,
                              callbacks=[timer])
     trainer.train()
-    tokens_per_row = statistics.mean(map(len, sequences(method, tokenizer)))
+    tokens_per_row = statistics.mean(map(len, sequences(method, tokenizer, rows)))
     (wall_0, cpu_0), (wall_1, cpu_1) = timer.times[0], timer.times[-1]
     timed = len(timer.times) - 1
     steps_per_s = timed / (wall_1 - wall_0)
@@ -139,10 +141,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", nargs="+", choices=("reward", "kto"), default=["reward", "kto"])
+    parser.add_argument("--rows", type=int, help="KTO: train on the first ROWS rows (several epochs) instead of 256.")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "METHOD", "ROOT"))
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(*args.worker, args.steps)))
+        print("RESULT " + json.dumps(worker(*args.worker, args.steps, args.rows)))
         return
 
     root = Path(tempfile.mkdtemp(prefix="bench_reward_kto_"))
@@ -152,6 +155,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for impl in results:
                 cmd = [sys.executable, __file__, "--worker", impl, method, str(root), "--steps", str(args.steps)]
+                cmd += ["--rows", str(args.rows)] if args.rows else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if line is None:

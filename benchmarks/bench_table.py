@@ -4,7 +4,7 @@
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
 copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
---smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto, DPO from bench_dpo
+--smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto (KTO also on 16 rows, epoch after epoch), DPO from bench_dpo
 (tiny Llama; with --smollm2 also SmolLM2-135M, `ref_model=None`), GRPO and RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain
 and TRL alternate, and each cell is the median of `--repeats` runs.
 
@@ -89,6 +89,11 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
                     lib: (lambda lib=lib, method=method: _cpu_rates(run_isolated("bench_reward_kto:worker", dict(
                         impl=lib, method=method, root=str(root), steps=steps(30)))))
                     for lib in LIBRARIES}))
+        if "kto" in only:  # 16 rows: epoch after epoch, where posttrain knows each row's reference log-probs
+            cells.append(("KTO, later epochs", "tiny Llama, batch 8, 16 rows", {
+                lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_reward_kto:worker", dict(
+                    impl=lib, method="kto", root=str(root), steps=steps(30), rows=16))))
+                for lib in LIBRARIES}))
     if "dpo" in only:
         policy = save_tiny_model(workdir / "dpo" / "policy", seed=0, hidden_size=256, num_layers=4)
         ref = save_tiny_model(workdir / "dpo" / "ref", seed=1, hidden_size=256, num_layers=4)

@@ -289,7 +289,7 @@ def test_bco_named_reference_adapter(tmp_path, tiny_model_path):
     expected = [_completion_logp64(model, r["input_ids"], r["completion_mask"].index(1)) for r in rows]
     model.set_adapter("policy")
     batch = trainer._prepare_inputs(trainer.data_collator(rows))
-    with trainer._reference(trainer.model) as reference:
+    with trainer.reference_module(trainer.model) as reference:
         got = trainer.reference_columns(reference, batch)["ref_logps"]
     assert got.tolist() == pytest.approx(expected, rel=1e-5)
     assert model.active_adapter == "policy"

@@ -261,7 +261,7 @@ class BCOTrainer(ReferenceTrainer):
 
     # -- reference -------------------------------------------------------------------------------
     @contextmanager
-    def _reference(self, model):
+    def reference_module(self, model):
         """The module that gives reference log-probs: the named reference adapter if there is one."""
         train_adapter, ref_adapter = self._adapters
         if ref_adapter is None:
@@ -327,11 +327,7 @@ class BCOTrainer(ReferenceTrainer):
         labels = inputs["label"]
         n = len(labels)
         policy = sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
-        if "ref_logps" in inputs:
-            ref_logps = inputs["ref_logps"]
-        else:
-            with self._reference(model) as reference:
-                ref_logps = self.reference_columns(reference, inputs)["ref_logps"]
+        ref_logps = self.reference_logps(model, inputs)["ref_logps"]
         if model.training:  # delta takes in this batch's rewards (of all processes) before it shifts them
             rewards = self.args.beta * (policy.logps.detach() - ref_logps)
             self._delta = update_running_mean(*self._delta, self.accelerator.gather(rewards.float()))

@@ -278,6 +278,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
                             for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
             eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval_dataset")
+        self.uses_default_collator = data_collator is None
         super().__init__(
             model=model, args=args, data_collator=data_collator or self.default_collator(processing_class, args),
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,

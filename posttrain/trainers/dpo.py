@@ -4,7 +4,8 @@ log-probability of chosen completions over rejected ones, relative to a fixed re
 Each step runs chosen and rejected through the policy in one forward (2B sequences, or one padding-free
 row; `preference_common.sequence_logps` computes each shared prompt once and never builds the full logits).
 The reference is a frozen copy, a model the user passes, the PEFT policy with its adapter disabled,
-or log-probs computed once before training and cached on disk (`precompute_ref_log_probs`).
+or log-probs computed once before training and cached on disk (`precompute_ref_log_probs`); otherwise each
+row's reference log-probs are kept from their first forward for when the row comes back (`reference_memo.py`).
 `ReferenceConfig` / `ReferenceTrainer` hold what DPO shares with KTO (reference handling, TR-DPO syncing; the
 MoE auxiliary loss and the token metrics TRL logs come from `PreferenceMetricsMixin`); each sequence over
 `max_length` is cut by the collator as `truncation_mode` says, exactly as TRL does.
@@ -16,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +44,7 @@ from ..models.reference import (
 )
 from .base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
 from .preference_common import PreferenceMetricsMixin, SequenceLogps, sequence_index, sequence_logps
+from .reference_memo import DIGESTS, DigestingCollator, ReferenceMemo
 
 logger = logging.getLogger("posttrain")
 
@@ -92,6 +95,12 @@ class ReferenceConfig(PosttrainConfig):
     precompute_ref_batch_size: int | None = field(
         default=None, metadata={"help": "Batch size of that precomputation (default: per_device_train_batch_size "
                                         "for the train set, per_device_eval_batch_size for eval sets)."})
+    cache_ref_log_probs: bool = field(
+        default=True, metadata={"help": "Keep each row's reference log-probs from their first forward and reuse them "
+                                        "when the row comes back (later epochs, evaluation), skipping the reference "
+                                        "forward of batches whose rows are all known. The reference is frozen, so "
+                                        "only float rounding can differ; not used with sync_ref_model, "
+                                        "precompute_ref_log_probs or a data_collator of your own."})
     ref_cache_dir: str = field(
         default=os.path.join("~", ".cache", "posttrain", "ref_logps"),
         metadata={"help": "Where precomputed reference log-probs are cached, keyed by reference weights, data and "
@@ -219,6 +228,7 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
 
     REF_COLUMNS: tuple[str, ...] = ()
     ID_COLUMNS: tuple[str, ...] = ()
+    ref_memo: ReferenceMemo | None = None
 
     def setup_reference(self, ref_model, pretrained_adapter: bool = False) -> None:
         """`pretrained_adapter`: the policy arrived as a PEFT model (its adapter may be trained already), so the
@@ -234,6 +244,9 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
             self.ref_model = None
             self._precompute(ref_model, peft)
             return
+        if args.cache_ref_log_probs and not args.sync_ref_model and self.uses_default_collator:
+            self.ref_memo = ReferenceMemo(self.REF_COLUMNS)
+            self.data_collator = DigestingCollator(self.data_collator, self.ID_COLUMNS)
         reference = create_reference_model(self.model, ref_model, peft=peft, model_init_kwargs=args.model_init_kwargs)
         self.ref_model = None if reference is None else self.accelerator.prepare_model(reference, evaluation_mode=True)
         if args.sync_ref_model:
@@ -256,6 +269,31 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
 
     def reference_columns(self, reference, batch: dict) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    @contextmanager
+    def reference_module(self, model):
+        """What `reference_columns` runs (the reference model, or the policy with its adapter off)."""
+        with reference_forward(model, self.ref_model) as reference:
+            yield reference
+
+    def reference_logps(self, model, inputs: dict) -> dict[str, torch.Tensor]:
+        """The batch's REF_COLUMNS: precomputed in the dataset, known from an earlier forward of the same rows
+        (`cache_ref_log_probs`), or from a reference forward now."""
+        if all(c in inputs for c in self.REF_COLUMNS):
+            return {c: inputs[c] for c in self.REF_COLUMNS}
+        digests = inputs.get(DIGESTS) if self.ref_memo is not None else None
+        if digests is not None:
+            known = self.ref_memo.lookup(digests, inputs["input_ids"].device if "input_ids" in inputs else None)
+            if self.accelerator.num_processes > 1:  # a sharded reference's forward is collective: all or none
+                everywhere = self.accelerator.gather(torch.tensor([int(known is not None)], device=self.args.device))
+                known = known if bool(everywhere.all()) else None
+            if known is not None:
+                return known
+        with self.reference_module(model) as reference:
+            values = self.reference_columns(reference, inputs)
+        if digests is not None:
+            self.ref_memo.store(digests, values)
+        return values
 
     def metric_inputs(self, inputs: dict) -> dict:
         """The sequences whose logits `compute_metrics` receives (with their input_ids as labels), as in TRL."""
@@ -439,10 +477,8 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
         return (int(sequence_index(batch).max()) + 1) // 2
 
     def _reference_logps(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if all(c in inputs for c in self.REF_COLUMNS):
-            return tuple(inputs[c] for c in self.REF_COLUMNS)
-        with reference_forward(model, self.ref_model) as ref:
-            return tuple(self.reference_columns(ref, inputs).values())
+        values = self.reference_logps(model, inputs)
+        return tuple(values[c] for c in self.REF_COLUMNS)
 
     def _losses(self, policy: SequenceLogps, ref_chosen, ref_rejected):
         """Per-pair losses, chosen rewards and rejected rewards."""

@@ -26,7 +26,7 @@ from ..data.report import DataReport, cut_column
 from ..data.tokenize import tokenize_example
 from ..errors import ConfigError, DataError
 from ..losses.preference import KTO_LOSS_TYPES, kto_loss
-from ..models.reference import is_peft_model, reference_forward
+from ..models.reference import is_peft_model
 from .dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
 from .preference_common import SequenceLogps
 from .prefix_cache import trained_and_continuation_logps
@@ -255,11 +255,7 @@ class KTOTrainer(ReferenceTrainer):
         labels = inputs["label"]
         n = len(labels)
         policy, kl_logps = self._policy_logps(model, inputs, n)
-        if all(c in inputs for c in self.REF_COLUMNS):
-            ref = {c: inputs[c] for c in self.REF_COLUMNS}
-        else:
-            with reference_forward(model, self.ref_model) as reference:
-                ref = self.reference_columns(reference, inputs)
+        ref = self.reference_logps(model, inputs)
         policy_kl = ref_kl = None
         if "ref_kl_logps" in ref:
             policy_kl = self.accelerator.gather(kl_logps)

@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.dist]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
-# dpo_sync: DPO with TR-DPO's reference sync after every step (the sharded reference is written to, not only read)
-TRAINERS = ["sft", "dpo", "dpo_sync", "kto", "reward", "grpo", "rloo", "ppo", "distillation"]
+# dpo_sync: DPO with TR-DPO's reference sync after every step (the sharded reference is written to, not only read);
+# dpo_epochs: a second epoch, where each process may know its rows' reference values and skip the (sharded, so
+# collective) reference forward only if every process does
+TRAINERS = ["sft", "dpo", "dpo_epochs", "dpo_sync", "kto", "reward", "grpo", "rloo", "ppo", "distillation"]
 ENGINES = ["ddp", "fsdp2", "zero2", "zero3"]
 EXPECTED_TYPE = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
 # How the policy's parameters are held in each process.

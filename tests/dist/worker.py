@@ -74,6 +74,8 @@ def build(name: str, out_dir: str, per_device: int, model: str, teacher: str, re
         return pt.SFTTrainer(model, args=pt.SFTConfig(max_length=64, **common), train_dataset=_prompt_completion())
     if name == "dpo":
         return pt.DPOTrainer(model, args=pt.DPOConfig(max_length=64, **common), train_dataset=_preference())
+    if name == "dpo_epochs":  # 8 rows: step 3 starts a second epoch, whose rows' reference values are known
+        return pt.DPOTrainer(model, args=pt.DPOConfig(max_length=64, **common), train_dataset=_preference(8))
     if name == "dpo_sync":  # TR-DPO: the policy is mixed into the (sharded) reference after every step
         return pt.DPOTrainer(model, train_dataset=_preference(), args=pt.DPOConfig(
             max_length=64, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, **common))
