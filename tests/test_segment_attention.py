@@ -1,0 +1,202 @@
+"""Per-sequence attention of padding-free rows (posttrain/models/segment_attention.py): every token's output and
+gradient equal to its sequence run alone, the cases handed to transformers' sdpa, where it applies, and the SFT
+trainer's loss with it."""
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+from datasets import Dataset
+
+from posttrain import SFTConfig, SFTTrainer
+from posttrain.data.collators import LanguageModelingCollator
+from posttrain.models import segment_attention as sa
+from posttrain.models.segment_attention import segment_attention, supports_segment_attention
+from posttrain.models.tiny import build_tiny_model
+
+# Sequences of 1..9 tokens; collated one row per example, the shorter rows end in the padding dummy sequence.
+EXAMPLES = [[5, 1, 9], [1], [3, 3, 1, 2], [8], [1, 1, 1]]
+
+
+@pytest.fixture()
+def model(tokenizer):
+    model = build_tiny_model(tokenizer, seed=3).double()
+    return model
+
+
+def _batch():
+    torch.manual_seed(0)
+    examples = []
+    for lengths in EXAMPLES:
+        ids = torch.randint(3, 60, (sum(lengths),)).tolist()
+        examples.append({"input_ids": ids, "seq_lengths": lengths})
+    return LanguageModelingCollator(0, padding_free=True, one_row=False)(examples)
+
+
+def _run(model, input_ids, position_ids, weights):
+    """Logits and the gradient of (weights * logits).sum() with respect to the input embeddings."""
+    embeds = model.get_input_embeddings()(input_ids).detach().requires_grad_()
+    logits = model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False).logits
+    (weights * logits).sum().backward()
+    return logits.detach(), embeds.grad
+
+
+def _sequences(position_ids):
+    """(row, start, length) of each sequence: positions restart at 0 (the collator's rows)."""
+    out = []
+    for row, positions in enumerate(position_ids.tolist()):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        out += [(row, a, b - a) for a, b in zip(starts, starts[1:])]
+    return out
+
+
+@pytest.mark.parametrize("call_cost", [0, None], ids=["per-sequence", "default"])
+def test_each_token_as_its_sequence_alone_float64(model, call_cost):
+    batch = _batch()
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    weights = torch.randn(*ids.shape, model.config.vocab_size, dtype=torch.float64)
+    cost = sa._CALL_COST if call_cost is None else call_cost
+    with mock.patch.object(sa, "_CALL_COST", cost), segment_attention(model):
+        assert model.config._attn_implementation == sa.NAME
+        logits, grad = _run(model, ids, positions, weights)
+    assert model.config._attn_implementation == "sdpa"
+    sequences = _sequences(positions)
+    assert any(n == 1 for _, _, n in sequences) and len(sequences) > len(EXAMPLES) + 5
+    for row, start, n in sequences:
+        part = slice(start, start + n)
+        alone, alone_grad = _run(model, ids[row:row + 1, part], positions[row:row + 1, part],
+                                 weights[row:row + 1, part])
+        torch.testing.assert_close(logits[row:row + 1, part], alone, rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad[row:row + 1, part], alone_grad, rtol=0, atol=1e-12)
+    masked, masked_grad = _run(model, ids, positions, weights)  # transformers' block-diagonal mask
+    torch.testing.assert_close(logits, masked, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, masked_grad, rtol=0, atol=1e-12)
+
+
+def _sdpa_calls(model, batch, call_cost):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("is_causal"), kwargs.get("attn_mask") is not None))
+        return real(*args, **kwargs)
+
+    with mock.patch.object(sa, "_CALL_COST", call_cost), segment_attention(model), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy):
+        model(**{k: v.clone() for k, v in batch.items()}, use_cache=False)  # (the layout is kept on the tensor)
+    return calls
+
+
+def test_per_sequence_calls_and_the_mask_for_many_short_sequences(model):
+    batch = _batch()
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    layers, sequences = model.config.num_hidden_layers, len(_sequences(batch["position_ids"]))
+    assert _sdpa_calls(model, inputs, 0) == [(True, False)] * (layers * sequences)
+    # Sequences this short cost more as separate calls: one masked call per layer, as transformers makes.
+    assert _sdpa_calls(model, inputs, 10 ** 6) == [(False, True)] * layers
+    rows, width = inputs["input_ids"].shape
+    whole = {"input_ids": inputs["input_ids"], "position_ids": torch.arange(width).expand(rows, width)}
+    assert _sdpa_calls(model, whole, 0) == [(True, False)] * layers  # no restarts: plain causal rows
+
+
+def test_mask_given_goes_to_sdpa_unchanged(model):
+    """With an attention mask transformers ignores restarting positions; so does this implementation."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 60, (2, 7))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2)
+    for mask in (torch.ones(2, 7, dtype=torch.long), torch.tensor([[1] * 7, [1] * 4 + [0] * 3])):
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        with segment_attention(model):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_gradient_checkpointing_same_gradients(model):
+    batch = _batch()
+    weights = torch.randn(*batch["input_ids"].shape, model.config.vocab_size, dtype=torch.float64)
+    model.train()
+    with mock.patch.object(sa, "_CALL_COST", 0):
+        with segment_attention(model):
+            _, plain = _run(model, batch["input_ids"], batch["position_ids"], weights)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        with segment_attention(model):
+            _, checkpointed = _run(model, batch["input_ids"], batch["position_ids"], weights)
+    torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-12)
+
+
+def test_where_it_applies(model):
+    assert supports_segment_attention(model)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    assert not supports_segment_attention(eager)
+    with segment_attention(eager):
+        assert eager.config._attn_implementation == "eager"
+    windowed = copy.deepcopy(model)
+    windowed.config.sliding_window = 4
+    assert not supports_segment_attention(windowed)
+
+    class OtherAttention(type(model.model.layers[0].self_attn)):
+        def forward(self, *args, **kwargs):  # another formula: its attention may not read the interface
+            return super().forward(*args, **kwargs)
+
+    other = copy.deepcopy(model)
+    other.model.layers[1].self_attn.__class__ = OtherAttention
+    assert not supports_segment_attention(other)
+    with pytest.raises(RuntimeError), segment_attention(model):
+        raise RuntimeError
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_lora_model(model):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert supports_segment_attention(peft_model)
+    batch = _batch()
+    expected = peft_model(**{k: batch[k] for k in ("input_ids", "position_ids")}, use_cache=False).logits
+    with mock.patch.object(sa, "_CALL_COST", 0), segment_attention(peft_model):
+        got = peft_model(**{k: batch[k] for k in ("input_ids", "position_ids")}, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
+    words = "the cat sat on a mat and then it ran far away from the big red dog".split()
+    data = Dataset.from_list([{"text": " ".join(words[: 3 + (i * 7) % 14])} for i in range(12)])
+    losses, used = {}, {}
+    for enabled in (False, True):
+        args = SFTConfig(output_dir=str(tmp_path / str(enabled)), per_device_train_batch_size=4, max_steps=2,
+                         max_length=48, packing=True, packing_strategy=strategy, logging_steps=1,
+                         save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=data)
+        assert trainer._segment_attention
+        trainer._segment_attention = enabled
+        seen = []
+        forward = sa.segment_attention_forward
+        with mock.patch.object(sa, "segment_attention_forward",
+                               lambda *a, **k: seen.append(1) or forward(*a, **k)), \
+                mock.patch.object(sa, "_CALL_COST", 0):
+            trainer.train()
+        losses[enabled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        used[enabled] = bool(seen)
+        assert trainer.model.config._attn_implementation == "sdpa"
+    assert used == {False: False, True: True}
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6, abs=0)
+
+
+def test_sft_keeps_eager(tmp_path, tiny_model_path):
+    args = SFTConfig(output_dir=str(tmp_path), max_length=32, packing=True, report_to="none", use_cpu=True,
+                     model_init_kwargs={"attn_implementation": "eager"})
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+    assert not trainer._segment_attention
+
+
+def test_position_ids_made_under_inference_mode(model):
+    batch = _batch()
+    with torch.inference_mode():
+        positions = batch["position_ids"].clone()
+    expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    with torch.no_grad(), mock.patch.object(sa, "_CALL_COST", 0), segment_attention(model):
+        got = model(input_ids=batch["input_ids"], position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
