@@ -282,8 +282,8 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
         if all(c in inputs for c in self.REF_COLUMNS):
             return {c: inputs[c] for c in self.REF_COLUMNS}
         digests = inputs.get(DIGESTS) if self.ref_memo is not None else None
-        if digests is not None:
-            known = self.ref_memo.lookup(digests, inputs["input_ids"].device if "input_ids" in inputs else None)
+        if self.ref_memo is not None:
+            known = None if digests is None else self.ref_memo.lookup(digests, self.args.device)
             if self.accelerator.num_processes > 1:  # a sharded reference's forward is collective: all or none
                 everywhere = self.accelerator.gather(torch.tensor([int(known is not None)], device=self.args.device))
                 known = known if bool(everywhere.all()) else None
