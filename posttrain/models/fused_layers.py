@@ -15,6 +15,7 @@ present: a LoRA-wrapped, quantized or DeepSpeed ZeRO-3-partitioned projection ru
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -102,8 +103,9 @@ def _fused_norm_forward(self, hidden_states):
     return type(self).forward(self, hidden_states)
 
 
-def _same_code(function, reference) -> bool:
-    code, ref = getattr(function, "__code__", None), reference.__code__
+def same_code(function, reference) -> bool:
+    """Same bytecode under the decorators: a class that reimplements the forward (another formula) is not."""
+    code, ref = getattr(inspect.unwrap(function), "__code__", None), inspect.unwrap(reference).__code__
     return code is not None and (code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names,
                                                                                    ref.co_consts)
 
@@ -118,9 +120,9 @@ def fuse_layers(model: nn.Module) -> int:
         if "forward" in vars(module):  # already rebound (by this or by another library)
             continue
         forward = type(module).forward
-        if _same_code(forward, LlamaRMSNorm.forward):
+        if same_code(forward, LlamaRMSNorm.forward):
             module.forward = types.MethodType(_fused_norm_forward, module)
-        elif _same_code(forward, LlamaMLP.forward) and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)):
+        elif same_code(forward, LlamaMLP.forward) and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)):
             module.forward = types.MethodType(_fused_mlp_forward, module)
         else:
             continue

@@ -18,10 +18,11 @@ than one masked call per row (`_CALL_COST`): then the block-diagonal mask is bui
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 import torch.nn.functional as F
+
+from .fused_layers import same_code
 
 NAME = "posttrain_segments"
 # The fixed cost of one SDPA call (forward and backward, its Python included) on the CPU in query-key pairs of
@@ -114,13 +115,6 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, segment_mask)
 
 
-def _same_code(function, reference) -> bool:
-    """Same bytecode under the decorators: a class that reimplements the forward (another formula) is not."""
-    code, ref = getattr(inspect.unwrap(function), "__code__", None), inspect.unwrap(reference).__code__
-    return code is not None and (code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names,
-                                                                                   ref.co_consts)
-
-
 def _attention_config(model):
     """The config object the model's attention layers read their implementation from, when the model is exactly
     Llama's causal decoder with sdpa attention and no sliding window; else None."""
@@ -130,7 +124,7 @@ def _attention_config(model):
     decoder = getattr(base, "get_decoder", lambda: None)()
     layers = getattr(decoder, "layers", None)
     config = getattr(decoder, "config", None)
-    if layers is None or not len(layers) or config is None or not _same_code(type(decoder).forward,
+    if layers is None or not len(layers) or config is None or not same_code(type(decoder).forward,
                                                                             llama.LlamaModel.forward):
         return None
     if config._attn_implementation != "sdpa" or not getattr(config, "is_causal", True) \
@@ -139,8 +133,8 @@ def _attention_config(model):
         return None
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
-        if not _same_code(type(layer).forward, llama.LlamaDecoderLayer.forward) or attention is None \
-                or not _same_code(type(attention).forward, llama.LlamaAttention.forward) \
+        if not same_code(type(layer).forward, llama.LlamaDecoderLayer.forward) or attention is None \
+                or not same_code(type(attention).forward, llama.LlamaAttention.forward) \
                 or attention.config is not config:
             return None
     return config
