@@ -69,7 +69,7 @@ class _LinearLogps(torch.autograd.Function):
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] by row chunks; the backward recomputes each chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, chunk, stats: bool, log_sum_sq: bool):
+    def forward(ctx, hidden, weight, bias, index, chunk, stats: bool, log_sum_sq: bool, on_weight_grad):
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
@@ -98,7 +98,7 @@ class _LinearLogps(torch.autograd.Function):
                 if log_sum_sq:
                     extra["log_sum_sq"][part] = _dot_rows(probs, probs).log()
         ctx.save_for_backward(hidden, weight, bias, index, logz)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.on_weight_grad = chunk, dtype, on_weight_grad
         ctx.mark_non_differentiable(*extra.values())
         return (picked - logz, *extra.values())
 
@@ -130,19 +130,26 @@ class _LinearLogps(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
         cast = (lambda grad, like: None if grad is None else grad.to(like.dtype))
-        return cast(grad_hidden, hidden), cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None
+        grad_weight = cast(grad_weight, weight)
+        if ctx.on_weight_grad is not None and grad_weight is not None and ctx.on_weight_grad(grad_weight):
+            grad_weight = None  # taken over: delivered to autograd with the embedding's rows added
+        return cast(grad_hidden, hidden), grad_weight, cast(grad_bias, bias), None, None, None, None, None
 
 
 def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, stats: bool = False, log_sum_sq: bool = False, chunk_size: int | None = None) -> TokenScores:
+                 *, stats: bool = False, log_sum_sq: bool = False, chunk_size: int | None = None,
+                 on_weight_grad=None) -> TokenScores:
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
 
     Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows), in the forward
     and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32,
     float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
     entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
+    `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it returns True it
+    has taken the gradient over (a tied input embedding delivers it with its own rows added:
+    `models/tied_embedding.py`) and the weight gets none from here.
     """
     chunk = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    outputs = _LinearLogps.apply(hidden, weight, bias, index, chunk, stats, log_sum_sq)
+    outputs = _LinearLogps.apply(hidden, weight, bias, index, chunk, stats, log_sum_sq, on_weight_grad)
     names = (("mean_logits", "entropy", "top1") if stats else ()) + (("log_sum_sq",) if log_sum_sq else ())
     return TokenScores(outputs[0], **dict(zip(names, outputs[1:])))

@@ -77,12 +77,16 @@ def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label
     d(loss)/d(logits) in closed form, per token with probabilities p and one-hot target e_y:
     nll: p - e_y; dft: p(y) * (p - e_y) (p(y) is detached); label smoothing: p - (1 - eps) e_y - eps / V.
     """
+    # Softmax and log-softmax in two [rows, vocab] buffers (logsumexp would take a third for exp(logits - max)).
     logp = F.linear(hidden, weight, bias).float()
-    logp -= logp.logsumexp(-1, keepdim=True)  # log-softmax in place: one [rows, vocab] buffer fewer
+    logp -= logp.amax(-1, keepdim=True)
+    probs = logp.exp()
+    normalizer = probs.sum(-1, keepdim=True)
+    logp -= normalizer.log()
+    probs /= normalizer
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     correct = (logp.argmax(-1) == targets).sum()
-    probs = logp.exp()
-    entropy = -(probs * logp).sum()
+    entropy = -torch.dot(probs.flatten(), logp.flatten())  # no third [rows, vocab] buffer for the product
     if loss_type == "dft":
         scale = token_logp.exp()
         loss = -(scale * token_logp).sum()
@@ -107,7 +111,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     no [tokens, vocab] tensor outlives its chunk. Backward only scales the stored gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, loss_type, label_smoothing):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, loss_type, label_smoothing, on_weight_grad):
         need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
         need_bias = bias is not None and bias.requires_grad
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -130,9 +134,11 @@ class _FusedHeadLoss(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), rows.float())
             if need_bias:
                 grad_bias += grad.sum(0)
+            del grad  # before the next chunk's buffers are allocated
         # Kept on ctx (not save_for_backward): they are this function's own intermediates, scaled in place once.
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.on_weight_grad = on_weight_grad
         ctx.mark_non_differentiable(correct, entropy)
         return total, correct, entropy
 
@@ -142,24 +148,29 @@ class _FusedHeadLoss(torch.autograd.Function):
             raise RuntimeError("chunked_token_loss_sums supports one backward pass per forward pass.")
         grads = [None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(ctx.grads, ctx.dtypes)]
         ctx.grads = None
-        return (*grads, None, None, None, None)
+        if ctx.on_weight_grad is not None and grads[1] is not None and ctx.on_weight_grad(grads[1]):
+            grads[1] = None  # taken over: delivered to autograd with the embedding's rows added
+        return (*grads, None, None, None, None, None)
 
 
 def chunked_token_loss_sums(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
-    chunk_size: int = 1024, loss_type: str = "nll", label_smoothing: float = 0.0,
+    chunk_size: int = 1024, loss_type: str = "nll", label_smoothing: float = 0.0, on_weight_grad=None,
 ) -> TokenSums:
     """`token_loss_sums` from final hidden states and the output projection, without the [tokens, vocab] logits.
 
     Only trained positions are projected, `chunk_size` rows at a time; each chunk's gradients are computed
-    as it goes (see `_FusedHeadLoss`), so peak memory holds one chunk's logits and no chunk is recomputed.
+    as it goes (see `_FusedHeadLoss`), so peak memory holds two [chunk_size, vocab] buffers and no chunk is
+    recomputed. `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it
+    returns True it has taken the gradient over (a tied input embedding delivers it with its own rows added:
+    `models/tied_embedding.py`) and the weight gets none from here.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
     targets = shift_for_next_token(labels)
     keep = targets != IGNORE_INDEX
     total, correct, entropy = _FusedHeadLoss.apply(hidden[keep], weight, bias, targets[keep], chunk_size, loss_type,
-                                                   0.0 if loss_type == "dft" else label_smoothing)
+                                                   0.0 if loss_type == "dft" else label_smoothing, on_weight_grad)
     return TokenSums(total, correct, keep.sum(), entropy)
 
 

@@ -4,6 +4,7 @@ and across processes. The training loop, checkpointing and logging are transform
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from dataclasses import MISSING, dataclass, field, fields
@@ -16,11 +17,12 @@ from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
 from ..data.report import DataReportCallback
 from ..model_card import write_model_card
-from ..models.fused_layers import fuse_layers
+from ..models.fused_layers import fuse_layers, recomputed_norm_outputs
 from ..models.loading import load_causal_lm, load_tokenizer
+from ..models.tied_embedding import allow_tied_embedding
 from .checkpoints import CheckpointMixin
 from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
-                          shard_frozen_models, use_gloo_on_cpu)
+                          shard_frozen_models, unwrap_without_importing_deepspeed, use_gloo_on_cpu)
 from .guards import NONFINITE_POLICIES, GuardMixin
 
 logger = logging.getLogger("posttrain")
@@ -61,7 +63,9 @@ class PosttrainConfig(TrainingArguments):
     fused_layers: bool = field(
         default=True, metadata={"help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
                                         "functions that keep fewer activations for the backward pass (about 40% "
-                                        "fewer; same numbers to rounding). Off with use_liger_kernel, which "
+                                        "fewer; same numbers to rounding), rebuild norm outputs in the backward "
+                                        "instead of keeping them, and let a tied input embedding add its gradient "
+                                        "into the output layer's in place. Off with use_liger_kernel, which "
                                         "replaces these layers itself."})
     activation_offloading: bool = field(
         default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
@@ -192,6 +196,7 @@ def prepare_model(
         disable_dropout_in_model(model)
     if args.fused_layers and not args.use_liger_kernel:
         fuse_layers(model)
+        allow_tied_embedding(model)
     if peft_config is not None:
         from peft import get_peft_model
 
@@ -266,6 +271,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
                 "eval_dataset, and none was given. "
                 "Pass eval_dataset=..., or set eval_strategy='no' and eval_on_start=False."
             )
+        unwrap_without_importing_deepspeed()
         model_id = model if isinstance(model, str) else model.config._name_or_path
         processing_class = processing_class or load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
         ensure_pad_token(getattr(processing_class, "tokenizer", processing_class))  # a processor's tokenizer
@@ -295,6 +301,17 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/trainers/distributed.py)
             super().create_accelerator_and_postprocess()
         shard_frozen_models(self.accelerator)
+
+    def compute_loss_context_manager(self):
+        """transformers' context of every forward that computes a loss; here fused norms' outputs are also saved as
+        recipes for the backward (`models/fused_layers.py`), except where the norm weight is sharded (FSDP,
+        DeepSpeed) or activations are offloaded (other saved-tensor hooks)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
+        recompute = (self.args.fused_layers and not self.args.activation_offloading
+                     and not self.is_fsdp_enabled and not self.is_deepspeed_enabled)
+        stack.enter_context(recomputed_norm_outputs(recompute))
+        return stack
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.args.activation_offloading:

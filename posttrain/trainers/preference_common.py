@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..losses.logprobs import TokenScores, linear_logps, selective_log_softmax
 from ..losses.preference import length_desensitized_logps
 from ..models.reference import unwrap
+from ..models.tied_embedding import tied_embedding
 
 # Lay a padded batch out anew only if that saves at least this share of its cost (see `_cost`).
 MIN_PACKING_SAVING = 0.1
@@ -339,9 +340,11 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     predictors = where[:, :-1][view.scored[:, 1:]]
     targets = view.ids[view.scored]
     if head is not None:
-        hidden, outputs = forward_hidden(model, inputs)
+        with tied_embedding(unwrap(model), head.weight) as head_gradient:  # no second [vocab, hidden] gradient
+            hidden, outputs = forward_hidden(model, inputs)
         rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
-        scores = linear_logps(rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo)
+        scores = linear_logps(rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo,
+                              on_weight_grad=head_gradient)
     else:
         outputs = model(**inputs, use_cache=False)
         logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]

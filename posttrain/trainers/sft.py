@@ -25,6 +25,7 @@ from ..errors import ConfigError, DataError
 from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
 from ..models.loading import load_tokenizer
 from ..models.segment_attention import segment_attention, supports_segment_attention
+from ..models.tied_embedding import tied_embedding
 from .base import BaseTrainer, PosttrainConfig, setup_router_aux_loss
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -482,14 +483,15 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         def keep_hidden(module, args, output):
             captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
+        head = unwrapped.get_output_embeddings()
         handle = unwrapped.get_decoder().register_forward_hook(keep_hidden)
         try:
-            outputs = model(**inputs, logits_to_keep=1)
+            with tied_embedding(unwrapped, head.weight) as head_gradient:  # no second [vocab, hidden] gradient
+                outputs = model(**inputs, logits_to_keep=1)
         finally:
             handle.remove()
-        head = unwrapped.get_output_embeddings()
         sums = chunked_token_loss_sums(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size,
-                                       loss_type, smoothing)
+                                       loss_type, smoothing, on_weight_grad=head_gradient)
         return (*sums, getattr(outputs, "aux_loss", None))
 
     def count_loss_items(self, batch):
