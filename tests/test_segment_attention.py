@@ -76,14 +76,19 @@ def test_each_token_as_its_sequence_alone_float64(model, call_cost):
 
 def _sdpa_calls(model, batch, call_cost):
     calls = []
-    real = torch.nn.functional.scaled_dot_product_attention
+    real, per_sequence = torch.nn.functional.scaled_dot_product_attention, sa._PerSequence.apply
 
     def spy(*args, **kwargs):
         calls.append((kwargs.get("is_causal"), kwargs.get("attn_mask") is not None))
         return real(*args, **kwargs)
 
+    def flash(query, key, value, row_lengths, scale):  # SDPA's flash kernel on each sequence, called directly
+        calls.extend([(True, False)] * sum(map(len, row_lengths)))
+        return per_sequence(query, key, value, row_lengths, scale)
+
     with mock.patch.object(sa, "_CALL_COST", call_cost), segment_attention(model), \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy):
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy), \
+            mock.patch.object(sa._PerSequence, "apply", flash):
         model(**{k: v.clone() for k, v in batch.items()}, use_cache=False)  # (the layout is kept on the tensor)
     return calls
 
@@ -200,3 +205,125 @@ def test_position_ids_made_under_inference_mode(model):
     with torch.no_grad(), mock.patch.object(sa, "_CALL_COST", 0), segment_attention(model):
         got = model(input_ids=batch["input_ids"], position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+class _Attention:
+    """The attributes of an attention layer that the attention function reads."""
+
+    def __init__(self, groups):
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def _packed(rows, heads, kv_heads, dim, dtype):
+    """Position ids of rows of sequences of the given lengths, and q/k/v laid out as LlamaAttention's (transposed
+    views of [batch, tokens, heads, dim] leaves, returned too)."""
+    torch.manual_seed(0)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    leaves = [torch.randn(len(rows), positions.shape[1], h, dim, dtype=dtype, requires_grad=True)
+              for h in (heads, kv_heads, kv_heads)]
+    return positions, leaves, [leaf.transpose(1, 2) for leaf in leaves]
+
+
+def _per_sequence_reference(rows, leaves, grad, scale):
+    """Output and q/k/v gradients of F.scaled_dot_product_attention on each sequence alone."""
+    out, grads = torch.empty_like(grad), [torch.empty_like(leaf) for leaf in leaves]
+    for row, lengths in enumerate(rows):
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            q, k, v = (leaf[row, part].detach().transpose(0, 1)[None].requires_grad_() for leaf in leaves)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                 enable_gqa=True)
+            out[row, part] = o[0].transpose(0, 1).detach()
+            for whole, g in zip(grads, torch.autograd.grad(o, (q, k, v), grad[row, part].transpose(0, 1)[None])):
+                whole[row, part] = g[0].transpose(0, 1)
+            start += n
+    return out, grads
+
+
+ROWS = [[5, 1, 6], [3, 9], [12]]  # a sequence of one token, and a row that is one sequence
+
+
+@pytest.mark.parametrize("scale", [0.3, None], ids=["scale", "default-scale"])  # None: 1 / sqrt(dim)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_per_sequence_kernel_gradients_equal_sdpa(dtype, kv_heads, scale):
+    heads, dim = 4, 8
+    positions, leaves, (q, k, v) = _packed(ROWS, heads, kv_heads, dim, dtype)
+    with mock.patch.object(sa, "_CALL_COST", 0):
+        out, _ = sa.segment_attention_forward(_Attention(heads // kv_heads), q, k, v, None, scaling=scale,
+                                              position_ids=positions)
+    assert type(out.grad_fn).__name__ == "_PerSequenceBackward"
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, dim ** -0.5 if scale is None else scale)
+    tolerance = {"rtol": 0, "atol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(out, expected, **tolerance)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_attention_output_kept_once(dtype, kv_heads):
+    """Saved for backward by the attention and o_proj: q, k, v, the output once (o_proj's input is a view of it,
+    as LlamaAttention makes it), and a logsumexp per head and token. SDPA per sequence and a concatenation keep
+    the output a second time."""
+    heads, dim = 4, 8
+    positions, leaves, (q, k, v) = _packed(ROWS, heads, kv_heads, dim, dtype)
+    weight = torch.randn(heads * dim, heads * dim, dtype=dtype, requires_grad=True)
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with mock.patch.object(sa, "_CALL_COST", 0), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = sa.segment_attention_forward(_Attention(heads // kv_heads), q, k, v, None, scaling=dim ** -0.5,
+                                              position_ids=positions)
+        o_proj_input = out.reshape(*out.shape[:2], -1).contiguous()  # LlamaAttention's, before o_proj
+        torch.nn.functional.linear(o_proj_input, weight)
+    assert o_proj_input.data_ptr() == out.data_ptr()
+    del saved[weight.untyped_storage().data_ptr()]
+    tokens, sequences = positions.numel(), sum(map(len, ROWS))
+    logsumexp_size = 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize  # (float32 for half types)
+    expected = (sum(leaf.numel() for leaf in leaves) + out.numel()) * dtype.itemsize \
+        + tokens * heads * logsumexp_size
+    assert sum(saved.values()) == expected
+    assert len(saved) == 3 + 1 + sequences
+
+
+def test_per_sequence_kernel_under_autocast():
+    """Cast as autocast casts SDPA's inputs: float32 in, SDPA's bfloat16 results out."""
+    heads, dim, scale = 4, 8, 0.3
+    positions, leaves, (q, k, v) = _packed(ROWS, heads, 2, dim, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), mock.patch.object(sa, "_CALL_COST", 0):
+        out, _ = sa.segment_attention_forward(_Attention(2), q, k, v, None, scaling=scale, position_ids=positions)
+        assert type(out.grad_fn).__name__ == "_PerSequenceBackward" and out.dtype == torch.bfloat16
+        grad = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, grad)
+        expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, scale)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_left_to_sdpa_where_it_would_not_run_the_flash_kernel():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, dim, scale = 4, 8, 0.3
+    positions, leaves, (q, k, v) = _packed(ROWS, heads, 2, dim, torch.float64)
+    attention = _Attention(2)
+    with mock.patch.object(sa, "_CALL_COST", 0):
+        with sdpa_kernel([SDPBackend.MATH]):
+            out, _ = sa.segment_attention_forward(attention, q, k, v, None, scaling=scale, position_ids=positions)
+            grad = torch.randn_like(out)
+            grads = torch.autograd.grad(out, leaves, grad)
+            expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, scale)
+        out_dropout, _ = sa.segment_attention_forward(attention, q, k, v, None, dropout=0.5, scaling=scale,
+                                                      position_ids=positions)
+    assert type(out.grad_fn).__name__ != "_PerSequenceBackward"
+    assert type(out_dropout.grad_fn).__name__ != "_PerSequenceBackward"
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

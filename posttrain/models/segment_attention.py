@@ -13,6 +13,12 @@ transformers would), and hands every other case to transformers' sdpa mask, whic
 so that the attention can tell "no mask" from "mask given"; its attention function runs transformers' sdpa on any
 forward with a mask or without restarting positions. A forward of many very short sequences costs more in SDPA calls
 than one masked call per row (`_CALL_COST`): then the block-diagonal mask is built once and shared by all layers.
+
+For training, SDPA per sequence and a `torch.cat` would keep the attention output twice per layer: SDPA keeps each
+sequence's output for its backward, o_proj keeps the concatenation for its weight gradient (~48 MB of SmolLM2-135M's
+~810 MB of activations at ~706 tokens). Where SDPA would run its flash CPU kernel, `_PerSequence` calls that kernel
+itself and joins the sequences' outputs into the one [batch, tokens, heads, dim] tensor it returns and saves, which
+o_proj's input is a view of: the output is kept once, and the results are SDPA's to the bit.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .fused_layers import same_code
 
@@ -28,6 +35,8 @@ NAME = "posttrain_segments"
 # The fixed cost of one SDPA call (forward and backward, its Python included) on the CPU in query-key pairs of
 # work: about 30 us for a 4-head 64-dim attention, whose 256 x 256 square takes 4.4 ms.
 _CALL_COST = 32 * 32
+# The dtypes of SDPA's flash CPU kernel (it hands the others to its math kernel).
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 class _Layout:
@@ -40,6 +49,9 @@ class _Layout:
         starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1  # transformers' rule for a new sequence
         edges = starts.flatten().nonzero().flatten().tolist() + [rows * width]
         self.lengths = [end - start for start, end in zip(edges, edges[1:])]
+        self.row_lengths = [[] for _ in range(rows)]  # (a row's first token always starts a sequence)
+        for start, n in zip(edges, self.lengths):
+            self.row_lengths[start // width].append(n)
         self.whole_rows = len(self.lengths) == rows
         self.per_sequence = not self.whole_rows and (sum(n * n + _CALL_COST for n in self.lengths)
                                                      < rows * (width * width + _CALL_COST))
@@ -62,6 +74,72 @@ def _layout(position_ids: torch.Tensor, batch: int) -> _Layout:
     return layout
 
 
+def _flash_inputs(module, query, key, value, dropout):
+    """(query, key, value) cast as autocast casts them for SDPA, when SDPA would run them through its flash CPU
+    kernel (the one `_PerSequence` calls); None otherwise, for SDPA itself to run them as it would."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    device = query.device.type
+    if device != "cpu" or dropout or not torch.backends.cuda.flash_sdp_enabled():  # (the flag covers the CPU's)
+        return None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t if t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
+    heads, kv_heads = query.shape[1], key.shape[1]
+    tensors = (query, key, value)
+    if query.dtype not in _FLASH_DTYPES or any(t.dtype != query.dtype or t.stride(-1) != 1 for t in tensors) \
+            or value.shape[1] != kv_heads or not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        return None
+    if kv_heads != heads and (getattr(module, "num_key_value_groups", 1) * kv_heads != heads
+                              or not use_gqa_in_sdpa(None, key, value)):
+        return None  # SDPA would get the key and value repeated (or fail): left to it
+    return tensors
+
+
+def _sequences(states: torch.Tensor, row_lengths) -> list[torch.Tensor]:
+    """Each sequence of [batch, heads, tokens, dim] states as a [1, heads, its tokens, dim] view, as the kernel takes
+    them (a split per row: fewer calls than slicing each)."""
+    return [part for row, lengths in enumerate(row_lengths) for part in states[row:row + 1].split(lengths, 2)]
+
+
+def _joined(parts, batch: int) -> torch.Tensor:
+    """The kernel's per-sequence [1, heads, tokens, dim] results, laid out tokens first, in one [batch, heads,
+    tokens, dim] tensor laid out so too (as the projections' outputs; a transposed view of a contiguous one)."""
+    whole = torch.cat([part.transpose(1, 2) for part in parts], 1)
+    return whole.view(batch, -1, *whole.shape[2:]).transpose(1, 2)
+
+
+class _PerSequence(torch.autograd.Function):
+    """Causal attention of each sequence by SDPA's flash CPU kernel (as `F.scaled_dot_product_attention` runs it),
+    the outputs joined into one [batch, tokens, heads, dim] tensor that is both returned and saved: the kernel's
+    backward needs the output, o_proj keeps its input, and these are then one tensor instead of two."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, row_lengths, scale):
+        outputs, logsumexps = [], []
+        for q, k, v in zip(*(_sequences(states, row_lengths) for states in (query, key, value))):
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal=True,
+                                                                                        scale=scale)
+            outputs.append(out)
+            logsumexps.append(logsumexp)
+        out = _joined(outputs, query.shape[0]).transpose(1, 2)  # contiguous
+        ctx.row_lengths, ctx.scale = row_lengths, scale
+        ctx.save_for_backward(query, key, value, out, *logsumexps)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        query, key, value, out, *logsumexps = ctx.saved_tensors
+        states = (grad.transpose(1, 2), query, key, value, out.transpose(1, 2))
+        grads = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                     g, q, k, v, o, logsumexp, 0.0, True, scale=ctx.scale)
+                 for (g, q, k, v, o), logsumexp in zip(zip(*(_sequences(t, ctx.row_lengths) for t in states)),
+                                                       logsumexps)]
+        return *(_joined([g[i] for g in grads], grad.shape[0]) if needed else None
+                 for i, needed in enumerate(ctx.needs_input_grad[:3])), None, None
+
+
 def segment_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, position_ids: torch.Tensor | None = None, **kwargs):
     """transformers' attention-function interface; [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
@@ -76,6 +154,9 @@ def segment_attention_forward(module, query, key, value, attention_mask, dropout
     if layout is None or not layout.per_sequence:
         mask = attention_mask if layout is None else layout.mask
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    flash = _flash_inputs(module, query, key, value, dropout)
+    if flash is not None:
+        return _PerSequence.apply(*flash, layout.row_lengths, scaling), None
     extra = {}
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1 and use_gqa_in_sdpa(None, key, value):
