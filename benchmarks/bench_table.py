@@ -73,11 +73,13 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
                     library=lib, model_path=paths["tiny-llama"], mode=mode, **settings)), peak, True))
                 for lib in LIBRARIES}))
         if smollm2:
-            smol = bench_sft.ROWS["smollm2-135m"]
+            sft_rows = bench_sft.ROWS["smollm2-135m"]
             for peft, label in ((False, "SFT SmolLM2-135M full"), (True, "SFT SmolLM2-135M LoRA r16")):
                 cells.append((label, "padded, batch 4 x 256", {
-                    lib: (lambda lib=lib, peft=peft: _sft_rates(run_isolated("bench_sft:train", dict(
-                        library=lib, model_path=paths["smollm2-135m"], mode="padded", peft=peft, **smol)),
+                    # (defaults bind now: the runs happen after this function returns)
+                    lib: (lambda lib=lib, peft=peft, rows=sft_rows: _sft_rates(run_isolated(
+                        "bench_sft:train", dict(library=lib, model_path=paths["smollm2-135m"], mode="padded",
+                                                peft=peft, **rows)),
                         peak, not peft))
                     for lib in LIBRARIES}))
     root = workdir / "preference"
@@ -105,11 +107,11 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
         if smollm2:
             from posttrain.models.builtin import builtin_model_path
 
-            smol = bench_dpo.MODELS["smollm2"]
-            cells.append(("DPO SmolLM2-135M full", f"ref_model=None, batch {smol['batch']} pairs", {
+            dpo_rows = bench_dpo.MODELS["smollm2"]
+            cells.append(("DPO SmolLM2-135M full", f"ref_model=None, batch {dpo_rows['batch']} pairs", {
                 lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
-                    impl=lib, model_path=builtin_model_path(), ref_path=None, steps=steps(smol["steps"]),
-                    batch=smol["batch"]))))
+                    impl=lib, model_path=builtin_model_path(), ref_path=None, steps=steps(dpo_rows["steps"]),
+                    batch=dpo_rows["batch"]))))
                 for lib in LIBRARIES}))
     if {"grpo", "rloo"} & only:
         tiny = save_tiny_model(workdir / "grpo")
