@@ -145,7 +145,7 @@ def segment_attention_forward(module, query, key, value, attention_mask, dropout
     """transformers' attention-function interface; [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 
-    batch, heads, length, _ = query.shape
+    batch, _, length, _ = query.shape
     layout = None
     causal = kwargs.get("is_causal")
     if attention_mask is None and position_ids is not None and key.shape[2] == length \
@@ -163,15 +163,9 @@ def segment_attention_forward(module, query, key, value, attention_mask, dropout
         extra["enable_gqa"] = True
     elif groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-
-    def sequences(states):  # [batch, heads, tokens, dim] -> per sequence [1, heads, its tokens, dim] (views)
-        flat = states.transpose(1, 2).reshape(batch * length, states.shape[1], states.shape[3])
-        return [part.transpose(0, 1)[None] for part in flat.split(layout.lengths)]
-
     outputs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, **extra)
-               for q, k, v in zip(sequences(query), sequences(key), sequences(value))]
-    out = torch.cat([o[0].transpose(0, 1) for o in outputs])
-    return out.view(batch, length, heads, value.shape[-1]), None
+               for q, k, v in zip(*(_sequences(states, layout.row_lengths) for states in (query, key, value)))]
+    return _joined(outputs, batch).transpose(1, 2), None
 
 
 def segment_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,

@@ -74,9 +74,13 @@ def _lookup_forward(self, input_ids):
     return type(self).forward(self, input_ids)
 
 
+def _input_embedding(model):
+    return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+
+
 def allow_tied_embedding(model) -> None:
     """Lets `tied_embedding` apply to `model` (trainers do so with fused_layers=True)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding = _input_embedding(model)
     if isinstance(embedding, nn.Module):
         embedding._posttrain_tied_gradient = True
 
@@ -85,7 +89,7 @@ def tied_embedding(model, head_weight: torch.Tensor | None):
     """A context for one forward in which `model`'s input embedding, if allowed (`allow_tied_embedding`) and a plain
     `nn.Embedding` tied to `head_weight`, delivers the head's gradient; yields the `HeadGradient` to pass to the head
     loss as `on_weight_grad` (None where it does not apply)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding = _input_embedding(model)
     applies = (type(embedding) is nn.Embedding and getattr(embedding, "_posttrain_tied_gradient", False)
                and head_weight is not None and embedding.weight is head_weight
                and embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
