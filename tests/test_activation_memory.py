@@ -1,7 +1,7 @@
 """What a training step keeps in memory: the tied embedding adds its gradient into the output layer's (no second
-[vocab, hidden] tensor), norm outputs are rebuilt in the backward instead of kept, the chunked head loss holds
-two [chunk, vocab] buffers at a time, and a run that does not use DeepSpeed does not import it. Each against the
-plain computation, value for value."""
+[vocab, hidden] tensor), norm outputs are rebuilt in the backward instead of kept, the chunked head loss holds one
+[chunk, vocab] buffer (and a few rows) at a time, and a run that does not use DeepSpeed does not import it. Each
+against the plain computation, value for value."""
 
 import subprocess
 import sys
@@ -9,30 +9,37 @@ import weakref
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posttrain.losses.sft import IGNORE_INDEX, chunked_token_loss_sums
-from posttrain.models.fused_layers import fuse_layers, recomputed_norm_outputs
+from posttrain.losses.sft import IGNORE_INDEX, SOFTMAX_ROWS, chunked_token_loss_sums
+from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.tied_embedding import allow_tied_embedding, tied_embedding
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 class _Ops(TorchDispatchMode):
-    """Records (op name, output shape) of every op, and how many tensors of `shape` are alive at most at once."""
+    """Records (op name, output shape) of every op, and how many tensors of `shape` (or how many elements of tensors
+    whose last dimension is `last_dim`) are alive at most at once."""
 
-    def __init__(self, shape=None):
+    def __init__(self, shape=None, last_dim=None):
         super().__init__()
-        self.calls, self.shape, self.alive, self.most_alive = [], shape, [], 0
+        self.calls, self.shape, self.last_dim, self.alive, self.most_alive = [], shape, last_dim, [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(tensor, torch.Tensor):
                 self.calls.append((str(func.overloadpacket.__name__), tuple(tensor.shape)))
-                if self.shape is not None and tuple(tensor.shape) == self.shape and tensor._base is None:
+                counted = tuple(tensor.shape) == self.shape if self.shape is not None else (
+                    self.last_dim is not None and tensor.dim() > 0 and tensor.shape[-1] == self.last_dim)
+                if counted and tensor.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
                     self.alive = [ref for ref in self.alive if ref() is not None and ref() is not tensor]
                     self.alive.append(weakref.ref(tensor))  # an in-place op returns a tensor already counted
-                    self.most_alive = max(self.most_alive, len(self.alive))
+                    sizes = [1 if self.shape is not None else ref().numel() for ref in self.alive]
+                    self.most_alive = max(self.most_alive, sum(sizes))
         return out
 
 
@@ -183,7 +190,7 @@ def _norm_step(model, ids, recompute: bool, checkpointing: bool = False):
         norm_outputs.append(weakref.ref(out))
 
     handles = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("layernorm")]
-    with recomputed_norm_outputs(recompute):
+    with rebuilt_activations(recompute):
         out = model(input_ids=ids, labels=ids)
     for handle in handles:
         handle.remove()
@@ -211,14 +218,15 @@ def test_norm_outputs_are_rebuilt_bit_for_bit_instead_of_kept(tokenizer, checkpo
         assert kept == kept_r == 0
 
 
-def test_chunked_head_loss_holds_two_vocabulary_buffers_at_a_time():
+def test_chunked_head_loss_holds_one_chunk_of_logits_and_a_few_rows_more():
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(1, 40, 8, generator=g, requires_grad=True)
     weight = torch.randn(1000, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 1000, (1, 40), generator=g)
-    with _Ops(shape=(16, 1000)) as ops:
+    with _Ops(last_dim=1000) as ops:
         chunked_token_loss_sums(hidden, weight, labels, chunk_size=16)
-    assert ops.most_alive == 2
+    # the chunk's logits (turned into its gradient in place) and one softmax temporary of SOFTMAX_ROWS rows
+    assert ops.most_alive == (16 + SOFTMAX_ROWS) * 1000
 
 
 UNWRAP_PROBE = """
@@ -251,3 +259,51 @@ def test_a_run_without_deepspeed_does_not_import_it():
         pytest.skip("DeepSpeed is not installed here")
     assert "INSTALLED True IMPORTED False" in done.stdout, done.stdout
     assert "CHECK True" in done.stdout
+
+
+def _lora_mlp_step(model, ids, rebuild: bool):
+    model.zero_grad(set_to_none=True)
+    intermediates = []
+    hooks = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.act_fn"):
+            hooks.append(module.register_forward_hook(lambda m, a, out: intermediates.append(weakref.ref(out))))
+        elif name.endswith("mlp.down_proj"):
+            hooks.append(module.register_forward_pre_hook(lambda m, args: intermediates.append(weakref.ref(args[0]))))
+    with rebuilt_activations(rebuild):
+        out = model(input_ids=ids, labels=ids)
+    for hook in hooks:
+        hook.remove()
+    kept = sum(ref() is not None for ref in intermediates)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.loss.detach(), grads, kept, len(intermediates)
+
+
+def test_lora_mlp_rebuilds_its_elementwise_outputs_bit_for_bit(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2).to(torch.float64)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    assert fuse_layers(model) == 2 * 2 + 2 + 1
+    ids = torch.randint(3, len(tokenizer), (2, 11), generator=torch.Generator().manual_seed(5))
+    loss, grads, kept, made = _lora_mlp_step(model, ids, rebuild=False)
+    loss_r, grads_r, kept_r, made_r = _lora_mlp_step(model, ids, rebuild=True)
+    assert torch.equal(loss, loss_r)
+    assert grads.keys() == grads_r.keys() and all(torch.equal(grads[n], grads_r[n]) for n in grads)
+    assert any("lora_A" in n and "mlp" in n for n in grads)
+    assert made == made_r == 2 * 2  # silu(gate) and silu(gate) * up, per layer
+    assert kept == 4 and kept_r == 0  # kept for the backward by the product and LoRA's down_proj, or not at all
+
+
+def test_rebuilding_from_a_tensor_modified_in_place_raises():
+    from posttrain.models.fused_layers import _remember
+
+    gate = torch.randn(3, 4, requires_grad=True)
+    with rebuilt_activations():
+        pre = gate * 1.0
+        activated = _remember(torch.sigmoid(pre), torch.sigmoid, pre)
+        loss = (activated * gate).sum()  # mul keeps `activated`: as a recipe from `pre`
+    pre.detach().add_(1.0)  # bypasses autograd's own check of `pre` (which sigmoid does not keep)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        loss.backward()

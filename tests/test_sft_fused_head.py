@@ -33,7 +33,7 @@ def _reference(hidden, weight, bias, labels, loss_type, eps):
     return loss, entropy, correct, count
 
 
-@pytest.mark.parametrize("loss_type,eps,chunk", [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100)])
+@pytest.mark.parametrize("loss_type,eps,chunk", [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)])
 def test_fused_sums_and_scaled_gradients_match_float64_formulas(loss_type, eps, chunk):
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, 7, 6, generator=g, requires_grad=True)

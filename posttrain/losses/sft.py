@@ -71,34 +71,55 @@ def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return sums.loss, sums.correct, sums.count
 
 
+# Rows of a chunk whose softmax is worked out together: their temporary ([rows, vocab], 1.5 MB for a 49k vocabulary)
+# stays in the CPU's cache, and the chunk's logits are the only [chunk, vocab] buffer.
+SOFTMAX_ROWS = 8
+
+
 def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label_smoothing: float):
     """One chunk's (loss sum, correct, entropy sum) and the gradient of its loss sum w.r.t. its logits.
 
     d(loss)/d(logits) in closed form, per token with probabilities p and one-hot target e_y:
     nll: p - e_y; dft: p(y) * (p - e_y) (p(y) is detached); label smoothing: p - (1 - eps) e_y - eps / V.
+    The logits buffer becomes the gradient in place. Per row, with z the logits less their maximum m and
+    s = sum_v exp(z_v): log p = z - log s, so log p(y) = logit_y - (m + log s), mean_v log p = mean logit - (m + log s)
+    and the entropy -sum_v p_v log p_v = log s - sum_v exp(z_v) z_v / s.
     """
-    # Softmax and log-softmax in two [rows, vocab] buffers (logsumexp would take a third for exp(logits - max)).
-    logp = F.linear(hidden, weight, bias).float()
-    logp -= logp.amax(-1, keepdim=True)
-    probs = logp.exp()
-    normalizer = probs.sum(-1, keepdim=True)
-    logp -= normalizer.log()
-    probs /= normalizer
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    correct = (logp.argmax(-1) == targets).sum()
-    entropy = -torch.dot(probs.flatten(), logp.flatten())  # no third [rows, vocab] buffer for the product
+    grad = F.linear(hidden, weight, bias).float()
+    rows = len(targets)
+    every = torch.arange(rows, device=grad.device)
+    target_logit = grad[every, targets]
+    smoothing = loss_type == "nll" and label_smoothing
+    mean_logit = grad.new_empty(rows) if smoothing else None
+    log_normalizer = grad.new_empty(rows)
+    argmax = torch.empty(rows, dtype=torch.long, device=grad.device)
+    entropy = grad.new_zeros(())
+    for start in range(0, rows, SOFTMAX_ROWS):
+        piece = slice(start, start + SOFTMAX_ROWS)
+        z = grad[piece]
+        if smoothing:
+            mean_logit[piece] = z.mean(-1)
+        peak, top = z.max(-1, keepdim=True)
+        argmax[piece] = top.squeeze(-1)
+        z -= peak
+        exp = z.exp()
+        total = exp.sum(-1, keepdim=True)
+        log_total = total.log()
+        entropy += (log_total - torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1, 1) / total).sum()
+        log_normalizer[piece] = (peak + log_total).squeeze(-1)
+        torch.div(exp, total, out=z)  # p
+        del exp  # before the next rows' temporary
+    token_logp = target_logit - log_normalizer
+    correct = (argmax == targets).sum()
     if loss_type == "dft":
         scale = token_logp.exp()
         loss = -(scale * token_logp).sum()
-    elif label_smoothing:
-        loss = -((1 - label_smoothing) * token_logp + label_smoothing * logp.mean(-1)).sum()
+    elif smoothing:
+        loss = -((1 - label_smoothing) * token_logp + label_smoothing * (mean_logit - log_normalizer)).sum()
     else:
         loss = -token_logp.sum()
-    del logp
-    grad = probs  # reused in place: p - target distribution
-    rows = torch.arange(len(targets), device=grad.device)
-    grad[rows, targets] -= 1 - label_smoothing if loss_type == "nll" else 1
-    if loss_type == "nll" and label_smoothing:
+    grad[every, targets] -= 1 - label_smoothing if loss_type == "nll" else 1
+    if smoothing:
         grad -= label_smoothing / grad.shape[-1]
     if loss_type == "dft":
         grad *= scale.unsqueeze(-1)
@@ -160,7 +181,7 @@ def chunked_token_loss_sums(
     """`token_loss_sums` from final hidden states and the output projection, without the [tokens, vocab] logits.
 
     Only trained positions are projected, `chunk_size` rows at a time; each chunk's gradients are computed
-    as it goes (see `_FusedHeadLoss`), so peak memory holds two [chunk_size, vocab] buffers and no chunk is
+    as it goes (see `_FusedHeadLoss`), so peak memory holds one [chunk_size, vocab] buffer and no chunk is
     recomputed. `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it
     returns True it has taken the gradient over (a tied input embedding delivers it with its own rows added:
     `models/tied_embedding.py`) and the weight gets none from here.

@@ -12,10 +12,13 @@ so a model family that changed the formula is left alone) and a SiLU activation.
 taken only when a gradient is wanted and the projections are plain bias-free `nn.Linear` layers with their weights
 present: a LoRA-wrapped, quantized or DeepSpeed ZeRO-3-partitioned projection runs the module's own forward.
 
-Inside `recomputed_norm_outputs()` a norm's output is not kept by the layers that read it (the q/k/v projections,
+Inside `rebuilt_activations()` a norm's output is not kept by the layers that read it (the q/k/v projections,
 the MLP): autograd's saved-tensor hooks replace it with a recipe (the norm's own saved input and inverse RMS) and
 rebuild it, bit for bit, when the backward pass needs it. That is two [tokens x hidden] tensors fewer per layer
-(97 MB of SmolLM2-135M's activations at 706 tokens) for four elementwise passes per layer in the backward.
+(97 MB of SmolLM2-135M's activations at 706 tokens) for four elementwise passes per layer in the backward. An MLP
+whose projections are not plain (LoRA, quantized) runs Llama's own operations there, and keeps gate(x) and up(x)
+but not silu(gate(x)) nor the product, which are rebuilt the same way (two [tokens x intermediate] tensors per
+layer; 260 MB of SmolLM2-135M's LoRA activations at 706 tokens).
 """
 
 from __future__ import annotations
@@ -71,10 +74,7 @@ class _RMSNorm(torch.autograd.Function):
         x32 = x.float()
         inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, inv_rms)
-        out = _normalized(x32, weight, inv_rms, x.dtype)
-        if _norm_outputs is not None:
-            _norm_outputs[out.untyped_storage().data_ptr()] = (weakref.ref(out), _NormRecipe(x, weight, inv_rms))
-        return out
+        return _remember(_normalized(x32, weight, inv_rms, x.dtype), _normalized_from, x, weight, inv_rms)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,33 +95,47 @@ def _normalized(x32, weight, inv_rms, dtype):
     return weight * (x32 * inv_rms).to(dtype)
 
 
-class _NormRecipe:
-    """A norm output as its inputs (which the norm's backward keeps anyway); rebuilt once, shared by every layer
-    that saved it or a view of it, and freed with the last of them."""
+def _normalized_from(x, weight, inv_rms):
+    return _normalized(x.float(), weight, inv_rms, x.dtype)
 
-    def __init__(self, x, weight, inv_rms):
-        self.inputs, self.value = (x, weight, inv_rms), None
+
+class _Recipe:
+    """An output as the function and inputs that make it (inputs the backward keeps anyway); rebuilt once, shared
+    by every layer that saved it or a view of it, and freed with the last of them."""
+
+    def __init__(self, make, *inputs):
+        self.make, self.inputs, self.value = make, inputs, None
+        self.versions = [t._version for t in inputs]
 
     def rebuild(self) -> torch.Tensor:
         if self.value is None:
-            x, weight, inv_rms = self.inputs
+            if [t._version for t in self.inputs] != self.versions:
+                raise RuntimeError("A tensor an activation is rebuilt from was modified in place after the forward "
+                                   "pass; run without fused_layers to modify it.")
             with torch.no_grad():
-                self.value = _normalized(x.float(), weight, inv_rms, x.dtype)
+                self.value = self.make(*self.inputs)
         return self.value
 
 
-# Storage address -> (weak reference to the output, its recipe) for the norms run inside `recomputed_norm_outputs`.
-_norm_outputs: dict | None = None
+# Storage address -> (weak reference to an output, its recipe) for the outputs made inside `rebuilt_activations`.
+_rebuildable: dict | None = None
+
+
+def _remember(output: torch.Tensor, make, *inputs) -> torch.Tensor:
+    """Marks `output` (= make(*inputs)) as rebuildable for the layers that save it, inside `rebuilt_activations`."""
+    if _rebuildable is not None:
+        _rebuildable[output.untyped_storage().data_ptr()] = (weakref.ref(output), _Recipe(make, *inputs))
+    return output
 
 
 def _pack(tensor):
-    """A saved tensor that is (a view of) a live, unmodified norm output becomes its recipe and view geometry.
-    Layers often save a reshaped view (a linear layer flattens its input), hence the match by storage: while the
-    output is alive its storage cannot belong to another tensor."""
-    if not _norm_outputs or tensor.layout is not torch.strided:
+    """A saved tensor that is (a view of) a live, unmodified rebuildable output becomes its recipe and view
+    geometry. Layers often save a reshaped view (a linear layer flattens its input), hence the match by storage:
+    while the output is alive its storage cannot belong to another tensor."""
+    if not _rebuildable or tensor.layout is not torch.strided:
         return tensor
     try:
-        entry = _norm_outputs.get(tensor.untyped_storage().data_ptr())
+        entry = _rebuildable.get(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a wrapper subclass)
         return tensor
     output = entry[0]() if entry is not None else None
@@ -138,20 +152,21 @@ def _unpack(packed):
 
 
 @contextlib.contextmanager
-def recomputed_norm_outputs(enabled: bool = True):
-    """Within the block (a forward pass), fused norms' outputs are saved for the backward as recipes. Not for
-    sharded weights (FSDP, ZeRO-3: the norm weight is gone after the forward) nor inside other saved-tensor hooks
-    (activation offloading), which the caller rules out."""
-    global _norm_outputs
-    if not enabled or _norm_outputs is not None:
+def rebuilt_activations(enabled: bool = True):
+    """Within the block (a forward pass), fused norms' outputs and the elementwise outputs of MLPs that run their
+    own projections are saved for the backward as recipes. Not for sharded weights (FSDP, ZeRO-3: the norm weight
+    is gone after the forward) nor inside other saved-tensor hooks (activation offloading), which the caller rules
+    out."""
+    global _rebuildable
+    if not enabled or _rebuildable is not None:
         yield
         return
-    _norm_outputs = {}
+    _rebuildable = {}
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
     finally:
-        _norm_outputs = None
+        _rebuildable = None
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:
@@ -167,7 +182,18 @@ def _fused_mlp_forward(self, x):
     layers = (self.gate_proj, self.up_proj, self.down_proj)
     if all(_plain_weight(layer) for layer in layers) and _wants_grad(x, *(layer.weight for layer in layers)):
         return _SwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-    return type(self).forward(self, x)
+    if _rebuildable is None or not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    # Projections of their own (LoRA, quantized): Llama's forward, operation for operation, whose silu(gate) and
+    # silu(gate) * up are rebuilt from gate and up (which the backward keeps) instead of kept.
+    gate = self.gate_proj(x)
+    activated = _remember(self.act_fn(gate), self.act_fn, gate)
+    up = self.up_proj(x)
+    return self.down_proj(_remember(activated * up, _gated, self.act_fn, gate, up))
+
+
+def _gated(act_fn, gate, up):
+    return act_fn(gate) * up
 
 
 def _fused_norm_forward(self, hidden_states):

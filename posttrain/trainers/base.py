@@ -17,13 +17,14 @@ from ..callbacks.run_artifacts import RunArtifactsCallback
 from ..errors import ConfigError
 from ..data.report import DataReportCallback
 from ..model_card import write_model_card
-from ..models.fused_layers import fuse_layers, recomputed_norm_outputs
+from ..models.fused_layers import fuse_layers, rebuilt_activations
 from ..models.loading import load_causal_lm, load_tokenizer
 from ..models.tied_embedding import allow_tied_embedding
 from .checkpoints import CheckpointMixin
 from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
                           shard_frozen_models, unwrap_without_importing_deepspeed, use_gloo_on_cpu)
 from .guards import NONFINITE_POLICIES, GuardMixin
+from .optimizer_state import allocate_adam_states_together
 
 logger = logging.getLogger("posttrain")
 
@@ -310,7 +311,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         stack.enter_context(super().compute_loss_context_manager())
         recompute = (self.args.fused_layers and not self.args.activation_offloading
                      and not self.is_fsdp_enabled and not self.is_deepspeed_enabled)
-        stack.enter_context(recomputed_norm_outputs(recompute))
+        stack.enter_context(rebuilt_activations(recompute))
         return stack
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -359,6 +360,14 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
                 loss = loss * self.accelerator.num_processes
             return loss
         return loss_sum / max(int(local_count), 1)
+
+    def create_optimizer(self, model=None):
+        """transformers' optimizer; Adam's moment buffers then come from one allocation (`optimizer_state.py`),
+        except where DeepSpeed or FSDP own the parameters' layout."""
+        optimizer = super().create_optimizer(model)
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            allocate_adam_states_together(optimizer)
+        return optimizer
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
