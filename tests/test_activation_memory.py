@@ -12,7 +12,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posttrain.losses.sft import IGNORE_INDEX, SOFTMAX_ROWS, chunked_token_loss_sums
+from posttrain.losses import logprobs
+from posttrain.losses.logprobs import linear_logps
+from posttrain.losses.sft import IGNORE_INDEX, chunked_token_loss_sums
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.tied_embedding import allow_tied_embedding, tied_embedding
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -218,15 +220,23 @@ def test_norm_outputs_are_rebuilt_bit_for_bit_instead_of_kept(tokenizer, checkpo
         assert kept == kept_r == 0
 
 
-def test_chunked_head_loss_holds_one_chunk_of_logits_and_a_few_rows_more():
+@pytest.mark.parametrize("stats", [False, True])
+def test_head_losses_hold_one_chunk_of_logits_and_a_few_rows_more(monkeypatch, stats):
+    monkeypatch.setattr(logprobs, "SOFTMAX_ELEMENTS", 4000)  # softmax 4 rows of the 1,000-word vocabulary at a time
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(1, 40, 8, generator=g, requires_grad=True)
     weight = torch.randn(1000, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 1000, (1, 40), generator=g)
     with _Ops(last_dim=1000) as ops:
         chunked_token_loss_sums(hidden, weight, labels, chunk_size=16)
-    # the chunk's logits (turned into its gradient in place) and one softmax temporary of SOFTMAX_ROWS rows
-    assert ops.most_alive == (16 + SOFTMAX_ROWS) * 1000
+    # the chunk's logits (turned into its gradient in place) and one softmax temporary of 4 rows
+    assert ops.most_alive == (16 + 4) * 1000
+    with _Ops(last_dim=1000) as ops:
+        scores = linear_logps(hidden[0], weight, labels[0], chunk_size=16, stats=stats, log_sum_sq=stats)
+    assert ops.most_alive == (16 + 4) * 1000  # in the forward: the chunk's logits and the softmax temporary
+    with _Ops(last_dim=1000) as ops:
+        scores.logps.sum().backward()
+    assert ops.most_alive == 16 * 1000  # in the backward: the chunk's logits become its gradient in place
 
 
 UNWRAP_PROBE = """

@@ -1,7 +1,9 @@
 import math
 
+import pytest
 import torch
 
+from posttrain.losses import logprobs
 from posttrain.losses.logprobs import linear_logps, next_token_logps, selective_log_softmax
 
 
@@ -32,7 +34,10 @@ def _float64_scores(hidden, weight, bias, index):
             "top1": (logits.argmax(-1) == index).double()}
 
 
-def test_linear_logps_values_stats_and_gradients_match_float64_over_several_chunks():
+@pytest.mark.parametrize("softmax_elements", [None, 46])  # 46: two rows of the softmax at a time, 2 + 2 + 1 a chunk
+def test_linear_logps_values_stats_and_gradients_match_float64_over_several_chunks(monkeypatch, softmax_elements):
+    if softmax_elements:
+        monkeypatch.setattr(logprobs, "SOFTMAX_ELEMENTS", softmax_elements)
     torch.manual_seed(0)
     hidden = torch.randn(37, 8, requires_grad=True)
     weight = torch.randn(23, 8, requires_grad=True)

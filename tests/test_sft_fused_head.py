@@ -7,6 +7,7 @@ from datasets import Dataset
 
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.errors import ConfigError
+from posttrain.losses import logprobs
 from posttrain.losses.sft import IGNORE_INDEX, chunked_token_loss_sums
 
 
@@ -34,7 +35,10 @@ def _reference(hidden, weight, bias, labels, loss_type, eps):
 
 
 @pytest.mark.parametrize("loss_type,eps,chunk", [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)])
-def test_fused_sums_and_scaled_gradients_match_float64_formulas(loss_type, eps, chunk):
+@pytest.mark.parametrize("softmax_elements", [None, 39])  # 39: three rows of the softmax at a time
+def test_fused_sums_and_scaled_gradients_match_float64_formulas(monkeypatch, loss_type, eps, chunk, softmax_elements):
+    if softmax_elements:
+        monkeypatch.setattr(logprobs, "SOFTMAX_ELEMENTS", softmax_elements)
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, 7, 6, generator=g, requires_grad=True)
     weight = torch.randn(13, 6, generator=g, requires_grad=True)

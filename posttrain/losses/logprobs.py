@@ -14,6 +14,14 @@ import torch
 
 # Floats of logits one chunk may hold (64 MiB in float32): rows per chunk = this // vocabulary size.
 CHUNK_ELEMENTS = 1 << 24
+# Floats of a chunk's softmax worked out together (1 MiB in float32): their temporary stays in the CPU's cache, and
+# the chunk's logits are its only [chunk, vocab] tensor. Five rows of a 49k vocabulary, a whole chunk of a small one.
+SOFTMAX_ELEMENTS = 1 << 18
+
+
+def softmax_rows(vocab_size: int) -> int:
+    """Rows of a chunk of logits whose softmax is worked out together."""
+    return max(1, SOFTMAX_ELEMENTS // vocab_size)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -87,16 +95,20 @@ class _LinearLogps(torch.autograd.Function):
                 if stats:
                     extra["mean_logits"][part] = z.mean(-1)
                     extra["top1"][part] = (z.argmax(-1) == target).to(exact)
-                peak = z.amax(-1, keepdim=True)
-                probs = (z - peak).exp_()
-                total = probs.sum(-1)
-                logz[part] = peak.squeeze(1) + total.log()
-                if stats or log_sum_sq:
-                    probs.div_(total[:, None])
-                if stats:
-                    extra["entropy"][part] = logz[part] - _dot_rows(probs, z)
-                if log_sum_sq:
-                    extra["log_sum_sq"][part] = _dot_rows(probs, probs).log()
+                peak, step = z.amax(-1, keepdim=True), softmax_rows(z.shape[-1])
+                for first in range(0, z.shape[0], step):  # exp(z - peak) a few rows at a time
+                    last = min(first + step, z.shape[0])
+                    few, row = slice(first, last), slice(start + first, start + last)
+                    exp = (z[few] - peak[few]).exp_()
+                    total = exp.sum(-1)
+                    log_total = total.log()
+                    logz[row] = peak[few, 0] + log_total
+                    if stats:  # -sum_v p_v log p_v = logz - sum_v p_v z_v
+                        extra["entropy"][row] = logz[row] - _dot_rows(exp, z[few]) / total
+                    if log_sum_sq:
+                        extra["log_sum_sq"][row] = _dot_rows(exp, exp).log() - 2 * log_total
+                    del exp  # before the next rows' temporary
+                del z  # before the next chunk's logits
         ctx.save_for_backward(hidden, weight, bias, index, logz)
         ctx.chunk, ctx.dtype, ctx.on_weight_grad = chunk, dtype, on_weight_grad
         ctx.mark_non_differentiable(*extra.values())
@@ -129,6 +141,7 @@ class _LinearLogps(torch.autograd.Function):
                 grad_weight += (grad_z.t() @ h).to(exact)
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
+            del grad_z  # before the next chunk's logits
         cast = (lambda grad, like: None if grad is None else grad.to(like.dtype))
         grad_weight = cast(grad_weight, weight)
         if ctx.on_weight_grad is not None and grad_weight is not None and ctx.on_weight_grad(grad_weight):
@@ -141,8 +154,8 @@ def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
                  on_weight_grad=None) -> TokenScores:
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
 
-    Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows), in the forward
-    and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32,
+    Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows) and a few rows
+    more, in the forward and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32,
     float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
     entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
     `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it returns True it

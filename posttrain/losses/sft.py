@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .logprobs import softmax_rows
+
 IGNORE_INDEX = -100
 LOSS_TYPES = ("nll", "dft")
 
@@ -71,11 +73,6 @@ def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return sums.loss, sums.correct, sums.count
 
 
-# Rows of a chunk whose softmax is worked out together: their temporary ([rows, vocab], 1.5 MB for a 49k vocabulary)
-# stays in the CPU's cache, and the chunk's logits are the only [chunk, vocab] buffer.
-SOFTMAX_ROWS = 8
-
-
 def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label_smoothing: float):
     """One chunk's (loss sum, correct, entropy sum) and the gradient of its loss sum w.r.t. its logits.
 
@@ -94,8 +91,9 @@ def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label
     log_normalizer = grad.new_empty(rows)
     argmax = torch.empty(rows, dtype=torch.long, device=grad.device)
     entropy = grad.new_zeros(())
-    for start in range(0, rows, SOFTMAX_ROWS):
-        piece = slice(start, start + SOFTMAX_ROWS)
+    step = softmax_rows(grad.shape[-1])
+    for start in range(0, rows, step):
+        piece = slice(start, start + step)
         z = grad[piece]
         if smoothing:
             mean_logit[piece] = z.mean(-1)
