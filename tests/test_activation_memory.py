@@ -181,27 +181,39 @@ def test_untied_or_customised_embeddings_are_left_alone(tokenizer):
         assert handoff is None
 
 
-def _norm_step(model, ids, recompute: bool, checkpointing: bool = False):
+def _watched_step(model, ids, rebuild: bool, checkpointing: bool, watch):
+    """A forward (inside `rebuilt_activations(rebuild)`) and backward pass; `watch(model)` registers hooks and
+    returns (their handles, a function measuring what they saw, called between the two passes)."""
     model.zero_grad(set_to_none=True)
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
         model.train()
-    norm_outputs = []
-
-    def keep(module, args, out):
-        norm_outputs.append(weakref.ref(out))
-
-    handles = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("layernorm")]
-    with rebuilt_activations(recompute):
+    handles, measure = watch(model)
+    with rebuilt_activations(rebuild):
         out = model(input_ids=ids, labels=ids)
     for handle in handles:
         handle.remove()
-    kept = sum(ref() is not None for ref in norm_outputs)
+    seen = measure()
     out.loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     if checkpointing:
         model.gradient_checkpointing_disable()
-    return out.loss.detach(), grads, kept, len(norm_outputs)
+    return out.loss.detach(), grads, seen
+
+
+def _alive(refs) -> int:
+    return sum(ref() is not None for ref in refs)
+
+
+def _norm_step(model, ids, recompute: bool, checkpointing: bool = False):
+    def watch(model):
+        norm_outputs = []
+        handles = [m.register_forward_hook(lambda m, a, out: norm_outputs.append(weakref.ref(out)))
+                   for name, m in model.named_modules() if name.endswith("layernorm")]
+        return handles, lambda: (_alive(norm_outputs), len(norm_outputs))
+
+    loss, grads, (kept, made) = _watched_step(model, ids, recompute, checkpointing, watch)
+    return loss, list(grads.values()), kept, made
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -271,39 +283,44 @@ def test_a_run_without_deepspeed_does_not_import_it():
     assert "CHECK True" in done.stdout
 
 
-def _lora_mlp_step(model, ids, rebuild: bool):
-    model.zero_grad(set_to_none=True)
-    intermediates = []
-    hooks = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.act_fn"):
-            hooks.append(module.register_forward_hook(lambda m, a, out: intermediates.append(weakref.ref(out))))
-        elif name.endswith("mlp.down_proj"):
-            hooks.append(module.register_forward_pre_hook(lambda m, args: intermediates.append(weakref.ref(args[0]))))
-    with rebuilt_activations(rebuild):
-        out = model(input_ids=ids, labels=ids)
-    for hook in hooks:
-        hook.remove()
-    kept = sum(ref() is not None for ref in intermediates)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return out.loss.detach(), grads, kept, len(intermediates)
+def _lora_mlp_step(model, ids, rebuild: bool, checkpointing: bool):
+    def watch(model):
+        intermediates, projections, alive_at_end, handles = [], [], [], []
+        for name, module in model.named_modules():
+            if name.endswith("mlp.act_fn"):
+                handles.append(module.register_forward_hook(lambda m, a, out: intermediates.append(weakref.ref(out))))
+            elif name.endswith("mlp.down_proj"):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args: intermediates.append(weakref.ref(args[0]))))
+            elif name.endswith(("mlp.gate_proj", "mlp.up_proj")):
+                handles.append(module.register_forward_hook(lambda m, a, out: projections.append(weakref.ref(out))))
+            elif name.endswith("model.norm"):  # the end of the layers, still inside the forward
+                handles.append(module.register_forward_hook(lambda m, a, out: alive_at_end.append(_alive(projections))))
+        return handles, lambda: (_alive(intermediates), len(intermediates), alive_at_end)
+
+    loss, grads, (kept, made, alive_at_end) = _watched_step(model, ids, rebuild, checkpointing, watch)
+    return loss, grads, kept, made, alive_at_end
 
 
-def test_lora_mlp_rebuilds_its_elementwise_outputs_bit_for_bit(tokenizer):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_mlp_rebuilds_its_elementwise_outputs_bit_for_bit(tokenizer, checkpointing):
     from peft import LoraConfig, get_peft_model
 
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2).to(torch.float64)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     assert fuse_layers(model) == 2 * 2 + 2 + 1
     ids = torch.randint(3, len(tokenizer), (2, 11), generator=torch.Generator().manual_seed(5))
-    loss, grads, kept, made = _lora_mlp_step(model, ids, rebuild=False)
-    loss_r, grads_r, kept_r, made_r = _lora_mlp_step(model, ids, rebuild=True)
+    loss, grads, kept, made, alive = _lora_mlp_step(model, ids, rebuild=False, checkpointing=checkpointing)
+    loss_r, grads_r, kept_r, made_r, alive_r = _lora_mlp_step(model, ids, rebuild=True, checkpointing=checkpointing)
     assert torch.equal(loss, loss_r)
     assert grads.keys() == grads_r.keys() and all(torch.equal(grads[n], grads_r[n]) for n in grads)
     assert any("lora_A" in n and "mlp" in n for n in grads)
-    assert made == made_r == 2 * 2  # silu(gate) and silu(gate) * up, per layer
-    assert kept == 4 and kept_r == 0  # kept for the backward by the product and LoRA's down_proj, or not at all
+    if not checkpointing:
+        assert made == made_r == 2 * 2  # silu(gate) and silu(gate) * up, per layer
+        assert kept == 4 and kept_r == 0  # kept for the backward by the product and LoRA's down_proj, or not at all
+        assert alive == alive_r == [2 * 2]  # gate and up: kept for the backward either way
+    else:  # checkpointing frees each layer's gate and up after its forward; the recipes must not keep them
+        assert kept == kept_r == 0 and alive == alive_r == [0]
 
 
 def test_rebuilding_from_a_tensor_modified_in_place_raises():

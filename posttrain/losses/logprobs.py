@@ -155,8 +155,8 @@ def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
 
     Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows) and a few rows
-    more, in the forward and in the backward pass, which recomputes the chunk's logits rather than storing them. Logits are float32,
-    float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
+    more, in the forward and in the backward pass, which recomputes the chunk's logits rather than storing them.
+    Logits are float32, float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
     entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
     `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it returns True it
     has taken the gradient over (a tied input embedding delivers it with its own rows added:

@@ -117,14 +117,17 @@ class _Recipe:
         return self.value
 
 
-# Storage address -> (weak reference to an output, its recipe) for the outputs made inside `rebuilt_activations`.
+# Storage address -> weak reference to an output made inside `rebuilt_activations`, which carries its recipe.
 _rebuildable: dict | None = None
 
 
 def _remember(output: torch.Tensor, make, *inputs) -> torch.Tensor:
-    """Marks `output` (= make(*inputs)) as rebuildable for the layers that save it, inside `rebuilt_activations`."""
+    """Marks `output` (= make(*inputs)) as rebuildable for the layers that save it, inside `rebuilt_activations`.
+    The recipe lives on the output, so an output nobody saves (gradient checkpointing frees a layer's) does not keep
+    the recipe's inputs alive."""
     if _rebuildable is not None:
-        _rebuildable[output.untyped_storage().data_ptr()] = (weakref.ref(output), _Recipe(make, *inputs))
+        output._recipe = _Recipe(make, *inputs)
+        _rebuildable[output.untyped_storage().data_ptr()] = weakref.ref(output)
     return output
 
 
@@ -138,10 +141,10 @@ def _pack(tensor):
         entry = _rebuildable.get(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a wrapper subclass)
         return tensor
-    output = entry[0]() if entry is not None else None
+    output = entry() if entry is not None else None
     if output is None or output._version or tensor._version:  # changed in place: keep the tensor itself
         return tensor
-    return entry[1], tensor.shape, tensor.stride(), tensor.storage_offset()
+    return output._recipe, tensor.shape, tensor.stride(), tensor.storage_offset()
 
 
 def _unpack(packed):
