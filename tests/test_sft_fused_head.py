@@ -34,7 +34,8 @@ def _reference(hidden, weight, bias, labels, loss_type, eps):
     return loss, entropy, correct, count
 
 
-@pytest.mark.parametrize("loss_type,eps,chunk", [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)])
+@pytest.mark.parametrize("loss_type,eps,chunk",
+                         [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)])
 @pytest.mark.parametrize("softmax_elements", [None, 39])  # 39: three rows of the softmax at a time
 def test_fused_sums_and_scaled_gradients_match_float64_formulas(monkeypatch, loss_type, eps, chunk, softmax_elements):
     if softmax_elements:

@@ -68,7 +68,7 @@ def _chunk_logits(hidden, weight, bias, dtype) -> torch.Tensor:
     return logits.to(_logits_dtype(dtype))
 
 
-def _dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def dot_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """sum_v a[i, v] * b[i, v] without an [N, V] temporary."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
@@ -104,9 +104,9 @@ class _LinearLogps(torch.autograd.Function):
                     log_total = total.log()
                     logz[row] = peak[few, 0] + log_total
                     if stats:  # -sum_v p_v log p_v = logz - sum_v p_v z_v
-                        extra["entropy"][row] = logz[row] - _dot_rows(exp, z[few]) / total
+                        extra["entropy"][row] = logz[row] - dot_rows(exp, z[few]) / total
                     if log_sum_sq:
-                        extra["log_sum_sq"][row] = _dot_rows(exp, exp).log() - 2 * log_total
+                        extra["log_sum_sq"][row] = dot_rows(exp, exp).log() - 2 * log_total
                     del exp  # before the next rows' temporary
                 del z  # before the next chunk's logits
         ctx.save_for_backward(hidden, weight, bias, index, logz)
@@ -156,8 +156,9 @@ def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor
 
     Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows) and a few rows
     more, in the forward and in the backward pass, which recomputes the chunk's logits rather than storing them.
-    Logits are float32, float64 for a float64 model (under autocast the matmuls run in the autocast dtype). `stats` adds the mean logit,
-    entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's weights), all detached.
+    Logits are float32, float64 for a float64 model (under autocast the matmuls run in the autocast dtype).
+    `stats` adds the mean logit, entropy and top-1 flag per row, `log_sum_sq` adds log sum_v p_v^2 (WPO's
+    weights), all detached.
     `on_weight_grad`, if given, is called in the backward pass with the weight's gradient; when it returns True it
     has taken the gradient over (a tied input embedding delivers it with its own rows added:
     `models/tied_embedding.py`) and the weight gets none from here.

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .logprobs import softmax_rows
+from .logprobs import dot_rows, softmax_rows
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("nll", "dft")
@@ -101,11 +101,11 @@ def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label
         argmax[piece] = top.squeeze(-1)
         z -= peak
         exp = z.exp()
-        total = exp.sum(-1, keepdim=True)
+        total = exp.sum(-1)
         log_total = total.log()
-        entropy += (log_total - torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1, 1) / total).sum()
-        log_normalizer[piece] = (peak + log_total).squeeze(-1)
-        torch.div(exp, total, out=z)  # p
+        entropy += (log_total - dot_rows(exp, z) / total).sum()
+        log_normalizer[piece] = peak.squeeze(-1) + log_total
+        torch.div(exp, total[:, None], out=z)  # p
         del exp  # before the next rows' temporary
     token_logp = target_logit - log_normalizer
     correct = (argmax == targets).sum()

@@ -65,9 +65,9 @@ class PosttrainConfig(TrainingArguments):
         default=True, metadata={"help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
                                         "functions that keep fewer activations for the backward pass (about 40% "
                                         "fewer; same numbers to rounding), rebuild norm outputs (and a LoRA MLP's "
-                                        "elementwise outputs) in the backward instead of keeping them, and let a tied input embedding add its gradient "
-                                        "into the output layer's in place. Off with use_liger_kernel, which "
-                                        "replaces these layers itself."})
+                                        "elementwise outputs) in the backward instead of keeping them, and let a "
+                                        "tied input embedding add its gradient into the output layer's in place. "
+                                        "Off with use_liger_kernel, which replaces these layers itself."})
     activation_offloading: bool = field(
         default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
                                          "an accelerator)."})
