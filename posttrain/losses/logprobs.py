@@ -24,6 +24,47 @@ def softmax_rows(vocab_size: int) -> int:
     return max(1, SOFTMAX_ELEMENTS // vocab_size)
 
 
+class RowSoftmax(NamedTuple):
+    """Per row of a chunk of logits: log sum_v exp(z_v), the (first) argmax, and, when asked for, the entropy and
+    log sum_v p_v^2."""
+
+    log_normalizer: torch.Tensor
+    argmax: torch.Tensor
+    entropy: torch.Tensor | None
+    log_sum_sq: torch.Tensor | None
+
+
+def softmax_by_rows(z: torch.Tensor, *, probs: bool = False, entropy: bool = False,
+                    log_sum_sq: bool = False) -> RowSoftmax:
+    """The softmax statistics of logits z [N, V], exp(z - max) worked out `softmax_rows(V)` rows at a time so that
+    the chunk itself is the only [N, V] tensor. z is overwritten: shifted by its row maxima, or with `probs` the
+    probabilities. With m the row maximum and s = sum_v exp(z_v - m): log-normalizer m + log s, entropy
+    log s - sum_v exp(z_v - m) (z_v - m) / s, log sum_v p_v^2 = log sum_v exp(2 (z_v - m)) - 2 log s."""
+    rows = z.shape[0]
+    log_normalizer, argmax = z.new_empty(rows), torch.empty(rows, dtype=torch.long, device=z.device)
+    entropies = z.new_empty(rows) if entropy else None
+    sums_sq = z.new_empty(rows) if log_sum_sq else None
+    step = softmax_rows(z.shape[-1])
+    for start in range(0, rows, step):
+        few = slice(start, start + step)
+        part = z[few]
+        peak, top = part.max(-1, keepdim=True)
+        argmax[few] = top.squeeze(-1)
+        part -= peak
+        exp = part.exp()
+        total = exp.sum(-1)
+        log_total = total.log()
+        log_normalizer[few] = peak.squeeze(-1) + log_total
+        if entropy:
+            entropies[few] = log_total - dot_rows(exp, part) / total
+        if log_sum_sq:
+            sums_sq[few] = dot_rows(exp, exp).log() - 2 * log_total
+        if probs:
+            torch.div(exp, total[:, None], out=part)
+        del exp  # before the next rows' temporary
+    return RowSoftmax(log_normalizer, argmax, entropies, sums_sq)
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[..., index] without keeping the full [.., vocab] log-softmax around.
 
@@ -94,20 +135,13 @@ class _LinearLogps(torch.autograd.Function):
                 picked[part] = z.gather(1, target[:, None]).squeeze(1)
                 if stats:
                     extra["mean_logits"][part] = z.mean(-1)
-                    extra["top1"][part] = (z.argmax(-1) == target).to(exact)
-                peak, step = z.amax(-1, keepdim=True), softmax_rows(z.shape[-1])
-                for first in range(0, z.shape[0], step):  # exp(z - peak) a few rows at a time
-                    last = min(first + step, z.shape[0])
-                    few, row = slice(first, last), slice(start + first, start + last)
-                    exp = (z[few] - peak[few]).exp_()
-                    total = exp.sum(-1)
-                    log_total = total.log()
-                    logz[row] = peak[few, 0] + log_total
-                    if stats:  # -sum_v p_v log p_v = logz - sum_v p_v z_v
-                        extra["entropy"][row] = logz[row] - dot_rows(exp, z[few]) / total
-                    if log_sum_sq:
-                        extra["log_sum_sq"][row] = dot_rows(exp, exp).log() - 2 * log_total
-                    del exp  # before the next rows' temporary
+                softmax = softmax_by_rows(z, entropy=stats, log_sum_sq=log_sum_sq)
+                logz[part] = softmax.log_normalizer
+                if stats:
+                    extra["top1"][part] = (softmax.argmax == target).to(exact)
+                    extra["entropy"][part] = softmax.entropy
+                if log_sum_sq:
+                    extra["log_sum_sq"][part] = softmax.log_sum_sq
                 del z  # before the next chunk's logits
         ctx.save_for_backward(hidden, weight, bias, index, logz)
         ctx.chunk, ctx.dtype, ctx.on_weight_grad = chunk, dtype, on_weight_grad

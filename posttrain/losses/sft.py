@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .logprobs import dot_rows, softmax_rows
+from .logprobs import softmax_by_rows
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("nll", "dft")
@@ -78,37 +78,19 @@ def _chunk_forward_backward(hidden, weight, bias, targets, loss_type: str, label
 
     d(loss)/d(logits) in closed form, per token with probabilities p and one-hot target e_y:
     nll: p - e_y; dft: p(y) * (p - e_y) (p(y) is detached); label smoothing: p - (1 - eps) e_y - eps / V.
-    The logits buffer becomes the gradient in place. Per row, with z the logits less their maximum m and
-    s = sum_v exp(z_v): log p = z - log s, so log p(y) = logit_y - (m + log s), mean_v log p = mean logit - (m + log s)
-    and the entropy -sum_v p_v log p_v = log s - sum_v exp(z_v) z_v / s.
+    The logits buffer becomes the gradient in place (`softmax_by_rows` turns it into p). With the row's
+    log-normalizer L: log p(y) = logit_y - L and mean_v log p = mean logit - L.
     """
     grad = F.linear(hidden, weight, bias).float()
-    rows = len(targets)
-    every = torch.arange(rows, device=grad.device)
+    every = torch.arange(len(targets), device=grad.device)
     target_logit = grad[every, targets]
     smoothing = loss_type == "nll" and label_smoothing
-    mean_logit = grad.new_empty(rows) if smoothing else None
-    log_normalizer = grad.new_empty(rows)
-    argmax = torch.empty(rows, dtype=torch.long, device=grad.device)
-    entropy = grad.new_zeros(())
-    step = softmax_rows(grad.shape[-1])
-    for start in range(0, rows, step):
-        piece = slice(start, start + step)
-        z = grad[piece]
-        if smoothing:
-            mean_logit[piece] = z.mean(-1)
-        peak, top = z.max(-1, keepdim=True)
-        argmax[piece] = top.squeeze(-1)
-        z -= peak
-        exp = z.exp()
-        total = exp.sum(-1)
-        log_total = total.log()
-        entropy += (log_total - dot_rows(exp, z) / total).sum()
-        log_normalizer[piece] = peak.squeeze(-1) + log_total
-        torch.div(exp, total[:, None], out=z)  # p
-        del exp  # before the next rows' temporary
+    mean_logit = grad.mean(-1) if smoothing else None
+    softmax = softmax_by_rows(grad, probs=True, entropy=True)  # grad now holds p
+    log_normalizer = softmax.log_normalizer
+    entropy = softmax.entropy.sum()
     token_logp = target_logit - log_normalizer
-    correct = (argmax == targets).sum()
+    correct = (softmax.argmax == targets).sum()
     if loss_type == "dft":
         scale = token_logp.exp()
         loss = -(scale * token_logp).sum()
