@@ -48,18 +48,33 @@ def run_one(rounds: int | None, steps: int, model: str | None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model)
         words = "cat dog sun moon tree fish bird sky".split()
         data = Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}"} for i in range(256)])
-        args = GRPOConfig(output_dir=folder, max_steps=steps, per_device_train_batch_size=16, num_generations=8,
-                          max_completion_length=32, learning_rate=1e-2, logging_steps=1, seed=0, use_cpu=True,
-                          report_to="none", save_strategy="no", disable_tqdm=True, write_report=False,
-                          async_generation_rounds=rounds)
+        args = GRPOConfig(
+            output_dir=folder,
+            max_steps=steps,
+            per_device_train_batch_size=16,
+            num_generations=8,
+            max_completion_length=32,
+            learning_rate=1e-2,
+            logging_steps=1,
+            seed=0,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            write_report=False,
+            async_generation_rounds=rounds,
+        )
         trainer = GRPOTrainer(model, target_tokens, args=args, train_dataset=data, processing_class=tokenizer)
         cpu, start = time.process_time(), time.perf_counter()
         trainer.train()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         waits = [h["perf/rollout_wait_s"] for h in trainer.state.log_history if "perf/rollout_wait_s" in h]
-        return {"wall_per_step": wall / steps, "cpu_per_step": cpu / steps,
-                "wait_per_step": sum(waits) / len(waits) if waits else None,
-                "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        return {
+            "wall_per_step": wall / steps,
+            "cpu_per_step": cpu / steps,
+            "wait_per_step": sum(waits) / len(waits) if waits else None,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
 
 
 def main() -> None:

@@ -33,15 +33,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "POSTTRAIN_CACHE": cache}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "POSTTRAIN_CACHE": cache,
+        }
         rows = [("sft --help (cold: empty cache)", run_once(["sft", "--help"], env))]
         for argv in COMMANDS:
             times = [run_once(argv, env) for _ in range(args.runs)]
             rows.append((" ".join(argv), statistics.median(times)))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"posttrain start-up, median of {args.runs} (cold: 1 run), one thread, {os.cpu_count()} CPUs, "
-          f"load average {load:.1f}")
+    print(
+        f"posttrain start-up, median of {args.runs} (cold: 1 run), one thread, {os.cpu_count()} CPUs, "
+        f"load average {load:.1f}"
+    )
     print(f"{'command':<42} {'seconds':>8}")
     for name, seconds in rows:
         print(f"{'posttrain ' + name:<42} {seconds:>8.2f}")

@@ -33,11 +33,24 @@ from pathlib import Path
 
 from common import print_comparison, step_timer
 
-WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
-         "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
-SETTINGS = dict(beta=0.1, learning_rate=1e-5, max_length=256, seed=0,
-                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-                use_cpu=True, disable_tqdm=True, gradient_checkpointing=False, bf16=False)
+WORDS = (
+    "the a is of to and in on for with that this it what how why answer question yes no good bad red green "
+    "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree"
+).split()
+SETTINGS = dict(
+    beta=0.1,
+    learning_rate=1e-5,
+    max_length=256,
+    seed=0,
+    lr_scheduler_type="constant",
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    gradient_checkpointing=False,
+    bf16=False,
+)
 
 
 def synthetic_rows(n: int = 256, seed: int = 0) -> list[dict]:
@@ -47,8 +60,10 @@ def synthetic_rows(n: int = 256, seed: int = 0) -> list[dict]:
     def words(lo, hi):
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
-    return [{"prompt": words(20, 60), "chosen": " " + words(5, 25) + " good", "rejected": " " + words(5, 25) + " bad"}
-            for _ in range(n)]
+    return [
+        {"prompt": words(20, 60), "chosen": " " + words(5, 25) + " good", "rejected": " " + words(5, 25) + " bad"}
+        for _ in range(n)
+    ]
 
 
 MODELS = {"tiny": dict(steps=30, batch=8), "smollm2": dict(steps=5, batch=4)}
@@ -64,8 +79,12 @@ def worker(impl: str, model_path: str, ref_path: str | None, steps: int, batch: 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     ref_model = AutoModelForCausalLM.from_pretrained(ref_path) if ref_path else None
-    settings = dict(SETTINGS, output_dir=str(Path(tempfile.gettempdir()) / f"bench_dpo_{impl}"), max_steps=steps,
-                    per_device_train_batch_size=batch)
+    settings = dict(
+        SETTINGS,
+        output_dir=str(Path(tempfile.gettempdir()) / f"bench_dpo_{impl}"),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+    )
     if impl == "posttrain":
         from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -73,11 +92,18 @@ def worker(impl: str, model_path: str, ref_path: str | None, steps: int, batch: 
     else:
         from trl import DPOConfig, DPOTrainer
     timer = step_timer()
-    trainer = DPOTrainer(model, ref_model=ref_model, args=DPOConfig(**settings), train_dataset=Dataset.from_list(rows),
-                         processing_class=tokenizer, callbacks=[timer])
+    trainer = DPOTrainer(
+        model,
+        ref_model=ref_model,
+        args=DPOConfig(**settings),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
-    tokens_per_row = statistics.mean(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"])
-                                     for r in trainer.train_dataset)
+    tokens_per_row = statistics.mean(
+        2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in trainer.train_dataset
+    )
     (wall_0, cpu_0), (wall_1, cpu_1) = timer.times[0], timer.times[-1]
     steps = len(timer.times) - 1
     return {
@@ -88,8 +114,9 @@ def worker(impl: str, model_path: str, ref_path: str | None, steps: int, batch: 
         "cpu_ms_per_step": 1000 * (cpu_1 - cpu_0) / steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
-        "first_rows": [{k: trainer.train_dataset[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
-                       for i in range(3)],
+        "first_rows": [
+            {k: trainer.train_dataset[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for i in range(3)
+        ],
     }
 
 
@@ -112,8 +139,12 @@ def main() -> None:
         from posttrain.models.tiny import save_tiny_model
 
         root = Path(tempfile.mkdtemp(prefix="bench_dpo_"))
-        paths = ["--model-path", save_tiny_model(root / "policy", seed=0, hidden_size=256, num_layers=4),
-                 "--ref-path", save_tiny_model(root / "ref", seed=1, hidden_size=256, num_layers=4)]
+        paths = [
+            "--model-path",
+            save_tiny_model(root / "policy", seed=0, hidden_size=256, num_layers=4),
+            "--ref-path",
+            save_tiny_model(root / "ref", seed=1, hidden_size=256, num_layers=4),
+        ]
         title = "DPO, tiny Llama (hidden 256, 4 layers), explicit reference"
     else:
         from posttrain.models.builtin import builtin_model_path
@@ -123,22 +154,37 @@ def main() -> None:
     results: dict[str, list[dict]] = {"posttrain": [], "trl": []}
     for _ in range(args.repeats):
         for impl in ("posttrain", "trl"):
-            cmd = [sys.executable, __file__, "--worker", impl, "--model", args.model, *paths, "--steps", str(steps),
-                   "--batch", str(batch)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                impl,
+                "--model",
+                args.model,
+                *paths,
+                "--steps",
+                str(steps),
+                "--batch",
+                str(batch),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"{impl} run failed:\n{out.stderr[-3000:]}")
-            results[impl].append(json.loads(line[len("RESULT "):]))
+            results[impl].append(json.loads(line[len("RESULT ") :]))
 
     same_tokens = results["posttrain"][0]["first_rows"] == results["trl"][0]["first_rows"]
-    title += (f", batch {batch} pairs, max_length {SETTINGS['max_length']}, {steps} steps, OMP_NUM_THREADS=1, "
-              f"median of {args.repeats} alternating runs each (tokens/s per CPU second; load average "
-              f"{os.getloadavg()[0]:.1f} at the end)")
+    title += (
+        f", batch {batch} pairs, max_length {SETTINGS['max_length']}, {steps} steps, OMP_NUM_THREADS=1, "
+        f"median of {args.repeats} alternating runs each (tokens/s per CPU second; load average "
+        f"{os.getloadavg()[0]:.1f} at the end)"
+    )
     rows = print_comparison(title, results)
     p, t = rows["posttrain"], rows["trl"]
-    print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}; "
-          f"same token ids for the first rows: {same_tokens}")
+    print(
+        f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}; "
+        f"same token ids for the first rows: {same_tokens}"
+    )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,10 @@ def prompt_rounds(rounds: int, prompts: int, tokenizer) -> list[list[list[int]]]
     from grpo_arithmetic import arithmetic_problems
 
     problems = arithmetic_problems(rounds * prompts, seed=77)["prompt"]
-    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-           for p in problems]
-    return [ids[r * prompts:(r + 1) * prompts] for r in range(rounds)]
+    ids = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in problems
+    ]
+    return [ids[r * prompts : (r + 1) * prompts] for r in range(rounds)]
 
 
 def _trl_generate(model, tokenizer, num_generations: int, max_completion_length: int):
@@ -53,12 +54,24 @@ def _trl_generate(model, tokenizer, num_generations: int, max_completion_length:
     from trl import GRPOConfig, GRPOTrainer
 
     output_dir = tempfile.mkdtemp(prefix="bench_generation_")
-    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=num_generations,
-                      num_generations=num_generations, max_completion_length=max_completion_length,
-                      temperature=1.0, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_list([{"prompt": "x"}] * num_generations),
-                          processing_class=tokenizer)
+    args = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=num_generations,
+        num_generations=num_generations,
+        max_completion_length=max_completion_length,
+        temperature=1.0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * num_generations),
+        processing_class=tokenizer,
+    )
 
     def generate(prompt_ids, seed):
         torch.manual_seed(seed)
@@ -74,8 +87,11 @@ def _posttrain_generate(variant: str, model, tokenizer, num_generations: int, ma
 
     from posttrain.generation import SamplingParams, TransformersBackend, stop_token_ids
 
-    options = {"posttrain-noshare": {"share_prefill": False}, "posttrain-nodrop": {"drop_finished": False},
-               "posttrain-static": {"cache_implementation": "static"}}.get(variant, {})
+    options = {
+        "posttrain-noshare": {"share_prefill": False},
+        "posttrain-nodrop": {"drop_finished": False},
+        "posttrain-static": {"cache_implementation": "static"},
+    }.get(variant, {})
     backend = TransformersBackend(model, tokenizer.pad_token_id, stop_token_ids(tokenizer, model), **options)
     sampling = SamplingParams(max_tokens=max_completion_length, temperature=1.0)
 
@@ -85,8 +101,12 @@ def _posttrain_generate(variant: str, model, tokenizer, num_generations: int, ma
 
             with torch.no_grad():
                 completions = backend.generate_with_transformers(
-                    model.eval(), prompt_ids, num_generations, sampling,
-                    completion_seeds(seed, len(prompt_ids), num_generations))
+                    model.eval(),
+                    prompt_ids,
+                    num_generations,
+                    sampling,
+                    completion_seeds(seed, len(prompt_ids), num_generations),
+                )
         else:
             completions = backend.generate(prompt_ids, num_generations, sampling, seed=seed)
         return [c.token_ids for c in completions]
@@ -104,8 +124,9 @@ def run_variant(variant: str, rounds: int, prompts: int, num_generations: int, m
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     factory = _trl_generate if variant == "trl" else _posttrain_generate
-    generate = factory(*(() if variant == "trl" else (variant,)), model, tokenizer, num_generations,
-                       max_completion_length)
+    generate = factory(
+        *(() if variant == "trl" else (variant,)), model, tokenizer, num_generations, max_completion_length
+    )
     work = prompt_rounds(rounds, prompts, tokenizer)
     generate(work[0][:1], seed=12345)  # warm-up: allocator, kernels, lazy imports
     tokens, wall, cpu, finished = 0, 0.0, 0.0, 0
@@ -132,25 +153,46 @@ def main() -> None:
     results: dict[str, list[dict]] = {v: [] for v in options.variants}
     for repeat in range(options.repeats):
         for variant in options.variants if repeat % 2 == 0 else reversed(options.variants):
-            result = run_isolated("bench_generation:run_variant", dict(
-                variant=variant, rounds=options.rounds, prompts=options.prompts,
-                num_generations=options.num_generations, max_completion_length=options.max_completion_length))
+            result = run_isolated(
+                "bench_generation:run_variant",
+                dict(
+                    variant=variant,
+                    rounds=options.rounds,
+                    prompts=options.prompts,
+                    num_generations=options.num_generations,
+                    max_completion_length=options.max_completion_length,
+                ),
+            )
             results[variant].append(result)
-            print(f"repeat {repeat + 1} {variant}: {result['tokens']} tokens, {result['tokens'] / result['wall_s']:.1f} "
-                  f"tok/s wall, {result['tokens'] / result['cpu_s']:.1f} tok/s CPU", flush=True)
+            print(
+                f"repeat {repeat + 1} {variant}: {result['tokens']} tokens, {result['tokens'] / result['wall_s']:.1f} "
+                f"tok/s wall, {result['tokens'] / result['cpu_s']:.1f} tok/s CPU",
+                flush=True,
+            )
 
     def median(variant, key):
         return statistics.median(r["tokens"] / r[key] for r in results[variant])
 
     reference = "trl" if "trl" in results else options.variants[0]
-    rows = [[v, statistics.median(r["tokens"] for r in results[v]), median(v, "wall_s"), median(v, "cpu_s"),
-             median(v, "cpu_s") / median(reference, "cpu_s"), statistics.median(r["finished"] for r in results[v]),
-             statistics.median(r["peak_rss_mb"] for r in results[v])] for v in options.variants]
-    print_table(["variant", "tokens", "tok/s wall", "tok/s CPU", f"CPU tok/s / {reference}", "stopped early",
-                 "peak RSS MB"], rows,
-                title=f"\nmedians of {options.repeats} runs x {options.rounds} rounds of {options.prompts} prompts x "
-                      f"{options.num_generations} completions <= {options.max_completion_length} tokens, SmolLM2-135M, "
-                      "OMP_NUM_THREADS=1")
+    rows = [
+        [
+            v,
+            statistics.median(r["tokens"] for r in results[v]),
+            median(v, "wall_s"),
+            median(v, "cpu_s"),
+            median(v, "cpu_s") / median(reference, "cpu_s"),
+            statistics.median(r["finished"] for r in results[v]),
+            statistics.median(r["peak_rss_mb"] for r in results[v]),
+        ]
+        for v in options.variants
+    ]
+    print_table(
+        ["variant", "tokens", "tok/s wall", "tok/s CPU", f"CPU tok/s / {reference}", "stopped early", "peak RSS MB"],
+        rows,
+        title=f"\nmedians of {options.repeats} runs x {options.rounds} rounds of {options.prompts} prompts x "
+        f"{options.num_generations} completions <= {options.max_completion_length} tokens, SmolLM2-135M, "
+        "OMP_NUM_THREADS=1",
+    )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,21 @@ def target_tokens(completion_ids, **kwargs):
 def settings(method: str, output_dir: str, steps: int) -> dict:
     """The settings both libraries are given (the names are the same in both)."""
     return dict(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=16, learning_rate=1e-2, temperature=1.0, beta=0.05 if method == "rloo" else 0.0,
-        logging_steps=1, seed=0, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=16,
+        learning_rate=1e-2,
+        temperature=1.0,
+        beta=0.05 if method == "rloo" else 0.0,
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
 
 
@@ -64,6 +76,7 @@ def timed_generate(owner, totals: dict, count) -> None:
 
 def generated_tokens(pad_token_id: int):
     """Counts `model.generate`'s new tokens (what follows the prompt, padding excluded)."""
+
     def count(args, kwargs, output):
         prompt_width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
         return int((output[:, prompt_width:] != pad_token_id).sum())
@@ -73,10 +86,9 @@ def generated_tokens(pad_token_id: int):
 
 def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     """Trains one configuration in this process and returns its measurements."""
+    from common import step_timer
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common import step_timer
 
     if library.startswith("posttrain"):  # "posttrain@REV" imports the worktree first on PYTHONPATH
         from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -92,12 +104,16 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         extra = {"write_report": False} if library.startswith("posttrain") else {}  # TRL writes no report
         args = config_class(**settings(method, output_dir, steps), **extra)
-        trainer = trainer_class(model=model, reward_funcs=target_tokens, args=args, train_dataset=data,
-                                processing_class=tokenizer)
+        trainer = trainer_class(
+            model=model, reward_funcs=target_tokens, args=args, train_dataset=data, processing_class=tokenizer
+        )
         if library.startswith("posttrain") and hasattr(trainer, "generation_backend"):
             # posttrain's backend decodes with its own loop (no `model.generate`): time the backend's call
-            timed_generate(trainer.generation_backend, totals,
-                           lambda args, kwargs, completions: sum(len(c.token_ids) for c in completions))
+            timed_generate(
+                trainer.generation_backend,
+                totals,
+                lambda args, kwargs, completions: sum(len(c.token_ids) for c in completions),
+            )
         else:
             timed_generate(model, totals, generated_tokens(tokenizer.pad_token_id))
         timer = step_timer()
@@ -109,13 +125,21 @@ def run_one(library: str, method: str, model_path: str, steps: int) -> dict:
     source = sys.modules[trainer_class.__module__].__file__
     (first_wall, first_cpu), (last_wall, last_cpu) = timer.times[0], timer.times[-1]
     steps_per_s = (steps - 1) / (last_wall - first_wall)
-    return {"source": source,
-        "library": library, "method": method, "wall_s": wall, "steps_per_s": steps_per_s,
-        "steps_per_cpu_s": (steps - 1) / (last_cpu - first_cpu), "run_steps_per_s": steps / wall,
-        "tokens_per_step": totals["tokens"] / steps, "tokens_per_s": totals["tokens"] / steps * steps_per_s,
-        "generation_s": totals["generation_s"], "update_s": wall - totals["generation_s"],
+    return {
+        "source": source,
+        "library": library,
+        "method": method,
+        "wall_s": wall,
+        "steps_per_s": steps_per_s,
+        "steps_per_cpu_s": (steps - 1) / (last_cpu - first_cpu),
+        "run_steps_per_s": steps / wall,
+        "tokens_per_step": totals["tokens"] / steps,
+        "tokens_per_s": totals["tokens"] / steps * steps_per_s,
+        "generation_s": totals["generation_s"],
+        "update_s": wall - totals["generation_s"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "first_reward": statistics.mean(rewards[:3]), "last_reward": statistics.mean(rewards[-3:]),
+        "first_reward": statistics.mean(rewards[:3]),
+        "last_reward": statistics.mean(rewards[-3:]),
     }
 
 
@@ -141,27 +165,51 @@ def main() -> None:
         if options.baseline:
             worktree = os.path.join(directory, "baseline")
             repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", worktree, options.baseline], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", repo, "worktree", "add", "--detach", worktree, options.baseline],
+                check=True,
+                capture_output=True,
+            )
             envs[libraries[-1]] = dict(env, PYTHONPATH=worktree)
         for repeat in range(options.repeats):
             for method in METHODS:
                 for library in libraries if repeat % 2 == 0 else reversed(libraries):
-                    command = [sys.executable, __file__, "--steps", str(options.steps), "--worker", library, method,
-                               model_path]
+                    command = [
+                        sys.executable,
+                        __file__,
+                        "--steps",
+                        str(options.steps),
+                        "--worker",
+                        library,
+                        method,
+                        model_path,
+                    ]
                     done = subprocess.run(command, env=envs[library], capture_output=True, text=True, check=True)
                     result = json.loads(done.stdout.strip().splitlines()[-1])
                     if library != "trl":
                         print(f"  ({library} from {result['source']})", flush=True)
                     results.setdefault((library, method), []).append(result)
-                    print(f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s, "
-                          f"{result['steps_per_cpu_s']:.2f} steps/CPU-s", flush=True)
+                    print(
+                        f"run {repeat + 1}: {library} {method}: {result['steps_per_s']:.2f} steps/s, "
+                        f"{result['steps_per_cpu_s']:.2f} steps/CPU-s",
+                        flush=True,
+                    )
 
-    columns = {"steps_per_s": ".2f", "steps_per_cpu_s": ".2f", "run_steps_per_s": ".2f", "tokens_per_s": ".0f",
-               "peak_rss_mb": ".0f",
-               "generation_s": ".2f", "update_s": ".2f", "first_reward": ".3f", "last_reward": ".3f"}
-    print(f"\nmedians over {options.repeats} runs of {options.steps} steps (tiny Llama, 16 completions of <= 16 "
-          "tokens per step, OMP_NUM_THREADS=1)")
+    columns = {
+        "steps_per_s": ".2f",
+        "steps_per_cpu_s": ".2f",
+        "run_steps_per_s": ".2f",
+        "tokens_per_s": ".0f",
+        "peak_rss_mb": ".0f",
+        "generation_s": ".2f",
+        "update_s": ".2f",
+        "first_reward": ".3f",
+        "last_reward": ".3f",
+    }
+    print(
+        f"\nmedians over {options.repeats} runs of {options.steps} steps (tiny Llama, 16 completions of <= 16 "
+        "tokens per step, OMP_NUM_THREADS=1)"
+    )
     print("| method | library | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     if options.baseline:

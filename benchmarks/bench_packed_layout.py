@@ -49,14 +49,20 @@ def main() -> None:
     data = Dataset.from_dict({"input_ids": [[random.randint(3, 300) for _ in range(n)] for n in lengths]})
     source = data if options.unpacked else pack_dataset(data, 512, "bfd")
     rows = [source[i] for i in range(8)]
-    print(f"{'unpacked' if options.unpacked else 'packed'}: {len(rows)} rows, "
-          f"{sum(len(r['input_ids']) for r in rows)} tokens")
-    print(f"{'attention':<10}{'one row ms':>12}{'per row ms':>12}{'speed-up':>10}{'loss one row':>14}{'loss per row':>14}")
+    print(
+        f"{'unpacked' if options.unpacked else 'packed'}: {len(rows)} rows, "
+        f"{sum(len(r['input_ids']) for r in rows)} tokens"
+    )
+    print(
+        f"{'attention':<10}{'one row ms':>12}{'per row ms':>12}{'speed-up':>10}{'loss one row':>14}{'loss per row':>14}"
+    )
     for attention in ("sdpa", "eager"):
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention)
         one, one_loss = step_seconds(model, LanguageModelingCollator(0, True, one_row=True)(rows), options.repeats)
         per, per_loss = step_seconds(model, LanguageModelingCollator(0, True, one_row=False)(rows), options.repeats)
-        print(f"{attention:<10}{one * 1e3:>12.1f}{per * 1e3:>12.1f}{one / per:>10.2f}{one_loss:>14.6f}{per_loss:>14.6f}")
+        print(
+            f"{attention:<10}{one * 1e3:>12.1f}{per * 1e3:>12.1f}{one / per:>10.2f}{one_loss:>14.6f}{per_loss:>14.6f}"
+        )
 
 
 if __name__ == "__main__":

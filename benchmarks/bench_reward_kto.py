@@ -25,16 +25,28 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import print_comparison, step_timer
 
-WORDS = ("the a is of to and in on for with that this it what how why answer question yes no good bad red green "
-         "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree").split()
-SETTINGS = dict(per_device_train_batch_size=8, max_length=256, seed=0, lr_scheduler_type="constant", logging_steps=1,
-                save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, gradient_checkpointing=False,
-                bf16=False, train_sampling_strategy="sequential")
+WORDS = (
+    "the a is of to and in on for with that this it what how why answer question yes no good bad red green "
+    "blue one two three four five six seven eight nine ten cat dog bird fish sky sun moon tree"
+).split()
+SETTINGS = dict(
+    per_device_train_batch_size=8,
+    max_length=256,
+    seed=0,
+    lr_scheduler_type="constant",
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    gradient_checkpointing=False,
+    bf16=False,
+    train_sampling_strategy="sequential",
+)
 METHOD_SETTINGS = {"reward": dict(learning_rate=1e-4), "kto": dict(learning_rate=1e-5, beta=0.1)}
 MODEL = dict(hidden_size=256, num_layers=4)
 
@@ -47,18 +59,24 @@ def preference_rows(n: int = 256, seed: int = 0) -> list[dict]:
     def words(lo, hi):
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
-    return [{"prompt": words(20, 60), "chosen": " " + words(5, 25) + " good", "rejected": " " + words(5, 25) + " bad"}
-            for _ in range(n)]
+    return [
+        {"prompt": words(20, 60), "chosen": " " + words(5, 25) + " good", "rejected": " " + words(5, 25) + " bad"}
+        for _ in range(n)
+    ]
 
 
 def unpaired_rows(rows: int | None = None) -> list[dict]:
     """The preference rows as unpaired KTO rows, desirable and undesirable alternating (the first `rows`)."""
-    return [{"prompt": r["prompt"], "completion": r[column], "label": column == "chosen"}
-            for r in preference_rows(128) for column in ("chosen", "rejected")][:rows]
+    return [
+        {"prompt": r["prompt"], "completion": r[column], "label": column == "chosen"}
+        for r in preference_rows(128)
+        for column in ("chosen", "rejected")
+    ][:rows]
 
 
 def sequences(method: str, tokenizer, rows: int | None = None) -> list[list[int]]:
     """The token sequences a step trains on, per row: prompt + completion + EOS (counted the same for both)."""
+
     def ids(prompt, completion):
         return tokenizer(prompt + completion)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -77,8 +95,12 @@ def worker(impl: str, method: str, root: str, steps: int, rows: int | None = Non
     torch.set_num_threads(1)
     root = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
-    settings = dict(SETTINGS, **METHOD_SETTINGS[method], max_steps=steps,
-                    output_dir=str(Path(tempfile.gettempdir()) / f"bench_{method}_{impl}"))
+    settings = dict(
+        SETTINGS,
+        **METHOD_SETTINGS[method],
+        max_steps=steps,
+        output_dir=str(Path(tempfile.gettempdir()) / f"bench_{method}_{impl}"),
+    )
     timer = step_timer()
     if method == "reward":
         if impl == "posttrain":
@@ -86,9 +108,13 @@ def worker(impl: str, method: str, root: str, steps: int, rows: int | None = Non
         else:
             from trl import RewardConfig, RewardTrainer
         model = AutoModelForSequenceClassification.from_pretrained(root / "classifier")
-        trainer = RewardTrainer(model, args=RewardConfig(**settings),
-                                train_dataset=Dataset.from_list(preference_rows()), processing_class=tokenizer,
-                                callbacks=[timer])
+        trainer = RewardTrainer(
+            model,
+            args=RewardConfig(**settings),
+            train_dataset=Dataset.from_list(preference_rows()),
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
     else:
         if impl == "posttrain":
             from posttrain import KTOConfig, KTOTrainer
@@ -96,9 +122,14 @@ def worker(impl: str, method: str, root: str, steps: int, rows: int | None = Non
             from trl import KTOConfig, KTOTrainer
         model = AutoModelForCausalLM.from_pretrained(root / "policy")
         ref_model = AutoModelForCausalLM.from_pretrained(root / "ref")
-        trainer = KTOTrainer(model, ref_model=ref_model, args=KTOConfig(**settings),
-                             train_dataset=Dataset.from_list(unpaired_rows(rows)), processing_class=tokenizer,
-                             callbacks=[timer])
+        trainer = KTOTrainer(
+            model,
+            ref_model=ref_model,
+            args=KTOConfig(**settings),
+            train_dataset=Dataset.from_list(unpaired_rows(rows)),
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
     trainer.train()
     tokens_per_row = statistics.mean(map(len, sequences(method, tokenizer, rows)))
     (wall_0, cpu_0), (wall_1, cpu_1) = timer.times[0], timer.times[-1]
@@ -129,9 +160,11 @@ def make_models(root: Path) -> None:
 
 
 def print_table(method: str, results: dict[str, list[dict]], args) -> None:
-    title = (f"\n{method}: tiny Llama (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers), batch "
-             f"{SETTINGS['per_device_train_batch_size']}, {args.steps} steps, OMP_NUM_THREADS=1, median of "
-             f"{args.repeats} alternating runs each")
+    title = (
+        f"\n{method}: tiny Llama (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers), batch "
+        f"{SETTINGS['per_device_train_batch_size']}, {args.steps} steps, OMP_NUM_THREADS=1, median of "
+        f"{args.repeats} alternating runs each"
+    )
     p, t = (print_comparison(title, results)[impl] for impl in ("posttrain", "trl"))
     print(f"step-0 loss difference: {abs(p['step0_loss'] - t['step0_loss']):.2e}")
 
@@ -160,7 +193,7 @@ def main() -> None:
                 line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{impl} {method} run failed:\n{out.stderr[-3000:]}")
-                results[impl].append(json.loads(line[len("RESULT "):]))
+                results[impl].append(json.loads(line[len("RESULT ") :]))
         print_table(method, results, args)
 
 

@@ -50,16 +50,34 @@ def worker(out_dir: str, model: str, trainer_name: str, steps: int) -> None:
     from posttrain.trainers.distributed import held_parameter_count
 
     runtime_mb = _rss_mb()
-    common = dict(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=PER_DEVICE, max_steps=steps,
-                  learning_rate=1e-5, logging_steps=1, seed=0, report_to="none", save_strategy="no",
-                  disable_tqdm=True, write_report=False, max_length=64)
+    common = dict(
+        output_dir=os.path.join(out_dir, "run"),
+        per_device_train_batch_size=PER_DEVICE,
+        max_steps=steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        seed=0,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+        max_length=64,
+    )
     if trainer_name == "sft":
-        rows = [{"prompt": f"say {WORDS[i % 8]} {i}", "completion": " " + " ".join(WORDS[: 1 + (5 * i) % 8])}
-                for i in range(32)]
+        rows = [
+            {"prompt": f"say {WORDS[i % 8]} {i}", "completion": " " + " ".join(WORDS[: 1 + (5 * i) % 8])}
+            for i in range(32)
+        ]
         trainer = pt.SFTTrainer(model, args=pt.SFTConfig(**common), train_dataset=Dataset.from_list(rows))
     elif trainer_name == "dpo":
-        rows = [{"prompt": f"name {WORDS[i % 8]} {i}", "chosen": " " + " ".join(WORDS[: 1 + i % 5]),
-                 "rejected": " " + " ".join(WORDS[::-1][: 1 + (3 * i) % 7])} for i in range(32)]
+        rows = [
+            {
+                "prompt": f"name {WORDS[i % 8]} {i}",
+                "chosen": " " + " ".join(WORDS[: 1 + i % 5]),
+                "rejected": " " + " ".join(WORDS[::-1][: 1 + (3 * i) % 7]),
+            }
+            for i in range(32)
+        ]
         trainer = pt.DPOTrainer(model, args=pt.DPOConfig(**common), train_dataset=Dataset.from_list(rows))
     else:
         raise ValueError(trainer_name)
@@ -93,15 +111,26 @@ def _model_path(name: str, tmp: Path) -> str:
 
 def measure(model: str, trainer_name: str, engine: str, steps: int, tmp: Path) -> list[dict]:
     out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{trainer_name}_{engine}_"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
     work = [__file__, "--worker", str(out), model, trainer_name, str(steps)]
     if engine == "one":
         command = [sys.executable, *work]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{engine}.yaml"),
-                   "--main_process_port", "0", *work]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CONFIGS / f"{engine}.yaml"),
+            "--main_process_port",
+            "0",
+            *work,
+        ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{trainer_name} under {engine} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -109,7 +138,7 @@ def measure(model: str, trainer_name: str, engine: str, steps: int, tmp: Path) -
 
 
 def _held(pair) -> str:
-    """"50% of 134.5M": the share of the model's parameter elements this process holds."""
+    """ "50% of 134.5M": the share of the model's parameter elements this process holds."""
     if pair is None:
         return "-"
     held, full = pair
@@ -124,8 +153,10 @@ def main() -> None:
     parser.add_argument("--engines", default="one,ddp,fsdp2,zero2,zero3")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    print("| model | trainer | engine | processes | peak RSS per process (MB) | above runtime (MB) | "
-          "policy params held | reference params held | train s |")
+    print(
+        "| model | trainer | engine | processes | peak RSS per process (MB) | above runtime (MB) | "
+        "policy params held | reference params held | train s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
         for model_name in args.models.split(","):
@@ -135,10 +166,12 @@ def main() -> None:
                     ranks = measure(model, trainer_name, engine, args.steps, Path(tmp))
                     worst = max(ranks, key=lambda r: r["peak_rss_mb"])
                     above = max(r["peak_rss_mb"] - r["runtime_mb"] for r in ranks)
-                    print(f"| {model_name} | {trainer_name} | {engine} | {worst['world_size']} | "
-                          f"{worst['peak_rss_mb']:.0f} | {above:.0f} | {_held(worst['policy_held'])} | "
-                          f"{_held(worst.get('ref_held'))} | {max(r['train_s'] for r in ranks):.1f} |",
-                          flush=True)
+                    print(
+                        f"| {model_name} | {trainer_name} | {engine} | {worst['world_size']} | "
+                        f"{worst['peak_rss_mb']:.0f} | {above:.0f} | {_held(worst['policy_held'])} | "
+                        f"{_held(worst.get('ref_held'))} | {max(r['train_s'] for r in ranks):.1f} |",
+                        flush=True,
+                    )
     print(f"load average: {os.getloadavg()}")
 
 

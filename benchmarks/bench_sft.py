@@ -38,13 +38,14 @@ import random
 import tempfile
 import time
 
+from common import print_table, run_isolated, tcmalloc_path
 from transformers import TrainerCallback
 
-from common import print_table, run_isolated, tcmalloc_path
-
-WORDS = ("the a of to and in is was for on with as by at from that this it be not are or which one two three "
-         "red green blue cat dog bird tree sky sun moon answer question because therefore result first second "
-         "step number plus minus times equals good bad yes no think final sum").split()
+WORDS = (
+    "the a of to and in is was for on with as by at from that this it be not are or which one two three "
+    "red green blue cat dog bird tree sky sun moon answer question because therefore result first second "
+    "step number plus minus times equals good bad yes no think final sum"
+).split()
 
 ROWS = {
     # A Llama small enough that framework overhead (data, collation, logging, optimizer) shows.
@@ -99,12 +100,22 @@ def make_dataset(texts: list[str], mode: str):
         halves.append((" ".join(words[:cut]), " " + " ".join(words[cut:])))
     if mode == "completion":
         return Dataset.from_list([{"prompt": p, "completion": c} for p, c in halves])
-    return Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
-                              for p, c in halves])
+    return Dataset.from_list(
+        [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]} for p, c in halves]
+    )
 
 
-def train(library: str, model_path: str, mode: str, steps: int, max_length: int, lengths: list[int],
-          batch_size: int, chunked_loss: bool | None = None, peft: bool = False) -> dict:
+def train(
+    library: str,
+    model_path: str,
+    mode: str,
+    steps: int,
+    max_length: int,
+    lengths: list[int],
+    batch_size: int,
+    chunked_loss: bool | None = None,
+    peft: bool = False,
+) -> dict:
     """One benchmark run (inside a fresh interpreter): trains `steps` steps and returns timings."""
     import torch
     from transformers import AutoTokenizer
@@ -118,11 +129,22 @@ def train(library: str, model_path: str, mode: str, steps: int, max_length: int,
     dataset = make_dataset(make_texts(tokenizer, lengths), mode)
     extra = {"chunked_loss": chunked_loss} if library == "posttrain" and chunked_loss is not None else {}
     args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_sft_"), max_steps=steps, per_device_train_batch_size=batch_size,
-        max_length=max_length, packing=mode in ("packed", "wrapped"),
-        packing_strategy="wrapped" if mode == "wrapped" else "bfd", learning_rate=1e-4, logging_steps=1, seed=0,
-        bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none", save_strategy="no",
-        disable_tqdm=True, **extra,
+        output_dir=tempfile.mkdtemp(prefix="bench_sft_"),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        max_length=max_length,
+        packing=mode in ("packed", "wrapped"),
+        packing_strategy="wrapped" if mode == "wrapped" else "bfd",
+        learning_rate=1e-4,
+        logging_steps=1,
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        **extra,
     )
     assert torch.get_num_threads() == 1, "set OMP_NUM_THREADS=1 before torch is imported"
     peft_config = None
@@ -141,13 +163,37 @@ def train(library: str, model_path: str, mode: str, steps: int, max_length: int,
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     steps_s = timer.seconds_per_step(timer.cpu)
-    return {"loss0": losses[0], "steps_per_s": 1 / steps_s, "tokens_per_s": trained / steps_s, "step_s": steps_s,
-            "wall_step_s": timer.seconds_per_step(timer.wall), "trained_tokens": trained, "real_tokens": real,
-            "params": sum(p.numel() for p in trainer.model.parameters())}
+    return {
+        "loss0": losses[0],
+        "steps_per_s": 1 / steps_s,
+        "tokens_per_s": trained / steps_s,
+        "step_s": steps_s,
+        "wall_step_s": timer.seconds_per_step(timer.wall),
+        "trained_tokens": trained,
+        "real_tokens": real,
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+    }
 
 
-HEADERS = ["model", "mode", "alloc", "tok/step", "pt steps/s", "trl steps/s", "pt/trl", "pt/trl wall", "pt tok/s",
-           "trl tok/s", "pt RSS MB", "trl RSS MB", "pt loss0", "trl loss0", "|dloss0|", "pt MFU", "trl MFU"]
+HEADERS = [
+    "model",
+    "mode",
+    "alloc",
+    "tok/step",
+    "pt steps/s",
+    "trl steps/s",
+    "pt/trl",
+    "pt/trl wall",
+    "pt tok/s",
+    "trl tok/s",
+    "pt RSS MB",
+    "trl RSS MB",
+    "pt loss0",
+    "trl loss0",
+    "|dloss0|",
+    "pt MFU",
+    "trl MFU",
+]
 
 
 def _model_paths(rows: list[str], workdir: str) -> dict[str, str]:
@@ -169,8 +215,11 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="Comma-separated: " + ", ".join(MODES))
     parser.add_argument("--repeats", type=int, default=2, help="Runs per library (alternating).")
     parser.add_argument("--tcmalloc", action="store_true", help="Also run both libraries with LD_PRELOAD=tcmalloc.")
-    parser.add_argument("--posttrain-full-logits", action="store_true",
-                        help="Also run posttrain with chunked_loss=False (against the same TRL runs).")
+    parser.add_argument(
+        "--posttrain-full-logits",
+        action="store_true",
+        help="Also run posttrain with chunked_loss=False (against the same TRL runs).",
+    )
     cli = parser.parse_args()
     rows, modes = cli.rows.split(","), cli.modes.split(",")
     allocators = {"malloc": {"LD_PRELOAD": ""}}  # not what scripts/env.sh may have preloaded
@@ -193,37 +242,64 @@ def main() -> None:
                     runs = {name: [] for name in variants}
                     for _ in range(cli.repeats):
                         for name, chunked in variants.items():
-                            kwargs = dict(library=name.split()[0], model_path=paths[row], mode=mode,
-                                          chunked_loss=chunked, **ROWS[row])
+                            kwargs = dict(
+                                library=name.split()[0],
+                                model_path=paths[row],
+                                mode=mode,
+                                chunked_loss=chunked,
+                                **ROWS[row],
+                            )
                             runs[name].append(run_isolated("bench_sft:train", kwargs, env=env))
                     for name in runs:
                         if name.startswith("posttrain"):
-                            label = mode + name[len("posttrain"):]
-                            table.append(_table_row(row, label, alloc, {"posttrain": runs[name], "trl": runs["trl"]},
-                                                    peak))
+                            label = mode + name[len("posttrain") :]
+                            table.append(
+                                _table_row(row, label, alloc, {"posttrain": runs[name], "trl": runs["trl"]}, peak)
+                            )
                             print_table(HEADERS, table[-1:], title=None)
     print()
-    print_table(HEADERS, table, title=f"SFT, posttrain (pt) vs TRL, 1 thread, best of {cli.repeats} alternating runs "
-                                      f"each; pt/trl = speed ratio (CPU time; wall time); fp32 matmul peak "
-                                      f"{peak / 1e9:.1f} GFLOP/s")
+    print_table(
+        HEADERS,
+        table,
+        title=f"SFT, posttrain (pt) vs TRL, 1 thread, best of {cli.repeats} alternating runs "
+        f"each; pt/trl = speed ratio (CPU time; wall time); fp32 matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s",
+    )
 
 
 def _table_row(row: str, mode: str, alloc: str, runs: dict[str, list[dict]], peak: float) -> list:
     best = {lib: min(results, key=lambda r: r["step_s"]) for lib, results in runs.items()}
     pt, trl = best["posttrain"], best["trl"]
     if pt["trained_tokens"] != trl["trained_tokens"]:
-        print(f"warning: {row}/{mode}: posttrain trains {pt['trained_tokens']} tokens per step, TRL "
-              f"{trl['trained_tokens']}")
+        print(
+            f"warning: {row}/{mode}: posttrain trains {pt['trained_tokens']} tokens per step, TRL "
+            f"{trl['trained_tokens']}"
+        )
     rss = {lib: max(r["peak_rss_mb"] for r in results) for lib, results in runs.items()}
 
     def mfu(result):
         return 6 * result["params"] * result["real_tokens"] / result["step_s"] / peak
 
     wall = {lib: min(r["wall_step_s"] for r in results) for lib, results in runs.items()}
-    return [row, mode, alloc, pt["trained_tokens"], 1 / pt["step_s"], 1 / trl["step_s"], trl["step_s"] / pt["step_s"],
-            wall["trl"] / wall["posttrain"], pt["trained_tokens"] / pt["step_s"], trl["trained_tokens"] / trl["step_s"],
-            rss["posttrain"], rss["trl"],
-            f"{pt['loss0']:.6f}", f"{trl['loss0']:.6f}", f"{abs(pt['loss0'] - trl['loss0']):.1e}", mfu(pt), mfu(trl)]
+    return [
+        row,
+        mode,
+        alloc,
+        pt["trained_tokens"],
+        1 / pt["step_s"],
+        1 / trl["step_s"],
+        trl["step_s"] / pt["step_s"],
+        wall["trl"] / wall["posttrain"],
+        pt["trained_tokens"] / pt["step_s"],
+        trl["trained_tokens"] / trl["step_s"],
+        rss["posttrain"],
+        rss["trl"],
+        f"{pt['loss0']:.6f}",
+        f"{trl['loss0']:.6f}",
+        f"{abs(pt['loss0'] - trl['loss0']):.1e}",
+        mfu(pt),
+        mfu(trl),
+    ]
 
 
 if __name__ == "__main__":

@@ -25,21 +25,28 @@ import tempfile
 from pathlib import Path
 
 import bench_dpo
-import bench_grpo
 import bench_reward_kto
 import bench_sft
 from common import REPO_ROOT, run_isolated, tcmalloc_path
 
 LIBRARIES = ("posttrain", "trl")
-SFT_MODES = {"padded": "SFT padded", "packed": "SFT packed BFD", "wrapped": "SFT packed wrapped",
-             "completion": "SFT completion-only", "messages": "SFT messages"}
+SFT_MODES = {
+    "padded": "SFT padded",
+    "packed": "SFT packed BFD",
+    "wrapped": "SFT packed wrapped",
+    "completion": "SFT completion-only",
+    "messages": "SFT messages",
+}
 
 
 def _cpu_rates(result: dict) -> dict:
     """steps/s and tokens/s in CPU time from a reward/KTO/DPO run (which report wall-time rates and CPU ms/step)."""
     steps = 1000 / result["cpu_ms_per_step"]
-    return {"steps_per_s": steps, "tokens_per_s": steps * result["tokens_per_step"],
-            "peak_rss_mb": result["peak_rss_mb"]}
+    return {
+        "steps_per_s": steps,
+        "tokens_per_s": steps * result["tokens_per_step"],
+        "peak_rss_mb": result["peak_rss_mb"],
+    }
 
 
 def _sft_rates(result: dict, peak: float, full: bool) -> dict:
@@ -52,8 +59,11 @@ def _sft_rates(result: dict, peak: float, full: bool) -> dict:
 def _online_rates(result: dict) -> dict:
     """steps/s and tokens/s in CPU time from a GRPO/RLOO run."""
     steps = result["steps_per_cpu_s"]
-    return {"steps_per_s": steps, "tokens_per_s": steps * result["tokens_per_step"],
-            "peak_rss_mb": result["peak_rss_mb"]}
+    return {
+        "steps_per_s": steps,
+        "tokens_per_s": steps * result["tokens_per_step"],
+        "peak_rss_mb": result["peak_rss_mb"],
+    }
 
 
 def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_scale: float) -> list[tuple]:
@@ -68,59 +78,168 @@ def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_
         paths = bench_sft._model_paths(["tiny-llama"] + (["smollm2-135m"] if smollm2 else []), str(workdir))
         settings = dict(bench_sft.ROWS["tiny-llama"], steps=steps(bench_sft.ROWS["tiny-llama"]["steps"]))
         for mode, label in SFT_MODES.items():
-            cells.append((label, "tiny Llama, batch 8", {
-                lib: (lambda lib=lib, mode=mode: _sft_rates(run_isolated("bench_sft:train", dict(
-                    library=lib, model_path=paths["tiny-llama"], mode=mode, **settings)), peak, True))
-                for lib in LIBRARIES}))
+            cells.append(
+                (
+                    label,
+                    "tiny Llama, batch 8",
+                    {
+                        lib: (
+                            lambda lib=lib, mode=mode: _sft_rates(
+                                run_isolated(
+                                    "bench_sft:train",
+                                    dict(library=lib, model_path=paths["tiny-llama"], mode=mode, **settings),
+                                ),
+                                peak,
+                                True,
+                            )
+                        )
+                        for lib in LIBRARIES
+                    },
+                )
+            )
         if smollm2:
             sft_rows = bench_sft.ROWS["smollm2-135m"]
             for peft, label in ((False, "SFT SmolLM2-135M full"), (True, "SFT SmolLM2-135M LoRA r16")):
-                cells.append((label, "padded, batch 4 x 256", {
-                    # (defaults bind now: the runs happen after this function returns)
-                    lib: (lambda lib=lib, peft=peft, rows=sft_rows: _sft_rates(run_isolated(
-                        "bench_sft:train", dict(library=lib, model_path=paths["smollm2-135m"], mode="padded",
-                                                peft=peft, **rows)),
-                        peak, not peft))
-                    for lib in LIBRARIES}))
+                cells.append(
+                    (
+                        label,
+                        "padded, batch 4 x 256",
+                        {
+                            # (defaults bind now: the runs happen after this function returns)
+                            lib: (
+                                lambda lib=lib, peft=peft, rows=sft_rows: _sft_rates(
+                                    run_isolated(
+                                        "bench_sft:train",
+                                        dict(
+                                            library=lib,
+                                            model_path=paths["smollm2-135m"],
+                                            mode="padded",
+                                            peft=peft,
+                                            **rows,
+                                        ),
+                                    ),
+                                    peak,
+                                    not peft,
+                                )
+                            )
+                            for lib in LIBRARIES
+                        },
+                    )
+                )
     root = workdir / "preference"
     if {"reward", "kto"} & only:
         bench_reward_kto.make_models(root)
         for method in ("reward", "kto"):
             if method in only:
-                cells.append(("Reward" if method == "reward" else "KTO", "tiny Llama, batch 8", {
-                    lib: (lambda lib=lib, method=method: _cpu_rates(run_isolated("bench_reward_kto:worker", dict(
-                        impl=lib, method=method, root=str(root), steps=steps(30)))))
-                    for lib in LIBRARIES}))
+                cells.append(
+                    (
+                        "Reward" if method == "reward" else "KTO",
+                        "tiny Llama, batch 8",
+                        {
+                            lib: (
+                                lambda lib=lib, method=method: _cpu_rates(
+                                    run_isolated(
+                                        "bench_reward_kto:worker",
+                                        dict(impl=lib, method=method, root=str(root), steps=steps(30)),
+                                    )
+                                )
+                            )
+                            for lib in LIBRARIES
+                        },
+                    )
+                )
         if "kto" in only:  # 16 rows: epoch after epoch, where posttrain knows each row's reference log-probs
-            cells.append(("KTO, later epochs", "tiny Llama, batch 8, 16 rows", {
-                lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_reward_kto:worker", dict(
-                    impl=lib, method="kto", root=str(root), steps=steps(30), rows=16))))
-                for lib in LIBRARIES}))
+            cells.append(
+                (
+                    "KTO, later epochs",
+                    "tiny Llama, batch 8, 16 rows",
+                    {
+                        lib: (
+                            lambda lib=lib: _cpu_rates(
+                                run_isolated(
+                                    "bench_reward_kto:worker",
+                                    dict(impl=lib, method="kto", root=str(root), steps=steps(30), rows=16),
+                                )
+                            )
+                        )
+                        for lib in LIBRARIES
+                    },
+                )
+            )
     if "dpo" in only:
         policy = save_tiny_model(workdir / "dpo" / "policy", seed=0, hidden_size=256, num_layers=4)
         ref = save_tiny_model(workdir / "dpo" / "ref", seed=1, hidden_size=256, num_layers=4)
-        cells.append(("DPO", "tiny Llama, batch 8", {
-            lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
-                impl=lib, model_path=policy, ref_path=ref, steps=steps(30),
-                batch=bench_dpo.MODELS["tiny"]["batch"]))))
-            for lib in LIBRARIES}))
+        cells.append(
+            (
+                "DPO",
+                "tiny Llama, batch 8",
+                {
+                    lib: (
+                        lambda lib=lib: _cpu_rates(
+                            run_isolated(
+                                "bench_dpo:worker",
+                                dict(
+                                    impl=lib,
+                                    model_path=policy,
+                                    ref_path=ref,
+                                    steps=steps(30),
+                                    batch=bench_dpo.MODELS["tiny"]["batch"],
+                                ),
+                            )
+                        )
+                    )
+                    for lib in LIBRARIES
+                },
+            )
+        )
         if smollm2:
             from posttrain.models.builtin import builtin_model_path
 
             dpo_rows = bench_dpo.MODELS["smollm2"]
-            cells.append(("DPO SmolLM2-135M full", f"ref_model=None, batch {dpo_rows['batch']} pairs", {
-                lib: (lambda lib=lib: _cpu_rates(run_isolated("bench_dpo:worker", dict(
-                    impl=lib, model_path=builtin_model_path(), ref_path=None, steps=steps(dpo_rows["steps"]),
-                    batch=dpo_rows["batch"]))))
-                for lib in LIBRARIES}))
+            cells.append(
+                (
+                    "DPO SmolLM2-135M full",
+                    f"ref_model=None, batch {dpo_rows['batch']} pairs",
+                    {
+                        lib: (
+                            lambda lib=lib: _cpu_rates(
+                                run_isolated(
+                                    "bench_dpo:worker",
+                                    dict(
+                                        impl=lib,
+                                        model_path=builtin_model_path(),
+                                        ref_path=None,
+                                        steps=steps(dpo_rows["steps"]),
+                                        batch=dpo_rows["batch"],
+                                    ),
+                                )
+                            )
+                        )
+                        for lib in LIBRARIES
+                    },
+                )
+            )
     if {"grpo", "rloo"} & only:
         tiny = save_tiny_model(workdir / "grpo")
         for method in ("grpo", "rloo"):
             if method in only:
-                cells.append((method.upper(), "tiny Llama, 16 completions", {
-                    lib: (lambda lib=lib, method=method: _online_rates(run_isolated("bench_grpo:run_one", dict(
-                        library=lib, method=method, model_path=tiny, steps=steps(20)))))
-                    for lib in LIBRARIES}))
+                cells.append(
+                    (
+                        method.upper(),
+                        "tiny Llama, 16 completions",
+                        {
+                            lib: (
+                                lambda lib=lib, method=method: _online_rates(
+                                    run_isolated(
+                                        "bench_grpo:run_one",
+                                        dict(library=lib, method=method, model_path=tiny, steps=steps(20)),
+                                    )
+                                )
+                            )
+                            for lib in LIBRARIES
+                        },
+                    )
+                )
     return cells
 
 
@@ -144,13 +263,28 @@ def _row(trainer: str, setting: str, runs: dict[str, list[dict]]) -> list[str]:
         return f"{p[key] / t[key]:.2f}x"
 
     mfu = f"{p['mfu']:.2f} / {t['mfu']:.2f}" if "mfu" in p else ""
-    return [trainer, setting, f"{p['steps_per_s']:.3g} / {t['steps_per_s']:.3g}", ratio("steps_per_s"),
-            f"{p['tokens_per_s']:,.0f} / {t['tokens_per_s']:,.0f}", mfu,
-            f"{p['peak_rss_mb']:,.0f} / {t['peak_rss_mb']:,.0f}", f"{p['peak_rss_mb'] / t['peak_rss_mb']:.0%}"]
+    return [
+        trainer,
+        setting,
+        f"{p['steps_per_s']:.3g} / {t['steps_per_s']:.3g}",
+        ratio("steps_per_s"),
+        f"{p['tokens_per_s']:,.0f} / {t['tokens_per_s']:,.0f}",
+        mfu,
+        f"{p['peak_rss_mb']:,.0f} / {t['peak_rss_mb']:,.0f}",
+        f"{p['peak_rss_mb'] / t['peak_rss_mb']:.0%}",
+    ]
 
 
-HEADERS = ["trainer", "setting", "steps/s (pt / TRL)", "speed pt/TRL", "tokens/s (pt / TRL)", "MFU (pt / TRL)",
-           "peak RSS MB (pt / TRL)", "RSS pt/TRL"]
+HEADERS = [
+    "trainer",
+    "setting",
+    "steps/s (pt / TRL)",
+    "speed pt/TRL",
+    "tokens/s (pt / TRL)",
+    "MFU (pt / TRL)",
+    "peak RSS MB (pt / TRL)",
+    "RSS pt/TRL",
+]
 
 
 def markdown(rows: list[list[str]]) -> str:
@@ -162,8 +296,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="Runs per library and cell (alternating); median.")
     parser.add_argument("--only", default="sft,reward,kto,dpo,grpo,rloo", help="Comma-separated trainers to run.")
-    parser.add_argument("--smollm2", action="store_true",
-                        help="Add SmolLM2-135M SFT (full and LoRA) and DPO: minutes a run.")
+    parser.add_argument(
+        "--smollm2", action="store_true", help="Add SmolLM2-135M SFT (full and LoRA) and DPO: minutes a run."
+    )
     parser.add_argument("--steps-scale", type=float, default=1.0, help="Scale every benchmark's step count.")
     parser.add_argument("--tcmalloc", action="store_true", help="Run both libraries with tcmalloc preloaded.")
     cli = parser.parse_args()
@@ -177,8 +312,9 @@ def main() -> None:
     peak = max(run_isolated("common:matmul_peak_flops")["flops"] for _ in range(3))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_table_") as workdir:
-        for trainer, setting, run in benchmarks(set(cli.only.split(",")), cli.smollm2, Path(workdir), peak,
-                                                cli.steps_scale):
+        for trainer, setting, run in benchmarks(
+            set(cli.only.split(",")), cli.smollm2, Path(workdir), peak, cli.steps_scale
+        ):
             runs = {lib: [] for lib in LIBRARIES}
             for repeat in range(cli.repeats):
                 for lib in LIBRARIES if repeat % 2 == 0 else reversed(LIBRARIES):
@@ -187,11 +323,13 @@ def main() -> None:
             print(" | ".join(rows[-1]), flush=True)
     load_after = os.getloadavg()
     print()
-    print(f"posttrain vs TRL 1.16, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {_machine()}; "
-          f"1 thread per run, {'tcmalloc' if cli.tcmalloc else 'glibc malloc'}, median of {cli.repeats} alternating "
-          f"runs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min); fp32 matmul peak "
-          f"{peak / 1e9:.1f} GFLOP/s; steps in CPU time from the first step to the last "
-          f"(`{Path(__file__).relative_to(REPO_ROOT)}`).")
+    print(
+        f"posttrain vs TRL 1.16, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {_machine()}; "
+        f"1 thread per run, {'tcmalloc' if cli.tcmalloc else 'glibc malloc'}, median of {cli.repeats} alternating "
+        f"runs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min); fp32 matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s; steps in CPU time from the first step to the last "
+        f"(`{Path(__file__).relative_to(REPO_ROOT)}`)."
+    )
     print()
     print(markdown(rows))
 

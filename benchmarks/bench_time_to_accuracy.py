@@ -70,12 +70,17 @@ def accuracy_tracker(evaluate, eval_every: int):
             wall, cpu = time.perf_counter(), time.process_time()
             train_wall, train_cpu = wall - self.start_wall - self.eval_wall, cpu - self.start_cpu - self.eval_cpu
             accuracy = evaluate(model)
-            self.points.append({"step": step, "train_wall_s": train_wall, "train_cpu_s": train_cpu,
-                                "accuracy": accuracy})
+            self.points.append(
+                {"step": step, "train_wall_s": train_wall, "train_cpu_s": train_cpu, "accuracy": accuracy}
+            )
             self.eval_wall += time.perf_counter() - wall
             self.eval_cpu += time.process_time() - cpu
-            print(f"step {step}: accuracy {accuracy:.3f} after {train_wall:.0f} s wall / {train_cpu:.0f} s CPU of "
-                  "training", file=sys.stderr, flush=True)
+            print(
+                f"step {step}: accuracy {accuracy:.3f} after {train_wall:.0f} s wall / {train_cpu:.0f} s CPU of "
+                "training",
+                file=sys.stderr,
+                flush=True,
+            )
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.start_wall, self.start_cpu = time.perf_counter(), time.process_time()
@@ -88,8 +93,7 @@ def accuracy_tracker(evaluate, eval_every: int):
     return AccuracyTracker()
 
 
-def run_side(library: str, settings: dict, eval_size: int, eval_every: int, train_size: int,
-             levers: dict) -> dict:
+def run_side(library: str, settings: dict, eval_size: int, eval_every: int, train_size: int, levers: dict) -> dict:
     """Trains one side in this process; returns its evaluation points and generation statistics."""
     import torch
 
@@ -115,11 +119,20 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
     with tempfile.TemporaryDirectory() as output_dir:
         extra = {}
         if library != "trl":
-            extra = {"write_report": False, "dynamic_sampling": levers["dynamic_sampling"],
-                     "max_num_gen_batches": levers["max_num_gen_batches"]}
+            extra = {
+                "write_report": False,
+                "dynamic_sampling": levers["dynamic_sampling"],
+                "max_num_gen_batches": levers["max_num_gen_batches"],
+            }
         args = GRPOConfig(output_dir=output_dir, **settings, **extra)
-        trainer = GRPOTrainer(model, example.numeric_accuracy, args=args, processing_class=tokenizer,
-                              train_dataset=example.arithmetic_problems(train_size, 0), callbacks=[tracker])
+        trainer = GRPOTrainer(
+            model,
+            example.numeric_accuracy,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=example.arithmetic_problems(train_size, 0),
+            callbacks=[tracker],
+        )
         if library != "trl":
             trainer.generation_backend.share_prefill = not levers["no_shared_prefill"]
             trainer.generation_backend.drop_finished = not levers["no_drop_finished"]
@@ -131,8 +144,11 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
         trainer.train()
     logs = trainer.state.log_history
     zero_std = [h["frac_reward_zero_std"] for h in logs if "frac_reward_zero_std" in h]
-    return {"points": tracker.points, "frac_reward_zero_std": sum(zero_std) / max(len(zero_std), 1),
-            "train_reward": [round(h["reward"], 3) for h in logs if "reward" in h]}
+    return {
+        "points": tracker.points,
+        "frac_reward_zero_std": sum(zero_std) / max(len(zero_std), 1),
+        "train_reward": [round(h["reward"], 3) for h in logs if "reward" in h],
+    }
 
 
 def first_gain(points: list[dict], gain: float) -> str:
@@ -148,23 +164,43 @@ def mean_curve(runs: list[list[dict]]) -> list[dict]:
     the expected curve of a configuration, which the single runs' sampling luck scatters around."""
     steps = sorted(set.intersection(*({p["step"] for p in run} for run in runs)))
     at = [{p["step"]: p for p in run} for run in runs]
-    return [{"step": step, **{key: sum(run[step][key] for run in at) / len(at)
-                              for key in ("train_wall_s", "train_cpu_s", "accuracy")}} for step in steps]
+    return [
+        {
+            "step": step,
+            **{key: sum(run[step][key] for run in at) / len(at) for key in ("train_wall_s", "train_cpu_s", "accuracy")},
+        }
+        for step in steps
+    ]
 
 
 def summary_rows(label: str, runs: list[tuple[str, dict]]) -> list[list]:
     """One table row per run, then with several runs of a library one for the mean of its runs."""
+
     def row(name, points, zero_std):
-        return [label, name, points[-1]["step"], points[0]["accuracy"], points[-1]["accuracy"],
-                max(p["accuracy"] for p in points), points[-1]["train_wall_s"] / 60, points[-1]["train_cpu_s"] / 60,
-                zero_std, first_gain(points, 0.10)]
+        return [
+            label,
+            name,
+            points[-1]["step"],
+            points[0]["accuracy"],
+            points[-1]["accuracy"],
+            max(p["accuracy"] for p in points),
+            points[-1]["train_wall_s"] / 60,
+            points[-1]["train_cpu_s"] / 60,
+            zero_std,
+            first_gain(points, 0.10),
+        ]
 
     rows = [row(library, result["points"], result["frac_reward_zero_std"]) for library, result in runs]
     for library in dict.fromkeys(library for library, _ in runs):
         mine = [result for name, result in runs if name == library]
         if len(mine) > 1:
-            rows.append(row(f"{library}: mean of {len(mine)}", mean_curve([r["points"] for r in mine]),
-                            sum(r["frac_reward_zero_std"] for r in mine) / len(mine)))
+            rows.append(
+                row(
+                    f"{library}: mean of {len(mine)}",
+                    mean_curve([r["points"] for r in mine]),
+                    sum(r["frac_reward_zero_std"] for r in mine) / len(mine),
+                )
+            )
     return rows
 
 
@@ -178,8 +214,18 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
         if new:
             writer.writeheader()
         writer.writerows(rows)
-    headers = ["label", "library", "steps", "accuracy start", "accuracy end", "best", "train min wall",
-               "train min CPU", "frac zero-std groups", "first +10 points"]
+    headers = [
+        "label",
+        "library",
+        "steps",
+        "accuracy start",
+        "accuracy end",
+        "best",
+        "train min wall",
+        "train min CPU",
+        "frac zero-std groups",
+        "first +10 points",
+    ]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |" for row in summary]
     (output_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -201,15 +247,23 @@ def plot_curves(points: Path, image: Path) -> None:
     runs = {}
     for r in everything:
         runs.setdefault((r["label"], r["library"], r["repeat"]), []).append(
-            {"step": int(r["step"]), **{k: float(r[k]) for k in ("train_wall_s", "train_cpu_s", "accuracy")}})
+            {"step": int(r["step"]), **{k: float(r[k]) for k in ("train_wall_s", "train_cpu_s", "accuracy")}}
+        )
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    curves = [(f"{library} {label} #{repeat}", run, {"marker": "o", "alpha": 0.6})
-              for (label, library, repeat), run in sorted(runs.items())]
+    curves = [
+        (f"{library} {label} #{repeat}", run, {"marker": "o", "alpha": 0.6})
+        for (label, library, repeat), run in sorted(runs.items())
+    ]
     for label, library in sorted({(label, library) for label, library, _ in runs}):
         mine = [run for (l, lib, _), run in runs.items() if (l, lib) == (label, library)]
         if len(mine) > 1:
-            curves.append((f"{library} {label}: mean of {len(mine)}", mean_curve(mine),
-                           {"linestyle": "--", "linewidth": 2.5, "color": "black" if library == "trl" else "tab:blue"}))
+            curves.append(
+                (
+                    f"{library} {label}: mean of {len(mine)}",
+                    mean_curve(mine),
+                    {"linestyle": "--", "linewidth": 2.5, "color": "black" if library == "trl" else "tab:blue"},
+                )
+            )
     for name, run, style in curves:
         for axis, clock in zip(axes, ("train_wall_s", "train_cpu_s")):
             axis.plot([p[clock] / 60 for p in run], [p["accuracy"] for p in run], label=name, **style)
@@ -245,36 +299,77 @@ def main() -> None:
     parser.add_argument("--no_shared_prefill", action="store_true")
     parser.add_argument("--no_drop_finished", action="store_true")
     parser.add_argument("--no_shared_prompt_forward", action="store_true")
-    parser.add_argument("--parallel", action="store_true",
-                        help="run every side at once, one single-threaded process each (one core each on 2 cores)")
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run every side at once, one single-threaded process each (one core each on 2 cores)",
+    )
     parser.add_argument("--output_dir", default="outputs/time_to_accuracy")
-    parser.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
-                        help="both sides with tcmalloc preloaded (as the `posttrain` command runs) or glibc malloc")
+    parser.add_argument(
+        "--allocator",
+        choices=["tcmalloc", "system"],
+        default="tcmalloc",
+        help="both sides with tcmalloc preloaded (as the `posttrain` command runs) or glibc malloc",
+    )
     options = parser.parse_args()
     # The allocator changes a CPU step's time a lot here, for both libraries: set per command, never inherited.
     allocator = {"LD_PRELOAD": (tcmalloc_path() or "") if options.allocator == "tcmalloc" else ""}
     print(f"allocator: {allocator['LD_PRELOAD'] or 'glibc malloc'}", flush=True)
 
     settings = dict(
-        max_steps=options.steps, learning_rate=options.learning_rate,
-        per_device_train_batch_size=options.per_device_train_batch_size, num_generations=options.num_generations,
-        max_completion_length=options.max_completion_length, temperature=options.temperature, beta=options.beta,
-        loss_type=options.loss_type, seed=options.seed, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, bf16=False, disable_tqdm=True)
-    levers = {k: getattr(options, k) for k in ("dynamic_sampling", "max_num_gen_batches", "no_shared_prefill",
-                                                "no_drop_finished", "no_shared_prompt_forward")}
-    runs = [(repeat, library) for repeat in range(options.repeats)
-            for library in (options.sides if repeat % 2 == 0 else list(reversed(options.sides)))]
+        max_steps=options.steps,
+        learning_rate=options.learning_rate,
+        per_device_train_batch_size=options.per_device_train_batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length,
+        temperature=options.temperature,
+        beta=options.beta,
+        loss_type=options.loss_type,
+        seed=options.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    levers = {
+        k: getattr(options, k)
+        for k in (
+            "dynamic_sampling",
+            "max_num_gen_batches",
+            "no_shared_prefill",
+            "no_drop_finished",
+            "no_shared_prompt_forward",
+        )
+    }
+    runs = [
+        (repeat, library)
+        for repeat in range(options.repeats)
+        for library in (options.sides if repeat % 2 == 0 else list(reversed(options.sides)))
+    ]
 
     def run(repeat_library):
         repeat, library = repeat_library
         started = time.perf_counter()
-        result = run_isolated("bench_time_to_accuracy:run_side", dict(
-            library=library, settings={**settings, "seed": options.seed + repeat}, eval_size=options.eval_size, eval_every=options.eval_every,
-            train_size=options.train_size, levers=levers), env=allocator)
-        print(f"{library} #{repeat}: " + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in result["points"])
-              + f" ({time.perf_counter() - started:.0f} s with evaluations; load {os.getloadavg()[0]:.1f})",
-              flush=True)
+        result = run_isolated(
+            "bench_time_to_accuracy:run_side",
+            dict(
+                library=library,
+                settings={**settings, "seed": options.seed + repeat},
+                eval_size=options.eval_size,
+                eval_every=options.eval_every,
+                train_size=options.train_size,
+                levers=levers,
+            ),
+            env=allocator,
+        )
+        print(
+            f"{library} #{repeat}: "
+            + ", ".join(f"step {p['step']} {p['accuracy']:.3f}" for p in result["points"])
+            + f" ({time.perf_counter() - started:.0f} s with evaluations; load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
         return result
 
     if options.parallel:  # each side on its own core: same neighbours for both, half the waiting
@@ -282,8 +377,11 @@ def main() -> None:
             results = list(pool.map(run, runs))
     else:
         results = [run(r) for r in runs]
-    rows = [{"label": options.label, "library": library, "repeat": repeat, **p}
-            for (repeat, library), result in zip(runs, results) for p in result["points"]]
+    rows = [
+        {"label": options.label, "library": library, "repeat": repeat, **p}
+        for (repeat, library), result in zip(runs, results)
+        for p in result["points"]
+    ]
     summary = summary_rows(options.label, [(library, result) for (_, library), result in zip(runs, results)])
     write_outputs(Path(options.output_dir), rows, summary)
 

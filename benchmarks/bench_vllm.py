@@ -60,14 +60,31 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
             settings = dict(use_vllm=True, vllm_mode="colocate", vllm_kv_cache_gb=1.0)
         try:
             args = GRPOConfig(
-                output_dir=output_dir, max_steps=steps, learning_rate=5e-6, per_device_train_batch_size=16,
-                num_generations=8, max_completion_length=max_completion_length, max_prompt_length=128,
-                temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", seed=0, use_cpu=True,
-                disable_tqdm=True, **settings)
+                output_dir=output_dir,
+                max_steps=steps,
+                learning_rate=5e-6,
+                per_device_train_batch_size=16,
+                num_generations=8,
+                max_completion_length=max_completion_length,
+                max_prompt_length=128,
+                temperature=1.0,
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                seed=0,
+                use_cpu=True,
+                disable_tqdm=True,
+                **settings,
+            )
             tokenizer = load_tokenizer(MODEL)
             started = time.perf_counter()
-            trainer = GRPOTrainer(MODEL, example.numeric_accuracy, args=args,
-                                  train_dataset=example.arithmetic_problems(2000, 0), processing_class=tokenizer)
+            trainer = GRPOTrainer(
+                MODEL,
+                example.numeric_accuracy,
+                args=args,
+                train_dataset=example.arithmetic_problems(2000, 0),
+                processing_class=tokenizer,
+            )
             setup_s = time.perf_counter() - started
             sync_s = _time_calls(trainer.generation_backend, "sync_weights")
             started = time.perf_counter()
@@ -84,12 +101,17 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
     generation_s = sum(entry["time/generation"] for entry in logs)
     diffs = [entry["sampler/logp_diff_max"] for entry in trainer.state.log_history if "sampler/logp_diff_max" in entry]
     return {
-        "mode": mode, "steps_per_s": steps / train_s, "train_s": train_s, "setup_s": setup_s + server_start_s,
-        "generated_tokens_per_s": tokens / generation_s, "generation_share": generation_s / train_s,
+        "mode": mode,
+        "steps_per_s": steps / train_s,
+        "train_s": train_s,
+        "setup_s": setup_s + server_start_s,
+        "generated_tokens_per_s": tokens / generation_s,
+        "generation_share": generation_s / train_s,
         "sync_s_per_step": sum(sync_s) / steps,
         "reward_first5": sum(e["reward"] for e in logs[:5]) / len(logs[:5]),
         "reward_last5": sum(e["reward"] for e in logs[-5:]) / len(logs[-5:]),
-        "accuracy_after": accuracy, "logp_diff_max": max(diffs) if diffs else None,
+        "accuracy_after": accuracy,
+        "logp_diff_max": max(diffs) if diffs else None,
         "threads": torch.get_num_threads(),
     }
 
@@ -121,8 +143,9 @@ def _start_server(workdir: str):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command, env = build_server_command([MODEL, "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
-                                         "--kv-cache-gb", "1"])
+    command, env = build_server_command(
+        [MODEL, "--port", str(port), "--max-model-len", "512", "--dtype", "float32", "--kv-cache-gb", "1"]
+    )
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=open(f"{workdir}/server.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -149,13 +172,41 @@ def main() -> None:
     for mode in options.modes:
         result = run_isolated("bench_vllm:run_mode", dict(mode=mode, steps=options.steps, **common))
         print(f"{mode}: {result['steps_per_s']:.3f} steps/s", flush=True)
-        rows.append([mode, result["steps_per_s"], result["generated_tokens_per_s"], result["generation_share"],
-                     result["sync_s_per_step"], result["setup_s"], result["reward_first5"], result["reward_last5"], before,
-                     result["accuracy_after"], result["logp_diff_max"], result["peak_rss_mb"]])
-    print_table(["mode", "steps/s", "gen tok/s", "gen share", "sync s/step", "setup s", "reward 1-5", "reward last 5",
-                 "acc before", "acc after", "logp diff max", "peak RSS MB"], rows,
-                title=f"\nGRPO, {MODEL}, {options.steps} steps of 16 completions (8 per prompt) of <= "
-                      f"{options.max_completion_length} tokens, one thread per process")
+        rows.append(
+            [
+                mode,
+                result["steps_per_s"],
+                result["generated_tokens_per_s"],
+                result["generation_share"],
+                result["sync_s_per_step"],
+                result["setup_s"],
+                result["reward_first5"],
+                result["reward_last5"],
+                before,
+                result["accuracy_after"],
+                result["logp_diff_max"],
+                result["peak_rss_mb"],
+            ]
+        )
+    print_table(
+        [
+            "mode",
+            "steps/s",
+            "gen tok/s",
+            "gen share",
+            "sync s/step",
+            "setup s",
+            "reward 1-5",
+            "reward last 5",
+            "acc before",
+            "acc after",
+            "logp diff max",
+            "peak RSS MB",
+        ],
+        rows,
+        title=f"\nGRPO, {MODEL}, {options.steps} steps of 16 completions (8 per prompt) of <= "
+        f"{options.max_completion_length} tokens, one thread per process",
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,14 @@ TCMALLOC_CANDIDATES = (
 def single_thread_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The current environment with one compute thread, offline Hugging Face, plus `extra`."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join(
-                   p for p in (str(REPO_ROOT), str(BENCH_DIR), env.get("PYTHONPATH")) if p))
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), str(BENCH_DIR), env.get("PYTHONPATH")) if p),
+    )
     env.update(extra or {})
     return env
 
@@ -44,8 +49,13 @@ def tcmalloc_path() -> str | None:
     return next((p for p in TCMALLOC_CANDIDATES if os.path.exists(p)), None)
 
 
-def run_isolated(target: str, kwargs: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:
+def run_isolated(
+    target: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
     """Calls `target` ("module:function") with `kwargs` in a fresh single-threaded interpreter.
 
     Returns the function's dict result plus `peak_rss_mb` (the child's maximum resident set size) and
@@ -57,7 +67,9 @@ def run_isolated(target: str, kwargs: dict[str, Any] | None = None, *, env: dict
         start = time.perf_counter()
         done = subprocess.run(command, env=single_thread_env(env), capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{target} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+            raise RuntimeError(
+                f"{target} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            )
         result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
     return result
@@ -93,6 +105,7 @@ def matmul_peak_flops(size: int = 1024, repeats: int = 20, dtype: str = "float32
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain-text table: floats with 4 significant digits, columns right-aligned except the first."""
+
     def cell(value: Any) -> str:
         if isinstance(value, float):
             return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
@@ -142,14 +155,20 @@ def print_comparison(title: str, results: dict[str, list[dict]]) -> dict[str, di
     """Prints posttrain vs TRL (median of each library's runs) with their ratio; returns the medians."""
     import statistics
 
-    rows = {impl: {key: statistics.median(r[key] for r in runs) for key in COMPARISON_KEYS}
-            for impl, runs in results.items()}
+    rows = {
+        impl: {key: statistics.median(r[key] for r in runs) for key in COMPARISON_KEYS}
+        for impl, runs in results.items()
+    }
     print(title)
     print(f"{'':12}{'steps/s':>10}{'tokens/s':>12}{'CPU ms/step':>14}{'peak RSS MB':>14}{'step-0 loss':>16}")
     for impl, r in rows.items():
-        print(f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
-              f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}")
+        print(
+            f"{impl:12}{r['steps_per_s']:10.2f}{r['tokens_per_s']:12.0f}{r['cpu_ms_per_step']:14.0f}"
+            f"{r['peak_rss_mb']:14.0f}{r['step0_loss']:16.8f}"
+        )
     p, t = rows["posttrain"], rows["trl"]
-    print(f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
-          f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}")
+    print(
+        f"{'ratio p/t':12}{p['steps_per_s'] / t['steps_per_s']:10.2f}{p['tokens_per_s'] / t['tokens_per_s']:12.2f}"
+        f"{p['cpu_ms_per_step'] / t['cpu_ms_per_step']:14.2f}{p['peak_rss_mb'] / t['peak_rss_mb']:14.2f}"
+    )
     return rows

@@ -28,12 +28,23 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def arithmetic_problems(size: int, seed: int) -> Dataset:
     """Two-term additions and subtractions of numbers below 100, as single-turn conversations."""
     problems = reasoning_gym.create_dataset(
-        "basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2, min_digits=1, max_digits=2,
-        operators=("+", "-"), allow_parentheses=False, allow_negation=False)
-    return Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"{p['question']} {INSTRUCTION}"}], "answer": p["answer"]}
-        for p in problems
-    ])
+        "basic_arithmetic",
+        size=size,
+        seed=seed,
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=2,
+        operators=("+", "-"),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"{p['question']} {INSTRUCTION}"}], "answer": p["answer"]}
+            for p in problems
+        ]
+    )
 
 
 def numeric_accuracy(completions, answer, **kwargs) -> list[float]:
@@ -47,12 +58,15 @@ def numeric_accuracy(completions, answer, **kwargs) -> list[float]:
 
 def held_out_accuracy(model, tokenizer, problems: Dataset, max_tokens: int) -> float:
     """Greedy accuracy on `problems` (top_k=1 samples the most likely token)."""
-    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-                  for p in problems["prompt"]]
+    prompt_ids = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for p in problems["prompt"]
+    ]
     backend = TransformersBackend(model, tokenizer.pad_token_id, stop_token_ids(tokenizer, model))
     completions = backend.generate(prompt_ids, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seed=0)
-    texts = [[{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}]
-             for c in completions]
+    texts = [
+        [{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}] for c in completions
+    ]
     scores = numeric_accuracy(texts, problems["answer"])
     return sum(scores) / len(scores)
 
@@ -66,8 +80,11 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--max_completion_length", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=1e-5)
-    parser.add_argument("--dynamic_sampling", action="store_true",
-                        help="DAPO dynamic sampling: regenerate groups whose completions all got the same reward")
+    parser.add_argument(
+        "--dynamic_sampling",
+        action="store_true",
+        help="DAPO dynamic sampling: regenerate groups whose completions all got the same reward",
+    )
     parser.add_argument("--output_dir", default="outputs/grpo_arithmetic")
     options = parser.parse_args()
 
@@ -79,23 +96,39 @@ def main() -> None:
     print(f"held-out accuracy before: {before:.3f} ({time.perf_counter() - start:.0f} s)")
 
     args = GRPOConfig(
-        output_dir=options.output_dir, max_steps=options.max_steps, learning_rate=options.learning_rate,
-        per_device_train_batch_size=options.per_device_train_batch_size, num_generations=options.num_generations,
-        max_completion_length=options.max_completion_length, max_prompt_length=128, temperature=1.0,
-        logging_steps=5, save_strategy="no", report_to="none", log_completions=True, seed=0,
+        output_dir=options.output_dir,
+        max_steps=options.max_steps,
+        learning_rate=options.learning_rate,
+        per_device_train_batch_size=options.per_device_train_batch_size,
+        num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length,
+        max_prompt_length=128,
+        temperature=1.0,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        log_completions=True,
+        seed=0,
         dynamic_sampling=options.dynamic_sampling,
         use_cpu=not torch.cuda.is_available(),
     )
-    trainer = GRPOTrainer(model, numeric_accuracy, args=args, train_dataset=arithmetic_problems(options.train_size, 0),
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model,
+        numeric_accuracy,
+        args=args,
+        train_dataset=arithmetic_problems(options.train_size, 0),
+        processing_class=tokenizer,
+    )
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
     after = held_out_accuracy(trainer.model, tokenizer, held_out, options.max_completion_length)
     rewards = [round(h["reward"], 3) for h in trainer.state.log_history if "reward" in h]
     print(f"training reward per logging window: {rewards}")
-    print(f"held-out accuracy before: {before:.3f}  after: {after:.3f}  "
-          f"({options.max_steps} steps, {train_seconds:.0f} s of training)")
+    print(
+        f"held-out accuracy before: {before:.3f}  after: {after:.3f}  "
+        f"({options.max_steps} steps, {train_seconds:.0f} s of training)"
+    )
 
 
 if __name__ == "__main__":

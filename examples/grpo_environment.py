@@ -39,7 +39,8 @@ INSTRUCTION = f"Find my secret number ({LOW}-{HIGH}) with guess. I answer higher
 COMPACT_TOOLS_SYSTEM = (
     "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}"
     "{{- '\\n' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(', '))"
-    " + '): ' + tool['function']['description'] }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
+    " + '): ' + tool['function']['description'] }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+)
 
 
 def use_compact_tool_template(tokenizer):
@@ -81,15 +82,20 @@ class GuessTheNumber:
 
 def games(size: int, seed: int) -> Dataset:
     rng = random.Random(seed)
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": INSTRUCTION}], "secret": rng.randint(LOW, HIGH)}
-                              for _ in range(size)])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": INSTRUCTION}], "secret": rng.randint(LOW, HIGH)} for _ in range(size)]
+    )
 
 
 def held_out_games(size: int) -> Dataset:
     """Evaluation games: every secret equally often (in turn), so that a difference between models is not a
     difference in how many easy secrets a random draw gave."""
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": INSTRUCTION}],
-                               "secret": LOW + i % (HIGH - LOW + 1)} for i in range(size)])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": INSTRUCTION}], "secret": LOW + i % (HIGH - LOW + 1)}
+            for i in range(size)
+        ]
+    )
 
 
 def transcript(secret: int, rng: random.Random, max_guesses: int, consistent: bool = True) -> list[dict]:
@@ -100,8 +106,10 @@ def transcript(secret: int, rng: random.Random, max_guesses: int, consistent: bo
         number = rng.randint(low, high) if consistent else rng.randint(LOW, HIGH)
         call = {"type": "function", "function": {"name": "guess", "arguments": {"number": number}}}
         answer = "correct" if number == secret else "higher" if number < secret else "lower"
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "name": "guess", "content": answer}]
+        messages += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "guess", "content": answer},
+        ]
         if answer == "correct":
             messages.append({"role": "assistant", "content": f"Found it: {number}."})
             return messages
@@ -115,8 +123,16 @@ def play(model, tokenizer, held_out: Dataset, max_completion_length: int, max_it
     """The reward of every held-out game, sampled at temperature 1 with one fixed seed per game: every game has
     the same prompt, so greedy decoding would play only 8 distinct games whatever the size. Game i gets the same
     secret and the same seed whatever the model, so two models' rewards are paired."""
-    episodes = evaluate_episodes(model, tokenizer, held_out.to_list(), [], max_completion_length, max_iterations,
-                                 environment_factory=GuessTheNumber, temperature=1.0)
+    episodes = evaluate_episodes(
+        model,
+        tokenizer,
+        held_out.to_list(),
+        [],
+        max_completion_length,
+        max_iterations,
+        environment_factory=GuessTheNumber,
+        temperature=1.0,
+    )
     return [e.info["reward"] for e in episodes]
 
 
@@ -135,11 +151,28 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 HISTORY = (*HISTORY_KEYS, "completions/mean_length", "time/generation", "time/update")
 
 
-def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 4, sft_consistent: bool = True,
-        sft_learning_rate: float = 1e-4, grpo_steps: int = 8, before_size: int = 8, eval_size: int = 32,
-        max_guesses: int = 3, max_completion_length: int = 144, episodes_per_step: int = 16,
-        num_generations: int = 4, learning_rate: float = 5e-5, beta: float = 0.0, loss_type: str = "dapo",
-        seed: int = 0, output_dir: str = "outputs/grpo_environment", log=print) -> dict:
+def run(
+    model,
+    tokenizer,
+    *,
+    sft_size: int = 128,
+    sft_steps: int = 4,
+    sft_consistent: bool = True,
+    sft_learning_rate: float = 1e-4,
+    grpo_steps: int = 8,
+    before_size: int = 8,
+    eval_size: int = 32,
+    max_guesses: int = 3,
+    max_completion_length: int = 144,
+    episodes_per_step: int = 16,
+    num_generations: int = 4,
+    learning_rate: float = 5e-5,
+    beta: float = 0.0,
+    loss_type: str = "dapo",
+    seed: int = 0,
+    output_dir: str = "outputs/grpo_environment",
+    log=print,
+) -> dict:
     """The whole demo; returns the three success rates (and `<phase>_reward`, the mean rewards), the paired gain
     of GRPO over the warm-up with its standard error, the GRPO metrics per step and the phase times. The
     untrained model calls no tool, so its evaluation plays only `before_size` games. `seed` changes GRPO's games
@@ -154,13 +187,16 @@ def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 4, sft_consis
         return value
 
     def evaluate(phase, policy, size, took=""):
-        rewards = timed(f"eval_{phase}", lambda: play(policy, tokenizer, held_out_games(size), max_completion_length,
-                                                      max_guesses))
+        rewards = timed(
+            f"eval_{phase}", lambda: play(policy, tokenizer, held_out_games(size), max_completion_length, max_guesses)
+        )
         results[f"{phase}_rewards"] = rewards
         results[phase] = sum(r == 1.0 for r in rewards) / len(rewards)
         results[f"{phase}_reward"] = sum(rewards) / len(rewards)
-        log(f"{phase} ({size} games): success {results[phase]:.3f}, mean reward {results[f'{phase}_reward']:.3f} "
-            f"({took}eval {times[f'eval_{phase}']} s)")
+        log(
+            f"{phase} ({size} games): success {results[phase]:.3f}, mean reward {results[f'{phase}_reward']:.3f} "
+            f"({took}eval {times[f'eval_{phase}']} s)"
+        )
 
     evaluate("before", model, before_size)
     rng = random.Random(1)
@@ -168,21 +204,34 @@ def run(model, tokenizer, *, sft_size: int = 128, sft_steps: int = 4, sft_consis
     warm = tokenized_transcripts(tokenizer, sft_games, [GuessTheNumber().guess])
     model = timed("sft", lambda: warm_up(model, tokenizer, warm, sft_steps, f"{output_dir}/sft", sft_learning_rate))
     evaluate("after_sft", model, eval_size, f"SFT {times['sft']} s, ")
-    trainer = GRPOTrainer(model, None, args=grpo_config(f"{output_dir}/grpo", grpo_steps,
-                                                        max_completion_length=max_completion_length,
-                                                        max_tool_calling_iterations=max_guesses,
-                                                        per_device_train_batch_size=episodes_per_step,
-                                                        num_generations=num_generations, beta=beta,
-                                                        loss_type=loss_type, learning_rate=learning_rate, seed=seed),
-                          train_dataset=games(grpo_steps * episodes_per_step // num_generations, seed=2 + seed),
-                          processing_class=tokenizer, environment_factory=GuessTheNumber)
+    trainer = GRPOTrainer(
+        model,
+        None,
+        args=grpo_config(
+            f"{output_dir}/grpo",
+            grpo_steps,
+            max_completion_length=max_completion_length,
+            max_tool_calling_iterations=max_guesses,
+            per_device_train_batch_size=episodes_per_step,
+            num_generations=num_generations,
+            beta=beta,
+            loss_type=loss_type,
+            learning_rate=learning_rate,
+            seed=seed,
+        ),
+        train_dataset=games(grpo_steps * episodes_per_step // num_generations, seed=2 + seed),
+        processing_class=tokenizer,
+        environment_factory=GuessTheNumber,
+    )
     timed("grpo", trainer.train)
     history = trainer.state.log_history
     results["grpo"] = {key: [round(h[key], 3) for h in history if key in h] for key in HISTORY}
     evaluate("after_grpo", trainer.model, eval_size, f"GRPO {times['grpo']} s, ")
     results["gain"], results["gain_se"] = paired_gain(results["after_sft_rewards"], results["after_grpo_rewards"])
-    log(f"GRPO's paired gain in mean reward over the warm-up: {results['gain']:+.3f} "
-        f"(standard error {results['gain_se']:.3f}, {eval_size} games)")
+    log(
+        f"GRPO's paired gain in mean reward over the warm-up: {results['gain']:+.3f} "
+        f"(standard error {results['gain_se']:.3f}, {eval_size} games)"
+    )
     log(f"GRPO per step: {results['grpo']}")
     results["seconds"] = times
     return results
@@ -192,18 +241,31 @@ def main() -> None:
     from posttrain.models import load_causal_lm, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = {name: p.default for name, p in inspect.signature(run).parameters.items()
-                if p.kind is p.KEYWORD_ONLY}
-    helps = {"before_size": "games played by the untrained model (it calls no tool)",
-             "eval_size": "held-out games after the warm-up and after GRPO (the same secrets and seeds for both)",
-             "episodes_per_step": "games per GRPO step (num_generations per secret)",
-             "learning_rate": "GRPO's learning rate",
-             "sft_consistent": "1: the warm-up's random guesses respect the feedback; 0: they ignore it",
-             "max_completion_length": "tokens per game, calls and answers included: three calls fit, the third "
-                                      "answer does not (the game is over)"}
-    for name in ("sft_steps", "sft_consistent", "grpo_steps", "before_size", "eval_size", "episodes_per_step",
-                 "num_generations", "learning_rate", "beta", "loss_type", "max_completion_length", "seed",
-                 "output_dir"):
+    defaults = {name: p.default for name, p in inspect.signature(run).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    helps = {
+        "before_size": "games played by the untrained model (it calls no tool)",
+        "eval_size": "held-out games after the warm-up and after GRPO (the same secrets and seeds for both)",
+        "episodes_per_step": "games per GRPO step (num_generations per secret)",
+        "learning_rate": "GRPO's learning rate",
+        "sft_consistent": "1: the warm-up's random guesses respect the feedback; 0: they ignore it",
+        "max_completion_length": "tokens per game, calls and answers included: three calls fit, the third "
+        "answer does not (the game is over)",
+    }
+    for name in (
+        "sft_steps",
+        "sft_consistent",
+        "grpo_steps",
+        "before_size",
+        "eval_size",
+        "episodes_per_step",
+        "num_generations",
+        "learning_rate",
+        "beta",
+        "loss_type",
+        "max_completion_length",
+        "seed",
+        "output_dir",
+    ):
         kind = int if isinstance(defaults[name], bool) else type(defaults[name])
         parser.add_argument(f"--{name}", type=kind, default=defaults[name], help=helps.get(name))
     options = vars(parser.parse_args())
@@ -211,6 +273,7 @@ def main() -> None:
     start = time.perf_counter()
     results = run(load_causal_lm(MODEL), load_tokenizer(MODEL), **options)
     print(f"phase seconds: {results['seconds']}; total {time.perf_counter() - start:.0f} s")
+
 
 if __name__ == "__main__":
     main()

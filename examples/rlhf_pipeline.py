@@ -48,10 +48,25 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # -- data ------------------------------------------------------------------------------------------------------
 def problems(size: int, seed: int) -> list[dict]:
     items = reasoning_gym.create_dataset(
-        "basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2, min_digits=1, max_digits=2,
-        operators=("+", "-"), allow_parentheses=False, allow_negation=False)
-    return [{"prompt": [{"role": "user", "content": f"{item['question']} {INSTRUCTION}"}],
-             "expression": item["metadata"]["expression"], "answer": item["answer"]} for item in items]
+        "basic_arithmetic",
+        size=size,
+        seed=seed,
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=2,
+        operators=("+", "-"),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"{item['question']} {INSTRUCTION}"}],
+            "expression": item["metadata"]["expression"],
+            "answer": item["answer"],
+        }
+        for item in items
+    ]
 
 
 def worked_answer(expression: str, result: int | str, final: int | str | None = None) -> list[dict]:
@@ -69,14 +84,23 @@ def corrupted_answer(problem: dict, rng: random.Random) -> list[dict]:
 
 
 def sft_dataset(items: list[dict]) -> Dataset:
-    return Dataset.from_list([{"prompt": p["prompt"], "completion": worked_answer(p["expression"], p["answer"])}
-                              for p in items])
+    return Dataset.from_list(
+        [{"prompt": p["prompt"], "completion": worked_answer(p["expression"], p["answer"])} for p in items]
+    )
 
 
 def preference_dataset(items: list[dict], seed: int) -> Dataset:
     rng = random.Random(seed)
-    return Dataset.from_list([{"prompt": p["prompt"], "chosen": worked_answer(p["expression"], p["answer"]),
-                               "rejected": corrupted_answer(p, rng)} for p in items])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": p["prompt"],
+                "chosen": worked_answer(p["expression"], p["answer"]),
+                "rejected": corrupted_answer(p, rng),
+            }
+            for p in items
+        ]
+    )
 
 
 def prompt_dataset(items: list[dict]) -> Dataset:
@@ -95,6 +119,7 @@ def exact_answer(completions, answer, **kwargs) -> list[float]:
 
 def reward_model_accuracy(scorer: RewardScorer, pairs: Dataset) -> float:
     """Fraction of held-out pairs whose chosen answer the reward model scores above the rejected one."""
+
     def scores(column: str) -> torch.Tensor:
         return scorer(pairs["prompt"], pairs[column], [[]] * len(pairs), {})[1]
 
@@ -103,12 +128,15 @@ def reward_model_accuracy(scorer: RewardScorer, pairs: Dataset) -> float:
 
 def evaluate(model, tokenizer, scorer: RewardScorer, held_out: Dataset, max_tokens: int) -> dict[str, float]:
     """Greedy answers to held-out problems: mean reward-model score and exact-answer accuracy."""
-    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-                  for p in held_out["prompt"]]
+    prompt_ids = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for p in held_out["prompt"]
+    ]
     backend = TransformersBackend(model, tokenizer.pad_token_id, stop_token_ids(tokenizer, model))
     generated = backend.generate(prompt_ids, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seed=0)
-    completions = [[{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}]
-                   for c in generated]
+    completions = [
+        [{"role": "assistant", "content": tokenizer.decode(c.token_ids, skip_special_tokens=True)}] for c in generated
+    ]
     _, rewards = scorer(held_out["prompt"], completions, [c.token_ids for c in generated], {})
     accuracy = exact_answer(completions, held_out["answer"])
     print(f"    e.g. {held_out['prompt'][0][0]['content']!r} -> {completions[0][0]['content']!r}")
@@ -116,8 +144,15 @@ def evaluate(model, tokenizer, scorer: RewardScorer, held_out: Dataset, max_toke
 
 
 def common_settings(output_dir: Path, name: str) -> dict:
-    return dict(output_dir=str(output_dir / name), logging_steps=5, save_strategy="no", report_to="none", seed=0,
-                use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    return dict(
+        output_dir=str(output_dir / name),
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+    )
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------------
@@ -137,15 +172,24 @@ def main() -> None:
     train_items = problems(options.train_size, seed=0)
     held_out_items = problems(options.eval_size, seed=1234)
     third = len(train_items) // 3
-    sft_items, reward_items, ppo_items = train_items[:third], train_items[third:2 * third], train_items[2 * third:]
+    sft_items, reward_items, ppo_items = train_items[:third], train_items[third : 2 * third], train_items[2 * third :]
     times = {}
 
     print("1. SFT")
     start = time.perf_counter()
-    sft = SFTTrainer(MODEL, args=SFTConfig(
-        max_steps=options.sft_steps, per_device_train_batch_size=8, learning_rate=2e-4, max_length=128,
-        **common_settings(output_dir, "sft")), train_dataset=sft_dataset(sft_items), processing_class=tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    sft = SFTTrainer(
+        MODEL,
+        args=SFTConfig(
+            max_steps=options.sft_steps,
+            per_device_train_batch_size=8,
+            learning_rate=2e-4,
+            max_length=128,
+            **common_settings(output_dir, "sft"),
+        ),
+        train_dataset=sft_dataset(sft_items),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+    )
     sft.train()
     sft_path = output_dir / "sft_merged"
     sft.model.merge_and_unload().save_pretrained(sft_path)
@@ -154,11 +198,19 @@ def main() -> None:
 
     print("2. Reward model")
     start = time.perf_counter()
-    reward = RewardTrainer(str(sft_path), args=RewardConfig(
-        max_steps=options.reward_steps, per_device_train_batch_size=4, learning_rate=3e-4, max_length=128,
-        **common_settings(output_dir, "reward")), train_dataset=preference_dataset(reward_items, seed=0),
+    reward = RewardTrainer(
+        str(sft_path),
+        args=RewardConfig(
+            max_steps=options.reward_steps,
+            per_device_train_batch_size=4,
+            learning_rate=3e-4,
+            max_length=128,
+            **common_settings(output_dir, "reward"),
+        ),
+        train_dataset=preference_dataset(reward_items, seed=0),
         processing_class=tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="SEQ_CLS"))
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="SEQ_CLS"),
+    )
     reward.train()
     reward_model = reward.model.merge_and_unload().eval()
     scorer = RewardScorer([reward_model], reward_processing_classes=[tokenizer])
@@ -169,13 +221,27 @@ def main() -> None:
     print("3. PPO")
     held_out = prompt_dataset(held_out_items)
     start = time.perf_counter()
-    trainer = PPOTrainer(str(sft_path), reward_model, args=PPOConfig(
-        max_steps=options.ppo_steps, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        num_ppo_epochs=2, learning_rate=1e-4, kl_coef=0.05, max_completion_length=options.max_completion_length,
-        max_prompt_length=64, temperature=0.7, missing_eos_penalty=1.0,
-        use_value_head=not options.value_model_from_reward_model, **common_settings(output_dir, "ppo")),
-        train_dataset=prompt_dataset(ppo_items), processing_class=tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    trainer = PPOTrainer(
+        str(sft_path),
+        reward_model,
+        args=PPOConfig(
+            max_steps=options.ppo_steps,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=2,
+            num_ppo_epochs=2,
+            learning_rate=1e-4,
+            kl_coef=0.05,
+            max_completion_length=options.max_completion_length,
+            max_prompt_length=64,
+            temperature=0.7,
+            missing_eos_penalty=1.0,
+            use_value_head=not options.value_model_from_reward_model,
+            **common_settings(output_dir, "ppo"),
+        ),
+        train_dataset=prompt_dataset(ppo_items),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+    )
     setup = time.perf_counter() - start
     before = evaluate(trainer.model, tokenizer, scorer, held_out, options.max_completion_length)
     print(f"    before PPO: held-out reward {before['reward']:.3f}, accuracy {before['accuracy']:.3f}")
@@ -185,13 +251,19 @@ def main() -> None:
     after = evaluate(trainer.model, tokenizer, scorer, held_out, options.max_completion_length)
 
     history = trainer.state.log_history
-    print("    training score per logging window:",
-          [round(h["objective/scores"], 3) for h in history if "objective/scores" in h])
-    print("    KL to the reference per logging window:",
-          [round(h["objective/kl"], 3) for h in history if "objective/kl" in h])
+    print(
+        "    training score per logging window:",
+        [round(h["objective/scores"], 3) for h in history if "objective/scores" in h],
+    )
+    print(
+        "    KL to the reference per logging window:",
+        [round(h["objective/kl"], 3) for h in history if "objective/kl" in h],
+    )
     print(f"\nreward model held-out pairwise accuracy: {reward_accuracy:.3f}")
-    print(f"policy on {len(held_out)} held-out problems (greedy): reward-model score {before['reward']:.3f} -> "
-          f"{after['reward']:.3f}, exact-answer accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
+    print(
+        f"policy on {len(held_out)} held-out problems (greedy): reward-model score {before['reward']:.3f} -> "
+        f"{after['reward']:.3f}, exact-answer accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+    )
     print("wall time: " + ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in times.items()))
 
 

@@ -51,9 +51,14 @@ def prepare(out: Path, test_size: int, seed: int) -> tuple[str, list[tuple[str, 
     from posttrain.models import tiny_vlm
     from posttrain.models.builtin import builtin_model_path
 
-    model_path = tiny_vlm.build_llava_from_causal_lm(builtin_model_path(), out / "base", seed=seed,
-                                                     image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-                                                     vision_hidden_size=64)
+    model_path = tiny_vlm.build_llava_from_causal_lm(
+        builtin_model_path(),
+        out / "base",
+        seed=seed,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        vision_hidden_size=64,
+    )
     digits = load_digits()
     images = out / "data" / "images"
     images.mkdir(parents=True, exist_ok=True)
@@ -67,8 +72,12 @@ def prepare(out: Path, test_size: int, seed: int) -> tuple[str, list[tuple[str, 
     user = [{"role": "user", "content": QUESTION}]
     with open(out / "data" / "sft.jsonl", "w") as f:
         for path, digit in train:
-            f.write(json.dumps({"images": [path], "prompt": user,
-                                "completion": [{"role": "assistant", "content": str(digit)}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"images": [path], "prompt": user, "completion": [{"role": "assistant", "content": str(digit)}]}
+                )
+                + "\n"
+            )
     with open(out / "data" / "grpo.jsonl", "w") as f:
         for path, digit in train:
             f.write(json.dumps({"images": [path], "prompt": user, "answer": str(digit)}) + "\n")
@@ -88,16 +97,29 @@ def predictions(model, processor, samples, batch_size: int = 50, temperature: fl
     sampling = {} if temperature is None else dict(temperature=temperature, top_k=0, top_p=1.0)
     torch.manual_seed(0)
     for start in range(0, len(samples), batch_size):
-        chunk = samples[start:start + batch_size]
+        chunk = samples[start : start + batch_size]
         images = [Image.open(path).convert("RGB") for path, _ in chunk]
-        text = processor.apply_chat_template(prepare_multimodal_messages([{"role": "user", "content": QUESTION}],
-                                                                         images[:1]),
-                                             add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text] * len(chunk), images=[[image] for image in images], padding=True,
-                           padding_side="left", add_special_tokens=False, return_tensors="pt")
-        output = model.generate(**inputs, max_new_tokens=2, do_sample=bool(sampling),
-                                suppress_tokens=[model.config.image_token_id], **sampling)
-        replies = processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = processor.apply_chat_template(
+            prepare_multimodal_messages([{"role": "user", "content": QUESTION}], images[:1]),
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        inputs = processor(
+            text=[text] * len(chunk),
+            images=[[image] for image in images],
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+            return_tensors="pt",
+        )
+        output = model.generate(
+            **inputs,
+            max_new_tokens=2,
+            do_sample=bool(sampling),
+            suppress_tokens=[model.config.image_token_id],
+            **sampling,
+        )
+        replies = processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         right += [bool(m := DIGIT.search(r)) and m.group() == str(d) for r, (_, d) in zip(replies, chunk)]
     return right
 
@@ -119,7 +141,7 @@ def paired_flips(before: list[bool], after: list[bool]) -> tuple[int, int, float
     lost = sum(b and not a for b, a in zip(before, after))
     gained = sum(a and not b for b, a in zip(before, after))
     n = lost + gained
-    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1)) / 2 ** n
+    tail = sum(math.comb(n, k) for k in range(min(lost, gained) + 1)) / 2**n
     return lost, gained, min(1.0, 2 * tail)
 
 
@@ -137,8 +159,11 @@ class HeldOutAccuracy(TrainerCallback):
         sampled = accuracy(model, self.processor, self.samples, temperature=1.0)
         torch.set_rng_state(rng)
         model.train()
-        print(f"step {state.global_step}: held-out greedy {greedy:.3f}, sampled {sampled:.3f} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"step {state.global_step}: held-out greedy {greedy:.3f}, sampled {sampled:.3f} "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -154,15 +179,24 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--grpo_scheduler", default="linear")
     parser.add_argument("--grpo_warmup_steps", type=int, default=3)
     parser.add_argument("--grpo_beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
-    parser.add_argument("--freeze_language_model", action="store_true",
-                        help="GRPO trains only the vision tower and the projector")
-    parser.add_argument("--eval_every", type=int, default=0,
-                        help="also measure held-out accuracy every this many GRPO steps (0: only at the end)")
+    parser.add_argument(
+        "--freeze_language_model", action="store_true", help="GRPO trains only the vision tower and the projector"
+    )
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=0,
+        help="also measure held-out accuracy every this many GRPO steps (0: only at the end)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip_sft", action="store_true",
-                        help="start GRPO from the SFT model an earlier run saved in OUTPUT_DIR/sft")
-    parser.add_argument("--prepare_only", action="store_true",
-                        help="only write the base model and the datasets (for the command-line steps)")
+    parser.add_argument(
+        "--skip_sft", action="store_true", help="start GRPO from the SFT model an earlier run saved in OUTPUT_DIR/sft"
+    )
+    parser.add_argument(
+        "--prepare_only",
+        action="store_true",
+        help="only write the base model and the datasets (for the command-line steps)",
+    )
     return parser
 
 
@@ -191,10 +225,20 @@ def main() -> None:
         sft_model = AutoModelForImageTextToText.from_pretrained(out / "sft")
     else:
         sft_data = load_dataset("json", data_files=str(out / "data" / "sft.jsonl"), split="train")
-        sft = SFTTrainer(model_path, train_dataset=sft_data, args=SFTConfig(
-            output_dir=str(out / "sft"), max_steps=args.sft_steps, per_device_train_batch_size=16,
-            learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5, freeze_vision_tower=False,
-            **common))  # the tower is fresh
+        sft = SFTTrainer(
+            model_path,
+            train_dataset=sft_data,
+            args=SFTConfig(
+                output_dir=str(out / "sft"),
+                max_steps=args.sft_steps,
+                per_device_train_batch_size=16,
+                learning_rate=2e-4,
+                lr_scheduler_type="cosine",
+                warmup_steps=5,
+                freeze_vision_tower=False,
+                **common,
+            ),
+        )  # the tower is fresh
         sft.train()
         sft.save_model()
         sft_model = sft.model
@@ -202,8 +246,10 @@ def main() -> None:
     greedy_sft = predictions(sft_model, processor, test)
     sampled_sft = predictions(sft_model, processor, test, temperature=1.0)
     took = f"loaded from {out / 'sft'}" if args.skip_sft else f"{sft_seconds:.0f} s"
-    print(f"held-out accuracy after SFT: {mean(greedy_sft):.3f}, sampled at temperature 1: {mean(sampled_sft):.3f} "
-          f"({took})")
+    print(
+        f"held-out accuracy after SFT: {mean(greedy_sft):.3f}, sampled at temperature 1: {mean(sampled_sft):.3f} "
+        f"({took})"
+    )
 
     grpo_data = load_dataset("json", data_files=str(out / "data" / "grpo.jsonl"), split="train")
     grpo_start = time.perf_counter()
@@ -212,12 +258,26 @@ def main() -> None:
         model = AutoModelForImageTextToText.from_pretrained(model)
         for name, parameter in model.named_parameters():
             parameter.requires_grad_("vision_tower" in name or "multi_modal_projector" in name)
-    grpo = GRPOTrainer(model, reward_funcs=exact_match, train_dataset=grpo_data, args=GRPOConfig(
-        output_dir=str(out / "grpo"), max_steps=args.grpo_steps,
-        per_device_train_batch_size=args.grpo_prompts * args.num_generations, num_generations=args.num_generations,
-        max_completion_length=2, learning_rate=args.grpo_learning_rate, lr_scheduler_type=args.grpo_scheduler,
-        warmup_steps=args.grpo_warmup_steps,
-        beta=args.grpo_beta, temperature=1.0, dynamic_sampling=True, freeze_vision_tower=False, **common))
+    grpo = GRPOTrainer(
+        model,
+        reward_funcs=exact_match,
+        train_dataset=grpo_data,
+        args=GRPOConfig(
+            output_dir=str(out / "grpo"),
+            max_steps=args.grpo_steps,
+            per_device_train_batch_size=args.grpo_prompts * args.num_generations,
+            num_generations=args.num_generations,
+            max_completion_length=2,
+            learning_rate=args.grpo_learning_rate,
+            lr_scheduler_type=args.grpo_scheduler,
+            warmup_steps=args.grpo_warmup_steps,
+            beta=args.grpo_beta,
+            temperature=1.0,
+            dynamic_sampling=True,
+            freeze_vision_tower=False,
+            **common,
+        ),
+    )
     if args.eval_every:
         grpo.add_callback(HeldOutAccuracy(processor, test, args.eval_every))
     grpo.train()
@@ -225,14 +285,20 @@ def main() -> None:
     greedy_grpo = predictions(grpo.model, processor, test)
     sampled_grpo = predictions(grpo.model, processor, test, temperature=1.0)
     rewards = [round(log["reward"], 3) for log in grpo.state.log_history if "reward" in log]
-    print(f"held-out accuracy after GRPO: {mean(greedy_grpo):.3f}, sampled at temperature 1: "
-          f"{mean(sampled_grpo):.3f} ({grpo_seconds:.0f} s); train reward per logging window: {rewards}")
+    print(
+        f"held-out accuracy after GRPO: {mean(greedy_grpo):.3f}, sampled at temperature 1: "
+        f"{mean(sampled_grpo):.3f} ({grpo_seconds:.0f} s); train reward per logging window: {rewards}"
+    )
     for kind, old, new in (("greedy", greedy_sft, greedy_grpo), ("sampled", sampled_sft, sampled_grpo)):
         lost, gained, p = paired_flips(old, new)
-        print(f"{kind}, SFT -> GRPO on the same {len(test)} digits: {gained} wrong -> right, {lost} right -> wrong "
-              f"(McNemar exact p = {p:.2g})")
-    print(f"greedy: before {before:.3f} -> SFT {mean(greedy_sft):.3f} -> GRPO {mean(greedy_grpo):.3f}; sampled: SFT "
-          f"{mean(sampled_sft):.3f} -> GRPO {mean(sampled_grpo):.3f}; total {time.perf_counter() - started:.0f} s")
+        print(
+            f"{kind}, SFT -> GRPO on the same {len(test)} digits: {gained} wrong -> right, {lost} right -> wrong "
+            f"(McNemar exact p = {p:.2g})"
+        )
+    print(
+        f"greedy: before {before:.3f} -> SFT {mean(greedy_sft):.3f} -> GRPO {mean(greedy_grpo):.3f}; sampled: SFT "
+        f"{mean(sampled_sft):.3f} -> GRPO {mean(sampled_grpo):.3f}; total {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

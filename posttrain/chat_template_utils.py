@@ -25,8 +25,11 @@ _NAME, _ARG_KEY, _ARG_VALUE, _RESULT = "probe_fn_4c1e", "probe_key_9a2d", "probe
 
 def _tool_exchange(arguments) -> list[dict]:
     call = {"type": "function", "function": {"name": _NAME, "arguments": arguments}}
-    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": _NAME, "content": _RESULT}]
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": _NAME, "content": _RESULT},
+    ]
 
 
 def _render_tool_exchange(processing_class, n_messages: int = 3) -> str | None:
@@ -106,8 +109,10 @@ def clone_chat_template(model, tokenizer, source_tokenizer_path: str, resize_to_
             added.append(filler)
         n += 1
     if len(tokenizer.vocab) != model.vocab_size:
-        raise RuntimeError(f"clone_chat_template: the tokenizer has {len(tokenizer.vocab)} tokens but the model's "
-                           f"embeddings have {model.vocab_size} rows after resizing.")
+        raise RuntimeError(
+            f"clone_chat_template: the tokenizer has {len(tokenizer.vocab)} tokens but the model's "
+            f"embeddings have {model.vocab_size} rows after resizing."
+        )
     return model, tokenizer, tokenizer.convert_tokens_to_ids([t.content for t in added])
 
 
@@ -118,7 +123,10 @@ HERMES_RESPONSE_TEMPLATE = {
     "fields": {
         "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
         "tool_calls": {
-            "open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
             "transform": {"type": "function", "function": "{content}"},
         },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
@@ -130,7 +138,9 @@ LLAMA3_RESPONSE_TEMPLATE = {
     "fields": {
         "tool_calls": {
             "open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
-            "close_pattern": r"\}<\|eot_id\|>\s*", "repeats": True, "content": "json",
+            "close_pattern": r"\}<\|eot_id\|>\s*",
+            "repeats": True,
+            "content": "json",
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
         },
         "content": {"close_pattern": r"<\|eot_id\|>\s*", "content": "text"},
@@ -141,8 +151,10 @@ LLAMA3_RESPONSE_TEMPLATE = {
 def _tool_call_format(processing_class) -> str | None:
     rendered = _render_tool_exchange(processing_class, n_messages=2) or ""
     arguments = json.dumps({_ARG_KEY: _ARG_VALUE})
-    if ("<|im_start|>assistant" in rendered
-            and f'<tool_call>\n{{"name": "{_NAME}", "arguments": {arguments}}}\n</tool_call>' in rendered):
+    if (
+        "<|im_start|>assistant" in rendered
+        and f'<tool_call>\n{{"name": "{_NAME}", "arguments": {arguments}}}\n</tool_call>' in rendered
+    ):
         return "hermes"
     if f'<|start_header_id|>assistant<|end_header_id|>\n\n{{"name": "{_NAME}", "parameters": {arguments}}}' in rendered:
         return "llama3"
@@ -176,8 +188,11 @@ def chatml_turns(newline_in_generation: bool) -> str:
     assistant reply, Hermes ``<tool_call>`` JSON included, inside ``{% generation %}`` with its ``<|im_end|>`` (and
     the newline after it when `newline_in_generation`: a training template trains it, a rollout template leaves it
     to the next turn's prefix); consecutive tool results in one user turn of ``<tool_response>`` blocks."""
-    end = "{{- '<|im_end|>\\n' }}{%- endgeneration %}" if newline_in_generation else (
-        "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}")
+    end = (
+        "{{- '<|im_end|>\\n' }}{%- endgeneration %}"
+        if newline_in_generation
+        else ("{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}")
+    )
     return (
         "{%- for message in messages %}"
         "{%- if loop.first and message['role'] == 'system' %}"
@@ -190,8 +205,7 @@ def chatml_turns(newline_in_generation: bool) -> str:
         "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}"
         "{%- endif %}"
         "{{- '}\\n</tool_call>' }}"
-        "{%- endfor %}" + end +
-        "{%- elif message['role'] == 'tool' %}"
+        "{%- endfor %}" + end + "{%- elif message['role'] == 'tool' %}"
         "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
         "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
         "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
@@ -212,8 +226,11 @@ def _chatml_training_template(default_system: str | None, tools_format: dict | N
     system = (
         "{%- set has_system = messages[0]['role'] == 'system' %}"
         "{%- if tools and " + ("true" if tools_format else "false") + " %}"
-        "{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else " + _literal(t.get("default"))
-        + ") + " + _literal(t.get("prefix")) + " }}"
+        "{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else "
+        + _literal(t.get("default"))
+        + ") + "
+        + _literal(t.get("prefix"))
+        + " }}"
         "{%- for tool in tools %}{{- " + _literal(t.get("separator")) + " + (tool | tojson) }}{%- endfor %}"
         "{{- " + _literal(t.get("suffix")) + " }}"
         "{%- elif has_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
@@ -227,23 +244,50 @@ def _chatml_training_template(default_system: str | None, tools_format: dict | N
 _CALL = {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Paris"}}}
 _PROBES = (
     ([{"role": "user", "content": "Is 2+2=4?"}, {"role": "assistant", "content": "Yes."}], False),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
-      {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
-      {"role": "assistant", "content": "d"}], False),
+    (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ],
+        False,
+    ),
     ([{"role": "user", "content": "Hello"}], True),
     ([{"role": "system", "content": "S"}, {"role": "user", "content": "Hello"}], True),
 )
 _TOOL_PROBES = (
-    ([{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "", "tool_calls": [_CALL, _CALL]},
-      {"role": "tool", "content": "9:00"}, {"role": "tool", "content": "9:01"},
-      {"role": "assistant", "content": "Nine."}], False),
-    ([{"role": "system", "content": "S"}, {"role": "user", "content": "Time?"},
-      {"role": "assistant", "content": "Checking.", "tool_calls": [_CALL]}, {"role": "tool", "content": "9:00"}],
-     True),
+    (
+        [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "", "tool_calls": [_CALL, _CALL]},
+            {"role": "tool", "content": "9:00"},
+            {"role": "tool", "content": "9:01"},
+            {"role": "assistant", "content": "Nine."},
+        ],
+        False,
+    ),
+    (
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [_CALL]},
+            {"role": "tool", "content": "9:00"},
+        ],
+        True,
+    ),
 )
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Time in a city.",
-                                                   "parameters": {"type": "object", "properties": {
-                                                       "city": {"type": "string"}}}}}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _renders_like(tokenizer, template: str, with_tools: bool) -> bool:
@@ -253,9 +297,11 @@ def _renders_like(tokenizer, template: str, with_tools: bool) -> bool:
     try:
         return all(
             tokenizer.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=g)
-            == tokenizer.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=g,
-                                             chat_template=template)
-            for m, g, tools in probes)
+            == tokenizer.apply_chat_template(
+                m, tools=tools, tokenize=False, add_generation_prompt=g, chat_template=template
+            )
+            for m, g, tools in probes
+        )
     except (TemplateError, TypeError):
         return False
 
@@ -276,8 +322,9 @@ def _tools_format(tokenizer) -> dict | None:
     user = [{"role": "user", "content": "Hello"}]
     system = [{"role": "system", "content": "SYSTEM_PROBE"}] + user
     try:
-        as_json = tokenizer.apply_chat_template(user, tools=_PROBE_TOOLS, tokenize=False,
-                                                chat_template="{{ tools[0] | tojson }}")
+        as_json = tokenizer.apply_chat_template(
+            user, tools=_PROBE_TOOLS, tokenize=False, chat_template="{{ tools[0] | tojson }}"
+        )
         one = tokenizer.apply_chat_template(system, tools=_PROBE_TOOLS, tokenize=False)
         two = tokenizer.apply_chat_template(system, tools=_PROBE_TOOLS * 2, tokenize=False)
         none = tokenizer.apply_chat_template(user, tools=_PROBE_TOOLS, tokenize=False)
@@ -287,17 +334,21 @@ def _tools_format(tokenizer) -> dict | None:
     if not (one.startswith(head) and one.endswith(tail) and as_json in one and two.count(as_json) == 2):
         return None
     first, second = two.index(as_json), two.index(as_json, two.index(as_json) + len(as_json))
-    separator = two[first + len(as_json):second]
-    before = one[len(head):one.index(as_json)]
+    separator = two[first + len(as_json) : second]
+    before = one[len(head) : one.index(as_json)]
     if not before.endswith(separator):
         return None
     prefix = before[: len(before) - len(separator)]
-    suffix = one[one.index(as_json) + len(as_json): len(one) - len(tail)]
+    suffix = one[one.index(as_json) + len(as_json) : len(one) - len(tail)]
     start = "<|im_start|>system\n"
     if not none.startswith(start) or prefix not in none:
         return None
-    return {"default": none[len(start): none.index(prefix)], "prefix": prefix, "separator": separator,
-            "suffix": suffix}
+    return {
+        "default": none[len(start) : none.index(prefix)],
+        "prefix": prefix,
+        "separator": separator,
+        "suffix": suffix,
+    }
 
 
 def get_training_chat_template(processing_class=None, tokenizer=None) -> str | None:
@@ -313,8 +364,11 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     if tokenizer is not None:
         if processing_class is not None:
             raise TypeError("Pass only `processing_class`; `tokenizer` is a deprecated alias for it.")
-        warnings.warn("get_training_chat_template(tokenizer=...) is deprecated; pass processing_class=...",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            "get_training_chat_template(tokenizer=...) is deprecated; pass processing_class=...",
+            FutureWarning,
+            stacklevel=2,
+        )
         processing_class = tokenizer
     if processing_class is None:
         raise TypeError("get_training_chat_template() missing required argument: 'processing_class'")

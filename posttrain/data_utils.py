@@ -17,7 +17,17 @@ from .data.transforms import (
 )
 
 __all__ = [
-    "apply_chat_template", "common_prefix_length", "extract_prompt", "get_dataset_column_names", "is_conversational",
-    "is_conversational_from_value", "maybe_apply_chat_template", "maybe_convert_to_chatml", "maybe_extract_prompt",
-    "maybe_unpair_preference_dataset", "pack_dataset", "prepare_multimodal_messages", "unpair_preference_dataset",
+    "apply_chat_template",
+    "common_prefix_length",
+    "extract_prompt",
+    "get_dataset_column_names",
+    "is_conversational",
+    "is_conversational_from_value",
+    "maybe_apply_chat_template",
+    "maybe_convert_to_chatml",
+    "maybe_extract_prompt",
+    "maybe_unpair_preference_dataset",
+    "pack_dataset",
+    "prepare_multimodal_messages",
+    "unpair_preference_dataset",
 ]

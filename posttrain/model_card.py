@@ -19,7 +19,9 @@ from typing import Any
 CARD_NAME = "README.md"
 
 # Settings that describe where the run wrote, not how it trained; they would make two identical runs' cards differ.
-_MACHINE_SPECIFIC = frozenset({"output_dir", "logging_dir", "run_name", "hub_model_id", "hub_token", "push_to_hub_token"})
+_MACHINE_SPECIFIC = frozenset(
+    {"output_dir", "logging_dir", "run_name", "hub_model_id", "hub_token", "push_to_hub_token"}
+)
 
 
 # Values posttrain's config sets itself on a CPU (pinning needs an accelerator).
@@ -41,90 +43,149 @@ class Paper:
 
 def _arxiv(title: str, arxiv_id: str, key: str, authors: str, year: int) -> Paper:
     """A paper cited by its arXiv preprint."""
-    return Paper(title, arxiv_id, f"@article{{{key},\n  title   = {{{{{title}}}}},\n  author  = {{{authors}}},\n"
-                                  f"  journal = {{arXiv preprint arXiv:{arxiv_id}}},\n  year    = {{{year}}}\n}}")
+    return Paper(
+        title,
+        arxiv_id,
+        f"@article{{{key},\n  title   = {{{{{title}}}}},\n  author  = {{{authors}}},\n"
+        f"  journal = {{arXiv preprint arXiv:{arxiv_id}}},\n  year    = {{{year}}}\n}}",
+    )
 
 
 PAPERS: dict[str, Paper] = {
     "DPO": Paper(
-        "Direct Preference Optimization: Your Language Model is Secretly a Reward Model", "2305.18290",
+        "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+        "2305.18290",
         "@inproceedings{rafailov2023direct,\n  title     = {{Direct Preference Optimization: Your Language Model is "
         "Secretly a Reward Model}},\n  author    = {Rafael Rafailov and Archit Sharma and Eric Mitchell and "
         "Christopher D. Manning and Stefano Ermon and Chelsea Finn},\n  booktitle = {Advances in Neural Information "
-        "Processing Systems 36},\n  year      = {2023}\n}"),
+        "Processing Systems 36},\n  year      = {2023}\n}",
+    ),
     "KTO": Paper(
-        "KTO: Model Alignment as Prospect Theoretic Optimization", "2402.01306",
+        "KTO: Model Alignment as Prospect Theoretic Optimization",
+        "2402.01306",
         "@article{ethayarajh2024kto,\n  title   = {{KTO: Model Alignment as Prospect Theoretic Optimization}},\n"
         "  author  = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},\n"
-        "  journal = {arXiv preprint arXiv:2402.01306},\n  year    = {2024}\n}"),
+        "  journal = {arXiv preprint arXiv:2402.01306},\n  year    = {2024}\n}",
+    ),
     "GRPO": Paper(
-        "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models", "2402.03300",
+        "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+        "2402.03300",
         "@article{shao2024deepseekmath,\n  title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in "
         "Open Language Models}},\n  author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao "
         "Song and Xiao Bi and Haowei Zhang and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},\n"
-        "  journal = {arXiv preprint arXiv:2402.03300},\n  year    = {2024}\n}"),
+        "  journal = {arXiv preprint arXiv:2402.03300},\n  year    = {2024}\n}",
+    ),
     "RLOO": Paper(
         "Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
         "2402.14740",
         "@inproceedings{ahmadian2024back,\n  title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization "
         "for Learning from Human Feedback in LLMs}},\n  author    = {Arash Ahmadian and Chris Cremer and Matthias "
-        "Gall{\\'e} and Marzieh Fadaee and Julia Kreutzer and Olivier Pietquin and Ahmet {\\\"U}st{\\\"u}n and Sara "
+        'Gall{\\\'e} and Marzieh Fadaee and Julia Kreutzer and Olivier Pietquin and Ahmet {\\"U}st{\\"u}n and Sara '
         "Hooker},\n  booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational "
-        "Linguistics},\n  year      = {2024}\n}"),
+        "Linguistics},\n  year      = {2024}\n}",
+    ),
     "PPO": Paper(
-        "Fine-Tuning Language Models from Human Preferences", "1909.08593",
+        "Fine-Tuning Language Models from Human Preferences",
+        "1909.08593",
         "@article{ziegler2019finetuning,\n  title   = {{Fine-Tuning Language Models from Human Preferences}},\n"
         "  author  = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and "
         "Dario Amodei and Paul Christiano and Geoffrey Irving},\n  journal = {arXiv preprint arXiv:1909.08593},\n"
-        "  year    = {2019}\n}"),
+        "  year    = {2019}\n}",
+    ),
     "Distillation": Paper(
-        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes", "2306.13649",
+        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+        "2306.13649",
         "@inproceedings{agarwal2024onpolicy,\n  title     = {{On-Policy Distillation of Language Models: Learning "
         "from Self-Generated Mistakes}},\n  author    = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and "
         "Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},\n  booktitle = {The Twelfth "
-        "International Conference on Learning Representations},\n  year      = {2024}\n}"),
-    "ORPO": _arxiv("ORPO: Monolithic Preference Optimization without Reference Model",
-                   "2403.07691", "hong2024orpo",
-                   "Jiwoo Hong and Noah Lee and James Thorne", 2024),
-    "CPO": _arxiv("Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine "
-                  "Translation",
-                  "2401.08417", "xu2024contrastive",
-                  "Haoran Xu and Amr Sharaf and Yunmo Chen and Weiting Tan and Lingfeng Shen and Benjamin Van "
-                  "Durme and Kenton Murray and Young Jin Kim", 2024),
-    "TPO": _arxiv("Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization",
-                  "2405.16681", "saeidi2024triple",
-                  "Amir Saeidi and Shivanshu Verma and Aswin RRV and Kashif Rasul and Chitta Baral", 2024),
-    "BCO": _arxiv("Binary Classifier Optimization for Large Language Model Alignment",
-                  "2404.04656", "jung2024binary",
-                  "Seungjae Jung and Gunsoo Han and Daniel Wontae Nam and Kyoung-Woon On", 2024),
-    "GKD": _arxiv("On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
-                  "2306.13649", "agarwal2024onpolicy",
-                  "Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea "
-                  "and Matthieu Geist and Olivier Bachem", 2024),
-    "PRM": _arxiv("Solving math word problems with process- and outcome-based feedback",
-                  "2211.14275", "uesato2022solving",
-                  "Jonathan Uesato and others", 2022),
-    "GMPO": _arxiv("Geometric-Mean Policy Optimization",
-                   "2507.20673", "zhao2025geometric",
-                   "Yuzhong Zhao and others", 2025),
-    "A2PO": _arxiv("Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
-                   "2505.20686", "brantley2025accelerating",
-                   "Kiante Brantley and others", 2025),
-    "Online DPO": _arxiv("Direct Language Model Alignment from Online AI Feedback",
-                         "2402.04792", "guo2024direct",
-                         "Shangmin Guo and others", 2024),
-    "XPO": _arxiv("Exploratory Preference Optimization: Harnessing Implicit Q*-Approximation for Sample-Efficient "
-                  "RLHF",
-                  "2405.21046", "xie2024exploratory",
-                  "Tengyang Xie and Dylan J. Foster and Akshay Krishnamurthy and Corby Rosset and Ahmed Awadallah "
-                  "and Alexander Rakhlin", 2024),
-    "SDFT": _arxiv("Self-Distillation Enables Continual Learning", "2601.19897", "shenfeld2026selfdistillation",
-                   "Idan Shenfeld and others", 2026),
-    "SDPO": _arxiv("Reinforcement Learning via Self-Distillation", "2601.20802", "hubotter2026reinforcement",
-                   "Jonas H{\\\"u}botter and others", 2026),
-    "Nash-MD": _arxiv("Nash Learning from Human Feedback",
-                      "2312.00886", "munos2023nash",
-                      "Rémi Munos and others", 2023),
+        "International Conference on Learning Representations},\n  year      = {2024}\n}",
+    ),
+    "ORPO": _arxiv(
+        "ORPO: Monolithic Preference Optimization without Reference Model",
+        "2403.07691",
+        "hong2024orpo",
+        "Jiwoo Hong and Noah Lee and James Thorne",
+        2024,
+    ),
+    "CPO": _arxiv(
+        "Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation",
+        "2401.08417",
+        "xu2024contrastive",
+        "Haoran Xu and Amr Sharaf and Yunmo Chen and Weiting Tan and Lingfeng Shen and Benjamin Van "
+        "Durme and Kenton Murray and Young Jin Kim",
+        2024,
+    ),
+    "TPO": _arxiv(
+        "Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization",
+        "2405.16681",
+        "saeidi2024triple",
+        "Amir Saeidi and Shivanshu Verma and Aswin RRV and Kashif Rasul and Chitta Baral",
+        2024,
+    ),
+    "BCO": _arxiv(
+        "Binary Classifier Optimization for Large Language Model Alignment",
+        "2404.04656",
+        "jung2024binary",
+        "Seungjae Jung and Gunsoo Han and Daniel Wontae Nam and Kyoung-Woon On",
+        2024,
+    ),
+    "GKD": _arxiv(
+        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+        "2306.13649",
+        "agarwal2024onpolicy",
+        "Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea "
+        "and Matthieu Geist and Olivier Bachem",
+        2024,
+    ),
+    "PRM": _arxiv(
+        "Solving math word problems with process- and outcome-based feedback",
+        "2211.14275",
+        "uesato2022solving",
+        "Jonathan Uesato and others",
+        2022,
+    ),
+    "GMPO": _arxiv(
+        "Geometric-Mean Policy Optimization", "2507.20673", "zhao2025geometric", "Yuzhong Zhao and others", 2025
+    ),
+    "A2PO": _arxiv(
+        "Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
+        "2505.20686",
+        "brantley2025accelerating",
+        "Kiante Brantley and others",
+        2025,
+    ),
+    "Online DPO": _arxiv(
+        "Direct Language Model Alignment from Online AI Feedback",
+        "2402.04792",
+        "guo2024direct",
+        "Shangmin Guo and others",
+        2024,
+    ),
+    "XPO": _arxiv(
+        "Exploratory Preference Optimization: Harnessing Implicit Q*-Approximation for Sample-Efficient RLHF",
+        "2405.21046",
+        "xie2024exploratory",
+        "Tengyang Xie and Dylan J. Foster and Akshay Krishnamurthy and Corby Rosset and Ahmed Awadallah "
+        "and Alexander Rakhlin",
+        2024,
+    ),
+    "SDFT": _arxiv(
+        "Self-Distillation Enables Continual Learning",
+        "2601.19897",
+        "shenfeld2026selfdistillation",
+        "Idan Shenfeld and others",
+        2026,
+    ),
+    "SDPO": _arxiv(
+        "Reinforcement Learning via Self-Distillation",
+        "2601.20802",
+        "hubotter2026reinforcement",
+        'Jonas H{\\"u}botter and others',
+        2026,
+    ),
+    "Nash-MD": _arxiv(
+        "Nash Learning from Human Feedback", "2312.00886", "munos2023nash", "Rémi Munos and others", 2023
+    ),
 }
 PAPERS["Server Distillation"] = PAPERS["GKD"]  # distillation from a served teacher: the same objective
 
@@ -241,8 +302,12 @@ def _table(header: tuple[str, str], rows: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_model_card(trainer, model_name: str | None = None, dataset_name: str | list[str] | None = None,
-                      tags: str | list[str] | None = None) -> str:
+def render_model_card(
+    trainer,
+    model_name: str | None = None,
+    dataset_name: str | list[str] | None = None,
+    tags: str | list[str] | None = None,
+) -> str:
     """The card's Markdown (YAML front matter for the Hub, then the sections)."""
     args = trainer.args
     method = method_name(trainer)
@@ -274,15 +339,17 @@ def render_model_card(trainer, model_name: str | None = None, dataset_name: str 
         f"This model is {origin}. It was trained with **{method}**{data} using posttrain "
         f"{found_versions.get('posttrain', '')}.",
         "## Training procedure",
-        f"Method: {method}" + (f", from [{paper.title}](https://huggingface.co/papers/{paper.arxiv_id})." if paper
-                                else "."),
+        f"Method: {method}"
+        + (f", from [{paper.title}](https://huggingface.co/papers/{paper.arxiv_id})." if paper else "."),
         f"### Settings that differ from `{type(args).__name__}`'s defaults",
         _table(("setting", "value"), settings) if settings else "None.",
     ]
     metrics = final_metrics(trainer.state.log_history)
-    sections += ["### Final metrics", _table(("metric", "last value"), metrics) if metrics else
-                 "None logged yet."]
-    sections += ["### Framework versions", "\n".join(f"- {name}: {version}" for name, version in found_versions.items())]
+    sections += ["### Final metrics", _table(("metric", "last value"), metrics) if metrics else "None logged yet."]
+    sections += [
+        "### Framework versions",
+        "\n".join(f"- {name}: {version}" for name, version in found_versions.items()),
+    ]
     if paper:
         sections += ["## Citation", f"{method}:", "```bibtex\n" + paper.bibtex + "\n```"]
     return "\n\n".join(sections) + "\n"

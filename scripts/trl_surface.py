@@ -16,10 +16,27 @@ import trl
 import trl.data_utils
 from transformers import TrainingArguments
 
-TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer",
-            "DistillationTrainer")
-CONFIGS = ("SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig",
-           "ScriptArguments", "ModelConfig", "DatasetMixtureConfig")
+TRAINERS = (
+    "SFTTrainer",
+    "DPOTrainer",
+    "KTOTrainer",
+    "RewardTrainer",
+    "GRPOTrainer",
+    "RLOOTrainer",
+    "DistillationTrainer",
+)
+CONFIGS = (
+    "SFTConfig",
+    "DPOConfig",
+    "KTOConfig",
+    "RewardConfig",
+    "GRPOConfig",
+    "RLOOConfig",
+    "DistillationConfig",
+    "ScriptArguments",
+    "ModelConfig",
+    "DatasetMixtureConfig",
+)
 
 
 def default_of(field: dataclasses.Field):
@@ -47,10 +64,14 @@ def main(path: str) -> None:
         "trl_version": trl.__version__,
         "top_level": [n for n in names if not isinstance(getattr(trl, n), types.ModuleType)],
         "top_level_modules": [n for n in names if isinstance(getattr(trl, n), types.ModuleType)],
-        "data_utils": sorted(n for n, v in vars(trl.data_utils).items()
-                             if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == "trl.data_utils"),
-        "trainers": {t: [p for p in inspect.signature(getattr(trl, t).__init__).parameters if p != "self"]
-                     for t in TRAINERS},
+        "data_utils": sorted(
+            n
+            for n, v in vars(trl.data_utils).items()
+            if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == "trl.data_utils"
+        ),
+        "trainers": {
+            t: [p for p in inspect.signature(getattr(trl, t).__init__).parameters if p != "self"] for t in TRAINERS
+        },
         "configs": {c: config_fields(getattr(trl, c)) for c in CONFIGS},
     }
     with open(path, "w") as f:

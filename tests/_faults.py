@@ -15,7 +15,8 @@ def flaky_reward(rng: random.Random, injected: list, timeout_sleep_s: float = 3.
     async def flaky(completion_ids, **kwargs):
         u = rng.random()
         fault = SCHEDULED.get(len(injected) + 1) or (
-            "raise" if u < 0.05 else "nan" if u < 0.06 else "timeout" if u < 0.07 else None)
+            "raise" if u < 0.05 else "nan" if u < 0.06 else "timeout" if u < 0.07 else None
+        )
         injected.append(fault)
         if fault == "raise":
             raise RuntimeError("injected failure")

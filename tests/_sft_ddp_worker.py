@@ -22,10 +22,9 @@ def varied_length_data() -> Dataset:
     """Prompt-completion rows whose completions differ a lot in length, so that averaging per
     process (or per row) would give a different loss than averaging over all trained tokens."""
     words = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree"]
-    return Dataset.from_list([
-        {"prompt": f"say {words[i]}", "completion": " " + " ".join(words[: 1 + (5 * i) % 8])}
-        for i in range(8)
-    ])
+    return Dataset.from_list(
+        [{"prompt": f"say {words[i]}", "completion": " " + " ".join(words[: 1 + (5 * i) % 8])} for i in range(8)]
+    )
 
 
 class RecordingSFTTrainer(SFTTrainer):
@@ -38,18 +37,31 @@ class RecordingSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:
             mask = inputs["attention_mask"].bool()
-            self.rows_seen += [(ids[m].tolist(), labels[m].tolist())
-                               for ids, labels, m in zip(inputs["input_ids"], inputs["labels"], mask)]
+            self.rows_seen += [
+                (ids[m].tolist(), labels[m].tolist())
+                for ids, labels, m in zip(inputs["input_ids"], inputs["labels"], mask)
+            ]
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 def train_one_step(model_path: str, out_dir: str, per_device_batch_size: int) -> dict:
     """Trains one SGD step and returns the logged loss, the updated parameters and what was seen."""
     args = SFTConfig(
-        output_dir=out_dir, per_device_train_batch_size=per_device_batch_size, max_steps=1,
-        learning_rate=LEARNING_RATE, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-        logging_steps=1, seed=0, max_length=64, use_cpu=True, ddp_backend="gloo",
-        report_to="none", save_strategy="no", disable_tqdm=True,
+        output_dir=out_dir,
+        per_device_train_batch_size=per_device_batch_size,
+        max_steps=1,
+        learning_rate=LEARNING_RATE,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        seed=0,
+        max_length=64,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
     trainer = RecordingSFTTrainer(model_path, args=args, train_dataset=varied_length_data())
     trainer.train()

@@ -30,13 +30,17 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(tensor, torch.Tensor):
                 self.calls.append((str(func.overloadpacket.__name__), tuple(tensor.shape)))
-                counted = tuple(tensor.shape) == self.shape if self.shape is not None else (
-                    self.last_dim is not None and tensor.dim() > 0 and tensor.shape[-1] == self.last_dim)
+                counted = (
+                    tuple(tensor.shape) == self.shape
+                    if self.shape is not None
+                    else (self.last_dim is not None and tensor.dim() > 0 and tensor.shape[-1] == self.last_dim)
+                )
                 if counted and tensor.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
                     self.alive = [ref for ref in self.alive if ref() is not None and ref() is not tensor]
                     self.alive.append(weakref.ref(tensor))  # an in-place op returns a tensor already counted
@@ -62,15 +66,15 @@ def _head_loss_grads(model, ids, labels, tie: bool, inputs_embeds=None):
     model.zero_grad(set_to_none=True)
     head = model.get_output_embeddings()
     captured = {}
-    handle = model.get_decoder().register_forward_hook(lambda m, a, out: captured.update(hidden=out[0]
-                                                       if isinstance(out, tuple) else out.last_hidden_state))
+    handle = model.get_decoder().register_forward_hook(
+        lambda m, a, out: captured.update(hidden=out[0] if isinstance(out, tuple) else out.last_hidden_state)
+    )
     context = tied_embedding(model, head.weight) if tie else tied_embedding(model, None)
     with context as head_gradient:
         inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": ids}
         model(**inputs, logits_to_keep=1)
     handle.remove()
-    sums = chunked_token_loss_sums(captured["hidden"], head.weight, labels, chunk_size=5,
-                                   on_weight_grad=head_gradient)
+    sums = chunked_token_loss_sums(captured["hidden"], head.weight, labels, chunk_size=5, on_weight_grad=head_gradient)
     sums.loss.backward()
     return head_gradient, head.weight.grad.clone()
 
@@ -109,8 +113,13 @@ def test_several_forwards_and_other_gradient_paths_are_summed(tokenizer):
             with tied_embedding(model, weight if tie else None) as head_gradient:
                 logits = model(input_ids=ids, logits_to_keep=2).logits
             handle.remove()
-            total = total + chunked_token_loss_sums(captured["hidden"], weight, ids, chunk_size=4,
-                                                    on_weight_grad=head_gradient).loss + logits.square().mean()
+            total = (
+                total
+                + chunked_token_loss_sums(
+                    captured["hidden"], weight, ids, chunk_size=4, on_weight_grad=head_gradient
+                ).loss
+                + logits.square().mean()
+            )
         total.backward()
         return weight.grad.clone()
 
@@ -208,8 +217,11 @@ def _alive(refs) -> int:
 def _norm_step(model, ids, recompute: bool, checkpointing: bool = False):
     def watch(model):
         norm_outputs = []
-        handles = [m.register_forward_hook(lambda m, a, out: norm_outputs.append(weakref.ref(out)))
-                   for name, m in model.named_modules() if name.endswith("layernorm")]
+        handles = [
+            m.register_forward_hook(lambda m, a, out: norm_outputs.append(weakref.ref(out)))
+            for name, m in model.named_modules()
+            if name.endswith("layernorm")
+        ]
         return handles, lambda: (_alive(norm_outputs), len(norm_outputs))
 
     loss, grads, (kept, made) = _watched_step(model, ids, recompute, checkpointing, watch)
@@ -273,9 +285,13 @@ print("CHECK", other.is_deepspeed_available())
 
 
 def test_a_run_without_deepspeed_does_not_import_it():
-    done = subprocess.run([sys.executable, "-c", UNWRAP_PROBE], text=True, capture_output=True, timeout=300,
-                          env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                               "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", UNWRAP_PROBE],
+        text=True,
+        capture_output=True,
+        timeout=300,
+        env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     if "INSTALLED False" in done.stdout:
         pytest.skip("DeepSpeed is not installed here")
@@ -290,8 +306,9 @@ def _lora_mlp_step(model, ids, rebuild: bool, checkpointing: bool):
             if name.endswith("mlp.act_fn"):
                 handles.append(module.register_forward_hook(lambda m, a, out: intermediates.append(weakref.ref(out))))
             elif name.endswith("mlp.down_proj"):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, args: intermediates.append(weakref.ref(args[0]))))
+                handles.append(
+                    module.register_forward_pre_hook(lambda m, args: intermediates.append(weakref.ref(args[0])))
+                )
             elif name.endswith(("mlp.gate_proj", "mlp.up_proj")):
                 handles.append(module.register_forward_hook(lambda m, a, out: projections.append(weakref.ref(out))))
             elif name.endswith("model.norm"):  # the end of the layers, still inside the forward

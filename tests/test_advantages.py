@@ -231,11 +231,20 @@ def reference_decoupled(per_function, weights, k, eps=1e-4):
 def test_decoupled_advantages_match_reference():
     nan = math.nan
     # Function 0 spreads over [0, 100], function 1 over [0, 1]: summing first would ignore function 1.
-    per_function = [[10.0, 1.0], [90.0, 0.0], [50.0, 1.0], [0.0, nan],
-                    [100.0, 0.0], [100.0, 1.0], [nan, nan], [20.0, 0.5]]
+    per_function = [
+        [10.0, 1.0],
+        [90.0, 0.0],
+        [50.0, 1.0],
+        [0.0, nan],
+        [100.0, 0.0],
+        [100.0, 1.0],
+        [nan, nan],
+        [20.0, 0.5],
+    ]
     weights = [1.0, 2.0]
-    actual = decoupled_advantages(torch.tensor(per_function, dtype=torch.float64),
-                                  torch.tensor(weights, dtype=torch.float64), 4)
+    actual = decoupled_advantages(
+        torch.tensor(per_function, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64), 4
+    )
     assert_close(actual, reference_decoupled(per_function, weights, 4))
     assert actual[6] == 0.0  # no function applies
 

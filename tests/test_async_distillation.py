@@ -9,6 +9,8 @@ import inspect
 
 import pytest
 import torch
+from test_async_grpo import POSTTRAIN_DEFAULTS, trl_experimental
+from test_online_engine import prompt_dataset
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -16,16 +18,25 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
 from posttrain.models.tiny import build_tiny_model
 
-from test_async_grpo import POSTTRAIN_DEFAULTS, trl_experimental
-from test_online_engine import prompt_dataset
-
 TARGETS = [298, 299, 300, 301]
 
 
 def _config(tmp_path, **overrides) -> AsyncDistillationConfig:
-    settings = dict(output_dir=str(tmp_path), use_vllm=False, max_staleness=1, per_device_train_batch_size=8,
-                    max_completion_length=8, max_steps=2, learning_rate=0.05, seed=0, use_cpu=True, report_to="none",
-                    save_strategy="no", disable_tqdm=True, write_report=False)
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_vllm=False,
+        max_staleness=1,
+        per_device_train_batch_size=8,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=0.05,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+    )
     settings.update(overrides)
     return AsyncDistillationConfig(**settings)
 
@@ -60,12 +71,18 @@ def test_import_path_defaults_and_signature_are_trls():
     assert params[: len(expected)] == expected
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(teacher_server_urls={"math": "http://a:1", "code": "http://b:2"}), "MOPD"),
-    (dict(beta=1.5), r"beta=1.5 must be in \[0, 1\]"), (dict(teacher_top_k=0), "teacher_top_k"),
-    (dict(loss_type="grpo"), "loss_type"), (dict(request_timeout=30), "request_timeout"),
-    (dict(log_completions_steps=10), "log_completions_steps"), (dict(max_staleness=-2), "max_staleness"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(teacher_server_urls={"math": "http://a:1", "code": "http://b:2"}), "MOPD"),
+        (dict(beta=1.5), r"beta=1.5 must be in \[0, 1\]"),
+        (dict(teacher_top_k=0), "teacher_top_k"),
+        (dict(loss_type="grpo"), "loss_type"),
+        (dict(request_timeout=30), "request_timeout"),
+        (dict(log_completions_steps=10), "log_completions_steps"),
+        (dict(max_staleness=-2), "max_staleness"),
+    ],
+)
 def test_options_that_cannot_work_here_stop_at_config_build(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         _config(tmp_path, **settings)
@@ -73,10 +90,10 @@ def test_options_that_cannot_work_here_stop_at_config_build(tmp_path, settings, 
 
 def test_first_loss_is_the_forward_kl_on_the_teachers_top_k_with_a_tail(tmp_path, tiny_model_path):
     teacher = biased_teacher(tiny_model_path, bias=2.0)
-    args = _config(tmp_path, max_steps=1, learning_rate=0.0, teacher_top_k=3, teacher_temperature=1.5,
-                   max_staleness=0)
-    trainer = AsyncDistillationTrainer(tiny_model_path, args=args, train_dataset=prompt_dataset(),
-                                       teacher_model=teacher)
+    args = _config(tmp_path, max_steps=1, learning_rate=0.0, teacher_top_k=3, teacher_temperature=1.5, max_staleness=0)
+    trainer = AsyncDistillationTrainer(
+        tiny_model_path, args=args, train_dataset=prompt_dataset(), teacher_model=teacher
+    )
     trainer.train()
     rollout, loss = trainer.rollout, trainer.state.log_history[0]["loss"]
     student = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
@@ -104,15 +121,20 @@ def test_first_loss_is_the_forward_kl_on_the_teachers_top_k_with_a_tail(tmp_path
 
 def test_teacher_and_teacher_server_urls_are_exclusive(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="Both teacher_model and teacher_server_urls"):
-        AsyncDistillationTrainer(tiny_model_path, args=_config(tmp_path, teacher_server_urls={"t": "http://x:1"}),
-                                 train_dataset=prompt_dataset(), teacher_model=biased_teacher(tiny_model_path))
+        AsyncDistillationTrainer(
+            tiny_model_path,
+            args=_config(tmp_path, teacher_server_urls={"t": "http://x:1"}),
+            train_dataset=prompt_dataset(),
+            teacher_model=biased_teacher(tiny_model_path),
+        )
 
 
 @pytest.mark.slow
 def test_a_student_one_round_stale_learns_the_teachers_tokens(tmp_path, tiny_model_path):
     args = _config(tmp_path, per_device_train_batch_size=16, max_steps=15, learning_rate=3e-2, max_staleness=1)
-    trainer = AsyncDistillationTrainer(tiny_model_path, args=args, train_dataset=prompt_dataset(64),
-                                       teacher_model=biased_teacher(tiny_model_path))
+    trainer = AsyncDistillationTrainer(
+        tiny_model_path, args=args, train_dataset=prompt_dataset(64), teacher_model=biased_teacher(tiny_model_path)
+    )
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     rewards = [h["reward"] for h in history]  # the teacher's mean log-prob of the student's tokens

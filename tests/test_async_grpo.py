@@ -9,21 +9,33 @@ import inspect
 
 import pytest
 import torch
+from _trl import import_trl_experimental as trl_experimental
+from test_online_engine import prompt_dataset, stopping_model
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, population_group_advantages
-
-from _trl import import_trl_experimental as trl_experimental
-from test_online_engine import prompt_dataset, stopping_model
 
 # posttrain-wide differences (docs/trl_parity.md), and ignore_data_skip: posttrain replays the prompt order on resume
 POSTTRAIN_DEFAULTS = {"gradient_checkpointing", "bf16", "remove_unused_columns", "ignore_data_skip"}
 
 
 def _config(tmp_path, **overrides) -> AsyncGRPOConfig:
-    settings = dict(output_dir=str(tmp_path), use_vllm=False, max_staleness=1, per_device_train_batch_size=8,
-                    num_generations=4, max_completion_length=8, max_steps=2, learning_rate=0.05, seed=0, use_cpu=True,
-                    report_to="none", save_strategy="no", disable_tqdm=True, write_report=False)
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_vllm=False,
+        max_staleness=1,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=0.05,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+    )
     settings.update(overrides)
     return AsyncGRPOConfig(**settings)
 
@@ -44,14 +56,21 @@ def test_import_path_defaults_and_signature_are_trls():
     assert params[: len(expected)] == expected
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(request_timeout=30), "request_timeout"), (dict(token_budget=4096), "token_budget=4096"),
-    (dict(max_inflight_tasks=8), "max_inflight_tasks"), (dict(queue_maxsize=16), "queue_maxsize"),
-    (dict(heartbeat_stale_after_s=10.0), "heartbeat_stale_after_s"), (dict(max_staleness=-1), "max_staleness"),
-    (dict(weight_sync_steps=0), "weight_sync_steps"), (dict(scale_rewards="batch"), "scale_rewards"),
-    (dict(async_generation_rounds=2), "set only max_staleness"), (dict(use_vllm=True, vllm_mode="colocate"),
-                                                                   "colocated vLLM"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(request_timeout=30), "request_timeout"),
+        (dict(token_budget=4096), "token_budget=4096"),
+        (dict(max_inflight_tasks=8), "max_inflight_tasks"),
+        (dict(queue_maxsize=16), "queue_maxsize"),
+        (dict(heartbeat_stale_after_s=10.0), "heartbeat_stale_after_s"),
+        (dict(max_staleness=-1), "max_staleness"),
+        (dict(weight_sync_steps=0), "weight_sync_steps"),
+        (dict(scale_rewards="batch"), "scale_rewards"),
+        (dict(async_generation_rounds=2), "set only max_staleness"),
+        (dict(use_vllm=True, vllm_mode="colocate"), "colocated vLLM"),
+    ],
+)
 def test_options_that_cannot_work_here_stop_at_config_build(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         _config(tmp_path, **settings)
@@ -59,8 +78,13 @@ def test_options_that_cannot_work_here_stop_at_config_build(tmp_path, settings, 
 
 def test_trl_worker_objects_are_refused(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="rollout_worker"):
-        AsyncGRPOTrainer(tiny_model_path, lambda completions, **kw: [0.0] * len(completions),
-                         args=_config(tmp_path), train_dataset=prompt_dataset(), rollout_worker=object())
+        AsyncGRPOTrainer(
+            tiny_model_path,
+            lambda completions, **kw: [0.0] * len(completions),
+            args=_config(tmp_path),
+            train_dataset=prompt_dataset(),
+            rollout_worker=object(),
+        )
 
 
 def test_population_group_advantages_match_a_float64_reference():
@@ -68,7 +92,7 @@ def test_population_group_advantages_match_a_float64_reference():
     got = population_group_advantages(rewards, 4)
     expected = []
     for start in range(0, 12, 4):
-        group = [float(r) for r in rewards[start:start + 4]]
+        group = [float(r) for r in rewards[start : start + 4]]
         scored = [r for r in group if r == r]
         mean = sum(scored) / len(scored)
         std = (sum((r - mean) ** 2 for r in scored) / len(scored)) ** 0.5  # population std, as numpy's default
@@ -80,11 +104,16 @@ def test_population_group_advantages_match_a_float64_reference():
 def test_first_loss_is_the_token_mean_of_the_advantages_and_old_logps_are_the_samplers(tmp_path, tiny_model_path):
     """At step 1 the policy still has the sampling weights, so every ratio is 1 and the clipped surrogate is
     -A per token; with loss_type 'bnpo' the loss is the token mean over the micro-batch."""
+
     def low_ids(completion_ids, **kwargs):
         return [sum(t < 192 for t in ids) / len(ids) for ids in completion_ids]
 
-    trainer = AsyncGRPOTrainer(stopping_model(tiny_model_path), low_ids,
-                               args=_config(tmp_path, max_steps=1, max_staleness=0), train_dataset=prompt_dataset())
+    trainer = AsyncGRPOTrainer(
+        stopping_model(tiny_model_path),
+        low_ids,
+        args=_config(tmp_path, max_steps=1, max_staleness=0),
+        train_dataset=prompt_dataset(),
+    )
     trainer.train()
     rollout = trainer.rollout
     assert rollout.old_logps is rollout.sampler_logps and rollout.policy_version == 0
@@ -92,7 +121,7 @@ def test_first_loss_is_the_token_mean_of_the_advantages_and_old_logps_are_the_sa
     lengths = [int(n) for n in rollout.loss_mask.sum(1)]
     advantages = []
     for start in range(0, len(rewards), 4):
-        group = rewards[start:start + 4]
+        group = rewards[start : start + 4]
         mean = sum(group) / 4
         std = (sum((r - mean) ** 2 for r in group) / 4) ** 0.5
         advantages += [(r - mean) / (std + 1e-8) for r in group]
@@ -112,8 +141,15 @@ def test_one_round_stale_training_learns_a_verifiable_reward(tmp_path, tiny_mode
     def target_tokens(completion_ids, **kwargs):
         return [sum(t in targets for t in ids) / len(ids) for ids in completion_ids]
 
-    args = _config(tmp_path, per_device_train_batch_size=16, num_generations=8, max_completion_length=12,
-                   learning_rate=3e-2, max_steps=40, max_staleness=1)
+    args = _config(
+        tmp_path,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=12,
+        learning_rate=3e-2,
+        max_steps=40,
+        max_staleness=1,
+    )
     trainer = AsyncGRPOTrainer(tiny_model_path, target_tokens, args=args, train_dataset=prompt_dataset(64))
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_online_engine import low_id_fraction, make_config, prompt_dataset, stopping_model
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from posttrain.errors import ConfigError
@@ -15,8 +16,6 @@ from posttrain.trainers.checkpoints import TRAINER_STATE_FILE
 from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.online_eval import PROMPT_IDS_COLUMN
 from posttrain.trainers.rollout import RolloutSampler
-
-from test_online_engine import low_id_fraction, make_config, prompt_dataset, stopping_model
 
 # Wall-clock measurements differ between two runs of the same computation.
 UNTIMED = ("time/", "perf/", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
@@ -87,15 +86,17 @@ def test_zero_rounds_ahead_is_the_synchronous_run(tmp_path, tiny_model_path):
 
 def test_one_round_ahead_trains_step_t_on_samples_of_step_t_minus_1(tmp_path, tiny_model_path):
     weights = WeightsAtStepBegin()
-    trainer = grpo(stopping_model(tiny_model_path), tmp_path / "run", callbacks=[weights], max_steps=4,
-                   async_generation_rounds=1)
+    trainer = grpo(
+        stopping_model(tiny_model_path), tmp_path / "run", callbacks=[weights], max_steps=4, async_generation_rounds=1
+    )
     rollouts = record_rollouts(trainer)
     trainer.train()
     staleness = {h["step"]: h["sample/staleness_mean"] for h in trainer.state.log_history if "loss" in h}
     assert staleness == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
     sampler = stopping_model(tiny_model_path)  # a second model, loaded with each round's weights
-    backend = TransformersBackend(sampler, trainer.processing_class.pad_token_id,
-                                  stop_token_ids(trainer.processing_class, sampler))
+    backend = TransformersBackend(
+        sampler, trainer.processing_class.pad_token_id, stop_token_ids(trainer.processing_class, sampler)
+    )
     for round_index, rollout in enumerate(rollouts):  # round r trains at step r + 1
         version = max(round_index - 1, 0)
         assert rollout.policy_version == version
@@ -120,16 +121,21 @@ def test_one_round_ahead_trains_step_t_on_samples_of_step_t_minus_1(tmp_path, ti
             assert (current - stale)[mask].abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("settings", [
-    dict(async_generation_rounds=1),
-    # The sampler refreshes every 2 steps, so the round submitted after the checkpoint reuses older weights.
-    dict(async_generation_rounds=2, vllm_sync_steps=2),
-    # The checkpoint falls inside a round of 2 steps.
-    dict(async_generation_rounds=1, steps_per_generation=2),
-], ids=["k1", "k2_sync2", "k1_steps_per_generation2"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(async_generation_rounds=1),
+        # The sampler refreshes every 2 steps, so the round submitted after the checkpoint reuses older weights.
+        dict(async_generation_rounds=2, vllm_sync_steps=2),
+        # The checkpoint falls inside a round of 2 steps.
+        dict(async_generation_rounds=1, steps_per_generation=2),
+    ],
+    ids=["k1", "k2_sync2", "k1_steps_per_generation2"],
+)
 def test_resume_with_rounds_in_flight_is_exact(tmp_path, tiny_model_path, settings):
-    common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
-                  num_generations=2, **settings)
+    common = dict(
+        max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4, num_generations=2, **settings
+    )
     straight = grpo(tiny_model_path, tmp_path / "straight", **common)
     straight.train()
     interrupted = grpo(tiny_model_path, tmp_path / "run", callbacks=[StopAfter(3)], **common)
@@ -164,10 +170,13 @@ def test_round_tags_are_the_rounds_the_loader_yields():
             assert sampler.round_tags(batch[0][0]) == [(slot, index) for _, _, slot, index in batch]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(async_generation_rounds=-1), "async_generation_rounds=-1 must be >= 0"),
-    (dict(async_generation_rounds=1, use_vllm=True), "colocated vLLM"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(async_generation_rounds=-1), "async_generation_rounds=-1 must be >= 0"),
+        (dict(async_generation_rounds=1, use_vllm=True), "colocated vLLM"),
+    ],
+)
 def test_bad_async_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_config(tmp_path, **overrides)
@@ -179,18 +188,34 @@ def test_settings_the_thread_cannot_serve_fail_at_construction(tmp_path, tiny_mo
 
     args = make_config(tmp_path, async_generation_rounds=1)
     with pytest.raises(ConfigError, match="tools, environment_factory or rollout_func"):
-        GRPOTrainer(tiny_model_path, low_id_fraction, args=args, train_dataset=prompt_dataset(),
-                    rollout_func=lambda prompts, trainer: {})
+        GRPOTrainer(
+            tiny_model_path,
+            low_id_fraction,
+            args=args,
+            train_dataset=prompt_dataset(),
+            rollout_func=lambda prompts, trainer: {},
+        )
 
 
 def test_evaluation_between_steps_leaves_the_asynchronous_run_unchanged(tmp_path, tiny_model_path):
     """Evaluation generates with the policy while no round generates ahead; training is the same with or without."""
     plain = grpo(tiny_model_path, tmp_path / "plain", async_generation_rounds=1)
     plain.train()
-    evaluated = GRPOTrainer(tiny_model_path, low_id_fraction, train_dataset=prompt_dataset(),
-                            eval_dataset=prompt_dataset(4), args=make_config(
-                                tmp_path / "eval", max_steps=3, learning_rate=0.05, async_generation_rounds=1,
-                                eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4))
+    evaluated = GRPOTrainer(
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
+        eval_dataset=prompt_dataset(4),
+        args=make_config(
+            tmp_path / "eval",
+            max_steps=3,
+            learning_rate=0.05,
+            async_generation_rounds=1,
+            eval_strategy="steps",
+            eval_steps=1,
+            per_device_eval_batch_size=4,
+        ),
+    )
     evaluated.train()
     assert len([h for h in evaluated.state.log_history if "eval_reward" in h]) == 3
     assert losses(evaluated) == pytest.approx(losses(plain), abs=1e-6)

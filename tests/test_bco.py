@@ -23,8 +23,18 @@ from posttrain.losses.bco import (
 )
 
 WORDS = ["cat", "dog", "sky", "sun", "tree", "fish", "moon", "bird"]
-COMMON = dict(per_device_train_batch_size=4, max_steps=1, report_to="none", use_cpu=True, bf16=False,
-              gradient_checkpointing=False, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+COMMON = dict(
+    per_device_train_batch_size=4,
+    max_steps=1,
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+)
 
 
 def _logsig(x):
@@ -38,8 +48,13 @@ def _unpaired(n=8, split_prompts=False):
     for i in range(n):
         good = i % 2 == 0
         word = WORDS[(i // 2) % 2 + (0 if good or not split_prompts else 2)]
-        rows.append({"prompt": f"the {word} is" + " very" * (i % 3), "completion": " good" if good else " bad" * 2,
-                     "label": good})
+        rows.append(
+            {
+                "prompt": f"the {word} is" + " very" * (i % 3),
+                "completion": " good" if good else " bad" * 2,
+                "label": good,
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -133,6 +148,7 @@ def _embedding_func(model):
     def embed(input_ids, attention_mask):
         vectors = table(input_ids) * attention_mask[..., None]
         return 15 * vectors.sum(1) / attention_mask.sum(1, keepdim=True)  # the tiny model's are near 0
+
     return embed
 
 
@@ -149,16 +165,22 @@ def test_bco_trainer_loss_and_running_delta_against_float64(tmp_path, tiny_model
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=3)
     extra = dict(embedding_func=_embedding_func(policy), embedding_tokenizer=tokenizer) if udm else {}
-    trainer = BCOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(split_prompts=udm),
-                         processing_class=tokenizer, args=BCOConfig(output_dir=str(tmp_path), beta=beta,
-                                                                    min_density_ratio=0.8, max_density_ratio=1.5,
-                                                                    **COMMON), **extra)
+    trainer = BCOTrainer(
+        copy.deepcopy(policy),
+        ref_model=ref,
+        train_dataset=_unpaired(split_prompts=udm),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), beta=beta, min_density_ratio=0.8, max_density_ratio=1.5, **COMMON),
+        **extra,
+    )
     rows = [trainer.train_dataset[i] for i in range(8)]
     rewards, weights = [], []
     for row in rows:
         start = row["completion_mask"].index(1)
-        rewards.append(beta * (_completion_logp64(policy, row["input_ids"], start)
-                               - _completion_logp64(ref, row["input_ids"], start)))
+        rewards.append(
+            beta
+            * (_completion_logp64(policy, row["input_ids"], start) - _completion_logp64(ref, row["input_ids"], start))
+        )
         if udm:  # P(desirable | prompt) from the fitted classifier, on the test's own prompt embedding
             ids = torch.tensor([row["embedding_input_ids"]])
             emb = extra["embedding_func"](ids, torch.ones_like(ids))[0].double()
@@ -181,22 +203,34 @@ def test_bco_trainer_loss_and_running_delta_against_float64(tmp_path, tiny_model
     trainer.model.eval()  # evaluation reads delta without moving it
     with torch.no_grad():
         trainer.compute_loss(trainer.model, trainer._prepare_inputs(trainer.data_collator(rows[:4])))
-    assert trainer._delta[1] == 8 and trainer._metrics["eval"]["delta"][-1] == pytest.approx(sum(rewards) / 8,
-                                                                                             abs=1e-6)
+    assert trainer._delta[1] == 8 and trainer._metrics["eval"]["delta"][-1] == pytest.approx(sum(rewards) / 8, abs=1e-6)
 
 
 def test_bco_conversational_and_paired_data_with_udm(tmp_path, tiny_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    paired = Dataset.from_list([{"prompt": [{"role": "user", "content": f"the {w}?"}],
-                                 "chosen": [{"role": "assistant", "content": "good"}],
-                                 "rejected": [{"role": "assistant", "content": "bad"}]} for w in WORDS[:4]])
-    trainer = BCOTrainer(policy, train_dataset=paired, processing_class=tokenizer,
-                         args=BCOConfig(output_dir=str(tmp_path), **COMMON),
-                         embedding_func=_embedding_func(policy), embedding_tokenizer=tokenizer)
+    paired = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"the {w}?"}],
+                "chosen": [{"role": "assistant", "content": "good"}],
+                "rejected": [{"role": "assistant", "content": "bad"}],
+            }
+            for w in WORDS[:4]
+        ]
+    )
+    trainer = BCOTrainer(
+        policy,
+        train_dataset=paired,
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), **COMMON),
+        embedding_func=_embedding_func(policy),
+        embedding_tokenizer=tokenizer,
+    )
     assert trainer.train_dataset["label"] == [True, False] * 4
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "the cat?"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the cat?"}], tokenize=False, add_generation_prompt=True
+    )
     assert trainer.train_dataset[0]["embedding_input_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert math.isfinite(_step0(trainer, [trainer.train_dataset[i] for i in range(4)])[0])
 
@@ -206,12 +240,22 @@ def test_bco_resume_restores_delta_and_classifier(tmp_path, tiny_model_path):
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     kw = dict(COMMON, save_strategy="steps", save_steps=2, learning_rate=1e-3, prompt_sample_size=2)
     extra = dict(embedding_func=_embedding_func(policy), embedding_tokenizer=tokenizer)
-    first = BCOTrainer(copy.deepcopy(policy), train_dataset=_unpaired(split_prompts=True), processing_class=tokenizer,
-                       args=BCOConfig(output_dir=str(tmp_path), **dict(kw, max_steps=2)), **extra)
+    first = BCOTrainer(
+        copy.deepcopy(policy),
+        train_dataset=_unpaired(split_prompts=True),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), **dict(kw, max_steps=2)),
+        **extra,
+    )
     first.train()
     assert first._delta[1] == 8 and first._delta[0] != 0.0
-    second = BCOTrainer(copy.deepcopy(policy), train_dataset=_unpaired(split_prompts=True), processing_class=tokenizer,
-                        args=BCOConfig(output_dir=str(tmp_path), **dict(kw, max_steps=2, seed=1)), **extra)
+    second = BCOTrainer(
+        copy.deepcopy(policy),
+        train_dataset=_unpaired(split_prompts=True),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), **dict(kw, max_steps=2, seed=1)),
+        **extra,
+    )
     assert not torch.equal(second._udm[0], first._udm[0])  # another seed samples another classifier
     second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert second._delta == pytest.approx(first._delta)
@@ -220,8 +264,12 @@ def test_bco_resume_restores_delta_and_classifier(tmp_path, tiny_model_path):
 
 def test_bco_learns_to_prefer_desirable_completions(tmp_path, tiny_model_path):
     args = BCOConfig(output_dir=str(tmp_path), **dict(COMMON, max_steps=20, learning_rate=1e-3, beta=0.5))
-    trainer = BCOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path), train_dataset=_unpaired(),
-                         processing_class=AutoTokenizer.from_pretrained(tiny_model_path), args=args)
+    trainer = BCOTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        train_dataset=_unpaired(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+        args=args,
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "rewards/margins" in entry]
     assert len(logs) == 20
@@ -232,29 +280,66 @@ def test_bco_learns_to_prefer_desirable_completions(tmp_path, tiny_model_path):
 
 # -- TRL's surface -----------------------------------------------------------------------------------------------------
 # TRL's BCOConfig (trl.experimental.bco, 2025) fields and defaults, and BCOTrainer's keyword arguments in order.
-TRL_BCO_DEFAULTS = dict(max_length=1024, max_prompt_length=None, max_completion_length=None, beta=0.1,
-                        label_pad_token_id=-100, padding_value=None, truncation_mode="keep_end", disable_dropout=True,
-                        generate_during_eval=False, is_encoder_decoder=None, precompute_ref_log_probs=False,
-                        model_init_kwargs=None, ref_model_init_kwargs=None, dataset_num_proc=None,
-                        prompt_sample_size=1024, min_density_ratio=0.5, max_density_ratio=10.0, logging_steps=10,
-                        learning_rate=5e-5)
-TRL_BCO_ARGS = ["self", "model", "ref_model", "args", "train_dataset", "eval_dataset", "processing_class",
-                "data_collator", "model_init", "callbacks", "optimizers", "preprocess_logits_for_metrics",
-                "peft_config", "compute_metrics", "model_adapter_name", "ref_adapter_name", "embedding_func",
-                "embedding_tokenizer"]
+TRL_BCO_DEFAULTS = dict(
+    max_length=1024,
+    max_prompt_length=None,
+    max_completion_length=None,
+    beta=0.1,
+    label_pad_token_id=-100,
+    padding_value=None,
+    truncation_mode="keep_end",
+    disable_dropout=True,
+    generate_during_eval=False,
+    is_encoder_decoder=None,
+    precompute_ref_log_probs=False,
+    model_init_kwargs=None,
+    ref_model_init_kwargs=None,
+    dataset_num_proc=None,
+    prompt_sample_size=1024,
+    min_density_ratio=0.5,
+    max_density_ratio=10.0,
+    logging_steps=10,
+    learning_rate=5e-5,
+)
+TRL_BCO_ARGS = [
+    "self",
+    "model",
+    "ref_model",
+    "args",
+    "train_dataset",
+    "eval_dataset",
+    "processing_class",
+    "data_collator",
+    "model_init",
+    "callbacks",
+    "optimizers",
+    "preprocess_logits_for_metrics",
+    "peft_config",
+    "compute_metrics",
+    "model_adapter_name",
+    "ref_adapter_name",
+    "embedding_func",
+    "embedding_tokenizer",
+]
 
 
 def test_bco_config_and_signature_follow_trl():
     defaults = {f.name: f.default for f in dataclasses.fields(BCOConfig)}
     for name, value in TRL_BCO_DEFAULTS.items():
         assert defaults[name] == value, name
-    assert list(inspect.signature(BCOTrainer.__init__).parameters)[:len(TRL_BCO_ARGS)] == TRL_BCO_ARGS
+    assert list(inspect.signature(BCOTrainer.__init__).parameters)[: len(TRL_BCO_ARGS)] == TRL_BCO_ARGS
 
 
-@pytest.mark.parametrize("bad, word", [({"generate_during_eval": True}, "generate_during_eval"),
-                                       ({"is_encoder_decoder": True}, "is_encoder_decoder"), ({"beta": 0}, "beta"),
-                                       ({"max_prompt_length": 2000}, "max_prompt_length"),
-                                       ({"min_density_ratio": 3.0, "max_density_ratio": 2.0}, "density_ratio")])
+@pytest.mark.parametrize(
+    "bad, word",
+    [
+        ({"generate_during_eval": True}, "generate_during_eval"),
+        ({"is_encoder_decoder": True}, "is_encoder_decoder"),
+        ({"beta": 0}, "beta"),
+        ({"max_prompt_length": 2000}, "max_prompt_length"),
+        ({"min_density_ratio": 3.0, "max_density_ratio": 2.0}, "density_ratio"),
+    ],
+)
 def test_bco_config_rejects_bad_values(tmp_path, bad, word):
     with pytest.raises(ConfigError, match=word):
         BCOConfig(output_dir=str(tmp_path), **bad)
@@ -267,8 +352,13 @@ def test_bco_trainer_rejects_what_it_cannot_do(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="model_init"):
         BCOTrainer(model, args=args, train_dataset=_unpaired(), processing_class=tokenizer, model_init=lambda: model)
     with pytest.raises(ConfigError, match="embedding_tokenizer"):
-        BCOTrainer(model, args=args, train_dataset=_unpaired(), processing_class=tokenizer,
-                   embedding_func=_embedding_func(model))
+        BCOTrainer(
+            model,
+            args=args,
+            train_dataset=_unpaired(),
+            processing_class=tokenizer,
+            embedding_func=_embedding_func(model),
+        )
     with pytest.raises(ConfigError, match="ref_adapter_name"):
         BCOTrainer(model, args=args, train_dataset=_unpaired(), processing_class=tokenizer, ref_adapter_name="ref")
 
@@ -281,9 +371,14 @@ def test_bco_named_reference_adapter(tmp_path, tiny_model_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora, adapter_name="policy")
     model.add_adapter("frozen", lora)  # randomly initialised: differs from "policy" and from no adapter
-    trainer = BCOTrainer(model, train_dataset=_unpaired(4), processing_class=tokenizer,
-                         args=BCOConfig(output_dir=str(tmp_path), **dict(COMMON, learning_rate=1e-2)),
-                         model_adapter_name="policy", ref_adapter_name="frozen")
+    trainer = BCOTrainer(
+        model,
+        train_dataset=_unpaired(4),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), **dict(COMMON, learning_rate=1e-2)),
+        model_adapter_name="policy",
+        ref_adapter_name="frozen",
+    )
     rows = [trainer.train_dataset[i] for i in range(4)]
     model.set_adapter("frozen")
     expected = [_completion_logp64(model, r["input_ids"], r["completion_mask"].index(1)) for r in rows]
@@ -305,10 +400,20 @@ def test_bco_precomputed_reference_gives_the_live_loss(tmp_path, tiny_model_path
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=4)
     kw = dict(COMMON, ref_cache_dir=str(tmp_path / "cache"), padding_value=7)
-    live = BCOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(4), processing_class=tokenizer,
-                      args=BCOConfig(output_dir=str(tmp_path), **kw))
-    pre = BCOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(4), processing_class=tokenizer,
-                     args=BCOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw))
+    live = BCOTrainer(
+        copy.deepcopy(policy),
+        ref_model=ref,
+        train_dataset=_unpaired(4),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), **kw),
+    )
+    pre = BCOTrainer(
+        copy.deepcopy(policy),
+        ref_model=ref,
+        train_dataset=_unpaired(4),
+        processing_class=tokenizer,
+        args=BCOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw),
+    )
     assert pre.ref_model is None and "ref_logps" in pre.train_dataset.column_names
     batch = pre.data_collator([pre.train_dataset[i] for i in range(4)])
     assert (batch["input_ids"][batch["attention_mask"] == 0] == 7).all()  # padding_value pads the inputs
@@ -324,8 +429,12 @@ def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_pat
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    full = BCOTrainer(model, args=BCOConfig(output_dir=str(tmp_path / "full"), **dict(COMMON, max_length=None)),
-                      train_dataset=_unpaired(), processing_class=tokenizer).train_dataset
+    full = BCOTrainer(
+        model,
+        args=BCOConfig(output_dir=str(tmp_path / "full"), **dict(COMMON, max_length=None)),
+        train_dataset=_unpaired(),
+        processing_class=tokenizer,
+    ).train_dataset
     parts = [(m.index(1), len(m) - m.index(1)) for m in full["completion_mask"]]  # (prompt, completion) lengths
     prompts = sorted(p for p, _ in parts)
     if case == "drop_and_cut_completions":  # keep_start, no prompt limit: the prompt fills max_length -> dropped
@@ -344,8 +453,12 @@ def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_pat
         dropped = 0
         prompt_cut = [p - 2 for p, _ in parts]
         completion_cut = [max(c - 1, 0) for _, c in parts]
-    trainer = BCOTrainer(model, args=BCOConfig(output_dir=str(tmp_path / "cut"), **dict(COMMON, **settings)),
-                         train_dataset=_unpaired(), processing_class=tokenizer)
+    trainer = BCOTrainer(
+        model,
+        args=BCOConfig(output_dir=str(tmp_path / "cut"), **dict(COMMON, **settings)),
+        train_dataset=_unpaired(),
+        processing_class=tokenizer,
+    )
     report = DataReport.of(trainer).as_dict()["train_dataset"]
     assert report["rows_in"] == 8 and report["rows_kept"] == 8 - dropped == len(trainer.train_dataset)
     assert report["dropped"] == ({NO_COMPLETION_LEFT: dropped} if dropped else {})
@@ -355,5 +468,8 @@ def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_pat
             expected[why] = {"rows": sum(n > 0 for n in cuts), "tokens": sum(cuts)}
     assert expected and report["truncated"] == expected
     # the tokens the report says were cut are the tokens missing from the prepared rows
-    assert sum(len(ids) for ids in trainer.train_dataset["input_ids"]) == \
-        sum(p + c for p, c in (parts if not dropped else [pc for pc in parts if pc[0] < limit])) - report["tokens_cut"]
+    assert (
+        sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+        == sum(p + c for p, c in (parts if not dropped else [pc for pc in parts if pc[0] < limit]))
+        - report["tokens_cut"]
+    )

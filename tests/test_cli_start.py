@@ -185,22 +185,31 @@ def test_help_env_and_flag_errors_need_no_torch(cache, tmp_path):
     env = {**ENV, "POSTTRAIN_CACHE": str(cache)}
     stored = cli_spec.load_spec("sft")
     expected_help = cli.spec_parser(stored["prog"], stored["description"], stored["groups"]).format_help()
-    cases = [(["sft", "--help"], 0), (["env"], 0), (["--version"], 0), (["sft", "--learning_rate", "x"], 2),
-             (["sft", "--bogus_flag", "1"], 2)]
+    cases = [
+        (["sft", "--help"], 0),
+        (["env"], 0),
+        (["--version"], 0),
+        (["sft", "--learning_rate", "x"], 2),
+        (["sft", "--bogus_flag", "1"], 2),
+    ]
     for argv, status in cases:
-        done = subprocess.run([sys.executable, "-c", PROBE, *argv], env=env, text=True, capture_output=True,
-                              cwd=tmp_path, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, *argv], env=env, text=True, capture_output=True, cwd=tmp_path, timeout=120
+        )
         assert done.returncode == status, (argv, done.stderr)
         assert "HEAVY []" in done.stderr, (argv, done.stderr)
         if argv == ["sft", "--help"]:
             assert done.stdout == expected_help
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("cuda: Optional[str] = '12.4'\nhip: Optional[str] = None\n", {"cuda": "12.4"}),
-    ("cuda = None\nhip = \"6.2.41133\"\n", {"hip": "6.2.41133"}),
-    ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", {}),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("cuda: Optional[str] = '12.4'\nhip: Optional[str] = None\n", {"cuda": "12.4"}),
+        ('cuda = None\nhip = "6.2.41133"\n', {"hip": "6.2.41133"}),
+        ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", {}),
+    ],
+)
 def test_torch_build_is_read_from_version_file(text, expected, tmp_path):
     version = tmp_path / "version.py"
     version.write_text(text)

@@ -46,17 +46,32 @@ def _sft_parser():
 def test_yaml_fills_every_dataclass_and_flags_override_it(tmp_path, monkeypatch):
     monkeypatch.delenv("POSTTRAIN_COMPAT_VAR", raising=False)
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "env": {"POSTTRAIN_COMPAT_VAR": 7},
-        "dataset_name": "some/data", "learning_rate": "1e-5", "max_steps": 5, "use_peft": True, "lora_r": 4,
-        "lora_target_modules": ["q_proj", "v_proj"], "output_dir": str(tmp_path / "out"), "report_to": "none",
-        "datasets": [{"path": "json", "data_files": "a.jsonl", "columns": ["prompt"]}], "test_split_size": 0.25,
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "env": {"POSTTRAIN_COMPAT_VAR": 7},
+                "dataset_name": "some/data",
+                "learning_rate": "1e-5",
+                "max_steps": 5,
+                "use_peft": True,
+                "lora_r": 4,
+                "lora_target_modules": ["q_proj", "v_proj"],
+                "output_dir": str(tmp_path / "out"),
+                "report_to": "none",
+                "datasets": [{"path": "json", "data_files": "a.jsonl", "columns": ["prompt"]}],
+                "test_split_size": 0.25,
+            }
+        )
+    )
     script, training, model, mixture = _sft_parser().parse_args_and_config(
-        ["--config", str(config), "--max_steps", "7", "--lora_r", "8", "--dataset_train_split", "train[:10]"])
+        ["--config", str(config), "--max_steps", "7", "--lora_r", "8", "--dataset_train_split", "train[:10]"]
+    )
     assert os.environ["POSTTRAIN_COMPAT_VAR"] == "7"
-    assert (script.dataset_name, script.dataset_train_split, script.dataset_test_split) == ("some/data",
-                                                                                            "train[:10]", "test")
+    assert (script.dataset_name, script.dataset_train_split, script.dataset_test_split) == (
+        "some/data",
+        "train[:10]",
+        "test",
+    )
     assert (training.learning_rate, training.max_steps) == (1e-5, 7)  # YAML's string 1e-5 is a float
     assert (model.use_peft, model.lora_r, model.lora_target_modules) == (True, 8, ["q_proj", "v_proj"])
     assert mixture.datasets == [DatasetConfig(path="json", data_files="a.jsonl", columns=["prompt"])]
@@ -86,7 +101,8 @@ def test_launcher_keys_are_left_to_the_launcher_or_returned(tmp_path):
     with pytest.raises(ConfigError, match="num_processes"):
         _sft_parser().parse_args_and_config(["--config", str(config)])
     *outputs, from_config, from_flags = _sft_parser().parse_args_and_config(
-        ["--config", str(config), "--gpu_ids", "0"], return_remaining_strings=True, separate_remaining_strings=True)
+        ["--config", str(config), "--gpu_ids", "0"], return_remaining_strings=True, separate_remaining_strings=True
+    )
     assert from_config == ["--num_processes", "2", "--mixed_precision", "no"]
     assert from_flags == ["--gpu_ids", "0"] and outputs[1].max_steps == 3
 
@@ -125,17 +141,42 @@ def test_parser_matches_trls_on_the_same_yaml_and_flags(tmp_path):
     import trl
 
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "dataset_name": "d", "dataset_config": "c", "model_name_or_path": "m", "dtype": "bfloat16", "use_peft": True,
-        "lora_alpha": 8, "lora_target_modules": ["all-linear"], "load_in_4bit": True, "use_dora": True,
-        "datasets": [{"path": "json", "data_files": ["a.jsonl", "b.jsonl"], "split": "train[:5]", "fraction": 0.5}],
-        "streaming": False, "test_split_size": 0.1,
-    }))
-    argv = ["--config", str(config), "--lora_r", "4", "--dataset_streaming", "--lora_modules_to_save", "lm_head",
-            "score", "--bnb_4bit_quant_type", "fp4"]
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "dataset_name": "d",
+                "dataset_config": "c",
+                "model_name_or_path": "m",
+                "dtype": "bfloat16",
+                "use_peft": True,
+                "lora_alpha": 8,
+                "lora_target_modules": ["all-linear"],
+                "load_in_4bit": True,
+                "use_dora": True,
+                "datasets": [
+                    {"path": "json", "data_files": ["a.jsonl", "b.jsonl"], "split": "train[:5]", "fraction": 0.5}
+                ],
+                "streaming": False,
+                "test_split_size": 0.1,
+            }
+        )
+    )
+    argv = [
+        "--config",
+        str(config),
+        "--lora_r",
+        "4",
+        "--dataset_streaming",
+        "--lora_modules_to_save",
+        "lm_head",
+        "score",
+        "--bnb_4bit_quant_type",
+        "fp4",
+    ]
     ours = TrlParser((ScriptArguments, ModelConfig, DatasetMixtureConfig)).parse_args_and_config(list(argv))
     theirs = trl.TrlParser((trl.ScriptArguments, trl.ModelConfig, trl.DatasetMixtureConfig)).parse_args_and_config(
-        list(argv))
+        list(argv)
+    )
     for mine, trls in zip(ours, theirs):
         assert dataclasses.asdict(mine) == dataclasses.asdict(trls), type(mine).__name__
 
@@ -144,11 +185,27 @@ def test_parser_matches_trls_on_the_same_yaml_and_flags(tmp_path):
 
 
 def test_model_config_defaults_are_trls():
-    expected = {"model_name_or_path": None, "model_revision": "main", "dtype": "float32", "attn_implementation": None,
-                "use_peft": False, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None,
-                "lora_target_parameters": None, "lora_modules_to_save": None, "lora_task_type": "CAUSAL_LM",
-                "use_rslora": False, "use_dora": False, "load_in_8bit": False, "load_in_4bit": False,
-                "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": False, "bnb_4bit_quant_storage": None}
+    expected = {
+        "model_name_or_path": None,
+        "model_revision": "main",
+        "dtype": "float32",
+        "attn_implementation": None,
+        "use_peft": False,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.05,
+        "lora_target_modules": None,
+        "lora_target_parameters": None,
+        "lora_modules_to_save": None,
+        "lora_task_type": "CAUSAL_LM",
+        "use_rslora": False,
+        "use_dora": False,
+        "load_in_8bit": False,
+        "load_in_4bit": False,
+        "bnb_4bit_quant_type": "nf4",
+        "use_bnb_nested_quant": False,
+        "bnb_4bit_quant_storage": None,
+    }
     assert dataclasses.asdict(ModelConfig()) == expected
     if HAS_TRL:
         import trl
@@ -159,10 +216,18 @@ def test_model_config_defaults_are_trls():
 
 
 def test_peft_config_carries_the_lora_fields():
-    args = ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.1,
-                       lora_target_modules=["q_proj", "k_proj"], lora_modules_to_save=["lm_head"],
-                       lora_task_type="SEQ_CLS", use_rslora=True, use_dora=True,
-                       lora_target_parameters=["mlp.experts.down_proj"])
+    args = ModelConfig(
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.1,
+        lora_target_modules=["q_proj", "k_proj"],
+        lora_modules_to_save=["lm_head"],
+        lora_task_type="SEQ_CLS",
+        use_rslora=True,
+        use_dora=True,
+        lora_target_parameters=["mlp.experts.down_proj"],
+    )
     config = get_peft_config(args)
     assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 8, 0.1)
     assert set(config.target_modules) == {"q_proj", "k_proj"} and config.modules_to_save == ["lm_head"]
@@ -179,8 +244,15 @@ def test_peft_config_carries_the_lora_fields():
 def test_peft_config_equals_trls():
     import trl
 
-    fields = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"],
-                  lora_modules_to_save=["lm_head"], use_rslora=True)
+    fields = dict(
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj", "v_proj"],
+        lora_modules_to_save=["lm_head"],
+        use_rslora=True,
+    )
     assert get_peft_config(ModelConfig(**fields)).to_dict() == trl.get_peft_config(trl.ModelConfig(**fields)).to_dict()
 
 
@@ -203,16 +275,22 @@ def test_quantization_without_bitsandbytes_or_cuda_stops_naming_the_flag():
 def two_files(tmp_path):
     first = [{"prompt": f"p{i}", "completion": f"c{i}", "extra": i} for i in range(8)]
     second = [{"prompt": f"q{i}", "completion": f"d{i}"} for i in range(5)]
-    return (first, _write_jsonl(tmp_path / "first" / "train.jsonl", first),
-            second, _write_jsonl(tmp_path / "second.jsonl", second))
+    return (
+        first,
+        _write_jsonl(tmp_path / "first" / "train.jsonl", first),
+        second,
+        _write_jsonl(tmp_path / "second.jsonl", second),
+    )
 
 
 def test_mixture_of_two_local_files_with_columns_fractions_and_a_test_split(two_files):
     first, first_path, second, second_path = two_files
-    mixture = DatasetMixtureConfig(datasets=[
-        {"path": str(first_path.parent), "columns": ["prompt", "completion"]},  # a directory: its train.jsonl
-        {"path": "json", "data_files": str(second_path), "split": "train[1:]"},  # a builder with data files
-    ])
+    mixture = DatasetMixtureConfig(
+        datasets=[
+            {"path": str(first_path.parent), "columns": ["prompt", "completion"]},  # a directory: its train.jsonl
+            {"path": "json", "data_files": str(second_path), "split": "train[1:]"},  # a builder with data files
+        ]
+    )
     rows = get_dataset(mixture)["train"].to_list()
     assert rows == [{"prompt": r["prompt"], "completion": r["completion"]} for r in first] + second[1:]
 
@@ -251,8 +329,10 @@ def test_get_dataset_equals_trls_on_local_files(two_files):
     from trl.scripts.utils import DatasetConfig as TrlDatasetConfig
 
     _, first_path, _, second_path = two_files
-    entries = [dict(path="json", data_files=str(first_path), columns=["prompt", "completion"], fraction=2.0),
-               dict(path="json", data_files=str(second_path), split="train[:4]", fraction=1.0)]
+    entries = [
+        dict(path="json", data_files=str(first_path), columns=["prompt", "completion"], fraction=2.0),
+        dict(path="json", data_files=str(second_path), split="train[:4]", fraction=1.0),
+    ]
     ours = get_dataset(DatasetMixtureConfig(datasets=[DatasetConfig(**entry) for entry in entries]))
     theirs = trl.get_dataset(trl.DatasetMixtureConfig(datasets=[TrlDatasetConfig(**entry) for entry in entries]))
     assert list(ours) == list(theirs) == ["train"]
@@ -269,12 +349,18 @@ def test_trl_import_paths_exist():
 
     assert trainer_module.SFTTrainer is posttrain.SFTTrainer
     assert script_utils.TrlParser is TrlParser and script_utils.get_dataset is get_dataset
-    assert {f.name for f in dataclasses.fields(grpo.GRPOScriptArguments)} >= {"reward_funcs",
-                                                                              "reward_model_name_or_path"}
+    assert {f.name for f in dataclasses.fields(grpo.GRPOScriptArguments)} >= {
+        "reward_funcs",
+        "reward_model_name_or_path",
+    }
     assert issubclass(rloo.RLOOScriptArguments, ScriptArguments)
     parser = sft.make_parser(prog="sft")
-    assert [cls.__name__ for cls in parser.dataclass_types] == ["ScriptArguments", "SFTConfig", "ModelConfig",
-                                                                "DatasetMixtureConfig"]
+    assert [cls.__name__ for cls in parser.dataclass_types] == [
+        "ScriptArguments",
+        "SFTConfig",
+        "ModelConfig",
+        "DatasetMixtureConfig",
+    ]
 
 
 def test_posttrain_scripts_main_trains_like_trls_script(tmp_path, tiny_model_path):
@@ -283,14 +369,40 @@ def test_posttrain_scripts_main_trains_like_trls_script(tmp_path, tiny_model_pat
     rows = [{"prompt": f"{i} plus one is", "completion": f" {i + 1}"} for i in range(8)]
     _write_jsonl(tmp_path / "data" / "train.jsonl", rows)
     _write_jsonl(tmp_path / "data" / "test.jsonl", rows[:4])
-    args = sft.make_parser().parse_args_and_config([
-        "--model_name_or_path", tiny_model_path, "--dataset_name", str(tmp_path / "data"), "--max_steps", "2",
-        "--per_device_train_batch_size", "4", "--eval_strategy", "steps", "--eval_steps", "2", "--report_to", "none",
-        "--save_strategy", "no", "--output_dir", str(tmp_path / "out"), "--use_peft", "--lora_r", "4",
-        "--lora_target_modules", "all-linear"])
+    args = sft.make_parser().parse_args_and_config(
+        [
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            str(tmp_path / "data"),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--use_peft",
+            "--lora_r",
+            "4",
+            "--lora_target_modules",
+            "all-linear",
+        ]
+    )
     sft.main(*args)
-    assert args[1].model_init_kwargs == {"revision": "main", "trust_remote_code": False, "attn_implementation": None,
-                                         "dtype": "float32"}
+    assert args[1].model_init_kwargs == {
+        "revision": "main",
+        "trust_remote_code": False,
+        "attn_implementation": None,
+        "dtype": "float32",
+    }
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     # all-linear is expanded to the model's linear layers when the adapter is built.
     assert adapter["r"] == 4
@@ -314,6 +426,7 @@ def test_python_m_posttrain_scripts_is_the_posttrain_command(monkeypatch, capsys
 
 def test_hyphenated_and_no_flags_as_trls_parser_takes_them():
     _, training, model, _ = _sft_parser().parse_args_and_config(
-        ["--learning-rate", "0.5", "--use-peft", "--no_log_on_each_node"])
+        ["--learning-rate", "0.5", "--use-peft", "--no_log_on_each_node"]
+    )
     assert (training.learning_rate, model.use_peft, training.log_on_each_node) == (0.5, True, False)
     assert _sft_parser().parse_args_and_config(["--no-log-on-each-node"])[1].log_on_each_node is False

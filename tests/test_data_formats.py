@@ -12,18 +12,21 @@ U = {"role": "user", "content": "hi"}
 A = {"role": "assistant", "content": "yes"}
 
 
-@pytest.mark.parametrize("row, kind, conversational", [
-    ({"text": "a"}, "language_modeling", False),
-    ({"messages": [U, A]}, "language_modeling", True),
-    ({"prompt": "a"}, "prompt_only", False),
-    ({"prompt": [U]}, "prompt_only", True),
-    ({"prompt": "a", "completion": "b"}, "prompt_completion", False),
-    ({"prompt": [U], "completion": [A]}, "prompt_completion", True),
-    ({"prompt": "a", "chosen": "b", "rejected": "c"}, "preference", False),
-    ({"chosen": [U, A], "rejected": [U, A]}, "preference", True),
-    ({"prompt": "a", "completion": "b", "label": True}, "unpaired_preference", False),
-    ({"prompt": "a", "completions": ["b", "c"], "labels": [True, False]}, "stepwise_supervision", False),
-])
+@pytest.mark.parametrize(
+    "row, kind, conversational",
+    [
+        ({"text": "a"}, "language_modeling", False),
+        ({"messages": [U, A]}, "language_modeling", True),
+        ({"prompt": "a"}, "prompt_only", False),
+        ({"prompt": [U]}, "prompt_only", True),
+        ({"prompt": "a", "completion": "b"}, "prompt_completion", False),
+        ({"prompt": [U], "completion": [A]}, "prompt_completion", True),
+        ({"prompt": "a", "chosen": "b", "rejected": "c"}, "preference", False),
+        ({"chosen": [U, A], "rejected": [U, A]}, "preference", True),
+        ({"prompt": "a", "completion": "b", "label": True}, "unpaired_preference", False),
+        ({"prompt": "a", "completions": ["b", "c"], "labels": [True, False]}, "stepwise_supervision", False),
+    ],
+)
 def test_detect_every_format(row, kind, conversational):
     fmt = detect_format(row.keys(), row)
     assert (fmt.kind, fmt.conversational) == (kind, conversational)
@@ -67,7 +70,9 @@ def test_message_without_content():
 
 def test_mixed_conversational_prompt_and_string_completion():
     ds = Dataset.from_list([{"prompt": [U], "completion": "yes"}])
-    with pytest.raises(DataError, match=r"Row 0: column 'completion' is a string but the other columns are conversations"):
+    with pytest.raises(
+        DataError, match=r"Row 0: column 'completion' is a string but the other columns are conversations"
+    ):
         validate_dataset(ds, ["prompt_completion"], "SFTTrainer")
 
 
@@ -84,8 +89,14 @@ def test_string_label_in_unpaired_data():
 
 
 def test_sharegpt_conversion():
-    out = convert_sharegpt([{"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}])
-    assert out == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    out = convert_sharegpt(
+        [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    )
+    assert out == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
 
 
 def test_extract_prompt_conversational_and_string():
@@ -101,7 +112,9 @@ def test_unpair_preference_dataset():
     ds = Dataset.from_list([{"prompt": "p", "chosen": "c", "rejected": "r"}])
     out = unpair_preference_dataset(ds)
     assert sorted(out.to_list(), key=lambda r: not r["label"]) == [
-        {"prompt": "p", "completion": "c", "label": True}, {"prompt": "p", "completion": "r", "label": False}]
+        {"prompt": "p", "completion": "c", "label": True},
+        {"prompt": "p", "completion": "r", "label": False},
+    ]
 
 
 def test_apply_chat_template_keeps_format(tokenizer):

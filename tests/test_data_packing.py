@@ -17,11 +17,13 @@ def test_bfd_bins_by_hand():
 
 
 def test_pack_dataset_bfd_keeps_sequences_whole():
-    ds = Dataset.from_dict({
-        "input_ids": [[1] * 7, [2] * 6, [3] * 5, [4] * 4, [5] * 3, [6] * 2],
-        "completion_mask": [[1] * 7, [0] * 6, [1] * 5, [0] * 4, [1] * 3, [1] * 2],
-        "other": ["a", "b", "c", "d", "e", "f"],
-    })
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[1] * 7, [2] * 6, [3] * 5, [4] * 4, [5] * 3, [6] * 2],
+            "completion_mask": [[1] * 7, [0] * 6, [1] * 5, [0] * 4, [1] * 3, [1] * 2],
+            "other": ["a", "b", "c", "d", "e", "f"],
+        }
+    )
     packed = pack_sequences(ds, 10, "bfd")  # the trainer-side packing drops non-token columns
     assert packed.column_names == ["input_ids", "completion_mask", "seq_lengths"]
     assert packed["seq_lengths"] == [[7, 3], [6, 4], [5, 2]]
@@ -57,10 +59,12 @@ def test_pack_sequences_wrapped_boundaries_only_at_sequence_ends():
 
 def test_padded_collator_labels_element_by_element():
     collate = LanguageModelingCollator(pad_token_id=0)
-    batch = collate([
-        {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]},
-        {"input_ids": [8, 9], "completion_mask": [1, 0]},
-    ])
+    batch = collate(
+        [
+            {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]},
+            {"input_ids": [8, 9], "completion_mask": [1, 0]},
+        ]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
@@ -68,10 +72,12 @@ def test_padded_collator_labels_element_by_element():
 
 def test_padding_free_collator_position_ids_and_labels():
     collate = LanguageModelingCollator(pad_token_id=0, padding_free=True)
-    batch = collate([
-        {"input_ids": [5, 6, 7], "completion_mask": [1, 1, 1]},
-        {"input_ids": [8, 9, 10, 11, 12], "completion_mask": [0, 0, 1, 1, 1], "seq_lengths": [2, 3]},
-    ])
+    batch = collate(
+        [
+            {"input_ids": [5, 6, 7], "completion_mask": [1, 1, 1]},
+            {"input_ids": [8, 9, 10, 11, 12], "completion_mask": [0, 0, 1, 1, 1], "seq_lengths": [2, 3]},
+        ]
+    )
     assert "attention_mask" not in batch and batch["use_cache"] is False
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
@@ -81,11 +87,13 @@ def test_padding_free_collator_position_ids_and_labels():
 
 def test_per_row_padding_free_collator_element_by_element():
     collate = LanguageModelingCollator(pad_token_id=0, padding_free=True, one_row=False)
-    batch = collate([
-        {"input_ids": [5, 6, 7], "completion_mask": [1, 1, 1]},
-        {"input_ids": [8, 9, 10, 11, 12], "completion_mask": [0, 0, 1, 1, 1], "seq_lengths": [2, 3]},
-        {"input_ids": [13], "completion_mask": [1]},
-    ])
+    batch = collate(
+        [
+            {"input_ids": [5, 6, 7], "completion_mask": [1, 1, 1]},
+            {"input_ids": [8, 9, 10, 11, 12], "completion_mask": [0, 0, 1, 1, 1], "seq_lengths": [2, 3]},
+            {"input_ids": [13], "completion_mask": [1]},
+        ]
+    )
     assert "attention_mask" not in batch and batch["use_cache"] is False
     assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 12], [13, 0, 0, 0, 0]]
     # The padding tail of each row is one more sequence (positions from 0) that is never trained.
@@ -102,8 +110,11 @@ def test_padding_free_logits_equal_each_sequence_alone(tiny_model_path, attn, on
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 7, 4)]
     # Two packed examples and a plain one: in the per-row layout rows get padding tails of 6 and 10 tokens.
-    examples = [{"input_ids": seqs[0] + seqs[1], "seq_lengths": [5, 9]},
-                {"input_ids": seqs[2] + seqs[3], "seq_lengths": [1, 7]}, {"input_ids": seqs[4]}]
+    examples = [
+        {"input_ids": seqs[0] + seqs[1], "seq_lengths": [5, 9]},
+        {"input_ids": seqs[2] + seqs[3], "seq_lengths": [1, 7]},
+        {"input_ids": seqs[4]},
+    ]
     batch = LanguageModelingCollator(0, padding_free=True, one_row=one_row)(examples)
     assert batch["input_ids"].shape[0] == (1 if one_row else 3)
     real = batch["input_ids"] != 0  # the random sequences never contain the pad id 0
@@ -130,9 +141,9 @@ def test_packed_rows_logits_equal_alone(tiny_model_path):
     for row in packed:
         start = 0
         for n in row["seq_lengths"]:
-            ids = row["input_ids"][start:start + n]
+            ids = row["input_ids"][start : start + n]
             with torch.no_grad():
                 alone = model(input_ids=torch.tensor([ids])).logits[0]
-            torch.testing.assert_close(logits[offset:offset + n], alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[offset : offset + n], alone, atol=1e-5, rtol=1e-5)
             offset += n
             start += n

@@ -17,8 +17,19 @@ WORDS = "cat dog sun moon tree fish bird sky red green blue one two three".split
 
 
 def _common(out, **kw):
-    return dict(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, learning_rate=1e-3, seed=0,
-                use_cpu=True, report_to="none", disable_tqdm=True, write_report=False, save_strategy="no", **kw)
+    return dict(
+        output_dir=str(out),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        write_report=False,
+        save_strategy="no",
+        **kw,
+    )
 
 
 def _texts(n=10):
@@ -53,9 +64,12 @@ def test_sft_truncation_counts_are_exact_and_reported_once(tmp_path, tiny_model_
     lengths = _sft_lengths(tokenizer, texts)
     over = [n - max_length for n in lengths if n > max_length]
     assert 0 < len(over) < len(texts)  # the data has both kinds of row
-    trainer = SFTTrainer(tiny_model_path, args=SFTConfig(**_common(tmp_path, max_length=max_length)),
-                         train_dataset=Dataset.from_dict({"text": texts}),
-                         eval_dataset=Dataset.from_dict({"text": texts[:3]}))
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=SFTConfig(**_common(tmp_path, max_length=max_length)),
+        train_dataset=Dataset.from_dict({"text": texts}),
+        eval_dataset=Dataset.from_dict({"text": texts[:3]}),
+    )
     got = _report(trainer)
     assert got["rows_in"] == got["rows_kept"] == len(texts) and got["rows_dropped"] == 0
     assert (got["rows_truncated"], got["tokens_cut"]) == (len(over), sum(over))
@@ -71,14 +85,19 @@ def test_sft_truncation_counts_are_exact_and_reported_once(tmp_path, tiny_model_
     said = [r for r in caplog.records if "Data preparation report" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert f"{len(over)} truncated, {sum(over)} tokens cut" in said[0].getMessage()
-    assert trainer._data_report.emit(str(tmp_path)) and len(
-        [r for r in caplog.records if "Data preparation report" in r.getMessage()]) == 1  # once
+    assert (
+        trainer._data_report.emit(str(tmp_path))
+        and len([r for r in caplog.records if "Data preparation report" in r.getMessage()]) == 1
+    )  # once
 
 
 def test_sft_nothing_cut_is_logged_at_info(tmp_path, tiny_model_path, tokenizer, caplog):
     texts = _texts(4)
-    trainer = SFTTrainer(tiny_model_path, args=SFTConfig(**_common(tmp_path, max_length=512)),
-                         train_dataset=Dataset.from_dict({"text": texts}))
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=SFTConfig(**_common(tmp_path, max_length=512)),
+        train_dataset=Dataset.from_dict({"text": texts}),
+    )
     with caplog.at_level(logging.INFO, logger="posttrain"):
         _train_with_report(trainer)
     said = [r for r in caplog.records if "Data preparation report" in r.getMessage()]
@@ -89,8 +108,11 @@ def test_sft_nothing_cut_is_logged_at_info(tmp_path, tiny_model_path, tokenizer,
 def test_sft_bfd_packing_counts_the_tokens_it_cuts(tmp_path, tiny_model_path, tokenizer):
     texts, max_length = _texts(), 16
     lengths = _sft_lengths(tokenizer, texts)
-    trainer = SFTTrainer(tiny_model_path, args=SFTConfig(**_common(tmp_path, max_length=max_length, packing=True)),
-                         train_dataset=Dataset.from_dict({"text": texts}))
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=SFTConfig(**_common(tmp_path, max_length=max_length, packing=True)),
+        train_dataset=Dataset.from_dict({"text": texts}),
+    )
     got = _report(trainer)
     kept = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     assert got["tokens_cut"] == sum(lengths) - kept > 0
@@ -124,8 +146,16 @@ def test_packing_notes_match_what_packing_does():
 
 
 def _pairs(n=8):
-    return Dataset.from_list([{"prompt": "the " + " ".join(WORDS[(i + j) % 14] for j in range(1 + 2 * i)) + " is",
-                               "chosen": " good" + " very" * (i % 4), "rejected": " bad"} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": "the " + " ".join(WORDS[(i + j) % 14] for j in range(1 + 2 * i)) + " is",
+                "chosen": " good" + " very" * (i % 4),
+                "rejected": " bad",
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def test_dpo_prompt_completion_and_max_length_cuts(tmp_path, tiny_model_path, tokenizer):
@@ -140,8 +170,9 @@ def test_dpo_prompt_completion_and_max_length_cuts(tmp_path, tiny_model_path, to
         p, c, r = min(p, max_prompt), min(c, max_completion), min(r, max_completion)
         cut = max(p + c - max_length, 0) + max(p + r - max_length, 0)
         rows_over, tokens_over = rows_over + (cut > 0), tokens_over + cut
-    args = DPOConfig(**_common(tmp_path, max_prompt_length=max_prompt, max_completion_length=max_completion,
-                               max_length=max_length))
+    args = DPOConfig(
+        **_common(tmp_path, max_prompt_length=max_prompt, max_completion_length=max_completion, max_length=max_length)
+    )
     trainer = DPOTrainer(tiny_model_path, args=args, train_dataset=data)
     got = _report(trainer)["truncated"]
     assert prompt_over > 0 and completion_over > 0 and tokens_over > 0
@@ -153,14 +184,17 @@ def test_dpo_prompt_completion_and_max_length_cuts(tmp_path, tiny_model_path, to
 
 def test_kto_rows_whose_prompt_fills_max_length_are_counted_as_dropped(tmp_path, tiny_model_path, tokenizer):
     prompts = ["the " + " ".join(WORDS[(i + j) % 14] for j in range(1 + 2 * i)) + " is" for i in range(8)]
-    data = Dataset.from_list([{"prompt": p, "completion": " good" if i % 2 else " bad", "label": bool(i % 2)}
-                              for i, p in enumerate(prompts)])
+    data = Dataset.from_list(
+        [{"prompt": p, "completion": " good" if i % 2 else " bad", "label": bool(i % 2)} for i, p in enumerate(prompts)]
+    )
     max_length = 9
     dropped = sum(len(_ids(tokenizer, p)) >= max_length for p in prompts)
     assert 0 < dropped < len(prompts)
-    trainer = KTOTrainer(tiny_model_path, args=KTOConfig(**_common(tmp_path, max_length=max_length,
-                                                                   loss_type="apo_zero_unpaired")),
-                         train_dataset=data)
+    trainer = KTOTrainer(
+        tiny_model_path,
+        args=KTOConfig(**_common(tmp_path, max_length=max_length, loss_type="apo_zero_unpaired")),
+        train_dataset=data,
+    )
     got = _report(trainer)
     assert (got["rows_in"], got["rows_dropped"], got["rows_kept"]) == (8, dropped, 8 - dropped)
     assert got["rows_kept"] == len(trainer.train_dataset)
@@ -169,12 +203,16 @@ def test_kto_rows_whose_prompt_fills_max_length_are_counted_as_dropped(tmp_path,
 def test_reward_rows_longer_than_max_length_are_counted_as_dropped(tmp_path, tiny_model_path, tokenizer):
     data, max_length = _pairs(), 10
     eos = [tokenizer.eos_token_id]
-    dropped = sum(len(_ids(tokenizer, r["prompt"])) + max(len(_ids(tokenizer, r[k], special=False) + eos)
-                                                           for k in ("chosen", "rejected")) > max_length
-                  for r in data)
+    dropped = sum(
+        len(_ids(tokenizer, r["prompt"]))
+        + max(len(_ids(tokenizer, r[k], special=False) + eos) for k in ("chosen", "rejected"))
+        > max_length
+        for r in data
+    )
     assert 0 < dropped < len(data)
-    trainer = RewardTrainer(tiny_model_path, args=RewardConfig(**_common(tmp_path, max_length=max_length)),
-                            train_dataset=data)
+    trainer = RewardTrainer(
+        tiny_model_path, args=RewardConfig(**_common(tmp_path, max_length=max_length)), train_dataset=data
+    )
     got = _report(trainer)
     assert (got["rows_dropped"], got["rows_kept"], got["rows_truncated"]) == (dropped, len(data) - dropped, 0)
     assert len(trainer.train_dataset) == len(data) - dropped
@@ -195,8 +233,12 @@ def test_grpo_prompts_cut_by_max_prompt_length_are_counted(tmp_path, tiny_model_
     over = [len(_ids(tokenizer, t)) - limit for t in texts if len(_ids(tokenizer, t)) > limit]
     assert 0 < len(over) < len(texts)
     args = GRPOConfig(**_common(tmp_path, max_prompt_length=limit, num_generations=2, max_completion_length=4))
-    trainer = GRPOTrainer(tiny_model_path, lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": texts}))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": texts}),
+    )
     got = _report(trainer)
     assert (got["rows_in"], got["rows_truncated"], got["tokens_cut"]) == (len(texts), len(over), sum(over))
     assert trainer.train_dataset["prompt_ids"][0] == _ids(tokenizer, texts[0])[-limit:]

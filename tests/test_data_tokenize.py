@@ -54,8 +54,10 @@ def test_conversational_lm_without_assistant_only_trains_everything(tokenizer):
 
 
 def test_conversational_prompt_completion(tokenizer):
-    ex = {"prompt": [{"role": "user", "content": "one plus two"}],
-          "completion": [{"role": "assistant", "content": "three"}]}
+    ex = {
+        "prompt": [{"role": "user", "content": "one plus two"}],
+        "completion": [{"role": "assistant", "content": "three"}],
+    }
     fmt = detect_format(ex.keys(), ex)
     assert fmt.kind == "prompt_completion" and fmt.conversational
     out = tokenize_example(ex, tokenizer, fmt)
@@ -64,7 +66,7 @@ def test_conversational_prompt_completion(tokenizer):
     # Mask is contiguous: zeros, then ones, then the trailing newline.
     m = out["completion_mask"]
     first = m.index(1)
-    assert m[first:first + sum(m)] == [1] * sum(m) and m[-1] == 0
+    assert m[first : first + sum(m)] == [1] * sum(m) and m[-1] == 0
 
 
 def test_standard_prompt_completion_appends_trained_eos(tokenizer):

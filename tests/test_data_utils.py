@@ -33,8 +33,12 @@ ROWS = [
     {"prompt": [U], "completion": [A], "label": True},
     {"prompt": [U, A, {"role": "user", "content": "Sure?"}], "completion": [B]},
 ]
-STANDARD = [{"text": "The sky is blue."}, {"prompt": "The sky is"}, {"prompt": "The sky is", "completion": " blue."},
-            {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}]
+STANDARD = [
+    {"text": "The sky is blue."},
+    {"prompt": "The sky is"},
+    {"prompt": "The sky is", "completion": " blue."},
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+]
 
 
 @needs_trl
@@ -46,8 +50,11 @@ def test_apply_chat_template_matches_trl(row, tokenizer):
 
 def test_apply_chat_template_by_hand(tokenizer):
     out = du.apply_chat_template({"prompt": [U], "chosen": [A], "rejected": [B]}, tokenizer)
-    assert out == {"prompt": "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n",
-                   "chosen": "It is blue.<|im_end|>\n", "rejected": "It is green.<|im_end|>\n"}
+    assert out == {
+        "prompt": "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n",
+        "chosen": "It is blue.<|im_end|>\n",
+        "rejected": "It is green.<|im_end|>\n",
+    }
     # An assistant-ended prompt is continued: no end-of-turn after it.
     cont = du.apply_chat_template({"prompt": [U, A]}, tokenizer)["prompt"]
     assert cont.endswith("It is blue.") and cont.count("<|im_start|>assistant") == 1
@@ -62,34 +69,44 @@ def test_apply_chat_template_cuts_prompt_to_the_shared_prefix(fresh_tokenizer):
     # cut to what both renderings share and the completion starts there.
     fresh_tokenizer.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant><think></think>{% endif %}")
+        "{% if add_generation_prompt %}<assistant><think></think>{% endif %}"
+    )
     out = du.apply_chat_template({"prompt": [U], "completion": [A]}, fresh_tokenizer)
     assert out == {"prompt": "<user>What color is the sky?</s><assistant>", "completion": "It is blue.</s>"}
     if trl_du is not None:
         assert out == trl_du.apply_chat_template({"prompt": [U], "completion": [A]}, fresh_tokenizer)
 
 
-@pytest.mark.parametrize("row, expected", [
-    ({"messages": [U]}, True), ({"prompt": "a"}, False), ({"text": "a"}, False),
-    ({"chosen": [U, A], "rejected": [U, B]}, True), ({"completion": [A]}, True),
-    ({"conversations": [{"from": "human", "value": "hi"}]}, False), ({"messages": [{"from": "human", "value": "hi"}]},
-                                                                     False),
-])
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ({"messages": [U]}, True),
+        ({"prompt": "a"}, False),
+        ({"text": "a"}, False),
+        ({"chosen": [U, A], "rejected": [U, B]}, True),
+        ({"completion": [A]}, True),
+        ({"conversations": [{"from": "human", "value": "hi"}]}, False),
+        ({"messages": [{"from": "human", "value": "hi"}]}, False),
+    ],
+)
 def test_is_conversational(row, expected):
     assert du.is_conversational(row) is expected
     if trl_du is not None:
         assert trl_du.is_conversational(row) is expected
 
 
-@pytest.mark.parametrize("chosen, rejected", [
-    ("The sky is blue.", "The sky is green."),
-    ("The sky is blue.", "The sky is bluer."),  # differ mid-word
-    ("abc", "abcd"),  # one a prefix of the other
-    ("same", "same"),
-    ([U, A], [U, B]),
-    ([S, U, A], [S, U, B]),
-    ([U, A], [U, A]),
-])
+@pytest.mark.parametrize(
+    "chosen, rejected",
+    [
+        ("The sky is blue.", "The sky is green."),
+        ("The sky is blue.", "The sky is bluer."),  # differ mid-word
+        ("abc", "abcd"),  # one a prefix of the other
+        ("same", "same"),
+        ([U, A], [U, B]),
+        ([S, U, A], [S, U, B]),
+        ([U, A], [U, A]),
+    ],
+)
 def test_extract_prompt(chosen, rejected):
     out = du.extract_prompt({"chosen": chosen, "rejected": rejected})
     # The pieces put back together give the originals.
@@ -100,19 +117,24 @@ def test_extract_prompt(chosen, rejected):
 
 def test_extract_prompt_by_hand():
     assert du.extract_prompt({"chosen": "The sky is blue.", "rejected": "The sky is green."}) == {
-        "prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
-    assert du.extract_prompt({"chosen": [U, A], "rejected": [U, B]}) == {"prompt": [U], "chosen": [A],
-                                                                          "rejected": [B]}
+        "prompt": "The sky is",
+        "chosen": " blue.",
+        "rejected": " green.",
+    }
+    assert du.extract_prompt({"chosen": [U, A], "rejected": [U, B]}) == {"prompt": [U], "chosen": [A], "rejected": [B]}
 
 
-@pytest.mark.parametrize("row", [
-    {"chosen": [U, A], "rejected": [U, B]},
-    {"prompt": [U], "chosen": [A], "rejected": [B]},
-    {"prompt": "What color is the sky?", "chosen": [U, A], "rejected": [U, B]},  # string prompt beside chats
-    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
-    {"chosen": "The sky is blue.", "rejected": "The sky is green."},
-    {"prompt": [U], "completion": [A]},  # not a preference row
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"chosen": [U, A], "rejected": [U, B]},
+        {"prompt": [U], "chosen": [A], "rejected": [B]},
+        {"prompt": "What color is the sky?", "chosen": [U, A], "rejected": [U, B]},  # string prompt beside chats
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        {"prompt": [U], "completion": [A]},  # not a preference row
+    ],
+)
 def test_maybe_extract_prompt(row):
     out = du.maybe_extract_prompt(copy.deepcopy(row))
     assert out["prompt"] in ([U], "The sky is")
@@ -121,11 +143,14 @@ def test_maybe_extract_prompt(row):
 
 
 def test_unpair_preference_dataset():
-    ds = Dataset.from_dict({"prompt": ["p1", "p2"], "chosen": ["c1", "c2"], "rejected": ["r1", "r2"],
-                            "id": [1, 2]})
+    ds = Dataset.from_dict({"prompt": ["p1", "p2"], "chosen": ["c1", "c2"], "rejected": ["r1", "r2"], "id": [1, 2]})
     out = du.unpair_preference_dataset(ds)
-    assert out.to_dict() == {"completion": ["c1", "c2", "r1", "r2"], "label": [True, True, False, False],
-                             "prompt": ["p1", "p2", "p1", "p2"], "id": [1, 2, 1, 2]}
+    assert out.to_dict() == {
+        "completion": ["c1", "c2", "r1", "r2"],
+        "label": [True, True, False, False],
+        "prompt": ["p1", "p2", "p1", "p2"],
+        "id": [1, 2, 1, 2],
+    }
     assert du.maybe_unpair_preference_dataset(out) is out  # already unpaired: unchanged
     dd = DatasetDict(train=ds, test=ds)
     assert du.maybe_unpair_preference_dataset(dd)["test"].to_dict() == out.to_dict()
@@ -133,8 +158,7 @@ def test_unpair_preference_dataset():
         for fn in ("unpair_preference_dataset", "maybe_unpair_preference_dataset"):
             assert getattr(du, fn)(ds).to_dict() == getattr(trl_du, fn)(ds).to_dict()
         implicit = Dataset.from_dict({"chosen": [[U, A]], "rejected": [[U, B]]})
-        assert du.unpair_preference_dataset(implicit).to_list() == trl_du.unpair_preference_dataset(
-            implicit).to_list()
+        assert du.unpair_preference_dataset(implicit).to_list() == trl_du.unpair_preference_dataset(implicit).to_list()
 
 
 def test_sharegpt_helpers():
@@ -154,14 +178,21 @@ def test_sharegpt_helpers():
 def test_prepare_multimodal_messages():
     messages = [S, U, A, {"role": "user", "content": "And now?"}]
     out = du.prepare_multimodal_messages(messages, images=["img0", "img1"])
-    assert out[1]["content"] == [{"type": "image", "image": "img0"}, {"type": "image", "image": "img1"},
-                                 {"type": "text", "text": U["content"]}]
+    assert out[1]["content"] == [
+        {"type": "image", "image": "img0"},
+        {"type": "image", "image": "img1"},
+        {"type": "text", "text": U["content"]},
+    ]
     assert out[0]["content"] == [{"type": "text", "text": "Be brief."}]
     assert out[3]["content"] == [{"type": "text", "text": "And now?"}]
     assert messages[1] is U and isinstance(U["content"], str)  # inputs untouched
     # Already structured messages: only empty image blocks are filled, in order.
-    structured = [{"role": "user", "content": [{"type": "image", "image": "kept"}, {"type": "image"},
-                                               {"type": "text", "text": "x"}]}]
+    structured = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "kept"}, {"type": "image"}, {"type": "text", "text": "x"}],
+        }
+    ]
     filled = du.prepare_multimodal_messages(structured, images=["new"])
     assert [p.get("image") for p in filled[0]["content"]] == ["kept", "new", None]
     with pytest.raises(ValueError, match="does not match"):
@@ -171,8 +202,9 @@ def test_prepare_multimodal_messages():
     tool_call = [U, {"role": "assistant", "tool_calls": [{"type": "function"}]}, T]
     if trl_du is not None:
         for msgs, imgs in ((messages, ["a", "b"]), (structured, ["new"]), (tool_call, ["i"]), (messages, None)):
-            assert du.prepare_multimodal_messages(copy.deepcopy(msgs), imgs) == \
-                trl_du.prepare_multimodal_messages(copy.deepcopy(msgs), imgs)
+            assert du.prepare_multimodal_messages(copy.deepcopy(msgs), imgs) == trl_du.prepare_multimodal_messages(
+                copy.deepcopy(msgs), imgs
+            )
 
 
 def test_small_helpers():
@@ -202,15 +234,25 @@ def test_pack_dataset_matches_trl_on_random_rows():
 
 
 def test_pack_dataset_by_hand():
-    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
-                            "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]]})
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
+            "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]],
+        }
+    )
     assert du.pack_dataset(ds, 4, "bfd").to_dict() == {
-        "input_ids": [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0]],
-        "seq_lengths": [[4], [3, 1], [2]]}
+        "input_ids": [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]],
+        "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0]],
+        "seq_lengths": [[4], [3, 1], [2]],
+    }
     assert du.pack_dataset(ds, 4, "bfd_split")["input_ids"] == [[1, 2, 3, 4], [8, 9, 10, 5], [6, 7, 11]]
     torch_ds = du.pack_dataset(ds.with_format("torch", columns=["input_ids"]), 4)
-    assert torch_ds.format["columns"] == ["input_ids", "seq_lengths"] and torch_ds[0]["input_ids"].tolist() == [1, 2,
-                                                                                                              3, 4]
+    assert torch_ds.format["columns"] == ["input_ids", "seq_lengths"] and torch_ds[0]["input_ids"].tolist() == [
+        1,
+        2,
+        3,
+        4,
+    ]
     with pytest.raises(TypeError, match="lists of lists"):
         du.pack_dataset(Dataset.from_dict({"input_ids": [[1]], "id": [0]}), 4)
     with pytest.raises(ValueError, match="Invalid packing strategy"):

@@ -10,8 +10,14 @@ from posttrain import SFTConfig, SFTTrainer
 
 def _trainer(tmp_path, model_path, data_file, max_length=64):
     data = load_dataset("json", data_files=str(data_file), split="train", cache_dir=str(tmp_path / "hf"))
-    args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_length=max_length,
-                     save_strategy="no", disable_tqdm=True)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        max_length=max_length,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     return SFTTrainer(model_path, args=args, train_dataset=data)
 
 

@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
+from _trl import import_trl
 from datasets import Dataset
 
 from posttrain import DistillationConfig, DistillationTrainer
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split()
 
@@ -30,15 +30,27 @@ def _teacher(tokenizer):
 
 
 def _kw(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none",
-                save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     return {**base, **kw}
 
 
 def _ours(tmp_path, tokenizer, data=None, teacher=None, **kw):
-    return DistillationTrainer(build_tiny_model(tokenizer), teacher if teacher is not None else _teacher(tokenizer),
-                               args=DistillationConfig(**_kw(tmp_path, **kw)), train_dataset=data or _prompts(8),
-                               processing_class=tokenizer)
+    return DistillationTrainer(
+        build_tiny_model(tokenizer),
+        teacher if teacher is not None else _teacher(tokenizer),
+        args=DistillationConfig(**_kw(tmp_path, **kw)),
+        train_dataset=data or _prompts(8),
+        processing_class=tokenizer,
+    )
 
 
 @pytest.mark.parametrize("beta,temperature", [(1.0, 1.0), (0.5, 2.0), (0.0, 0.7)])
@@ -46,18 +58,34 @@ def test_step0_loss_and_entropy_equal_trls_on_the_same_completions(tmp_path, tok
     trl = import_trl("distillation_config", "distillation_trainer")
     student, teacher = build_tiny_model(tokenizer), _teacher(tokenizer)
     theirs = trl.DistillationTrainer(
-        model=student, teacher_model=teacher, processing_class=tokenizer, train_dataset=_prompts(4),
-        args=trl.DistillationConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, beta=beta,
-                                          temperature=temperature, max_completion_length=6)))
+        model=student,
+        teacher_model=teacher,
+        processing_class=tokenizer,
+        train_dataset=_prompts(4),
+        args=trl.DistillationConfig(
+            **_kw(
+                tmp_path / "trl",
+                bf16=False,
+                gradient_checkpointing=False,
+                beta=beta,
+                temperature=temperature,
+                max_completion_length=6,
+            )
+        ),
+    )
     theirs.model.eval()
     batch = theirs._generate_and_score_completions([theirs.train_dataset[i] for i in range(4)])
     with torch.no_grad():
         trl_loss = theirs.compute_loss(theirs.model, batch).item()
     trl_entropy = theirs._metrics["eval"]["entropy"][-1]
 
-    ours = DistillationTrainer(build_tiny_model(tokenizer), _teacher(tokenizer), processing_class=tokenizer,
-                               train_dataset=_prompts(4), args=DistillationConfig(**_kw(
-                                   tmp_path / "ours", beta=beta, temperature=temperature, max_completion_length=6)))
+    ours = DistillationTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(tokenizer),
+        processing_class=tokenizer,
+        train_dataset=_prompts(4),
+        args=DistillationConfig(**_kw(tmp_path / "ours", beta=beta, temperature=temperature, max_completion_length=6)),
+    )
     rows = []
     for i in range(4):
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
@@ -78,8 +106,13 @@ def test_signature_and_defaults_are_trls():
     theirs = list(inspect.signature(trl.DistillationTrainer.__init__).parameters)[1:]
     assert params[: len(theirs)] == theirs
     args = DistillationConfig(output_dir="unused", use_cpu=True)
-    assert (args.beta, args.lmbda, args.alpha, args.learning_rate, args.max_completion_length) == (1.0, 1.0, 1.0,
-                                                                                                   1e-6, 512)
+    assert (args.beta, args.lmbda, args.alpha, args.learning_rate, args.max_completion_length) == (
+        1.0,
+        1.0,
+        1.0,
+        1e-6,
+        512,
+    )
     assert args.pad_to_multiple_of is None and args.shuffle_dataset and args.remove_unused_columns is False
 
 
@@ -97,14 +130,31 @@ def test_default_is_on_policy_and_reads_only_prompts(tmp_path, tokenizer):
 
 
 def test_sampling_settings_reach_the_sampler(tmp_path, tokenizer):
-    args = DistillationConfig(**_kw(tmp_path, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
-                                    repetition_penalty=1.3, max_completion_length=9,
-                                    generation_kwargs='{"top_k": 7, "max_new_tokens": 4, "no_repeat_ngram_size": 2}'))
+    args = DistillationConfig(
+        **_kw(
+            tmp_path,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            max_completion_length=9,
+            generation_kwargs='{"top_k": 7, "max_new_tokens": 4, "no_repeat_ngram_size": 2}',
+        )
+    )
     params = args.sampling_params()
-    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
-            params.max_tokens, params.extra) == (0.7, 0.9, 7, 0.05, 1.3, 4, {"no_repeat_ngram_size": 2})
-    trainer = _ours(tmp_path, tokenizer, generation_kwargs={"max_new_tokens": 2}, lmbda=1.0,
-                    cache_implementation="static")
+    assert (
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.repetition_penalty,
+        params.max_tokens,
+        params.extra,
+    ) == (0.7, 0.9, 7, 0.05, 1.3, 4, {"no_repeat_ngram_size": 2})
+    trainer = _ours(
+        tmp_path, tokenizer, generation_kwargs={"max_new_tokens": 2}, lmbda=1.0, cache_implementation="static"
+    )
     assert trainer._sampler.cache_implementation == "static"
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     sampled = trainer._student_batch(batch, 0, "train")
@@ -125,8 +175,7 @@ def test_pad_to_multiple_of_and_shuffle_dataset(tmp_path, tokenizer):
 
 def test_log_completions_writes_trls_file(tmp_path, tokenizer):
     pd = pytest.importorskip("pandas")
-    trainer = _ours(tmp_path, tokenizer, log_completions=True, logging_steps=1, max_steps=1,
-                    max_completion_length=3)
+    trainer = _ours(tmp_path, tokenizer, log_completions=True, logging_steps=1, max_steps=1, max_completion_length=3)
     trainer.train()
     table = pd.read_parquet(os.path.join(tmp_path, "completions", "completions_00001.parquet"))
     assert list(table.columns) == ["step", "prompt", "completion"] and len(table) == 4
@@ -139,21 +188,30 @@ def test_teacher_revision_is_used_when_loading_by_name(tmp_path, tokenizer, tiny
     seen = []
     original = distillation.load_causal_lm
     monkeypatch.setattr(distillation, "load_causal_lm", lambda m, kw=None: seen.append(kw) or original(m))
-    DistillationTrainer(build_tiny_model(tokenizer), tiny_model_path, processing_class=tokenizer,
-                        train_dataset=_prompts(4), args=DistillationConfig(**_kw(
-                            tmp_path, teacher_model_revision="v2", teacher_model_init_kwargs={"dtype": "float32"})))
+    DistillationTrainer(
+        build_tiny_model(tokenizer),
+        tiny_model_path,
+        processing_class=tokenizer,
+        train_dataset=_prompts(4),
+        args=DistillationConfig(
+            **_kw(tmp_path, teacher_model_revision="v2", teacher_model_init_kwargs={"dtype": "float32"})
+        ),
+    )
     assert seen == [{"trust_remote_code": False, "dtype": "float32", "revision": "v2"}]
 
 
-@pytest.mark.parametrize("setting,message", [
-    ({"use_vllm": True}, "use_vllm=True is not supported"),
-    ({"ds3_gather_for_generation": False}, "DeepSpeed ZeRO-3"),
-    ({"generation_kwargs": {"num_beams": 2}}, r"generation_kwargs\['num_beams'\] cannot be changed"),
-    ({"generation_kwargs": {"not_a_setting": 2}}, r"GenerationConfig does not know: \['not_a_setting'\]"),
-    ({"lmbda": 0.5, "padding_free": True}, "set padding_free=False"),
-    ({"top_p": 0.0}, "top_p=0.0 is invalid"),
-    ({"max_tool_calling_iterations": 3}, "tool calling runs on the online engine"),
-])
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ({"use_vllm": True}, "use_vllm=True is not supported"),
+        ({"ds3_gather_for_generation": False}, "DeepSpeed ZeRO-3"),
+        ({"generation_kwargs": {"num_beams": 2}}, r"generation_kwargs\['num_beams'\] cannot be changed"),
+        ({"generation_kwargs": {"not_a_setting": 2}}, r"GenerationConfig does not know: \['not_a_setting'\]"),
+        ({"lmbda": 0.5, "padding_free": True}, "set padding_free=False"),
+        ({"top_p": 0.0}, "top_p=0.0 is invalid"),
+        ({"max_tool_calling_iterations": 3}, "tool calling runs on the online engine"),
+    ],
+)
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, setting, message):
     with pytest.raises(ConfigError, match=message):
         DistillationConfig(**_kw(tmp_path, **setting))
@@ -165,8 +223,14 @@ def test_errors_name_the_option(tmp_path, tokenizer):
         return 2 * x
 
     with pytest.raises(ConfigError, match="tool-calling rollouts run on GRPOTrainer, RLOOTrainer and PPOTrainer"):
-        DistillationTrainer(build_tiny_model(tokenizer), _teacher(tokenizer), args=DistillationConfig(**_kw(tmp_path)),
-                            train_dataset=_prompts(4), processing_class=tokenizer, tools=[tool])
+        DistillationTrainer(
+            build_tiny_model(tokenizer),
+            _teacher(tokenizer),
+            args=DistillationConfig(**_kw(tmp_path)),
+            train_dataset=_prompts(4),
+            processing_class=tokenizer,
+            tools=[tool],
+        )
     with pytest.raises(ConfigError, match="teacher_model_revision only applies"):
         _ours(tmp_path, tokenizer, teacher_model_revision="main")
     with pytest.raises(ConfigError, match="has only prompts. Set lmbda=1.0"):

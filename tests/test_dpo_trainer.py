@@ -19,20 +19,37 @@ WORDS = ["cat", "dog", "sky", "sun", "tree", "fish", "moon", "bird"]
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-2,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-                max_length=64, max_prompt_length=32, ref_cache_dir=str(tmp_path / "ref_cache"))
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        max_length=64,
+        max_prompt_length=32,
+        ref_cache_dir=str(tmp_path / "ref_cache"),
+    )
     base.update(kw)
     return DPOConfig(**base)
 
 
 def _data(n=8):
     """Chosen always ends with ' good', rejected with ' bad'; lengths vary so padding matters."""
-    return Dataset.from_list([
-        {"prompt": f"the {WORDS[i % 8]} is" + " very" * (i % 3), "chosen": " so" * (i % 2) + " good",
-         "rejected": " bad" + " bad" * (i % 3)}
-        for i in range(n)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"the {WORDS[i % 8]} is" + " very" * (i % 3),
+                "chosen": " so" * (i % 2) + " good",
+                "rejected": " bad" + " bad" * (i % 3),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _model(path, seed=None):
@@ -73,15 +90,18 @@ def _logsig(x):
 def test_loss_and_metrics_match_float64_reference(tmp_path, tiny_model_path, loss_type):
     beta = 0.5
     ref = _model(tiny_model_path, seed=1)
-    trainer = DPOTrainer(tiny_model_path, ref_model=ref,
-                         args=_args(tmp_path, beta=beta, loss_type=loss_type,
-                                    loss_weights=[1.0, 0.3] if "," in loss_type else None),
-                         train_dataset=_data())
+    trainer = DPOTrainer(
+        tiny_model_path,
+        ref_model=ref,
+        args=_args(tmp_path, beta=beta, loss_type=loss_type, loss_weights=[1.0, 0.3] if "," in loss_type else None),
+        train_dataset=_data(),
+    )
     rows = [trainer.train_dataset[i] for i in range(4)]
     pol, rf = _completion_logps64(trainer.model, rows), _completion_logps64(ref, rows)
     if loss_type == "ipo":  # IPO compares length-averaged log-probs
-        h = ((pol["chosen"] - rf["chosen"]) / pol["chosen_len"]
-             - (pol["rejected"] - rf["rejected"]) / pol["rejected_len"])
+        h = (pol["chosen"] - rf["chosen"]) / pol["chosen_len"] - (pol["rejected"] - rf["rejected"]) / pol[
+            "rejected_len"
+        ]
         expected = ((h - 1 / (2 * beta)) ** 2).mean()
     else:
         h = (pol["chosen"] - rf["chosen"]) - (pol["rejected"] - rf["rejected"])
@@ -108,8 +128,9 @@ def test_loss_and_metrics_match_float64_reference(tmp_path, tiny_model_path, los
 def test_bco_pair_has_no_running_mean_shift_as_in_trl(tmp_path, tiny_model_path):
     beta = 0.5
     ref = _model(tiny_model_path, seed=1)
-    trainer = DPOTrainer(tiny_model_path, ref_model=ref, args=_args(tmp_path, beta=beta, loss_type="bco_pair"),
-                         train_dataset=_data())
+    trainer = DPOTrainer(
+        tiny_model_path, ref_model=ref, args=_args(tmp_path, beta=beta, loss_type="bco_pair"), train_dataset=_data()
+    )
     rows = [trainer.train_dataset[i] for i in range(8)]
     pol, rf = _completion_logps64(trainer.model, rows), _completion_logps64(ref, rows)
     chosen_rewards, rejected_rewards = beta * (pol["chosen"] - rf["chosen"]), beta * (pol["rejected"] - rf["rejected"])
@@ -122,16 +143,23 @@ def test_bco_pair_has_no_running_mean_shift_as_in_trl(tmp_path, tiny_model_path)
 
 
 def test_learns_to_prefer_chosen_and_evaluates(tmp_path, tiny_model_path):
-    trainer = DPOTrainer(tiny_model_path, args=_args(tmp_path, max_steps=8, beta=0.5), train_dataset=_data(),
-                         eval_dataset=_data(4))
+    trainer = DPOTrainer(
+        tiny_model_path, args=_args(tmp_path, max_steps=8, beta=0.5), train_dataset=_data(), eval_dataset=_data(4)
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
     assert logs[0]["rewards/accuracies"] == 0.0
     assert logs[-1]["loss"] < 0.3 * logs[0]["loss"]
     assert logs[-1]["rewards/accuracies"] == 1.0 and logs[-1]["rewards/margins"] > 1.0
-    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "logits/chosen",
-                "logits/rejected"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+    ):
         assert math.isfinite(logs[-1][key])
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] < 0.3 * math.log(2) and metrics["eval_rewards/accuracies"] == 1.0
@@ -146,8 +174,9 @@ def test_reference_modes_give_identical_losses(tmp_path, tiny_model_path):
     assert peft_trainer.ref_model is None
     merged = copy.deepcopy(peft_trainer.model).merge_and_unload().state_dict()
     copy_trainer = DPOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_data())
-    precomputed = DPOTrainer(tiny_model_path, args=_args(tmp_path, precompute_ref_log_probs=True),
-                             train_dataset=_data())
+    precomputed = DPOTrainer(
+        tiny_model_path, args=_args(tmp_path, precompute_ref_log_probs=True), train_dataset=_data()
+    )
     assert precomputed.ref_model is None and "ref_chosen_logps" in precomputed.train_dataset.column_names
     losses = []
     for trainer in (peft_trainer, copy_trainer, precomputed):
@@ -181,8 +210,11 @@ def test_precomputed_reference_is_cached_on_disk_and_invalidated_by_data(tmp_pat
     third_calls = _counting(third_model)
     DPOTrainer(third_model, args=args, train_dataset=changed)
     assert len(third_calls) == 3
-    DPOTrainer(_model(tiny_model_path), args=_args(tmp_path, precompute_ref_log_probs=True, max_completion_length=2),
-               train_dataset=_data())
+    DPOTrainer(
+        _model(tiny_model_path),
+        args=_args(tmp_path, precompute_ref_log_probs=True, max_completion_length=2),
+        train_dataset=_data(),
+    )
     assert len(list((tmp_path / "ref_cache").glob("*.pt"))) == 3  # data and tokenization settings are in the key
     ref_first = torch.tensor(first.train_dataset["ref_chosen_logps"])
     assert torch.all(ref_first < 0)
@@ -191,8 +223,12 @@ def test_precomputed_reference_is_cached_on_disk_and_invalidated_by_data(tmp_pat
 def test_lora_trains_without_a_second_model(tmp_path, tiny_model_path):
     gc.collect()
     before = sum(isinstance(o, LlamaForCausalLM) for o in gc.get_objects())
-    trainer = DPOTrainer(tiny_model_path, args=_args(tmp_path, max_steps=2), train_dataset=_data(),
-                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = DPOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=_data(),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     gc.collect()
     assert sum(isinstance(o, LlamaForCausalLM) for o in gc.get_objects()) == before + 1
     assert trainer.ref_model is None
@@ -203,8 +239,11 @@ def test_lora_trains_without_a_second_model(tmp_path, tiny_model_path):
 
 
 def _one_sgd_step(tmp_path, tiny_model_path, **kw):
-    trainer = DPOTrainer(tiny_model_path, args=_args(tmp_path, optim="sgd", lr_scheduler_type="constant",
-                                                     learning_rate=0.5, **kw), train_dataset=_data(3))
+    trainer = DPOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, optim="sgd", lr_scheduler_type="constant", learning_rate=0.5, **kw),
+        train_dataset=_data(3),
+    )
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return start, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -213,16 +252,20 @@ def _one_sgd_step(tmp_path, tiny_model_path, **kw):
 def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
     # 3 pairs as one batch, or as micro-batches of 2 and 1: the loss divides by the 3 pairs either way.
     start, one = _one_sgd_step(tmp_path, tiny_model_path, per_device_train_batch_size=3)
-    _, accumulated = _one_sgd_step(tmp_path, tiny_model_path, per_device_train_batch_size=2,
-                                   gradient_accumulation_steps=2)
+    _, accumulated = _one_sgd_step(
+        tmp_path, tiny_model_path, per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
     assert any(not torch.equal(start[n], one[n]) for n in one)
     for name in one:
         torch.testing.assert_close(accumulated[name], one[name], rtol=0, atol=1e-6)
 
 
 def test_sync_ref_model_mixes_policy_into_reference(tmp_path, tiny_model_path):
-    trainer = DPOTrainer(tiny_model_path, args=_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1,
-                                                     ref_model_mixup_alpha=0.25), train_dataset=_data())
+    trainer = DPOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.25),
+        train_dataset=_data(),
+    )
     initial = {n: p.detach().clone().double() for n, p in trainer.model.named_parameters()}
     trainer.train()
     policy = dict(trainer.model.named_parameters())
@@ -234,8 +277,9 @@ def test_sync_ref_model_mixes_policy_into_reference(tmp_path, tiny_model_path):
 
 def test_missing_rejected_column(tmp_path, tiny_model_path):
     with pytest.raises(DataError, match=r"DPOTrainer does not train on prompt-completion data \(columns found"):
-        DPOTrainer(tiny_model_path, args=_args(tmp_path),
-                   train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"}]))
+        DPOTrainer(
+            tiny_model_path, args=_args(tmp_path), train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"}])
+        )
 
 
 def test_conversational_prompt_with_string_chosen(tmp_path, tiny_model_path):
@@ -246,31 +290,40 @@ def test_conversational_prompt_with_string_chosen(tmp_path, tiny_model_path):
 
 def test_empty_dataset(tmp_path, tiny_model_path):
     with pytest.raises(DataError, match="DPOTrainer: train_dataset is empty"):
-        DPOTrainer(tiny_model_path, args=_args(tmp_path),
-                   train_dataset=Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []}))
+        DPOTrainer(
+            tiny_model_path,
+            args=_args(tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []}),
+        )
 
 
 def test_prompt_filling_max_length(tmp_path, tiny_model_path):
     # As in TRL, keep_start drops rows whose prompt fills max_length; when none is left the run stops.
     with pytest.raises(DataError, match="Every row of train_dataset is dropped because their prompt alone fills"):
-        DPOTrainer(tiny_model_path, args=_args(tmp_path, max_length=4, max_prompt_length=None),
-                   train_dataset=_data())
+        DPOTrainer(tiny_model_path, args=_args(tmp_path, max_length=4, max_prompt_length=None), train_dataset=_data())
 
 
 def test_sync_ref_model_with_peft_policy(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="sync_ref_model needs a separate reference model"):
-        DPOTrainer(tiny_model_path, args=_args(tmp_path, sync_ref_model=True), train_dataset=_data(),
-                   peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+        DPOTrainer(
+            tiny_model_path,
+            args=_args(tmp_path, sync_ref_model=True),
+            train_dataset=_data(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(loss_type="sigmoidd"), r"loss_type \['sigmoidd'\] is not supported"),
-    (dict(loss_type="sigmoid,ipo", loss_weights=[1.0]), "loss_weights has 1 entries but loss_type has 2"),
-    (dict(loss_type="hinge", label_smoothing=0.1), "label_smoothing=0.1 has no effect"),
-    (dict(max_length=16, max_prompt_length=16), "max_prompt_length=16 leaves no room"),
-    (dict(precompute_ref_log_probs=True, sync_ref_model=True), "its log-probs cannot be precomputed"),
-    (dict(ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(loss_type="sigmoidd"), r"loss_type \['sigmoidd'\] is not supported"),
+        (dict(loss_type="sigmoid,ipo", loss_weights=[1.0]), "loss_weights has 1 entries but loss_type has 2"),
+        (dict(loss_type="hinge", label_smoothing=0.1), "label_smoothing=0.1 has no effect"),
+        (dict(max_length=16, max_prompt_length=16), "max_prompt_length=16 leaves no room"),
+        (dict(precompute_ref_log_probs=True, sync_ref_model=True), "its log-probs cannot be precomputed"),
+        (dict(ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in \(0, 1\]"),
+    ],
+)
 def test_bad_settings_fail_at_config_time(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         _args(tmp_path, **settings)
@@ -280,31 +333,41 @@ def test_loss_type_from_the_command_line(tmp_path):
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(DPOConfig)
-    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--loss_type", "sigmoid,sft",
-                                                    "--loss_weights", "1", "0.5"])
+    (parsed,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--loss_type", "sigmoid,sft", "--loss_weights", "1", "0.5"]
+    )
     assert parsed.loss_type == ["sigmoid", "sft"] and parsed.loss_weights == [1.0, 0.5]
     assert _args(tmp_path, loss_type="ipo").loss_type == ["ipo"]  # a list, as TRL makes it
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(tiny_model_path, monkeypatch,
-                                                                               attention):
+def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(tiny_model_path, monkeypatch, attention):
     """Rows of very different lengths: the padded batch runs as fewer rows, each prompt once for its chosen and
     rejected completions, through the hidden-state path (no [tokens x vocab] logits); each sequence's log-prob,
     metric sums and gradient equal float64 computed on it alone. A left-padded batch (left as it is) agrees."""
     from posttrain.trainers import preference_common
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention)
-    rows = [{"prompt_ids": list(range(5, 5 + p)), "chosen_ids": [40 + i for i in range(c)],
-             "rejected_ids": [80 + i for i in range(r)]} for p, c, r in ((30, 6, 9), (3, 2, 4), (12, 5, 1), (40, 7, 3))]
+    rows = [
+        {
+            "prompt_ids": list(range(5, 5 + p)),
+            "chosen_ids": [40 + i for i in range(c)],
+            "rejected_ids": [80 + i for i in range(r)],
+        }
+        for p, c, r in ((30, 6, 9), (3, 2, 4), (12, 5, 1), (40, 7, 3))
+    ]
     batch = PreferenceCollator(0)(rows)
     layouts = []
-    monkeypatch.setattr(preference_common, "shared_layout", lambda *args, f=preference_common.shared_layout:
-                        layouts.append(f(*args)) or layouts[-1])
+    monkeypatch.setattr(
+        preference_common,
+        "shared_layout",
+        lambda *args, f=preference_common.shared_layout: layouts.append(f(*args)) or layouts[-1],
+    )
     got = preference_common.sequence_logps(model, batch)
     # Fewer positions than the prompts and completions hold when each is computed once per sequence.
-    assert layouts[0][0]["input_ids"].numel() < sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"])
-                                                    + len(r["rejected_ids"]) for r in rows)
+    assert layouts[0][0]["input_ids"].numel() < sum(
+        2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows
+    )
     got.logps.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model64 = copy.deepcopy(model).double()
@@ -320,8 +383,9 @@ def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(ti
             tokens.append(len(steps))
     torch.stack(expected).sum().backward()
     torch.testing.assert_close(got.logps.double(), torch.stack(expected).detach(), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(got.stats["entropy"].double(), torch.tensor(entropy, dtype=torch.float64), atol=1e-4,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        got.stats["entropy"].double(), torch.tensor(entropy, dtype=torch.float64), atol=1e-4, rtol=1e-5
+    )
     assert got.token_counts.tolist() == tokens
     for name, param in model64.named_parameters():
         torch.testing.assert_close(grads[name].double(), param.grad, atol=1e-4, rtol=1e-4)
@@ -329,6 +393,7 @@ def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(ti
     left = {k: torch.stack([row.roll(pad) for row, pad in zip(v, pads)]) for k, v in batch.items()}
     layouts.clear()
     with torch.no_grad():
-        torch.testing.assert_close(preference_common.sequence_logps(model, left).logps, got.logps.detach(),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            preference_common.sequence_logps(model, left).logps, got.logps.detach(), atol=1e-4, rtol=1e-5
+        )
     assert layouts == []

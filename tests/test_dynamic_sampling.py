@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_online_engine import make_config, prompt_dataset
+from test_resume import _common, _logged, _prompts, _StopAfter
 
 from posttrain.errors import ConfigError
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from test_online_engine import make_config, prompt_dataset
-from test_resume import _StopAfter, _common, _logged, _prompts
 
 
 def half_constant(prompts, completion_ids, **kwargs):
     """Prompts with an even number in them get 1.0 for every completion (zero variance); the others the fraction
     of low token ids (varies within a group)."""
-    return [1.0 if int(p.split()[1]) % 2 == 0 else sum(t < 192 for t in ids) / len(ids)
-            for p, ids in zip(prompts, completion_ids)]
+    return [
+        1.0 if int(p.split()[1]) % 2 == 0 else sum(t < 192 for t in ids) / len(ids)
+        for p, ids in zip(prompts, completion_ids)
+    ]
 
 
 class Recorder:
@@ -44,8 +46,9 @@ class Recorder:
 
 def _run(model_path, tmp_path, reward, **overrides):
     recorder = Recorder(reward)
-    args = make_config(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                       max_steps=4, **overrides)
+    args = make_config(
+        tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=4, **overrides
+    )
     trainer = recorder.watch(GRPOTrainer(model_path, recorder, args=args, train_dataset=prompt_dataset(16)))
     trainer.train()
     return trainer, recorder
@@ -77,8 +80,13 @@ def test_without_dynamic_sampling_zero_variance_groups_are_trained(tmp_path, tin
 def test_the_cap_holds_and_a_short_round_is_completed(tmp_path, tiny_model_path):
     """A reward without variance anywhere: each round generates exactly max_num_gen_batches batches, logs a fill
     rate of 0 and still trains on a full round."""
-    trainer, recorder = _run(tiny_model_path, tmp_path, lambda completions, **kw: [0.5] * len(completions),
-                             dynamic_sampling=True, max_num_gen_batches=3)
+    trainer, recorder = _run(
+        tiny_model_path,
+        tmp_path,
+        lambda completions, **kw: [0.5] * len(completions),
+        dynamic_sampling=True,
+        max_num_gen_batches=3,
+    )
     assert recorder.calls == 3 * 4
     assert _series(trainer, "dynamic_sampling/num_gen_batches") == [3.0] * 4
     assert _series(trainer, "dynamic_sampling/fill_rate") == [0.0] * 4
@@ -94,9 +102,12 @@ def test_a_partly_filled_round_reports_its_fill_rate(tmp_path, tiny_model_path):
     assert rates == pytest.approx([1 - z for z in zero]) and min(rates) < 1
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(max_num_gen_batches=0), r"max_num_gen_batches >= 1 \(it is 0\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_num_gen_batches=0), r"max_num_gen_batches >= 1 \(it is 0\)"),
+    ],
+)
 def test_bad_dynamic_sampling_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_config(tmp_path, dynamic_sampling=True, **overrides)
@@ -104,11 +115,21 @@ def test_bad_dynamic_sampling_settings_fail_when_the_config_is_built(tmp_path, o
 
 def _resumable(path, out, callbacks):
     def reward(prompts, completion_ids, **kwargs):
-        return [1.0 if p.split()[0] in ("cat", "sun", "tree") else sum(t < 192 for t in ids) / len(ids)
-                for p, ids in zip(prompts, completion_ids)]
+        return [
+            1.0 if p.split()[0] in ("cat", "sun", "tree") else sum(t < 192 for t in ids) / len(ids)
+            for p, ids in zip(prompts, completion_ids)
+        ]
 
-    args = GRPOConfig(**_common(out, per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
-                                dynamic_sampling=True, max_num_gen_batches=3))
+    args = GRPOConfig(
+        **_common(
+            out,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=6,
+            dynamic_sampling=True,
+            max_num_gen_batches=3,
+        )
+    )
     return GRPOTrainer(path, reward, args=args, train_dataset=_prompts(), callbacks=callbacks)
 
 

@@ -16,40 +16,64 @@ WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split
 
 
 def _common(tmp_path):
-    return dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-2,
-                save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64, disable_tqdm=True)
+    return dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        learning_rate=1e-2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+    )
 
 
 def _kto_data():
-    return Dataset.from_list([{"prompt": f"{WORDS[i]} is", "completion": (" good" if i % 2 else " bad") + " one",
-                               "label": bool(i % 2)} for i in range(8)])
+    return Dataset.from_list(
+        [
+            {"prompt": f"{WORDS[i]} is", "completion": (" good" if i % 2 else " bad") + " one", "label": bool(i % 2)}
+            for i in range(8)
+        ]
+    )
 
 
 def _distillation_data():
     rng = random.Random(0)
-    return Dataset.from_list([{"prompt": " ".join(rng.choices(WORDS, k=3)), "completion": " " + rng.choice(WORDS)}
-                              for _ in range(8)])
+    return Dataset.from_list(
+        [{"prompt": " ".join(rng.choices(WORDS, k=3)), "completion": " " + rng.choice(WORDS)} for _ in range(8)]
+    )
 
 
 def _train(module, config_name, trainer_name, tokenizer, tmp_path, **extra):
     config_cls, trainer_cls = getattr(module, config_name), getattr(module, trainer_name)
     if config_name == "KTOConfig":
         args = config_cls(**_common(tmp_path))
-        trainer = trainer_cls(build_tiny_model(tokenizer), args=args, train_dataset=_kto_data(),
-                              processing_class=tokenizer)
+        trainer = trainer_cls(
+            build_tiny_model(tokenizer), args=args, train_dataset=_kto_data(), processing_class=tokenizer
+        )
     else:
         args = config_cls(**_common(tmp_path), lmbda=0.0)
         teacher = build_tiny_model(tokenizer, seed=1)
-        trainer = trainer_cls(build_tiny_model(tokenizer), teacher, args=args, train_dataset=_distillation_data(),
-                              processing_class=tokenizer)
+        trainer = trainer_cls(
+            build_tiny_model(tokenizer),
+            teacher,
+            args=args,
+            train_dataset=_distillation_data(),
+            processing_class=tokenizer,
+        )
     trainer.train()
     return trainer
 
 
-@pytest.mark.parametrize("module_name,config_name,trainer_name", [
-    ("kto", "KTOConfig", "KTOTrainer"), ("distillation", "DistillationConfig", "DistillationTrainer")])
-def test_trl_import_path_warns_and_trains_like_the_stable_class(tmp_path, tokenizer, module_name, config_name,
-                                                                trainer_name):
+@pytest.mark.parametrize(
+    "module_name,config_name,trainer_name",
+    [("kto", "KTOConfig", "KTOTrainer"), ("distillation", "DistillationConfig", "DistillationTrainer")],
+)
+def test_trl_import_path_warns_and_trains_like_the_stable_class(
+    tmp_path, tokenizer, module_name, config_name, trainer_name
+):
     import importlib
 
     moved = importlib.import_module(f"posttrain.experimental.{module_name}")  # trl -> posttrain, nothing else
@@ -59,8 +83,10 @@ def test_trl_import_path_warns_and_trains_like_the_stable_class(tmp_path, tokeni
         trainer = _train(moved, config_name, trainer_name, tokenizer, tmp_path / "moved")
     messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     for name in (config_name, trainer_name):
-        assert any(f"from posttrain import {name}`" in m and f"posttrain.experimental.{module_name}.{name}" in m
-                   for m in messages), messages
+        assert any(
+            f"from posttrain import {name}`" in m and f"posttrain.experimental.{module_name}.{name}" in m
+            for m in messages
+        ), messages
     # The warning points at the user's line, not at posttrain's internals.
     assert all(w.filename == __file__ for w in caught if "posttrain.experimental" in str(w.message))
     with warnings.catch_warnings():

@@ -23,7 +23,9 @@ def _grads(module, inputs, grad_out):
 
 def _mlp(dtype, act="silu"):
     torch.manual_seed(0)
-    return LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, hidden_act=act)).to(dtype)
+    return LlamaMLP(
+        LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, hidden_act=act)
+    ).to(dtype)
 
 
 def test_swiglu_equals_the_module_in_float64():
@@ -41,8 +43,11 @@ def test_swiglu_equals_the_module_in_float64():
 def test_rmsnorm_gradient_against_a_float64_reference():
     """Llama's norm computes in float32 whatever the input; its gradient against exact float64 autograd."""
     torch.manual_seed(0)
-    x, weight, grad_out = torch.randn(4, 7, 24, dtype=torch.float64), torch.randn(24, dtype=torch.float64), \
-        torch.randn(4, 7, 24, dtype=torch.float64)
+    x, weight, grad_out = (
+        torch.randn(4, 7, 24, dtype=torch.float64),
+        torch.randn(24, dtype=torch.float64),
+        torch.randn(4, 7, 24, dtype=torch.float64),
+    )
     eps = 1e-5
     ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
     (ref_w * ref_x * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + eps)).backward(grad_out)
@@ -172,9 +177,19 @@ def test_trainers_fuse_by_default_and_train_the_same(tiny_model_path):
     data = Dataset.from_list([{"text": f"the number {i} is followed by {i + 1}."} for i in range(16)])
     losses, rebound = [], []
     for fused in (True, False):
-        args = SFTConfig(output_dir=f"/tmp/fused_{fused}", max_steps=3, per_device_train_batch_size=4,
-                         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
-                         use_cpu=True, seed=0, fused_layers=fused, disable_tqdm=True)
+        args = SFTConfig(
+            output_dir=f"/tmp/fused_{fused}",
+            max_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            fused_layers=fused,
+            disable_tqdm=True,
+        )
         trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=data)
         rebound.append(sum("forward" in vars(m) for m in trainer.model.modules()))
         trainer.train()

@@ -4,8 +4,8 @@ the first stop token, seeds make sampling reproducible and independent of the ba
 import math
 
 import pytest
-from datasets import Dataset
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from posttrain.errors import ConfigError
@@ -34,15 +34,18 @@ def _backend(model, tokenizer, stops=None):
     return TransformersBackend(model, tokenizer.pad_token_id, stops or [tokenizer.eos_token_id])
 
 
-@pytest.mark.parametrize("setting, kwargs", [
-    ("max_completion_length", {"max_tokens": 0}),
-    ("temperature", {"temperature": 0.0}),
-    ("top_p", {"top_p": 0.0}),
-    ("top_p", {"top_p": 1.5}),
-    ("top_k", {"top_k": -1}),
-    ("min_p", {"min_p": 1.0}),
-    ("repetition_penalty", {"repetition_penalty": 0.0}),
-])
+@pytest.mark.parametrize(
+    "setting, kwargs",
+    [
+        ("max_completion_length", {"max_tokens": 0}),
+        ("temperature", {"temperature": 0.0}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+        ("top_k", {"top_k": -1}),
+        ("min_p", {"min_p": 1.0}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ],
+)
 def test_sampling_params_reject_bad_values_naming_the_setting(setting, kwargs):
     with pytest.raises(ConfigError, match=rf"^{setting}="):
         SamplingParams(**{"max_tokens": 4, **kwargs})
@@ -102,17 +105,21 @@ def _step_logits(model, prompt, completion):
     """Next-token logits [len(completion), V] at every completion position, from one unpadded forward."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        return model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        return model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
 
 
-@pytest.mark.parametrize("sampling, allowed", [
-    (SamplingParams(max_tokens=6, top_k=1), lambda logits: logits == logits.max()),
-    (SamplingParams(max_tokens=6, top_k=3), lambda logits: logits >= logits.topk(3).values[-1]),
-    (SamplingParams(max_tokens=6, min_p=0.5, temperature=0.5),
-     lambda logits: torch.softmax(logits / 0.5, -1) >= 0.5 * torch.softmax(logits / 0.5, -1).max()),
-    (SamplingParams(max_tokens=6, top_p=0.05),
-     lambda logits: _nucleus(torch.softmax(logits, -1), 0.05)),
-])
+@pytest.mark.parametrize(
+    "sampling, allowed",
+    [
+        (SamplingParams(max_tokens=6, top_k=1), lambda logits: logits == logits.max()),
+        (SamplingParams(max_tokens=6, top_k=3), lambda logits: logits >= logits.topk(3).values[-1]),
+        (
+            SamplingParams(max_tokens=6, min_p=0.5, temperature=0.5),
+            lambda logits: torch.softmax(logits / 0.5, -1) >= 0.5 * torch.softmax(logits / 0.5, -1).max(),
+        ),
+        (SamplingParams(max_tokens=6, top_p=0.05), lambda logits: _nucleus(torch.softmax(logits, -1), 0.05)),
+    ],
+)
 def test_every_sampled_token_passes_the_filters(model, tokenizer, prompts, sampling, allowed):
     completions = _backend(model, tokenizer).generate(prompts, 3, sampling, seed=5)
     for completion in completions:
@@ -133,9 +140,10 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def test_top_k_1_is_greedy_decoding(model, tokenizer, prompts):
     completions = _backend(model, tokenizer).generate(prompts, 1, SamplingParams(max_tokens=7, top_k=1), seed=0)
     for prompt, completion in zip(prompts, completions):
-        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
-        assert completion.token_ids == greedy[0, len(prompt):].tolist()
+        greedy = model.generate(
+            torch.tensor([prompt]), max_new_tokens=7, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        assert completion.token_ids == greedy[0, len(prompt) :].tolist()
 
 
 def test_generation_runs_in_eval_mode_and_restores_train_mode(tiny_model_path, tokenizer, prompts):
@@ -195,18 +203,32 @@ def test_generation_kwargs_reach_generate(model, tokenizer, prompts):
 def test_cache_implementation_and_generation_kwargs_build_the_generation_config():
     from posttrain.generation.transformers_backend import generation_config
 
-    config = generation_config(SamplingParams(max_tokens=5, repetition_penalty=1.3, extra={"no_repeat_ngram_size": 2}),
-                               [2, 7], 0, cache_implementation="static")
+    config = generation_config(
+        SamplingParams(max_tokens=5, repetition_penalty=1.3, extra={"no_repeat_ngram_size": 2}),
+        [2, 7],
+        0,
+        cache_implementation="static",
+    )
     assert (config.cache_implementation, config.no_repeat_ngram_size, config.max_new_tokens) == ("static", 2, 5)
-    assert (config.do_sample, config.num_beams, config.eos_token_id, config.repetition_penalty) == (False, 1, [2, 7], 1.3)
+    assert (config.do_sample, config.num_beams, config.eos_token_id, config.repetition_penalty) == (
+        False,
+        1,
+        [2, 7],
+        1.3,
+    )
     assert generation_config(SamplingParams(max_tokens=5), [2], 0).cache_implementation is None
 
 
 def test_a_trainer_config_reaches_the_backend(model, tokenizer):
     from posttrain.trainers.grpo import GRPOConfig
 
-    args = GRPOConfig(output_dir="unused", use_cpu=True, cache_implementation="dynamic",
-                      generation_kwargs='{"no_repeat_ngram_size": 3}', per_device_train_batch_size=8)
+    args = GRPOConfig(
+        output_dir="unused",
+        use_cpu=True,
+        cache_implementation="dynamic",
+        generation_kwargs='{"no_repeat_ngram_size": 3}',
+        per_device_train_batch_size=8,
+    )
     backend = create_generation_backend(model, tokenizer, args)
     assert backend.cache_implementation == "dynamic"
     assert args.sampling_params().extra == {"no_repeat_ngram_size": 3} and args.sampling_params().min_p == 0.0
@@ -216,7 +238,11 @@ def test_continuous_batching_request_order_is_prompt_major():
     from posttrain.generation.continuous_batching import request_order
 
     assert request_order(["req_1", "req_0__child#0", "req_0", "req_1__child#0"], 2, 2) == [
-        "req_0", "req_0__child#0", "req_1", "req_1__child#0"]
+        "req_0",
+        "req_0__child#0",
+        "req_1",
+        "req_1__child#0",
+    ]
     with pytest.raises(RuntimeError, match=r"no result for the requests \['req_1'\]"):
         request_order(["req_0"], 2, 1)
 
@@ -229,8 +255,9 @@ def test_continuous_batching_generates_reproducible_prompt_major_completions(mod
     sampling = SamplingParams(max_tokens=4, top_k=3)
     completions = backend.generate(prompts[:2], 2, sampling, seed=[1, 2])
     assert [c.prompt_index for c in completions] == [0, 0, 1, 1]
-    assert [c.token_ids for c in backend.generate(prompts[:2], 2, sampling, seed=[1, 2])] == \
-        [c.token_ids for c in completions]
+    assert [c.token_ids for c in backend.generate(prompts[:2], 2, sampling, seed=[1, 2])] == [
+        c.token_ids for c in completions
+    ]
     for completion in completions:
         logits = _step_logits(model, prompts[completion.prompt_index], completion.token_ids)
         for step, token in enumerate(completion.token_ids):
@@ -248,9 +275,18 @@ def test_colocated_vllm_on_a_cpu_refuses_heads_below_32_dimensions(tmp_path, tin
 
     if torch.cuda.is_available():
         pytest.skip("the limit is the CPU backend's")
-    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=8, report_to="none", use_cpu=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        vllm_mode="colocate",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        report_to="none",
+        use_cpu=True,
+    )
     prompts = Dataset.from_list([{"prompt": "one two"}] * 4)
     with pytest.raises(ConfigError, match=r"at least 32 dimensions, but this model's are 8 \(hidden_size 32 / 4"):
-        GRPOTrainer(tiny_model_path, lambda completions, **kw: [0.0] * len(completions), args=args,
-                    train_dataset=prompts)
+        GRPOTrainer(
+            tiny_model_path, lambda completions, **kw: [0.0] * len(completions), args=args, train_dataset=prompts
+        )

@@ -5,11 +5,11 @@ checked against an unpadded float64 forward of prompt + completion."""
 
 import pytest
 import torch
+from test_generation import model, prompts  # noqa: F401  (the same tiny model and prompts as the backend tests)
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation import SamplingParams, TransformersBackend
 from posttrain.generation.base import completion_seeds
-from test_generation import model, prompts  # noqa: F401  (the same tiny model and prompts as the backend tests)
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,11 @@ def _backend(model, tokenizer, stops, **options):
 
 
 VARIANTS = [dict(share_prefill=s, drop_finished=d) for s in (True, False) for d in (True, False)]
-SAMPLINGS = [SamplingParams(max_tokens=12, top_k=1),  # greedy
-             SamplingParams(max_tokens=12, temperature=1.5),
-             SamplingParams(max_tokens=12, temperature=0.8, top_k=20, repetition_penalty=1.3)]
+SAMPLINGS = [
+    SamplingParams(max_tokens=12, top_k=1),  # greedy
+    SamplingParams(max_tokens=12, temperature=1.5),
+    SamplingParams(max_tokens=12, temperature=0.8, top_k=20, repetition_penalty=1.3),
+]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "t1.5", "t0.8-topk-penalty"])
@@ -39,7 +41,8 @@ def test_every_decode_variant_samples_what_generate_samples(model, tokenizer, pr
     but does not on this one. The log-probs agree to rounding."""
     seeds = completion_seeds([21, 22, 23], 3, 4)
     reference = TransformersBackend(model, tokenizer.pad_token_id, stops).generate_with_transformers(
-        model, prompts, 4, sampling, seeds)
+        model, prompts, 4, sampling, seeds
+    )
     assert len({len(c.token_ids) for c in reference}) >= 2 and any(not c.finished_with_eos for c in reference)
     logprobs = None
     for variant in VARIANTS:
@@ -59,20 +62,24 @@ def test_sampler_logprobs_are_the_filtered_softmax_of_an_unpadded_forward(model,
         prompt = prompts[completion.prompt_index]
         ids = torch.tensor([prompt + completion.token_ids])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
         expected = []
         for step, token in enumerate(completion.token_ids):
             scores = logits[step].clone()
             if sampling.repetition_penalty != 1.0:  # the penalty as defined by CTRL: divide positive, multiply negative
                 seen = torch.tensor(sorted(set(prompt + completion.token_ids[:step])))
-                scores[seen] = torch.where(scores[seen] > 0, scores[seen] / sampling.repetition_penalty,
-                                           scores[seen] * sampling.repetition_penalty)
+                scores[seen] = torch.where(
+                    scores[seen] > 0,
+                    scores[seen] / sampling.repetition_penalty,
+                    scores[seen] * sampling.repetition_penalty,
+                )
             scores = scores / sampling.temperature
             if sampling.top_k:
                 scores[scores < scores.topk(sampling.top_k).values[-1]] = -torch.inf
             expected.append(torch.log_softmax(scores, -1)[token])
-        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), torch.stack(expected),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(completion.logprobs, dtype=torch.float64), torch.stack(expected), rtol=0, atol=1e-4
+        )
 
 
 class ForwardLog:
@@ -138,7 +145,8 @@ def test_eager_attention_builds_its_own_masks(tiny_model_path, tokenizer, prompt
     assert eager.config._attn_implementation == "eager"
     sampling = SamplingParams(max_tokens=10, temperature=1.5)
     reference = TransformersBackend(eager, tokenizer.pad_token_id, stops).generate_with_transformers(
-        eager, prompts, 3, sampling, completion_seeds(2, 3, 3))
+        eager, prompts, 3, sampling, completion_seeds(2, 3, 3)
+    )
     completions = _backend(eager, tokenizer, stops).generate(prompts, 3, sampling, seed=2)
     assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
 
@@ -161,18 +169,28 @@ def test_llama_forward_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_
     with torch.no_grad():
         forward = llama_forward(model)
         assert forward is not None
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=caches[0],
-                       use_cache=True, logits_to_keep=1).logits
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=caches[0],
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
         assert torch.equal(forward(input_ids, mask, positions, caches[1], logits_to_keep=1), logits)
         for cache in caches:
             cache.batch_repeat_interleave(2)
-        tokens, mask, position = logits[:, -1].argmax(-1).repeat_interleave(2), mask.repeat_interleave(2, 0), \
-            positions[:, -1:].repeat_interleave(2, 0) + 1
+        tokens, mask, position = (
+            logits[:, -1].argmax(-1).repeat_interleave(2),
+            mask.repeat_interleave(2, 0),
+            positions[:, -1:].repeat_interleave(2, 0) + 1,
+        )
         for _ in range(10):
             mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
             ready = mask[:, None, None, :].bool()
-            expected = model(input_ids=tokens[:, None], attention_mask=ready, position_ids=position, cache=caches[0],
-                             use_cache=True).logits
+            expected = model(
+                input_ids=tokens[:, None], attention_mask=ready, position_ids=position, cache=caches[0], use_cache=True
+            ).logits
             assert torch.equal(forward(tokens[:, None], ready, position, caches[1]), expected)
             tokens, position = (expected[:, -1] + torch.randn_like(expected[:, -1])).argmax(-1), position + 1
         for a, b in zip(caches[0].layers, caches[1].layers):
@@ -180,8 +198,9 @@ def test_llama_forward_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_
         model.train()
         sequences, mask = left_pad([p + [5, 6, 7] for p in prompts], tokenizer.pad_token_id, "cpu")
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        expected = model(input_ids=sequences, attention_mask=mask, position_ids=positions, use_cache=False,
-                         logits_to_keep=4).logits
+        expected = model(
+            input_ids=sequences, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=4
+        ).logits
         assert torch.equal(llama_forward(model)(sequences, mask, positions, logits_to_keep=4), expected)
 
 
@@ -199,8 +218,9 @@ def test_llama_forward_is_only_taken_where_it_is_exact(tiny_model_path, model):
         handle.remove()
         eager = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
         assert llama_forward(eager) is None
-        lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                              LoraConfig(r=2, target_modules=["q_proj"])).eval()
+        lora = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=2, target_modules=["q_proj"])
+        ).eval()
         assert llama_forward(lora) is None and llama_forward(lora.get_base_model()) is None
     assert llama_forward(model) is None  # a gradient is wanted
 
@@ -212,8 +232,9 @@ def test_step_noise_draws_what_gumbel_noise_draws_step_by_step(budget):
     from posttrain.generation.transformers_backend import StepNoise, gumbel_noise
 
     seeds = [11, 12, 13, 14, 15]
-    noise = StepNoise([torch.Generator().manual_seed(s) for s in seeds], 385, torch.device("cpu"), 10,
-                      budget_bytes=budget)
+    noise = StepNoise(
+        [torch.Generator().manual_seed(s) for s in seeds], 385, torch.device("cpu"), 10, budget_bytes=budget
+    )
     reference = [torch.Generator().manual_seed(s) for s in seeds]
     rows = [0, 1, 2, 3, 4]
     for step in range(10):

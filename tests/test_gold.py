@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _trl import import_trl_experimental
+from test_gkd import _messages
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.gold import GOLDConfig, GOLDTrainer
 from posttrain.losses.gold import align_by_byte_offsets, merge_groups, sorted_l1, uld_sequence_loss
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from _trl import import_trl_experimental
-from test_gkd import _messages
 
 
 def _trl_gold():
@@ -59,13 +59,25 @@ def test_sorted_l1_matches_a_float64_reference():
 def test_uld_of_one_to_one_tokens_matches_a_float64_reference():
     """Same byte boundaries on both sides: the ULD of each position's sorted softmax, EOS left out."""
     g = torch.Generator().manual_seed(2)
-    s_logits, t_logits = torch.randn(6, 7, generator=g, dtype=torch.float64), torch.randn(5, 11, generator=g,
-                                                                                       dtype=torch.float64)
+    s_logits, t_logits = (
+        torch.randn(6, 7, generator=g, dtype=torch.float64),
+        torch.randn(5, 11, generator=g, dtype=torch.float64),
+    )
     s_labels, t_labels = torch.tensor([-100, -100, 1, 2, 3, 4]), torch.tensor([-100, 5, 6, 7, 8])
     offsets = [(0, 0)] * 2 + [(0, 1), (1, 3), (3, 4), (4, 4)]
     s_off, t_off = torch.tensor(offsets), torch.tensor(offsets[1:])
-    got = uld_sequence_loss(s_logits, t_logits, s_labels, t_labels, s_labels.clamp(min=0), t_labels.clamp(min=0),
-                            s_off, t_off, student_temperature=2.0, teacher_temperature=0.5)
+    got = uld_sequence_loss(
+        s_logits,
+        t_logits,
+        s_labels,
+        t_labels,
+        s_labels.clamp(min=0),
+        t_labels.clamp(min=0),
+        s_off,
+        t_off,
+        student_temperature=2.0,
+        teacher_temperature=0.5,
+    )
     ref = 0.0
     for k in range(3):
         s = [math.exp(x / 2.0) for x in s_logits[2 + k].tolist()]
@@ -92,24 +104,53 @@ def _random_pair(g, rng, student_vocab=13, teacher_vocab=17):
     return side(student_vocab, rng.randint(0, 3)), side(teacher_vocab, rng.randint(0, 3))
 
 
-@pytest.mark.parametrize("strategy,extended,skip_eos", list(itertools.product(("observed", "bayesian"),
-                                                                               (True, False), (True, False))))
+@pytest.mark.parametrize(
+    "strategy,extended,skip_eos", list(itertools.product(("observed", "bayesian"), (True, False), (True, False)))
+)
 def test_uld_equals_trls_uld_loss(strategy, extended, skip_eos):
     gold = _trl_gold()
     g, rng = torch.Generator().manual_seed(3), random.Random(3)
-    config = SimpleNamespace(uld_crossentropy_weight=0.0, uld_distillation_weight=1.0, uld_student_temperature=1.3,
-                             uld_teacher_temperature=0.8, uld_skip_student_eos=skip_eos,
-                             uld_skip_teacher_eos=skip_eos, use_extended_uld=extended,
-                             uld_token_merge_strategy=strategy, uld_use_hybrid_loss=False, beta=0.5)
+    config = SimpleNamespace(
+        uld_crossentropy_weight=0.0,
+        uld_distillation_weight=1.0,
+        uld_student_temperature=1.3,
+        uld_teacher_temperature=0.8,
+        uld_skip_student_eos=skip_eos,
+        uld_skip_teacher_eos=skip_eos,
+        use_extended_uld=extended,
+        uld_token_merge_strategy=strategy,
+        uld_use_hybrid_loss=False,
+        beta=0.5,
+    )
     trl_loss = gold.ULDLoss(config)
     for _ in range(4):
         (s_logits, s_labels, s_off), (t_logits, t_labels, t_off) = _random_pair(g, rng)
-        theirs = trl_loss(s_logits[None], t_logits[None], s_labels[None], t_labels[None],
-                          s_labels.clamp(min=0)[None], t_labels.clamp(min=0)[None], s_off[None], t_off[None])
-        ours = uld_sequence_loss(s_logits, t_logits, s_labels, t_labels, s_labels.clamp(min=0),
-                                 t_labels.clamp(min=0), s_off, t_off, extended=extended, strategy=strategy,
-                                 student_temperature=1.3, teacher_temperature=0.8, skip_student_eos=skip_eos,
-                                 skip_teacher_eos=skip_eos)
+        theirs = trl_loss(
+            s_logits[None],
+            t_logits[None],
+            s_labels[None],
+            t_labels[None],
+            s_labels.clamp(min=0)[None],
+            t_labels.clamp(min=0)[None],
+            s_off[None],
+            t_off[None],
+        )
+        ours = uld_sequence_loss(
+            s_logits,
+            t_logits,
+            s_labels,
+            t_labels,
+            s_labels.clamp(min=0),
+            t_labels.clamp(min=0),
+            s_off,
+            t_off,
+            extended=extended,
+            strategy=strategy,
+            student_temperature=1.3,
+            teacher_temperature=0.8,
+            skip_student_eos=skip_eos,
+            skip_teacher_eos=skip_eos,
+        )
         assert float(ours) == pytest.approx(float(theirs), rel=1e-9, abs=1e-12)
 
 
@@ -145,10 +186,20 @@ def test_hybrid_uld_equals_trls(tokenizer, teacher_tokenizer_path, beta, weights
 
     gold = _trl_gold()
     teacher_tok = AutoTokenizer.from_pretrained(teacher_tokenizer_path)
-    config = SimpleNamespace(uld_crossentropy_weight=0.0, uld_distillation_weight=1.0, uld_student_temperature=1.0,
-                             uld_teacher_temperature=1.0, uld_skip_student_eos=True, uld_skip_teacher_eos=True,
-                             use_extended_uld=True, uld_token_merge_strategy="observed", uld_use_hybrid_loss=True,
-                             uld_hybrid_matched_weight=weights[0], uld_hybrid_unmatched_weight=weights[1], beta=beta)
+    config = SimpleNamespace(
+        uld_crossentropy_weight=0.0,
+        uld_distillation_weight=1.0,
+        uld_student_temperature=1.0,
+        uld_teacher_temperature=1.0,
+        uld_skip_student_eos=True,
+        uld_skip_teacher_eos=True,
+        use_extended_uld=True,
+        uld_token_merge_strategy="observed",
+        uld_use_hybrid_loss=True,
+        uld_hybrid_matched_weight=weights[0],
+        uld_hybrid_unmatched_weight=weights[1],
+        beta=beta,
+    )
     trl_loss = gold.ULDLoss(config, student_tokenizer=tokenizer, teacher_tokenizer=teacher_tok)
     shared = shared_token_ids(tokenizer.get_vocab(), teacher_tok.get_vocab())
     # The teacher's BPE is the student's with fewer merges: every teacher token is shared; 16 padded logits of the
@@ -156,13 +207,33 @@ def test_hybrid_uld_equals_trls(tokenizer, teacher_tokenizer_path, beta, weights
     assert len(shared[0]) == len(teacher_tok) < len(tokenizer)
     g, rng = torch.Generator().manual_seed(4), random.Random(4)
     for _ in range(3):
-        (s_logits, s_labels, s_off), (t_logits, t_labels, t_off) = _random_pair(g, rng, len(tokenizer),
-                                                                                len(teacher_tok) + 16)
-        theirs = trl_loss(s_logits[None], t_logits[None], s_labels[None], t_labels[None],
-                          s_labels.clamp(min=0)[None], t_labels.clamp(min=0)[None], s_off[None], t_off[None])
-        ours = uld_sequence_loss(s_logits, t_logits, s_labels, t_labels, s_labels.clamp(min=0),
-                                 t_labels.clamp(min=0), s_off, t_off, shared=shared, beta=beta,
-                                 matched_weight=weights[0], unmatched_weight=weights[1])
+        (s_logits, s_labels, s_off), (t_logits, t_labels, t_off) = _random_pair(
+            g, rng, len(tokenizer), len(teacher_tok) + 16
+        )
+        theirs = trl_loss(
+            s_logits[None],
+            t_logits[None],
+            s_labels[None],
+            t_labels[None],
+            s_labels.clamp(min=0)[None],
+            t_labels.clamp(min=0)[None],
+            s_off[None],
+            t_off[None],
+        )
+        ours = uld_sequence_loss(
+            s_logits,
+            t_logits,
+            s_labels,
+            t_labels,
+            s_labels.clamp(min=0),
+            t_labels.clamp(min=0),
+            s_off,
+            t_off,
+            shared=shared,
+            beta=beta,
+            matched_weight=weights[0],
+            unmatched_weight=weights[1],
+        )
         assert float(ours) == pytest.approx(float(theirs), rel=1e-9, abs=1e-12)
 
 
@@ -185,18 +256,38 @@ def _teacher(tokenizer):
 
 
 def _kw(tmp_path, **kw):
-    return {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none",
-                   save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, lmbda=0.0), **kw}
+    return {
+        **dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            max_steps=2,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+            lmbda=0.0,
+        ),
+        **kw,
+    }
 
 
-@pytest.mark.parametrize("settings", [
-    dict(beta=0.3, temperature=0.7),
-    dict(use_uld_loss=True),
-    dict(use_uld_loss=True, uld_token_merge_strategy="bayesian", uld_crossentropy_weight=0.5,
-         uld_student_temperature=1.2, uld_teacher_temperature=0.8),
-    dict(use_uld_loss=True, use_extended_uld=False, uld_skip_teacher_eos=False),
-    dict(use_uld_loss=True, uld_use_hybrid_loss=True, beta=0.3),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(beta=0.3, temperature=0.7),
+        dict(use_uld_loss=True),
+        dict(
+            use_uld_loss=True,
+            uld_token_merge_strategy="bayesian",
+            uld_crossentropy_weight=0.5,
+            uld_student_temperature=1.2,
+            uld_teacher_temperature=0.8,
+        ),
+        dict(use_uld_loss=True, use_extended_uld=False, uld_skip_teacher_eos=False),
+        dict(use_uld_loss=True, uld_use_hybrid_loss=True, beta=0.3),
+    ],
+)
 def test_step0_loss_equals_trls(tmp_path, tokenizer, teacher_tokenizer_path, settings):
     from transformers import AutoTokenizer
 
@@ -205,15 +296,24 @@ def test_step0_loss_equals_trls(tmp_path, tokenizer, teacher_tokenizer_path, set
     teacher_tok = AutoTokenizer.from_pretrained(teacher_tokenizer_path) if uld else tokenizer
     extra = dict(teacher_tokenizer_name_or_path=teacher_tokenizer_path) if uld else {}
     data = _messages(4, tokenizer)
-    theirs = gold.GOLDTrainer(model=build_tiny_model(tokenizer), teacher_model=_teacher(teacher_tok),
-                              train_dataset=data, processing_class=tokenizer, args=gold.GOLDConfig(**_kw(
-                                  tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings, **extra)))
+    theirs = gold.GOLDTrainer(
+        model=build_tiny_model(tokenizer),
+        teacher_model=_teacher(teacher_tok),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=gold.GOLDConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings, **extra)),
+    )
     batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
     theirs.model.eval()
     with torch.no_grad():
         trl_loss = theirs.compute_loss(theirs.model, batch).item()
-    ours = GOLDTrainer(build_tiny_model(tokenizer), _teacher(teacher_tok), args=GOLDConfig(**_kw(
-        tmp_path / "ours", **settings, **extra)), train_dataset=data, processing_class=tokenizer)
+    ours = GOLDTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(teacher_tok),
+        args=GOLDConfig(**_kw(tmp_path / "ours", **settings, **extra)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     ours_batch = ours.data_collator([ours.train_dataset[i] for i in range(4)])
     assert ours_batch["labels"].tolist() == batch["labels"].tolist()
     ours.model.eval()
@@ -242,11 +342,16 @@ def test_config_defaults_and_signature_are_trls():
     assert params[: len(theirs)] == theirs
 
 
-@pytest.mark.parametrize("settings,match", [(dict(num_generations=2), "num_generations"),
-                                            (dict(uld_hybrid_matched_weight=0.5), "hybrid"),
-                                            (dict(uld_token_merge_strategy="mean"), "merge_strategy"),
-                                            (dict(callbacks=["x"]), "callbacks"),
-                                            (dict(max_completion_length=1024), "max_completion_length")])
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(num_generations=2), "num_generations"),
+        (dict(uld_hybrid_matched_weight=0.5), "hybrid"),
+        (dict(uld_token_merge_strategy="mean"), "merge_strategy"),
+        (dict(callbacks=["x"]), "callbacks"),
+        (dict(max_completion_length=1024), "max_completion_length"),
+    ],
+)
 def test_bad_settings_stop_before_training(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         GOLDConfig(**_kw(tmp_path, **settings))
@@ -257,22 +362,44 @@ def test_uld_needs_the_teachers_tokenizer(tmp_path, tokenizer, teacher_tokenizer
 
     teacher = _teacher(AutoTokenizer.from_pretrained(teacher_tokenizer_path))
     with pytest.raises(ConfigError, match="teacher_tokenizer_name_or_path"):
-        GOLDTrainer(build_tiny_model(tokenizer), teacher, args=GOLDConfig(**_kw(tmp_path, use_uld_loss=True)),
-                    train_dataset=_messages(4, tokenizer), processing_class=tokenizer)
+        GOLDTrainer(
+            build_tiny_model(tokenizer),
+            teacher,
+            args=GOLDConfig(**_kw(tmp_path, use_uld_loss=True)),
+            train_dataset=_messages(4, tokenizer),
+            processing_class=tokenizer,
+        )
     with pytest.raises(ConfigError, match="vocabulary|tokens"):  # without ULD the ids must agree
-        GOLDTrainer(build_tiny_model(tokenizer), teacher, args=GOLDConfig(**_kw(tmp_path)),
-                    teacher_processing_class=AutoTokenizer.from_pretrained(teacher_tokenizer_path),
-                    train_dataset=_messages(4, tokenizer), processing_class=tokenizer)
+        GOLDTrainer(
+            build_tiny_model(tokenizer),
+            teacher,
+            args=GOLDConfig(**_kw(tmp_path)),
+            teacher_processing_class=AutoTokenizer.from_pretrained(teacher_tokenizer_path),
+            train_dataset=_messages(4, tokenizer),
+            processing_class=tokenizer,
+        )
 
 
 def test_learns_from_a_teacher_with_another_tokenizer(tmp_path, tokenizer, teacher_tokenizer_path):
     from transformers import AutoTokenizer
 
     teacher = _teacher(AutoTokenizer.from_pretrained(teacher_tokenizer_path))
-    trainer = GOLDTrainer(build_tiny_model(tokenizer), teacher, processing_class=tokenizer,
-                          train_dataset=_messages(16, tokenizer), args=GOLDConfig(**_kw(
-                              tmp_path, use_uld_loss=True, teacher_tokenizer_name_or_path=teacher_tokenizer_path,
-                              max_steps=20, learning_rate=3e-3, logging_steps=1)))
+    trainer = GOLDTrainer(
+        build_tiny_model(tokenizer),
+        teacher,
+        processing_class=tokenizer,
+        train_dataset=_messages(16, tokenizer),
+        args=GOLDConfig(
+            **_kw(
+                tmp_path,
+                use_uld_loss=True,
+                teacher_tokenizer_name_or_path=teacher_tokenizer_path,
+                max_steps=20,
+                learning_rate=3e-3,
+                logging_steps=1,
+            )
+        ),
+    )
     trainer.train()
     losses = [h["distill_loss"] for h in trainer.state.log_history if "distill_loss" in h]
     assert len(losses) == 20
@@ -283,10 +410,24 @@ def test_learns_from_a_teacher_with_another_tokenizer(tmp_path, tokenizer, teach
 def test_on_and_off_policy_losses_split_the_step_loss(tmp_path, tokenizer):
     """Per optimizer step (logging_steps=1) with k of G micro-batches on-policy, TRL's definition gives
     loss = on_policy_loss * k / G + off_policy_loss * (G - k) / G, each key present only when its kind occurred."""
-    trainer = GOLDTrainer(build_tiny_model(tokenizer), _teacher(tokenizer), processing_class=tokenizer,
-                          train_dataset=_messages(16, tokenizer), args=GOLDConfig(**_kw(
-                              tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=4,
-                              lmbda=0.5, max_completion_length=6, logging_steps=1, learning_rate=1e-3)))
+    trainer = GOLDTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(tokenizer),
+        processing_class=tokenizer,
+        train_dataset=_messages(16, tokenizer),
+        args=GOLDConfig(
+            **_kw(
+                tmp_path,
+                per_device_train_batch_size=1,
+                gradient_accumulation_steps=4,
+                max_steps=4,
+                lmbda=0.5,
+                max_completion_length=6,
+                logging_steps=1,
+                learning_rate=1e-3,
+            )
+        ),
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 4
@@ -313,15 +454,32 @@ def test_extra_metrics_equal_trls_over_a_logging_window(tmp_path, tokenizer, tea
     from datasets import Dataset
 
     data = Dataset.from_list([row, row])  # the same row twice: the sampling order cannot matter
-    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=2, logging_steps=2,
-                    use_uld_loss=True, uld_use_hybrid_loss=True, beta=0.3, learning_rate=1e-3,
-                    teacher_tokenizer_name_or_path=teacher_tokenizer_path)
-    theirs = gold.GOLDTrainer(model=build_tiny_model(tokenizer), teacher_model=_teacher(teacher_tok),
-                              train_dataset=data, processing_class=tokenizer, args=gold.GOLDConfig(**_kw(
-                                  tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)))
+    settings = dict(
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        logging_steps=2,
+        use_uld_loss=True,
+        uld_use_hybrid_loss=True,
+        beta=0.3,
+        learning_rate=1e-3,
+        teacher_tokenizer_name_or_path=teacher_tokenizer_path,
+    )
+    theirs = gold.GOLDTrainer(
+        model=build_tiny_model(tokenizer),
+        teacher_model=_teacher(teacher_tok),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=gold.GOLDConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)),
+    )
     theirs.train()
-    ours = GOLDTrainer(build_tiny_model(tokenizer), _teacher(teacher_tok), train_dataset=data,
-                       processing_class=tokenizer, args=GOLDConfig(**_kw(tmp_path / "ours", **settings)))
+    ours = GOLDTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(teacher_tok),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=GOLDConfig(**_kw(tmp_path / "ours", **settings)),
+    )
     ours.train()
     trl_log, our_log = theirs.state.log_history[0], ours.state.log_history[0]
     assert "on_policy_loss" not in trl_log and "on_policy_loss" not in our_log

@@ -8,13 +8,13 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _trl import import_trl, import_trl_experimental
+from test_grpo_trainer import _side_by_side_batch, _stub
+from test_online_engine import make_config, prompt_dataset, train
 
 import posttrain
 from posttrain.experimental.gmpo import GMPOConfig, GMPOTrainer
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values, gmpo_objective
-from _trl import import_trl, import_trl_experimental
-from test_grpo_trainer import _side_by_side_batch, _stub
-from test_online_engine import make_config, prompt_dataset, train
 
 
 # -- GMPO ----------------------------------------------------------------------------------------------------
@@ -46,8 +46,9 @@ def test_gmpo_objective_matches_a_float64_reference(eps_low, eps_high, beta):
     logps = (data["logps"].detach().double() + 0.0).requires_grad_(True)
     old, ref, adv = data["old"].double(), data["ref"].double(), data["advantages"].double()
     mask = data["mask"]
-    loss, stats = gmpo_objective(logps, old, adv, mask, epsilon_low=eps_low, epsilon_high=eps_high,
-                                 ref_logps=ref, beta=beta)
+    loss, stats = gmpo_objective(
+        logps, old, adv, mask, epsilon_low=eps_low, epsilon_high=eps_high, ref_logps=ref, beta=beta
+    )
     expected = _gmpo_reference(logps.detach(), old, adv, mask, eps_low, eps_high, beta, ref)
     torch.testing.assert_close(loss.detach(), expected, atol=1e-12, rtol=1e-10)
     # Some tokens are clipped on each side, so the clip really is exercised.
@@ -70,8 +71,7 @@ def test_gmpo_keep_selects_the_tokens_of_the_geometric_mean():
     keep = torch.rand(data["mask"].shape, generator=torch.Generator().manual_seed(0)) > 0.5
     keep[:, 0] = True
     loss, _ = gmpo_objective(data["logps"].detach(), data["old"], data["advantages"], data["mask"], keep=keep)
-    expected = _gmpo_reference(data["logps"].detach(), data["old"], data["advantages"],
-                               data["mask"] * keep, 0.4, 0.4)
+    expected = _gmpo_reference(data["logps"].detach(), data["old"], data["advantages"], data["mask"] * keep, 0.4, 0.4)
     torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
 
 
@@ -80,32 +80,64 @@ def _import_trl_experimental(name: str):
     return trl, import_trl_experimental(name)
 
 
-@pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=0.04, epsilon=0.2, epsilon_high=0.3),
-                                     dict(top_entropy_quantile=0.5)])
+@pytest.mark.parametrize(
+    "options", [dict(beta=0.0), dict(beta=0.04, epsilon=0.2, epsilon_high=0.3), dict(top_entropy_quantile=0.5)]
+)
 def test_gmpo_loss_matches_trl_on_the_same_tensors(options, tmp_path):
     """TRL's GMPOTrainer._compute_loss and posttrain's GMPOTrainer.policy_loss on one batch: equal loss, gradient
     and clip metrics."""
     trl, gmpo = _import_trl_experimental("gmpo")
     data = _side_by_side_batch()
     mask, n = data["mask"], data["mask"].shape[0]
-    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=n, num_generations=2, use_cpu=True,
-                  report_to="none", bf16=False, max_completion_length=9, **options)
+    common = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=n,
+        num_generations=2,
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        max_completion_length=9,
+        **options,
+    )
     trl_args = gmpo.GMPOConfig(**common)
-    theirs = _stub(gmpo.GMPOTrainer, args=trl_args, beta=trl_args.beta, epsilon_low=trl_args.epsilon,
-                   epsilon_high=trl_args.epsilon_high or trl_args.epsilon,
-                   top_entropy_quantile=trl_args.top_entropy_quantile, current_gradient_accumulation_steps=1,
-                   _metrics={"train": defaultdict(list)})
+    theirs = _stub(
+        gmpo.GMPOTrainer,
+        args=trl_args,
+        beta=trl_args.beta,
+        epsilon_low=trl_args.epsilon,
+        epsilon_high=trl_args.epsilon_high or trl_args.epsilon,
+        top_entropy_quantile=trl_args.top_entropy_quantile,
+        current_gradient_accumulation_steps=1,
+        _metrics={"train": defaultdict(list)},
+    )
     theirs._get_per_token_logps_and_entropies = lambda *args, **kwargs: (data["logps"], data["entropy"], None)
-    trl_loss = theirs._compute_loss(None, {
-        "prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1),
-        "completion_ids": torch.zeros(n, mask.shape[1], dtype=torch.long), "completion_mask": mask,
-        "advantages": data["advantages"], "old_per_token_logps": data["old"], "ref_per_token_logps": data["ref"]})
+    trl_loss = theirs._compute_loss(
+        None,
+        {
+            "prompt_ids": torch.zeros(n, 1, dtype=torch.long),
+            "prompt_mask": torch.ones(n, 1),
+            "completion_ids": torch.zeros(n, mask.shape[1], dtype=torch.long),
+            "completion_mask": mask,
+            "advantages": data["advantages"],
+            "old_per_token_logps": data["old"],
+            "ref_per_token_logps": data["ref"],
+        },
+    )
     (trl_grad,) = torch.autograd.grad(trl_loss, data["logps"])
 
     ours = _stub(GMPOTrainer, args=GMPOConfig(**common), _metrics={"train": defaultdict(list)})
     our_loss, metrics = ours.policy_loss(
-        {"loss_mask": mask, "advantages": data["advantages"], "old_logps": data["old"], "ref_logps": data["ref"],
-         "total_sequences": n, "total_tokens": mask.sum()}, data["logps"], data["entropy"])
+        {
+            "loss_mask": mask,
+            "advantages": data["advantages"],
+            "old_logps": data["old"],
+            "ref_logps": data["ref"],
+            "total_sequences": n,
+            "total_tokens": mask.sum(),
+        },
+        data["logps"],
+        data["entropy"],
+    )
     (our_grad,) = torch.autograd.grad(our_loss, data["logps"])
     assert abs(trl_loss.item()) > 1e-3
     torch.testing.assert_close(our_loss, trl_loss, atol=1e-6, rtol=1e-5)
@@ -119,8 +151,13 @@ def test_gmpo_loss_matches_trl_on_the_same_tensors(options, tmp_path):
 def test_gmpo_defaults_and_refused_options(tmp_path):
     config = GMPOConfig(output_dir=str(tmp_path), use_cpu=True)
     assert (config.epsilon, config.epsilon_high, config.num_generations) == (0.4, None, 8)
-    for option in (dict(loss_type="grpo"), dict(delta=2.0), dict(importance_sampling_level="sequence"),
-                   dict(entropy_coef=0.01), dict(off_policy_mask_threshold=0.5)):
+    for option in (
+        dict(loss_type="grpo"),
+        dict(delta=2.0),
+        dict(importance_sampling_level="sequence"),
+        dict(entropy_coef=0.01),
+        dict(off_policy_mask_threshold=0.5),
+    ):
         name = next(iter(option))
         with pytest.raises(posttrain.errors.ConfigError, match=f"GMPOConfig.{name}="):
             GMPOConfig(output_dir=str(tmp_path), use_cpu=True, **option)
@@ -133,9 +170,19 @@ def test_gmpo_learns_a_verifiable_reward(tmp_path, tiny_model_path):
     def target_tokens(completion_ids, **kwargs):
         return [sum(t in targets for t in ids) / len(ids) for ids in completion_ids]
 
-    trainer = train(tiny_model_path, tmp_path, reward=target_tokens, trainer_class=GMPOTrainer,
-                    config_class=GMPOConfig, per_device_train_batch_size=16, num_generations=8,
-                    max_completion_length=12, learning_rate=3e-2, max_steps=20, data=prompt_dataset(64))
+    trainer = train(
+        tiny_model_path,
+        tmp_path,
+        reward=target_tokens,
+        trainer_class=GMPOTrainer,
+        config_class=GMPOConfig,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=12,
+        learning_rate=3e-2,
+        max_steps=20,
+        data=prompt_dataset(64),
+    )
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     print("GMPO reward", rewards[0], "->", rewards[-1])
     assert sum(rewards[:3]) / 3 < 0.05
@@ -147,8 +194,9 @@ from posttrain.experimental.a2po import A2POConfig, A2POTrainer  # noqa: E402
 
 
 def test_a2po_optimal_values_and_loss_match_float64_references():
-    rewards = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]],
-                           dtype=torch.float64)
+    rewards = torch.tensor(
+        [[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64
+    )
     for beta1 in (0.5, 0.05, 3.0):
         expected = [beta1 * math.log(sum(math.exp(r / beta1) for r in row) / 4) for row in rewards.tolist()]
         torch.testing.assert_close(a2po_optimal_values(rewards, beta1), torch.tensor(expected, dtype=torch.float64))
@@ -163,8 +211,9 @@ def test_a2po_optimal_values_and_loss_match_float64_references():
     want = [(0.1 * (a - b) - (c - d)) ** 2 for a, b, c, d in zip(logp.tolist(), ref.tolist(), r.tolist(), v.tolist())]
     torch.testing.assert_close(loss.detach(), torch.tensor(want, dtype=torch.float64))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
-    want_grad = [2 * 0.1 * (0.1 * (a - b) - (c - d)) for a, b, c, d in zip(logp.tolist(), ref.tolist(), r.tolist(),
-                                                                            v.tolist())]
+    want_grad = [
+        2 * 0.1 * (0.1 * (a - b) - (c - d)) for a, b, c, d in zip(logp.tolist(), ref.tolist(), r.tolist(), v.tolist())
+    ]
     torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64))
     assert float(stats["advantage"]) == pytest.approx((0.4 - 0.2 + 0.1) / 3)
 
@@ -183,23 +232,46 @@ def test_a2po_loss_matches_trl_on_the_same_model_and_completions(tmp_path, tiny_
     completion_mask = torch.tensor([[1] * k + [0] * (t - k) for k in (6, 3, 5, 1)])
     ref_per_token = -torch.rand(b, t, generator=generator) * 6
     rewards, v_star = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.7, 0.3, 0.2, 0.05])
-    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, beta2=0.05,
-                  per_device_train_batch_size=b)
+    common = dict(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, beta2=0.05, per_device_train_batch_size=b
+    )
 
-    theirs = _stub(a2po.A2POTrainer, args=a2po.A2POConfig(**common), _metrics={"train": defaultdict(list)},
-                   model_kwarg_keys={"input_ids", "attention_mask", "logits_to_keep"})
-    trl_loss = theirs.compute_loss(model, {
-        "input_ids": torch.cat([prompt_ids, completion_ids], 1),
-        "attention_mask": torch.cat([torch.ones(b, p, dtype=torch.long), completion_mask], 1),
-        "logits_to_keep": t, "ref_logps": (ref_per_token * completion_mask).sum(1), "rewards": rewards,
-        "v_star": v_star})
+    theirs = _stub(
+        a2po.A2POTrainer,
+        args=a2po.A2POConfig(**common),
+        _metrics={"train": defaultdict(list)},
+        model_kwarg_keys={"input_ids", "attention_mask", "logits_to_keep"},
+    )
+    trl_loss = theirs.compute_loss(
+        model,
+        {
+            "input_ids": torch.cat([prompt_ids, completion_ids], 1),
+            "attention_mask": torch.cat([torch.ones(b, p, dtype=torch.long), completion_mask], 1),
+            "logits_to_keep": t,
+            "ref_logps": (ref_per_token * completion_mask).sum(1),
+            "rewards": rewards,
+            "v_star": v_star,
+        },
+    )
 
     ours = _stub(A2POTrainer, args=A2POConfig(**common), _metrics={"train": defaultdict(list)})
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones(b, p, dtype=torch.long),
-             "completion_ids": completion_ids, "completion_mask": completion_mask}
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones(b, p, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
     logps, _ = ours.completion_logps(model, batch)
-    our_loss, stats = ours.policy_loss({**batch, "loss_mask": completion_mask, "ref_logps": ref_per_token,
-                                        "advantages": rewards - v_star, "total_sequences": b}, logps)
+    our_loss, stats = ours.policy_loss(
+        {
+            **batch,
+            "loss_mask": completion_mask,
+            "ref_logps": ref_per_token,
+            "advantages": rewards - v_star,
+            "total_sequences": b,
+        },
+        logps,
+    )
     assert trl_loss.item() > 1e-3
     torch.testing.assert_close(our_loss, trl_loss, atol=1e-6, rtol=1e-5)
     for key in ("implicit_reward", "advantage"):
@@ -208,18 +280,34 @@ def test_a2po_loss_matches_trl_on_the_same_model_and_completions(tmp_path, tiny_
 
 def test_a2po_config_matches_trl_fields_and_refuses_grpo_only_options(tmp_path):
     config = A2POConfig(output_dir=str(tmp_path), use_cpu=True)
-    assert (config.num_value_samples, config.beta1, config.filter_all_incorrect, config.beta2,
-            config.num_generations, config.max_completion_length, config.max_prompt_length,
-            config.learning_rate) == (8, 0.5, True, 1e-3, 1, 256, 512, 5e-5)
+    assert (
+        config.num_value_samples,
+        config.beta1,
+        config.filter_all_incorrect,
+        config.beta2,
+        config.num_generations,
+        config.max_completion_length,
+        config.max_prompt_length,
+        config.learning_rate,
+    ) == (8, 0.5, True, 1e-3, 1, 256, 512, 5e-5)
     for option in (dict(beta=0.04), dict(loss_type="grpo"), dict(dynamic_sampling=True, num_generations=2)):
         with pytest.raises(posttrain.errors.ConfigError, match=f"A2POConfig.{next(iter(option))}="):
             A2POConfig(output_dir=str(tmp_path), use_cpu=True, **option)
     with pytest.raises(posttrain.errors.ConfigError, match="beta2 > 0"):
         A2POConfig(output_dir=str(tmp_path), use_cpu=True, beta2=0.0)
     import inspect
+
     names = list(inspect.signature(A2POTrainer.__init__).parameters)[1:9]
-    assert names == ["model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
-                     "callbacks", "optimizers"]
+    assert names == [
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "callbacks",
+        "optimizers",
+    ]
 
 
 TARGETS = {298, 299, 300, 301}
@@ -231,9 +319,19 @@ def any_target(completion_ids, **kwargs):
 
 
 def test_a2po_stage1_estimates_v_star_and_drops_unsolvable_prompts(tmp_path, tiny_model_path):
-    trainer = A2POTrainer(tiny_model_path, any_target, args=make_config(
-        tmp_path, A2POConfig, per_device_train_batch_size=4, num_generations=1, max_completion_length=8,
-        num_value_samples=4), train_dataset=prompt_dataset(32))
+    trainer = A2POTrainer(
+        tiny_model_path,
+        any_target,
+        args=make_config(
+            tmp_path,
+            A2POConfig,
+            per_device_train_batch_size=4,
+            num_generations=1,
+            max_completion_length=8,
+            num_value_samples=4,
+        ),
+        train_dataset=prompt_dataset(32),
+    )
     trainer.estimate_optimal_values()
     assert len(trainer.optimal_values) == 32
     values = torch.tensor(list(trainer.optimal_values.values()))
@@ -243,10 +341,22 @@ def test_a2po_stage1_estimates_v_star_and_drops_unsolvable_prompts(tmp_path, tin
 
 
 def test_a2po_learns_a_binary_reward(tmp_path, tiny_model_path):
-    trainer = train(tiny_model_path, tmp_path, reward=any_target, trainer_class=A2POTrainer, config_class=A2POConfig,
-                    per_device_train_batch_size=16, num_generations=1, max_completion_length=12, num_value_samples=4,
-                    beta2=0.1, learning_rate=3e-2, max_steps=20, data=prompt_dataset(64),
-                    filter_all_incorrect=False)
+    trainer = train(
+        tiny_model_path,
+        tmp_path,
+        reward=any_target,
+        trainer_class=A2POTrainer,
+        config_class=A2POConfig,
+        per_device_train_batch_size=16,
+        num_generations=1,
+        max_completion_length=12,
+        num_value_samples=4,
+        beta2=0.1,
+        learning_rate=3e-2,
+        max_steps=20,
+        data=prompt_dataset(64),
+        filter_all_incorrect=False,
+    )
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     print("A2PO reward", rewards[:3], "->", rewards[-3:])
     assert "v_star" in trainer.state.log_history[0] and "implicit_reward" in trainer.state.log_history[0]
@@ -265,8 +375,9 @@ def test_gspo_token_has_the_sequence_ratio_and_per_token_gradients():
     logps = data["logps"].detach().double().requires_grad_(True)
     old = data["old"].double()
     token_adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    loss, _ = policy_objective(logps, old, token_adv, mask, importance_sampling_level="sequence_token",
-                               epsilon_low=0.2, epsilon_high=0.28)
+    loss, _ = policy_objective(
+        logps, old, token_adv, mask, importance_sampling_level="sequence_token", epsilon_low=0.2, epsilon_high=0.28
+    )
     (grad,) = torch.autograd.grad(loss.sum(), logps)
     for i in range(mask.shape[0]):
         n = int(mask[i].sum())
@@ -281,16 +392,19 @@ def test_gspo_token_has_the_sequence_ratio_and_per_token_gradients():
             active = s * a <= clipped * a
             assert float(grad[i, t]) == pytest.approx(-a * s if active else 0.0, abs=1e-12)
     # With one advantage per completion the value equals GSPO's (sequence level).
-    seq_loss, _ = policy_objective(logps.detach(), old, data["advantages"].double(), mask,
-                                   importance_sampling_level="sequence")
-    tok_loss, _ = policy_objective(logps.detach(), old, data["advantages"].double(), mask,
-                                   importance_sampling_level="sequence_token")
+    seq_loss, _ = policy_objective(
+        logps.detach(), old, data["advantages"].double(), mask, importance_sampling_level="sequence"
+    )
+    tok_loss, _ = policy_objective(
+        logps.detach(), old, data["advantages"].double(), mask, importance_sampling_level="sequence_token"
+    )
     torch.testing.assert_close(tok_loss, seq_loss)
 
 
 def test_gspo_token_is_a_grpo_config_choice(tmp_path):
-    assert make_config(tmp_path, importance_sampling_level="sequence_token").importance_sampling_level == \
-        "sequence_token"
+    assert (
+        make_config(tmp_path, importance_sampling_level="sequence_token").importance_sampling_level == "sequence_token"
+    )
 
 
 # -- GRPO with a replay buffer ---------------------------------------------------------------------------------
@@ -320,11 +434,13 @@ def _replay_trainer(model_path, out, reward, callbacks=None, **overrides):
     from test_dynamic_sampling import Recorder
 
     recorder = Recorder(reward)
-    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=6,
-                    replay_buffer_size=4)
+    settings = dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=6, replay_buffer_size=4
+    )
     args = make_config(out, GRPOWithReplayBufferConfig, **{**settings, **overrides})
-    trainer = GRPOWithReplayBufferTrainer(model_path, recorder, args=args, train_dataset=prompt_dataset(16),
-                                          callbacks=callbacks)
+    trainer = GRPOWithReplayBufferTrainer(
+        model_path, recorder, args=args, train_dataset=prompt_dataset(16), callbacks=callbacks
+    )
     return recorder.watch(trainer), recorder
 
 
@@ -337,9 +453,15 @@ def test_replay_buffer_replaces_zero_variance_groups(tmp_path, tiny_model_path):
 
     def watched(rollout, round_index):
         n = rollout.num_generations
-        before = [(rollout.completion_ids[g * n:(g + 1) * n].clone(), rollout.completion_mask[g * n:(g + 1) * n],
-                   rollout.rewards[g * n:(g + 1) * n].clone(), rollout.advantages[g * n:(g + 1) * n].clone())
-                  for g in range(len(rollout) // n)]
+        before = [
+            (
+                rollout.completion_ids[g * n : (g + 1) * n].clone(),
+                rollout.completion_mask[g * n : (g + 1) * n],
+                rollout.rewards[g * n : (g + 1) * n].clone(),
+                rollout.advantages[g * n : (g + 1) * n].clone(),
+            )
+            for g in range(len(rollout) // n)
+        ]
         # float64 reference of each group's buffer score: unbiased std of its rewards times sum |advantages|.
         scores = [float(r.double().std() * a.double().abs().sum()) for _, _, r, a in before if (r != r[0]).any()]
         had = {entry[1] for entry in trainer.replay_buffer.heap}
@@ -361,10 +483,11 @@ def test_replay_buffer_replaces_zero_variance_groups(tmp_path, tiny_model_path):
     final = trainer.rollout
     n = final.num_generations
     for g in range(len(final) // n):
-        ids = final.completion_ids[g * n:(g + 1) * n]
-        width = int(final.completion_mask[g * n:(g + 1) * n].sum(1).max())
-        assert any(torch.equal(ids[:, :width], c[:, :width]) and not bool(m[:, width:].any())
-                   for c, m, _, _ in generated)
+        ids = final.completion_ids[g * n : (g + 1) * n]
+        width = int(final.completion_mask[g * n : (g + 1) * n].sum(1).max())
+        assert any(
+            torch.equal(ids[:, :width], c[:, :width]) and not bool(m[:, width:].any()) for c, m, _, _ in generated
+        )
 
 
 def _series_of(trainer, key):
@@ -374,11 +497,19 @@ def _series_of(trainer, key):
 def test_replay_buffer_size_zero_is_plain_grpo(tmp_path, tiny_model_path):
     from test_dynamic_sampling import half_constant
 
-    trainer, recorder = _replay_trainer(tiny_model_path, tmp_path / "a", half_constant, replay_buffer_size=0,
-                                        max_steps=2)
+    trainer, recorder = _replay_trainer(
+        tiny_model_path, tmp_path / "a", half_constant, replay_buffer_size=0, max_steps=2
+    )
     trainer.train()
-    plain = train(tiny_model_path, tmp_path / "b", reward=half_constant, per_device_train_batch_size=8,
-                  num_generations=4, max_completion_length=8, max_steps=2)
+    plain = train(
+        tiny_model_path,
+        tmp_path / "b",
+        reward=half_constant,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+    )
     for (name, ours), (_, theirs) in zip(trainer.model.named_parameters(), plain.model.named_parameters()):
         torch.testing.assert_close(ours, theirs, msg=name)
     with pytest.raises(posttrain.errors.ConfigError, match="replay_buffer_size=-1"):
@@ -387,11 +518,18 @@ def test_replay_buffer_size_zero_is_plain_grpo(tmp_path, tiny_model_path):
 
 def test_replay_buffer_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_model_path):
     from test_dynamic_sampling import half_constant
-    from test_resume import _StopAfter, _logged
+    from test_resume import _logged, _StopAfter
 
     def make(out, callbacks):
-        return _replay_trainer(tiny_model_path, out, half_constant, callbacks=callbacks, save_strategy="steps",
-                               save_steps=3, logging_steps=1)[0]
+        return _replay_trainer(
+            tiny_model_path,
+            out,
+            half_constant,
+            callbacks=callbacks,
+            save_strategy="steps",
+            save_steps=3,
+            logging_steps=1,
+        )[0]
 
     straight = make(tmp_path / "straight", None)
     straight.train()
@@ -412,10 +550,20 @@ def test_grpo_with_replay_buffer_learns(tmp_path, tiny_model_path):
         """Often the same for a whole group: 1 if a chosen token appears in the completion, else 0."""
         return [float(any(t in TARGETS for t in ids)) for ids in completion_ids]
 
-    trainer = train(tiny_model_path, tmp_path, reward=sparse_target, trainer_class=GRPOWithReplayBufferTrainer,
-                    config_class=GRPOWithReplayBufferConfig, per_device_train_batch_size=16, num_generations=4,
-                    max_completion_length=8, learning_rate=3e-2, max_steps=20, data=prompt_dataset(64),
-                    replay_buffer_size=8)
+    trainer = train(
+        tiny_model_path,
+        tmp_path,
+        reward=sparse_target,
+        trainer_class=GRPOWithReplayBufferTrainer,
+        config_class=GRPOWithReplayBufferConfig,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=3e-2,
+        max_steps=20,
+        data=prompt_dataset(64),
+        replay_buffer_size=8,
+    )
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     print("replay-buffer GRPO reward", rewards[:3], "->", rewards[-3:])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3

@@ -14,11 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import posttrain
-from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 from _trl import import_trl
 from test_online_engine import (
     ParameterSnapshots,
@@ -30,6 +25,11 @@ from test_online_engine import (
     target_fraction,
     train,
 )
+from transformers import AutoModelForCausalLM
+
+import posttrain
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
 def test_public_names_and_method_defaults(tmp_path):
@@ -48,9 +48,17 @@ def test_reward_rises_on_a_verifiable_task(tmp_path, tiny_model_path):
     def target_tokens(completion_ids, **kwargs):
         return [sum(t in targets for t in ids) / len(ids) for ids in completion_ids]
 
-    trainer = train(tiny_model_path, tmp_path, reward=target_tokens, per_device_train_batch_size=16,
-                    num_generations=8, max_completion_length=12, learning_rate=3e-2, max_steps=30,
-                    data=prompt_dataset(64))
+    trainer = train(
+        tiny_model_path,
+        tmp_path,
+        reward=target_tokens,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=12,
+        learning_rate=3e-2,
+        max_steps=30,
+        data=prompt_dataset(64),
+    )
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert len(rewards) == 30
     assert sum(rewards[:3]) / 3 < 0.05
@@ -70,15 +78,20 @@ def _float64_model(model_path, parameters=None):
 
 def _sequences(rollout):
     """(prompt ids, completion ids) of every completion of a rollout, without padding."""
-    return [(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
-             rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()) for i in range(len(rollout))]
+    return [
+        (
+            rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
+            rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist(),
+        )
+        for i in range(len(rollout))
+    ]
 
 
 def _token_logps(model, sequences):
     """Per completion, the log-probs of its tokens (one unpadded forward per sequence)."""
     result = []
     for prompt, completion in sequences:
-        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
         result.append(torch.log_softmax(logits, -1)[torch.arange(len(completion)), torch.tensor(completion)])
     return result
 
@@ -88,7 +101,7 @@ def _group_advantages(rewards, n, scale):
     batch_std = torch.tensor(rewards, dtype=torch.float64).std().item()
     advantages = []
     for start in range(0, len(rewards), n):
-        group = rewards[start:start + n]
+        group = rewards[start : start + n]
         mean = sum(group) / n
         group_std = math.sqrt(sum((r - mean) ** 2 for r in group) / (n - 1))
         divisor = {"group": group_std + 1e-4, "batch": batch_std + 1e-4, "none": 1.0}[scale]
@@ -97,13 +110,17 @@ def _group_advantages(rewards, n, scale):
 
 
 def _leave_one_out(rewards, n):
-    return [r - (sum(rewards[s:s + n]) - r) / (n - 1) for s in range(0, len(rewards), n) for r in rewards[s:s + n]]
+    return [r - (sum(rewards[s : s + n]) - r) / (n - 1) for s in range(0, len(rewards), n) for r in rewards[s : s + n]]
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_grpo_advantages_per_scale(tmp_path, tiny_model_path, scale):
-    trainer = GRPOTrainer(tiny_model_path, target_fraction, args=make_config(tmp_path, scale_rewards=scale),
-                          train_dataset=prompt_dataset())
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        target_fraction,
+        args=make_config(tmp_path, scale_rewards=scale),
+        train_dataset=prompt_dataset(),
+    )
     rewards = [0.5, 1.0, 3.0, 0.0, 2.0, 2.0, 4.0, -1.0, 7.0, 7.0, 7.0, 7.0]
     groups_of = lambda n: SimpleNamespace(num_generations=n)  # noqa: E731 (the rollout's group size)
     advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(4)).advantages
@@ -112,8 +129,9 @@ def test_grpo_advantages_per_scale(tmp_path, tiny_model_path, scale):
     advantages = trainer.compute_advantages(torch.tensor(rewards, dtype=torch.float64), groups_of(2)).advantages
     torch.testing.assert_close(advantages, torch.tensor(_group_advantages(rewards, 2, scale), dtype=torch.float64))
     # A completion no reward applies to is left out of its group: the others are scored as a group of 3.
-    with_none = trainer.compute_advantages(torch.tensor([float("nan")] + rewards[1:4], dtype=torch.float64),
-                                           groups_of(4)).advantages
+    with_none = trainer.compute_advantages(
+        torch.tensor([float("nan")] + rewards[1:4], dtype=torch.float64), groups_of(4)
+    ).advantages
     expected = [0.0] + _group_advantages(rewards[1:4], 3, scale)
     torch.testing.assert_close(with_none, torch.tensor(expected, dtype=torch.float64))
 
@@ -143,10 +161,22 @@ def test_loss_gradient_and_kl_match_a_float64_reference(tmp_path, tiny_model_pat
     KL and clipped fraction, recomputed from the rollout in float64."""
     beta, epsilon, lr = 0.2, 0.05, 2.0
     snapshots = ParameterSnapshots()
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, callbacks=[snapshots],
-                    loss_type="grpo", beta=beta, epsilon=epsilon, num_iterations=2, max_steps=2, optim="sgd",
-                    learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=0.0,
-                    use_bias_correction_kl=bias_correction)
+    trainer = train(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        reward=low_id_fraction,
+        callbacks=[snapshots],
+        loss_type="grpo",
+        beta=beta,
+        epsilon=epsilon,
+        num_iterations=2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        use_bias_correction_kl=bias_correction,
+    )
     rollout = trainer.rollout
     sequences = _sequences(rollout)
     assert len({len(c) for _, c in sequences}) > 1
@@ -155,8 +185,9 @@ def test_loss_gradient_and_kl_match_a_float64_reference(tmp_path, tiny_model_pat
     initial = _float64_model(tiny_model_path)
     with torch.no_grad():
         start_logps = _token_logps(initial, sequences)
-    loss, kl, _ = _reference_step(initial, sequences, advantages, start_logps, start_logps, beta, epsilon,
-                                  bias_correction)
+    loss, kl, _ = _reference_step(
+        initial, sequences, advantages, start_logps, start_logps, beta, epsilon, bias_correction
+    )
     loss.backward()
     for name, param in initial.named_parameters():
         expected = param.detach() - lr * param.grad
@@ -165,8 +196,9 @@ def test_loss_gradient_and_kl_match_a_float64_reference(tmp_path, tiny_model_pat
 
     updated = _float64_model(tiny_model_path, snapshots.after_step[0])
     with torch.no_grad():
-        loss, kl, clipped = _reference_step(updated, sequences, advantages, start_logps, start_logps, beta, epsilon,
-                                            bias_correction)
+        loss, kl, clipped = _reference_step(
+            updated, sequences, advantages, start_logps, start_logps, beta, epsilon, bias_correction
+        )
     assert kl > 1e-3 and clipped > 0.05  # the KL term and the clip are both exercised
     assert logged(trainer, "loss", 2) == pytest.approx(loss.item(), abs=1e-5)
     assert logged(trainer, "kl", 2) == pytest.approx(kl, abs=1e-6)
@@ -182,7 +214,9 @@ def test_peft_reference_is_the_policy_with_its_adapter_off(tmp_path, tiny_model_
     from peft import LoraConfig
 
     trainer = GRPOTrainer(
-        tiny_model_path, low_id_fraction, train_dataset=prompt_dataset(),
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
         args=make_config(tmp_path, beta=0.5, max_steps=3, learning_rate=0.1),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
@@ -202,11 +236,18 @@ def test_peft_reference_is_the_policy_with_its_adapter_off(tmp_path, tiny_model_
 
 
 def test_rloo_differs_from_grpo_only_in_its_advantages(tmp_path, tiny_model_path):
-    settings = dict(reward=low_id_fraction, loss_type="dr_grpo", beta=0.0, optim="sgd", learning_rate=1.0,
-                    max_grad_norm=0.0)
+    settings = dict(
+        reward=low_id_fraction, loss_type="dr_grpo", beta=0.0, optim="sgd", learning_rate=1.0, max_grad_norm=0.0
+    )
     grpo = train(stopping_model(tiny_model_path), tmp_path / "grpo", scale_rewards="none", **settings)
-    rloo = train(stopping_model(tiny_model_path), tmp_path / "rloo", trainer_class=RLOOTrainer,
-                 config_class=RLOOConfig, num_generations=4, **settings)
+    rloo = train(
+        stopping_model(tiny_model_path),
+        tmp_path / "rloo",
+        trainer_class=RLOOTrainer,
+        config_class=RLOOConfig,
+        num_generations=4,
+        **settings,
+    )
     assert torch.equal(grpo.rollout.completion_ids, rloo.rollout.completion_ids)
     rewards = low_id_fraction([c for _, c in _sequences(rloo.rollout)])
     assert len(set(rewards)) > 2
@@ -221,9 +262,18 @@ def test_rloo_differs_from_grpo_only_in_its_advantages(tmp_path, tiny_model_path
 def test_rloo_puts_the_kl_to_the_reference_into_the_reward(tmp_path, tiny_model_path):
     beta = 0.5
     snapshots = ParameterSnapshots()
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, trainer_class=RLOOTrainer,
-                    config_class=RLOOConfig, num_generations=4, beta=beta, max_steps=2, learning_rate=0.05,
-                    callbacks=[snapshots])
+    trainer = train(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        reward=low_id_fraction,
+        trainer_class=RLOOTrainer,
+        config_class=RLOOConfig,
+        num_generations=4,
+        beta=beta,
+        max_steps=2,
+        learning_rate=0.05,
+        callbacks=[snapshots],
+    )
     rollout = trainer.rollout  # generated after the first update, so the policy differs from the reference
     sequences = _sequences(rollout)
     with torch.no_grad():
@@ -233,8 +283,9 @@ def test_rloo_puts_the_kl_to_the_reference_into_the_reward(tmp_path, tiny_model_
     kl = [(p - r).sum().item() for p, r in zip(policy, reference)]
     assert max(abs(k) for k in kl) > 1e-2
     expected = _leave_one_out([r - beta * k for r, k in zip(rewards, kl)], 4)
-    torch.testing.assert_close(rollout.advantages.double(), torch.tensor(expected, dtype=torch.float64),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        rollout.advantages.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=0
+    )
     assert logged(trainer, "reward", 2) == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)  # raw rewards
 
 
@@ -275,10 +326,15 @@ TRL_CASES = {
     "vespo": dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate"),
     "entropy-select": dict(loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=0.05),
     "off-policy": dict(loss_type="dapo", off_policy_mask_threshold=0.05, beta=0.04),
-    "vllm-token-mask": dict(loss_type="dapo", vllm_importance_sampling_mode="token_mask",
-                            vllm_importance_sampling_clip_max=1.2),
-    "vllm-seq-truncate": dict(loss_type="grpo", vllm_importance_sampling_mode="sequence_truncate",
-                              vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=1.5),
+    "vllm-token-mask": dict(
+        loss_type="dapo", vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.2
+    ),
+    "vllm-seq-truncate": dict(
+        loss_type="grpo",
+        vllm_importance_sampling_mode="sequence_truncate",
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=1.5,
+    ),
 }
 
 
@@ -291,33 +347,70 @@ def test_loss_matches_trl_on_the_same_tensors(case, tmp_path):
     uses_sampler = "vllm_importance_sampling_mode" in options or "off_policy_mask_threshold" in options
     data = _side_by_side_batch()
     mask, n = data["mask"], data["mask"].shape[0]
-    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=n, num_generations=2, use_cpu=True,
-                  report_to="none", bf16=False, max_completion_length=9, **options)
+    common = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=n,
+        num_generations=2,
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        max_completion_length=9,
+        **options,
+    )
 
     ours_args = GRPOConfig(**common)
     ratio = None
     if uses_sampler:
         ratio = _stub(GRPOTrainer, args=ours_args).sampler_ratio(data["old"], data["sampler"], mask)
     trl_args = trl.GRPOConfig(**common)
-    copied = ("top_entropy_quantile", "off_policy_mask_threshold", "importance_sampling_level", "beta", "loss_type",
-              "max_completion_length", "entropy_coef", "use_adaptive_entropy", "vllm_importance_sampling_correction")
-    theirs = _stub(trl.GRPOTrainer, args=trl_args, **{k: getattr(trl_args, k) for k in copied},
-                   epsilon_low=trl_args.epsilon, epsilon_high=trl_args.epsilon_high or trl_args.epsilon,
-                   use_vllm=uses_sampler, current_gradient_accumulation_steps=1, aux_loss_enabled=False,
-                   _entropy_bonus_enabled=trl_args.entropy_coef != 0.0, _metrics={"train": defaultdict(list)})
+    copied = (
+        "top_entropy_quantile",
+        "off_policy_mask_threshold",
+        "importance_sampling_level",
+        "beta",
+        "loss_type",
+        "max_completion_length",
+        "entropy_coef",
+        "use_adaptive_entropy",
+        "vllm_importance_sampling_correction",
+    )
+    theirs = _stub(
+        trl.GRPOTrainer,
+        args=trl_args,
+        **{k: getattr(trl_args, k) for k in copied},
+        epsilon_low=trl_args.epsilon,
+        epsilon_high=trl_args.epsilon_high or trl_args.epsilon,
+        use_vllm=uses_sampler,
+        current_gradient_accumulation_steps=1,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=trl_args.entropy_coef != 0.0,
+        _metrics={"train": defaultdict(list)},
+    )
     theirs._get_per_token_logps_and_entropies = lambda *args, **kwargs: (data["logps"], data["entropy"], None)
-    trl_inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1),
-                  "completion_ids": torch.zeros(n, mask.shape[1], dtype=torch.long), "completion_mask": mask,
-                  "advantages": data["advantages"], "old_per_token_logps": data["old"],
-                  "ref_per_token_logps": data["ref"], "num_items_in_batch": mask.sum()}
+    trl_inputs = {
+        "prompt_ids": torch.zeros(n, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(n, 1),
+        "completion_ids": torch.zeros(n, mask.shape[1], dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": data["advantages"],
+        "old_per_token_logps": data["old"],
+        "ref_per_token_logps": data["ref"],
+        "num_items_in_batch": mask.sum(),
+    }
     if uses_sampler:
         trl_inputs.update(sampling_per_token_logps=data["sampler"], importance_sampling_ratio=ratio)
     trl_loss = theirs._compute_loss(None, trl_inputs)
     (trl_grad,) = torch.autograd.grad(trl_loss, data["logps"])
 
     ours = _stub(GRPOTrainer, args=ours_args, _metrics={"train": defaultdict(list)})
-    our_inputs = {"loss_mask": mask, "advantages": data["advantages"], "old_logps": data["old"],
-                  "ref_logps": data["ref"], "total_sequences": n, "total_tokens": mask.sum()}
+    our_inputs = {
+        "loss_mask": mask,
+        "advantages": data["advantages"],
+        "old_logps": data["old"],
+        "ref_logps": data["ref"],
+        "total_sequences": n,
+        "total_tokens": mask.sum(),
+    }
     if uses_sampler:
         our_inputs["sampler_logps"] = data["sampler"]
     our_loss, metrics = ours.policy_loss(our_inputs, data["logps"], data["entropy"])
@@ -333,20 +426,25 @@ def test_loss_matches_trl_on_the_same_tensors(case, tmp_path):
 
 
 # -- GRPO's options, wired through the trainer ---------------------------------------------------------------
-@pytest.mark.parametrize("overrides, message", [
-    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of"),
-    (dict(delta=1.1), r"delta=1.1 .* must exceed 1 \+ epsilon"),
-    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile=1.5"),
-    (dict(off_policy_mask_threshold=0.0), r"off_policy_mask_threshold=0.0"),
-    (dict(vllm_importance_sampling_clip_min=3.0), r"clip_min=3.0 must be below"),
-    (dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=None),
-     r"both are None"),
-    (dict(vllm_importance_sampling_mode="token"), r"vllm_importance_sampling_mode='token' is not one of"),
-    (dict(loss_type="vespo", use_vllm=True), r"loss_type='vespo' folds the vLLM correction"),
-    (dict(multi_objective_aggregation="mean"), r"multi_objective_aggregation='mean' is not one of"),
-    (dict(sapo_temperature_neg=0.0), r"sapo_temperature_neg=0.0 must be > 0"),
-    (dict(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1), r"entropy_coef_min \(0.5\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(loss_type="ppo"), r"loss_type='ppo' is not one of"),
+        (dict(delta=1.1), r"delta=1.1 .* must exceed 1 \+ epsilon"),
+        (dict(top_entropy_quantile=1.5), r"top_entropy_quantile=1.5"),
+        (dict(off_policy_mask_threshold=0.0), r"off_policy_mask_threshold=0.0"),
+        (dict(vllm_importance_sampling_clip_min=3.0), r"clip_min=3.0 must be below"),
+        (
+            dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=None),
+            r"both are None",
+        ),
+        (dict(vllm_importance_sampling_mode="token"), r"vllm_importance_sampling_mode='token' is not one of"),
+        (dict(loss_type="vespo", use_vllm=True), r"loss_type='vespo' folds the vLLM correction"),
+        (dict(multi_objective_aggregation="mean"), r"multi_objective_aggregation='mean' is not one of"),
+        (dict(sapo_temperature_neg=0.0), r"sapo_temperature_neg=0.0 must be > 0"),
+        (dict(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1), r"entropy_coef_min \(0.5\)"),
+    ],
+)
 def test_bad_grpo_options_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(posttrain.errors.ConfigError, match=message):
         make_config(tmp_path, **overrides)
@@ -374,12 +472,19 @@ def _is_short(completion_ids, **kwargs):
 
 def test_normalize_then_sum_advantages(tmp_path, tiny_model_path):
     """GDPO: each reward function is normalised within its group, the weighted sum over the batch."""
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=[_first_of_each, _is_short],
-                    multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 3.0], learning_rate=0.0)
+    trainer = train(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        reward=[_first_of_each, _is_short],
+        multi_objective_aggregation="normalize_then_sum",
+        reward_weights=[1.0, 3.0],
+        learning_rate=0.0,
+    )
     completions = [c for _, c in _sequences(trainer.rollout)]
     columns = [_first_of_each(completions), _is_short(completions)]
-    per_function = [[math.nan if columns[j][i] is None else columns[j][i] for j in range(2)]
-                    for i in range(len(completions))]
+    per_function = [
+        [math.nan if columns[j][i] is None else columns[j][i] for j in range(2)] for i in range(len(completions))
+    ]
 
     def mean_std(values):
         values = [v for v in values if not math.isnan(v)]
@@ -408,7 +513,7 @@ def _step0_reference(trainer, model_path, keep_fraction=1.0):
     entropies = []
     with torch.no_grad():
         for prompt, completion in sequences:
-            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
             logps = torch.log_softmax(logits, -1)
             entropies.append(-(logps.exp() * logps).sum(-1))
     flat = torch.cat(entropies)
@@ -429,8 +534,9 @@ def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(tmp_path, tiny
 
 def test_entropy_bonus_is_subtracted_from_the_loss(tmp_path, tiny_model_path):
     coef = 0.3
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, entropy_coef=coef,
-                    top_entropy_quantile=0.5)
+    trainer = train(
+        stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, entropy_coef=coef, top_entropy_quantile=0.5
+    )
     loss, _, kept_entropy, _ = _step0_reference(trainer, tiny_model_path, 0.5)
     assert logged(trainer, "policy_loss", 1) == pytest.approx(loss, abs=1e-5)
     assert logged(trainer, "loss", 1) == pytest.approx(loss - coef * kept_entropy, abs=1e-4)
@@ -439,9 +545,17 @@ def test_entropy_bonus_is_subtracted_from_the_loss(tmp_path, tiny_model_path):
 
 @pytest.mark.parametrize("target, direction", [(100.0, 1), (0.0, -1)])
 def test_adaptive_entropy_coefficient_moves_and_survives_a_checkpoint(tmp_path, tiny_model_path, target, direction):
-    settings = dict(reward=low_id_fraction, use_adaptive_entropy=True, entropy_coef=0.1, entropy_coef_delta=0.02,
-                    entropy_target=target, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                    save_strategy="steps", save_steps=2)
+    settings = dict(
+        reward=low_id_fraction,
+        use_adaptive_entropy=True,
+        entropy_coef=0.1,
+        entropy_coef_delta=0.02,
+        entropy_target=target,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        save_strategy="steps",
+        save_steps=2,
+    )
     first = train(tiny_model_path, tmp_path, max_steps=2, **settings)
     coefs = [logged(first, "entropy_coef", step) for step in (1, 2)]
     assert coefs == pytest.approx([0.1 + direction * 0.02, 0.1 + direction * 0.04])
@@ -450,9 +564,12 @@ def test_adaptive_entropy_coefficient_moves_and_survives_a_checkpoint(tmp_path, 
     bonus = logged(first, "policy_loss", 2) - logged(first, "loss", 2)
     assert (bonus > 0.05) if direction == 1 else bonus == pytest.approx(0.0, abs=1e-6)
 
-    resumed = GRPOTrainer(tiny_model_path, low_id_fraction, train_dataset=prompt_dataset(),
-                          args=make_config(tmp_path, max_steps=3, **{k: v for k, v in settings.items()
-                                                                     if k != "reward"}))
+    resumed = GRPOTrainer(
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
+        args=make_config(tmp_path, max_steps=3, **{k: v for k, v in settings.items() if k != "reward"}),
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert logged(resumed, "entropy_coef", 3) == pytest.approx(0.1 + direction * 0.06)
 
@@ -478,8 +595,16 @@ def test_step0_loss_of_each_surrogate_through_the_engine(tmp_path, tiny_model_pa
     """On-policy (ratio 1) each surrogate reduces to a closed form, computed here from the rollout in float64:
     cispo -min(1, eps_high) A log pi and vespo -phi(1) A log pi = -A log pi (token mean over the step), sapo
     -(4 / tau) sigmoid(0) A = -(2 / tau) A (mean per completion), luspo -A (token sum / completions)."""
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, loss_type=loss_type,
-                    epsilon_high=0.9, sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, learning_rate=0.0)
+    trainer = train(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        reward=low_id_fraction,
+        loss_type=loss_type,
+        epsilon_high=0.9,
+        sapo_temperature_pos=0.5,
+        sapo_temperature_neg=2.0,
+        learning_rate=0.0,
+    )
     sequences = _sequences(trainer.rollout)
     advantages = trainer.rollout.advantages.double().tolist()
     with torch.no_grad():
@@ -505,24 +630,50 @@ def grpo_options_record(model_path: str, out_dir: str, per_device: int) -> dict:
     """One SGD step with the options whose statistics span every process: the entropy quantile, GDPO's batch
     normalisation and the adaptive entropy controller (whose bonus is still off at step 1)."""
     snapshots = ParameterSnapshots()
-    trainer = train(stopping_model(model_path), out_dir, reward=[low_id_fraction, _two_objective_rewards],
-                    callbacks=[snapshots], optim="sgd", learning_rate=1.0, max_grad_norm=0.0,
-                    per_device_train_batch_size=per_device, ddp_backend="gloo", top_entropy_quantile=0.3,
-                    multi_objective_aggregation="normalize_then_sum", use_adaptive_entropy=True,
-                    entropy_target=100.0, off_policy_mask_threshold=0.5)
+    trainer = train(
+        stopping_model(model_path),
+        out_dir,
+        reward=[low_id_fraction, _two_objective_rewards],
+        callbacks=[snapshots],
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=0.0,
+        per_device_train_batch_size=per_device,
+        ddp_backend="gloo",
+        top_entropy_quantile=0.3,
+        multi_objective_aggregation="normalize_then_sum",
+        use_adaptive_entropy=True,
+        entropy_target=100.0,
+        off_policy_mask_threshold=0.5,
+    )
     params = snapshots.after_step[0]
-    return {"world_size": trainer.accelerator.num_processes, "params": params,
-            "advantages": trainer.rollout.advantages, "loss": logged(trainer, "loss", 1),
-            "entropy_coef": logged(trainer, "entropy_coef", 1), "coef": trainer.entropy_controller.coef,
-            "last_entropy": trainer.entropy_controller.last_entropy}
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "params": params,
+        "advantages": trainer.rollout.advantages,
+        "loss": logged(trainer, "loss", 1),
+        "entropy_coef": logged(trainer, "entropy_coef", 1),
+        "coef": trainer.entropy_controller.coef,
+        "last_entropy": trainer.entropy_controller.last_entropy,
+    }
 
 
 @pytest.mark.slow
 def test_grpo_options_on_two_processes_match_one_process(tmp_path, tiny_model_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               tiny_model_path, str(tmp_path / "ddp"), "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        tiny_model_path,
+        str(tmp_path / "ddp"),
+        "4",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in range(2)]
@@ -552,8 +703,13 @@ def test_router_aux_loss_joins_the_online_loss(tmp_path, tiny_model_path, traine
 
     path = save_tiny_model(tmp_path / "moe", moe=True)
     for coef in (None, 0.5):
-        args = make_config(tmp_path / str(coef), config_class=config_class, router_aux_loss_coef=coef,
-                           per_device_train_batch_size=4, gradient_accumulation_steps=2)
+        args = make_config(
+            tmp_path / str(coef),
+            config_class=config_class,
+            router_aux_loss_coef=coef,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+        )
         trainer = trainer_class(path, target_fraction, args=args, train_dataset=prompt_dataset())
         trainer.train()
         assert trainer.state.log_history[0]["aux_loss"] > 0
@@ -565,10 +721,18 @@ def test_router_aux_loss_joins_the_online_loss(tmp_path, tiny_model_path, traine
             weight, trainer.router_aux_loss_coef = trainer.router_aux_loss_coef, 0.0
             without = trainer.compute_loss(model, dict(batch))
             mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-            aux = model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1), attention_mask=mask,
-                        position_ids=(mask.cumsum(1) - 1).clamp(min=0), output_router_logits=True).aux_loss
+            aux = model(
+                input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                attention_mask=mask,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                output_router_logits=True,
+            ).aux_loss
         assert weight == (0.01 if coef is None else 0.5)
         torch.testing.assert_close(with_aux - without, weight * aux / 2, rtol=1e-4, atol=1e-7)
     with pytest.raises(ConfigError, match="router_aux_loss_coef=0.5 weights the load-balancing loss"):
-        trainer_class(tiny_model_path, target_fraction, train_dataset=prompt_dataset(),
-                      args=make_config(tmp_path / "dense", config_class=config_class, router_aux_loss_coef=0.5))
+        trainer_class(
+            tiny_model_path,
+            target_fraction,
+            train_dataset=prompt_dataset(),
+            args=make_config(tmp_path / "dense", config_class=config_class, router_aux_loss_coef=0.5),
+        )

@@ -13,9 +13,20 @@ from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.generation.base import Completion
 
 # Logged by one trainer only, or wall-clock times.
-NOT_COMPARED = {"step_time", "time/generation", "time/scoring", "time/update", "frac_reward_none",
-                "advantages/mean", "advantages/std", "train_runtime", "train_samples_per_second",
-                "train_steps_per_second", "total_flos", "learning_rate"}
+NOT_COMPARED = {
+    "step_time",
+    "time/generation",
+    "time/scoring",
+    "time/update",
+    "frac_reward_none",
+    "advantages/mean",
+    "advantages/std",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "total_flos",
+    "learning_rate",
+}
 
 
 def prompts() -> Dataset:
@@ -34,20 +45,35 @@ def length_reward(completions, **kwargs):
 
 
 def settings(tmp_path, name, loss_type, beta):
-    return dict(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=5, num_iterations=2, max_steps=4, beta=beta, epsilon=0.05,
-                learning_rate=0.05, loss_type=loss_type, logging_steps=1, report_to="none", use_cpu=True,
-                bf16=False, save_strategy="no", seed=0, disable_tqdm=True)
+    return dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=5,
+        num_iterations=2,
+        max_steps=4,
+        beta=beta,
+        epsilon=0.05,
+        learning_rate=0.05,
+        loss_type=loss_type,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
 
 
 def logged(trainer) -> list[dict]:
-    return [{k: v for k, v in log.items() if k not in NOT_COMPARED} for log in trainer.state.log_history
-            if "loss" in log]
+    return [
+        {k: v for k, v in log.items() if k not in NOT_COMPARED} for log in trainer.state.log_history if "loss" in log
+    ]
 
 
 @pytest.mark.parametrize("loss_type, beta", [("dapo", 0.0), ("grpo", 0.2)])
-def test_grpo_matches_trl_on_the_same_prompts_and_completions(tmp_path, tiny_model_path, tokenizer, loss_type,
-                                                              beta):
+def test_grpo_matches_trl_on_the_same_prompts_and_completions(tmp_path, tiny_model_path, tokenizer, loss_type, beta):
     trl = import_trl("grpo_config", "grpo_trainer")
     table = completion_table(tokenizer.eos_token_id)
 
@@ -59,13 +85,21 @@ def test_grpo_matches_trl_on_the_same_prompts_and_completions(tmp_path, tiny_mod
             taken[key] = taken.get(key, 0) + 1
         return out
 
-    theirs = trl.GRPOTrainer(tiny_model_path, reward_funcs=length_reward, train_dataset=prompts(),
-                             args=trl.GRPOConfig(**settings(tmp_path, "trl", loss_type, beta)))
+    theirs = trl.GRPOTrainer(
+        tiny_model_path,
+        reward_funcs=length_reward,
+        train_dataset=prompts(),
+        args=trl.GRPOConfig(**settings(tmp_path, "trl", loss_type, beta)),
+    )
     theirs._generate_single_turn = lambda prompt_ids, *args, **kwargs: (completions_of(prompt_ids), None)
     theirs.train()
 
-    ours = GRPOTrainer(tiny_model_path, reward_funcs=length_reward, train_dataset=prompts(),
-                       args=GRPOConfig(**settings(tmp_path, "ours", loss_type, beta)))
+    ours = GRPOTrainer(
+        tiny_model_path,
+        reward_funcs=length_reward,
+        train_dataset=prompts(),
+        args=GRPOConfig(**settings(tmp_path, "ours", loss_type, beta)),
+    )
 
     def our_generation(prompt_ids, n, sampling, seeds, vision=None, suppress_tokens=None):
         ids = completions_of([p for p in prompt_ids for _ in range(n)])

@@ -19,8 +19,18 @@ def _sft_data():
 
 
 def _args(out, **kw):
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, lr_scheduler_type="constant",
-                use_cpu=True, report_to="none", disable_tqdm=True, seed=0, logging_steps=1, save_strategy="no")
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+    )
     return base | kw
 
 
@@ -59,21 +69,25 @@ class PoisonedDPO(_PoisonSteps, DPOTrainer):
 def _poisoned(kind, out, model_path, bad, **kw):
     snapshots = _Snapshots()
     if kind == "sft":
-        trainer = PoisonedSFT(model_path, args=SFTConfig(**_args(out, **kw)), train_dataset=_sft_data(),
-                              callbacks=[snapshots])
+        trainer = PoisonedSFT(
+            model_path, args=SFTConfig(**_args(out, **kw)), train_dataset=_sft_data(), callbacks=[snapshots]
+        )
     else:
-        pairs = Dataset.from_list([{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"}
-                                   for i in range(16)])
-        trainer = PoisonedDPO(model_path, args=DPOConfig(**_args(out, **kw)), train_dataset=pairs,
-                              callbacks=[snapshots])
+        pairs = Dataset.from_list(
+            [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(16)]
+        )
+        trainer = PoisonedDPO(
+            model_path, args=DPOConfig(**_args(out, **kw)), train_dataset=pairs, callbacks=[snapshots]
+        )
     trainer.bad = bad
     return trainer, snapshots
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_a_nan_step_stops_the_run_before_it_is_applied(kind, tmp_path, tiny_model_path):
-    trainer, snapshots = _poisoned(kind, tmp_path, tiny_model_path, {3}, max_steps=6, save_strategy="steps",
-                                   save_steps=2)
+    trainer, snapshots = _poisoned(
+        kind, tmp_path, tiny_model_path, {3}, max_steps=6, save_strategy="steps", save_steps=2
+    )
     with pytest.raises(NonFiniteError, match=r"Step 3: loss nan is not finite.*checkpoint-2"):
         trainer.train()
     assert trainer.state.global_step == 2
@@ -96,8 +110,9 @@ def test_skip_mode_drops_the_update_and_counts_it(tmp_path, tiny_model_path):
 
 
 def test_skip_mode_stops_after_too_many_in_a_row(tmp_path, tiny_model_path):
-    trainer, _ = _poisoned("sft", tmp_path, tiny_model_path, {2, 3, 4, 5}, max_steps=6, nonfinite_policy="skip",
-                           max_nonfinite_steps=2)
+    trainer, _ = _poisoned(
+        "sft", tmp_path, tiny_model_path, {2, 3, 4, 5}, max_steps=6, nonfinite_policy="skip", max_nonfinite_steps=2
+    )
     with pytest.raises(NonFiniteError, match=r"Step 4: .*\(3 steps in a row\).*No checkpoint"):
         trainer.train()
 
@@ -120,13 +135,18 @@ class _SignalAt(TrainerCallback):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_checkpoints_the_step_and_resuming_is_exact(signum, tmp_path, tiny_model_path, capsys):
-    straight = SFTTrainer(tiny_model_path, args=SFTConfig(**_args(tmp_path / "straight", max_steps=6)),
-                          train_dataset=_sft_data())
+    straight = SFTTrainer(
+        tiny_model_path, args=SFTConfig(**_args(tmp_path / "straight", max_steps=6)), train_dataset=_sft_data()
+    )
     straight.train()
 
     run = tmp_path / "run"
-    stopped = SFTTrainer(tiny_model_path, args=SFTConfig(**_args(run, max_steps=6)), train_dataset=_sft_data(),
-                         callbacks=[_SignalAt(3, signum)])
+    stopped = SFTTrainer(
+        tiny_model_path,
+        args=SFTConfig(**_args(run, max_steps=6)),
+        train_dataset=_sft_data(),
+        callbacks=[_SignalAt(3, signum)],
+    )
     with pytest.raises(SystemExit) as exit_info:
         stopped.train()
     assert exit_info.value.code == 0

@@ -6,15 +6,15 @@ import asyncio
 import importlib.util
 import subprocess
 import tempfile
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
+from test_tool_rollouts import ScriptedBackend, tool_tokenizer  # noqa: F401 (fixture)
 
 from posttrain.errors import ConfigError, DataError
 from posttrain.experimental.harbor import AGENTS, HarborBashEnv, HarborEnv, HarborSpec, outcome_reward, resolve_agent
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from test_tool_rollouts import ScriptedBackend, tool_tokenizer  # noqa: F401 (fixture)
 
 HAS_HARBOR = importlib.util.find_spec("harbor") is not None
 
@@ -38,8 +38,9 @@ class LocalBashEnv(HarborBashEnv):
         return (self.task_dir / "instruction.md").read_text()
 
     async def _run(self, command, timeout):
-        done = await asyncio.to_thread(subprocess.run, ["bash", "-c", command], cwd=self.workdir,
-                                       capture_output=True, text=True, timeout=timeout)
+        done = await asyncio.to_thread(
+            subprocess.run, ["bash", "-c", command], cwd=self.workdir, capture_output=True, text=True, timeout=timeout
+        )
         return done.stdout, done.stderr, done.returncode
 
     async def _verify(self):
@@ -80,8 +81,10 @@ def test_agents_resolve_from_names_paths_and_classes(tmp_path):
     assert resolve_agent(LocalBashEnv) is LocalBashEnv
     assert resolve_agent("test_harbor:LocalBashEnv").__name__ == "LocalBashEnv"
     harness = tmp_path / "my_harness.py"
-    harness.write_text("from posttrain.experimental.harbor import HarborBashEnv\n"
-                       "class Mine(HarborBashEnv):\n    PROMPT_SUFFIX = ' (mine)'\n")
+    harness.write_text(
+        "from posttrain.experimental.harbor import HarborBashEnv\n"
+        "class Mine(HarborBashEnv):\n    PROMPT_SUFFIX = ' (mine)'\n"
+    )
     assert resolve_agent(f"{harness}:Mine").PROMPT_SUFFIX == " (mine)"
     with pytest.raises(ConfigError, match="unknown"):
         resolve_agent("python")
@@ -93,10 +96,21 @@ def test_agents_resolve_from_names_paths_and_classes(tmp_path):
 def test_without_harbor_the_trainer_stops_before_training(tmp_path, tiny_model_path, tool_tokenizer):  # noqa: F811
     spec = HarborSpec(str(_suite(tmp_path / "suite")))  # the default harness runs on Harbor
     with pytest.raises(ConfigError, match=r"HarborBashEnv.*`harbor` package.*pip install harbor"):
-        GRPOTrainer(tiny_model_path, spec.reward_funcs, train_dataset=spec.train_dataset,
-                    environment_factory=spec.environment_factory, processing_class=tool_tokenizer,
-                    args=GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
-                                    num_generations=2, max_steps=1, use_cpu=True, report_to="none"))
+        GRPOTrainer(
+            tiny_model_path,
+            spec.reward_funcs,
+            train_dataset=spec.train_dataset,
+            environment_factory=spec.environment_factory,
+            processing_class=tool_tokenizer,
+            args=GRPOConfig(
+                output_dir=str(tmp_path / "out"),
+                per_device_train_batch_size=2,
+                num_generations=2,
+                max_steps=1,
+                use_cpu=True,
+                report_to="none",
+            ),
+        )
     with pytest.raises(ConfigError, match="harbor"):
         HarborEnv()
 
@@ -112,8 +126,10 @@ def test_bash_harness_in_grpo_rollouts(tmp_path, tiny_model_path, tool_tokenizer
     """Even rollouts write the gold answer with the bash tool, odd ones answer in text only: rewards 1 / 0."""
     spec = HarborSpec(str(_suite(tmp_path / "suite", answers=("42", "42"))), agent=LocalBashEnv)
     eos = tool_tokenizer.eos_token_id
-    call = tool_tokenizer('<tool_call>\n{"name": "bash", "arguments": {"command": "echo -n 42 > answer.txt"}}\n'
-                          "</tool_call>", add_special_tokens=False)["input_ids"] + [eos]
+    call = tool_tokenizer(
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "echo -n 42 > answer.txt"}}\n</tool_call>',
+        add_special_tokens=False,
+    )["input_ids"] + [eos]
     text = tool_tokenizer("the answer is 42", add_special_tokens=False)["input_ids"] + [eos]
 
     def script(prompt, k):
@@ -121,11 +137,25 @@ def test_bash_harness_in_grpo_rollouts(tmp_path, tiny_model_path, tool_tokenizer
             return text
         return call if k % 2 == 0 else text
 
-    trainer = GRPOTrainer(tiny_model_path, spec.reward_funcs, train_dataset=spec.train_dataset,
-                          environment_factory=spec.environment_factory, processing_class=tool_tokenizer,
-                          args=GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                                          num_generations=2, max_completion_length=128, max_steps=1, use_cpu=True,
-                                          report_to="none", save_strategy="no", disable_tqdm=True, seed=0))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        spec.reward_funcs,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        processing_class=tool_tokenizer,
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=128,
+            max_steps=1,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        ),
+    )
     backend = ScriptedBackend(script, eos)
     trainer.generation_backend = backend
     if trainer.episode_source is not None:

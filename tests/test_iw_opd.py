@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from _trl import import_trl_experimental
+from test_gkd import _messages
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
 from posttrain.losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl_experimental
-from test_gkd import _messages
 
 
 def _trl_iw_opd():
@@ -53,8 +53,10 @@ def _softmax(row, temperature=1.0):
 def test_mixed_top1_reverse_kl_with_tail():
     """beta=1 on the sampled token alone: KL between the Bernoulli (token, rest) of student and teacher."""
     g = torch.Generator().manual_seed(1)
-    s_logits, t_logits = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g,
-                                                                                      dtype=torch.float64)
+    s_logits, t_logits = (
+        torch.randn(3, 6, generator=g, dtype=torch.float64),
+        torch.randn(3, 6, generator=g, dtype=torch.float64),
+    )
     sampled = torch.tensor([2, 0, 5])
     support, valid = top1_mixed_support(t_logits, sampled, beta=1.0)
     got = support_divergence(s_logits, t_logits, support, valid, beta=1.0, add_tail=True, temperature=0.5)
@@ -66,8 +68,10 @@ def test_mixed_top1_reverse_kl_with_tail():
 
 def test_top_k_jsd_renormalised_on_the_union_of_supports():
     g = torch.Generator().manual_seed(2)
-    s_logits, t_logits = torch.randn(4, 7, generator=g, dtype=torch.float64), torch.randn(4, 7, generator=g,
-                                                                                      dtype=torch.float64)
+    s_logits, t_logits = (
+        torch.randn(4, 7, generator=g, dtype=torch.float64),
+        torch.randn(4, 7, generator=g, dtype=torch.float64),
+    )
     support, valid = top_k_support(s_logits, t_logits, 2, beta=0.3)
     got = support_divergence(s_logits, t_logits, support, valid, beta=0.3, add_tail=False)
     for n in range(4):
@@ -75,8 +79,9 @@ def test_top_k_jsd_renormalised_on_the_union_of_supports():
         p, q = _softmax(s_logits[n].tolist()), _softmax(t_logits[n].tolist())
         p, q = [p[i] / sum(p[j] for j in ids) for i in ids], [q[i] / sum(q[j] for j in ids) for i in ids]
         m = [0.3 * b + 0.7 * a for a, b in zip(p, q)]
-        ref = 0.3 * sum(b * math.log(b / c) for b, c in zip(q, m)) + 0.7 * sum(a * math.log(a / c) for a, c in
-                                                                               zip(p, m))
+        ref = 0.3 * sum(b * math.log(b / c) for b, c in zip(q, m)) + 0.7 * sum(
+            a * math.log(a / c) for a, c in zip(p, m)
+        )
         assert got[n].item() == pytest.approx(ref, rel=1e-9)
 
 
@@ -90,34 +95,61 @@ def _teacher(tokenizer, path):
 
 
 def _kw(tmp_path, **kw):
-    return {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none",
-                   save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, max_completion_length=8), **kw}
+    return {
+        **dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            max_steps=2,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+            max_completion_length=8,
+        ),
+        **kw,
+    }
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),
-    dict(distillation_objective="jsd"),
-    dict(distillation_objective="jsd", beta=0.5, lmbda=0.5, reverse_kl_top_1_mode="argmax"),
-    dict(distillation_objective="jsd", beta=0.5, loss_top_k=3, loss_add_tail=False, temperature=0.7),
-    dict(distillation_objective="jsd", beta=0.0, loss_top_k=0),
-    dict(distillation_objective="jsd", beta=0.0, loss_top_k=2),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(distillation_objective="jsd"),
+        dict(distillation_objective="jsd", beta=0.5, lmbda=0.5, reverse_kl_top_1_mode="argmax"),
+        dict(distillation_objective="jsd", beta=0.5, loss_top_k=3, loss_add_tail=False, temperature=0.7),
+        dict(distillation_objective="jsd", beta=0.0, loss_top_k=0),
+        dict(distillation_objective="jsd", beta=0.0, loss_top_k=2),
+    ],
+)
 def test_step0_loss_equals_trls(tmp_path, tokenizer, tiny_model_path, settings):
     iw_opd = _trl_iw_opd()
     data = _messages(4, tokenizer)
-    theirs = iw_opd.IWOPDTrainer(model=build_tiny_model(tokenizer), teacher_model=_teacher(tokenizer, tiny_model_path),
-                                 train_dataset=data, processing_class=tokenizer, args=iw_opd.IWOPDConfig(**_kw(
-                                     tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)))
+    theirs = iw_opd.IWOPDTrainer(
+        model=build_tiny_model(tokenizer),
+        teacher_model=_teacher(tokenizer, tiny_model_path),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=iw_opd.IWOPDConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)),
+    )
     batch = theirs.data_collator([data[i] for i in range(4)])
     assert bool((batch["attention_mask"] == 1).all())
     theirs.model.eval()
     with torch.no_grad():
-        trl_loss = theirs.compute_loss(theirs.model, {k: batch[k] for k in ("input_ids", "attention_mask",
-                                                                             "labels")}).item()
-    ours = IWOPDTrainer(build_tiny_model(tokenizer), _teacher(tokenizer, tiny_model_path), train_dataset=data,
-                        processing_class=tokenizer, args=IWOPDConfig(**_kw(tmp_path / "ours", **settings)))
-    rows = [{"input_ids": batch["input_ids"][i].tolist(),
-             "completion_mask": (batch["labels"][i] != -100).long().tolist()} for i in range(4)]
+        trl_loss = theirs.compute_loss(
+            theirs.model, {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        ).item()
+    ours = IWOPDTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(tokenizer, tiny_model_path),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=IWOPDConfig(**_kw(tmp_path / "ours", **settings)),
+    )
+    rows = [
+        {"input_ids": batch["input_ids"][i].tolist(), "completion_mask": (batch["labels"][i] != -100).long().tolist()}
+        for i in range(4)
+    ]
     ours.model.eval()
     with torch.no_grad():
         our_loss = ours.compute_loss(ours.model, ours.data_collator(rows)).item()
@@ -141,10 +173,16 @@ def test_config_defaults_and_signature_are_trls():
     assert params[: len(theirs)] == theirs
 
 
-@pytest.mark.parametrize("settings,match", [(dict(lmbda=0.5), "lmbda=1.0"), (dict(num_generations=2), "num_gen"),
-                                            (dict(distillation_objective="kl"), "distillation_objective"),
-                                            (dict(use_teacher_server=True), "use_teacher_server"),
-                                            (dict(max_completion_length=2048), "max_completion_length")])
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(lmbda=0.5), "lmbda=1.0"),
+        (dict(num_generations=2), "num_gen"),
+        (dict(distillation_objective="kl"), "distillation_objective"),
+        (dict(use_teacher_server=True), "use_teacher_server"),
+        (dict(max_completion_length=2048), "max_completion_length"),
+    ],
+)
 def test_bad_settings_stop_before_training(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         IWOPDConfig(**_kw(tmp_path, **settings))
@@ -152,19 +190,31 @@ def test_bad_settings_stop_before_training(tmp_path, settings, match):
 
 def test_prompts_are_cut_on_the_tokenizers_truncation_side(tmp_path, fresh_tokenizer, tiny_model_path):
     data = _messages(2, fresh_tokenizer)
-    full = IWOPDTrainer(build_tiny_model(fresh_tokenizer), _teacher(fresh_tokenizer, tiny_model_path),
-                        train_dataset=data, processing_class=fresh_tokenizer,
-                        args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=None, max_length=None)))
+    full = IWOPDTrainer(
+        build_tiny_model(fresh_tokenizer),
+        _teacher(fresh_tokenizer, tiny_model_path),
+        train_dataset=data,
+        processing_class=fresh_tokenizer,
+        args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=None, max_length=None)),
+    )
     ids = full.train_dataset[0]["input_ids"]
     assert len(ids) > 5
-    cut = IWOPDTrainer(build_tiny_model(fresh_tokenizer), _teacher(fresh_tokenizer, tiny_model_path),
-                       train_dataset=data, processing_class=fresh_tokenizer,
-                       args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=5)))
+    cut = IWOPDTrainer(
+        build_tiny_model(fresh_tokenizer),
+        _teacher(fresh_tokenizer, tiny_model_path),
+        train_dataset=data,
+        processing_class=fresh_tokenizer,
+        args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=5)),
+    )
     assert cut.train_dataset[0]["input_ids"] == ids[:5]
     fresh_tokenizer.truncation_side = "left"
-    left = IWOPDTrainer(build_tiny_model(fresh_tokenizer), _teacher(fresh_tokenizer, tiny_model_path),
-                        train_dataset=data, processing_class=fresh_tokenizer,
-                        args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=5)))
+    left = IWOPDTrainer(
+        build_tiny_model(fresh_tokenizer),
+        _teacher(fresh_tokenizer, tiny_model_path),
+        train_dataset=data,
+        processing_class=fresh_tokenizer,
+        args=IWOPDConfig(**_kw(tmp_path, max_prompt_length=5)),
+    )
     assert left.train_dataset[0]["input_ids"] == ids[-5:]
 
 
@@ -173,12 +223,26 @@ def test_on_policy_student_moves_towards_the_teacher(tmp_path, tokenizer, tiny_m
     from posttrain.losses.distillation import reverse_kl
 
     data = _messages(16, tokenizer)
-    trainer = IWOPDTrainer(build_tiny_model(tokenizer), _teacher(tokenizer, tiny_model_path),
-                           processing_class=tokenizer, train_dataset=data, args=IWOPDConfig(**_kw(
-                               tmp_path, max_steps=20, learning_rate=3e-3, lr_scheduler_type="constant",
-                               per_device_train_batch_size=16, max_completion_length=16, logging_steps=1)))
-    ids = torch.tensor([tokenizer.apply_chat_template(data[i]["messages"], tokenize=True, return_dict=False)
-                        for i in range(8)])
+    trainer = IWOPDTrainer(
+        build_tiny_model(tokenizer),
+        _teacher(tokenizer, tiny_model_path),
+        processing_class=tokenizer,
+        train_dataset=data,
+        args=IWOPDConfig(
+            **_kw(
+                tmp_path,
+                max_steps=20,
+                learning_rate=3e-3,
+                lr_scheduler_type="constant",
+                per_device_train_batch_size=16,
+                max_completion_length=16,
+                logging_steps=1,
+            )
+        ),
+    )
+    ids = torch.tensor(
+        [tokenizer.apply_chat_template(data[i]["messages"], tokenize=True, return_dict=False) for i in range(8)]
+    )
 
     def gap():
         trainer.model.eval()

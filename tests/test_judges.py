@@ -27,8 +27,14 @@ from posttrain.experimental.judges import (
 )
 
 PROMPTS = ["the sky is", "one two", "a cat is", "hello", "what is the sum", "red green"]
-PAIRS = [[" blue", " green sun"], [" three", " four five six"], [" good", " bad"], [" world", " world!"],
-         [" ten", " two plus two"], [" blue moon", " one"]]
+PAIRS = [
+    [" blue", " green sun"],
+    [" three", " four five six"],
+    [" good", " bad"],
+    [" world", " world!"],
+    [" ten", " two plus two"],
+    [" blue moon", " one"],
+]
 
 
 def _sigmoid(x):
@@ -113,10 +119,12 @@ def test_reward_model_judge_matches_unbatched_rewards(reward_judge):
 
 def test_reward_model_judge_renders_conversational_prompts(reward_judge):
     prompt = [{"role": "user", "content": "the sky is"}]
-    text = reward_judge.tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": " blue"}],
-                                                      tokenize=False)
-    other = reward_judge.tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": " red"}],
-                                                       tokenize=False)
+    text = reward_judge.tokenizer.apply_chat_template(
+        prompt + [{"role": "assistant", "content": " blue"}], tokenize=False
+    )
+    other = reward_judge.tokenizer.apply_chat_template(
+        prompt + [{"role": "assistant", "content": " red"}], tokenize=False
+    )
     expected = _sigmoid(_reward64(reward_judge, text) - _reward64(reward_judge, other))
     got = reward_judge.judge([prompt], [[" blue", " red"]], shuffle_order=False, return_scores=True)
     assert got[0] == pytest.approx(expected, abs=1e-5)
@@ -130,8 +138,11 @@ def test_causal_lm_judge_reads_the_digit_logits(tiny_model_path):
     assert len(zero) == len(one) == 1
 
     def p_first(prompt, a, b):  # the judge model's probability of "0" when shown (a, b)
-        content = DEFAULT_PAIRWISE_SYSTEM_PROMPT.replace("{prompt}", prompt).replace("{response0}", a) \
+        content = (
+            DEFAULT_PAIRWISE_SYSTEM_PROMPT.replace("{prompt}", prompt)
+            .replace("{response0}", a)
             .replace("{response1}", b)
+        )
         text = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"  # the tiny ChatML template
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
@@ -163,8 +174,10 @@ def _fake_module(monkeypatch, name, **attrs):
 
 
 def test_pairrm_without_llm_blender_points_to_the_local_judge(monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "llm_blender" else
-                        importlib.machinery.PathFinder.find_spec(name))
+    monkeypatch.setattr(
+        "importlib.util.find_spec",
+        lambda name, *a: None if name == "llm_blender" else importlib.machinery.PathFinder.find_spec(name),
+    )
     with pytest.raises(ConfigError, match="RewardModelPairwiseJudge"):
         PairRMJudge()
 
@@ -202,8 +215,9 @@ def _answer(content):
 
 def test_hf_pairwise_judge_maps_answers_and_failures(monkeypatch):
     judge = HfPairwiseJudge()
-    judge.client = types.SimpleNamespace(chat_completion=lambda messages, max_tokens: _Reply(
-        _answer(messages[0]["content"])))
+    judge.client = types.SimpleNamespace(
+        chat_completion=lambda messages, max_tokens: _Reply(_answer(messages[0]["content"]))
+    )
     prompts = ["a cat is", "a dog is", "hello"]
     pairs = [[" good", " bad"], [" bad", " good"], [" good", " bad"]]
     np.random.seed(5)
@@ -212,8 +226,10 @@ def test_hf_pairwise_judge_maps_answers_and_failures(monkeypatch):
 
 
 def test_openai_judge_needs_the_package_and_stops_at_max_requests(monkeypatch):
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "openai" else
-                        importlib.machinery.PathFinder.find_spec(name))
+    monkeypatch.setattr(
+        "importlib.util.find_spec",
+        lambda name, *a: None if name == "openai" else importlib.machinery.PathFinder.find_spec(name),
+    )
     with pytest.raises(ConfigError, match="pip install openai"):
         OpenAIPairwiseJudge()
     monkeypatch.undo()
@@ -225,6 +241,7 @@ def test_openai_judge_needs_the_package_and_stops_at_max_requests(monkeypatch):
             def create(model, max_tokens, messages):
                 calls.append(model)
                 return _Reply(_answer(messages[0]["content"]))
+
             self.chat = types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
 
     _fake_module(monkeypatch, "openai", OpenAI=OpenAI)

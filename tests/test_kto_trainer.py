@@ -15,20 +15,37 @@ FILLERS = ["the cat", "a dog", "the sky", "one tree", "red fish", "blue moon", "
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return KTOConfig(**base)
 
 
 def _unpaired(n=8):
     """Alternating desirable ('good ...') and undesirable ('bad ...') completions of different lengths."""
-    return Dataset.from_list([
-        {"prompt": f"{FILLERS[i % len(FILLERS)]} is", "completion": (" good" if i % 2 == 0 else " bad") +
-         " and" + f" {FILLERS[(3 * i) % len(FILLERS)]}" * (1 + i % 3), "label": i % 2 == 0}
-        for i in range(n)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"{FILLERS[i % len(FILLERS)]} is",
+                "completion": (" good" if i % 2 == 0 else " bad")
+                + " and"
+                + f" {FILLERS[(3 * i) % len(FILLERS)]}" * (1 + i % 3),
+                "label": i % 2 == 0,
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _logp64(model, ids, mask):
@@ -41,8 +58,12 @@ def _logp64(model, ids, mask):
 def test_loss_matches_float64_reference_with_kl_pairs_and_weights(tmp_path, tiny_model_path, tokenizer):
     ref = build_tiny_model(tokenizer, seed=3)
     beta, w_d, w_u = 2.0, 1.3, 0.7
-    trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, beta=beta, desirable_weight=w_d, undesirable_weight=w_u),
-                         train_dataset=_unpaired(6), ref_model=ref)
+    trainer = KTOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, beta=beta, desirable_weight=w_d, undesirable_weight=w_u),
+        train_dataset=_unpaired(6),
+        ref_model=ref,
+    )
     assert trainer.ref_model is ref
     rows = [trainer.train_dataset[i] for i in range(6)]
     batch = trainer.data_collator(rows)
@@ -51,8 +72,10 @@ def test_loss_matches_float64_reference_with_kl_pairs_and_weights(tmp_path, tiny
         loss = trainer.compute_loss(policy, batch).item()
         logratios, kl_logratios = [], []
         for i, row in enumerate(rows):
-            logratios.append(_logp64(policy, row["input_ids"], row["completion_mask"])
-                             - _logp64(ref, row["input_ids"], row["completion_mask"]))
+            logratios.append(
+                _logp64(policy, row["input_ids"], row["completion_mask"])
+                - _logp64(ref, row["input_ids"], row["completion_mask"])
+            )
             # TRL's pairing: in runs of per_device_train_batch_size (4) rows, prompt i takes row i - 1's
             # completion, the run's first row its last row's.
             run_start = i - i % 4
@@ -81,8 +104,12 @@ def test_loss_matches_float64_reference_with_kl_pairs_and_weights(tmp_path, tiny
 
 def test_apo_zero_unpaired_has_no_kl_pairs(tmp_path, tiny_model_path, tokenizer):
     ref = build_tiny_model(tokenizer, seed=3)
-    trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, loss_type="apo_zero_unpaired", beta=2.0),
-                         train_dataset=_unpaired(4), ref_model=ref)
+    trainer = KTOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, loss_type="apo_zero_unpaired", beta=2.0),
+        train_dataset=_unpaired(4),
+        ref_model=ref,
+    )
     rows = [trainer.train_dataset[i] for i in range(4)]
     batch = trainer.data_collator(rows)
     assert batch["input_ids"].shape[0] == 4
@@ -90,16 +117,18 @@ def test_apo_zero_unpaired_has_no_kl_pairs(tmp_path, tiny_model_path, tokenizer)
         loss = trainer.compute_loss(trainer.model.eval(), batch).item()
         expected = []
         for row in rows:
-            r = (_logp64(trainer.model, row["input_ids"], row["completion_mask"])
-                 - _logp64(ref, row["input_ids"], row["completion_mask"]))
+            r = _logp64(trainer.model, row["input_ids"], row["completion_mask"]) - _logp64(
+                ref, row["input_ids"], row["completion_mask"]
+            )
             expected.append(1 - torch.sigmoid(2.0 * r) if row["label"] else torch.sigmoid(2.0 * r))
     assert loss == pytest.approx(torch.stack(expected).mean().item(), rel=1e-5)
     assert trainer._metrics["eval"]["kl"] == [0.0]  # TRL logs z0 = 0 for this loss
 
 
 def test_desirable_reward_rises_above_undesirable(tmp_path, tiny_model_path):
-    trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, max_steps=8, learning_rate=1e-2),
-                         train_dataset=_unpaired(16))
+    trainer = KTOTrainer(
+        tiny_model_path, args=_args(tmp_path, max_steps=8, learning_rate=1e-2), train_dataset=_unpaired(16)
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # policy = reference: every reward is 0
@@ -110,9 +139,19 @@ def test_desirable_reward_rises_above_undesirable(tmp_path, tiny_model_path):
 
 
 def _one_step_params(tmp_path, tiny_model_path, data, **kw):
-    trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1, learning_rate=1.0, optim="sgd",
-                                                     lr_scheduler_type="constant", desirable_weight=1.3, **kw),
-                         train_dataset=data)
+    trainer = KTOTrainer(
+        tiny_model_path,
+        args=_args(
+            tmp_path,
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            desirable_weight=1.3,
+            **kw,
+        ),
+        train_dataset=data,
+    )
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -122,15 +161,20 @@ def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
     # (the sum over the effective batch's examples) decides whether the updates agree.
     data = _unpaired(8)
     full = _one_step_params(tmp_path / "a", tiny_model_path, data, per_device_train_batch_size=8)
-    split = _one_step_params(tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=3,
-                             gradient_accumulation_steps=3)  # micro-batches of 3, 3 and 2 examples
+    split = _one_step_params(
+        tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=3, gradient_accumulation_steps=3
+    )  # micro-batches of 3, 3 and 2 examples
     for name in full:
         torch.testing.assert_close(full[name], split[name], atol=1e-6, rtol=1e-5)
 
 
 def test_paired_data_is_unpaired_with_a_log_line(tmp_path, tiny_model_path, tokenizer, caplog):
-    paired = Dataset.from_list([{"chosen": "the sky is blue", "rejected": "the sky is red"},
-                                {"chosen": "a cat is good", "rejected": "a cat is bad"}])
+    paired = Dataset.from_list(
+        [
+            {"chosen": "the sky is blue", "rejected": "the sky is red"},
+            {"chosen": "a cat is good", "rejected": "a cat is bad"},
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="posttrain"):
         trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=paired)
     assert "train_dataset holds paired preference data: unpairing it" in caplog.text
@@ -141,9 +185,16 @@ def test_paired_data_is_unpaired_with_a_log_line(tmp_path, tiny_model_path, toke
 
 
 def test_conversational_rows_train_on_the_assistant_reply(tmp_path, tiny_model_path, tokenizer):
-    data = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": "color?"}], "completion": [{"role": "assistant", "content": c}],
-         "label": c == "blue"} for c in ("blue", "red")])
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": "color?"}],
+                "completion": [{"role": "assistant", "content": c}],
+                "label": c == "blue",
+            }
+            for c in ("blue", "red")
+        ]
+    )
     row = KTOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=data).train_dataset[0]
     trained = [t for t, m in zip(row["input_ids"], row["completion_mask"]) if m]
     assert tokenizer.decode(trained) == "blue<|im_end|>\n"  # the whole rendered turn, as in TRL
@@ -152,14 +203,20 @@ def test_conversational_rows_train_on_the_assistant_reply(tmp_path, tiny_model_p
 
 def test_one_class_only_and_string_labels_are_errors(tmp_path, tiny_model_path):
     only_good = _unpaired(8).filter(lambda x: x["label"])
-    with pytest.raises(DataError, match=r"KTO needs both desirable and undesirable examples, but train_dataset has "
-                                        r"no undesirable \(label False\) rows \(4 desirable, 0 undesirable\)"):
+    with pytest.raises(
+        DataError,
+        match=r"KTO needs both desirable and undesirable examples, but train_dataset has "
+        r"no undesirable \(label False\) rows \(4 desirable, 0 undesirable\)",
+    ):
         KTOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=only_good)
     # Without a reference point, one class is a valid (if one-sided) objective.
     KTOTrainer(tiny_model_path, args=_args(tmp_path, loss_type="apo_zero_unpaired"), train_dataset=only_good)
     strings = _unpaired(4).map(lambda x: {"label": "good" if x["label"] else "bad"})
-    with pytest.raises(DataError, match=r"Row 0, column 'label': expected a boolean \(True = desirable\), "
-                                        r"got 'good' \(str\)"):
+    with pytest.raises(
+        DataError,
+        match=r"Row 0, column 'label': expected a boolean \(True = desirable\), "
+        r"got 'good' \(str\)",
+    ):
         KTOTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=strings)
     with pytest.raises(ConfigError, match="loss_type='sigmoid' is not supported"):
         _args(tmp_path, loss_type="sigmoid")
@@ -174,16 +231,21 @@ def test_class_imbalance_warning_suggests_weights(tmp_path, tiny_model_path, cap
     assert "set desirable_weight between 0.5 and 0.667" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="posttrain"):
-        KTOTrainer(tiny_model_path, args=_args(tmp_path, desirable_weight=0.6, undesirable_weight=2.0),
-                   train_dataset=data)
+        KTOTrainer(
+            tiny_model_path, args=_args(tmp_path, desirable_weight=0.6, undesirable_weight=2.0), train_dataset=data
+        )
     assert "outside [1, 4/3]" not in caplog.text
 
 
 def test_peft_reference_is_the_adapter_disabled_policy(tmp_path, tiny_model_path):
     from peft import LoraConfig
 
-    trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, max_steps=4, learning_rate=2e-2, beta=1.0),
-                         train_dataset=_unpaired(8), peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = KTOTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=4, learning_rate=2e-2, beta=1.0),
+        train_dataset=_unpaired(8),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     assert trainer.ref_model is None
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     trainer.train()
@@ -194,8 +256,10 @@ def test_peft_reference_is_the_adapter_disabled_policy(tmp_path, tiny_model_path
 
 
 def test_rows_whose_prompt_fills_max_length_are_dropped(tmp_path, tiny_model_path, caplog):
-    data = Dataset.from_list([{"prompt": "the cat is" + " very" * 20, "completion": " good", "label": True}]
-                             + [dict(row) for row in _unpaired(4)])
+    data = Dataset.from_list(
+        [{"prompt": "the cat is" + " very" * 20, "completion": " good", "label": True}]
+        + [dict(row) for row in _unpaired(4)]
+    )
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         trainer = KTOTrainer(tiny_model_path, args=_args(tmp_path, max_length=16), train_dataset=data)
     assert len(trainer.train_dataset) == 4 and "Dropping 1 of 5 rows" in caplog.text

@@ -11,8 +11,10 @@ def test_selective_log_softmax_matches_float64_reference():
     logits = torch.tensor([[[1.0, 2.0, 3.0], [0.5, -1.0, 0.0]]])
     ids = torch.tensor([[2, 0]])
     got = selective_log_softmax(logits, ids)
-    ref = [3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3)),
-           0.5 - math.log(math.exp(0.5) + math.exp(-1.0) + math.exp(0.0))]
+    ref = [
+        3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3)),
+        0.5 - math.log(math.exp(0.5) + math.exp(-1.0) + math.exp(0.0)),
+    ]
     torch.testing.assert_close(got, torch.tensor([ref], dtype=torch.float32))
 
 
@@ -29,9 +31,13 @@ def _float64_scores(hidden, weight, bias, index):
     logits = hidden.double() @ weight.double().T + bias.double()
     logp = torch.log_softmax(logits, -1)
     p = logp.exp()
-    return {"logps": logp.gather(1, index[:, None]).squeeze(1), "entropy": -(p * logp).sum(-1),
-            "mean_logits": logits.mean(-1), "log_sum_sq": (p * p).sum(-1).log(),
-            "top1": (logits.argmax(-1) == index).double()}
+    return {
+        "logps": logp.gather(1, index[:, None]).squeeze(1),
+        "entropy": -(p * logp).sum(-1),
+        "mean_logits": logits.mean(-1),
+        "log_sum_sq": (p * p).sum(-1).log(),
+        "top1": (logits.argmax(-1) == index).double(),
+    }
 
 
 @pytest.mark.parametrize("softmax_elements", [None, 46])  # 46: two rows of the softmax at a time, 2 + 2 + 1 a chunk

@@ -15,14 +15,20 @@ from posttrain.losses.distillation import (
 )
 
 # [2 rows, 3 positions, 5 vocabulary entries], hand-made so that some distributions are peaked, some flat.
-STUDENT = torch.tensor([
-    [[2.0, 0.5, -1.0, 0.0, 0.3], [0.0, 0.0, 0.0, 0.0, 0.0], [-3.0, 4.0, 1.0, 0.5, -0.5]],
-    [[1.0, -1.0, 2.5, 0.0, 0.0], [0.2, 0.1, -0.3, 3.0, 1.0], [5.0, -2.0, 0.0, 1.5, 0.7]],
-], dtype=torch.float64)
-TEACHER = torch.tensor([
-    [[0.0, 1.5, -0.5, 2.0, 0.1], [3.0, -1.0, 0.5, 0.0, 1.0], [-1.0, 2.0, 2.5, -0.5, 0.0]],
-    [[1.2, -0.8, 2.0, 0.3, -0.1], [-2.0, 0.0, 1.0, 1.0, 4.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
-], dtype=torch.float64)
+STUDENT = torch.tensor(
+    [
+        [[2.0, 0.5, -1.0, 0.0, 0.3], [0.0, 0.0, 0.0, 0.0, 0.0], [-3.0, 4.0, 1.0, 0.5, -0.5]],
+        [[1.0, -1.0, 2.5, 0.0, 0.0], [0.2, 0.1, -0.3, 3.0, 1.0], [5.0, -2.0, 0.0, 1.5, 0.7]],
+    ],
+    dtype=torch.float64,
+)
+TEACHER = torch.tensor(
+    [
+        [[0.0, 1.5, -0.5, 2.0, 0.1], [3.0, -1.0, 0.5, 0.0, 1.0], [-1.0, 2.0, 2.5, -0.5, 0.0]],
+        [[1.2, -0.8, 2.0, 0.3, -0.1], [-2.0, 0.0, 1.0, 1.0, 4.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
+    ],
+    dtype=torch.float64,
+)
 MASK = torch.tensor([[True, True, False], [True, False, True]])
 
 
@@ -46,24 +52,34 @@ def _reference(divergence, temperature, mask=MASK):
     for b in range(mask.shape[0]):
         for t in range(mask.shape[1]):
             if mask[b, t]:
-                out[b, t] = divergence(_softmax(TEACHER[b, t].tolist(), temperature),
-                                       _softmax(STUDENT[b, t].tolist(), temperature))
+                out[b, t] = divergence(
+                    _softmax(TEACHER[b, t].tolist(), temperature), _softmax(STUDENT[b, t].tolist(), temperature)
+                )
     return out
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
 def test_kls_match_reference(temperature):
-    torch.testing.assert_close(forward_kl(STUDENT, TEACHER, MASK, temperature),
-                               _reference(_kl, temperature), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(reverse_kl(STUDENT, TEACHER, MASK, temperature),
-                               _reference(lambda t, s: _kl(s, t), temperature), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        forward_kl(STUDENT, TEACHER, MASK, temperature), _reference(_kl, temperature), rtol=1e-12, atol=1e-12
+    )
+    torch.testing.assert_close(
+        reverse_kl(STUDENT, TEACHER, MASK, temperature),
+        _reference(lambda t, s: _kl(s, t), temperature),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_generalized_jsd_matches_reference(beta, temperature):
-    torch.testing.assert_close(generalized_jsd(STUDENT, TEACHER, beta, MASK, temperature),
-                               _reference(lambda t, s: _jsd(t, s, beta), temperature), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        generalized_jsd(STUDENT, TEACHER, beta, MASK, temperature),
+        _reference(lambda t, s: _jsd(t, s, beta), temperature),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 def test_two_token_values_by_hand():
@@ -72,8 +88,9 @@ def test_two_token_values_by_hand():
     assert forward_kl(student, teacher).item() == pytest.approx(0.5 * math.log(4 / 3), rel=1e-6)
     assert reverse_kl(student, teacher).item() == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5), rel=1e-6)
     # beta = 1/2: m = (5/8, 3/8)
-    expected = 0.5 * (0.5 * math.log(0.5 / 0.625) + 0.5 * math.log(0.5 / 0.375)) \
-        + 0.5 * (0.75 * math.log(0.75 / 0.625) + 0.25 * math.log(0.25 / 0.375))
+    expected = 0.5 * (0.5 * math.log(0.5 / 0.625) + 0.5 * math.log(0.5 / 0.375)) + 0.5 * (
+        0.75 * math.log(0.75 / 0.625) + 0.25 * math.log(0.25 / 0.375)
+    )
     assert generalized_jsd(student, teacher, 0.5).item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -122,8 +139,11 @@ def test_low_precision_inputs_are_computed_in_float32():
 def test_shared_vocab_cuts_a_padded_teacher_to_the_student_ids():
     padded = torch.cat([TEACHER, torch.full((2, 3, 3), 7.0, dtype=torch.float64)], -1)
     torch.testing.assert_close(shared_vocab(STUDENT, padded), TEACHER, rtol=0, atol=0)
-    with pytest.raises(ConfigError, match=r"teacher's vocabulary size \(4 logits\) is smaller than the student's "
-                                          r"\(5 logits\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher's vocabulary size \(4 logits\) is smaller than the student's "
+        r"\(5 logits\)",
+    ):
         shared_vocab(STUDENT, TEACHER[..., :4])
     check_vocab_sizes(5, 5)
 

@@ -7,12 +7,12 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.losses.policy import (
+    VespoParams,
     aggregate_loss,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
     kl_k3,
-    VespoParams,
     policy_objective,
     truncated_importance_weights,
     vespo_weights,
@@ -106,7 +106,10 @@ def test_sequence_level_ratio_by_hand():
     logps = as_tensor([[0.1, 0.2, 0.3], [-0.1, 0.3, 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     loss, stats = clipped_policy_loss(
-        logps, torch.zeros(2, 3, dtype=torch.float64), as_tensor([1.0, -1.0]), mask,
+        logps,
+        torch.zeros(2, 3, dtype=torch.float64),
+        as_tensor([1.0, -1.0]),
+        mask,
         importance_sampling_level="sequence",
     )
     ratio = math.exp(0.1)
@@ -128,8 +131,15 @@ def test_policy_loss_matches_reference(level, per_token_advantages):
     advantages = torch.randn(*shape, generator=generator, dtype=torch.float64)
     mask = [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
     loss, stats = clipped_policy_loss(
-        logps, old_logps, advantages, torch.tensor(mask), epsilon_low=0.1, epsilon_high=0.15,
-        importance_sampling_level=level, ref_logps=ref_logps, beta=0.05,
+        logps,
+        old_logps,
+        advantages,
+        torch.tensor(mask),
+        epsilon_low=0.1,
+        epsilon_high=0.15,
+        importance_sampling_level=level,
+        ref_logps=ref_logps,
+        beta=0.05,
     )
     expected, expected_kl = reference_policy_loss(
         logps.tolist(), old_logps.tolist(), advantages.tolist(), mask, 0.1, 0.15, level, ref_logps.tolist(), 0.05
@@ -279,9 +289,25 @@ def _sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
-def reference_objective(logps, old, adv, mask, loss_type, level="token", eps_low=0.2, eps_high=0.2, delta=None,
-                        tau_pos=1.0, tau_neg=1.05, vespo=(2.0, 3.0, 3.0, 2.0), keep=None, sampler=None,
-                        ref=None, beta=0.0, bias_correction=False):
+def reference_objective(
+    logps,
+    old,
+    adv,
+    mask,
+    loss_type,
+    level="token",
+    eps_low=0.2,
+    eps_high=0.2,
+    delta=None,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    vespo=(2.0, 3.0, 3.0, 2.0),
+    keep=None,
+    sampler=None,
+    ref=None,
+    beta=0.0,
+    bias_correction=False,
+):
     """Per-token losses written from the papers' formulas, one token at a time. `keep` and `sampler` are per
     token lists (a sequence-level value repeated over the row)."""
     rows = []
@@ -345,13 +371,40 @@ def test_every_loss_type_matches_reference(loss_type, level):
     sampler = 0.5 + torch.rand(3, 5, generator=generator, dtype=torch.float64)
     options = dict(epsilon_low=0.2, epsilon_high=0.3 if loss_type != "cispo" else 1.1, importance_sampling_level=level)
     loss, stats = policy_objective(
-        logps, old_logps, advantages, mask, loss_type=loss_type, keep=keep, sampler_ratio=sampler,
-        ref_logps=ref_logps, beta=0.07, kl_bias_correction=True, sapo_temperature_pos=0.9,
-        sapo_temperature_neg=1.3, vespo=VespoParams(2.5, 3.5, 1.5, 2.2), **options)
+        logps,
+        old_logps,
+        advantages,
+        mask,
+        loss_type=loss_type,
+        keep=keep,
+        sampler_ratio=sampler,
+        ref_logps=ref_logps,
+        beta=0.07,
+        kl_bias_correction=True,
+        sapo_temperature_pos=0.9,
+        sapo_temperature_neg=1.3,
+        vespo=VespoParams(2.5, 3.5, 1.5, 2.2),
+        **options,
+    )
     expected = reference_objective(
-        logps.tolist(), old_logps.tolist(), advantages.tolist(), mask.tolist(), loss_type, level, 0.2,
-        options["epsilon_high"], None, 0.9, 1.3, (2.5, 3.5, 1.5, 2.2), keep.tolist(), sampler.tolist(),
-        ref_logps.tolist(), 0.07, True)
+        logps.tolist(),
+        old_logps.tolist(),
+        advantages.tolist(),
+        mask.tolist(),
+        loss_type,
+        level,
+        0.2,
+        options["epsilon_high"],
+        None,
+        0.9,
+        1.3,
+        (2.5, 3.5, 1.5, 2.2),
+        keep.tolist(),
+        sampler.tolist(),
+        ref_logps.tolist(),
+        0.07,
+        True,
+    )
     assert_close(loss, expected)
     assert ("clip_ratio" in stats) == (loss_type in ("dapo", "luspo"))
     assert ("cispo_clip_ratio" in stats) == (loss_type == "cispo")
@@ -362,8 +415,9 @@ def test_delta_caps_the_unclipped_ratio_for_negative_advantages():
     # the clip binds first (-1.2) whatever delta is. The capped token has no gradient.
     logps = as_tensor([[math.log(5.0), math.log(5.0), math.log(2.0)]], requires_grad=True)
     advantages = as_tensor([[-1.0, 1.0, -1.0]])
-    loss, _ = clipped_policy_loss(logps, torch.zeros(1, 3, dtype=torch.float64), advantages, torch.ones(1, 3),
-                                  delta=3.0)
+    loss, _ = clipped_policy_loss(
+        logps, torch.zeros(1, 3, dtype=torch.float64), advantages, torch.ones(1, 3), delta=3.0
+    )
     assert_close(loss, [[3.0, -1.2, 2.0]])
     loss.sum().backward()
     assert_close(logps.grad, [[0.0, 0.0, 2.0]])  # d(-r A)/dlogp = -A r = 2 where nothing binds
@@ -401,8 +455,12 @@ def test_surrogate_aggregations(loss_type):
     loss, mask = random_batch(2)
     actual = aggregate_loss(loss, mask, loss_type, total_sequences=10, total_tokens=40, max_completion_length=6)
     sums = [sum(l for l, m in zip(row, ms) if m) for row, ms in zip(loss.tolist(), mask.tolist())]
-    expected = {"luspo": sum(sums) / 10, "sapo": sum(s / sum(ms) for s, ms in zip(sums, mask.tolist())) / 10,
-                "cispo": sum(sums) / 40, "vespo": sum(sums) / 40}[loss_type]
+    expected = {
+        "luspo": sum(sums) / 10,
+        "sapo": sum(s / sum(ms) for s, ms in zip(sums, mask.tolist())) / 10,
+        "cispo": sum(sums) / 40,
+        "vespo": sum(sums) / 40,
+    }[loss_type]
     assert_close(actual, expected)
 
 
@@ -423,8 +481,9 @@ def test_high_entropy_mask_matches_reference(top):
     selected = high_entropy_mask(entropy, mask, top)
     valid = [e for row, ms in zip(entropy.tolist(), mask.tolist()) for e, m in zip(row, ms) if m]
     threshold = _quantile(valid, 1 - top)
-    expected = [[bool(m) and e >= threshold for e, m in zip(row, ms)]
-                for row, ms in zip(entropy.tolist(), mask.tolist())]
+    expected = [
+        [bool(m) and e >= threshold for e, m in zip(row, ms)] for row, ms in zip(entropy.tolist(), mask.tolist())
+    ]
     assert selected.tolist() == expected
     if top in (0.0, 1.0):  # only the highest-entropy token, or every valid token
         assert sum(map(sum, expected)) == (1 if top == 0.0 else len(valid))
@@ -455,7 +514,10 @@ def test_sampler_importance_weights_modes(mode):
     else:
         expected = [[r if 0.5 <= r <= 3.0 else 0.0 for r in row] for row in ratios]
     assert_close(weights, expected)
-    open_top = sampler_importance_weights(trainer, sampler, mask, mode, clip_min=None, clip_max=None
-                                          ) if mode.endswith("mask") else None
+    open_top = (
+        sampler_importance_weights(trainer, sampler, mask, mode, clip_min=None, clip_max=None)
+        if mode.endswith("mask")
+        else None
+    )
     if open_top is not None:
         assert_close(open_top, ratios)

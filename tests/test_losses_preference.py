@@ -104,8 +104,14 @@ def run_dpo(loss_type, **kwargs):
     if loss_type == "sigmoid_norm":
         kwargs.update(chosen_lengths=tensor(CHOSEN_LEN), rejected_lengths=tensor(REJECTED_LEN))
     return dpo_loss(
-        tensor(CHOSEN), tensor(REJECTED), tensor(REF_CHOSEN), tensor(REF_REJECTED),
-        loss_type=loss_type, beta=BETA, chosen_nll=tensor(NLL), **kwargs,
+        tensor(CHOSEN),
+        tensor(REJECTED),
+        tensor(REF_CHOSEN),
+        tensor(REF_REJECTED),
+        loss_type=loss_type,
+        beta=BETA,
+        chosen_nll=tensor(NLL),
+        **kwargs,
     )
 
 
@@ -142,7 +148,9 @@ def test_cases_cover_every_loss_type():
 def test_dpo_loss_matches_paper_formula(loss_type, kwargs):
     losses, chosen_rewards, rejected_rewards = run_dpo(loss_type, **kwargs)
     expected = reference(
-        loss_type, eps=kwargs.get("label_smoothing", 0.0), delta=kwargs.get("bco_delta", 0.0),
+        loss_type,
+        eps=kwargs.get("label_smoothing", 0.0),
+        delta=kwargs.get("bco_delta", 0.0),
         tau=kwargs.get("discopop_tau", 0.05),
     )
     close(losses, expected)
@@ -173,8 +181,15 @@ def f_prime(u: float, kind: str, alpha: float) -> float:
 
 @pytest.mark.parametrize(
     ("kind", "alpha"),
-    [("reverse_kl", 1.0), ("forward_kl", 1.0), ("js_divergence", 1.0), ("alpha_divergence", 0.5),
-     ("alpha_divergence", 0.3), ("alpha_divergence", 1.0), ("alpha_divergence", 1.7)],
+    [
+        ("reverse_kl", 1.0),
+        ("forward_kl", 1.0),
+        ("js_divergence", 1.0),
+        ("alpha_divergence", 0.5),
+        ("alpha_divergence", 0.3),
+        ("alpha_divergence", 1.0),
+        ("alpha_divergence", 1.7),
+    ],
 )
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_f_divergence_sigmoid_loss(kind, alpha, eps):
@@ -281,8 +296,12 @@ def test_sigmoid_hand_worked_two_examples():
 def test_dpo_metrics_means():
     metrics = dpo_metrics(tensor([1.0, 0.5, -0.2]), tensor([0.0, 0.7, -1.0]))
     assert metrics == pytest.approx(
-        {"rewards/chosen": 1.3 / 3, "rewards/rejected": -0.3 / 3, "rewards/accuracies": 2 / 3,
-         "rewards/margins": 1.6 / 3}
+        {
+            "rewards/chosen": 1.3 / 3,
+            "rewards/rejected": -0.3 / 3,
+            "rewards/accuracies": 2 / 3,
+            "rewards/margins": 1.6 / 3,
+        }
     )
 
 

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from _trl import import_trl
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, Trainer, TrainerControl, TrainerState, TrainingArguments
@@ -15,7 +16,6 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
 from posttrain.experimental.merge_model_callback import MergeConfig, MergeModelCallback, linear_merge, slerp
 from posttrain.trainers.dpo import DPOConfig
-from _trl import import_trl
 
 
 def _slerp64(t, v0, v1, threshold=0.9995):
@@ -38,8 +38,12 @@ def test_linear_merge_matches_float64():
     for wp, wq in ((0.5, 0.5), (0.3, 0.9), (1.0, 0.0)):
         want = (wp * p.double() + wq * q.double()) / (wp + wq)
         torch.testing.assert_close(linear_merge(p, q, wp, wq).double(), want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(linear_merge(p, q, wp, wq, normalize=False).double(),
-                                   wp * p.double() + wq * q.double(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            linear_merge(p, q, wp, wq, normalize=False).double(),
+            wp * p.double() + wq * q.double(),
+            rtol=1e-6,
+            atol=1e-6,
+        )
     with pytest.raises(ConfigError, match="cancel out"):
         linear_merge(p, q, 1.0, -1.0)
 
@@ -57,8 +61,7 @@ def test_slerp_matches_float64_on_both_branches():
     assert (0.5 * u0 + 0.5 * u1).norm().item() < 0.99
     # nearly parallel: the linear fallback
     w1 = v0 + 1e-3 * v1
-    torch.testing.assert_close(slerp(0.3, v0, w1).double(), 0.7 * v0.double() + 0.3 * w1.double(), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(slerp(0.3, v0, w1).double(), 0.7 * v0.double() + 0.3 * w1.double(), rtol=1e-5, atol=1e-6)
 
 
 def test_slerp_matches_mergekit_where_installed():
@@ -67,14 +70,19 @@ def test_slerp_matches_mergekit_where_installed():
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(8, 5, generator=gen), torch.randn(8, 5, generator=gen)
     for t in (0.0, 0.3, 0.5, 1.0):
-        torch.testing.assert_close(slerp(t, a, b), mergekit_slerp(torch.tensor([t]), a[None], b[None])[0],
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            slerp(t, a, b), mergekit_slerp(torch.tensor([t]), a[None], b[None])[0], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_merge_config_names_defaults_and_refusals():
     linear = MergeConfig()
-    assert (linear.method, linear.policy_model_weight, linear.target_model_weight, linear.dtype) == \
-        ("linear", 0.5, 0.5, "float16")
+    assert (linear.method, linear.policy_model_weight, linear.target_model_weight, linear.dtype) == (
+        "linear",
+        0.5,
+        0.5,
+        "float16",
+    )
     assert MergeConfig("slerp").t_values == 0.5
     for method in ("ties", "dare_ties"):
         with pytest.raises(ConfigError, match="TIES and DARE-TIES are not built in"):
@@ -85,11 +93,23 @@ def test_merge_config_names_defaults_and_refusals():
 
 def _lm_trainer(tmp_path, tiny_model_path, tokenizer, callbacks, **kw):
     rows = [tokenizer(t)["input_ids"][:3] for t in ("the sky is blue", "one two three", "a cat is good", "hi there")]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
-                             learning_rate=0.1, report_to=[], use_cpu=True, disable_tqdm=True, **kw)
-    return Trainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
-                   train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}), processing_class=tokenizer,
-                   callbacks=callbacks)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=0.1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        **kw,
+    )
+    return Trainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 
 
 @pytest.mark.parametrize("method", ["linear", "slerp"])
@@ -100,8 +120,7 @@ def test_merge_callback_writes_the_merged_model(tmp_path, tiny_model_path, fresh
         config.policy_model_weight, config.target_model_weight = 0.75, 0.25
     else:
         config.t_values = 0.4
-    trainer = _lm_trainer(tmp_path, tiny_model_path, fresh_tokenizer, [MergeModelCallback(config)],
-                          save_strategy="no")
+    trainer = _lm_trainer(tmp_path, tiny_model_path, fresh_tokenizer, [MergeModelCallback(config)], save_strategy="no")
     trainer.train()
     merged_path = tmp_path / "out" / "checkpoint-2" / "merged"
     merged = AutoModelForCausalLM.from_pretrained(merged_path)
@@ -130,14 +149,29 @@ def test_merge_at_every_checkpoint_and_saved_dtype(tmp_path, tiny_model_path, fr
 # -- BEMA as the DPO reference ----------------------------------------------------------------------------------
 def _dpo(tmp_path, tiny_model_path, callbacks, **kw):
     rows = [{"prompt": f"the {w} is", "chosen": " good", "rejected": " bad"} for w in ("cat", "dog", "sky", "sun")]
-    args = DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=2, max_steps=3, learning_rate=5e-2,
-                     report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, **kw)
-    return DPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
-                      train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "dpo"),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=5e-2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        **kw,
+    )
+    return DPOTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=callbacks,
+    )
 
 
-BEMA_REF = dict(update_freq=1, update_after=1, lag=2, update_ref_model=True, ref_model_update_freq=2,
-                ref_model_update_after=0)
+BEMA_REF = dict(
+    update_freq=1, update_after=1, lag=2, update_ref_model=True, ref_model_update_freq=2, ref_model_update_after=0
+)
 
 
 def test_bema_updates_the_separate_reference(tmp_path, tiny_model_path):
@@ -164,12 +198,13 @@ def test_bema_updates_the_separate_reference(tmp_path, tiny_model_path):
 
 def test_bema_updates_the_reference_adapter_of_a_peft_policy(tmp_path, tiny_model_path):
     callback = BEMACallback(**{**BEMA_REF, "ref_model_update_freq": 3})
-    trainer = DPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                         args=_dpo(tmp_path, tiny_model_path, []).args,
-                         train_dataset=Dataset.from_list([{"prompt": "the cat is", "chosen": " good",
-                                                           "rejected": " bad"}] * 4),
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-                         callbacks=[callback])
+    trainer = DPOTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        args=_dpo(tmp_path, tiny_model_path, []).args,
+        train_dataset=Dataset.from_list([{"prompt": "the cat is", "chosen": " good", "rejected": " bad"}] * 4),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        callbacks=[callback],
+    )
     assert trainer.ref_model is None
     trainer.train()
     params = dict(trainer.model.named_parameters())
@@ -185,8 +220,13 @@ def test_bema_updates_the_reference_adapter_of_a_peft_policy(tmp_path, tiny_mode
 
 def test_bema_reference_update_refuses_precomputed_reference(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="precompute_ref_log_probs=False"):
-        _dpo(tmp_path, tiny_model_path, [BEMACallback(update_ref_model=True)], precompute_ref_log_probs=True,
-             ref_cache_dir=str(tmp_path / "cache"))
+        _dpo(
+            tmp_path,
+            tiny_model_path,
+            [BEMACallback(update_ref_model=True)],
+            precompute_ref_log_probs=True,
+            ref_cache_dir=str(tmp_path / "cache"),
+        )
 
 
 def test_bema_reference_updates_match_trl(tiny_model_path):
@@ -194,8 +234,9 @@ def test_bema_reference_updates_match_trl(tiny_model_path):
     weight trajectory, each updating its own reference copy; the references agree after every step."""
     import_trl()
     trl_bema = pytest.importorskip("trl.experimental.bema_for_ref_model")
-    kw = dict(update_freq=1, update_after=1, lag=2, update_ref_model=True, ref_model_update_freq=2,
-              ref_model_update_after=1)
+    kw = dict(
+        update_freq=1, update_after=1, lag=2, update_ref_model=True, ref_model_update_freq=2, ref_model_update_after=1
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ours, theirs = BEMACallback(**kw), trl_bema.BEMACallback(**kw)
     refs = [copy.deepcopy(model), copy.deepcopy(model)]
@@ -221,8 +262,9 @@ def test_merge_folds_a_peft_adapter_and_can_push(tmp_path, tiny_model_path, fres
     push_to_hub the merged folder goes to the Hub repo named as in TRL (the Hub client is a stand-in here)."""
     from peft import get_peft_model
 
-    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    policy = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -249,8 +291,11 @@ def test_merge_folds_a_peft_adapter_and_can_push(tmp_path, tiny_model_path, fres
     params = dict(policy.named_parameters())
     for layer in range(2):
         prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
-        delta = (params[f"{prefix}.lora_B.default.weight"].double() @ params[f"{prefix}.lora_A.default.weight"].double()
-                 * (8 / 4))
+        delta = (
+            params[f"{prefix}.lora_B.default.weight"].double()
+            @ params[f"{prefix}.lora_A.default.weight"].double()
+            * (8 / 4)
+        )
         name = f"model.layers.{layer}.self_attn.q_proj.weight"
         torch.testing.assert_close(merged[name].double(), base[name].double() + 0.5 * delta, rtol=1e-5, atol=1e-5)
         assert delta.abs().max() > 1e-2

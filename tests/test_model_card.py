@@ -11,15 +11,25 @@ import posttrain
 from posttrain import SFTConfig
 from posttrain.model_card import PAPERS, dataset_names, non_default_settings, render_model_card, write_model_card
 
-HISTORY = [{"loss": 2.0, "step": 1}, {"loss": 1.5, "reward": 0.25, "step": 2}, {"eval_loss": 1.75, "step": 2},
-           {"train_runtime": 3.0, "train_loss": 1.75, "step": 2}]
+HISTORY = [
+    {"loss": 2.0, "step": 1},
+    {"loss": 1.5, "reward": 0.25, "step": 2},
+    {"eval_loss": 1.75, "step": 2},
+    {"train_runtime": 3.0, "train_loss": 1.75, "step": 2},
+]
 
 
 def _trainer(tmp_path, name="DPO", model="HuggingFaceTB/SmolLM2-135M-Instruct", train_dataset=None, **config):
     args = SFTConfig(output_dir=str(tmp_path / "my-run"), use_cpu=True, **config)
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path=model))
-    return SimpleNamespace(_name=name, args=args, model=model, state=SimpleNamespace(log_history=HISTORY),
-                           train_dataset=train_dataset, eval_dataset=None)
+    return SimpleNamespace(
+        _name=name,
+        args=args,
+        model=model,
+        state=SimpleNamespace(log_history=HISTORY),
+        train_dataset=train_dataset,
+        eval_dataset=None,
+    )
 
 
 def test_card_names_model_method_paper_settings_metrics_and_versions(tmp_path):
@@ -27,9 +37,10 @@ def test_card_names_model_method_paper_settings_metrics_and_versions(tmp_path):
     path = write_model_card(trainer)
     card = path.read_text()
     assert path == tmp_path / "my-run" / "README.md"
-    assert card.startswith("---\nlibrary_name: transformers\nmodel_name: \"my-run\"\n"
-                           "base_model: \"HuggingFaceTB/SmolLM2-135M-Instruct\"\n")
-    assert "tags:\n- \"posttrain\"\n- \"dpo\"\n---" in card
+    assert card.startswith(
+        '---\nlibrary_name: transformers\nmodel_name: "my-run"\nbase_model: "HuggingFaceTB/SmolLM2-135M-Instruct"\n'
+    )
+    assert 'tags:\n- "posttrain"\n- "dpo"\n---' in card
     assert "trained with **DPO**" in card and f"posttrain {posttrain.__version__}" in card
     assert "https://huggingface.co/papers/2305.18290" in card and "@inproceedings{rafailov2023direct" in card
     settings = card.split("### Settings")[1].split("###")[0]
@@ -38,8 +49,12 @@ def test_card_names_model_method_paper_settings_metrics_and_versions(tmp_path):
     assert "| `lr_scheduler_type` | cosine |" in settings
     metrics = card.split("### Final metrics")[1].split("###")[0]
     assert [line for line in metrics.splitlines() if line.startswith("| `")] == [
-        "| `loss` | 1.5 |", "| `reward` | 0.25 |", "| `eval_loss` | 1.75 |", "| `train_runtime` | 3 |",
-        "| `train_loss` | 1.75 |"]
+        "| `loss` | 1.5 |",
+        "| `reward` | 0.25 |",
+        "| `eval_loss` | 1.75 |",
+        "| `train_runtime` | 3 |",
+        "| `train_loss` | 1.75 |",
+    ]
 
 
 def test_a_local_model_is_not_claimed_as_a_hub_base_model(tmp_path):
@@ -54,7 +69,7 @@ def test_hub_dataset_names_come_from_the_datasets_cache(tmp_path):
     dataset = load_from_disk(str(cached)).map(lambda row: {"n": len(row["text"])})
     trainer = _trainer(tmp_path, train_dataset=dataset)
     assert dataset_names(trainer) == ["trl-lib/capybara"]
-    assert "datasets:\n- \"trl-lib/capybara\"" in render_model_card(trainer)
+    assert 'datasets:\n- "trl-lib/capybara"' in render_model_card(trainer)
     assert dataset_names(_trainer(tmp_path, train_dataset=Dataset.from_list([{"text": "a"}]))) == []
 
 
@@ -68,6 +83,7 @@ def test_every_trainer_names_its_method_and_every_cited_method_exists():
     import pkgutil
 
     import posttrain.experimental as experimental
+
     for module in pkgutil.iter_modules(experimental.__path__):
         for name, obj in vars(importlib.import_module(f"posttrain.experimental.{module.name}")).items():
             if name.endswith("Trainer") and inspect.isclass(obj) and getattr(obj, "_name", None):
@@ -86,8 +102,16 @@ def test_save_model_elsewhere_and_create_model_card_write_cards(tmp_path, tiny_m
     from posttrain import SFTTrainer
 
     rows = Dataset.from_list([{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(8)])
-    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
-                     report_to="none", save_strategy="no", write_report=False, disable_tqdm=True)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        write_report=False,
+        disable_tqdm=True,
+    )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=rows)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))

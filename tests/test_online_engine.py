@@ -34,9 +34,18 @@ TARGET_TOKEN = 298  # " the" in the tiny tokenizer; the rewards below count it
 # -- helpers shared with test_grpo_trainer.py ----------------------------------------------------------------
 def make_config(output_dir, config_class=GRPOConfig, **overrides):
     settings = dict(
-        output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        max_steps=1, logging_steps=1, learning_rate=1e-2, seed=0, use_cpu=True, report_to="none",
-        save_strategy="no", disable_tqdm=True,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
     settings.update(overrides)
     return config_class(**settings)
@@ -44,8 +53,9 @@ def make_config(output_dir, config_class=GRPOConfig, **overrides):
 
 def prompt_dataset(n: int = 16) -> Dataset:
     words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
-    return Dataset.from_list([{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}", "answer": i}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [{"prompt": f"{words[i % 8]} {i} and {words[(3 * i) % 8]}", "answer": i} for i in range(n)]
+    )
 
 
 def target_fraction(completion_ids, **kwargs):
@@ -79,66 +89,98 @@ def logged(trainer, key: str, step: int) -> float:
     return next(h[key] for h in trainer.state.log_history if h.get("step") == step and key in h)
 
 
-def train(model_path_or_model, output_dir, reward=target_fraction, data=None, trainer_class=GRPOTrainer,
-          config_class=GRPOConfig, callbacks=None, **overrides):
-    trainer = trainer_class(model_path_or_model, reward, args=make_config(output_dir, config_class, **overrides),
-                            train_dataset=data if data is not None else prompt_dataset(), callbacks=callbacks)
+def train(
+    model_path_or_model,
+    output_dir,
+    reward=target_fraction,
+    data=None,
+    trainer_class=GRPOTrainer,
+    config_class=GRPOConfig,
+    callbacks=None,
+    **overrides,
+):
+    trainer = trainer_class(
+        model_path_or_model,
+        reward,
+        args=make_config(output_dir, config_class, **overrides),
+        train_dataset=data if data is not None else prompt_dataset(),
+        callbacks=callbacks,
+    )
     trainer.train()
     return trainer
 
 
 # -- batch arithmetic ----------------------------------------------------------------------------------------
 def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp_path):
-    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         steps_per_generation=3)
+    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3)
     assert config.generation_batch_size == 24
-    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         generation_batch_size=16)
+    config = make_config(
+        tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, generation_batch_size=16
+    )
     assert config.steps_per_generation == 2
     assert make_config(tmp_path).steps_per_generation == 1
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(per_device_train_batch_size=6, num_generations=4),
-     r"num_generations=4 must divide the 6 completions each process generates per round \(per_device_train_"
-     r"batch_size 6 x gradient_accumulation_steps 1 x steps_per_generation 1\).*Valid num_generations here: "
-     r"\[2, 3, 6\]; .*steps_per_generation=2"),
-    (dict(per_device_train_batch_size=4, generation_batch_size=10),
-     r"generation_batch_size=10 must be a multiple of .* per_device_train_batch_size \(4\) x gradient_"
-     r"accumulation_steps \(1\) x processes \(1\) = 4\. Valid values: 4, 8, 12, 16"),
-    (dict(per_device_train_batch_size=4, generation_batch_size=8, steps_per_generation=3),
-     r"generation_batch_size=8 means steps_per_generation=2 .* but steps_per_generation=3 was set too"),
-    (dict(num_generations=1), r"num_generations=1, but GRPO needs at least 2 completions per prompt; its "
-                              r"advantages compare"),
-    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
-    (dict(scale_rewards="std"), r"scale_rewards='std' is not one of"),
-    (dict(importance_sampling_level="segment"), r"importance_sampling_level='segment' is not one of"),
-    (dict(temperature=0.0), r"temperature=0.0 is invalid"),
-    (dict(num_iterations=0), r"num_iterations=0 must be at least 1"),
-    (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
-    (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
-    (dict(vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size.*tensor parallelism needs several GPUs"),
-    (dict(vllm_group_port=1234), r"vllm_group_port.*not an NCCL group"),
-    (dict(max_tool_calling_iterations=0), r"max_tool_calling_iterations=0: must be at least 1"),
-    (dict(log_completions_hub_repo="me/completions"), r"log_completions_hub_repo.*Hugging Face Hub"),
-    (dict(sync_ref_model=True), r"sync_ref_model=True updates the reference model, but beta=0"),
-    (dict(beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in"),
-    (dict(ref_model_sync_steps=0), r"ref_model_sync_steps=0 must be at least 1"),
-    (dict(pad_to_multiple_of=0), r"pad_to_multiple_of=0 must be a positive int, 'auto' or None"),
-    (dict(generation_kwargs={"temperature": 0.5}), r"generation_kwargs\['temperature'\] is the config's "
-                                                   r"temperature; set temperature=\.\.\. instead"),
-    (dict(generation_kwargs={"max_new_tokens": 5}), r"set max_completion_length=\.\.\. instead"),
-    (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\] cannot be changed: beam search"),
-    (dict(use_vllm=True, cache_implementation="static"), r"cache_implementation='static' sets up transformers'"),
-    (dict(vllm_structured_outputs_regex="[ab]+"), r"vllm_structured_outputs_regex .* but use_vllm=False"),
-    (dict(vllm_model_impl="torch"), r"vllm_model_impl='torch' is not one of \('vllm', 'transformers'\)"),
-    (dict(use_vllm=True, vllm_mode="server", vllm_max_model_length=256),
-     r"vllm_max_model_length=256 applies to colocated vLLM; .* -- --max-model-len"),
-    (dict(num_generations_eval=0), r"num_generations_eval=0 must be at least 1"),
-    (dict(num_completions_to_print=0), r"num_completions_to_print=0 must be at least 1"),
-    (dict(transformers_continuous_batching_config={"max_batch_tokens": 64}),
-     r"use_transformers_continuous_batching=False; set it to True"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(per_device_train_batch_size=6, num_generations=4),
+            r"num_generations=4 must divide the 6 completions each process generates per round \(per_device_train_"
+            r"batch_size 6 x gradient_accumulation_steps 1 x steps_per_generation 1\).*Valid num_generations here: "
+            r"\[2, 3, 6\]; .*steps_per_generation=2",
+        ),
+        (
+            dict(per_device_train_batch_size=4, generation_batch_size=10),
+            r"generation_batch_size=10 must be a multiple of .* per_device_train_batch_size \(4\) x gradient_"
+            r"accumulation_steps \(1\) x processes \(1\) = 4\. Valid values: 4, 8, 12, 16",
+        ),
+        (
+            dict(per_device_train_batch_size=4, generation_batch_size=8, steps_per_generation=3),
+            r"generation_batch_size=8 means steps_per_generation=2 .* but steps_per_generation=3 was set too",
+        ),
+        (
+            dict(num_generations=1),
+            r"num_generations=1, but GRPO needs at least 2 completions per prompt; its "
+            r"advantages compare",
+        ),
+        (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
+        (dict(scale_rewards="std"), r"scale_rewards='std' is not one of"),
+        (dict(importance_sampling_level="segment"), r"importance_sampling_level='segment' is not one of"),
+        (dict(temperature=0.0), r"temperature=0.0 is invalid"),
+        (dict(num_iterations=0), r"num_iterations=0 must be at least 1"),
+        (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
+        (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
+        (dict(vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size.*tensor parallelism needs several GPUs"),
+        (dict(vllm_group_port=1234), r"vllm_group_port.*not an NCCL group"),
+        (dict(max_tool_calling_iterations=0), r"max_tool_calling_iterations=0: must be at least 1"),
+        (dict(log_completions_hub_repo="me/completions"), r"log_completions_hub_repo.*Hugging Face Hub"),
+        (dict(sync_ref_model=True), r"sync_ref_model=True updates the reference model, but beta=0"),
+        (dict(beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.0), r"ref_model_mixup_alpha=0.0 must lie in"),
+        (dict(ref_model_sync_steps=0), r"ref_model_sync_steps=0 must be at least 1"),
+        (dict(pad_to_multiple_of=0), r"pad_to_multiple_of=0 must be a positive int, 'auto' or None"),
+        (
+            dict(generation_kwargs={"temperature": 0.5}),
+            r"generation_kwargs\['temperature'\] is the config's "
+            r"temperature; set temperature=\.\.\. instead",
+        ),
+        (dict(generation_kwargs={"max_new_tokens": 5}), r"set max_completion_length=\.\.\. instead"),
+        (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\] cannot be changed: beam search"),
+        (dict(use_vllm=True, cache_implementation="static"), r"cache_implementation='static' sets up transformers'"),
+        (dict(vllm_structured_outputs_regex="[ab]+"), r"vllm_structured_outputs_regex .* but use_vllm=False"),
+        (dict(vllm_model_impl="torch"), r"vllm_model_impl='torch' is not one of \('vllm', 'transformers'\)"),
+        (
+            dict(use_vllm=True, vllm_mode="server", vllm_max_model_length=256),
+            r"vllm_max_model_length=256 applies to colocated vLLM; .* -- --max-model-len",
+        ),
+        (dict(num_generations_eval=0), r"num_generations_eval=0 must be at least 1"),
+        (dict(num_completions_to_print=0), r"num_completions_to_print=0 must be at least 1"),
+        (
+            dict(transformers_continuous_batching_config={"max_batch_tokens": 64}),
+            r"use_transformers_continuous_batching=False; set it to True",
+        ),
+    ],
+)
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_config(tmp_path, **overrides)
@@ -166,30 +208,51 @@ def add_numbers(a: int, b: int) -> int:
 
 CONSTRUCTION_ERRORS = {
     "no prompt column": (
-        dict(train_dataset=Dataset.from_list([{"question": "a", "answer": 1}] * 4)), DataError,
-        r"needs a 'prompt' column .* columns \['question', 'answer'\]"),
+        dict(train_dataset=Dataset.from_list([{"question": "a", "answer": 1}] * 4)),
+        DataError,
+        r"needs a 'prompt' column .* columns \['question', 'answer'\]",
+    ),
     "reward needs a missing column": (
-        dict(reward_funcs=needs_solution), DataError,
-        r"'needs_solution' has a required parameter 'solution' .*\(columns: \['answer'\]"),
+        dict(reward_funcs=needs_solution),
+        DataError,
+        r"'needs_solution' has a required parameter 'solution' .*\(columns: \['answer'\]",
+    ),
     "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward functions given"),
     "fewer prompts than a round": (
-        dict(train_dataset=prompt_dataset(1)), DataError, r"has 1 prompts but one generation round uses 2"),
-    "tools with text prompts": (dict(tools=[add_numbers]), DataError,
-                                r"tools= and environment_factory= need conversational prompts"),
-    "rollout_func with tools": (dict(rollout_func=len, tools=[add_numbers]), ConfigError,
-                                r"rollout_func samples the episodes itself; it cannot be combined with tools="),
+        dict(train_dataset=prompt_dataset(1)),
+        DataError,
+        r"has 1 prompts but one generation round uses 2",
+    ),
+    "tools with text prompts": (
+        dict(tools=[add_numbers]),
+        DataError,
+        r"tools= and environment_factory= need conversational prompts",
+    ),
+    "rollout_func with tools": (
+        dict(rollout_func=len, tools=[add_numbers]),
+        ConfigError,
+        r"rollout_func samples the episodes itself; it cannot be combined with tools=",
+    ),
     "eval set without a reward column": (
-        dict(eval_dataset=Dataset.from_list([{"prompt": "a b"}] * 4)), DataError,
-        r"eval_dataset lacks the columns \['answer'\] that train_dataset passes to the reward functions"),
+        dict(eval_dataset=Dataset.from_list([{"prompt": "a b"}] * 4)),
+        DataError,
+        r"eval_dataset lacks the columns \['answer'\] that train_dataset passes to the reward functions",
+    ),
     "eval batch not a multiple of the eval group": (
-        dict(eval_dataset=prompt_dataset(4)), ConfigError,
-        r"per_device_eval_batch_size=8 .* must be a multiple of num_generations_eval=3"),
+        dict(eval_dataset=prompt_dataset(4)),
+        ConfigError,
+        r"per_device_eval_batch_size=8 .* must be a multiple of num_generations_eval=3",
+    ),
     "missing prompt": (
-        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": "c"}, {"prompt": None}])), DataError,
-        r"Row 2, column 'prompt': expected a string like row 0, got None"),
+        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": "c"}, {"prompt": None}])),
+        DataError,
+        r"Row 2, column 'prompt': expected a string like row 0, got None",
+    ),
     "empty prompt": (
-        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": ""}])), DataError,
-        r"Row 1: the prompt is empty after tokenization"),
+        dict(train_dataset=Dataset.from_list([{"prompt": "a b"}, {"prompt": ""}])),
+        DataError,
+        r"Row 1: the prompt is empty after tokenization",
+    ),
 }
 
 
@@ -204,16 +267,24 @@ def test_bad_input_fails_at_construction(case, tmp_path, tiny_model_path):
 def test_a_tokenizer_without_eos_fails_at_construction(tmp_path, tiny_model_path, fresh_tokenizer):
     fresh_tokenizer.eos_token = None
     with pytest.raises(ConfigError, match="The tokenizer has no EOS token"):
-        GRPOTrainer(tiny_model_path, target_fraction, args=make_config(tmp_path), train_dataset=prompt_dataset(),
-                    processing_class=fresh_tokenizer)
+        GRPOTrainer(
+            tiny_model_path,
+            target_fraction,
+            args=make_config(tmp_path),
+            train_dataset=prompt_dataset(),
+            processing_class=fresh_tokenizer,
+        )
 
 
 def test_rewards_that_never_apply_stop_training_at_that_step(tmp_path, tiny_model_path):
     def not_applicable(completions, **kwargs):
         return [None] * len(completions)
 
-    with pytest.raises(DataError, match=r"No reward function applies to this batch: not_applicable returned None "
-                                        r"for all 8 samples"):
+    with pytest.raises(
+        DataError,
+        match=r"No reward function applies to this batch: not_applicable returned None "
+        r"for all 8 samples",
+    ):
         train(tiny_model_path, tmp_path, reward=not_applicable)
 
 
@@ -246,7 +317,8 @@ def test_rollout_batches_drop_padding_no_row_of_the_slice_needs():
         finished=torch.tensor([True, True, False]),
         rewards=torch.tensor([1.0, 2.0, 3.0]),
         per_function_rewards=torch.tensor([[1.0], [2.0], [3.0]]),
-        advantages=torch.tensor([0.1, 0.2, 0.3]), old_logps=torch.arange(9.0).view(3, 3),
+        advantages=torch.tensor([0.1, 0.2, 0.3]),
+        old_logps=torch.arange(9.0).view(3, 3),
     )
     batch = rollout.batch(0, 2)
     assert batch["prompt_ids"].tolist() == [[0, 5], [6, 7]] and batch["prompt_mask"].tolist() == [[0, 1], [1, 1]]
@@ -271,17 +343,31 @@ def test_groupwise_advantages_leave_out_unscored_completions():
 
 # -- prompts, reward inputs, metrics --------------------------------------------------------------------------
 def test_conversational_prompts_and_reward_inputs(tmp_path, tiny_model_path, tokenizer):
-    rows = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"count {i}"}],
-             "answer": i, "topic": "numbers"} for i in range(4)]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"count {i}"}],
+            "answer": i,
+            "topic": "numbers",
+        }
+        for i in range(4)
+    ]
     seen = {}
 
     def recording_reward(prompts, completions, completion_ids, answer, topic, trainer_state, **kwargs):
-        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
-                    topic=topic, step=trainer_state.global_step, extra=sorted(kwargs))
+        seen.update(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
+            answer=answer,
+            topic=topic,
+            step=trainer_state.global_step,
+            extra=sorted(kwargs),
+        )
         return [float(a) for a in answer]
 
-    trainer = train(tiny_model_path, tmp_path, reward=recording_reward, data=Dataset.from_list(rows),
-                    max_prompt_length=12)
+    trainer = train(
+        tiny_model_path, tmp_path, reward=recording_reward, data=Dataset.from_list(rows), max_prompt_length=12
+    )
     rendered = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     full_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
     assert trainer.train_dataset["prompt_ids"] == [ids[-12:] for ids in full_ids]
@@ -306,8 +392,14 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
 
     model = stopping_model(tiny_model_path)
     initial = copy.deepcopy(model)
-    trainer = train(model, tmp_path, reward=[length_reward, target_fraction],
-                    reward_weights=[1.0, 10.0], log_completions=True, mask_truncated_completions=True)
+    trainer = train(
+        model,
+        tmp_path,
+        reward=[length_reward, target_fraction],
+        reward_weights=[1.0, 10.0],
+        log_completions=True,
+        mask_truncated_completions=True,
+    )
     rollout = trainer.rollout
     lengths = rollout.completion_mask.sum(1).double()
     finished = rollout.finished
@@ -319,12 +411,19 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
 
     expected = {
-        "reward": rewards.mean(), "reward_std": rewards.std(), "frac_reward_none": 0.0,
-        "rewards/length_reward/mean": lengths.mean(), "rewards/length_reward/std": lengths.std(),
-        "rewards/target_fraction/mean": fractions.mean(), "rewards/target_fraction/std": fractions.std(),
-        "advantages/mean": advantages.mean(), "advantages/std": advantages.std(),
-        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-        "completions/max_length": lengths.max(), "completions/clipped_ratio": 1 - finished.double().mean(),
+        "reward": rewards.mean(),
+        "reward_std": rewards.std(),
+        "frac_reward_none": 0.0,
+        "rewards/length_reward/mean": lengths.mean(),
+        "rewards/length_reward/std": lengths.std(),
+        "rewards/target_fraction/mean": fractions.mean(),
+        "rewards/target_fraction/std": fractions.std(),
+        "advantages/mean": advantages.mean(),
+        "advantages/std": advantages.std(),
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": 1 - finished.double().mean(),
         "completions/mean_terminated_length": lengths[finished].mean(),
         "completions/min_terminated_length": lengths[finished].min(),
         "completions/max_terminated_length": lengths[finished].max(),
@@ -341,10 +440,13 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
     # Entropy of the policy before its update over the trained tokens, in float64.
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], 1)
     with torch.no_grad():
-        logits = initial.double()(input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-                                  attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        logits = initial.double()(
+            input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+        ).logits
     width = rollout.prompt_ids.shape[1]
-    logps = logits[:, width - 1:-1].log_softmax(-1)
+    logps = logits[:, width - 1 : -1].log_softmax(-1)
     entropy = -(logps.exp() * logps).sum(-1)
     trained = rollout.loss_mask.double()
     assert logged(trainer, "entropy", 1) == pytest.approx(float((entropy * trained).sum() / trained.sum()), rel=1e-4)
@@ -360,8 +462,9 @@ def test_round_metrics_and_completion_log(tmp_path, tiny_model_path, tokenizer):
 
 # -- reproducibility and split invariance --------------------------------------------------------------------
 def test_same_seed_same_completions_and_losses(tmp_path, tiny_model_path):
-    runs = [train(tiny_model_path, tmp_path / name, max_steps=3, seed=seed)
-            for name, seed in (("a", 0), ("b", 0), ("c", 1))]
+    runs = [
+        train(tiny_model_path, tmp_path / name, max_steps=3, seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 1))
+    ]
     losses = [[logged(t, "loss", s) for s in (1, 2, 3)] for t in runs]
     assert torch.equal(runs[0].rollout.completion_ids, runs[1].rollout.completion_ids)
     assert losses[0] == losses[1]
@@ -371,9 +474,17 @@ def test_same_seed_same_completions_and_losses(tmp_path, tiny_model_path):
 def _first_update(model_path, output_dir, **overrides):
     """Parameters after one plain SGD step (no clipping), so that they are initial - lr * gradient."""
     snapshots = ParameterSnapshots()
-    trainer = train(stopping_model(model_path), output_dir, reward=low_id_fraction, callbacks=[snapshots],
-                    optim="sgd", learning_rate=1.0,
-                    lr_scheduler_type="constant", max_grad_norm=0.0, **overrides)
+    trainer = train(
+        stopping_model(model_path),
+        output_dir,
+        reward=low_id_fraction,
+        callbacks=[snapshots],
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        **overrides,
+    )
     return trainer, snapshots.after_step[0]
 
 
@@ -382,8 +493,13 @@ def test_micro_batch_split_does_not_change_the_first_update(tmp_path, tiny_model
     whole, expected = _first_update(tiny_model_path, tmp_path / "whole", loss_type=loss_type)
     lengths = whole.rollout.completion_mask.sum(1)
     assert lengths[:4].sum() != lengths[4:].sum()  # halves differ, so per-micro-batch normalising would show
-    split, params = _first_update(tiny_model_path, tmp_path / "split", loss_type=loss_type,
-                                  per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    split, params = _first_update(
+        tiny_model_path,
+        tmp_path / "split",
+        loss_type=loss_type,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     assert torch.equal(whole.rollout.completion_ids, split.rollout.completion_ids)
     assert logged(split, "loss", 1) == pytest.approx(logged(whole, "loss", 1), abs=1e-6)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
@@ -396,8 +512,9 @@ def test_steps_per_generation_does_not_change_the_first_update(tmp_path, tiny_mo
     one, expected = _first_update(tiny_model_path, tmp_path / "one")
     two, params = _first_update(tiny_model_path, tmp_path / "two", steps_per_generation=2)
     # The first optimizer step of the larger round trains on the same 8 completions (with old log-probs).
-    assert torch.equal(two.rollout.completion_ids[:8, : one.rollout.completion_ids.shape[1]],
-                       one.rollout.completion_ids)
+    assert torch.equal(
+        two.rollout.completion_ids[:8, : one.rollout.completion_ids.shape[1]], one.rollout.completion_ids
+    )
     assert len(two.rollout) == 16 and two.rollout.old_logps is not None and one.rollout.old_logps is None
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0)
@@ -421,23 +538,31 @@ def test_shuffle_dataset_false_keeps_the_dataset_order(tmp_path, tiny_model_path
 
 def test_pad_to_multiple_of_pads_the_batches_without_changing_the_loss(tmp_path, tiny_model_path):
     plain = train(stopping_model(tiny_model_path), tmp_path / "plain", reward=low_id_fraction)
-    padded = train(stopping_model(tiny_model_path), tmp_path / "padded", reward=low_id_fraction,
-                   pad_to_multiple_of=16)
+    padded = train(stopping_model(tiny_model_path), tmp_path / "padded", reward=low_id_fraction, pad_to_multiple_of=16)
     assert plain.rollout.completion_ids.shape[1] % 16 and plain.rollout.prompt_ids.shape[1] % 16
     for rollout in (padded.rollout, padded.rollout.batch(0, 4)):
-        widths = [rollout["completion_ids"].shape[1], rollout["prompt_ids"].shape[1]] if isinstance(rollout, dict) \
+        widths = (
+            [rollout["completion_ids"].shape[1], rollout["prompt_ids"].shape[1]]
+            if isinstance(rollout, dict)
             else [rollout.completion_ids.shape[1], rollout.prompt_ids.shape[1]]
+        )
         assert all(w % 16 == 0 for w in widths), widths
     assert logged(padded, "loss", 1) == pytest.approx(logged(plain, "loss", 1), abs=1e-6)
     assert plain.pad_multiple is None  # "auto": no padding off Neuron
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_model_path, fresh_tokenizer):
-    fresh_tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                                     "{{ ' mood ' + (mood or 'none') }}")
+    fresh_tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ ' mood ' + (mood or 'none') }}"
+    )
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"cat {i}"}]} for i in range(4)])
-    trainer = GRPOTrainer(tiny_model_path, target_fraction, train_dataset=data, processing_class=fresh_tokenizer,
-                          args=make_config(tmp_path, chat_template_kwargs='{"mood": "sunny"}'))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        target_fraction,
+        train_dataset=data,
+        processing_class=fresh_tokenizer,
+        args=make_config(tmp_path, chat_template_kwargs='{"mood": "sunny"}'),
+    )
     assert fresh_tokenizer.decode(trainer.train_dataset[0]["prompt_ids"]) == "cat 0 mood sunny"
 
 
@@ -448,15 +573,28 @@ def test_disable_dropout_switches_the_policys_dropout_off(tmp_path, tiny_model_p
         return model
 
     for disable, p in ((True, 0.0), (False, 0.5)):
-        trainer = GRPOTrainer(with_dropout(), target_fraction, train_dataset=prompt_dataset(),
-                              args=make_config(tmp_path, disable_dropout=disable))
+        trainer = GRPOTrainer(
+            with_dropout(),
+            target_fraction,
+            train_dataset=prompt_dataset(),
+            args=make_config(tmp_path, disable_dropout=disable),
+        )
         assert trainer.model.model.extra_dropout.p == p
 
 
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tiny_model_path):
     snapshots = ParameterSnapshots()
-    trainer = train(stopping_model(tiny_model_path), tmp_path, reward=low_id_fraction, callbacks=[snapshots],
-                    max_steps=3, beta=0.1, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2)
+    trainer = train(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        reward=low_id_fraction,
+        callbacks=[snapshots],
+        max_steps=3,
+        beta=0.1,
+        sync_ref_model=True,
+        ref_model_mixup_alpha=0.3,
+        ref_model_sync_steps=2,
+    )
     reference = {n: p.double() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters()}
     policy = {n: p.double() for n, p in snapshots.after_step[1].items()}  # the reference mixes at step 2 only
     expected = {n: 0.3 * policy[n] + 0.7 * reference[n] for n in reference}
@@ -475,8 +613,13 @@ def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_pa
         return rewards
 
     eval_data = prompt_dataset(5)
-    trainer = GRPOTrainer(tiny_model_path, recorded, train_dataset=prompt_dataset(), eval_dataset=eval_data,
-                          args=make_config(tmp_path, num_generations_eval=2, per_device_eval_batch_size=4))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        recorded,
+        train_dataset=prompt_dataset(),
+        eval_dataset=eval_data,
+        args=make_config(tmp_path, num_generations_eval=2, per_device_eval_batch_size=4),
+    )
     metrics = trainer.evaluate()
     # 5 prompts, 2 per round (4 completions / 2): 3 rounds, the last one filled up with prompt 0 again.
     prompts = [p for call in calls for p in call[0]]
@@ -489,9 +632,19 @@ def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_pa
     assert trainer.state.log_history[-1]["eval_reward"] == metrics["eval_reward"]
 
     calls.clear()
-    trainer = GRPOTrainer(tiny_model_path, recorded, train_dataset=prompt_dataset(), eval_dataset=eval_data,
-                          args=make_config(tmp_path / "during", num_generations_eval=2, per_device_eval_batch_size=4,
-                                           eval_strategy="steps", eval_steps=1))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        recorded,
+        train_dataset=prompt_dataset(),
+        eval_dataset=eval_data,
+        args=make_config(
+            tmp_path / "during",
+            num_generations_eval=2,
+            per_device_eval_batch_size=4,
+            eval_strategy="steps",
+            eval_steps=1,
+        ),
+    )
     trainer.train()
     assert len(calls) == 1 + 3 and "eval_reward" in trainer.state.log_history[-2]
 
@@ -501,8 +654,11 @@ def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, cap
 
     printed_records = []
     real = online_eval.print_completion_table
-    monkeypatch.setattr(online_eval, "print_completion_table",
-                        lambda records, *a, **k: (printed_records.append(records), real(records, *a, **k)))
+    monkeypatch.setattr(
+        online_eval,
+        "print_completion_table",
+        lambda records, *a, **k: (printed_records.append(records), real(records, *a, **k)),
+    )
     train(tiny_model_path, tmp_path, log_completions=True, num_completions_to_print=3)
     printed = capsys.readouterr().out
     assert "Completions at step 1" in printed and "target_fraction" in printed and len(printed_records[-1]) == 3
@@ -521,35 +677,63 @@ def test_options_match_trl_defaults_and_signatures(tmp_path):
     surface = json.loads((REPO_ROOT / "tests" / "data" / "trl_1.16_surface.json").read_text())
     for ours in (GRPOConfig, RLOOConfig):
         defaults = surface["configs"][ours.__name__]
-        for name in ("max_completion_length", "min_p", "vllm_mode", "vllm_server_host", "vllm_server_timeout",
-                     "shuffle_dataset", "pad_to_multiple_of", "num_generations", "beta", "ref_model_mixup_alpha",
-                     "ref_model_sync_steps", "vllm_model_impl", "vllm_group_port", "num_generations_eval"):
+        for name in (
+            "max_completion_length",
+            "min_p",
+            "vllm_mode",
+            "vllm_server_host",
+            "vllm_server_timeout",
+            "shuffle_dataset",
+            "pad_to_multiple_of",
+            "num_generations",
+            "beta",
+            "ref_model_mixup_alpha",
+            "ref_model_sync_steps",
+            "vllm_model_impl",
+            "vllm_group_port",
+            "num_generations_eval",
+        ):
             assert getattr(ours(output_dir=str(tmp_path)), name) == defaults[name], (ours.__name__, name)
     for ours in (GRPOTrainer, RLOOTrainer):
         trl = surface["trainers"][ours.__name__]
-        assert list(inspect.signature(ours).parameters)[:len(trl)] == trl  # posttrain's extras come after
+        assert list(inspect.signature(ours).parameters)[: len(trl)] == trl  # posttrain's extras come after
 
 
 # -- two processes ---------------------------------------------------------------------------------------------
 def one_step_record(model_path: str, out_dir: str, per_device: int) -> dict:
     """One SGD step with batch-scaled rewards (which need every process's rewards); what each process saw."""
-    trainer, params = _first_update(model_path, out_dir, per_device_train_batch_size=per_device,
-                                    scale_rewards="batch", ddp_backend="gloo")
+    trainer, params = _first_update(
+        model_path, out_dir, per_device_train_batch_size=per_device, scale_rewards="batch", ddp_backend="gloo"
+    )
     rollout = trainer.rollout
     return {
-        "rank": trainer.args.process_index, "world_size": trainer.accelerator.num_processes,
-        "completion_ids": [rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
-                           for i in range(len(rollout))],
-        "advantages": rollout.advantages, "loss": logged(trainer, "loss", 1),
-        "reward_std": logged(trainer, "reward_std", 1), "params": params,
+        "rank": trainer.args.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "completion_ids": [
+            rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist() for i in range(len(rollout))
+        ],
+        "advantages": rollout.advantages,
+        "loss": logged(trainer, "loss", 1),
+        "reward_std": logged(trainer, "reward_std", 1),
+        "params": params,
     }
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path, tiny_model_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               tiny_model_path, str(tmp_path / "ddp"), "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        tiny_model_path,
+        str(tmp_path / "ddp"),
+        "4",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in range(2)]

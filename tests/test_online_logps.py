@@ -13,8 +13,15 @@ from posttrain.trainers.online_logps import completion_logps, shared_prompt_layo
 PROMPTS = [[5, 9, 13, 20, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [77, 78, 79]]
 # (prompt, completion) rows: prompt 0 has four completions (two beginning alike, one placed after prompt 1's), both
 # of prompt 1's begin with token 200, which is then computed once too; prompt 2 has one.
-ROWS = [(0, [100, 101, 102, 103]), (0, [100, 101, 150]), (1, [200, 201, 202, 203, 204, 205]), (0, [160]),
-        (1, [200, 211]), (2, [220, 221, 222, 223, 224]), (0, [170, 171, 172, 173, 174, 175])]
+ROWS = [
+    (0, [100, 101, 102, 103]),
+    (0, [100, 101, 150]),
+    (1, [200, 201, 202, 203, 204, 205]),
+    (0, [160]),
+    (1, [200, 211]),
+    (2, [220, 221, 222, 223, 224]),
+    (0, [170, 171, 172, 173, 174, 175]),
+]
 PAD = 0
 
 
@@ -27,12 +34,16 @@ def _batch() -> dict[str, torch.Tensor]:
     completion_mask = torch.zeros_like(completion_ids)
     for row, (p, completion) in enumerate(ROWS):
         prompt = PROMPTS[p]
-        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[row, prompt_width - len(prompt):] = 1
-        completion_ids[row, :len(completion)] = torch.tensor(completion)
-        completion_mask[row, :len(completion)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask}
+        prompt_ids[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[row, prompt_width - len(prompt) :] = 1
+        completion_ids[row, : len(completion)] = torch.tensor(completion)
+        completion_mask[row, : len(completion)] = 1
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
 
 
 @pytest.fixture()
@@ -46,10 +57,10 @@ def _unshared(model, batch, temperature):
     logps, entropy = [], []
     for row, (p, completion) in enumerate(ROWS):
         ids = torch.tensor([PROMPTS[p] + completion])
-        logits = model(input_ids=ids).logits[0, len(PROMPTS[p]) - 1:-1] / temperature
+        logits = model(input_ids=ids).logits[0, len(PROMPTS[p]) - 1 : -1] / temperature
         logp = logits.log_softmax(-1)
         pad = (0, width - len(completion))
-        logps.append(torch.nn.functional.pad(logp.gather(1, ids[0, len(PROMPTS[p]):, None])[:, 0], pad))
+        logps.append(torch.nn.functional.pad(logp.gather(1, ids[0, len(PROMPTS[p]) :, None])[:, 0], pad))
         entropy.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), pad))
     return torch.stack(logps), torch.stack(entropy)
 
@@ -80,8 +91,9 @@ def test_shared_prompt_route_gives_the_padded_forwards_logps_entropies_and_gradi
     original = online_logps.forward_hidden
     online_logps.forward_hidden = lambda m, i: calls.append(i["input_ids"].shape) or original(m, i)
     try:
-        shared = _with_gradients(lambda: completion_logps(model, batch, temperature, with_entropy=True),
-                                 model, batch, weights)
+        shared = _with_gradients(
+            lambda: completion_logps(model, batch, temperature, with_entropy=True), model, batch, weights
+        )
     finally:
         online_logps.forward_hidden = original
     assert len(calls) == 1  # the shared route was taken
@@ -113,13 +125,14 @@ def test_falls_back_where_the_layout_does_not_apply(model):
     ragged["completion_mask"][0, 1] = 0  # not right-padded: a hole inside a completion
     assert shared_prompt_layout(model, ragged) is None
     single = {"prompt_ids": torch.tensor([PROMPTS[0]]), "completion_ids": torch.tensor([ROWS[0][1]])}
-    single.update(prompt_mask=torch.ones_like(single["prompt_ids"]),
-                  completion_mask=torch.ones_like(single["completion_ids"]))
+    single.update(
+        prompt_mask=torch.ones_like(single["prompt_ids"]), completion_mask=torch.ones_like(single["completion_ids"])
+    )
     assert shared_prompt_layout(model, single) is None  # one sequence without padding: nothing to save
     with torch.no_grad():
         logps, _ = completion_logps(model, single, 1.0)
         expected, _ = _unshared(model, batch, 1.0)
-    torch.testing.assert_close(logps, expected[:1, :logps.shape[1]], atol=1e-7, rtol=0)
+    torch.testing.assert_close(logps, expected[:1, : logps.shape[1]], atol=1e-7, rtol=0)
 
 
 def test_grpo_trains_the_same_through_the_shared_route(tmp_path, tiny_model_path, monkeypatch):
@@ -139,15 +152,22 @@ def test_grpo_trains_the_same_through_the_shared_route(tmp_path, tiny_model_path
 
         monkeypatch.setattr(online_logps, "shared_prompt_logps", spy)
         snapshots = ParameterSnapshots()
-        trainer = train(stopping_model(tiny_model_path), tmp_path / route, reward=low_id_fraction,
-                        callbacks=[snapshots], beta=0.1, num_iterations=2, max_steps=2, optim="sgd",
-                        learning_rate=1.0)
+        trainer = train(
+            stopping_model(tiny_model_path),
+            tmp_path / route,
+            reward=low_id_fraction,
+            callbacks=[snapshots],
+            beta=0.1,
+            num_iterations=2,
+            max_steps=2,
+            optim="sgd",
+            learning_rate=1.0,
+        )
         runs[route] = (trainer, snapshots.after_step[-1])
         if route == "shared":
             assert {grad for grad, _ in taken} == {True, False} and all(shared for _, shared in taken)
     for key in ("loss", "kl"):
         for step in (1, 2):
-            assert logged(runs["shared"][0], key, step) == pytest.approx(logged(runs["padded"][0], key, step),
-                                                                          abs=1e-5)
+            assert logged(runs["shared"][0], key, step) == pytest.approx(logged(runs["padded"][0], key, step), abs=1e-5)
     for name, value in runs["padded"][1].items():
         torch.testing.assert_close(runs["shared"][1][name], value, atol=1e-6, rtol=0, msg=name)

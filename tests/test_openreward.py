@@ -8,22 +8,35 @@ import types
 from dataclasses import dataclass
 
 import pytest
+from test_tool_rollouts import ScriptedBackend, tool_tokenizer  # noqa: F401 (fixture)
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.openreward import OpenRewardSpec, outcome_only_reward, tool_method
 from posttrain.tools.schema import tool_schema
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from test_tool_rollouts import ScriptedBackend, tool_tokenizer  # noqa: F401 (fixture)
 
 GOLD = {0: "4", 1: "9", 2: "16"}
-SHARED = [{"name": "run", "description": "Run a shell command.",
-           "input_schema": {"properties": {"command": {"type": "string", "description": "The command."},
-                                           "timeout": {"anyOf": [{"type": "integer"}, {"type": "null"}],
-                                                       "default": 30, "description": "Seconds."}},
-                            "required": ["command"]}}]
-SUBMIT = {"name": "submit", "description": "Submit the final answer.",
-          "input_schema": {"properties": {"answer": {"type": "string", "description": "The answer."}},
-                           "required": ["answer"]}}
+SHARED = [
+    {
+        "name": "run",
+        "description": "Run a shell command.",
+        "input_schema": {
+            "properties": {
+                "command": {"type": "string", "description": "The command."},
+                "timeout": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 30, "description": "Seconds."},
+            },
+            "required": ["command"],
+        },
+    }
+]
+SUBMIT = {
+    "name": "submit",
+    "description": "Submit the final answer.",
+    "input_schema": {
+        "properties": {"answer": {"type": "string", "description": "The answer."}},
+        "required": ["answer"],
+    },
+}
 
 
 @dataclass
@@ -158,8 +171,10 @@ def test_rollouts_in_grpo(server, tmp_path, tiny_model_path, tool_tokenizer):  #
     eos = tool_tokenizer.eos_token_id
 
     def submit(answer):
-        return tool_tokenizer('<tool_call>\n{"name": "submit", "arguments": {"answer": "%s"}}\n</tool_call>' % answer,
-                              add_special_tokens=False)["input_ids"] + [eos]
+        return tool_tokenizer(
+            '<tool_call>\n{"name": "submit", "arguments": {"answer": "%s"}}\n</tool_call>' % answer,
+            add_special_tokens=False,
+        )["input_ids"] + [eos]
 
     def script(prompt, k):
         text = tool_tokenizer.decode(prompt)
@@ -168,11 +183,25 @@ def test_rollouts_in_grpo(server, tmp_path, tiny_model_path, tool_tokenizer):  #
         task = 0 if "task 0" in text else 1
         return submit(GOLD[task] if k % 2 == 0 else "no")
 
-    trainer = GRPOTrainer(tiny_model_path, spec.reward_funcs, train_dataset=spec.train_dataset,
-                          environment_factory=spec.environment_factory, processing_class=tool_tokenizer,
-                          args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                                          max_completion_length=128, max_steps=1, use_cpu=True, report_to="none",
-                                          save_strategy="no", disable_tqdm=True, seed=0))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        spec.reward_funcs,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        processing_class=tool_tokenizer,
+        args=GRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=128,
+            max_steps=1,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        ),
+    )
     backend = ScriptedBackend(script, eos)
     trainer.generation_backend = backend
     if trainer.episode_source is not None:

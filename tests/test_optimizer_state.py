@@ -48,13 +48,16 @@ def _same_state(got: dict, want: dict):
             assert torch.equal(mine, value), (index, key)
 
 
-@pytest.mark.parametrize("cls,options,dtype", [
-    (torch.optim.AdamW, {"fused": True}, torch.float32),
-    (torch.optim.AdamW, {"foreach": True, "weight_decay": 0.1}, torch.float32),
-    (torch.optim.Adam, {"foreach": False, "amsgrad": True}, torch.float32),
-    (torch.optim.Adam, {"foreach": False, "maximize": True}, torch.float32),
-    (torch.optim.AdamW, {"fused": True, "amsgrad": True}, torch.float64),
-])
+@pytest.mark.parametrize(
+    "cls,options,dtype",
+    [
+        (torch.optim.AdamW, {"fused": True}, torch.float32),
+        (torch.optim.AdamW, {"foreach": True, "weight_decay": 0.1}, torch.float32),
+        (torch.optim.Adam, {"foreach": False, "amsgrad": True}, torch.float32),
+        (torch.optim.Adam, {"foreach": False, "maximize": True}, torch.float32),
+        (torch.optim.AdamW, {"fused": True, "amsgrad": True}, torch.float64),
+    ],
+)
 def test_same_training_as_lazy_initialisation_and_one_storage(cls, options, dtype):
     lazy_net, net = _Net(dtype), _Net(dtype)
     lazy = cls(lazy_net.parameters(), lr=0.1, **options)
@@ -63,8 +66,11 @@ def test_same_training_as_lazy_initialisation_and_one_storage(cls, options, dtyp
     for got, want in zip(_train(net, optimizer), _train(lazy_net, lazy)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     _same_state(optimizer.state_dict(), lazy.state_dict())
-    storages = {key: {optimizer.state[p][key].untyped_storage().data_ptr() for p in (net.a, net.b)}
-                for key in optimizer.state[net.a] if key != "step"}
+    storages = {
+        key: {optimizer.state[p][key].untyped_storage().data_ptr() for p in (net.a, net.b)}
+        for key in optimizer.state[net.a]
+        if key != "step"
+    }
     assert len(set.union(*storages.values())) == 1  # every buffer made before the first step: one allocation
     late = optimizer.state[net.late]["exp_avg"].untyped_storage().data_ptr()
     assert late not in storages["exp_avg"]  # its first gradient came later: Adam made its buffers
@@ -102,10 +108,21 @@ def test_state_from_a_checkpoint_is_kept_and_other_optimizers_are_left_alone():
 
 def test_trainer_allocates_adams_buffers_together():
     tokenizer = build_tiny_tokenizer()
-    args = SFTConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", max_steps=2, disable_tqdm=True,
-                     save_strategy="no", per_device_train_batch_size=2)
-    trainer = SFTTrainer(build_tiny_model(tokenizer), processing_class=tokenizer, args=args,
-                         train_dataset=Dataset.from_list([{"text": "one two three four"}] * 4))
+    args = SFTConfig(
+        output_dir="/tmp/unused",
+        use_cpu=True,
+        report_to="none",
+        max_steps=2,
+        disable_tqdm=True,
+        save_strategy="no",
+        per_device_train_batch_size=2,
+    )
+    trainer = SFTTrainer(
+        build_tiny_model(tokenizer),
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=Dataset.from_list([{"text": "one two three four"}] * 4),
+    )
     trainer.train()
     state = trainer.optimizer.optimizer.state if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer.state
     assert len(state) == sum(p.requires_grad for p in trainer.model.parameters())

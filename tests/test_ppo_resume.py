@@ -10,12 +10,12 @@ import os
 
 import pytest
 import torch
+from test_online_engine import low_id_fraction, prompt_dataset
+from test_ppo_trainer import ppo_config
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
 from posttrain.models.value_head import AutoModelForCausalLMWithValueHead
 from posttrain.trainers.ppo import PPOTrainer
-from test_online_engine import low_id_fraction, prompt_dataset
-from test_ppo_trainer import ppo_config
 
 STEPS, CHECKPOINT = 6, 3
 
@@ -60,8 +60,10 @@ CASES = {
     "lora": (dict(peft_config=_lora), dict(use_value_head=True)),
     "adaptive_kl": (dict(value_model="value_model_path"), dict(kl_coef=0.2, target_kl=0.01, kl_horizon=16)),
     "ppo_epochs_4": (dict(value_model="value_model_path"), dict(num_ppo_epochs=4)),  # checkpoint at epoch 3 of 4
-    "mini_batches_2_lora": (dict(peft_config=_lora), dict(num_mini_batches=2, num_ppo_epochs=2,
-                                                         generation_batch_size=8)),  # checkpoint mid-rollout
+    "mini_batches_2_lora": (
+        dict(peft_config=_lora),
+        dict(num_mini_batches=2, num_ppo_epochs=2, generation_batch_size=8),
+    ),  # checkpoint mid-rollout
 }
 
 
@@ -77,8 +79,15 @@ def _trainer(case, output_dir, tiny_model_path, value_model_path, callbacks=None
         elif callable(value):
             value = value()
         built[key] = value
-    settings = dict(per_device_train_batch_size=4, max_steps=STEPS, save_strategy="steps", save_steps=CHECKPOINT,
-                    write_report=False, learning_rate=0.05, kl_coef=0.1)  # no report: its plots take ~10 s
+    settings = dict(
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=CHECKPOINT,
+        write_report=False,
+        learning_rate=0.05,
+        kl_coef=0.1,
+    )  # no report: its plots take ~10 s
     args = ppo_config(output_dir, **{**settings, **overrides})
     model = built.pop("model")
     return PPOTrainer(model, low_id_fraction, args=args, train_dataset=prompt_dataset(), callbacks=callbacks, **built)
@@ -86,8 +95,11 @@ def _trainer(case, output_dir, tiny_model_path, value_model_path, callbacks=None
 
 def _step_logs(trainer, steps):
     """The metrics logged at `steps` (wall-clock timings left out)."""
-    return {h["step"]: {k: v for k, v in h.items() if not k.startswith("time/")}
-            for h in trainer.state.log_history if h.get("step") in steps and "loss" in h}
+    return {
+        h["step"]: {k: v for k, v in h.items() if not k.startswith("time/")}
+        for h in trainer.state.log_history
+        if h.get("step") in steps and "loss" in h
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -131,7 +143,8 @@ def test_resumed_run_equals_the_straight_run(case, tmp_path, tiny_model_path, va
         assert resumed_logs[step].keys() == straight_logs[step].keys(), step
         for key, value in straight_logs[step].items():
             other = resumed_logs[step][key]
-            assert (math.isnan(value) and math.isnan(other)) or other == pytest.approx(value, rel=1e-6, abs=1e-6), \
+            assert (math.isnan(value) and math.isnan(other)) or other == pytest.approx(value, rel=1e-6, abs=1e-6), (
                 f"step {step} {key}: resumed {other}, straight {value}"
+            )
     if "target_kl" in CASES[case][1]:  # the coefficient moved, so restoring it mattered
         assert len({straight_logs[s]["kl_coef"] for s in later}) == len(later)

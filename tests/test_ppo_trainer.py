@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_online_engine import ParameterSnapshots, logged, low_id_fraction, make_config, prompt_dataset, stopping_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import posttrain
@@ -13,7 +14,6 @@ from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.models.value_head import VALUE_HEAD_FILE, AutoModelForCausalLMWithValueHead
 from posttrain.trainers.ppo import VALUE_MODEL_DIR, PolicyAndValueModel, PPOConfig, PPOTrainer
-from test_online_engine import ParameterSnapshots, logged, low_id_fraction, make_config, prompt_dataset, stopping_model
 
 STOP_IDS = {2, *range(100, 140)}  # stopping_model's stop tokens (<|im_end|> is id 2 in the tiny tokenizer)
 
@@ -26,8 +26,15 @@ def ppo_config(output_dir, **overrides):
 
 
 def ppo(model, output_dir, reward=low_id_fraction, callbacks=None, value_model=None, peft_config=None, **overrides):
-    trainer = PPOTrainer(model, reward, args=ppo_config(output_dir, **overrides), train_dataset=prompt_dataset(),
-                         value_model=value_model, peft_config=peft_config, callbacks=callbacks)
+    trainer = PPOTrainer(
+        model,
+        reward,
+        args=ppo_config(output_dir, **overrides),
+        train_dataset=prompt_dataset(),
+        value_model=value_model,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
     trainer.train()
     return trainer
 
@@ -56,13 +63,18 @@ def _float64(cls, path, parameters=None, prefix=""):
         with torch.no_grad():
             for name, value in parameters.items():
                 if name.startswith(prefix):
-                    own[name[len(prefix):]].copy_(value.double())
+                    own[name[len(prefix) :]].copy_(value.double())
     return model
 
 
 def _sequences(rollout):
-    return [(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
-             rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()) for i in range(len(rollout))]
+    return [
+        (
+            rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist(),
+            rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist(),
+        )
+        for i in range(len(rollout))
+    ]
 
 
 def _logps_and_values(policy, value_model, sequences):
@@ -82,7 +94,7 @@ def _logps_and_values(policy, value_model, sequences):
 
 def _entropies(policy, prompt, completion):
     """Entropy of the policy's next-token distribution at each position that predicts a completion token."""
-    logits = policy(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    logits = policy(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
     probs = torch.softmax(logits, -1)
     return -(probs * torch.log(probs)).sum(-1)
 
@@ -92,8 +104,9 @@ def _advantages_and_returns(rewards, values, gamma, lam):
     length = len(rewards)
     next_values = torch.cat([values[1:], values.new_zeros(1)])
     deltas = rewards + gamma * next_values - values
-    advantages = torch.stack([sum((gamma * lam) ** (k - t) * deltas[k] for k in range(t, length))
-                              for t in range(length)])
+    advantages = torch.stack(
+        [sum((gamma * lam) ** (k - t) * deltas[k] for k in range(t, length)) for t in range(length)]
+    )
     return advantages, advantages + values
 
 
@@ -115,8 +128,8 @@ def _expected_rollout(sequences, old, ref, values, kl_coef, gamma, lam, missing_
 
 def _assert_rows_close(padded, expected, atol, zero_padding=True):
     for i, row in enumerate(expected):
-        torch.testing.assert_close(padded[i, :len(row)].double(), row, atol=atol, rtol=0)
-        assert not zero_padding or not padded[i, len(row):].any()
+        torch.testing.assert_close(padded[i, : len(row)].double(), row, atol=atol, rtol=0)
+        assert not zero_padding or not padded[i, len(row) :].any()
 
 
 def test_rewards_advantages_and_returns_match_a_float64_reference(tmp_path, tiny_model_path, reward_model_path):
@@ -124,16 +137,26 @@ def test_rewards_advantages_and_returns_match_a_float64_reference(tmp_path, tiny
     the score (minus the missing-EOS penalty) at the last token, GAE with the value model, whitening."""
     kl_coef, gamma, lam, penalty = 0.2, 0.9, 0.8, 0.25
     snapshots = ParameterSnapshots()
-    trainer = ppo(stopping_model(tiny_model_path), tmp_path, value_model=reward_model_path, callbacks=[snapshots],
-                  kl_coef=kl_coef, gamma=gamma, lam=lam, missing_eos_penalty=penalty, max_steps=2,
-                  learning_rate=0.05)
+    trainer = ppo(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        value_model=reward_model_path,
+        callbacks=[snapshots],
+        kl_coef=kl_coef,
+        gamma=gamma,
+        lam=lam,
+        missing_eos_penalty=penalty,
+        max_steps=2,
+        learning_rate=0.05,
+    )
     assert isinstance(trainer.model, PolicyAndValueModel)
     rollout, sequences = trainer.rollout, _sequences(trainer.rollout)
     assert len({len(c) for _, c in sequences}) > 1 and not all(c[-1] in STOP_IDS for _, c in sequences)
     with torch.no_grad():
         policy = _float64(AutoModelForCausalLM, tiny_model_path, snapshots.after_step[0], "pretrained_model.")
-        critic = _float64(AutoModelForSequenceClassification, reward_model_path, snapshots.after_step[0],
-                          "value_model.")
+        critic = _float64(
+            AutoModelForSequenceClassification, reward_model_path, snapshots.after_step[0], "value_model."
+        )
         old, values = _logps_and_values(policy, critic, sequences)
         ref, _ = _logps_and_values(_float64(AutoModelForCausalLM, tiny_model_path), None, sequences)
     advantages, returns, scores, kls = _expected_rollout(sequences, old, ref, values, kl_coef, gamma, lam, penalty)
@@ -158,20 +181,36 @@ def test_second_epoch_loss_matches_a_float64_reference(tmp_path, tiny_model_path
     clipped value loss, both averaged over the rollout's tokens."""
     cliprange, cliprange_value, vf_coef, entropy_coef, gamma, lam = 0.01, 0.02, 0.5, 0.01, 1.0, 0.95
     snapshots = ParameterSnapshots()
-    trainer = ppo(stopping_model(tiny_model_path), tmp_path, value_model=reward_model_path, callbacks=[snapshots],
-                  num_ppo_epochs=2, max_steps=2, cliprange=cliprange, cliprange_value=cliprange_value,
-                  vf_coef=vf_coef, entropy_coef=entropy_coef, gamma=gamma, lam=lam, kl_coef=0.1, optim="sgd",
-                  learning_rate=0.01,
-                  lr_scheduler_type="constant", max_grad_norm=0.0)
+    trainer = ppo(
+        stopping_model(tiny_model_path),
+        tmp_path,
+        value_model=reward_model_path,
+        callbacks=[snapshots],
+        num_ppo_epochs=2,
+        max_steps=2,
+        cliprange=cliprange,
+        cliprange_value=cliprange_value,
+        vf_coef=vf_coef,
+        entropy_coef=entropy_coef,
+        gamma=gamma,
+        lam=lam,
+        kl_coef=0.1,
+        optim="sgd",
+        learning_rate=0.01,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+    )
     sequences = _sequences(trainer.rollout)
     with torch.no_grad():
         initial_policy = _float64(AutoModelForCausalLM, tiny_model_path)
-        old, old_values = _logps_and_values(initial_policy, _float64(AutoModelForSequenceClassification,
-                                                                      reward_model_path), sequences)
+        old, old_values = _logps_and_values(
+            initial_policy, _float64(AutoModelForSequenceClassification, reward_model_path), sequences
+        )
         advantages, returns, _, kls = _expected_rollout(sequences, old, old, old_values, 0.1, gamma, lam, 0.0)
         policy = _float64(AutoModelForCausalLM, tiny_model_path, snapshots.after_step[0], "pretrained_model.")
-        critic = _float64(AutoModelForSequenceClassification, reward_model_path, snapshots.after_step[0],
-                          "value_model.")
+        critic = _float64(
+            AutoModelForSequenceClassification, reward_model_path, snapshots.after_step[0], "value_model."
+        )
         new, new_values = _logps_and_values(policy, critic, sequences)
         entropy = torch.cat([_entropies(policy, prompt, completion) for prompt, completion in sequences]).mean()
     assert kls == [0.0] * len(kls)  # the first rollout comes from the reference itself
@@ -194,7 +233,7 @@ def test_second_epoch_loss_matches_a_float64_reference(tmp_path, tiny_model_path
     assert logged(trainer, "clip_ratio/region_mean", 2) == pytest.approx(policy_clipped.double().mean().item())
     assert logged(trainer, "value/clipfrac", 2) == pytest.approx(value_clipped.double().mean().item())
     log_ratio = torch.cat(new) - torch.cat(old)
-    assert logged(trainer, "policy/approxkl", 2) == pytest.approx((0.5 * log_ratio ** 2).mean().item(), abs=1e-6)
+    assert logged(trainer, "policy/approxkl", 2) == pytest.approx((0.5 * log_ratio**2).mean().item(), abs=1e-6)
     assert logged(trainer, "policy/approxkl", 1) == 0.0  # the first pass is on-policy
 
 
@@ -217,8 +256,7 @@ def test_adaptive_kl_controller_moves_kl_coef(tmp_path, tiny_model_path):
     down while the KL is below target (the first rollout has KL 0), up once it is above."""
     target, horizon, batch = 0.05, 16, 8
     policy = AutoModelForCausalLMWithValueHead.from_pretrained(tiny_model_path)
-    trainer = ppo(policy, tmp_path, kl_coef=0.1, target_kl=target, kl_horizon=horizon, max_steps=5,
-                  learning_rate=0.05)
+    trainer = ppo(policy, tmp_path, kl_coef=0.1, target_kl=target, kl_horizon=horizon, max_steps=5, learning_rate=0.05)
     assert trainer.model is policy  # the given value head is the critic
     coefs = [logged(trainer, "kl_coef", step) for step in range(1, 6)]
     kls = [logged(trainer, "objective/kl", step) for step in range(1, 6)]
@@ -239,9 +277,21 @@ def test_score_rises_with_a_value_head(tmp_path, tiny_model_path):
     # 32 completions per rollout: with 16 the outcome hung on floating-point rounding (seed 0 ended at 0.48 with
     # AVX2 kernels and at 0.94 with ATEN_CPU_CAPABILITY=default; seeds 1-3 at 0.97-0.98); with 32 five runs (seeds
     # 0-3, both kernel sets) ended at 0.92-0.99.
-    trainer = PPOTrainer(tiny_model_path, target_tokens, train_dataset=prompt_dataset(64), args=ppo_config(
-        tmp_path, per_device_train_batch_size=32, num_ppo_epochs=2, max_completion_length=8, max_steps=60,
-        learning_rate=3e-2, kl_coef=0.01, use_value_head=True))
+    trainer = PPOTrainer(
+        tiny_model_path,
+        target_tokens,
+        train_dataset=prompt_dataset(64),
+        args=ppo_config(
+            tmp_path,
+            per_device_train_batch_size=32,
+            num_ppo_epochs=2,
+            max_completion_length=8,
+            max_steps=60,
+            learning_rate=3e-2,
+            kl_coef=0.01,
+            use_value_head=True,
+        ),
+    )
     head = trainer.model.v_head.summary.weight.detach().clone()
     trainer.train()
     scores = [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h]
@@ -253,8 +303,12 @@ def test_score_rises_with_a_value_head(tmp_path, tiny_model_path):
 def test_value_model_defaults_to_a_trainable_copy_of_the_reward_model(tmp_path, tiny_model_path, reward_model_path):
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
     before = {n: p.detach().clone() for n, p in reward_model.named_parameters()}
-    trainer = PPOTrainer(tiny_model_path, reward_model, args=ppo_config(tmp_path, max_steps=2, learning_rate=0.05),
-                         train_dataset=prompt_dataset())
+    trainer = PPOTrainer(
+        tiny_model_path,
+        reward_model,
+        args=ppo_config(tmp_path, max_steps=2, learning_rate=0.05),
+        train_dataset=prompt_dataset(),
+    )
     critic = trainer.model.value_model
     assert critic is not reward_model and all(p.requires_grad for p in critic.parameters())
     trainer.train()
@@ -272,9 +326,13 @@ def test_value_model_defaults_to_a_trainable_copy_of_the_reward_model(tmp_path, 
 def test_peft_policy_with_value_head_needs_no_second_model(tmp_path, tiny_model_path):
     from peft import LoraConfig
 
-    trainer = PPOTrainer(tiny_model_path, low_id_fraction, train_dataset=prompt_dataset(),
-                         args=ppo_config(tmp_path, kl_coef=0.5, max_steps=3, learning_rate=0.1),
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = PPOTrainer(
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
+        args=ppo_config(tmp_path, kl_coef=0.5, max_steps=3, learning_rate=0.1),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     model = trainer.model  # no reward model to copy: the critic is a value head on the policy
     assert isinstance(model, AutoModelForCausalLMWithValueHead) and trainer.ref_model is None
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -284,8 +342,7 @@ def test_peft_policy_with_value_head_needs_no_second_model(tmp_path, tiny_model_
     trainer.train()
     with torch.no_grad():
         expected, _ = _logps_and_values(base, None, _sequences(trainer.rollout))
-    _assert_rows_close(trainer.rollout.ref_logps, [e.double() for e in expected], atol=1e-5,
-                       zero_padding=False)
+    _assert_rows_close(trainer.rollout.ref_logps, [e.double() for e in expected], atol=1e-5, zero_padding=False)
     assert abs(logged(trainer, "objective/kl", 3)) > 1e-3  # the adapter has moved the policy from its reference
     assert not torch.allclose(model.v_head.summary.weight, head)
     assert all(not torch.equal(p, lora[n]) for n, p in model.named_parameters() if "lora_B" in n)
@@ -299,28 +356,47 @@ def test_peft_policy_with_value_head_needs_no_second_model(tmp_path, tiny_model_
 # -- settings and errors -----------------------------------------------------------------------------------------
 def test_ppo_names_are_the_engine_settings(tmp_path):
     assert posttrain.PPOTrainer is PPOTrainer and posttrain.PPOConfig is PPOConfig
-    config = ppo_config(tmp_path, num_ppo_epochs=3, cliprange=0.1, kl_coef=0.2, per_device_train_batch_size=4,
-                        num_mini_batches=2)
+    config = ppo_config(
+        tmp_path, num_ppo_epochs=3, cliprange=0.1, kl_coef=0.2, per_device_train_batch_size=4, num_mini_batches=2
+    )
     assert (config.num_iterations, config.epsilon, config.beta) == (3, 0.1, 0.2)
     assert (config.steps_per_generation, config.generation_batch_size) == (2, 8)
-    config = make_config(tmp_path, PPOConfig, num_generations=1, num_iterations=2, epsilon=0.3, beta=0.0,
-                         per_device_train_batch_size=4, generation_batch_size=12)
+    config = make_config(
+        tmp_path,
+        PPOConfig,
+        num_generations=1,
+        num_iterations=2,
+        epsilon=0.3,
+        beta=0.0,
+        per_device_train_batch_size=4,
+        generation_batch_size=12,
+    )
     assert (config.num_ppo_epochs, config.cliprange, config.kl_coef, config.num_mini_batches) == (2, 0.3, 0.0, 3)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(gamma=0.0), r"gamma=0.0 must be in \(0, 1\]"),
-    (dict(lam=1.5), r"lam=1.5 must be in \(0, 1\]"),
-    (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=3, generation_batch_size=16),
-     r"generation_batch_size=16 \(the rollout\) does not split into num_mini_batches=3 mini-batches of "
-     r"per_device_train_batch_size \(4\) x gradient_accumulation_steps \(2\) x processes \(1\) = 8 completions\. "
-     r"Set generation_batch_size=24 or num_mini_batches=2"),
-    (dict(num_mini_batches=2, steps_per_generation=3), r"num_mini_batches=2 and steps_per_generation=3"),
-    (dict(cliprange=0.1, epsilon=0.3), r"cliprange=0.1 and epsilon=0.3 are the same setting"),
-    (dict(kl_coef=0.0, target_kl=1.0), r"target_kl=1.0 adapts kl_coef=0.0: it needs target_kl > 0 and kl_coef > 0"),
-    (dict(cliprange_value=0.0), r"cliprange_value=0.0 must be > 0"),
-    (dict(vf_coef=-1.0), r"vf_coef=-1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(gamma=0.0), r"gamma=0.0 must be in \(0, 1\]"),
+        (dict(lam=1.5), r"lam=1.5 must be in \(0, 1\]"),
+        (
+            dict(
+                per_device_train_batch_size=4,
+                gradient_accumulation_steps=2,
+                num_mini_batches=3,
+                generation_batch_size=16,
+            ),
+            r"generation_batch_size=16 \(the rollout\) does not split into num_mini_batches=3 mini-batches of "
+            r"per_device_train_batch_size \(4\) x gradient_accumulation_steps \(2\) x processes \(1\) = 8 completions\. "
+            r"Set generation_batch_size=24 or num_mini_batches=2",
+        ),
+        (dict(num_mini_batches=2, steps_per_generation=3), r"num_mini_batches=2 and steps_per_generation=3"),
+        (dict(cliprange=0.1, epsilon=0.3), r"cliprange=0.1 and epsilon=0.3 are the same setting"),
+        (dict(kl_coef=0.0, target_kl=1.0), r"target_kl=1.0 adapts kl_coef=0.0: it needs target_kl > 0 and kl_coef > 0"),
+        (dict(cliprange_value=0.0), r"cliprange_value=0.0 must be > 0"),
+        (dict(vf_coef=-1.0), r"vf_coef=-1.0 must be >= 0"),
+    ],
+)
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         ppo_config(tmp_path, **overrides)
@@ -344,5 +420,10 @@ def test_bad_models_fail_at_construction(tmp_path, tiny_model_path, reward_model
     with pytest.raises(ConfigError, match=r"\(a copy of the reward model reward_funcs\[0\]\) has a different vocab"):
         PPOTrainer(tiny_model_path, str(path), args=args, train_dataset=prompt_dataset())
     with pytest.raises(ConfigError, match=r"value_model must not be given too"):
-        PPOTrainer(tiny_model_path, low_id_fraction, args=ppo_config(tmp_path, use_value_head=True),
-                   train_dataset=prompt_dataset(), value_model=reward_model_path)
+        PPOTrainer(
+            tiny_model_path,
+            low_id_fraction,
+            args=ppo_config(tmp_path, use_value_head=True),
+            train_dataset=prompt_dataset(),
+            value_model=reward_model_path,
+        )

@@ -8,19 +8,35 @@ import math
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          DataCollatorWithPadding)
+from test_online_engine import logged, low_id_fraction, prompt_dataset
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+)
 
 from posttrain import PPOConfig, PPOTrainer
 from posttrain.errors import ConfigError
 from posttrain.losses.policy import kl_estimate
-from test_online_engine import logged, low_id_fraction, prompt_dataset
 
 
 def _config(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_ppo_epochs=1, response_length=6,
-                learning_rate=1e-2, logging_steps=1, seed=0, use_cpu=True, report_to="none", save_strategy="no",
-                disable_tqdm=True, num_sample_generations=0, max_steps=1)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_ppo_epochs=1,
+        response_length=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        num_sample_generations=0,
+        max_steps=1,
+    )
     base.update(kw)
     return PPOConfig(**base)
 
@@ -47,21 +63,40 @@ def test_old_trl_script_trains_and_saves(tmp_path, tiny_model_path, scorer_path)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref_policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     train_dataset, eval_dataset = _tokenized(tokenizer, 16), _tokenized(tokenizer, 4)
-    args = _config(tmp_path, max_steps=-1, total_episodes=8, num_ppo_epochs=2, stop_token="eos",
-                   missing_eos_penalty=1.0, kl_estimator="k3", local_rollout_forward_batch_size=3,
-                   num_sample_generations=10, per_device_eval_batch_size=2, exp_name="old_script")
+    args = _config(
+        tmp_path,
+        max_steps=-1,
+        total_episodes=8,
+        num_ppo_epochs=2,
+        stop_token="eos",
+        missing_eos_penalty=1.0,
+        kl_estimator="k3",
+        local_rollout_forward_batch_size=3,
+        num_sample_generations=10,
+        per_device_eval_batch_size=2,
+        exp_name="old_script",
+    )
     value_before = value_model.score.weight.detach().clone()
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref_policy,
-                         reward_model=reward_model, value_model=value_model, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, data_collator=DataCollatorWithPadding(tokenizer))
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=DataCollatorWithPadding(tokenizer),
+    )
     assert args.max_steps == 4 and args.max_completion_length == 6 and args.run_name.startswith("old_script__0__")
     assert trainer.train_dataset[3]["prompt_ids"] == train_dataset[3]["input_ids"]  # the given ids, as they are
     trainer.train()
     assert trainer.state.global_step == 4
     assert not torch.equal(trainer.model.value_model.score.weight, value_before)
     for name, param in ref_policy.named_parameters():  # the given reference is used, frozen
-        assert not param.requires_grad and torch.equal(param, dict(AutoModelForCausalLM.from_pretrained(
-            tiny_model_path).named_parameters())[name])
+        assert not param.requires_grad and torch.equal(
+            param, dict(AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters())[name]
+        )
     samples = [json.loads(line) for line in open(tmp_path / "sample_generations.jsonl")]
     assert len(samples) == 2 * 2 and {s["step"] for s in samples} == {0, 2}  # one eval batch per rollout
     trainer.save_model(str(tmp_path / "saved"))
@@ -107,10 +142,13 @@ def test_kl_estimator_and_whiten_rewards_shape_the_rewards(tmp_path, tiny_model_
     other = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     with torch.no_grad():
         other.lm_head.weight.mul_(3.0)  # a reference that differs from the policy: KL > 0 at the first rollout
-    trainer = PPOTrainer(model=tiny_model_path, ref_model=other, reward_model=low_id_fraction,
-                         train_dataset=prompt_dataset(8),
-                         args=_config(tmp_path, kl_coef=0.2, kl_estimator=estimator, whiten_rewards=whiten_rewards,
-                                      use_value_head=True))
+    trainer = PPOTrainer(
+        model=tiny_model_path,
+        ref_model=other,
+        reward_model=low_id_fraction,
+        train_dataset=prompt_dataset(8),
+        args=_config(tmp_path, kl_coef=0.2, kl_estimator=estimator, whiten_rewards=whiten_rewards, use_value_head=True),
+    )
     trainer.train()
     kl, returns = _rollout_reference(trainer, 0.2, whiten_rewards, estimator)
     assert kl > 0.01 and logged(trainer, "objective/kl", 1) == pytest.approx(kl, rel=1e-5)
@@ -126,11 +164,17 @@ def test_total_episodes_response_length_and_stop_token_id(tmp_path, tiny_model_p
     assert PPOConfig(output_dir=str(tmp_path), use_cpu=True, max_completion_length=9).response_length == 9
     with pytest.raises(ConfigError, match="response_length=7 and max_completion_length=9"):
         _config(tmp_path, response_length=7, max_completion_length=9)
-    assert (PPOConfig(output_dir=str(tmp_path), use_cpu=True).temperature,
-            PPOConfig(output_dir=str(tmp_path), use_cpu=True).max_completion_length) == (0.7, 53)
+    assert (
+        PPOConfig(output_dir=str(tmp_path), use_cpu=True).temperature,
+        PPOConfig(output_dir=str(tmp_path), use_cpu=True).max_completion_length,
+    ) == (0.7, 53)
     stop = 150
-    trainer = PPOTrainer(model=tiny_model_path, reward_model=low_id_fraction, train_dataset=prompt_dataset(8),
-                         args=_config(tmp_path, stop_token_id=stop, response_length=64, use_value_head=True))
+    trainer = PPOTrainer(
+        model=tiny_model_path,
+        reward_model=low_id_fraction,
+        train_dataset=prompt_dataset(8),
+        args=_config(tmp_path, stop_token_id=stop, response_length=64, use_value_head=True),
+    )
     completions = trainer.generation_backend.generate([[5, 6, 7]] * 64, 1, trainer.sampling, seed=0)
     ended = [c for c in completions if c.token_ids[-1] == stop]
     assert ended and all(c.finished_with_eos for c in ended)
@@ -146,18 +190,32 @@ def test_named_adapters_train_one_and_reference_the_other(tmp_path, tiny_model_p
     ref_before = {n: p.detach().clone() for n, p in policy.named_parameters() if ".ref_adapter." in n}
     train_before = {n: p.detach().clone() for n, p in policy.named_parameters() if ".policy_adapter." in n}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    trainer = PPOTrainer(model=policy, reward_model=low_id_fraction, train_dataset=prompt_dataset(8),
-                         processing_class=tokenizer,
-                         args=_config(tmp_path, use_value_head=True, kl_coef=0.1, model_adapter_name="policy_adapter",
-                                      ref_adapter_name="ref_adapter"))
+    trainer = PPOTrainer(
+        model=policy,
+        reward_model=low_id_fraction,
+        train_dataset=prompt_dataset(8),
+        processing_class=tokenizer,
+        args=_config(
+            tmp_path,
+            use_value_head=True,
+            kl_coef=0.1,
+            model_adapter_name="policy_adapter",
+            ref_adapter_name="ref_adapter",
+        ),
+    )
     trainer.train()
     assert logged(trainer, "objective/kl", 1) != 0  # the new policy adapter is the base, the reference's is not
     params = dict(policy.named_parameters())
     assert all(torch.equal(params[n], p) for n, p in ref_before.items())
     assert any(not torch.equal(params[n], p) for n, p in train_before.items())
     with pytest.raises(ConfigError, match=r"Adapters \['nope'\]"):
-        PPOTrainer(model=policy, reward_model=low_id_fraction, train_dataset=prompt_dataset(8),
-                   processing_class=tokenizer, args=_config(tmp_path, use_value_head=True, ref_adapter_name="nope"))
+        PPOTrainer(
+            model=policy,
+            reward_model=low_id_fraction,
+            train_dataset=prompt_dataset(8),
+            processing_class=tokenizer,
+            args=_config(tmp_path, use_value_head=True, ref_adapter_name="nope"),
+        )
 
 
 def test_old_signature_errors(tmp_path, tiny_model_path):
@@ -173,7 +231,10 @@ def test_old_signature_errors(tmp_path, tiny_model_path):
             PPOTrainer(args=args, train_dataset=prompt_dataset(8), **kwargs)
     with pytest.raises(ConfigError, match="Pass the TRL arguments by keyword"):
         PPOTrainer(args, None, policy)
-    for setting, message in [({"kl_estimator": "k2"}, "kl_estimator='k2'"), ({"stop_token": "eot"}, "'eos'"),
-                             ({"stop_token": "eos", "stop_token_id": 3}, "set only one")]:
+    for setting, message in [
+        ({"kl_estimator": "k2"}, "kl_estimator='k2'"),
+        ({"stop_token": "eot"}, "'eos'"),
+        ({"stop_token": "eos", "stop_token_id": 3}, "set only one"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             _config(tmp_path, **setting)

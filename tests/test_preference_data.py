@@ -24,8 +24,11 @@ def _chat(role, content):
 
 
 def test_conversational_row_prompt_has_generation_prompt_completion_ends_with_end_of_turn(tokenizer):
-    row = {"prompt": _chat("user", "say red"), "chosen": _chat("assistant", "red"),
-           "rejected": _chat("assistant", "blue")}
+    row = {
+        "prompt": _chat("user", "say red"),
+        "chosen": _chat("assistant", "red"),
+        "rejected": _chat("assistant", "blue"),
+    }
     out = _tok(row, tokenizer)
     assert out["prompt_ids"] == _ids(tokenizer, "<|im_start|>user\nsay red<|im_end|>\n<|im_start|>assistant\n")
     # As in TRL, the template's newline after <|im_end|> belongs to the completion.
@@ -86,23 +89,33 @@ def test_collator_pads_to_a_multiple():
 
 
 def test_rows_without_a_comparison_are_dropped_with_a_warning(tokenizer, caplog):
-    rows = [{"prompt": "one two three four five six", "chosen": " red", "rejected": " dog"},
-            {"prompt": "one", "chosen": " red", "rejected": " dog green blue"}]
+    rows = [
+        {"prompt": "one two three four five six", "chosen": " red", "rejected": " dog"},
+        {"prompt": "one", "chosen": " red", "rejected": " dog green blue"},
+    ]
     prompt_len = len(_ids(tokenizer, rows[0]["prompt"], True))
     data = Dataset.from_list(rows)
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         kept = prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=prompt_len)
     assert len(kept) == 1 and "Dropping 1 of 2 rows" in caplog.text  # its prompt alone fills max_length
-    assert len(prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=prompt_len,
-                                          truncation_mode="keep_end")) == 2  # keep_end keeps every row
+    assert (
+        len(
+            prepare_preference_dataset(
+                data, tokenizer, trainer="DPOTrainer", max_length=prompt_len, truncation_mode="keep_end"
+            )
+        )
+        == 2
+    )  # keep_end keeps every row
     # The reward trainer's rule (TRL's): drop a row when either full sequence exceeds max_length.
     first = prompt_len + max(len(_ids(tokenizer, " red")), len(_ids(tokenizer, " dog"))) + 1
     second = len(_ids(tokenizer, "one", True)) + len(_ids(tokenizer, " dog green blue")) + 1
     assert first != second
-    kept = prepare_preference_dataset(data, tokenizer, trainer="RewardTrainer", max_length=min(first, second),
-                                      truncation_mode="drop")
+    kept = prepare_preference_dataset(
+        data, tokenizer, trainer="RewardTrainer", max_length=min(first, second), truncation_mode="drop"
+    )
     assert len(kept) == 1 and len(kept[0]["prompt_ids"]) == (
-        prompt_len if first < second else len(_ids(tokenizer, "one", True)))
+        prompt_len if first < second else len(_ids(tokenizer, "one", True))
+    )
     with pytest.raises(DataError, match="Every row of train_dataset is dropped"):
         prepare_preference_dataset(data, tokenizer, trainer="DPOTrainer", max_length=1)
 
@@ -114,8 +127,10 @@ def test_collator_padded_batch_element_by_element():
     ]
     batch = PreferenceCollator(pad_token_id=0)(rows)
     assert batch["input_ids"].tolist() == [
-        [5, 6, 7, 8, 9], [11, 12, 0, 0, 0],  # prompt + chosen, one row per pair
-        [5, 6, 7, 10, 0], [11, 13, 14, 15, 0],  # prompt + rejected
+        [5, 6, 7, 8, 9],
+        [11, 12, 0, 0, 0],  # prompt + chosen, one row per pair
+        [5, 6, 7, 10, 0],
+        [11, 13, 14, 15, 0],  # prompt + rejected
     ]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
     assert batch["completion_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 0, 0, 0], [0, 0, 0, 1, 0], [0, 1, 1, 1, 0]]
@@ -125,10 +140,20 @@ def test_collator_padded_batch_element_by_element():
 
 def test_collator_padding_free_restarts_positions_and_passes_ref_logps():
     rows = [
-        {"prompt_ids": [5, 6], "chosen_ids": [8], "rejected_ids": [10, 11],
-         "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.5},
-        {"prompt_ids": [], "chosen_ids": [12, 13], "rejected_ids": [14],
-         "ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0},
+        {
+            "prompt_ids": [5, 6],
+            "chosen_ids": [8],
+            "rejected_ids": [10, 11],
+            "ref_chosen_logps": -1.5,
+            "ref_rejected_logps": -2.5,
+        },
+        {
+            "prompt_ids": [],
+            "chosen_ids": [12, 13],
+            "rejected_ids": [14],
+            "ref_chosen_logps": -3.0,
+            "ref_rejected_logps": -4.0,
+        },
     ]
     batch = PreferenceCollator(pad_token_id=0, padding_free=True)(rows)
     assert batch["input_ids"].tolist() == [[5, 6, 8, 12, 13, 5, 6, 10, 11, 14]]

@@ -15,24 +15,44 @@ from posttrain import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig
 from posttrain.errors import ConfigError
 
 WORDS = ["cat", "dog", "sky", "sun", "tree", "fish", "moon", "bird"]
-COMMON = dict(per_device_train_batch_size=4, max_steps=1, report_to="none", use_cpu=True, bf16=False,
-              gradient_checkpointing=False, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+COMMON = dict(
+    per_device_train_batch_size=4,
+    max_steps=1,
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+)
 
 
 def _pairs(n=4):
-    return Dataset.from_list([
-        {"prompt": f"the {WORDS[i % 8]} is" + " very" * (i % 3), "chosen": " so" * (i % 2) + " good" * (1 + i % 2),
-         "rejected": " bad" + " bad" * (i % 3)}
-        for i in range(n)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"the {WORDS[i % 8]} is" + " very" * (i % 3),
+                "chosen": " so" * (i % 2) + " good" * (1 + i % 2),
+                "rejected": " bad" + " bad" * (i % 3),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _unpaired(n=4):
-    return Dataset.from_list([
-        {"prompt": f"the {WORDS[i % 8]} is", "completion": (" good" if i % 2 == 0 else " bad") + " and"
-         + f" {WORDS[(3 * i) % 8]}" * (1 + i % 3), "label": i % 2 == 0}
-        for i in range(n)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"the {WORDS[i % 8]} is",
+                "completion": (" good" if i % 2 == 0 else " bad") + " and" + f" {WORDS[(3 * i) % 8]}" * (1 + i % 3),
+                "label": i % 2 == 0,
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _perturbed(model, seed):
@@ -58,26 +78,53 @@ def _assert_same(ours, theirs, keys):
         assert our_metrics[key] == pytest.approx(trl_metrics[key], abs=1e-5), key
 
 
-DPO_KEYS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens"]
+DPO_KEYS = [
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+]
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"use_weighting": True}, {"ld_alpha": 0.3}, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.4]},
-    {"loss_type": ["ipo"], "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
-    {"max_length": 9, "truncation_mode": "keep_end"}, {"max_length": 9},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"use_weighting": True},
+        {"ld_alpha": 0.3},
+        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.4]},
+        {"loss_type": ["ipo"], "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+        {"max_length": 9, "truncation_mode": "keep_end"},
+        {"max_length": 9},
+    ],
+)
 def test_dpo_step0_matches_trl(tmp_path, tiny_model_path, options):
     trl = pytest.importorskip("trl")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=1)
     kw = dict(COMMON, beta=0.5, **options)
-    theirs = trl.DPOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=_pairs(),
-                            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), **kw),
-                            processing_class=AutoTokenizer.from_pretrained(tiny_model_path))
-    ours = DPOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=_pairs(),
-                      args=DPOConfig(output_dir=str(tmp_path / "ours"), **kw), processing_class=tokenizer)
+    theirs = trl.DPOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        train_dataset=_pairs(),
+        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), **kw),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+    )
+    ours = DPOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        train_dataset=_pairs(),
+        args=DPOConfig(output_dir=str(tmp_path / "ours"), **kw),
+        processing_class=tokenizer,
+    )
     for column in ("prompt_ids", "chosen_ids", "rejected_ids"):
         assert ours.train_dataset[column] == theirs.train_dataset[column]
     rows = [ours.train_dataset[i] for i in range(len(ours.train_dataset))]
@@ -91,17 +138,36 @@ def test_kto_step0_matches_trl(tmp_path, tiny_model_path):
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=2)
     kw = dict(COMMON, beta=0.5, desirable_weight=1.3, undesirable_weight=0.8)
-    theirs = trl.KTOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=_unpaired(),
-                            args=trl.KTOConfig(output_dir=str(tmp_path / "trl"), **kw),
-                            processing_class=AutoTokenizer.from_pretrained(tiny_model_path))
-    ours = KTOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=_unpaired(),
-                      args=KTOConfig(output_dir=str(tmp_path / "ours"), **kw), processing_class=tokenizer)
+    theirs = trl.KTOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        train_dataset=_unpaired(),
+        args=trl.KTOConfig(output_dir=str(tmp_path / "trl"), **kw),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+    )
+    ours = KTOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        train_dataset=_unpaired(),
+        args=KTOConfig(output_dir=str(tmp_path / "ours"), **kw),
+        processing_class=tokenizer,
+    )
     for i in range(4):
         theirs_row, ours_row = theirs.train_dataset[i], ours.train_dataset[i]
         assert ours_row["input_ids"] == theirs_row["prompt_ids"] + theirs_row["completion_ids"]
         assert ours_row["kl_input_ids"] == theirs_row["prompt_ids"] + theirs_row["KL_completion_ids"]
-    keys = ["kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-            "logits/chosen", "logits/rejected", "entropy", "num_tokens"]
+    keys = [
+        "kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+        "entropy",
+        "num_tokens",
+    ]
     ours_batch = ours.data_collator([ours.train_dataset[i] for i in range(4)])
     theirs_batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
     _assert_same(_step0(ours, ours_batch), _step0(theirs, theirs_batch), keys)
@@ -116,17 +182,27 @@ def test_reward_step0_matches_trl(tmp_path, tiny_model_path):
         model.score.weight.normal_(0, 1.0)  # rewards far enough apart to compare
     kw = dict(COMMON, center_rewards_coefficient=0.01)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    theirs = trl.RewardTrainer(copy.deepcopy(model), train_dataset=_pairs(), processing_class=tok,
-                               args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), **kw))
-    ours = RewardTrainer(copy.deepcopy(model), train_dataset=_pairs(),
-                         processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
-                         args=RewardConfig(output_dir=str(tmp_path / "ours"), **kw))
+    theirs = trl.RewardTrainer(
+        copy.deepcopy(model),
+        train_dataset=_pairs(),
+        processing_class=tok,
+        args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), **kw),
+    )
+    ours = RewardTrainer(
+        copy.deepcopy(model),
+        train_dataset=_pairs(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+        args=RewardConfig(output_dir=str(tmp_path / "ours"), **kw),
+    )
     for i in range(4):
         row = ours.train_dataset[i]
         assert row["prompt_ids"] + row["chosen_ids"] == theirs.train_dataset[i]["chosen_ids"]
     keys = ["accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"]
-    _assert_same(_step0(ours, ours.data_collator([ours.train_dataset[i] for i in range(4)])),
-                 _step0(theirs, theirs.data_collator([theirs.train_dataset[i] for i in range(4)])), keys)
+    _assert_same(
+        _step0(ours, ours.data_collator([ours.train_dataset[i] for i in range(4)])),
+        _step0(theirs, theirs.data_collator([theirs.train_dataset[i] for i in range(4)])),
+        keys,
+    )
 
 
 # -- float64 references through the whole trainer ------------------------------------------------------------
@@ -144,9 +220,12 @@ def test_dpo_ld_alpha_and_wpo_against_float64_reference(tmp_path, tiny_model_pat
     beta = 0.5
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=1)
-    trainer = DPOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_pairs(),
-                         args=DPOConfig(output_dir=str(tmp_path), beta=beta, ld_alpha=ld_alpha,
-                                        use_weighting=use_weighting, **COMMON))
+    trainer = DPOTrainer(
+        copy.deepcopy(policy),
+        ref_model=ref,
+        train_dataset=_pairs(),
+        args=DPOConfig(output_dir=str(tmp_path), beta=beta, ld_alpha=ld_alpha, use_weighting=use_weighting, **COMMON),
+    )
     rows = [trainer.train_dataset[i] for i in range(4)]
     expected = []
     for row in rows:
@@ -168,8 +247,12 @@ def test_dpo_ld_alpha_and_wpo_against_float64_reference(tmp_path, tiny_model_pat
     loss, _ = _step0(trainer, trainer.data_collator(rows))
     assert loss == pytest.approx(sum(expected) / 4, rel=1e-5, abs=1e-7)
     if ld_alpha is not None or use_weighting:  # the option changes the loss
-        plain = DPOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_pairs(),
-                           args=DPOConfig(output_dir=str(tmp_path / "p"), beta=beta, **COMMON))
+        plain = DPOTrainer(
+            copy.deepcopy(policy),
+            ref_model=ref,
+            train_dataset=_pairs(),
+            args=DPOConfig(output_dir=str(tmp_path / "p"), beta=beta, **COMMON),
+        )
         assert abs(_step0(plain, plain.data_collator(rows))[0] - loss) > 1e-4
 
 
@@ -179,11 +262,13 @@ def test_dpo_precomputed_reference_uses_its_own_batch_size_and_ld_alpha(tmp_path
     calls = []
     model = copy.deepcopy(policy)
     model.register_forward_hook(lambda *a: calls.append(1))
-    plain = DPOTrainer(model, train_dataset=_pairs(5), args=DPOConfig(output_dir=str(tmp_path), **kw,
-                                                                       precompute_ref_batch_size=2))
+    plain = DPOTrainer(
+        model, train_dataset=_pairs(5), args=DPOConfig(output_dir=str(tmp_path), **kw, precompute_ref_batch_size=2)
+    )
     assert len(calls) == 3  # 5 rows in batches of 2
-    ld = DPOTrainer(copy.deepcopy(policy), train_dataset=_pairs(5),
-                    args=DPOConfig(output_dir=str(tmp_path), ld_alpha=0.0, **kw))
+    ld = DPOTrainer(
+        copy.deepcopy(policy), train_dataset=_pairs(5), args=DPOConfig(output_dir=str(tmp_path), ld_alpha=0.0, **kw)
+    )
     assert ld.train_dataset["ref_chosen_logps"] != plain.train_dataset["ref_chosen_logps"]  # not a stale cache hit
 
 
@@ -191,18 +276,33 @@ def test_kto_precomputed_reference_and_sync(tmp_path, tiny_model_path):
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=2)
     kw = dict(COMMON, ref_cache_dir=str(tmp_path / "cache"))
-    live = KTOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(),
-                      args=KTOConfig(output_dir=str(tmp_path), **kw))
-    pre = KTOTrainer(copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(),
-                     args=KTOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw))
+    live = KTOTrainer(
+        copy.deepcopy(policy), ref_model=ref, train_dataset=_unpaired(), args=KTOConfig(output_dir=str(tmp_path), **kw)
+    )
+    pre = KTOTrainer(
+        copy.deepcopy(policy),
+        ref_model=ref,
+        train_dataset=_unpaired(),
+        args=KTOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw),
+    )
     assert pre.ref_model is None and "ref_kl_logps" in pre.train_dataset.column_names
     rows = [pre.train_dataset[i] for i in range(4)]
     live_rows = [live.train_dataset[i] for i in range(4)]
     assert _step0(pre, pre.data_collator(rows))[0] == pytest.approx(
-        _step0(live, live.data_collator(live_rows))[0], abs=1e-6)
-    synced = KTOTrainer(copy.deepcopy(policy), train_dataset=_unpaired(),
-                        args=KTOConfig(output_dir=str(tmp_path), sync_ref_model=True, ref_model_sync_steps=1,
-                                       ref_model_mixup_alpha=0.5, learning_rate=1e-2, **kw))
+        _step0(live, live.data_collator(live_rows))[0], abs=1e-6
+    )
+    synced = KTOTrainer(
+        copy.deepcopy(policy),
+        train_dataset=_unpaired(),
+        args=KTOConfig(
+            output_dir=str(tmp_path),
+            sync_ref_model=True,
+            ref_model_sync_steps=1,
+            ref_model_mixup_alpha=0.5,
+            learning_rate=1e-2,
+            **kw,
+        ),
+    )
     before = {n: p.detach().clone() for n, p in synced.ref_model.named_parameters()}
     synced.train()
     policy_now = dict(synced.model.named_parameters())
@@ -226,15 +326,21 @@ def test_options_rejected_when_the_config_is_built(tmp_path):
 
 def test_router_aux_loss_coef_needs_a_mixture_of_experts_model(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="router_aux_loss_coef=0.1"):
-        DPOTrainer(tiny_model_path, train_dataset=_pairs(),
-                   args=DPOConfig(output_dir=str(tmp_path), router_aux_loss_coef=0.1, **COMMON))
+        DPOTrainer(
+            tiny_model_path,
+            train_dataset=_pairs(),
+            args=DPOConfig(output_dir=str(tmp_path), router_aux_loss_coef=0.1, **COMMON),
+        )
 
 
 def test_pad_token_option_and_padding_to_a_multiple(tmp_path, tiny_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    trainer = DPOTrainer(tiny_model_path, train_dataset=_pairs(), processing_class=tokenizer,
-                         args=DPOConfig(output_dir=str(tmp_path), pad_token="<|im_start|>", pad_to_multiple_of=16,
-                                        **COMMON))
+    trainer = DPOTrainer(
+        tiny_model_path,
+        train_dataset=_pairs(),
+        processing_class=tokenizer,
+        args=DPOConfig(output_dir=str(tmp_path), pad_token="<|im_start|>", pad_to_multiple_of=16, **COMMON),
+    )
     pad_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     longest = int(batch["attention_mask"].sum(-1).max())
@@ -242,19 +348,70 @@ def test_pad_token_option_and_padding_to_a_multiple(tmp_path, tiny_model_path):
     assert batch["input_ids"][0, -1].item() == pad_id
     assert trainer.model.config.pad_token_id == pad_id
     with pytest.raises(ConfigError, match="pad_token='<nope>'"):
-        DPOTrainer(tiny_model_path, train_dataset=_pairs(),
-                   args=DPOConfig(output_dir=str(tmp_path), pad_token="<nope>", **COMMON))
+        DPOTrainer(
+            tiny_model_path,
+            train_dataset=_pairs(),
+            args=DPOConfig(output_dir=str(tmp_path), pad_token="<nope>", **COMMON),
+        )
 
 
-@pytest.mark.parametrize("cls, expected", [
-    (DPOTrainer, ["model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                  "compute_metrics", "callbacks", "optimizers", "quantization_config", "peft_config"]),
-    (KTOTrainer, ["model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                  "compute_metrics", "callbacks", "optimizers", "quantization_config", "peft_config"]),
-    (RewardTrainer, ["model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                     "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
-                     "preprocess_logits_for_metrics", "quantization_config", "peft_config"]),
-])
+@pytest.mark.parametrize(
+    "cls, expected",
+    [
+        (
+            DPOTrainer,
+            [
+                "model",
+                "ref_model",
+                "args",
+                "data_collator",
+                "train_dataset",
+                "eval_dataset",
+                "processing_class",
+                "compute_metrics",
+                "callbacks",
+                "optimizers",
+                "quantization_config",
+                "peft_config",
+            ],
+        ),
+        (
+            KTOTrainer,
+            [
+                "model",
+                "ref_model",
+                "args",
+                "data_collator",
+                "train_dataset",
+                "eval_dataset",
+                "processing_class",
+                "compute_metrics",
+                "callbacks",
+                "optimizers",
+                "quantization_config",
+                "peft_config",
+            ],
+        ),
+        (
+            RewardTrainer,
+            [
+                "model",
+                "args",
+                "data_collator",
+                "train_dataset",
+                "eval_dataset",
+                "processing_class",
+                "compute_metrics",
+                "callbacks",
+                "optimizers",
+                "optimizer_cls_and_kwargs",
+                "preprocess_logits_for_metrics",
+                "quantization_config",
+                "peft_config",
+            ],
+        ),
+    ],
+)
 def test_constructor_takes_trls_arguments_in_trls_order(cls, expected):
     params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
     assert params[: len(expected)] == expected
@@ -267,12 +424,21 @@ def test_compute_metrics_receives_the_policy_logits(tmp_path, tiny_model_path):
         seen.append((prediction.predictions.shape, prediction.label_ids.shape))
         return {"rows": float(prediction.label_ids.shape[0])}
 
-    dpo = DPOTrainer(tiny_model_path, train_dataset=_pairs(), eval_dataset=_pairs(), compute_metrics=compute_metrics,
-                     args=DPOConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON))
+    dpo = DPOTrainer(
+        tiny_model_path,
+        train_dataset=_pairs(),
+        eval_dataset=_pairs(),
+        compute_metrics=compute_metrics,
+        args=DPOConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON),
+    )
     assert dpo.evaluate()["eval_rows"] == 8  # chosen and rejected sequences of 4 pairs, as TRL passes them
-    kto = KTOTrainer(tiny_model_path, train_dataset=_unpaired(), eval_dataset=_unpaired(),
-                     compute_metrics=compute_metrics,
-                     args=KTOConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON))
+    kto = KTOTrainer(
+        tiny_model_path,
+        train_dataset=_unpaired(),
+        eval_dataset=_unpaired(),
+        compute_metrics=compute_metrics,
+        args=KTOConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON),
+    )
     assert kto.evaluate()["eval_rows"] == 4  # the examples, not their KL pairs
     assert seen[0][0][:2] == seen[0][1] and seen[0][0][2] == dpo.model.config.vocab_size
 
@@ -282,20 +448,35 @@ def test_router_aux_loss_joins_the_loss_with_its_coefficient(tmp_path, tiny_mode
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     torch.manual_seed(0)
-    moe = MixtralForCausalLM(MixtralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02))
+    moe = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+        )
+    )
     ref = _perturbed(moe, seed=3)
     losses, metrics = {}, {}
     for coef in (None, 0.0, 0.5):
-        trainer = DPOTrainer(copy.deepcopy(moe), ref_model=copy.deepcopy(ref), train_dataset=_pairs(),
-                             processing_class=tokenizer,
-                             args=DPOConfig(output_dir=str(tmp_path), router_aux_loss_coef=coef, **COMMON))
+        trainer = DPOTrainer(
+            copy.deepcopy(moe),
+            ref_model=copy.deepcopy(ref),
+            train_dataset=_pairs(),
+            processing_class=tokenizer,
+            args=DPOConfig(output_dir=str(tmp_path), router_aux_loss_coef=coef, **COMMON),
+        )
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
         losses[coef], metrics[coef] = _step0(trainer, batch)
     with torch.no_grad():
-        aux = moe(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  output_router_logits=True).aux_loss.item()
+        aux = moe(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True
+        ).aux_loss.item()
     assert aux > 0 and "aux_loss" not in metrics[0.0]
     assert losses[0.5] - losses[0.0] == pytest.approx(0.5 * aux, rel=1e-4)
     assert losses[None] - losses[0.0] == pytest.approx(0.02 * aux, rel=1e-3)  # the model config's coefficient
@@ -305,20 +486,36 @@ def test_router_aux_loss_joins_the_loss_with_its_coefficient(tmp_path, tiny_mode
 def test_conversational_rows_tokenize_as_in_trl(tmp_path, tiny_model_path):
     trl = pytest.importorskip("trl")
     user = [{"role": "user", "content": "say red"}]
-    pairs = Dataset.from_list([{"prompt": user, "chosen": [{"role": "assistant", "content": "red"}],
-                                "rejected": [{"role": "assistant", "content": "no red"}]}] * 2)
-    unpaired = Dataset.from_list([{"prompt": user, "completion": [{"role": "assistant", "content": c}],
-                                   "label": c == "red"} for c in ("red", "blue")])
+    pairs = Dataset.from_list(
+        [
+            {
+                "prompt": user,
+                "chosen": [{"role": "assistant", "content": "red"}],
+                "rejected": [{"role": "assistant", "content": "no red"}],
+            }
+        ]
+        * 2
+    )
+    unpaired = Dataset.from_list(
+        [
+            {"prompt": user, "completion": [{"role": "assistant", "content": c}], "label": c == "red"}
+            for c in ("red", "blue")
+        ]
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     trainers = {}
     for name, data in (("DPO", pairs), ("KTO", unpaired)):
         for lib in (trl, __import__("posttrain")):
             trainers[name, lib.__name__] = getattr(lib, f"{name}Trainer")(
-                copy.deepcopy(model), train_dataset=data, processing_class=AutoTokenizer.from_pretrained(
-                    tiny_model_path), args=getattr(lib, f"{name}Config")(output_dir=str(tmp_path), **COMMON))
+                copy.deepcopy(model),
+                train_dataset=data,
+                processing_class=AutoTokenizer.from_pretrained(tiny_model_path),
+                args=getattr(lib, f"{name}Config")(output_dir=str(tmp_path), **COMMON),
+            )
     theirs, ours = trainers["DPO", "trl"].train_dataset[0], trainers["DPO", "posttrain"].train_dataset[0]
-    assert [ours[c] for c in ("prompt_ids", "chosen_ids", "rejected_ids")] == \
-        [theirs[c] for c in ("prompt_ids", "chosen_ids", "rejected_ids")]
+    assert [ours[c] for c in ("prompt_ids", "chosen_ids", "rejected_ids")] == [
+        theirs[c] for c in ("prompt_ids", "chosen_ids", "rejected_ids")
+    ]
     theirs, ours = trainers["KTO", "trl"].train_dataset[0], trainers["KTO", "posttrain"].train_dataset[0]
     start = len(theirs["prompt_ids"])
     assert ours["input_ids"] == theirs["prompt_ids"] + theirs["completion_ids"]
@@ -332,9 +529,13 @@ def test_reward_compute_metrics_receives_the_scores(tmp_path, tiny_model_path):
         seen.append(prediction.predictions)
         return {"best": float(prediction.predictions.max())}
 
-    trainer = RewardTrainer(tiny_model_path, train_dataset=_pairs(), eval_dataset=_pairs(),
-                            compute_metrics=compute_metrics,
-                            args=RewardConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON))
+    trainer = RewardTrainer(
+        tiny_model_path,
+        train_dataset=_pairs(),
+        eval_dataset=_pairs(),
+        compute_metrics=compute_metrics,
+        args=RewardConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON),
+    )
     metrics = trainer.evaluate()
     assert seen[0].shape == (8, 1)  # chosen rows, then rejected rows, as TRL passes them
     assert metrics["eval_best"] == pytest.approx(metrics["eval_max_reward"], abs=1e-6)
@@ -348,11 +549,17 @@ def test_evaluate_prepares_a_raw_dataset_as_trl_does(tmp_path, tiny_model_path):
     assert "eval_test_loss" in split and "eval_rewards/accuracies" in split  # TRL's log names it so too
     kto = KTOTrainer(tiny_model_path, train_dataset=_unpaired(), args=KTOConfig(output_dir=str(tmp_path), **kw))
     assert "eval_kl" in kto.evaluate(_unpaired())
-    reward = RewardTrainer(tiny_model_path, train_dataset=_pairs(),
-                           args=RewardConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON))
+    reward = RewardTrainer(
+        tiny_model_path,
+        train_dataset=_pairs(),
+        args=RewardConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, **COMMON),
+    )
     assert "eval_accuracy" in reward.evaluate(_pairs())
-    pre = DPOTrainer(tiny_model_path, train_dataset=_pairs(),
-                     args=DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw))
+    pre = DPOTrainer(
+        tiny_model_path,
+        train_dataset=_pairs(),
+        args=DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, **kw),
+    )
     before = pre.evaluate(_pairs())
     assert before["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # reference = untrained policy
     pre.train()
@@ -367,8 +574,10 @@ def test_policy_with_a_trained_adapter_is_its_own_reference(tmp_path, tiny_model
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     data, cls = (_pairs(), DPOTrainer) if trainer_name == "DPO" else (_unpaired(), KTOTrainer)
     config = DPOConfig if trainer_name == "DPO" else KTOConfig
     trainer = cls(model, train_dataset=data, args=config(output_dir=str(tmp_path), learning_rate=1e-2, **COMMON))

@@ -17,8 +17,13 @@ from posttrain.trainers.prefix_cache import trained_and_continuation_logps
 # 3 shares nothing (another first token), 4 takes 0's.
 PROMPTS = [[5, 9, 13, 20, 7, 8, 30, 31], [40, 41, 42], [77, 78, 79, 80, 81], [90, 91], [60, 61, 62, 63, 64, 65]]
 TRAINED = [[100, 101, 102, 103], [110, 111, 112, 113, 114], [120, 121], [130, 131, 132, 133, 134, 135, 136], [140]]
-CONTINUATIONS = [(PROMPTS[0], TRAINED[3]), (PROMPTS[1], [110, 111, 150, 151]), (PROMPTS[2], [160]),
-                 ([300] + PROMPTS[3][1:], [170, 171, 172]), (PROMPTS[4], TRAINED[0])]
+CONTINUATIONS = [
+    (PROMPTS[0], TRAINED[3]),
+    (PROMPTS[1], [110, 111, 150, 151]),
+    (PROMPTS[2], [160]),
+    ([300] + PROMPTS[3][1:], [170, 171, 172]),
+    (PROMPTS[4], TRAINED[0]),
+]
 SEQUENCES = list(zip(PROMPTS, TRAINED)) + CONTINUATIONS
 
 
@@ -28,9 +33,9 @@ def _batch() -> dict[str, torch.Tensor]:
     attention = torch.zeros_like(ids)
     completion = torch.zeros_like(ids)
     for row, (prompt, tail) in enumerate(SEQUENCES):
-        ids[row, :len(prompt) + len(tail)] = torch.tensor(prompt + tail)
-        attention[row, :len(prompt) + len(tail)] = 1
-        completion[row, len(prompt):len(prompt) + len(tail)] = 1
+        ids[row, : len(prompt) + len(tail)] = torch.tensor(prompt + tail)
+        attention[row, : len(prompt) + len(tail)] = 1
+        completion[row, len(prompt) : len(prompt) + len(tail)] = 1
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
@@ -42,8 +47,8 @@ def model(model64):
 def _alone(model, prompt, tail):
     """Summed completion log-prob of one sequence through the model alone."""
     ids = torch.tensor([prompt + tail])
-    logp = model(input_ids=ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-    return logp.gather(1, ids[0, len(prompt):, None]).sum()
+    logp = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    return logp.gather(1, ids[0, len(prompt) :, None]).sum()
 
 
 def test_trained_and_continuation_logps_match_each_sequence_alone(model):
@@ -77,24 +82,39 @@ def test_not_used_with_gradient_checkpointing_or_left_padding(model):
     assert trained_and_continuation_logps(model, left, len(PROMPTS)) is None
 
 
-def test_kto_trainer_takes_the_cache_route_and_matches_the_one_forward_route(tmp_path, tiny_model_path, tokenizer,
-                                                                            monkeypatch):
+def test_kto_trainer_takes_the_cache_route_and_matches_the_one_forward_route(
+    tmp_path, tiny_model_path, tokenizer, monkeypatch
+):
     """The KTO loss and its gradient are the same whichever way the KL pairs are scored; the default is the cache."""
     from datasets import Dataset
 
-    rows = Dataset.from_list([{"prompt": f"question {'x ' * (1 + 3 * i % 7)}is", "completion": f" answer {'y ' * i}",
-                               "label": i % 2 == 0} for i in range(8)])
-    args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_length=64, report_to="none",
-                     use_cpu=True, disable_tqdm=True)
-    trainer = KTOTrainer(build_tiny_model(tokenizer, seed=0), ref_model=build_tiny_model(tokenizer, seed=1),
-                         args=args, train_dataset=rows, processing_class=tokenizer)
+    rows = Dataset.from_list(
+        [
+            {"prompt": f"question {'x ' * (1 + 3 * i % 7)}is", "completion": f" answer {'y ' * i}", "label": i % 2 == 0}
+            for i in range(8)
+        ]
+    )
+    args = KTOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_length=64,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = KTOTrainer(
+        build_tiny_model(tokenizer, seed=0),
+        ref_model=build_tiny_model(tokenizer, seed=1),
+        args=args,
+        train_dataset=rows,
+        processing_class=tokenizer,
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
     model = trainer.model.train()
 
     calls = []
     real = kto_module.trained_and_continuation_logps
-    monkeypatch.setattr(kto_module, "trained_and_continuation_logps",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(kto_module, "trained_and_continuation_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def loss_and_grads():
         model.zero_grad()

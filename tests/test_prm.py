@@ -31,8 +31,19 @@ def _ids(tokenizer, text):
 
 
 def _kw(tmp_path, **kw):
-    return {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none",
-                   save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0), **kw}
+    return {
+        **dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            max_steps=2,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        ),
+        **kw,
+    }
 
 
 # -- tokenization ------------------------------------------------------------------------------------------------
@@ -56,21 +67,25 @@ def test_truncation(tokenizer):
     row = {"prompt": "cat dog bird fish sky", "completions": ["red green", "blue sun"], "labels": [False, True]}
     full = tokenize_steps(row, tokenizer, "\n")
     prompt = _ids(tokenizer, "cat dog bird fish sky")
-    steps = full["input_ids"][len(prompt):]
+    steps = full["input_ids"][len(prompt) :]
     cut = tokenize_steps(row, tokenizer, "\n", max_completion_length=3)
     assert cut["input_ids"] == prompt + steps[:3]
     assert tokenize_steps(row, tokenizer, "\n", max_length=4)["input_ids"] == full["input_ids"][:4]
     short = tokenize_steps(row, tokenizer, "\n", max_prompt_length=2)
     assert short["input_ids"] == prompt[-2:] + steps  # the prompt's end is kept
-    assert short["labels"][2:] == full["labels"][len(prompt):]
+    assert short["labels"][2:] == full["labels"][len(prompt) :]
 
 
 def test_bad_rows_are_named(tokenizer):
     with pytest.raises(DataError, match="one label"):
         tokenize_steps({"prompt": "a", "completions": ["b", "c"], "labels": [True]}, tokenizer, "\n", row=3)
     with pytest.raises(DataError, match="Row 1, column 'prompt'"):
-        tokenize_steps({"prompt": [{"role": "user", "content": "a"}], "completions": ["b"], "labels": [True]},
-                       tokenizer, "\n", row=1)
+        tokenize_steps(
+            {"prompt": [{"role": "user", "content": "a"}], "completions": ["b"], "labels": [True]},
+            tokenizer,
+            "\n",
+            row=1,
+        )
     with pytest.raises(ConfigError, match="step_separator"):
         PRMConfig(output_dir="unused", use_cpu=True, step_separator="")
 
@@ -115,14 +130,33 @@ def test_step_probabilities_and_aggregates():
 # -- TRL's surface ----------------------------------------------------------------------------------------------
 def test_defaults_and_signature_are_trls():
     defaults = {f.name: f.default for f in dataclasses.fields(PRMConfig)}
-    trl_028 = dict(learning_rate=1e-5, logging_steps=10, max_length=1024, max_prompt_length=512,
-                   max_completion_length=None, disable_dropout=True, step_separator="\n",
-                   train_on_last_step_only=False, dataset_num_proc=None)
+    trl_028 = dict(
+        learning_rate=1e-5,
+        logging_steps=10,
+        max_length=1024,
+        max_prompt_length=512,
+        max_completion_length=None,
+        disable_dropout=True,
+        step_separator="\n",
+        train_on_last_step_only=False,
+        dataset_num_proc=None,
+    )
     assert {k: defaults[k] for k in trl_028} == trl_028
     params = list(inspect.signature(PRMTrainer.__init__).parameters)[1:13]
-    assert params == ["model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                      "model_init", "compute_metrics", "callbacks", "optimizers", "preprocess_logits_for_metrics",
-                      "peft_config"]
+    assert params == [
+        "model",
+        "args",
+        "data_collator",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "model_init",
+        "compute_metrics",
+        "callbacks",
+        "optimizers",
+        "preprocess_logits_for_metrics",
+        "peft_config",
+    ]
 
 
 # -- learning ---------------------------------------------------------------------------------------------------
@@ -132,17 +166,31 @@ def _steps(n, seed=0):
     rows = []
     for _ in range(n):
         labels = [rng.random() < 0.5 for _ in range(3)]
-        steps = [f"{rng.choice(['cat', 'dog', 'sun'])} {rng.choice(['sky', 'tree'])} {'red' if ok else 'blue'}"
-                 for ok in labels]
+        steps = [
+            f"{rng.choice(['cat', 'dog', 'sun'])} {rng.choice(['sky', 'tree'])} {'red' if ok else 'blue'}"
+            for ok in labels
+        ]
         rows.append({"prompt": "one two three", "completions": steps, "labels": labels})
     return Dataset.from_list(rows)
 
 
 def test_a_tiny_token_classifier_learns_separable_step_labels(tmp_path, tokenizer):
-    trainer = PRMTrainer(_prm(tokenizer), args=PRMConfig(**_kw(tmp_path, max_steps=20, learning_rate=5e-3,
-                                                               lr_scheduler_type="constant", logging_steps=1,
-                                                               per_device_train_batch_size=16)),
-                         train_dataset=_steps(64), eval_dataset=_steps(16, seed=1), processing_class=tokenizer)
+    trainer = PRMTrainer(
+        _prm(tokenizer),
+        args=PRMConfig(
+            **_kw(
+                tmp_path,
+                max_steps=20,
+                learning_rate=5e-3,
+                lr_scheduler_type="constant",
+                logging_steps=1,
+                per_device_train_batch_size=16,
+            )
+        ),
+        train_dataset=_steps(64),
+        eval_dataset=_steps(16, seed=1),
+        processing_class=tokenizer,
+    )
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
@@ -161,8 +209,14 @@ def test_compute_metrics_gets_token_logits_and_labels(tmp_path, tokenizer):
         seen["shapes"] = prediction.predictions.shape, prediction.label_ids.shape
         return {"labelled": float((prediction.label_ids != -100).sum())}
 
-    trainer = PRMTrainer(_prm(tokenizer), args=PRMConfig(**_kw(tmp_path)), train_dataset=_steps(4),
-                         eval_dataset=_steps(4), processing_class=tokenizer, compute_metrics=metrics)
+    trainer = PRMTrainer(
+        _prm(tokenizer),
+        args=PRMConfig(**_kw(tmp_path)),
+        train_dataset=_steps(4),
+        eval_dataset=_steps(4),
+        processing_class=tokenizer,
+        compute_metrics=metrics,
+    )
     out = trainer.evaluate()
     assert out["eval_labelled"] == 12 and seen["shapes"][0][-1] == 2
 
@@ -174,8 +228,10 @@ def test_reward_function_scores_each_completion_alone(tokenizer):
     prompts = ["cat dog", [{"role": "user", "content": "sun moon"}]]
     completions = ["red sky\nblue tree\n", [{"role": "assistant", "content": "one\n\ntwo three"}]]
     got = reward(prompts, completions)
-    for prompt, steps, value in [("cat dog", ["red sky", "blue tree"], got[0]), ("sun moon", ["one", "two three"],
-                                                                                  got[1])]:
+    for prompt, steps, value in [
+        ("cat dog", ["red sky", "blue tree"], got[0]),
+        ("sun moon", ["one", "two three"], got[1]),
+    ]:
         ids, ends = _ids(tokenizer, prompt), []
         for step in steps:
             ids += _ids(tokenizer, step) + _ids(tokenizer, "\n")
@@ -194,9 +250,21 @@ def test_prm_rewards_grpo_for_two_steps(tmp_path, tokenizer, tiny_model_path):
 
     reward = prm_reward_func(_prm(tokenizer), tokenizer, step_separator=" ")
     data = Dataset.from_list([{"prompt": f"cat {i} dog"} for i in range(8)])
-    trainer = GRPOTrainer(tiny_model_path, reward, train_dataset=data, args=GRPOConfig(**_kw(
-        tmp_path, per_device_train_batch_size=4, num_generations=4, max_completion_length=6, logging_steps=1,
-        learning_rate=1e-2)))
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        reward,
+        train_dataset=data,
+        args=GRPOConfig(
+            **_kw(
+                tmp_path,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=6,
+                logging_steps=1,
+                learning_rate=1e-2,
+            )
+        ),
+    )
     trainer.train()
     means = [h["rewards/prm_reward/mean"] for h in trainer.state.log_history if "rewards/prm_reward/mean" in h]
     assert len(means) == 2

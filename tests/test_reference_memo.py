@@ -13,19 +13,46 @@ WORDS = "cat dog sun moon tree fish bird sky red green blue one two three".split
 
 
 def _common(tmp_path, **kw):
-    return dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=3, learning_rate=1e-2,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True, **kw)
+    return dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_train_epochs=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+        **kw,
+    )
 
 
 def _pairs(n=8):
-    return Dataset.from_list([{"prompt": f"the {WORDS[i]} is" + " very" * (i % 3), "chosen": " so" * (i % 2) + " good",
-                               "rejected": " bad" * (1 + i % 3)} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"the {WORDS[i]} is" + " very" * (i % 3),
+                "chosen": " so" * (i % 2) + " good",
+                "rejected": " bad" * (1 + i % 3),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _unpaired(n=8):
-    return Dataset.from_list([{"prompt": f"{WORDS[i]} is", "completion": (" good" if i % 2 == 0 else " bad")
-                               + f" {WORDS[(3 * i) % 14]}" * (1 + i % 3), "label": i % 2 == 0} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"{WORDS[i]} is",
+                "completion": (" good" if i % 2 == 0 else " bad") + f" {WORDS[(3 * i) % 14]}" * (1 + i % 3),
+                "label": i % 2 == 0,
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _count_reference_forwards(trainer) -> list[int]:
@@ -74,10 +101,18 @@ def test_memo_answers_only_when_every_row_is_known_and_keeps_the_dtype():
 def test_later_epochs_skip_the_reference_and_train_as_without_the_memo(method, tmp_path, tiny_model_path):
     def make(cache: bool, out: str):
         if method == "dpo":
-            return DPOTrainer(tiny_model_path, args=DPOConfig(**_common(tmp_path / out, cache_ref_log_probs=cache)),
-                              train_dataset=_pairs(), eval_dataset=_pairs())
-        return KTOTrainer(tiny_model_path, args=KTOConfig(**_common(tmp_path / out, cache_ref_log_probs=cache)),
-                          train_dataset=_unpaired(), eval_dataset=_unpaired())
+            return DPOTrainer(
+                tiny_model_path,
+                args=DPOConfig(**_common(tmp_path / out, cache_ref_log_probs=cache)),
+                train_dataset=_pairs(),
+                eval_dataset=_pairs(),
+            )
+        return KTOTrainer(
+            tiny_model_path,
+            args=KTOConfig(**_common(tmp_path / out, cache_ref_log_probs=cache)),
+            train_dataset=_unpaired(),
+            eval_dataset=_unpaired(),
+        )
 
     cached = make(True, "cached")
     assert cached.ref_memo is not None
@@ -118,8 +153,9 @@ def test_no_memo_when_the_reference_moves_or_the_collator_is_the_users(setting, 
         kwargs = dict(sync_ref_model=True, ref_model_sync_steps=1)
     else:
         extra = dict(data_collator=PreferenceCollator(0))
-    trainer = DPOTrainer(tiny_model_path, args=DPOConfig(**_common(tmp_path, **kwargs)), train_dataset=_pairs(),
-                         **extra)
+    trainer = DPOTrainer(
+        tiny_model_path, args=DPOConfig(**_common(tmp_path, **kwargs)), train_dataset=_pairs(), **extra
+    )
     assert trainer.ref_memo is None
     assert DIGESTS not in trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     _, forwards = _train_counting_reference(trainer)

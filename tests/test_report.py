@@ -29,23 +29,87 @@ NAN = float("nan")
 # A GRPO-like run with evaluation, a DPO-style rewards/* pair, an SFT accuracy and its eval twin, and the final
 # summary row the Trainer appends. grad_norm is NaN at step 2 and missing at step 3; rewards/accuracy/std is None.
 HISTORY = [
-    {"loss": 2.5, "grad_norm": 4.0, "learning_rate": 1e-05, "reward": 0.25, "reward_std": 0.5, "kl": 0.0,
-     "rewards/accuracy/mean": 0.25, "rewards/accuracy/std": 0.5, "completions/mean_length": 31.5,
-     "completions/clipped_ratio": 0.0, "clip_ratio/region_mean": 0.0, "entropy": 1.75,
-     "mean_token_accuracy": 0.125, "note": "warmup", "epoch": 0.25, "step": 1},
-    {"loss": 2.25, "grad_norm": NAN, "learning_rate": 7.5e-06, "reward": 0.5, "reward_std": 0.375, "kl": 0.125,
-     "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": None, "completions/mean_length": 28.0,
-     "completions/clipped_ratio": 0.125, "clip_ratio/region_mean": 0.0625, "entropy": 1.5, "epoch": 0.5, "step": 2},
-    {"eval_loss": 2.0, "eval_reward": 0.5, "eval_runtime": 1.5, "eval_samples_per_second": 8.0,
-     "eval_steps_per_second": 2.0, "epoch": 0.5, "step": 2},
-    {"loss": 2.0, "learning_rate": 5e-06, "reward": 0.75, "reward_std": 0.25, "kl": 0.25,
-     "rewards/accuracy/mean": 0.75, "rewards/accuracy/std": 0.25, "rewards/margins": 0.5, "rewards/accuracies": 1.0,
-     "completions/mean_length": 24.0, "completions/clipped_ratio": 0.25, "clip_ratio/region_mean": 0.125,
-     "entropy": 1.25, "mean_token_accuracy": 0.375, "epoch": 0.75, "step": 3},
-    {"eval_loss": 1.75, "eval_reward": 0.75, "eval_rewards/margins": 0.25, "eval_mean_token_accuracy": 0.5,
-     "eval_runtime": 1.25, "eval_samples_per_second": 9.0, "eval_steps_per_second": 2.5, "epoch": 1.0, "step": 4},
-    {"train_runtime": 3723.4, "train_samples_per_second": 0.5, "train_steps_per_second": 0.125, "total_flos": 0.0,
-     "train_loss": 2.25, "epoch": 1.0, "step": 4},
+    {
+        "loss": 2.5,
+        "grad_norm": 4.0,
+        "learning_rate": 1e-05,
+        "reward": 0.25,
+        "reward_std": 0.5,
+        "kl": 0.0,
+        "rewards/accuracy/mean": 0.25,
+        "rewards/accuracy/std": 0.5,
+        "completions/mean_length": 31.5,
+        "completions/clipped_ratio": 0.0,
+        "clip_ratio/region_mean": 0.0,
+        "entropy": 1.75,
+        "mean_token_accuracy": 0.125,
+        "note": "warmup",
+        "epoch": 0.25,
+        "step": 1,
+    },
+    {
+        "loss": 2.25,
+        "grad_norm": NAN,
+        "learning_rate": 7.5e-06,
+        "reward": 0.5,
+        "reward_std": 0.375,
+        "kl": 0.125,
+        "rewards/accuracy/mean": 0.5,
+        "rewards/accuracy/std": None,
+        "completions/mean_length": 28.0,
+        "completions/clipped_ratio": 0.125,
+        "clip_ratio/region_mean": 0.0625,
+        "entropy": 1.5,
+        "epoch": 0.5,
+        "step": 2,
+    },
+    {
+        "eval_loss": 2.0,
+        "eval_reward": 0.5,
+        "eval_runtime": 1.5,
+        "eval_samples_per_second": 8.0,
+        "eval_steps_per_second": 2.0,
+        "epoch": 0.5,
+        "step": 2,
+    },
+    {
+        "loss": 2.0,
+        "learning_rate": 5e-06,
+        "reward": 0.75,
+        "reward_std": 0.25,
+        "kl": 0.25,
+        "rewards/accuracy/mean": 0.75,
+        "rewards/accuracy/std": 0.25,
+        "rewards/margins": 0.5,
+        "rewards/accuracies": 1.0,
+        "completions/mean_length": 24.0,
+        "completions/clipped_ratio": 0.25,
+        "clip_ratio/region_mean": 0.125,
+        "entropy": 1.25,
+        "mean_token_accuracy": 0.375,
+        "epoch": 0.75,
+        "step": 3,
+    },
+    {
+        "eval_loss": 1.75,
+        "eval_reward": 0.75,
+        "eval_rewards/margins": 0.25,
+        "eval_mean_token_accuracy": 0.5,
+        "eval_runtime": 1.25,
+        "eval_samples_per_second": 9.0,
+        "eval_steps_per_second": 2.5,
+        "epoch": 1.0,
+        "step": 4,
+    },
+    {
+        "train_runtime": 3723.4,
+        "train_samples_per_second": 0.5,
+        "train_steps_per_second": 0.125,
+        "total_flos": 0.0,
+        "train_loss": 2.25,
+        "epoch": 1.0,
+        "step": 4,
+    },
 ]
 
 # Written out by hand from HISTORY: (steps, values) per key, group order, key order within each group.
@@ -94,15 +158,27 @@ def test_metric_groups_match_the_log_history_exactly():
 def test_every_metric_key_is_plotted_and_run_statistics_are_not():
     plotted = {key for lines in metric_groups(HISTORY).values() for key in lines}
     numeric = {key for row in HISTORY for key, value in row.items() if isinstance(value, (int, float))}
-    run_statistics = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
-                      "train_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
+    run_statistics = {
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "total_flos",
+        "train_loss",
+        "eval_runtime",
+        "eval_samples_per_second",
+        "eval_steps_per_second",
+    }
     assert plotted == numeric - run_statistics - {"step", "epoch"}
 
 
 def _drawn_lines(figure) -> dict[str, tuple[list, list]]:
     """Every labelled data line of every panel (reference levels drawn for one-point series are unlabelled)."""
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for axes in figure.axes for line in axes.get_lines() if not line.get_label().startswith("_")}
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for axes in figure.axes
+        for line in axes.get_lines()
+        if not line.get_label().startswith("_")
+    }
 
 
 def test_figures_draw_exactly_the_grouped_series():
@@ -115,12 +191,16 @@ def test_figures_draw_exactly_the_grouped_series():
 def test_each_quantity_has_its_own_panel_and_scale():
     """A train metric shares a panel only with its eval twin; every panel scales to its own data."""
     figure = plot_group("rewards", metric_groups(HISTORY)["rewards"])
-    panels = {axes.get_title(): sorted(line.get_label() for line in axes.get_lines()
-                                       if not line.get_label().startswith("_")) for axes in figure.axes}
-    assert panels == {"rewards/accuracy/mean": ["rewards/accuracy/mean"],
-                      "rewards/accuracy/std": ["rewards/accuracy/std"],
-                      "rewards/margins": ["eval_rewards/margins", "rewards/margins"],
-                      "rewards/accuracies": ["rewards/accuracies"]}
+    panels = {
+        axes.get_title(): sorted(line.get_label() for line in axes.get_lines() if not line.get_label().startswith("_"))
+        for axes in figure.axes
+    }
+    assert panels == {
+        "rewards/accuracy/mean": ["rewards/accuracy/mean"],
+        "rewards/accuracy/std": ["rewards/accuracy/std"],
+        "rewards/margins": ["eval_rewards/margins", "rewards/margins"],
+        "rewards/accuracies": ["rewards/accuracies"],
+    }
     assert all(axes.get_xlabel() == "step" for axes in figure.axes)
     figure = plot_group("mixed", {"big": Series([1, 2], [1000.0, 2000.0]), "small": Series([1, 2], [0.001, 0.002])})
     big, small = figure.axes
@@ -139,7 +219,9 @@ def test_a_metric_logged_once_is_drawn_as_a_line_not_a_dot():
     levels = [line for line in loss_axes.get_lines() if line.get_label().startswith("_")]
     assert [list(line.get_ydata()) for line in levels] == [[1.5, 1.5]]
     # A later window starts at the previous train log, not at the eval row in between.
-    later = metric_groups([{"loss": 1.0, "step": 2}, {"eval_loss": 1.0, "step": 2}, {"loss": 1.0, "kl": 0.5, "step": 5}])
+    later = metric_groups(
+        [{"loss": 1.0, "step": 2}, {"eval_loss": 1.0, "step": 2}, {"loss": 1.0, "kl": 0.5, "step": 5}]
+    )
     assert later["kl"]["kl"].window_start == 2
 
 
@@ -218,21 +300,39 @@ def test_newest_checkpoint_is_the_fallback_and_top_level_state_wins(tmp_path):
 
 def test_sample_completions_spreads_steps_and_keeps_the_first_per_step(tmp_path):
     path = tmp_path / "completions.jsonl"
-    lines = [json.dumps({"step": step, "prompt": "p", "completion": f"{step}-{i}", "reward": i})
-             for step in (50, 0, 10, 20, 30, 40) for i in range(3)]
+    lines = [
+        json.dumps({"step": step, "prompt": "p", "completion": f"{step}-{i}", "reward": i})
+        for step in (50, 0, 10, 20, 30, 40)
+        for i in range(3)
+    ]
     path.write_text("\n".join(lines) + "\n\n")
     picked = [(record["step"], record["completion"]) for record in sample_completions(path)]
     # 6 steps into 4: indices round(i * 5 / 3) for i = 0..3 -> 0, 2, 3, 5
-    assert picked == [(0, "0-0"), (0, "0-1"), (20, "20-0"), (20, "20-1"),
-                      (30, "30-0"), (30, "30-1"), (50, "50-0"), (50, "50-1")]
+    assert picked == [
+        (0, "0-0"),
+        (0, "0-1"),
+        (20, "20-0"),
+        (20, "20-1"),
+        (30, "30-0"),
+        (30, "30-1"),
+        (50, "50-0"),
+        (50, "50-1"),
+    ]
 
 
 def test_sample_completions_shows_tool_transcripts_first(tmp_path):
     path = tmp_path / "completions.jsonl"
-    call = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function",
-                                                                  "function": {"name": "f", "arguments": {}}}]}]
-    lines = [json.dumps({"step": 1, "prompt": "p", "completion": f"c{i}",
-                         **({"transcript": call} if i in (2, 4) else {})}) for i in range(5)]
+    call = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        }
+    ]
+    lines = [
+        json.dumps({"step": 1, "prompt": "p", "completion": f"c{i}", **({"transcript": call} if i in (2, 4) else {})})
+        for i in range(5)
+    ]
     path.write_text("\n".join(lines) + "\n")
     # The first plain records give way to the tool episodes; the kept ones stay in the order they came.
     assert [r["completion"] for r in sample_completions(path, steps=2, per_step=2)] == ["c2", "c4"]
@@ -243,8 +343,11 @@ def test_sample_completions_shows_tool_transcripts_first(tmp_path):
 def test_completions_table_escapes_html(tmp_path):
     records = [
         {"step": 1, "prompt": "<script>alert(1)</script>", "completion": "a < b & c", "reward": 0.5},
-        {"step": 2, "prompt": [{"role": "user", "content": "<b>hi</b>"}],
-         "completion": [{"role": "assistant", "content": "</pre></td><script>x()</script>"}]},
+        {
+            "step": 2,
+            "prompt": [{"role": "user", "content": "<b>hi</b>"}],
+            "completion": [{"role": "assistant", "content": "</pre></td><script>x()</script>"}],
+        },
     ]
     (tmp_path / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     page = write_report(tmp_path, log_history=[{"loss": 1.0, "step": 1}], title="<i>run</i>").read_text()
@@ -254,8 +357,12 @@ def test_completions_table_escapes_html(tmp_path):
     assert "user: &lt;b&gt;hi&lt;/b&gt;" in page
     assert "assistant: &lt;/pre&gt;&lt;/td&gt;&lt;script&gt;x()&lt;/script&gt;" in page
     assert "<title>&lt;i&gt;run&lt;/i&gt;</title>" in page
-    rewards = re.findall(r'<td class="num">(\d+)</td><td><pre>.*?</pre></td><td><pre>.*?</pre></td>'
-                         r'<td class="num">(.*?)</td>', page, flags=re.S)
+    rewards = re.findall(
+        r'<td class="num">(\d+)</td><td><pre>.*?</pre></td><td><pre>.*?</pre></td>'
+        r'<td class="num">(.*?)</td>',
+        page,
+        flags=re.S,
+    )
     assert rewards == [("1", "0.5"), ("2", "")]
 
 

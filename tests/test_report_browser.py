@@ -34,9 +34,22 @@ class Browser:
             os.dup2(101, 4)
 
         self.process = subprocess.Popen(
-            [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-             "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"],
-            preexec_fn=wire_pipes, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                CHROMIUM,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-extensions",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={profile}",
+                "about:blank",
+            ],
+            preexec_fn=wire_pipes,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser_read)
         os.close(from_browser_write)
         self._buffer, self._next_id, self.events = b"", 0, []
@@ -78,16 +91,25 @@ class Browser:
             self.send(f"{domain}.enable", session)
         self.send("Page.navigate", session, url=url)
         self.wait(lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == session)
-        script = ("JSON.stringify({title: document.title, h2: [...document.querySelectorAll('h2')].map(h => "
-                  "h.textContent), images: [...document.images].map(i => [i.complete, i.naturalWidth, "
-                  "i.naturalHeight])})")
-        page = json.loads(self.send("Runtime.evaluate", session, expression=script, returnByValue=True)
-                          ["result"]["value"])
+        script = (
+            "JSON.stringify({title: document.title, h2: [...document.querySelectorAll('h2')].map(h => "
+            "h.textContent), images: [...document.images].map(i => [i.complete, i.naturalWidth, "
+            "i.naturalHeight])})"
+        )
+        page = json.loads(
+            self.send("Runtime.evaluate", session, expression=script, returnByValue=True)["result"]["value"]
+        )
         self.send("Runtime.evaluate", session, expression="1")  # lets queued console events arrive first
-        page["errors"] = [event for event in self.events if event.get("sessionId") == session and (
-            event["method"] == "Runtime.exceptionThrown"
-            or (event["method"] == "Runtime.consoleAPICalled" and event["params"]["type"] in ("error", "assert"))
-            or (event["method"] == "Log.entryAdded" and event["params"]["entry"]["level"] == "error"))]
+        page["errors"] = [
+            event
+            for event in self.events
+            if event.get("sessionId") == session
+            and (
+                event["method"] == "Runtime.exceptionThrown"
+                or (event["method"] == "Runtime.consoleAPICalled" and event["params"]["type"] in ("error", "assert"))
+                or (event["method"] == "Log.entryAdded" and event["params"]["entry"]["level"] == "error")
+            )
+        ]
         return page
 
     def close(self):
@@ -113,8 +135,10 @@ def browser(tmp_path):
 def test_the_harness_sees_broken_images_and_console_errors(tmp_path, browser):
     """The check below can fail: a page with a broken image and a script error is caught."""
     page = tmp_path / "broken.html"
-    page.write_text('<!DOCTYPE html><title>t</title><img src="data:image/png;base64,AAAA">'
-                    '<script>console.error("boom"); undefined_function();</script>')
+    page.write_text(
+        '<!DOCTYPE html><title>t</title><img src="data:image/png;base64,AAAA">'
+        '<script>console.error("boom"); undefined_function();</script>'
+    )
     seen = browser.open(page.as_uri())
     assert seen["images"] == [[True, 0, 0]]
     kinds = sorted(event["method"] for event in seen["errors"])
@@ -123,8 +147,17 @@ def test_the_harness_sees_broken_images_and_console_errors(tmp_path, browser):
 
 def test_a_python_api_run_report_renders_in_a_browser(tmp_path, tiny_model_path, browser):
     rows = [{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(12)]
-    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, logging_steps=2,
-                     save_strategy="no", report_to="none", use_cpu=True, max_length=32, disable_tqdm=True)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+    )
     SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows)).train()
     plots = sorted(path.name for path in (tmp_path / "out").glob("plot_*.png"))
     assert "plot_loss.png" in plots

@@ -18,8 +18,17 @@ from posttrain.cli.report import load_log_history, write_report
 
 def _run(tmp_path, tiny_model_path, **kw):
     rows = [{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(12)]
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, logging_steps=2,
-                save_strategy="no", report_to="none", use_cpu=True, max_length=32, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+    )
     base.update(kw)
     trainer = SFTTrainer(tiny_model_path, args=SFTConfig(**base), train_dataset=Dataset.from_list(rows))
     trainer.train()
@@ -55,14 +64,19 @@ def test_python_m_posttrain_report_works_without_any_saved_state(tmp_path, tiny_
     trainer = _run(tmp_path, tiny_model_path, write_report=False)
     out = tmp_path / "out"
     assert not list(out.rglob("trainer_state.json"))
-    result = subprocess.run([sys.executable, "-m", "posttrain", "report", str(out), "--title", "again"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "report", str(out), "--title", "again"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out / "report.html")
     assert "<title>again</title>" in (out / "report.html").read_text()
     assert load_log_history(out) == trainer.state.log_history
-    version = subprocess.run([sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True,
-                             timeout=120)
+    version = subprocess.run(
+        [sys.executable, "-m", "posttrain", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert version.returncode == 0 and version.stdout.startswith("posttrain ")
 
 
@@ -76,8 +90,15 @@ def test_resuming_keeps_exactly_the_restored_history(tmp_path, tiny_model_path):
     first = _jsonl(out / "metrics.jsonl")
     shutil.rmtree(out / "checkpoint-4")  # as if killed after logging step 4, before its checkpoint was complete
     rows = [{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(12)]
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, report_to="none", use_cpu=True,
-                     max_length=32, disable_tqdm=True, **options)
+    args = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+        **options,
+    )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows))
     trainer.train(resume_from_checkpoint=True)
     resumed = _jsonl(out / "metrics.jsonl")
@@ -98,17 +119,31 @@ def test_metrics_jsonl_wins_and_a_half_written_last_line_is_skipped(tmp_path):
 
 def test_completions_table_has_a_column_per_reward_function(tmp_path):
     records = [
-        {"step": 1, "prompt": "p", "completion": "a", "reward": 1.5,
-         "rewards": {"format_reward": 1.0, "/models/org/Skywork-RM": 0.5}},
-        {"step": 1, "prompt": "p", "completion": "b", "reward": 0.25, "rewards": {"format_reward": None,
-                                                                                 "/models/org/Skywork-RM": 0.25}},
+        {
+            "step": 1,
+            "prompt": "p",
+            "completion": "a",
+            "reward": 1.5,
+            "rewards": {"format_reward": 1.0, "/models/org/Skywork-RM": 0.5},
+        },
+        {
+            "step": 1,
+            "prompt": "p",
+            "completion": "b",
+            "reward": 0.25,
+            "rewards": {"format_reward": None, "/models/org/Skywork-RM": 0.25},
+        },
         {"step": 2, "prompt": "q", "completion": "c", "reward": 2.0},
     ]
     (tmp_path / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     page = write_report(tmp_path, log_history=[{"loss": 1.0, "step": 1}]).read_text()
     header = re.search(r"<tr><th>step</th>.*?</tr>", page).group(0)
-    assert header == ("<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th><th>format_reward</th>"
-                      "<th>Skywork-RM</th></tr>")
-    numbers = [re.findall(r'<td class="num">(.*?)</td>', row)
-               for row in re.findall(r"<tr><td class=\"num\">.*?</tr>", page, flags=re.S)]
+    assert header == (
+        "<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th><th>format_reward</th>"
+        "<th>Skywork-RM</th></tr>"
+    )
+    numbers = [
+        re.findall(r'<td class="num">(.*?)</td>', row)
+        for row in re.findall(r"<tr><td class=\"num\">.*?</tr>", page, flags=re.S)
+    ]
     assert numbers == [["1", "1.5", "1", "0.5"], ["1", "0.25", "", "0.25"], ["2", "2", "", ""]]

@@ -37,21 +37,47 @@ UNTIMED = ("time/", "train_runtime", "train_samples_per_second", "train_steps_pe
 
 
 def _common(out, **kw):
-    return {**dict(output_dir=str(out), max_steps=STEPS, save_strategy="steps", save_steps=STOP, logging_steps=1,
-                   learning_rate=1e-2, seed=0, use_cpu=True, report_to="none", disable_tqdm=True, write_report=False),
-            **kw}
+    return {
+        **dict(
+            output_dir=str(out),
+            max_steps=STEPS,
+            save_strategy="steps",
+            save_steps=STOP,
+            logging_steps=1,
+            learning_rate=1e-2,
+            seed=0,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            write_report=False,
+        ),
+        **kw,
+    }
 
 
 def _pairs(n=16):
-    return Dataset.from_list([{"prompt": f"the {WORDS[i % 14]} is" + " very" * (i % 3),
-                               "chosen": " so" * (i % 2) + " good", "rejected": " bad" + " bad" * (i % 3)}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"the {WORDS[i % 14]} is" + " very" * (i % 3),
+                "chosen": " so" * (i % 2) + " good",
+                "rejected": " bad" + " bad" * (i % 3),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _completions(n=16):
-    return Dataset.from_list([{"prompt": f"{WORDS[i % 14]} {WORDS[(3 * i) % 14]}",
-                               "completion": " " + " ".join(WORDS[(i + j) % 14] for j in range(1 + i % 4))}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": f"{WORDS[i % 14]} {WORDS[(3 * i) % 14]}",
+                "completion": " " + " ".join(WORDS[(i + j) % 14] for j in range(1 + i % 4)),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def _prompts(n=16):
@@ -74,8 +100,16 @@ def _dpo(path, out, callbacks, **kw):
 
 
 def _kto(path, out, callbacks):
-    data = Dataset.from_list([{"prompt": f"{WORDS[i % 14]} is", "completion": (" good" if i % 2 == 0 else " bad")
-                               + f" {WORDS[(3 * i) % 14]}" * (1 + i % 3), "label": i % 2 == 0} for i in range(16)])
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": f"{WORDS[i % 14]} is",
+                "completion": (" good" if i % 2 == 0 else " bad") + f" {WORDS[(3 * i) % 14]}" * (1 + i % 3),
+                "label": i % 2 == 0,
+            }
+            for i in range(16)
+        ]
+    )
     args = KTOConfig(**_common(out, per_device_train_batch_size=4, max_length=64))
     return KTOTrainer(path, args=args, train_dataset=data, callbacks=callbacks)
 
@@ -104,10 +138,12 @@ def _teacher_path(tmp_path, path):
 
 
 def _distillation(path, out, callbacks, **kw):
-    args = DistillationConfig(**_common(out, per_device_train_batch_size=4, max_length=64, max_completion_length=4,
-                                        **kw))
-    return DistillationTrainer(path, _teacher_path(out.parent, path), args=args, train_dataset=_completions(),
-                               callbacks=callbacks)
+    args = DistillationConfig(
+        **_common(out, per_device_train_batch_size=4, max_length=64, max_completion_length=4, **kw)
+    )
+    return DistillationTrainer(
+        path, _teacher_path(out.parent, path), args=args, train_dataset=_completions(), callbacks=callbacks
+    )
 
 
 def _experimental(name, path, out, callbacks):
@@ -117,8 +153,9 @@ def _experimental(name, path, out, callbacks):
 
     module = importlib.import_module(f"posttrain.experimental.{name}")
     if name in ("orpo", "cpo"):
-        config_class, trainer_class = (module.ORPOConfig, module.ORPOTrainer) if name == "orpo" else (
-            module.CPOConfig, module.CPOTrainer)
+        config_class, trainer_class = (
+            (module.ORPOConfig, module.ORPOTrainer) if name == "orpo" else (module.CPOConfig, module.CPOTrainer)
+        )
         args = config_class(**_common(out, per_device_train_batch_size=4, max_length=64))
         return trainer_class(path, args=args, train_dataset=_pairs(), callbacks=callbacks)
     if name == "tpo":
@@ -126,15 +163,20 @@ def _experimental(name, path, out, callbacks):
         args = module.TPOConfig(**_common(out, per_device_train_batch_size=4, max_length=64))
         return module.TPOTrainer(path, args=args, train_dataset=data, callbacks=callbacks)
     if name == "bco":
-        data = Dataset.from_list([{"prompt": f"{WORDS[i % 14]} is", "completion": " good" if i % 2 else " bad",
-                                   "label": bool(i % 2)} for i in range(16)])
+        data = Dataset.from_list(
+            [
+                {"prompt": f"{WORDS[i % 14]} is", "completion": " good" if i % 2 else " bad", "label": bool(i % 2)}
+                for i in range(16)
+            ]
+        )
         args = module.BCOConfig(**_common(out, per_device_train_batch_size=4, max_length=64))
         return module.BCOTrainer(path, args=args, train_dataset=data, callbacks=callbacks)
     if name == "gmpo":
         return _online(module.GMPOTrainer, module.GMPOConfig, path, out, callbacks)
     args = module.OnlineDPOConfig(**_common(out, per_device_train_batch_size=2, max_new_tokens=6))
-    return module.OnlineDPOTrainer(path, reward_funcs=_low_ids, args=args, train_dataset=_prompts(),
-                                   callbacks=callbacks)
+    return module.OnlineDPOTrainer(
+        path, reward_funcs=_low_ids, args=args, train_dataset=_prompts(), callbacks=callbacks
+    )
 
 
 CASES = {
@@ -151,15 +193,18 @@ CASES = {
     # The checkpoint of step 3 falls in the middle of the round of steps 3-4: the pending rollout is saved.
     "grpo_steps_per_generation": lambda *a: _online(GRPOTrainer, GRPOConfig, *a, steps_per_generation=2),
     "grpo_num_iterations": lambda *a: _online(GRPOTrainer, GRPOConfig, *a, num_iterations=2),
-    "grpo_tr_sync_ref": lambda *a: _online(GRPOTrainer, GRPOConfig, *a, beta=0.1, sync_ref_model=True,
-                                           ref_model_sync_steps=2, ref_model_mixup_alpha=0.5),
+    "grpo_tr_sync_ref": lambda *a: _online(
+        GRPOTrainer, GRPOConfig, *a, beta=0.1, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5
+    ),
     "rloo": lambda *a: _online(RLOOTrainer, RLOOConfig, *a),
     "distillation_offline": lambda *a: _distillation(*a, lmbda=0.0),
     "distillation_on_policy": _distillation,
     # A mix: which micro-batches are on-policy is a random draw that must continue where it stopped.
     "distillation_mixed": lambda *a: _distillation(*a, lmbda=0.5),
-    **{f"experimental_{name}": functools.partial(_experimental, name)
-       for name in ("orpo", "cpo", "tpo", "bco", "gmpo", "online_dpo")},
+    **{
+        f"experimental_{name}": functools.partial(_experimental, name)
+        for name in ("orpo", "cpo", "tpo", "bco", "gmpo", "online_dpo")
+    },
 }
 
 # Cases that still diverge, each with the reason; strict, so that the fix shows up as an unexpected pass.
@@ -185,8 +230,15 @@ def _logged(trainer, steps):
     return rows
 
 
-@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[name]))
-                                  if name in KNOWN_GAPS else name for name in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[name]))
+        if name in KNOWN_GAPS
+        else name
+        for name in CASES
+    ],
+)
 def test_resume_reproduces_the_uninterrupted_run(case, tmp_path, tiny_model_path):
     make = CASES[case]
     straight = make(tiny_model_path, tmp_path / "straight", None)

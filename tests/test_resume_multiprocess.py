@@ -31,17 +31,34 @@ def _low_ids(completion_ids, **kwargs):
 def _trainer(kind: str, model_path: str, out: str, callbacks):
     from datasets import Dataset
 
-    common = dict(output_dir=out, max_steps=STEPS, save_strategy="steps", save_steps=STOP, logging_steps=1,
-                  learning_rate=1e-2, seed=0, use_cpu=True, ddp_backend="gloo", report_to="none", disable_tqdm=True,
-                  write_report=False, per_device_train_batch_size=2)
+    common = dict(
+        output_dir=out,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=STOP,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to="none",
+        disable_tqdm=True,
+        write_report=False,
+        per_device_train_batch_size=2,
+    )
     if kind == "sft":
         from posttrain import SFTConfig, SFTTrainer
 
-        data = Dataset.from_list([{"prompt": f"{WORDS[i % 14]} {WORDS[(3 * i) % 14]}",
-                                   "completion": " " + " ".join(WORDS[(i + j) % 14] for j in range(1 + i % 4))}
-                                  for i in range(24)])
-        return SFTTrainer(model_path, args=SFTConfig(**common, max_length=64), train_dataset=data,
-                          callbacks=callbacks)
+        data = Dataset.from_list(
+            [
+                {
+                    "prompt": f"{WORDS[i % 14]} {WORDS[(3 * i) % 14]}",
+                    "completion": " " + " ".join(WORDS[(i + j) % 14] for j in range(1 + i % 4)),
+                }
+                for i in range(24)
+            ]
+        )
+        return SFTTrainer(model_path, args=SFTConfig(**common, max_length=64), train_dataset=data, callbacks=callbacks)
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     data = Dataset.from_list([{"prompt": f"{WORDS[i % 14]} {i} and {WORDS[(3 * i) % 14]}"} for i in range(24)])
@@ -74,8 +91,19 @@ def _worker(mode: str, model_path: str, out_dir: str, kinds: list[str]) -> None:
 
 def _launch(mode: str, model_path: str, out_dir: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               __file__, mode, model_path, str(out_dir), *KINDS]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        mode,
+        model_path,
+        str(out_dir),
+        *KINDS,
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{mode}:\n" + done.stdout[-3000:] + done.stderr[-5000:]
 

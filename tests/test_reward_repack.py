@@ -13,10 +13,18 @@ from posttrain import RewardConfig, RewardTrainer
 def _trainer(tmp_path, tiny_model_path):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
-    rows = [{"prompt": "the " * n + "sky is", "chosen": " blue" * (1 + n % 3), "rejected": " red"}
-            for n in (1, 12, 3, 20)]
-    args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to="none",
-                        use_cpu=True, save_strategy="no", disable_tqdm=True)
+    rows = [
+        {"prompt": "the " * n + "sky is", "chosen": " blue" * (1 + n % 3), "rejected": " red"} for n in (1, 12, 3, 20)
+    ]
+    args = RewardConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     return RewardTrainer(model, args=args, train_dataset=Dataset.from_list(rows))
 
 
@@ -26,8 +34,9 @@ def _grads(model):
 
 @pytest.mark.parametrize("layout", ["shared_prompt", "repacked"])
 @pytest.mark.parametrize("trailing_pad", [False, True])
-def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(tmp_path, tiny_model_path, trailing_pad,
-                                                                             layout, monkeypatch):
+def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(
+    tmp_path, tiny_model_path, trailing_pad, layout, monkeypatch
+):
     import posttrain.trainers.reward as reward
 
     if layout == "repacked":
@@ -46,11 +55,15 @@ def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(tmp
     want = _grads(model)
     model.zero_grad(set_to_none=True)
     seen = []
-    handle = model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
-        ((args[0] if args else kwargs["input_ids"]).shape, kwargs.get("attention_mask"))), with_kwargs=True)
+    handle = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            ((args[0] if args else kwargs["input_ids"]).shape, kwargs.get("attention_mask"))
+        ),
+        with_kwargs=True,
+    )
     got = trainer._scores(model, ids, mask)
     handle.remove()
-    (shape, attention_mask), = seen
+    ((shape, attention_mask),) = seen
     assert shape[0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
     if layout == "shared_prompt":  # each pair's prompt once: fewer positions than the sequences' tokens
         assert attention_mask.dim() == 4 and shape[0] * shape[1] < lengths.sum()

@@ -32,11 +32,13 @@ def constant(output):
 def assert_rows(actual: torch.Tensor, expected: list) -> None:
     """Element-by-element, NaN where NaN is expected."""
     assert actual.dtype == torch.float32
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), equal_nan=True,
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        actual.double(), torch.tensor(expected, dtype=torch.float64), equal_nan=True, rtol=1e-6, atol=0
+    )
 
 
 # --- keyword arguments by signature ---------------------------------------------------------------------------
+
 
 def test_each_function_gets_only_the_arguments_its_signature_names():
     received = {}
@@ -59,9 +61,14 @@ def test_each_function_gets_only_the_arguments_its_signature_names():
 
     assert received["narrow"] == (PROMPTS, COMPLETIONS)
     assert received["with_column"] == (COMPLETIONS, ["3", "blue", "animal"], "STATE")
-    assert received["everything"] == {"prompts": PROMPTS, "completions": COMPLETIONS, "completion_ids": IDS,
-                                      "solution": ["3", "blue", "animal"], "level": [1, 2, 3],
-                                      "trainer_state": "STATE"}
+    assert received["everything"] == {
+        "prompts": PROMPTS,
+        "completions": COMPLETIONS,
+        "completion_ids": IDS,
+        "solution": ["3", "blue", "animal"],
+        "level": [1, 2, 3],
+        "trainer_state": "STATE",
+    }
 
 
 def test_names_come_from_functions_partials_and_are_made_unique():
@@ -87,6 +94,7 @@ def test_sync_functions_run_in_the_calling_thread():
 
 # --- weights and None -----------------------------------------------------------------------------------------
 
+
 def test_weighted_sum_skips_functions_that_do_not_apply():
     scorer = RewardScorer([constant([1.0, 2.0, 3.0]), constant([10, None, -30])], reward_weights=[0.5, 2.0])
     rewards, total = score(scorer)
@@ -110,12 +118,14 @@ def test_a_sample_no_function_applies_to_gets_nan():
 
 def test_no_function_applying_to_any_sample_is_an_error():
     scorer = RewardScorer([constant([None] * 3), constant([None] * 3)])
-    with pytest.raises(DataError, match="No reward function applies to this batch: reward, reward_2 returned None "
-                                        "for all 3 samples"):
+    with pytest.raises(
+        DataError, match="No reward function applies to this batch: reward, reward_2 returned None for all 3 samples"
+    ):
         score(scorer)
 
 
 # --- setting errors -------------------------------------------------------------------------------------------
+
 
 def test_weights_of_the_wrong_length():
     with pytest.raises(ConfigError, match="reward_weights has 3 entries but there are 2 reward functions"):
@@ -132,8 +142,11 @@ def test_bad_weight_and_bad_entry():
 
 
 def test_processing_class_for_a_function_is_rejected(tokenizer):
-    with pytest.raises(ConfigError, match=r"reward_processing_classes\[0\] is set, but reward_funcs\[0\] \(reward\) "
-                                          "is a function"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward_processing_classes\[0\] is set, but reward_funcs\[0\] \(reward\) "
+        "is a function",
+    ):
         RewardScorer([constant([1] * 3)], reward_processing_classes=[tokenizer])
     with pytest.raises(ConfigError, match="reward_processing_classes has 2 entries but there are 1"):
         RewardScorer([constant([1] * 3)], reward_processing_classes=[None, None])
@@ -141,14 +154,18 @@ def test_processing_class_for_a_function_is_rejected(tokenizer):
 
 # --- columns --------------------------------------------------------------------------------------------------
 
+
 def test_check_columns_names_function_parameter_and_columns():
     def needs_solution(completions, solution, tolerance=0.1):
         return [0.0] * len(completions)
 
     scorer = RewardScorer([needs_solution])
     scorer.check_columns(["solution"])
-    with pytest.raises(DataError, match=r"'needs_solution' has a required parameter 'solution' .* \(columns: "
-                                        r"\['answer', 'level'\]\)"):
+    with pytest.raises(
+        DataError,
+        match=r"'needs_solution' has a required parameter 'solution' .* \(columns: "
+        r"\['answer', 'level'\]\)",
+    ):
         scorer.check_columns(["level", "answer"])
     with pytest.raises(DataError, match="required parameter 'solution'"):  # checked on every call too
         score(scorer, {"answer": ["3", "blue", "animal"]})
@@ -164,14 +181,17 @@ def test_columns_must_not_shadow_standard_arguments_and_must_match_the_batch():
 
 # --- function errors ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "output, message",
     [
         ([1.0, 2.0], "'reward' returned 2 values for 3 samples"),
         (torch.ones(3), "'reward' returned a Tensor for 3 samples"),
         ([1.0, "0.5", 2.0], r"'reward' returned a str \('0.5'\) for sample 1 \(prompt: 'the sky is'\)"),
-        ([1.0, 2.0, math.nan],
-         r"'reward' returned a non-finite reward \(nan\) for sample 2 \(prompt: 'what is a cat'\)"),
+        (
+            [1.0, 2.0, math.nan],
+            r"'reward' returned a non-finite reward \(nan\) for sample 2 \(prompt: 'what is a cat'\)",
+        ),
         ([math.inf, 2.0, 1.0], r"returned a non-finite reward \(inf\) for sample 0"),
     ],
 )
@@ -186,8 +206,11 @@ def test_an_exception_names_the_first_sample_that_fails_alone():
 
     long_prompt = [{"role": "user", "content": "x" * 100}]
     prompts = [[{"role": "user", "content": "hi"}], long_prompt, [{"role": "user", "content": "ho"}]]
-    with pytest.raises(RewardFunctionError, match=r"'divide' failed on sample 1 \(prompt: 'x{60}\.\.\.'\): "
-                                                  "ZeroDivisionError: division by zero") as info:
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"'divide' failed on sample 1 \(prompt: 'x{60}\.\.\.'\): "
+        "ZeroDivisionError: division by zero",
+    ) as info:
         score(RewardScorer([divide]), {"denominator": [1, 0, 0]}, prompts=prompts)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
@@ -206,8 +229,10 @@ def test_an_exception_only_on_the_whole_batch():
             raise KeyError("batch")
         return [1.0]
 
-    with pytest.raises(RewardFunctionError, match="'fails_on_batch' failed on a batch of 3 samples \\(each sample "
-                                                  "alone succeeds\\): KeyError: 'batch'"):
+    with pytest.raises(
+        RewardFunctionError,
+        match="'fails_on_batch' failed on a batch of 3 samples \\(each sample alone succeeds\\): KeyError: 'batch'",
+    ):
         score(RewardScorer([fails_on_batch]))
 
 
@@ -220,6 +245,7 @@ def test_data_errors_raised_by_a_function_pass_through():
 
 
 # --- async functions ------------------------------------------------------------------------------------------
+
 
 async def slow_length(completions):
     await asyncio.sleep(0.5)
@@ -286,12 +312,16 @@ def test_an_async_exception_names_the_sample():
             raise ValueError("no colours")
         return [1.0] * len(completions)
 
-    with pytest.raises(RewardFunctionError, match=r"'picky' failed on sample 1 \(prompt: 'the sky is'\): "
-                                                  "ValueError: no colours"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"'picky' failed on sample 1 \(prompt: 'the sky is'\): "
+        "ValueError: no colours",
+    ):
         score(RewardScorer([picky, constant([1.0] * 3)]))
 
 
 # --- reward models --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def classifier_path(tiny_model_path, tmp_path_factory):
@@ -332,8 +362,9 @@ def test_conversational_model_reward_uses_the_chat_template(classifier_path, tok
     completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
     rewards, _ = score(scorer, prompts=prompts, completions=completions)
 
-    texts = [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{c}<|im_end|>\n"
-             for p, c in zip(PROMPTS, COMPLETIONS)]
+    texts = [
+        f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{c}<|im_end|>\n" for p, c in zip(PROMPTS, COMPLETIONS)
+    ]
     token_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     assert rewards[:, 0].tolist() == pytest.approx(direct_scores(classifier_path, token_ids), abs=1e-5)
 
@@ -363,23 +394,31 @@ def test_a_causal_lm_object_is_not_a_reward_model(tiny_model_path):
         RewardScorer([AutoModelForCausalLM.from_pretrained(tiny_model_path)])
 
 
-def test_tokenizer_special_tokens_go_on_plain_text_but_not_on_rendered_conversations(classifier_path,
-                                                                                       fresh_tokenizer):
+def test_tokenizer_special_tokens_go_on_plain_text_but_not_on_rendered_conversations(classifier_path, fresh_tokenizer):
     from tokenizers import processors
 
     start_id = fresh_tokenizer.convert_tokens_to_ids("<|im_start|>")
     fresh_tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", start_id)])
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", start_id)]
+    )
     scorer = RewardScorer([classifier_path], reward_processing_classes=[fresh_tokenizer])
-    plain = [[start_id] + fresh_tokenizer(p + c, add_special_tokens=False)["input_ids"]
-             for p, c in zip(PROMPTS, COMPLETIONS)]
+    plain = [
+        [start_id] + fresh_tokenizer(p + c, add_special_tokens=False)["input_ids"] for p, c in zip(PROMPTS, COMPLETIONS)
+    ]
     rewards, _ = score(scorer)
     assert rewards[:, 0].tolist() == pytest.approx(direct_scores(classifier_path, plain), abs=1e-5)
 
-    chat = [fresh_tokenizer(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{c}<|im_end|>\n",
-                            add_special_tokens=False)["input_ids"] for p, c in zip(PROMPTS, COMPLETIONS)]
-    rewards, _ = score(scorer, prompts=[[{"role": "user", "content": p}] for p in PROMPTS],
-                       completions=[[{"role": "assistant", "content": c}] for c in COMPLETIONS])
+    chat = [
+        fresh_tokenizer(
+            f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{c}<|im_end|>\n", add_special_tokens=False
+        )["input_ids"]
+        for p, c in zip(PROMPTS, COMPLETIONS)
+    ]
+    rewards, _ = score(
+        scorer,
+        prompts=[[{"role": "user", "content": p}] for p in PROMPTS],
+        completions=[[{"role": "assistant", "content": c}] for c in COMPLETIONS],
+    )
     assert rewards[:, 0].tolist() == pytest.approx(direct_scores(classifier_path, chat), abs=1e-5)
 
 

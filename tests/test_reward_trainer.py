@@ -16,9 +16,19 @@ FILLERS = "the a cat dog bird fish sky sun moon tree red green blue one two thre
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=3, learning_rate=1e-3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return RewardConfig(**base)
 
@@ -37,11 +47,17 @@ def _good_bad_pairs(n, seed):
 
 def _unequal_pairs():
     """Pairs of different lengths, with a margin column."""
-    return Dataset.from_list([
-        {"prompt": "the sky is", "chosen": " blue" * (1 + i % 3), "rejected": " red green" * (1 + i % 2),
-         "margin": 0.5 * i}
-        for i in range(8)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": "the sky is",
+                "chosen": " blue" * (1 + i % 3),
+                "rejected": " red green" * (1 + i % 2),
+                "margin": 0.5 * i,
+            }
+            for i in range(8)
+        ]
+    )
 
 
 def _scores_alone(model, rows):
@@ -56,8 +72,12 @@ def _scores_alone(model, rows):
 
 
 def test_learns_a_held_out_separable_preference(tmp_path, tiny_model_path):
-    trainer = RewardTrainer(tiny_model_path, args=_args(tmp_path, max_steps=20, learning_rate=5e-3),
-                            train_dataset=_good_bad_pairs(160, seed=0), eval_dataset=_good_bad_pairs(64, seed=1))
+    trainer = RewardTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=20, learning_rate=5e-3),
+        train_dataset=_good_bad_pairs(160, seed=0),
+        eval_dataset=_good_bad_pairs(64, seed=1),
+    )
     before = trainer.evaluate()["eval_accuracy"]
     trainer.train()
     after = trainer.evaluate()
@@ -89,8 +109,11 @@ def test_loss_matches_float64_bradley_terry_with_margin_and_centering(tmp_path, 
 
 def _one_step_params(tmp_path, tiny_model_path, data, **kw):
     """Parameters before and after one SGD step."""
-    trainer = RewardTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1, learning_rate=1e-1, optim="sgd",
-                                                        lr_scheduler_type="constant", **kw), train_dataset=data)
+    trainer = RewardTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=1, learning_rate=1e-1, optim="sgd", lr_scheduler_type="constant", **kw),
+        train_dataset=data,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return before, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -99,8 +122,9 @@ def _one_step_params(tmp_path, tiny_model_path, data, **kw):
 def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
     data = _unequal_pairs()
     start, full = _one_step_params(tmp_path / "a", tiny_model_path, data, per_device_train_batch_size=8)
-    same_start, split = _one_step_params(tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=3,
-                                         gradient_accumulation_steps=3)  # micro-batches of 3, 3 and 2 pairs
+    same_start, split = _one_step_params(
+        tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=3, gradient_accumulation_steps=3
+    )  # micro-batches of 3, 3 and 2 pairs
     assert torch.equal(start["score.weight"], same_start["score.weight"])  # the new head follows args.seed
     assert not torch.equal(full["score.weight"], start["score.weight"])
     for name in full:
@@ -108,9 +132,16 @@ def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
 
 
 def test_conversational_and_implicit_prompt_data(tmp_path, tiny_model_path, tokenizer):
-    conversational = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": "color?"}], "chosen": [{"role": "assistant", "content": "blue"}],
-         "rejected": [{"role": "assistant", "content": "the red cat"}]}] * 2)
+    conversational = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": "color?"}],
+                "chosen": [{"role": "assistant", "content": "blue"}],
+                "rejected": [{"role": "assistant", "content": "the red cat"}],
+            }
+        ]
+        * 2
+    )
     implicit = Dataset.from_list([{"chosen": "the sky is blue", "rejected": "the sky is red"}] * 2)
     conv = RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=conversational).train_dataset[0]
     assert tokenizer.decode(conv["prompt_ids"]).endswith("<|im_start|>assistant\n")
@@ -138,10 +169,18 @@ def test_lora_reward_model_trains_its_score_head(tmp_path, tiny_model_path):
     from peft import LoraConfig
 
     with pytest.raises(ConfigError, match="task_type='SEQ_CLS'"):
-        RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_unequal_pairs(),
-                      peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
-    trainer = RewardTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1), train_dataset=_unequal_pairs(),
-                            peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
+        RewardTrainer(
+            tiny_model_path,
+            args=_args(tmp_path),
+            train_dataset=_unequal_pairs(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
+    trainer = RewardTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=_unequal_pairs(),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"),
+    )
     head = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "score" in n and p.requires_grad}
     trainer.train()
     assert head and all(not torch.equal(p, dict(trainer.model.named_parameters())[n]) for n, p in head.items())
@@ -153,19 +192,22 @@ def test_num_labels_other_than_one_is_an_error(tmp_path, tiny_model_path, tokeni
         RewardTrainer(two, args=_args(tmp_path), train_dataset=_unequal_pairs())
     two.save_pretrained(tmp_path / "two")
     with pytest.raises(ConfigError, match="num_labels=2"):
-        RewardTrainer(str(tmp_path / "two"), args=_args(tmp_path), train_dataset=_unequal_pairs(),
-                      processing_class=tokenizer)
+        RewardTrainer(
+            str(tmp_path / "two"), args=_args(tmp_path), train_dataset=_unequal_pairs(), processing_class=tokenizer
+        )
     with pytest.raises(ConfigError, match="not a sequence classifier"):
-        RewardTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path), args=_args(tmp_path),
-                      train_dataset=_unequal_pairs())
+        RewardTrainer(
+            AutoModelForCausalLM.from_pretrained(tiny_model_path), args=_args(tmp_path), train_dataset=_unequal_pairs()
+        )
 
 
 def test_data_errors(tmp_path, tiny_model_path):
     with pytest.raises(DataError, match="RewardTrainer: train_dataset is empty"):
         RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_unequal_pairs().select([]))
     with pytest.raises(DataError, match=r"RewardTrainer does not train on prompt-completion data"):
-        RewardTrainer(tiny_model_path, args=_args(tmp_path),
-                      train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"}]))
+        RewardTrainer(
+            tiny_model_path, args=_args(tmp_path), train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"}])
+        )
     with pytest.raises(DataError, match="No known dataset format matches the columns \\['chosen'\\]"):
         RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=Dataset.from_list([{"chosen": "a"}]))
     with pytest.raises(DataError, match="Row 1, column 'rejected': expected a string, got NoneType"):

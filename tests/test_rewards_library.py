@@ -17,10 +17,10 @@ from posttrain.rewards import (
     get_soft_overlong_punishment,
     json_reward,
     json_schema_reward,
+    library,
     reasoning_accuracy_reward,
     think_format_reward,
 )
-from posttrain.rewards import library
 
 
 def _chat(text: str) -> list[dict[str, str]]:

@@ -212,11 +212,7 @@ def test_code_execution_reward_counts_tests_passed_before_a_timeout(sandbox):
 
 
 def test_code_execution_reward_skips_main_block_and_ignores_printed_lines(sandbox):
-    solution = (
-        "def f(x):\n    return x\n"
-        "print('0 0')\nprint('passed 0')\n"
-        "if __name__ == '__main__':\n    input()\n"
-    )
+    solution = "def f(x):\n    return x\nprint('0 0')\nprint('passed 0')\nif __name__ == '__main__':\n    input()\n"
     reward = get_code_execution_reward(sandbox=sandbox)
     assert reward(completions=[solution], tests=[["assert f(1) == 1", "assert f(1) == 2"]]) == [0.5]
 

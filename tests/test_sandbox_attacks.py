@@ -39,13 +39,17 @@ def test_kill_the_trainer(sandbox, victim):
     process, _ = victim
     targets = f"[{process.pid}]" if sandbox == "process" else f"[{process.pid}, os.getppid(), 1]"
     attack = (
-        "import os, signal\n"
-        f"for pid in {targets} + [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:\n"
-        "    try:\n"
-        "        os.kill(pid, signal.SIGKILL)\n"
-        "    except OSError:\n"
-        "        pass\n"
-    ) if sandbox == "bubblewrap" else f"import os, signal\nos.kill({process.pid}, signal.SIGKILL)\n"
+        (
+            "import os, signal\n"
+            f"for pid in {targets} + [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:\n"
+            "    try:\n"
+            "        os.kill(pid, signal.SIGKILL)\n"
+            "    except OSError:\n"
+            "        pass\n"
+        )
+        if sandbox == "bubblewrap"
+        else f"import os, signal\nos.kill({process.pid}, signal.SIGKILL)\n"
+    )
     scores = _score_attack(attack, sandbox)
     assert scores[1] == 1.0
     time.sleep(0.2)
@@ -152,8 +156,10 @@ def test_network_connection_to_a_loopback_server(sandbox):
 
 def test_fork_bomb_is_capped(sandbox):
     if sandbox == "process" and ROOT:
-        pytest.skip("documented: the kernel does not apply RLIMIT_NPROC to root, so the process sandbox cannot cap "
-                    "a root trainer's snippets (bubblewrap runs them as nobody)")
+        pytest.skip(
+            "documented: the kernel does not apply RLIMIT_NPROC to root, so the process sandbox cannot cap "
+            "a root trainer's snippets (bubblewrap runs them as nobody)"
+        )
     # Bounded even if the cap failed: at most 60 forks, each child sleeps and exits.
     attack = (
         "import os, time\n"

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _trl import import_trl_experimental as _trl_experimental
 from datasets import Dataset
 
 from posttrain.errors import ConfigError, DataError
@@ -16,7 +17,6 @@ from posttrain.experimental.sdpo import SDPOConfig, SDPOTrainer
 from posttrain.generation import Completion
 from posttrain.losses.self_distillation import self_distillation_token_losses, successful_demonstrations
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl_experimental as _trl_experimental
 
 
 # -- float64 references ------------------------------------------------------------------------------------------
@@ -41,8 +41,9 @@ def test_full_logits_divergence_matches_a_float64_reference(alpha, temperature):
     g = torch.Generator().manual_seed(0)
     s = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
     t = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
-    got = self_distillation_token_losses(s, t, torch.zeros(2, 3, dtype=torch.long), "full_logits", alpha,
-                                         temperature=temperature)
+    got = self_distillation_token_losses(
+        s, t, torch.zeros(2, 3, dtype=torch.long), "full_logits", alpha, temperature=temperature
+    )
     for b in range(2):
         for i in range(3):
             ref = _divergence(_softmax(s[b, i].tolist(), temperature), _softmax(t[b, i].tolist(), temperature), alpha)
@@ -53,8 +54,9 @@ def test_full_logits_divergence_matches_a_float64_reference(alpha, temperature):
 def test_topk_divergence_on_the_students_top_k(alpha, add_tail, k):
     g = torch.Generator().manual_seed(1)
     s, t = torch.randn(4, 9, generator=g, dtype=torch.float64), torch.randn(4, 9, generator=g, dtype=torch.float64)
-    got = self_distillation_token_losses(s, t, torch.zeros(4, dtype=torch.long), "topk_logits", alpha, topk=k,
-                                         add_tail=add_tail, temperature=0.8)
+    got = self_distillation_token_losses(
+        s, t, torch.zeros(4, dtype=torch.long), "topk_logits", alpha, topk=k, add_tail=add_tail, temperature=0.8
+    )
     for n in range(4):
         p_s, p_t = _softmax(s[n].tolist(), 0.8), _softmax(t[n].tolist(), 0.8)
         top = sorted(range(9), key=lambda j: -p_s[j])[:k]
@@ -95,17 +97,33 @@ def test_successful_demonstrations_pick_the_first_other_success_of_the_group():
 
 # -- side by side with TRL 1.16 ----------------------------------------------------------------------------------
 def _kw(tmp_path, **kw):
-    return {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=2,
-                   report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-                   max_completion_length=8), **kw}
+    return {
+        **dict(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=2,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+            max_completion_length=8,
+        ),
+        **kw,
+    }
 
 
 WORDS = ["red", "cat", "dog", "sun"]  # equal token counts with the tiny tokenizer
 
 
 def _sdft_data(n=4):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Name {w}."}],
-                               "privileged_context": f"The answer is {w}."} for w in (WORDS * n)[:n]])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Name {w}."}], "privileged_context": f"The answer is {w}."}
+            for w in (WORDS * n)[:n]
+        ]
+    )
 
 
 class _FixedSampler:
@@ -141,11 +159,15 @@ def _trl_inputs(theirs, prompts, completions, pad_id):
     prompt_ids = [torch.tensor(x) for x in theirs._tokenize_prompts(prompts)]
     assert len({len(x) for x in prompt_ids}) == 1  # equal lengths: left padding would shift TRL's positions
     completion_ids = trl_pad([torch.tensor(c) for c in completions], padding_value=pad_id, padding_side="right")
-    completion_mask = trl_pad([torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0,
-                              padding_side="right")
-    return {"prompt_ids": torch.stack(prompt_ids), "prompt_mask": torch.ones(len(prompts), len(prompt_ids[0]),
-                                                                             dtype=torch.long),
-            "completion_ids": completion_ids, "completion_mask": completion_mask}
+    completion_mask = trl_pad(
+        [torch.ones(len(c), dtype=torch.long) for c in completions], padding_value=0, padding_side="right"
+    )
+    return {
+        "prompt_ids": torch.stack(prompt_ids),
+        "prompt_mask": torch.ones(len(prompts), len(prompt_ids[0]), dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,29 +184,40 @@ def sharp_model_path(tmp_path_factory, tokenizer):
     return str(path)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),
-    # a temperature that leaves mass outside the top k: a tail of ~1e-7 is float32 rounding in both trainers
-    dict(distillation_topk=3, distillation_add_tail=True, distillation_alpha=0.0, temperature=3.0),
-    dict(distillation_mode="full_logits", distillation_alpha=0.3, num_loss_tokens_to_skip=2),
-    dict(distillation_mode="sampled_token", distillation_alpha=1.0, teacher_model_kind="live"),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        # a temperature that leaves mass outside the top k: a tail of ~1e-7 is float32 rounding in both trainers
+        dict(distillation_topk=3, distillation_add_tail=True, distillation_alpha=0.0, temperature=3.0),
+        dict(distillation_mode="full_logits", distillation_alpha=0.3, num_loss_tokens_to_skip=2),
+        dict(distillation_mode="sampled_token", distillation_alpha=1.0, teacher_model_kind="live"),
+    ],
+)
 def test_sdft_step0_loss_equals_trls(tmp_path, tokenizer, sharp_model_path, settings):
     sdft = _trl_experimental("sdft")
     data = _sdft_data()
     completions = _completions(tokenizer, 4)
-    theirs = sdft.SDFTTrainer(model=sharp_model_path, train_dataset=data, processing_class=tokenizer,
-                              args=sdft.SDFTConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False,
-                                                         **settings)))
+    theirs = sdft.SDFTTrainer(
+        model=sharp_model_path,
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=sdft.SDFTConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)),
+    )
     prompts, contexts = list(data["prompt"]), list(data["privileged_context"])
     inputs = _trl_inputs(theirs, prompts, completions, tokenizer.pad_token_id)
-    inputs.update(theirs.teacher_context_builder.build(prompts, contexts,
-                                                       inputs["completion_ids"], inputs["completion_mask"]))
+    inputs.update(
+        theirs.teacher_context_builder.build(prompts, contexts, inputs["completion_ids"], inputs["completion_mask"])
+    )
     theirs.model.eval()
     with torch.no_grad():
         trl_loss = theirs.compute_loss(theirs.model, inputs).item()
-    ours = SDFTTrainer(sharp_model_path, args=SDFTConfig(**_kw(tmp_path / "ours", **settings)),
-                       train_dataset=data, processing_class=tokenizer)
+    ours = SDFTTrainer(
+        sharp_model_path,
+        args=SDFTConfig(**_kw(tmp_path / "ours", **settings)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     our_loss = _our_loss(ours, 4, completions)
     assert abs(our_loss) > 1e-2
     assert our_loss == pytest.approx(trl_loss, abs=1e-5, rel=1e-5)
@@ -208,15 +241,18 @@ def test_config_defaults_and_signature_are_trls(name, config, trainer):
     assert params[: len(theirs)] == theirs
 
 
-@pytest.mark.parametrize("settings,match", [
-    (dict(distillation_mode="sampled_token"), "distillation_alpha"),
-    (dict(teacher_model_kind="frozen"), "teacher_model_kind"),
-    (dict(num_iterations=2), "num_iterations"),
-    (dict(use_teacher_server=True), "use_teacher_server"),
-    (dict(teacher_prompt_template="{prompt} only"), "privileged_context"),
-    (dict(num_generations=3), "num_generations"),
-    (dict(lmbda=0.5), "lmbda"),
-])
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(distillation_mode="sampled_token"), "distillation_alpha"),
+        (dict(teacher_model_kind="frozen"), "teacher_model_kind"),
+        (dict(num_iterations=2), "num_iterations"),
+        (dict(use_teacher_server=True), "use_teacher_server"),
+        (dict(teacher_prompt_template="{prompt} only"), "privileged_context"),
+        (dict(num_generations=3), "num_generations"),
+        (dict(lmbda=0.5), "lmbda"),
+    ],
+)
 def test_sdft_bad_settings_stop_before_training(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         SDFTConfig(**_kw(tmp_path, **settings))
@@ -230,25 +266,45 @@ def _reward_for(tokenizer, completions):
 
     def exact_reward(completions, **kwargs):
         return [by_text[c[0]["content"]] for c in completions]
+
     return exact_reward
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),
-    dict(distillation_mode="full_logits", distillation_alpha=0.5, distillation_weight=0.5, teacher_model_kind="live",
-         include_environment_feedback=True),
-    dict(distillation_weight=0.0),
-    dict(distillation_mode="topk_logits", distillation_topk=4, distillation_alpha=0.2, distillation_weight=0.7,
-         loss_type="grpo", scale_rewards="batch", teacher_model_kind="base"),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(
+            distillation_mode="full_logits",
+            distillation_alpha=0.5,
+            distillation_weight=0.5,
+            teacher_model_kind="live",
+            include_environment_feedback=True,
+        ),
+        dict(distillation_weight=0.0),
+        dict(
+            distillation_mode="topk_logits",
+            distillation_topk=4,
+            distillation_alpha=0.2,
+            distillation_weight=0.7,
+            loss_type="grpo",
+            scale_rewards="batch",
+            teacher_model_kind="base",
+        ),
+    ],
+)
 def test_sdpo_step0_loss_equals_trls(tmp_path, tokenizer, sharp_model_path, settings):
     sdpo = _trl_experimental("sdpo")
     data = _sdft_data()
     completions = _completions(tokenizer, 4)
     reward = _reward_for(tokenizer, completions)
-    theirs = sdpo.SDPOTrainer(model=sharp_model_path, reward_funcs=reward, train_dataset=data,
-                              processing_class=tokenizer, args=sdpo.SDPOConfig(**_kw(
-                                  tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)))
+    theirs = sdpo.SDPOTrainer(
+        model=sharp_model_path,
+        reward_funcs=reward,
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=sdpo.SDPOConfig(**_kw(tmp_path / "trl", bf16=False, gradient_checkpointing=False, **settings)),
+    )
     prompts, feedback = list(data["prompt"]), list(data["privileged_context"])
     inputs = _trl_inputs(theirs, prompts, completions, tokenizer.pad_token_id)
     theirs.model.eval()
@@ -259,20 +315,28 @@ def test_sdpo_step0_loss_equals_trls(tmp_path, tokenizer, sharp_model_path, sett
     inputs["advantages"] = ((groups - groups.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
     with torch.no_grad():
         trl_loss = theirs.compute_loss(theirs.model, inputs).item()
-    ours = SDPOTrainer(sharp_model_path, reward, args=SDPOConfig(**_kw(tmp_path / "ours", **settings)),
-                       train_dataset=data, processing_class=tokenizer)
+    ours = SDPOTrainer(
+        sharp_model_path,
+        reward,
+        args=SDPOConfig(**_kw(tmp_path / "ours", **settings)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     our_loss = _our_loss(ours, 4, completions)
     assert abs(our_loss) > 1e-2
     assert our_loss == pytest.approx(trl_loss, abs=1e-5, rel=1e-5)
 
 
-@pytest.mark.parametrize("settings,match", [
-    (dict(beta=0.04), "beta"),
-    (dict(distillation_weight=1.5), "distillation_weight"),
-    (dict(loss_type="cispo"), "loss_type"),
-    (dict(scale_rewards="mean"), "scale_rewards"),
-    (dict(distillation_mode="topk_logits"), "distillation_topk"),
-])
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(beta=0.04), "beta"),
+        (dict(distillation_weight=1.5), "distillation_weight"),
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(scale_rewards="mean"), "scale_rewards"),
+        (dict(distillation_mode="topk_logits"), "distillation_topk"),
+    ],
+)
 def test_sdpo_bad_settings_stop_before_training(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         SDPOConfig(**_kw(tmp_path, **settings))
@@ -282,26 +346,55 @@ def test_sdpo_needs_reward_functions_and_ema_refuses_peft(tmp_path, tokenizer):
     from peft import LoraConfig
 
     with pytest.raises(ConfigError, match="reward_funcs"):
-        SDPOTrainer(build_tiny_model(tokenizer), None, args=SDPOConfig(**_kw(tmp_path)), train_dataset=_sdft_data(),
-                    processing_class=tokenizer)
+        SDPOTrainer(
+            build_tiny_model(tokenizer),
+            None,
+            args=SDPOConfig(**_kw(tmp_path)),
+            train_dataset=_sdft_data(),
+            processing_class=tokenizer,
+        )
     with pytest.raises(ConfigError, match="ema"):
-        SDPOTrainer(build_tiny_model(tokenizer), lambda completions, **k: [0.0] * len(completions),
-                    args=SDPOConfig(**_kw(tmp_path)), train_dataset=_sdft_data(), processing_class=tokenizer,
-                    peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+        SDPOTrainer(
+            build_tiny_model(tokenizer),
+            lambda completions, **k: [0.0] * len(completions),
+            args=SDPOConfig(**_kw(tmp_path)),
+            train_dataset=_sdft_data(),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
 
 
 # -- learning ----------------------------------------------------------------------------------------------------
 def _train_kw(tmp_path, **kw):
-    return _kw(tmp_path, **{**dict(max_steps=20, learning_rate=1e-3, lr_scheduler_type="constant",
-                                   per_device_train_batch_size=8, max_completion_length=6, logging_steps=1), **kw})
+    return _kw(
+        tmp_path,
+        **{
+            **dict(
+                max_steps=20,
+                learning_rate=1e-3,
+                lr_scheduler_type="constant",
+                per_device_train_batch_size=8,
+                max_completion_length=6,
+                logging_steps=1,
+            ),
+            **kw,
+        },
+    )
 
 
 def test_sdft_student_moves_towards_the_context_conditioned_teacher(tmp_path, tokenizer, sharp_model_path):
     """The frozen initial model given the demonstration is the target: on completions the student itself sampled
     at the start (what SDFT trains on), the reverse KL to that teacher falls."""
-    trainer = SDFTTrainer(sharp_model_path, args=SDFTConfig(**_train_kw(
-        tmp_path, distillation_mode="full_logits", distillation_alpha=1.0, learning_rate=2e-3, max_steps=30)),
-                          train_dataset=_sdft_data(8), processing_class=tokenizer)
+    trainer = SDFTTrainer(
+        sharp_model_path,
+        args=SDFTConfig(
+            **_train_kw(
+                tmp_path, distillation_mode="full_logits", distillation_alpha=1.0, learning_rate=2e-3, max_steps=30
+            )
+        ),
+        train_dataset=_sdft_data(8),
+        processing_class=tokenizer,
+    )
     prompts = [trainer.train_dataset[i]["input_ids"] for i in range(4)]
     completions = [c.token_ids for c in trainer._sampler.generate(prompts, 1, trainer.args.sampling_params(), seed=7)]
     before = _our_loss(trainer, 4, completions)
@@ -328,14 +421,21 @@ def test_sdpo_student_moves_towards_the_reprompted_teacher(tmp_path, tokenizer, 
         except KeyError:
             return [float(len(c[0]["content"]) % 2 == 0) for c in completions]
 
-    trainer = SDPOTrainer(sharp_model_path, reward, args=SDPOConfig(**_train_kw(
-        tmp_path, distillation_mode="full_logits", teacher_model_kind="base")), train_dataset=_sdft_data(8),
-        processing_class=tokenizer)
+    trainer = SDPOTrainer(
+        sharp_model_path,
+        reward,
+        args=SDPOConfig(**_train_kw(tmp_path, distillation_mode="full_logits", teacher_model_kind="base")),
+        train_dataset=_sdft_data(8),
+        processing_class=tokenizer,
+    )
     before = _our_loss(trainer, 4, completions)
     trainer.train()
     after = _our_loss(trainer, 4, completions)
-    fractions = [h["self_distillation/reprompt_sample_fraction"] for h in trainer.state.log_history
-                 if "self_distillation/reprompt_sample_fraction" in h]
+    fractions = [
+        h["self_distillation/reprompt_sample_fraction"]
+        for h in trainer.state.log_history
+        if "self_distillation/reprompt_sample_fraction" in h
+    ]
     share = sum(fractions) / len(fractions)
     print(f"SDPO held reverse KL {before:.3f} -> {after:.3f} in 20 steps, reprompted {share:.2f}")
     assert min(fractions) > 0
@@ -346,10 +446,23 @@ def test_ema_teacher_follows_the_student_and_evaluation_samples(tmp_path, tokeni
     """teacher_update_rate=1.0 makes the EMA teacher a copy of the student after each step; generate_from_teacher
     samples from the teacher's prompt; evaluation samples prompt-only rows and logs TRL's keys."""
     data = _sdft_data(4)
-    trainer = SDFTTrainer(build_tiny_model(tokenizer), args=SDFTConfig(**_kw(
-        tmp_path, max_steps=1, learning_rate=1e-2, teacher_model_kind="ema", teacher_update_rate=1.0,
-        generate_from_teacher=True, per_device_eval_batch_size=4)), train_dataset=data, eval_dataset=data,
-        processing_class=tokenizer)
+    trainer = SDFTTrainer(
+        build_tiny_model(tokenizer),
+        args=SDFTConfig(
+            **_kw(
+                tmp_path,
+                max_steps=1,
+                learning_rate=1e-2,
+                teacher_model_kind="ema",
+                teacher_update_rate=1.0,
+                generate_from_teacher=True,
+                per_device_eval_batch_size=4,
+            )
+        ),
+        train_dataset=data,
+        eval_dataset=data,
+        processing_class=tokenizer,
+    )
     initial = {n: p.detach().clone() for n, p in trainer.teacher_model.named_parameters()}
     trainer.train()
     student = dict(trainer.model.named_parameters())
@@ -367,9 +480,15 @@ def test_teacher_prompt_for_conversations_and_missing_context(tmp_path, tokenize
 
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name red."}]
     assert with_user_text(prompt, "{prompt} | {privileged_context}", privileged_context="ctx") == [
-        prompt[0], {"role": "user", "content": "Name red. | ctx"}]
-    assert privileged_text([{"role": "assistant", "content": "a"}, {"role": "user", "content": ""},
-                            {"role": "user", "content": "b"}]) == "a\nb"
+        prompt[0],
+        {"role": "user", "content": "Name red. | ctx"},
+    ]
+    assert (
+        privileged_text(
+            [{"role": "assistant", "content": "a"}, {"role": "user", "content": ""}, {"role": "user", "content": "b"}]
+        )
+        == "a\nb"
+    )
     with pytest.raises(DataError, match="user"):
         with_user_text(prompt[:1] + [{"role": "assistant", "content": "x"}], "{prompt}")
     with pytest.raises(DataError, match="privileged_context"):
@@ -377,12 +496,14 @@ def test_teacher_prompt_for_conversations_and_missing_context(tmp_path, tokenize
 
 
 @pytest.mark.parametrize("trainer_cls,config_cls", [(SDFTTrainer, SDFTConfig), (SDPOTrainer, SDPOConfig)])
-def test_data_report_counts_prompt_tokens_cut_by_max_prompt_length(tmp_path, tokenizer, tiny_model_path, trainer_cls,
-                                                                   config_cls):
+def test_data_report_counts_prompt_tokens_cut_by_max_prompt_length(
+    tmp_path, tokenizer, tiny_model_path, trainer_cls, config_cls
+):
     from posttrain.data.report import CUT_REASONS, DataReport
 
-    data = Dataset.from_list([{"prompt": "Name " + "the red cat " * (i + 1) + ".", "privileged_context": "cat"}
-                              for i in range(4)])
+    data = Dataset.from_list(
+        [{"prompt": "Name " + "the red cat " * (i + 1) + ".", "privileged_context": "cat"} for i in range(4)]
+    )
     if trainer_cls is SDPOTrainer:
         data = data.remove_columns("privileged_context")
         extra = dict(reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
@@ -390,8 +511,13 @@ def test_data_report_counts_prompt_tokens_cut_by_max_prompt_length(tmp_path, tok
         extra = {}
     full = [len(tokenizer(row["prompt"])["input_ids"]) for row in data]  # text prompts: the tokenizer's own ids
     keep = sorted(full)[1]
-    trainer = trainer_cls(tiny_model_path, args=config_cls(**_kw(tmp_path, max_prompt_length=keep)),
-                          train_dataset=data, processing_class=tokenizer, **extra)
+    trainer = trainer_cls(
+        tiny_model_path,
+        args=config_cls(**_kw(tmp_path, max_prompt_length=keep)),
+        train_dataset=data,
+        processing_class=tokenizer,
+        **extra,
+    )
     assert [len(ids) for ids in trainer.train_dataset["input_ids"]] == [min(n, keep) for n in full]
     report = DataReport.of(trainer).as_dict()["train_dataset"]
     cut = [n - keep for n in full if n > keep]

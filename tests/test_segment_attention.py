@@ -65,10 +65,11 @@ def test_each_token_as_its_sequence_alone_float64(model, call_cost):
     assert any(n == 1 for _, _, n in sequences) and len(sequences) > len(EXAMPLES) + 5
     for row, start, n in sequences:
         part = slice(start, start + n)
-        alone, alone_grad = _run(model, ids[row:row + 1, part], positions[row:row + 1, part],
-                                 weights[row:row + 1, part])
-        torch.testing.assert_close(logits[row:row + 1, part], alone, rtol=0, atol=1e-12)
-        torch.testing.assert_close(grad[row:row + 1, part], alone_grad, rtol=0, atol=1e-12)
+        alone, alone_grad = _run(
+            model, ids[row : row + 1, part], positions[row : row + 1, part], weights[row : row + 1, part]
+        )
+        torch.testing.assert_close(logits[row : row + 1, part], alone, rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad[row : row + 1, part], alone_grad, rtol=0, atol=1e-12)
     masked, masked_grad = _run(model, ids, positions, weights)  # transformers' block-diagonal mask
     torch.testing.assert_close(logits, masked, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, masked_grad, rtol=0, atol=1e-12)
@@ -86,9 +87,12 @@ def _sdpa_calls(model, batch, call_cost):
         calls.extend([(True, False)] * sum(map(len, row_lengths)))
         return per_sequence(query, key, value, row_lengths, scale)
 
-    with mock.patch.object(sa, "_CALL_COST", call_cost), segment_attention(model), \
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy), \
-            mock.patch.object(sa._PerSequence, "apply", flash):
+    with (
+        mock.patch.object(sa, "_CALL_COST", call_cost),
+        segment_attention(model),
+        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy),
+        mock.patch.object(sa._PerSequence, "apply", flash),
+    ):
         model(**{k: v.clone() for k, v in batch.items()}, use_cache=False)  # (the layout is kept on the tensor)
     return calls
 
@@ -99,7 +103,7 @@ def test_per_sequence_calls_and_the_mask_for_many_short_sequences(model):
     layers, sequences = model.config.num_hidden_layers, len(_sequences(batch["position_ids"]))
     assert _sdpa_calls(model, inputs, 0) == [(True, False)] * (layers * sequences)
     # Sequences this short cost more as separate calls: one masked call per layer, as transformers makes.
-    assert _sdpa_calls(model, inputs, 10 ** 6) == [(False, True)] * layers
+    assert _sdpa_calls(model, inputs, 10**6) == [(False, True)] * layers
     rows, width = inputs["input_ids"].shape
     whole = {"input_ids": inputs["input_ids"], "position_ids": torch.arange(width).expand(rows, width)}
     assert _sdpa_calls(model, whole, 0) == [(True, False)] * layers  # no restarts: plain causal rows
@@ -171,17 +175,29 @@ def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
     data = Dataset.from_list([{"text": " ".join(words[: 3 + (i * 7) % 14])} for i in range(12)])
     losses, used = {}, {}
     for enabled in (False, True):
-        args = SFTConfig(output_dir=str(tmp_path / str(enabled)), per_device_train_batch_size=4, max_steps=2,
-                         max_length=48, packing=True, packing_strategy=strategy, logging_steps=1,
-                         save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
+        args = SFTConfig(
+            output_dir=str(tmp_path / str(enabled)),
+            per_device_train_batch_size=4,
+            max_steps=2,
+            max_length=48,
+            packing=True,
+            packing_strategy=strategy,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
         trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=data)
         assert trainer._segment_attention
         trainer._segment_attention = enabled
         seen = []
         forward = sa.segment_attention_forward
-        with mock.patch.object(sa, "segment_attention_forward",
-                               lambda *a, **k: seen.append(1) or forward(*a, **k)), \
-                mock.patch.object(sa, "_CALL_COST", 0):
+        with (
+            mock.patch.object(sa, "segment_attention_forward", lambda *a, **k: seen.append(1) or forward(*a, **k)),
+            mock.patch.object(sa, "_CALL_COST", 0),
+        ):
             trainer.train()
         losses[enabled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         used[enabled] = bool(seen)
@@ -191,8 +207,14 @@ def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
 
 
 def test_sft_keeps_eager(tmp_path, tiny_model_path):
-    args = SFTConfig(output_dir=str(tmp_path), max_length=32, packing=True, report_to="none", use_cpu=True,
-                     model_init_kwargs={"attn_implementation": "eager"})
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        max_length=32,
+        packing=True,
+        report_to="none",
+        use_cpu=True,
+        model_init_kwargs={"attn_implementation": "eager"},
+    )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
     assert not trainer._segment_attention
 
@@ -219,8 +241,10 @@ def _packed(rows, heads, kv_heads, dim, dtype):
     views of [batch, tokens, heads, dim] leaves, returned too)."""
     torch.manual_seed(0)
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
-    leaves = [torch.randn(len(rows), positions.shape[1], h, dim, dtype=dtype, requires_grad=True)
-              for h in (heads, kv_heads, kv_heads)]
+    leaves = [
+        torch.randn(len(rows), positions.shape[1], h, dim, dtype=dtype, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    ]
     return positions, leaves, [leaf.transpose(1, 2) for leaf in leaves]
 
 
@@ -232,8 +256,7 @@ def _per_sequence_reference(rows, leaves, grad, scale):
         for n in lengths:
             part = slice(start, start + n)
             q, k, v = (leaf[row, part].detach().transpose(0, 1)[None].requires_grad_() for leaf in leaves)
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                 enable_gqa=True)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             out[row, part] = o[0].transpose(0, 1).detach()
             for whole, g in zip(grads, torch.autograd.grad(o, (q, k, v), grad[row, part].transpose(0, 1)[None])):
                 whole[row, part] = g[0].transpose(0, 1)
@@ -251,12 +274,13 @@ def test_per_sequence_kernel_gradients_equal_sdpa(dtype, kv_heads, scale):
     heads, dim = 4, 8
     positions, leaves, (q, k, v) = _packed(ROWS, heads, kv_heads, dim, dtype)
     with mock.patch.object(sa, "_CALL_COST", 0):
-        out, _ = sa.segment_attention_forward(_Attention(heads // kv_heads), q, k, v, None, scaling=scale,
-                                              position_ids=positions)
+        out, _ = sa.segment_attention_forward(
+            _Attention(heads // kv_heads), q, k, v, None, scaling=scale, position_ids=positions
+        )
     assert type(out.grad_fn).__name__ == "_PerSequenceBackward"
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, grad)
-    expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, dim ** -0.5 if scale is None else scale)
+    expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, dim**-0.5 if scale is None else scale)
     tolerance = {"rtol": 0, "atol": 1e-12} if dtype == torch.float64 else {}
     torch.testing.assert_close(out, expected, **tolerance)
     for got, want in zip(grads, expected_grads):
@@ -279,16 +303,16 @@ def test_attention_output_kept_once(dtype, kv_heads):
         return tensor
 
     with mock.patch.object(sa, "_CALL_COST", 0), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = sa.segment_attention_forward(_Attention(heads // kv_heads), q, k, v, None, scaling=dim ** -0.5,
-                                              position_ids=positions)
+        out, _ = sa.segment_attention_forward(
+            _Attention(heads // kv_heads), q, k, v, None, scaling=dim**-0.5, position_ids=positions
+        )
         o_proj_input = out.reshape(*out.shape[:2], -1).contiguous()  # LlamaAttention's, before o_proj
         torch.nn.functional.linear(o_proj_input, weight)
     assert o_proj_input.data_ptr() == out.data_ptr()
     del saved[weight.untyped_storage().data_ptr()]
     tokens, sequences = positions.numel(), sum(map(len, ROWS))
     logsumexp_size = 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize  # (float32 for half types)
-    expected = (sum(leaf.numel() for leaf in leaves) + out.numel()) * dtype.itemsize \
-        + tokens * heads * logsumexp_size
+    expected = (sum(leaf.numel() for leaf in leaves) + out.numel()) * dtype.itemsize + tokens * heads * logsumexp_size
     assert sum(saved.values()) == expected
     assert len(saved) == 3 + 1 + sequences
 
@@ -320,8 +344,9 @@ def test_left_to_sdpa_where_it_would_not_run_the_flash_kernel():
             grad = torch.randn_like(out)
             grads = torch.autograd.grad(out, leaves, grad)
             expected, expected_grads = _per_sequence_reference(ROWS, leaves, grad, scale)
-        out_dropout, _ = sa.segment_attention_forward(attention, q, k, v, None, dropout=0.5, scaling=scale,
-                                                      position_ids=positions)
+        out_dropout, _ = sa.segment_attention_forward(
+            attention, q, k, v, None, dropout=0.5, scaling=scale, position_ids=positions
+        )
     assert type(out.grad_fn).__name__ != "_PerSequenceBackward"
     assert type(out_dropout.grad_fn).__name__ != "_PerSequenceBackward"
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)

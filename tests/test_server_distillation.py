@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from _trl import import_trl_experimental
 from datasets import Dataset
 
 from posttrain.errors import ConfigError
 from posttrain.experimental import server_distillation
 from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 from posttrain.models.tiny import build_tiny_model
-from _trl import import_trl_experimental
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split()
 
@@ -31,6 +31,7 @@ def _teacher(tokenizer):
 
 class _TeacherHandler(BaseHTTPRequestHandler):
     """vLLM's answer shape: per prompt position (None at 0) the top-k tokens and the actual one, with ranks."""
+
     model = None
     requests: list = []
 
@@ -78,14 +79,30 @@ def teacher_url(tokenizer):
 
 def _data(n, seed=0):
     rng = random.Random(seed)
-    return Dataset.from_list([{"prompt": " ".join(rng.choices(WORDS, k=3)),
-                               "completion": " " + " ".join(rng.choices(WORDS, k=1 + i % 3))} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {"prompt": " ".join(rng.choices(WORDS, k=3)), "completion": " " + " ".join(rng.choices(WORDS, k=1 + i % 3))}
+            for i in range(n)
+        ]
+    )
 
 
 def _args(tmp_path, url, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True, lmbda=0.0, teacher_model_server_url=url)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+        lmbda=0.0,
+        teacher_model_server_url=url,
+    )
     base.update(kw)
     return ServerDistillationConfig(**base)
 
@@ -95,8 +112,9 @@ def _reference(student, teacher, batch, beta, k, add_tail, temperature):
     token (beta=1) or both the teacher's top-1 and it (once if equal); tail = 1 - the support's mass."""
     total = 0.0
     with torch.no_grad():
-        s_all = (student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
-                 / temperature).log_softmax(-1)
+        s_all = (
+            student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double() / temperature
+        ).log_softmax(-1)
     for row in range(len(batch["input_ids"])):
         n = int(batch["attention_mask"][row].sum())
         ids = batch["input_ids"][row, :n]
@@ -124,13 +142,17 @@ def _reference(student, teacher, batch, beta, k, add_tail, temperature):
     return total
 
 
-@pytest.mark.parametrize("beta,k,add_tail,temperature", [(0.0, 3, True, 1.0), (0.0, 2, False, 0.7),
-                                                         (1.0, 1, True, 1.0), (0.5, 1, True, 1.3),
-                                                         (0.5, 1, False, 1.0)])
+@pytest.mark.parametrize(
+    "beta,k,add_tail,temperature",
+    [(0.0, 3, True, 1.0), (0.0, 2, False, 0.7), (1.0, 1, True, 1.0), (0.5, 1, True, 1.3), (0.5, 1, False, 1.0)],
+)
 def test_loss_matches_a_float64_reference(tmp_path, tokenizer, teacher_url, beta, k, add_tail, temperature):
-    trainer = ServerDistillationTrainer(build_tiny_model(tokenizer), args=_args(
-        tmp_path, teacher_url, beta=beta, loss_top_k=k, loss_add_tail=add_tail, temperature=temperature),
-        train_dataset=_data(4), processing_class=tokenizer)
+    trainer = ServerDistillationTrainer(
+        build_tiny_model(tokenizer),
+        args=_args(tmp_path, teacher_url, beta=beta, loss_top_k=k, loss_add_tail=add_tail, temperature=temperature),
+        train_dataset=_data(4),
+        processing_class=tokenizer,
+    )
     assert trainer.teacher_model is None
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     _TeacherHandler.requests.clear()
@@ -146,9 +168,12 @@ def test_loss_matches_a_float64_reference(tmp_path, tokenizer, teacher_url, beta
 
 
 def test_student_learns_from_the_served_teacher(tmp_path, tokenizer, teacher_url):
-    trainer = ServerDistillationTrainer(build_tiny_model(tokenizer), args=_args(
-        tmp_path, teacher_url, beta=0.0, loss_top_k=4, max_steps=25, logging_steps=5),
-        train_dataset=_data(32), processing_class=tokenizer)
+    trainer = ServerDistillationTrainer(
+        build_tiny_model(tokenizer),
+        args=_args(tmp_path, teacher_url, beta=0.0, loss_top_k=4, max_steps=25, logging_steps=5),
+        train_dataset=_data(32),
+        processing_class=tokenizer,
+    )
     trainer.train()
     losses = [h["distill_loss"] for h in trainer.state.log_history if "distill_loss" in h]
     agreement = [h["teacher_agreement"] for h in trainer.state.log_history if "teacher_agreement" in h]
@@ -158,22 +183,28 @@ def test_student_learns_from_the_served_teacher(tmp_path, tokenizer, teacher_url
 
 
 def test_on_policy_completions_are_scored_by_the_server(tmp_path, tokenizer, teacher_url):
-    trainer = ServerDistillationTrainer(build_tiny_model(tokenizer), args=_args(
-        tmp_path, teacher_url, lmbda=1.0, max_completion_length=4, max_steps=1),
-        train_dataset=_data(4).remove_columns("completion"), processing_class=tokenizer)
+    trainer = ServerDistillationTrainer(
+        build_tiny_model(tokenizer),
+        args=_args(tmp_path, teacher_url, lmbda=1.0, max_completion_length=4, max_steps=1),
+        train_dataset=_data(4).remove_columns("completion"),
+        processing_class=tokenizer,
+    )
     _TeacherHandler.requests.clear()
     trainer.train()
     assert len(_TeacherHandler.requests) == 1 and len(_TeacherHandler.requests[0]["prompt"]) == 4
     assert trainer.state.log_history[0]["on_policy"] == 1.0 and trainer.state.log_history[0]["distill_loss"] > 0
 
 
-@pytest.mark.parametrize("settings,match", [
-    (dict(teacher_model_server_url=None), "teacher_model_server_url"),
-    (dict(loss_top_k=0), "loss_top_k"),
-    (dict(beta=0.5, loss_top_k=2), "loss_top_k"),
-    (dict(reverse_kl_top_1_mode="argmax"), "argmax"),
-    (dict(lmbda=0.0, padding_free=True), "padding_free"),
-])
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(teacher_model_server_url=None), "teacher_model_server_url"),
+        (dict(loss_top_k=0), "loss_top_k"),
+        (dict(beta=0.5, loss_top_k=2), "loss_top_k"),
+        (dict(reverse_kl_top_1_mode="argmax"), "argmax"),
+        (dict(lmbda=0.0, padding_free=True), "padding_free"),
+    ],
+)
 def test_unusable_settings_stop_at_the_config(tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         _args(tmp_path, "http://127.0.0.1:1", **settings)
@@ -182,15 +213,22 @@ def test_unusable_settings_stop_at_the_config(tmp_path, settings, match):
 def test_an_unreachable_server_stops_before_training(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setattr(server_distillation, "CONNECT_TIMEOUT_S", 0.5)
     with pytest.raises(ConfigError, match=r"http://127.0.0.1:9.*vllm serve"):
-        ServerDistillationTrainer(build_tiny_model(tokenizer), args=_args(tmp_path, "http://127.0.0.1:9"),
-                                  train_dataset=_data(4), processing_class=tokenizer)
+        ServerDistillationTrainer(
+            build_tiny_model(tokenizer),
+            args=_args(tmp_path, "http://127.0.0.1:9"),
+            train_dataset=_data(4),
+            processing_class=tokenizer,
+        )
 
 
 def test_a_local_teacher_is_refused(tmp_path, tokenizer, teacher_url):
     with pytest.raises(ConfigError, match="teacher_model"):
-        ServerDistillationTrainer(build_tiny_model(tokenizer), args=_args(tmp_path, teacher_url,
-                                                                          teacher_model_name_or_path="x"),
-                                  train_dataset=_data(4), processing_class=tokenizer)
+        ServerDistillationTrainer(
+            build_tiny_model(tokenizer),
+            args=_args(tmp_path, teacher_url, teacher_model_name_or_path="x"),
+            train_dataset=_data(4),
+            processing_class=tokenizer,
+        )
 
 
 def test_config_fields_and_signature_are_trls():
@@ -199,9 +237,14 @@ def test_config_fields_and_signature_are_trls():
 
     theirs = import_trl_experimental("server_distillation")
     ours = {f.name: f.default for f in dataclasses.fields(ServerDistillationConfig)}
-    for name in ("teacher_model_server_url", "vllm_server_port", "loss_top_k", "loss_add_tail",
-                 "reverse_kl_top_1_mode"):
+    for name in (
+        "teacher_model_server_url",
+        "vllm_server_port",
+        "loss_top_k",
+        "loss_add_tail",
+        "reverse_kl_top_1_mode",
+    ):
         assert ours[name] == theirs.ServerDistillationConfig.__dataclass_fields__[name].default, name
     params = list(inspect.signature(ServerDistillationTrainer.__init__).parameters)[1:]
     trl_params = list(inspect.signature(theirs.ServerDistillationTrainer.__init__).parameters)[1:]
-    assert params[:len(trl_params)] == trl_params
+    assert params[: len(trl_params)] == trl_params

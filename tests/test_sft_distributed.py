@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from _sft_ddp_worker import LEARNING_RATE, train_one_step, varied_length_data
+from transformers import AutoModelForCausalLM
 
 WORKER = Path(__file__).with_name("_sft_ddp_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +18,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _launch_two_processes(model_path: str, out_dir: Path) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER), model_path, str(out_dir), "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        model_path,
+        str(out_dir),
+        "2",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
@@ -33,8 +42,17 @@ def trained_model_path(tmp_path_factory, tiny_model_path):
     from posttrain import SFTConfig, SFTTrainer
 
     out = tmp_path_factory.mktemp("trained")
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=8, max_steps=12, learning_rate=3e-2,
-                     use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+    args = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        max_steps=12,
+        learning_rate=3e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=varied_length_data())
     trainer.train()
     trainer.save_model(str(out / "model"))
@@ -79,8 +97,13 @@ def test_two_processes_match_one_process_with_the_same_effective_batch(tmp_path,
     # by far more than the tolerance; so would a step that does not move them.
     per_process = [_float64_gradient(model_path, r["rows_seen"]) for r in ranks]
     assert abs(sum(p[0] for p in per_process) / 2 - loss) > 1e-2
-    assert max((per_process[0][2][n] + per_process[1][2][n] - 2 * g).abs().max().item() * LEARNING_RATE / 2
-               for n, g in grads.items()) > 1e-3
+    assert (
+        max(
+            (per_process[0][2][n] + per_process[1][2][n] - 2 * g).abs().max().item() * LEARNING_RATE / 2
+            for n, g in grads.items()
+        )
+        > 1e-3
+    )
     assert max((expected[n] - initial[n]).abs().max().item() for n in expected) > 1e-2
     assert 0 < accuracy < 1
 

@@ -34,8 +34,9 @@ def _reference(hidden, weight, bias, labels, loss_type, eps):
     return loss, entropy, correct, count
 
 
-@pytest.mark.parametrize("loss_type,eps,chunk",
-                         [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)])
+@pytest.mark.parametrize(
+    "loss_type,eps,chunk", [("nll", 0.0, 4), ("dft", 0.0, 3), ("nll", 0.1, 100), ("dft", 0.0, 100)]
+)
 @pytest.mark.parametrize("softmax_elements", [None, 39])  # 39: three rows of the softmax at a time
 def test_fused_sums_and_scaled_gradients_match_float64_formulas(monkeypatch, loss_type, eps, chunk, softmax_elements):
     if softmax_elements:
@@ -47,8 +48,9 @@ def test_fused_sums_and_scaled_gradients_match_float64_formulas(monkeypatch, los
     labels = torch.randint(0, 13, (2, 7), generator=g)
     labels[0, :3] = IGNORE_INDEX
     labels[1, 5] = IGNORE_INDEX
-    sums = chunked_token_loss_sums(hidden, weight, labels, bias, chunk_size=chunk, loss_type=loss_type,
-                                   label_smoothing=eps)
+    sums = chunked_token_loss_sums(
+        hidden, weight, labels, bias, chunk_size=chunk, loss_type=loss_type, label_smoothing=eps
+    )
     (sums.loss / 2.5).backward()  # the trainer divides by the effective batch's token count
     ref_loss, ref_entropy, ref_correct, ref_count = _reference(hidden, weight, bias, labels, loss_type, eps)
     ref_grads = torch.autograd.grad(ref_loss / 2.5, (hidden, weight, bias))
@@ -81,8 +83,16 @@ def test_a_second_backward_is_refused():
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to="none",
-                use_cpu=True, save_strategy="no", max_length=32, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_length=32,
+        disable_tqdm=True,
+    )
     return SFTConfig(**{**base, **kw})
 
 
@@ -95,8 +105,12 @@ def test_chunked_loss_is_the_default_where_it_applies(tmp_path, tiny_model_path)
     off = SFTTrainer(tiny_model_path, args=_args(tmp_path / "b", chunked_loss=False), train_dataset=_data())
     assert off._chunked_loss is False
     # compute_loss_func gets the full logits, so the default falls back to them.
-    with_func = SFTTrainer(tiny_model_path, args=_args(tmp_path / "c"), train_dataset=_data(),
-                           compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum())
+    with_func = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path / "c"),
+        train_dataset=_data(),
+        compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),
+    )
     assert with_func._chunked_loss is False
 
 
@@ -129,8 +143,8 @@ def test_repacked_padded_batch_gives_the_padded_loss_gradients_and_metrics(tmp_p
         trainer._metrics["train"].clear()
         seen = []
         handle = trainer.model.model.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append((args[0] if args else kwargs["input_ids"]).shape),
-            with_kwargs=True)
+            lambda module, args, kwargs: seen.append((args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True
+        )
         loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=None)
         handle.remove()
         loss.backward()

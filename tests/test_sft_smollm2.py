@@ -1,7 +1,6 @@
 """SFT on the real built-in SmolLM2-135M-Instruct (slow): trained-token masks on its ChatML template,
 element by element; a few training steps on every dataset format; LoRA train, save, reload, generate."""
 
-
 import pytest
 import torch
 from datasets import Dataset
@@ -36,8 +35,14 @@ def _chatml_reference(tokenizer, messages, trained_roles):
     ids, mask = [], []
     for message in messages:
         trained = int(message["role"] in trained_roles)
-        for piece, flag in (("<|im_start|>", 0), (message["role"], 0), ("\n", 0), (message["content"], trained),
-                            ("<|im_end|>", trained), ("\n", 0)):
+        for piece, flag in (
+            ("<|im_start|>", 0),
+            (message["role"], 0),
+            ("\n", 0),
+            (message["content"], trained),
+            ("<|im_end|>", trained),
+            ("\n", 0),
+        ):
             piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
             ids += piece_ids
             mask += [flag] * len(piece_ids)
@@ -71,19 +76,38 @@ def test_completion_only_mask_on_the_real_chatml_template(smollm2_tokenizer):
 
 MAX_LENGTH = 40
 FORMATS = {  # (row, extra settings, the text of its trained tokens; None: all of them)
-    "text": ({"text": "The blue whale is the largest animal that has ever lived on Earth, far larger than any "
-                      "dinosaur. It eats tiny krill, several tons of them every day, and sings to other whales "
-                      "across whole oceans."}, {}, None),
+    "text": (
+        {
+            "text": "The blue whale is the largest animal that has ever lived on Earth, far larger than any "
+            "dinosaur. It eats tiny krill, several tons of them every day, and sings to other whales "
+            "across whole oceans."
+        },
+        {},
+        None,
+    ),
     "messages": ({"messages": CONVERSATION[:3]}, {"assistant_only_loss": True}, "It is 7.<|im_end|>"),
-    "prompt_completion": ({"prompt": "Q: Which planet is called the red planet?\nA:", "completion": " Mars."}, {},
-                          " Mars.<|im_end|>"),
+    "prompt_completion": (
+        {"prompt": "Q: Which planet is called the red planet?\nA:", "completion": " Mars."},
+        {},
+        " Mars.<|im_end|>",
+    ),
 }
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=10, learning_rate=1e-4,
-                logging_steps=1, max_length=MAX_LENGTH, seed=0, use_cpu=True, report_to="none", save_strategy="no",
-                disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=1,
+        max_steps=10,
+        learning_rate=1e-4,
+        logging_steps=1,
+        max_length=MAX_LENGTH,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     return SFTConfig(**{**base, **kw})
 
 
@@ -114,9 +138,12 @@ def test_lora_on_smollm2_trains_saves_reloads_generates(tmp_path, smollm2_path, 
     from peft import AutoPeftModelForCausalLM, LoraConfig
 
     data = Dataset.from_list([FORMATS["prompt_completion"][0]] * 4)
-    trainer = SFTTrainer(smollm2_path, args=_args(tmp_path, max_steps=6, learning_rate=2e-3),
-                         train_dataset=data, peft_config=LoraConfig(r=8, lora_alpha=16,
-                                                                    target_modules=["q_proj", "v_proj"]))
+    trainer = SFTTrainer(
+        smollm2_path,
+        args=_args(tmp_path, max_steps=6, learning_rate=2e-3),
+        train_dataset=data,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     frozen_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n not in trainable}
@@ -130,13 +157,14 @@ def test_lora_on_smollm2_trains_saves_reloads_generates(tmp_path, smollm2_path, 
     trainer.save_model(str(tmp_path / "adapter"))
     reloaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
     base = AutoModelForCausalLM.from_pretrained(smollm2_path).eval()
-    prompt = smollm2_tokenizer.apply_chat_template(CONVERSATION[1:2], add_generation_prompt=True,
-                                                   return_tensors="pt", return_dict=True)
+    prompt = smollm2_tokenizer.apply_chat_template(
+        CONVERSATION[1:2], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     trainer.model.eval()
     with torch.no_grad():
         adapted = trainer.model(**prompt).logits
         torch.testing.assert_close(reloaded(**prompt).logits, adapted)
         assert (base(**prompt).logits - adapted).abs().max() > 1e-2  # the adapter changes the model
     out = reloaded.generate(**prompt, max_new_tokens=8, do_sample=False)
-    answer = smollm2_tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+    answer = smollm2_tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
     assert out.shape[1] > prompt["input_ids"].shape[1] and answer.strip()

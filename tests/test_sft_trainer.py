@@ -11,9 +11,19 @@ from posttrain.errors import ConfigError, DataError
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=64,
-                disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return SFTConfig(**base)
 
@@ -27,10 +37,12 @@ def _pc_data(n=16):
 
 
 def _chat_data(n=16):
-    return Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
-        for w in ["red", "green", "blue", "cat"] * (n // 4)
-    ])
+    return Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+            for w in ["red", "green", "blue", "cat"] * (n // 4)
+        ]
+    )
 
 
 def _grads(trainer):
@@ -38,16 +50,21 @@ def _grads(trainer):
 
 
 def _one_step_params(tmp_path, tiny_model_path, data, **kw):
-    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1, learning_rate=1e-2,
-                                                     optim="sgd", lr_scheduler_type="constant", **kw),
-                         train_dataset=data)
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=1, learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", **kw),
+        train_dataset=data,
+    )
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
 def test_loss_decreases_on_a_small_task(tmp_path, tiny_model_path):
-    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=30, learning_rate=1e-2),
-                         train_dataset=_chat_data(), )
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=30, learning_rate=1e-2),
+        train_dataset=_chat_data(),
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < 0.6 * losses[0]
@@ -60,8 +77,9 @@ def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
     # Examples of different lengths make a per-micro-batch mean differ from the token mean.
     data = Dataset.from_list([{"prompt": "the", "completion": " cat is on the tree" * (1 + i % 3)} for i in range(8)])
     full = _one_step_params(tmp_path / "a", tiny_model_path, data, per_device_train_batch_size=8)
-    split = _one_step_params(tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=1,
-                             gradient_accumulation_steps=8)
+    split = _one_step_params(
+        tmp_path / "b", tiny_model_path, data, per_device_train_batch_size=1, gradient_accumulation_steps=8
+    )
     for name in full:
         torch.testing.assert_close(full[name], split[name], atol=1e-6, rtol=1e-5)
 
@@ -69,10 +87,14 @@ def test_batch_times_accumulation_equivalence(tmp_path, tiny_model_path):
 def test_padding_free_and_packing_give_the_padded_loss(tmp_path, tiny_model_path):
     data = _pc_data(8)
     padded = SFTTrainer(tiny_model_path, args=_args(tmp_path / "p", per_device_train_batch_size=8), train_dataset=data)
-    free = SFTTrainer(tiny_model_path, args=_args(tmp_path / "f", per_device_train_batch_size=8, padding_free=True),
-                      train_dataset=data)
-    packed = SFTTrainer(tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True),
-                        train_dataset=data)
+    free = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path / "f", per_device_train_batch_size=8, padding_free=True),
+        train_dataset=data,
+    )
+    packed = SFTTrainer(
+        tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True), train_dataset=data
+    )
     losses = []
     for trainer in (padded, free, packed):
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
@@ -89,8 +111,9 @@ def test_packed_layout_follows_the_attention_implementation(tmp_path, tiny_model
     from posttrain.data.collators import LanguageModelingCollator
 
     data = _pc_data(8)
-    packed = SFTTrainer(tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True),
-                        train_dataset=data)
+    packed = SFTTrainer(
+        tiny_model_path, args=_args(tmp_path / "k", per_device_train_batch_size=8, packing=True), train_dataset=data
+    )
     assert packed.model.config._attn_implementation == "sdpa" and packed.data_collator.one_row is False
     rows = [packed.train_dataset[i] for i in range(len(packed.train_dataset))]
     packed.model.eval()
@@ -110,16 +133,23 @@ def test_packed_layout_follows_the_attention_implementation(tmp_path, tiny_model
     assert flash.data_collator.one_row is True
     # A collator the caller passes is left as it is.
     given = LanguageModelingCollator(0, padding_free=True)
-    assert SFTTrainer(tiny_model_path, args=_args(tmp_path / "g"), train_dataset=data,
-                      data_collator=given).data_collator.one_row is True
+    assert (
+        SFTTrainer(
+            tiny_model_path, args=_args(tmp_path / "g"), train_dataset=data, data_collator=given
+        ).data_collator.one_row
+        is True
+    )
 
 
 def test_chunked_loss_equals_full_logits_loss_and_gradients(tmp_path, tiny_model_path):
     data = _chat_data(8)
     results = []
     for chunked in (False, True):
-        trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path / str(chunked), chunked_loss=chunked,
-                                                         loss_chunk_size=7), train_dataset=data)
+        trainer = SFTTrainer(
+            tiny_model_path,
+            args=_args(tmp_path / str(chunked), chunked_loss=chunked, loss_chunk_size=7),
+            train_dataset=data,
+        )
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
         trainer.model.train()
         loss = trainer.compute_loss(trainer.model, batch)
@@ -150,9 +180,12 @@ def test_loss_matches_hand_computed_mean_nll(tmp_path, tiny_model_path):
 def test_lora_train_save_reload_generate(tmp_path, tiny_model_path):
     from peft import AutoPeftModelForCausalLM, LoraConfig
 
-    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=2),
-                         train_dataset=_chat_data(8),
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=_chat_data(8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     trainer.train()
@@ -173,16 +206,21 @@ def test_errors_before_training(tmp_path, tiny_model_path, fresh_tokenizer):
     with pytest.raises(DataError, match="tokenizer has no chat template"):
         SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_chat_data(4), processing_class=fresh_tokenizer)
     with pytest.raises(DataError, match="Row 1: all its trained tokens lie beyond max_length=4"):
-        SFTTrainer(tiny_model_path, args=_args(tmp_path, max_length=4),
-                   train_dataset=Dataset.from_list([{"prompt": "a", "completion": "b"},
-                                                    {"prompt": "the cat is on the tree", "completion": " red"}]))
+        SFTTrainer(
+            tiny_model_path,
+            args=_args(tmp_path, max_length=4),
+            train_dataset=Dataset.from_list(
+                [{"prompt": "a", "completion": "b"}, {"prompt": "the cat is on the tree", "completion": " red"}]
+            ),
+        )
 
 
 def test_missing_pad_token_is_set_and_announced(tmp_path, tiny_model_path, fresh_tokenizer, caplog):
     fresh_tokenizer.pad_token = None
     with caplog.at_level("WARNING", logger="posttrain"):
-        trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2),
-                             processing_class=fresh_tokenizer)
+        trainer = SFTTrainer(
+            tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2), processing_class=fresh_tokenizer
+        )
     assert trainer.processing_class.pad_token == "<|im_end|>"
     assert "no pad token" in caplog.text
 
@@ -191,8 +229,12 @@ def test_chunked_loss_refuses_an_adapted_output_layer(tmp_path, tiny_model_path)
     from peft import LoraConfig
 
     with pytest.raises(ConfigError, match="chunked_loss=True needs a plain linear output layer"):
-        SFTTrainer(tiny_model_path, args=_args(tmp_path, chunked_loss=True), train_dataset=_pc_data(2),
-                   peft_config=LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+        SFTTrainer(
+            tiny_model_path,
+            args=_args(tmp_path, chunked_loss=True),
+            train_dataset=_pc_data(2),
+            peft_config=LoraConfig(r=2, target_modules=["lm_head", "q_proj"]),
+        )
 
 
 def test_evaluation_without_eval_dataset_fails_before_training(tmp_path, tiny_model_path):

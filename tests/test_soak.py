@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _faults import flaky_reward
 
 from posttrain.trainers.checkpoints import CHECKPOINT_MARKER
@@ -52,15 +51,26 @@ def _worker(model_path: str, out_dir: str) -> None:
             print(f"STEP {state.global_step}", flush=True)
 
     data = Dataset.from_list([{"prompt": f"{i} plus {i}", "completion": f" is {2 * i}"} for i in range(32)])
-    args = SFTConfig(output_dir=out_dir, max_steps=MAX_STEPS, save_strategy="steps", save_steps=SAVE_STEPS,
-                     save_total_limit=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                     lr_scheduler_type="constant", logging_steps=1, seed=0, use_cpu=True, report_to="none",
-                     disable_tqdm=True, write_report=False)
+    args = SFTConfig(
+        output_dir=out_dir,
+        max_steps=MAX_STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        write_report=False,
+    )
     trainer = SFTTrainer(model_path, args=args, train_dataset=data, callbacks=[Steps()])
     print(f"RESUME_FROM {trainer.last_complete_checkpoint()}", flush=True)
     trainer.train(resume_from_checkpoint=True)
-    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-               os.path.join(out_dir, "final.pt"))
+    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, os.path.join(out_dir, "final.pt"))
     print("FINISHED", flush=True)
 
 
@@ -69,8 +79,13 @@ class _Run:
 
     def __init__(self, model_path: str, out_dir: Path):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-        self.proc = subprocess.Popen([sys.executable, __file__, model_path, str(out_dir)], env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, model_path, str(out_dir)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
         self.reader.start()
@@ -104,8 +119,9 @@ def straight_weights(tmp_path_factory, tiny_model_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
-def test_interrupted_again_and_again_the_run_finishes_as_if_never_interrupted(signum, tmp_path, tiny_model_path,
-                                                                                 straight_weights):
+def test_interrupted_again_and_again_the_run_finishes_as_if_never_interrupted(
+    signum, tmp_path, tiny_model_path, straight_weights
+):
     rng = random.Random(int(os.environ.get("POSTTRAIN_SOAK_SEED", "0")) + signum)
     deadline = time.monotonic() + BUDGET / 2
     interrupts, resumed_from, last_step = 0, [], 0
@@ -166,12 +182,28 @@ def test_grpo_with_failing_rewards_finishes_and_counts_every_fault(tmp_path, tin
     steps, rng, injected = max(8, int(BUDGET / 6)), random.Random(0), []
     flaky = flaky_reward(rng, injected)
 
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to="none",
-                      save_strategy="no", disable_tqdm=True, write_report=False, reward_failure_policy="skip",
-                      reward_timeout_s=0.5)
-    trainer = GRPOTrainer(tiny_model_path, flaky, args=args,
-                          train_dataset=Dataset.from_list([{"prompt": f"count {i} and {i + 1}"} for i in range(64)]))
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        logging_steps=1,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+        reward_failure_policy="skip",
+        reward_timeout_s=0.5,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        flaky,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": f"count {i} and {i + 1}"} for i in range(64)]),
+    )
     trainer.train()
     assert trainer.state.global_step == steps
     logged = [h["rewards/flaky/failures"] for h in trainer.state.log_history if "rewards/flaky/failures" in h]

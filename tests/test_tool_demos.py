@@ -39,10 +39,14 @@ def test_calculator_and_problems():
 
 
 def test_exact_answer_reward_reads_the_final_message():
-    conversation = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "content": "42"},
-                    {"role": "assistant", "content": "The answer is 1,042."}]
-    assert tools_demo.exact_answer([conversation, conversation, "it is 42", "no number"],
-                                   ["1042", "42", "42", "42"]) == [1.0, 0.0, 1.0, 0.0]
+    conversation = [
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "The answer is 1,042."},
+    ]
+    assert tools_demo.exact_answer(
+        [conversation, conversation, "it is 42", "no number"], ["1042", "42", "42", "42"]
+    ) == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_warm_up_transcripts_have_the_rollout_token_layout(tool_tokenizer):
@@ -54,20 +58,22 @@ def test_warm_up_transcripts_have_the_rollout_token_layout(tool_tokenizer):
     row = tools_demo.tokenized_transcripts(tool_tokenizer, [messages], [tools_demo.calculator])[0]
     ids, mask = row["input_ids"], row["assistant_masks"]
     schemas = tool_schemas([tools_demo.calculator])
-    prompt = tool_tokenizer.apply_chat_template(messages[:1], tools=schemas, add_generation_prompt=True,
-                                                tokenize=False)
+    prompt = tool_tokenizer.apply_chat_template(messages[:1], tools=schemas, add_generation_prompt=True, tokenize=False)
     prompt_ids = tool_tokenizer(prompt, add_special_tokens=False)["input_ids"]
     suffix = tool_suffix_ids(tool_tokenizer, [messages[2]], tools=schemas)
-    assert ids[:len(prompt_ids)] == prompt_ids and not any(mask[:len(prompt_ids)])
+    assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
     call_end = ids.index(tool_tokenizer.eos_token_id, len(prompt_ids)) + 1
-    call_ids = ids[len(prompt_ids):call_end]
-    assert ids[call_end:call_end + len(suffix)] == suffix and not any(mask[call_end:call_end + len(suffix)])
-    assert all(mask[len(prompt_ids):call_end])
-    turn = parse_tool_calls(tool_tokenizer.decode(call_ids, skip_special_tokens=True), "hermes",
-                            tools=[tools_demo.calculator])
+    call_ids = ids[len(prompt_ids) : call_end]
+    assert ids[call_end : call_end + len(suffix)] == suffix and not any(mask[call_end : call_end + len(suffix)])
+    assert all(mask[len(prompt_ids) : call_end])
+    turn = parse_tool_calls(
+        tool_tokenizer.decode(call_ids, skip_special_tokens=True), "hermes", tools=[tools_demo.calculator]
+    )
     assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": problem["expression"]})]
-    answer = tool_tokenizer.decode([t for t, m in zip(ids[call_end + len(suffix):], mask[call_end + len(suffix):])
-                                    if m], skip_special_tokens=True)
+    answer = tool_tokenizer.decode(
+        [t for t, m in zip(ids[call_end + len(suffix) :], mask[call_end + len(suffix) :]) if m],
+        skip_special_tokens=True,
+    )
     assert answer.strip() == f"The answer is {problem['answer']}."
 
 
@@ -135,10 +141,13 @@ def test_compact_tool_template_keeps_the_rollout_token_layout(tool_tokenizer):
     tokenizer = env_demo.use_compact_tool_template(tool_tokenizer)
     game = env_demo.GuessTheNumber()
     schemas = tool_schemas([game.guess])
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": env_demo.INSTRUCTION}], tools=schemas,
-                                           add_generation_prompt=True, tokenize=False)
-    assert prompt == ("<|im_start|>system\nTools:\nguess(number): Guess the secret number.<|im_end|>\n"
-                      f"<|im_start|>user\n{env_demo.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": env_demo.INSTRUCTION}], tools=schemas, add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == (
+        "<|im_start|>system\nTools:\nguess(number): Guess the secret number.<|im_end|>\n"
+        f"<|im_start|>user\n{env_demo.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     messages = env_demo.transcript(6, random.Random(3), max_guesses=3)
     row = env_demo.tokenized_transcripts(tokenizer, [messages], [game.guess])[0]
     ids, mask = row["input_ids"], row["assistant_masks"]
@@ -149,28 +158,47 @@ def test_compact_tool_template_keeps_the_rollout_token_layout(tool_tokenizer):
     for call, answer in zip(calls, [m for m in messages if m["role"] == "tool"]):
         end = ids.index(tokenizer.eos_token_id, position) + 1
         assert all(mask[position:end])
-        turn = parse_tool_calls(tokenizer.decode(ids[position:end], skip_special_tokens=True), "hermes",
-                                tools=[game.guess])
+        turn = parse_tool_calls(
+            tokenizer.decode(ids[position:end], skip_special_tokens=True), "hermes", tools=[game.guess]
+        )
         expected = call["tool_calls"][0]["function"]["arguments"]
         assert [(c.name, c.arguments) for c in turn.calls] == [("guess", expected)]
         suffix = tool_suffix_ids(tokenizer, [answer], tools=schemas)
-        assert ids[end:end + len(suffix)] == suffix and not any(mask[end:end + len(suffix)])
+        assert ids[end : end + len(suffix)] == suffix and not any(mask[end : end + len(suffix)])
         position = end + len(suffix)
-    assert tokenizer.decode([t for t, m in zip(ids[position:], mask[position:]) if m],
-                            skip_special_tokens=True).strip() == messages[-1]["content"]
+    assert (
+        tokenizer.decode([t for t, m in zip(ids[position:], mask[position:]) if m], skip_special_tokens=True).strip()
+        == messages[-1]["content"]
+    )
 
 
 def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    results = tools_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, eval_size=4,
-                             max_completion_length=24, output_dir=str(tmp_path), log=lambda *a: None)
+    results = tools_demo.run(
+        model,
+        tool_tokenizer,
+        sft_size=8,
+        sft_steps=2,
+        grpo_steps=2,
+        eval_size=4,
+        max_completion_length=24,
+        output_dir=str(tmp_path),
+        log=lambda *a: None,
+    )
     for phase in ("before", "after_sft", "after_grpo", "after_sft_sampled", "after_grpo_sampled"):
         assert set(results[phase]) == {"accuracy", "tool_call_rate"}
         assert all(0.0 <= v <= 1.0 for v in results[phase].values())
     assert set(results["grpo"]) == set(tools_demo.HISTORY_KEYS)
     assert all(len(values) == 2 for values in results["grpo"].values())
-    assert set(results["seconds"]) == {"eval_before", "sft", "eval_sft", "eval_sft_sampled", "grpo", "eval_grpo",
-                                       "eval_grpo_sampled"}
+    assert set(results["seconds"]) == {
+        "eval_before",
+        "sft",
+        "eval_sft",
+        "eval_sft_sampled",
+        "grpo",
+        "eval_grpo",
+        "eval_grpo_sampled",
+    }
     # Every episode is logged for the run report, which shows tool transcripts (the suite skips writing it).
     logged = (tmp_path / "grpo" / "completions.jsonl").read_text().splitlines()
     assert len(logged) == 2 * 8 and "Sample completions" in write_report(tmp_path / "grpo").read_text()
@@ -178,14 +206,25 @@ def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_toke
 
 def test_environment_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    results = env_demo.run(model, tool_tokenizer, sft_size=8, sft_steps=2, grpo_steps=2, before_size=2, eval_size=4,
-                           max_completion_length=24, episodes_per_step=8, output_dir=str(tmp_path),
-                           log=lambda *a: None)
+    results = env_demo.run(
+        model,
+        tool_tokenizer,
+        sft_size=8,
+        sft_steps=2,
+        grpo_steps=2,
+        before_size=2,
+        eval_size=4,
+        max_completion_length=24,
+        episodes_per_step=8,
+        output_dir=str(tmp_path),
+        log=lambda *a: None,
+    )
     for phase, size in (("before", 2), ("after_sft", 4), ("after_grpo", 4)):
         assert 0.0 <= results[phase] <= results[f"{phase}_reward"] <= 1.0  # a win scores 1, a loss at most 0.5
         assert len(results[f"{phase}_rewards"]) == size
-    assert (results["gain"], results["gain_se"]) == env_demo.paired_gain(results["after_sft_rewards"],
-                                                                          results["after_grpo_rewards"])
+    assert (results["gain"], results["gain_se"]) == env_demo.paired_gain(
+        results["after_sft_rewards"], results["after_grpo_rewards"]
+    )
     assert set(results["grpo"]) == set(env_demo.HISTORY) and all(len(v) == 2 for v in results["grpo"].values())
 
 
@@ -239,8 +278,14 @@ def test_tools_demo_on_smollm2(smollm2_path, tmp_path):
     makes calls likely without making the samples of a prompt identical, so GRPO sees groups with variance."""
     from posttrain.models import load_causal_lm, load_tokenizer
 
-    results = tools_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), grpo_steps=4, eval_size=24,
-                             output_dir=str(tmp_path), log=lambda *a: None)
+    results = tools_demo.run(
+        load_causal_lm(smollm2_path),
+        load_tokenizer(smollm2_path),
+        grpo_steps=4,
+        eval_size=24,
+        output_dir=str(tmp_path),
+        log=lambda *a: None,
+    )
     assert results["before"]["tool_call_rate"] < 0.1
     assert results["after_sft"]["tool_call_rate"] > 0.5
     assert min(results["grpo"]["frac_reward_zero_std"]) < 1.0
@@ -256,7 +301,13 @@ def test_environment_demo_on_smollm2(smollm2_path, tmp_path):
     """A reduced demo (4 GRPO steps, 16 held-out games): no call before training, games played after it."""
     from posttrain.models import load_causal_lm, load_tokenizer
 
-    results = env_demo.run(load_causal_lm(smollm2_path), load_tokenizer(smollm2_path), grpo_steps=4, eval_size=16,
-                           output_dir=str(tmp_path), log=lambda *a: None)
+    results = env_demo.run(
+        load_causal_lm(smollm2_path),
+        load_tokenizer(smollm2_path),
+        grpo_steps=4,
+        eval_size=16,
+        output_dir=str(tmp_path),
+        log=lambda *a: None,
+    )
     assert results["before_reward"] == 0.0
     assert results["after_grpo_reward"] > 0.2 and max(results["grpo"]["tools/call_frequency"]) > 1.0

@@ -61,7 +61,7 @@ class ScriptedBackend(GenerationBackend):
         out = []
         for i, prompt in enumerate(prompt_ids):
             for j in range(n):
-                ids = self.script(list(prompt), i * n + j)[:sampling.max_tokens]
+                ids = self.script(list(prompt), i * n + j)[: sampling.max_tokens]
                 out.append(Completion(i, ids, None, bool(ids) and ids[-1] == self.eos))
         return out
 
@@ -73,18 +73,36 @@ def tool_tokenizer(tiny_model_path):
 
 
 def conversations(n: int = 4) -> Dataset:
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"what is {i} plus 3"}], "answer": i + 3}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"what is {i} plus 3"}], "answer": i + 3} for i in range(n)]
+    )
 
 
 def trainer_with_script(cls, config_cls, tmp_path, tiny_model_path, tokenizer, script, **kwargs):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=256, max_steps=1, logging_steps=1, learning_rate=1e-2, seed=0,
-                    use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=256,
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     settings.update(kwargs.pop("config", {}))
     reward_funcs = kwargs.pop("reward_funcs", lambda completion_ids, **kw: [float(len(c)) for c in completion_ids])
-    trainer = cls(tiny_model_path, reward_funcs, args=config_cls(**settings), train_dataset=conversations(),
-                  processing_class=tokenizer, **kwargs)
+    trainer = cls(
+        tiny_model_path,
+        reward_funcs,
+        args=config_cls(**settings),
+        train_dataset=conversations(),
+        processing_class=tokenizer,
+        **kwargs,
+    )
     backend = ScriptedBackend(script, tokenizer.eos_token_id)
     trainer.generation_backend = backend
     if trainer.episode_source is not None:
@@ -95,8 +113,9 @@ def trainer_with_script(cls, config_cls, tmp_path, tiny_model_path, tokenizer, s
 def calculator_script(tokenizer):
     """Even episodes call add(2, 3) then answer in character-split ids; odd ones answer at once."""
     eos = tokenizer.eos_token_id
-    call = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
-                     add_special_tokens=False)["input_ids"] + [eos]
+    call = tokenizer(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', add_special_tokens=False
+    )["input_ids"] + [eos]
     answer = char_ids(tokenizer, "the sum is 5") + [eos]
     direct = tokenizer("it is 7", add_special_tokens=False)["input_ids"] + [eos]
 
@@ -104,6 +123,7 @@ def calculator_script(tokenizer):
         if tokenizer.decode(prompt).count("<tool_response>"):
             return answer
         return call if k % 2 == 0 else direct
+
     return script, call, answer, direct
 
 
@@ -115,8 +135,9 @@ def test_tool_episode_tokens_masks_and_messages(tmp_path, tiny_model_path, tool_
         seen["completions"] = completions
         return [1.0] * len(completions)
 
-    trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                           tools=[add], reward_funcs=reward)
+    trainer, backend = trainer_with_script(
+        GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script, tools=[add], reward_funcs=reward
+    )
     rows = [trainer.train_dataset[i] for i in range(2)]
     rollout = trainer.make_rollout(rows, [0, 1], 0)
     assert "add" in tool_tokenizer.decode(rows[0]["prompt_ids"])  # the prompt shows the tools
@@ -124,17 +145,17 @@ def test_tool_episode_tokens_masks_and_messages(tmp_path, tiny_model_path, tool_
     mask = rollout.model_mask[0].tolist()
     suffix_len = int(rollout.completion_mask[0].sum()) - len(call) - len(answer)
     # The sampled ids come back exactly (the answer was sampled character by character: no re-encoding).
-    assert ids[:len(call)] == call and ids[len(call) + suffix_len:len(call) + suffix_len + len(answer)] == answer
+    assert ids[: len(call)] == call and ids[len(call) + suffix_len : len(call) + suffix_len + len(answer)] == answer
     assert tool_tokenizer(tool_tokenizer.decode(answer[:-1]), add_special_tokens=False)["input_ids"] != answer[:-1]
-    suffix_text = tool_tokenizer.decode(ids[len(call):len(call) + suffix_len])
+    suffix_text = tool_tokenizer.decode(ids[len(call) : len(call) + suffix_len])
     assert "<tool_response>\n5\n</tool_response>" in suffix_text and suffix_text.endswith("<|im_start|>assistant\n")
-    assert mask[:len(call)] == [1] * len(call) and mask[len(call):len(call) + suffix_len] == [0] * suffix_len
-    assert mask[len(call) + suffix_len:len(call) + suffix_len + len(answer)] == [1] * len(answer)
+    assert mask[: len(call)] == [1] * len(call) and mask[len(call) : len(call) + suffix_len] == [0] * suffix_len
+    assert mask[len(call) + suffix_len : len(call) + suffix_len + len(answer)] == [1] * len(answer)
     assert torch.equal(rollout.loss_mask, rollout.model_mask)
     # The second turn continued from the prompt + first turn + tool turn ids.
-    assert backend.calls[1][0] == rows[0]["prompt_ids"] + ids[:len(call) + suffix_len]
+    assert backend.calls[1][0] == rows[0]["prompt_ids"] + ids[: len(call) + suffix_len]
     # A direct answer is a one-turn episode.
-    assert rollout.completion_ids[1, :len(direct)].tolist() == direct and rollout.model_mask[1].sum() == len(direct)
+    assert rollout.completion_ids[1, : len(direct)].tolist() == direct and rollout.model_mask[1].sum() == len(direct)
     assert rollout.episodes[0] == {"turns": 2, "tool_calls": 1, "tool_failures": 0}
     assert rollout.episodes[1] == {"turns": 1, "tool_calls": 0, "tool_failures": 0}
     # Reward functions get the whole conversation for a tool episode, the answer message otherwise.
@@ -152,13 +173,21 @@ def test_tool_episode_tokens_masks_and_messages(tmp_path, tiny_model_path, tool_
 
 def test_tool_transcripts_are_logged_and_marked_in_the_table_and_report(tmp_path, tiny_model_path, tool_tokenizer):
     script = calculator_script(tool_tokenizer)[0]
-    trainer, _ = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                     tools=[add], config=dict(log_completions=True))
+    trainer, _ = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        script,
+        tools=[add],
+        config=dict(log_completions=True),
+    )
     trainer.make_rollout([trainer.train_dataset[i] for i in range(2)], [0, 1], 0)
     records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert len(records) == 4 and [bool(r.get("transcript")) for r in records] == [True, False, True, False]
     lines = [
-        "[tool call: add] {\"a\": 2, \"b\": 3}",
+        '[tool call: add] {"a": 2, "b": 3}',
         "[tool result: add] 5",
         "[assistant] the sum is 5",
     ]
@@ -177,8 +206,16 @@ def test_loss_gradient_is_over_model_tokens_only(tmp_path, tiny_model_path, tool
     """The engine's gradient on a tool rollout equals a float64 reference that sums -A * log p over the model's
     tokens only, divided by their count (loss_type dapo, one update per round: ratio 1)."""
     script, *_ = calculator_script(tool_tokenizer)
-    trainer, _ = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                     tools=[add], config=dict(loss_type="dapo", beta=0.0))
+    trainer, _ = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        script,
+        tools=[add],
+        config=dict(loss_type="dapo", beta=0.0),
+    )
     rows = [trainer.train_dataset[i] for i in range(2)]
     rollout = trainer.make_rollout(rows, [0, 1], 0)
     assert rollout.advantages.abs().sum() > 0
@@ -195,9 +232,9 @@ def test_loss_gradient_is_over_model_tokens_only(tmp_path, tiny_model_path, tool
     for i in range(len(rollout)):
         prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()]
         completion = rollout.completion_ids[i][rollout.completion_mask[i].bool()]
-        logits = reference(torch.cat([prompt, completion]).unsqueeze(0)).logits[0, len(prompt) - 1:-1]
+        logits = reference(torch.cat([prompt, completion]).unsqueeze(0)).logits[0, len(prompt) - 1 : -1]
         logps = selective_log_softmax(logits, completion)
-        model_tokens = rollout.model_mask[i][:len(completion)].double()
+        model_tokens = rollout.model_mask[i][: len(completion)].double()
         total = total - (rollout.advantages[i].double() * logps * model_tokens).sum()
     (total / rollout.model_mask.sum().double()).backward()
     if engine_grad is None:  # tied embeddings: the gradient is on the input embeddings
@@ -210,8 +247,10 @@ def test_loss_gradient_is_over_model_tokens_only(tmp_path, tiny_model_path, tool
 
 def test_failing_and_unknown_tools_become_messages(tmp_path, tiny_model_path, tool_tokenizer):
     eos = tool_tokenizer.eos_token_id
-    calls = ('<tool_call>\n{"name": "broken", "arguments": {"x": 1}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    calls = (
+        '<tool_call>\n{"name": "broken", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    )
 
     def script(prompt, k):
         text = tool_tokenizer.decode(prompt)
@@ -219,8 +258,16 @@ def test_failing_and_unknown_tools_become_messages(tmp_path, tiny_model_path, to
             return tool_tokenizer("ok", add_special_tokens=False)["input_ids"] + [eos]
         return tool_tokenizer(calls, add_special_tokens=False)["input_ids"] + [eos]
 
-    trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                           tools=[add, broken], config=dict(max_completion_length=512))
+    trainer, backend = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        script,
+        tools=[add, broken],
+        config=dict(max_completion_length=512),
+    )
     rollout = trainer.make_rollout([trainer.train_dataset[0], trainer.train_dataset[1]], [0, 1], 0)
     second_turn_prompt = tool_tokenizer.decode(backend.calls[1][0])
     assert "the tool is broken" in second_turn_prompt and "nope" in second_turn_prompt
@@ -230,17 +277,32 @@ def test_failing_and_unknown_tools_become_messages(tmp_path, tiny_model_path, to
 
 def test_max_tool_calling_iterations_and_length_budget(tmp_path, tiny_model_path, tool_tokenizer):
     eos = tool_tokenizer.eos_token_id
-    call = tool_tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>',
-                          add_special_tokens=False)["input_ids"] + [eos]
-    trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer,
-                                           lambda prompt, k: call, tools=[add],
-                                           config=dict(max_tool_calling_iterations=2, max_completion_length=200))
+    call = tool_tokenizer(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>', add_special_tokens=False
+    )["input_ids"] + [eos]
+    trainer, backend = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        lambda prompt, k: call,
+        tools=[add],
+        config=dict(max_tool_calling_iterations=2, max_completion_length=200),
+    )
     rollout = trainer.make_rollout([trainer.train_dataset[0], trainer.train_dataset[1]], [0, 1], 0)
     assert len(backend.calls) == 3 and rollout.episodes[0]["turns"] == 3 and rollout.episodes[0]["tool_calls"] == 2
     # A budget too small for the next tool turn ends the episode as it was (TRL's rule).
-    trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path / "b", tiny_model_path, tool_tokenizer,
-                                           lambda prompt, k: call, tools=[add],
-                                           config=dict(max_completion_length=len(call) + 3))
+    trainer, backend = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path / "b",
+        tiny_model_path,
+        tool_tokenizer,
+        lambda prompt, k: call,
+        tools=[add],
+        config=dict(max_completion_length=len(call) + 3),
+    )
     rollout = trainer.make_rollout([trainer.train_dataset[0], trainer.train_dataset[1]], [0, 1], 0)
     assert len(backend.calls) == 1 and rollout.completion_ids.shape[1] == len(call)
     assert rollout.episodes[0]["turns"] == 1
@@ -273,11 +335,20 @@ def test_environment_factory_tools_observation_and_reward(tmp_path, tiny_model_p
         text = tool_tokenizer.decode(prompt)
         if "<tool_response>" in text:
             return tool_tokenizer("done", add_special_tokens=False)["input_ids"] + [eos]
-        return tool_tokenizer('<tool_call>\n{"name": "guess", "arguments": {"number": 4}}\n</tool_call>',
-                              add_special_tokens=False)["input_ids"] + [eos]
+        return tool_tokenizer(
+            '<tool_call>\n{"name": "guess", "arguments": {"number": 4}}\n</tool_call>', add_special_tokens=False
+        )["input_ids"] + [eos]
 
-    trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                           reward_funcs=None, environment_factory=GuessEnv)
+    trainer, backend = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        script,
+        reward_funcs=None,
+        environment_factory=GuessEnv,
+    )
     rows = [trainer.train_dataset[i] for i in range(2)]  # answers 3 and 4
     rollout = trainer.make_rollout(rows, [0, 1], 0)
     first_prompt = tool_tokenizer.decode(backend.calls[0][0])
@@ -293,15 +364,27 @@ def test_rollout_func_contract(tmp_path, tiny_model_path, tool_tokenizer):
 
     def rollout_func(prompts, trainer):
         received["prompts"] = prompts
-        return {"prompt_ids": [[5, 6, 7]] * len(prompts), "completion_ids": [[8, 9, eos]] * len(prompts),
-                "logprobs": [[-0.5, -0.25, -1.0]] * len(prompts), "env_mask": [[1, 0, 1]] * len(prompts),
-                "tag": list(range(len(prompts)))}
+        return {
+            "prompt_ids": [[5, 6, 7]] * len(prompts),
+            "completion_ids": [[8, 9, eos]] * len(prompts),
+            "logprobs": [[-0.5, -0.25, -1.0]] * len(prompts),
+            "env_mask": [[1, 0, 1]] * len(prompts),
+            "tag": list(range(len(prompts))),
+        }
 
     def reward(tag, **kwargs):
         return [float(t) for t in tag]
 
-    trainer, _ = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path, tiny_model_path, tool_tokenizer,
-                                     None, rollout_func=rollout_func, reward_funcs=reward)
+    trainer, _ = trainer_with_script(
+        GRPOTrainer,
+        GRPOConfig,
+        tmp_path,
+        tiny_model_path,
+        tool_tokenizer,
+        None,
+        rollout_func=rollout_func,
+        reward_funcs=reward,
+    )
     rows = [trainer.train_dataset[i] for i in range(2)]
     rollout = trainer.make_rollout(rows, [0, 1], 0)
     assert received["prompts"] == [rows[0]["prompt"]] * 2 + [rows[1]["prompt"]] * 2
@@ -313,18 +396,29 @@ def test_rollout_func_contract(tmp_path, tiny_model_path, tool_tokenizer):
     def bad(prompts, trainer):
         return {"prompt_ids": [[1]] * len(prompts)}
 
-    trainer, _ = trainer_with_script(GRPOTrainer, GRPOConfig, tmp_path / "b", tiny_model_path, tool_tokenizer,
-                                     None, rollout_func=bad)
+    trainer, _ = trainer_with_script(
+        GRPOTrainer, GRPOConfig, tmp_path / "b", tiny_model_path, tool_tokenizer, None, rollout_func=bad
+    )
     with pytest.raises(DataError, match="completion_ids"):
         trainer.make_rollout(rows, [0, 1], 0)
 
 
 def test_template_that_cannot_render_tools_is_refused(tmp_path, tiny_model_path, tokenizer):
     with pytest.raises(ConfigError, match="tool"):
-        GRPOTrainer(tiny_model_path, lambda completions, **kw: [0.0] * len(completions),
-                    args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                                    use_cpu=True, report_to="none"),
-                    train_dataset=conversations(), processing_class=copy.deepcopy(tokenizer), tools=[add])
+        GRPOTrainer(
+            tiny_model_path,
+            lambda completions, **kw: [0.0] * len(completions),
+            args=GRPOConfig(
+                output_dir=str(tmp_path),
+                per_device_train_batch_size=4,
+                num_generations=2,
+                use_cpu=True,
+                report_to="none",
+            ),
+            train_dataset=conversations(),
+            processing_class=copy.deepcopy(tokenizer),
+            tools=[add],
+        )
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo", "ppo"])
@@ -332,12 +426,14 @@ def test_each_method_trains_on_tool_episodes(method, tmp_path, tiny_model_path, 
     script, *_ = calculator_script(tool_tokenizer)
     if method == "ppo":
         from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
         cls, config_cls, config = PPOTrainer, PPOConfig, dict(num_ppo_epochs=1, num_mini_batches=1)
     else:
         cls, config_cls = (GRPOTrainer, GRPOConfig) if method == "grpo" else (RLOOTrainer, RLOOConfig)
         config = dict(beta=0.04)
-    trainer, backend = trainer_with_script(cls, config_cls, tmp_path, tiny_model_path, tool_tokenizer, script,
-                                           tools=[add], config=config)
+    trainer, backend = trainer_with_script(
+        cls, config_cls, tmp_path, tiny_model_path, tool_tokenizer, script, tools=[add], config=config
+    )
     before = {k: v.clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
     assert len(backend.calls) >= 2  # a tool turn was sampled
@@ -356,12 +452,17 @@ def test_sft_renders_each_rows_tools_like_trl(tmp_path, tiny_model_path, tool_to
 
     schemas = tool_schemas([add])
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
-    messages = [{"role": "user", "content": "2 plus 3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "5"}]
+    messages = [
+        {"role": "user", "content": "2 plus 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
     rows = [{"messages": messages, "tools": json.dumps(schemas)}, {"messages": messages, "tools": None}]
     args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none", save_strategy="no")
-    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tool_tokenizer)
+    trainer = SFTTrainer(
+        tiny_model_path, args=args, train_dataset=Dataset.from_list(rows), processing_class=tool_tokenizer
+    )
     with_tools, without = (tool_tokenizer.decode(trainer.train_dataset[i]["input_ids"]) for i in range(2))
     assert with_tools == tool_tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
     assert "<tools>" in with_tools and "<tools>" not in without
@@ -380,8 +481,17 @@ def test_resume_inside_a_round_of_tool_episodes_is_exact(tmp_path, tiny_model_pa
     config = dict(steps_per_generation=2, max_steps=2, save_strategy="steps", save_steps=1, beta=0.0)
 
     def make(out, callbacks=None):
-        trainer, backend = trainer_with_script(GRPOTrainer, GRPOConfig, out, tiny_model_path, tool_tokenizer, script,
-                                               tools=[add], config=config, callbacks=callbacks)
+        trainer, backend = trainer_with_script(
+            GRPOTrainer,
+            GRPOConfig,
+            out,
+            tiny_model_path,
+            tool_tokenizer,
+            script,
+            tools=[add],
+            config=config,
+            callbacks=callbacks,
+        )
         return trainer, backend
 
     straight, _ = make(tmp_path / "straight")

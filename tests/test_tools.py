@@ -10,10 +10,23 @@ import pytest
 from posttrain import chat_template_utils as ctu
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.builtin import SMOLLM2_CHAT_TEMPLATE
-from posttrain.tools import (CHATML_TOOL_TEMPLATE, EnvironmentPool, ParsedTurn, ParseError, ToolCall, ToolExecutor,
-                             ToolStats, check_template_renders_tools, chatml_tool_template, parse_tool_calls,
-                             prompt_with_observation, register_parser, result_text, tool_schema,
-                             use_chatml_tool_template)
+from posttrain.tools import (
+    CHATML_TOOL_TEMPLATE,
+    EnvironmentPool,
+    ParsedTurn,
+    ParseError,
+    ToolCall,
+    ToolExecutor,
+    ToolStats,
+    chatml_tool_template,
+    check_template_renders_tools,
+    parse_tool_calls,
+    prompt_with_observation,
+    register_parser,
+    result_text,
+    tool_schema,
+    use_chatml_tool_template,
+)
 from posttrain.tools.executor import TRUNCATION_MARKER
 
 
@@ -27,7 +40,7 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def scale(x: float, unit: Optional[str] = None) -> str:
+def scale(x: float, unit: str | None = None) -> str:
     """Scales a number.
 
     Args:
@@ -38,6 +51,7 @@ def scale(x: float, unit: Optional[str] = None) -> str:
 
 
 # -- schema ------------------------------------------------------------------------------------------------------
+
 
 def test_schema_comes_from_the_signature_and_docstring():
     schema = tool_schema(add)["function"]
@@ -66,8 +80,9 @@ def undocumented_arg(a: int, b: int) -> int:
     """
 
 
-@pytest.mark.parametrize("tool, words", [(no_doc, "no docstring"), (no_hint, "missing a type hint"),
-                                         (undocumented_arg, "'b'")])
+@pytest.mark.parametrize(
+    "tool, words", [(no_doc, "no docstring"), (no_hint, "missing a type hint"), (undocumented_arg, "'b'")]
+)
 def test_schema_errors_name_the_function_and_the_fix(tool, words):
     with pytest.raises(ConfigError, match=tool.__name__) as error:
         tool_schema(tool)
@@ -82,6 +97,7 @@ def test_schema_refuses_callables_templates_cannot_describe():
 
 
 # -- template check and the ChatML tool template ------------------------------------------------------------------
+
 
 @pytest.fixture()
 def chatml():
@@ -101,8 +117,10 @@ def test_template_check_refuses_smollm2_template(chatml):
 
 
 def test_template_check_refuses_a_template_that_fails_on_tools(chatml):
-    chatml.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
-                            "{% endif %}{{ m['content'] }}{% endfor %}")
+    chatml.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     with pytest.raises(ConfigError, match="cannot render a tool-calling conversation"):
         check_template_renders_tools(chatml, [add])
     chatml.chat_template = None
@@ -121,14 +139,20 @@ def test_chatml_tool_template_renders_like_smollm2_without_tools(chatml):
     chatml.chat_template = CHATML_TOOL_TEMPLATE
     conversations = [
         [{"role": "user", "content": "Hi"}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
     ]
     for messages in conversations:
         for generation_prompt in (True, False):
-            assert (chatml.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-                    == chatml.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  chat_template=SMOLLM2_CHAT_TEMPLATE))
+            assert chatml.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            ) == chatml.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=SMOLLM2_CHAT_TEMPLATE
+            )
 
 
 def test_chatml_tool_template_round_trips_through_the_parser_and_trl_helpers(chatml):
@@ -136,12 +160,17 @@ def test_chatml_tool_template_round_trips_through_the_parser_and_trl_helpers(cha
     assert chatml.response_template is ctu.HERMES_RESPONSE_TEMPLATE
     assert ctu.supports_tool_calling(chatml) and ctu.is_chat_template_prefix_preserving(chatml)
     assert ctu.get_training_chat_template(chatml) is None  # already has {% generation %} and preserves prefixes
-    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
-             {"type": "function", "function": {"name": "scale", "arguments": {"x": 1.5}}}]
-    messages = [{"role": "user", "content": "2+3?"},
-                {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
-                {"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "scale", "content": "3.0"},
-                {"role": "assistant", "content": "5"}]
+    calls = [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"type": "function", "function": {"name": "scale", "arguments": {"x": 1.5}}},
+    ]
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "tool", "name": "scale", "content": "3.0"},
+        {"role": "assistant", "content": "5"},
+    ]
     text = chatml.apply_chat_template(messages, tools=[add, scale], tokenize=False)
     assert '"name": "add"' in text.split("<|im_start|>user")[0]  # the tool list is in the system turn
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
@@ -159,16 +188,20 @@ def test_chatml_tool_template_round_trips_through_the_parser_and_trl_helpers(cha
 
 
 def test_chatml_tool_template_default_system_is_configurable(chatml):
-    text = chatml.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                      chat_template=chatml_tool_template(None))
+    text = chatml.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=False, chat_template=chatml_tool_template(None)
+    )
     assert text == "<|im_start|>user\nx<|im_end|>\n"
 
 
 # -- parsers -----------------------------------------------------------------------------------------------------
 
+
 def test_hermes_parses_several_calls_and_the_text_around_them():
-    text = ('First. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>{"name": "scale", "arguments": "{\\"x\\": 3}"}</tool_call> done')
+    text = (
+        'First. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "scale", "arguments": "{\\"x\\": 3}"}</tool_call> done'
+    )
     parsed = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 1, "b": 2}), ("scale", {"x": 3})]
     assert parsed.calls[0].raw == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -176,10 +209,12 @@ def test_hermes_parses_several_calls_and_the_text_around_them():
 
 
 def test_hermes_reports_invalid_partial_and_nameless_calls_as_errors():
-    text = ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>'
-            '<tool_call>{"arguments": {}}</tool_call>'
-            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-            '<tool_call>{"name": "add", "argu')
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "add", "argu'
+    )
     parsed = parse_tool_calls(text)
     kinds = [a.kind if isinstance(a, ParseError) else a.name for a in parsed.attempts]
     assert kinds == ["invalid_json", "bad_format", "add", "partial"]
@@ -192,9 +227,11 @@ def test_plain_text_has_no_calls():
 
 
 def test_unknown_tools_are_errors_and_string_arguments_are_cast_with_the_schemas():
-    text = ('<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3.0"}}</tool_call>'
-            '<tool_call>{"name": "scale", "arguments": {"x": "1.5", "unit": "7"}}</tool_call>'
-            '<tool_call>{"name": "mul", "arguments": {}}</tool_call>')
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3.0"}}</tool_call>'
+        '<tool_call>{"name": "scale", "arguments": {"x": "1.5", "unit": "7"}}</tool_call>'
+        '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+    )
     parsed = parse_tool_calls(text, tools=[add, scale])
     a, s, unknown = parsed.attempts
     assert a.arguments == {"a": 2, "b": 3} and type(a.arguments["b"]) is int
@@ -203,14 +240,17 @@ def test_unknown_tools_are_errors_and_string_arguments_are_cast_with_the_schemas
 
 
 def test_llama3_json_calls_with_and_without_python_tag():
-    parsed = parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
-                              '{"name": "scale", "arguments": {"x": 2}}', parser="llama3")
+    parsed = parse_tool_calls(
+        '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "scale", "arguments": {"x": 2}}',
+        parser="llama3",
+    )
     assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 1, "b": 2}), ("scale", {"x": 2})]
     assert parsed.content == ""
     parsed = parse_tool_calls('Sure. {"name": "add", "parameters": {"a": 1, "b"', parser="llama3")
     assert parsed.content == "Sure." and [e.kind for e in parsed.errors] == ["partial"]
-    parsed = parse_tool_calls('{"name": "add", "parameters": {"a": 1,, "b": 2}} {"name": "add", "parameters": {}}',
-                              parser="llama3")
+    parsed = parse_tool_calls(
+        '{"name": "add", "parameters": {"a": 1,, "b": 2}} {"name": "add", "parameters": {}}', parser="llama3"
+    )
     assert [type(a).__name__ for a in parsed.attempts] == ["ParseError", "ToolCall"]
     assert parsed.attempts[0].kind == "invalid_json"
 
@@ -221,8 +261,9 @@ def test_pluggable_parsers_by_callable_and_by_registered_name():
         return [{"name": name, "arguments": {k: v for k, v in (p.split("=") for p in pairs)}}]
 
     parsed = parse_tool_calls("[add a=1 b=2]", parser=bracket, tools=[add])
-    assert parsed.calls == [ToolCall("add", {"a": 1, "b": 2}, json.dumps(
-        {"name": "add", "arguments": {"a": "1", "b": "2"}}))]
+    assert parsed.calls == [
+        ToolCall("add", {"a": 1, "b": 2}, json.dumps({"name": "add", "arguments": {"a": "1", "b": "2"}}))
+    ]
     register_parser("bracket", bracket)
     assert parse_tool_calls("[add a=1 b=2]", parser="bracket").calls[0].arguments == {"a": "1", "b": "2"}
     failing = parse_tool_calls("no brackets", parser=lambda text: 1 / 0)
@@ -232,6 +273,7 @@ def test_pluggable_parsers_by_callable_and_by_registered_name():
 
 
 # -- executor ----------------------------------------------------------------------------------------------------
+
 
 def boom(x: int) -> int:
     """Raises.
@@ -308,18 +350,24 @@ def test_timeouts_return_control_and_tell_the_model(tool):
 def test_async_tools_run_concurrently_and_keep_the_call_order():
     executor = ToolExecutor([aslow, aboom, add], timeout=5)
     started = time.perf_counter()
-    results = run(executor, call("aslow", seconds=0.3) + call("add", a=1, b=2) + call("aboom", x=1)
-                  + call("aslow", seconds=0.3))
+    results = run(
+        executor, call("aslow", seconds=0.3) + call("add", a=1, b=2) + call("aboom", x=1) + call("aslow", seconds=0.3)
+    )
     assert time.perf_counter() - started < 0.55  # the two 0.3 s sleeps overlap
     assert [(r.name, r.status, r.content) for r in results] == [
-        ("aslow", "ok", "woke"), ("add", "ok", "3"), ("aboom", "failed", '{"error": "ValueError: async failure"}'),
-        ("aslow", "ok", "woke")]
+        ("aslow", "ok", "woke"),
+        ("add", "ok", "3"),
+        ("aboom", "failed", '{"error": "ValueError: async failure"}'),
+        ("aslow", "ok", "woke"),
+    ]
 
 
 def test_non_text_results_become_text_and_long_ones_are_cut():
     executor = ToolExecutor([structured], max_result_chars=10)
-    contents = [r.content for r in run(executor, "".join(call("structured", kind=k)
-                                                         for k in ("dict", "list", "set", "none", "long")))]
+    contents = [
+        r.content
+        for r in run(executor, "".join(call("structured", kind=k) for k in ("dict", "list", "set", "none", "long")))
+    ]
     assert contents[1:4] == ['[1, "x"]', "{3}", "None"]  # JSON for lists / dicts, repr otherwise
     assert contents[0] == '{"b": [1, ' + TRUNCATION_MARKER.format(n=len('{"b": [1, 2], "a": "é"}') - 10)
     assert contents[4] == "x" * 10 + TRUNCATION_MARKER.format(n=40)
@@ -328,13 +376,16 @@ def test_non_text_results_become_text_and_long_ones_are_cut():
     assert result_text(blocks) is blocks  # multimodal content blocks pass through, as in TRL
 
 
-@pytest.mark.parametrize("arguments, problem", [
-    ({"a": 1}, "missing a required argument: 'b'"),
-    ({"a": 1, "b": 2, "c": 3}, "unexpected keyword argument 'c'"),
-    ({"a": "one", "b": 2}, "'a' must be integer"),
-    ({"a": True, "b": 2}, "'a' must be integer"),
-    ({"a": 1.5, "b": 2}, "'a' must be integer"),
-])
+@pytest.mark.parametrize(
+    "arguments, problem",
+    [
+        ({"a": 1}, "missing a required argument: 'b'"),
+        ({"a": 1, "b": 2, "c": 3}, "unexpected keyword argument 'c'"),
+        ({"a": "one", "b": 2}, "'a' must be integer"),
+        ({"a": True, "b": 2}, "'a' must be integer"),
+        ({"a": 1.5, "b": 2}, "'a' must be integer"),
+    ],
+)
 def test_bad_arguments_are_refused_before_the_call(arguments, problem):
     calls = []
 
@@ -356,7 +407,7 @@ def test_bad_arguments_are_refused_before_the_call(arguments, problem):
 def test_optional_and_enum_arguments_are_checked_against_the_schema():
     from typing import Literal
 
-    def pick(color: Literal["red", "blue"], weight: Optional[float] = None) -> str:
+    def pick(color: Literal["red", "blue"], weight: float | None = None) -> str:
         """Picks.
 
         Args:
@@ -366,16 +417,25 @@ def test_optional_and_enum_arguments_are_checked_against_the_schema():
         return color
 
     executor = ToolExecutor([pick])
-    statuses = [r.status for r in executor.run([ToolCall("pick", {"color": "red", "weight": None}),
-                                                ToolCall("pick", {"color": "red", "weight": 2}),
-                                                ToolCall("pick", {"color": "green"})])]
+    statuses = [
+        r.status
+        for r in executor.run(
+            [
+                ToolCall("pick", {"color": "red", "weight": None}),
+                ToolCall("pick", {"color": "red", "weight": 2}),
+                ToolCall("pick", {"color": "green"}),
+            ]
+        )
+    ]
     assert statuses == ["ok", "ok", "failed"]
 
 
 def test_unknown_tools_and_unreadable_calls_become_messages_and_trl_counts():
     executor = ToolExecutor([add, boom])
-    turn = parse_tool_calls(call("add", a=1, b=2) + call("mul", a=1) + call("boom", x=0) + "<tool_call>{oops}"
-                            "</tool_call>", tools=[add, boom])
+    turn = parse_tool_calls(
+        call("add", a=1, b=2) + call("mul", a=1) + call("boom", x=0) + "<tool_call>{oops}</tool_call>",
+        tools=[add, boom],
+    )
     results = executor.run(turn)
     assert [r.status for r in results] == ["ok", "failed", "failed", "parse_error"]
     assert "no tool named 'mul'" in results[1].content and "not valid JSON" in results[3].content
@@ -385,8 +445,11 @@ def test_unknown_tools_and_unreadable_calls_become_messages_and_trl_counts():
     stats = ToolStats.of(results) + ToolStats.of([unchecked])
     assert (stats.calls, stats.failures, stats.parse_errors) == (4, 3, 1)
     # TRL: calls / rollouts, failures / calls (0 without calls)
-    assert stats.metrics(num_rollouts=8) == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.75,
-                                             "tools/parse_error_frequency": 0.125}
+    assert stats.metrics(num_rollouts=8) == {
+        "tools/call_frequency": 0.5,
+        "tools/failure_frequency": 0.75,
+        "tools/parse_error_frequency": 0.125,
+    }
     assert ToolStats().metrics(4)["tools/failure_frequency"] == 0.0
 
 
@@ -398,6 +461,7 @@ def test_executor_settings_are_checked():
 
 
 # -- environments ------------------------------------------------------------------------------------------------
+
 
 class GuessEnv:
     """Guess-the-number: the target comes from the row; each guess gets higher / lower / correct."""
@@ -460,8 +524,10 @@ def test_environment_pool_exposes_bound_public_methods_and_isolates_rollouts():
     assert GuessEnv.built == 3 and len({id(e.environment) for e in episodes}) == 3
     assert [t.__name__ for t in episodes[0].tools] == ["add", "guess"]
     executors = [ToolExecutor(e.tools) for e in episodes]
-    outcomes = [[r.content for r in ex.run(parse_tool_calls(call("guess", number=n), tools=e.tools))]
-                for ex, e, n in zip(executors, episodes, (50, 30, 70))]
+    outcomes = [
+        [r.content for r in ex.run(parse_tool_calls(call("guess", number=n), tools=e.tools))]
+        for ex, e, n in zip(executors, episodes, (50, 30, 70))
+    ]
     assert outcomes == [["lower"], ["correct"], ["correct"]]
     assert [pool.is_done(e) for e in episodes] == [False, False, False]  # TRL has no done signal by default
     assert [done_pool.is_done(e) for e in episodes] == [False, True, True]
@@ -523,36 +589,48 @@ def test_environment_errors_before_training():
 
 # -- token-level: the tool turn's ids ----------------------------------------------------------------------------
 
+
 def test_tool_suffix_is_exactly_what_the_template_puts_between_two_assistant_turns(chatml):
     from posttrain.tools import tool_suffix_ids
 
     use_chatml_tool_template(chatml)
     results = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "7"}]
     suffix = tool_suffix_ids(chatml, results)
-    assert chatml.decode(suffix) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n"
-                                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert chatml.decode(suffix) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     # prompt ids + the model's ids (as sampled) + suffix == the ids of the whole conversation, token for token
     prompt = [{"role": "user", "content": "2+3 and 3+4?"}]
-    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
-             for a, b in ((2, 3), (3, 4))]
+    calls = [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}} for a, b in ((2, 3), (3, 4))
+    ]
     prompt_ids = chatml.apply_chat_template(prompt, tools=[add], add_generation_prompt=True, return_dict=False)
-    sampled = chatml.encode("\n".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls)
-                            + "<|im_end|>")
-    whole = chatml.apply_chat_template(prompt + [{"role": "assistant", "content": "", "tool_calls": calls}] + results,
-                                       tools=[add], add_generation_prompt=True, return_dict=False)
+    sampled = chatml.encode(
+        "\n".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls) + "<|im_end|>"
+    )
+    whole = chatml.apply_chat_template(
+        prompt + [{"role": "assistant", "content": "", "tool_calls": calls}] + results,
+        tools=[add],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     assert prompt_ids + sampled + suffix == whole
 
 
 def test_tool_suffix_refuses_templates_that_rewrite_earlier_turns(chatml):
     from posttrain.tools import tool_suffix_ids
 
-    chatml.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
-                            "{% if loop.last %}<|im_end|>{% else %}|{% endif %}{% endfor %}")
+    chatml.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+        "{% if loop.last %}<|im_end|>{% else %}|{% endif %}{% endfor %}"
+    )
     with pytest.raises(ConfigError, match="prefix-preserving"):
         tool_suffix_ids(chatml, [{"role": "tool", "name": "add", "content": "5"}])
 
 
 # -- side by side with TRL 1.16 ----------------------------------------------------------------------------------
+
 
 def test_trl_accepts_the_chatml_tool_template_and_reads_and_appends_tool_turns_the_same(chatml):
     import sys
@@ -571,16 +649,18 @@ def test_trl_accepts_the_chatml_tool_template_and_reads_and_appends_tool_turns_t
     assert trl_ctu.supports_tool_calling(chatml) is False  # TRL refuses SmolLM2's own template too
     use_chatml_tool_template(chatml)
     assert trl_ctu.supports_tool_calling(chatml) and trl_ctu.is_chat_template_prefix_preserving(chatml)
-    prompt_ids = chatml.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=[add, scale],
-                                            add_generation_prompt=True, return_dict=False)
-    text = 'Sure.\n' + call("add", a="2", b=3) + "\n" + call("scale", x=1.5) + "<|im_end|>"
+    prompt_ids = chatml.apply_chat_template(
+        [{"role": "user", "content": "2+3?"}], tools=[add, scale], add_generation_prompt=True, return_dict=False
+    )
+    text = "Sure.\n" + call("add", a="2", b=3) + "\n" + call("scale", x=1.5) + "<|im_end|>"
     trl_parsed = trl_ctu.parse_response(chatml, chatml.encode(text), prefix=prompt_ids, tools=[add, scale])
     ours = parse_tool_calls(text.removesuffix("<|im_end|>"), tools=[add, scale])
     assert trl_parsed["tool_calls"] == [c.as_message_call() for c in ours.calls]
     assert trl_parsed["content"] == ours.content
     # TRL's tool-turn ids (GRPOTrainer._get_tool_suffix_ids) equal posttrain's
-    fake = types.SimpleNamespace(processing_class=chatml, _tokenizer=chatml, _is_vlm=False, chat_template=None,
-                                 chat_template_kwargs={})
+    fake = types.SimpleNamespace(
+        processing_class=chatml, _tokenizer=chatml, _is_vlm=False, chat_template=None, chat_template_kwargs={}
+    )
     messages = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "scale", "content": "3.0"}]
     assert GRPOTrainer._get_tool_suffix_ids(fake, messages) == tool_suffix_ids(chatml, messages)
 
@@ -594,7 +674,10 @@ def test_builtin_smollm2_tokenizer_is_refused_until_given_the_chatml_tool_templa
         check_template_renders_tools(tokenizer, [add])
     use_chatml_tool_template(tokenizer)
     check_template_renders_tools(tokenizer, [add])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )

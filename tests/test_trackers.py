@@ -23,9 +23,20 @@ PER_STEP = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entrop
 
 def _train(tmp_path, tiny_model_path, report_to, **extra):
     rows = [{"prompt": f"{i} plus 1 is", "completion": f" {i + 1}"} for i in range(12)]
-    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=STEPS,
-                     logging_steps=1, save_strategy="no", report_to=report_to, use_cpu=True, max_length=32,
-                     disable_tqdm=True, learning_rate=1e-3, write_report=False, **extra)
+    args = SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=report_to,
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        write_report=False,
+        **extra,
+    )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows))
     trainer.train()
     logged = {key: [(row["step"], row[key]) for row in trainer.state.log_history if key in row] for key in PER_STEP}
@@ -34,8 +45,9 @@ def _train(tmp_path, tiny_model_path, report_to, **extra):
 
 
 def _requires(module):
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
-                              reason=f"{module} is not installed (pip install -e '.[dev]')")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None, reason=f"{module} is not installed (pip install -e '.[dev]')"
+    )
 
 
 @_requires("tensorboard")
@@ -81,8 +93,8 @@ def _wandb_records(path):
         if block - position % block < 7:  # block trailer too short for a header: padding
             position += block - position % block
             continue
-        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
-        pending += data[position + 7:position + 7 + length]
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -93,8 +105,13 @@ def _wandb_records(path):
 
 @_requires("wandb")
 def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, tiny_model_path, monkeypatch):
-    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
-                        "WANDB_PROJECT": "posttrain-test", "WANDB_DISABLE_GIT": "true"}.items():
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+        "WANDB_PROJECT": "posttrain-test",
+        "WANDB_DISABLE_GIT": "true",
+    }.items():
         monkeypatch.setenv(name, value)
     logged = _train(tmp_path, tiny_model_path, "wandb")
     import wandb
@@ -104,8 +121,11 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, tiny_model_path, m
     # wandb's service process writes the file; finish() can return before the last history records are on disk.
     deadline = time.monotonic() + 30
     while True:
-        history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                   for record in _wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
+        history = [
+            {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in _wandb_records(run_file)
+            if record.WhichOneof("record_type") == "history"
+        ]
         if sum("train/loss" in row for row in history) >= len(logged["loss"]) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -135,8 +155,7 @@ def test_trackio_sqlite_holds_the_logged_metrics(tmp_path, tiny_model_path, monk
 def test_a_named_tracker_that_is_missing_names_the_extra(tmp_path, monkeypatch, tracker):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
     with pytest.raises(ConfigError, match=rf"pip install 'posttrain\[{tracker}\]'"):
-        SFTConfig(output_dir=str(tmp_path), report_to=tracker,
-                  use_cpu=True)
+        SFTConfig(output_dir=str(tmp_path), report_to=tracker, use_cpu=True)
 
 
 def _grpo_with_completions(tmp_path, tiny_model_path, report_to):
@@ -148,12 +167,27 @@ def _grpo_with_completions(tmp_path, tiny_model_path, report_to):
     def has_the(completions, **kwargs):
         return [float(" the" in c) for c in completions]
 
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no", report_to=report_to,
-                      use_cpu=True, disable_tqdm=True, log_completions=True, num_completions_to_print=2,
-                      write_report=False)
-    trainer = GRPOTrainer(tiny_model_path, [short, has_the], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": f"count {i}"} for i in range(8)]))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=report_to,
+        use_cpu=True,
+        disable_tqdm=True,
+        log_completions=True,
+        num_completions_to_print=2,
+        write_report=False,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        [short, has_the],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": f"count {i}"} for i in range(8)]),
+    )
     trainer.train()
     return trainer
 

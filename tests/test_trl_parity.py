@@ -83,7 +83,8 @@ def test_every_difference_from_trl_is_explained():
     patterns = documented_differences()
     unexplained = {k: v for k, v in surface_gaps().items() if not _explained(k, patterns)}
     assert not unexplained, "Differences from TRL 1.16 not explained in docs/trl_parity.md:\n" + "\n".join(
-        f"  {k}: {v}" for k, v in sorted(unexplained.items()))
+        f"  {k}: {v}" for k, v in sorted(unexplained.items())
+    )
 
 
 def test_no_stale_explanations():
@@ -92,8 +93,10 @@ def test_no_stale_explanations():
     assert not stale, f"docs/trl_parity.md explains differences that no longer exist: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("config", sorted(c for c in SURFACE["configs"] if c.endswith("Config") and
-                                         c not in ("ModelConfig", "DatasetMixtureConfig")))
+@pytest.mark.parametrize(
+    "config",
+    sorted(c for c in SURFACE["configs"] if c.endswith("Config") and c not in ("ModelConfig", "DatasetMixtureConfig")),
+)
 def test_configs_build_with_trl_defaults_on_cpu(config, tmp_path):
     """Every config builds with its defaults alone; TRL's bf16 and gradient checkpointing resolve to on with an
     accelerator and off on a CPU (docs/trl_parity.md)."""

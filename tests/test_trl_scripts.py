@@ -21,19 +21,33 @@ import yaml
 
 SCRIPTS = ("sft", "dpo", "kto", "reward", "grpo", "rloo", "distillation")
 TIMEOUT_S = 240
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
 
 # `from trl import X`, `from trl.rewards import Y`, `import trl` -> posttrain.
 TRL_IMPORT = re.compile(r"^(\s*)(from|import)\s+trl\b", flags=re.MULTILINE)
 
-SFT_ROWS = [{"prompt": f"{i % 5} plus {(i * 3) % 5} equals", "completion": f" {i % 5 + (i * 3) % 5}"}
-            for i in range(12)]
-PREFERENCE_ROWS = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"}
-                   for i in range(12)]
+SFT_ROWS = [
+    {"prompt": f"{i % 5} plus {(i * 3) % 5} equals", "completion": f" {i % 5 + (i * 3) % 5}"} for i in range(12)
+]
+PREFERENCE_ROWS = [
+    {"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(12)
+]
 PROMPT_ROWS = [{"prompt": f"say {i}"} for i in range(12)]
-DATA = {"sft": SFT_ROWS, "dpo": PREFERENCE_ROWS, "kto": PREFERENCE_ROWS, "reward": PREFERENCE_ROWS,
-        "grpo": PROMPT_ROWS, "rloo": PROMPT_ROWS, "distillation": PROMPT_ROWS}
+DATA = {
+    "sft": SFT_ROWS,
+    "dpo": PREFERENCE_ROWS,
+    "kto": PREFERENCE_ROWS,
+    "reward": PREFERENCE_ROWS,
+    "grpo": PROMPT_ROWS,
+    "rloo": PROMPT_ROWS,
+    "distillation": PROMPT_ROWS,
+}
 # Per script: extra YAML settings; the flags below override the YAML's max_steps (5 -> 2).
 # The online scripts import the reward by its dotted path from the working directory (TRL's script puts it on
 # sys.path); the reward varies with the completion's length, so the advantages are not all zero.
@@ -78,15 +92,33 @@ def runs(tmp_path_factory, tiny_model_path):
         script.write_text(trl_script_source(name))
         # A dataset directory: datasets.load_dataset(dir) finds its train split by the file name, as on the Hub.
         _write_jsonl(root / f"data_{name}" / "train.jsonl", DATA[name])
-        config = {"model_name_or_path": tiny_model_path, "dataset_name": str(root / f"data_{name}"),
-                  "max_steps": 5, "learning_rate": 1e-2, "per_device_train_batch_size": 4, "logging_steps": 1,
-                  "save_strategy": "no", "report_to": "none", "seed": 0, "disable_tqdm": True,
-                  "env": {"POSTTRAIN_TEST_MARKER": name}, **EXTRA.get(name, {})}
+        config = {
+            "model_name_or_path": tiny_model_path,
+            "dataset_name": str(root / f"data_{name}"),
+            "max_steps": 5,
+            "learning_rate": 1e-2,
+            "per_device_train_batch_size": 4,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": "none",
+            "seed": 0,
+            "disable_tqdm": True,
+            "env": {"POSTTRAIN_TEST_MARKER": name},
+            **EXTRA.get(name, {}),
+        }
         if name == "distillation":
             config["teacher_model_name_or_path"] = tiny_model_path
         (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
-        argv = [sys.executable, str(script), "--config", str(root / f"{name}.yaml"), "--max_steps", "2",
-                "--output_dir", str(root / f"out_{name}")]
+        argv = [
+            sys.executable,
+            str(script),
+            "--config",
+            str(root / f"{name}.yaml"),
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(root / f"out_{name}"),
+        ]
         log = open(root / f"{name}.log", "w")
         started[name] = (subprocess.Popen(argv, cwd=root, env=ENV, stdout=log, stderr=subprocess.STDOUT), log)
 

@@ -25,8 +25,12 @@ def write_data(tmp_path) -> tuple[Path, Path]:
         for i in range(8):
             path = tmp_path / f"{i}.png"
             image(i).save(path)
-            s.write(json.dumps({"images": [str(path)], "prompt": user,
-                                "completion": [{"role": "assistant", "content": str(i)}]}) + "\n")
+            s.write(
+                json.dumps(
+                    {"images": [str(path)], "prompt": user, "completion": [{"role": "assistant", "content": str(i)}]}
+                )
+                + "\n"
+            )
             g.write(json.dumps({"images": [str(path)], "prompt": user, "answer": str(i)}) + "\n")
     return sft, grpo
 
@@ -45,18 +49,61 @@ def test_sft_then_grpo_from_the_example_configs(tmp_path, vlm_paths, monkeypatch
     sft_data, grpo_data = write_data(tmp_path)
     base = weights(vlm_paths["llava"])
     sft_out = tmp_path / "sft"
-    assert cli.main(["sft", "--config", str(CONFIGS / "sft.yaml"), "--model_name_or_path", vlm_paths["llava"],
-                     "--dataset_name", str(sft_data), "--output_dir", str(sft_out),
-                     "--per_device_train_batch_size", "4", "--warmup_steps", "0", *SHORT]) == 0
+    assert (
+        cli.main(
+            [
+                "sft",
+                "--config",
+                str(CONFIGS / "sft.yaml"),
+                "--model_name_or_path",
+                vlm_paths["llava"],
+                "--dataset_name",
+                str(sft_data),
+                "--output_dir",
+                str(sft_out),
+                "--per_device_train_batch_size",
+                "4",
+                "--warmup_steps",
+                "0",
+                *SHORT,
+            ]
+        )
+        == 0
+    )
     tuned = weights(sft_out)
     assert moved(base, tuned, "vision_tower")  # freeze_vision_tower: false in the config
     assert moved(base, tuned, "multi_modal_projector")
 
     grpo_out = tmp_path / "grpo"
-    assert cli.main(["grpo", "--config", str(CONFIGS / "grpo.yaml"), "--model_name_or_path", str(sft_out),
-                     "--dataset_name", str(grpo_data), "--output_dir", str(grpo_out), "--learning_rate", "1e-3",
-                     "--per_device_train_batch_size", "8", "--num_generations", "4", "--log_completions", "true",
-                     "--dynamic_sampling", "false", "--warmup_steps", "0", *SHORT]) == 0
+    assert (
+        cli.main(
+            [
+                "grpo",
+                "--config",
+                str(CONFIGS / "grpo.yaml"),
+                "--model_name_or_path",
+                str(sft_out),
+                "--dataset_name",
+                str(grpo_data),
+                "--output_dir",
+                str(grpo_out),
+                "--learning_rate",
+                "1e-3",
+                "--per_device_train_batch_size",
+                "8",
+                "--num_generations",
+                "4",
+                "--log_completions",
+                "true",
+                "--dynamic_sampling",
+                "false",
+                "--warmup_steps",
+                "0",
+                *SHORT,
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in open(grpo_out / "completions.jsonl")]
     assert len(rows) == 8 and all(set(row["rewards"]) == {"exact_match"} for row in rows)  # the demo's reward
     log = [json.loads(line) for line in open(grpo_out / "metrics.jsonl")]

@@ -5,8 +5,17 @@ import io
 
 import pytest
 import torch
-from _vlm import ARCHS, IMAGE_TOKENS, PLACEHOLDER, common_args, image, messages_data, preference_data, \
-    prompt_completion_data, vlm_paths  # noqa: F401
+from _vlm import (
+    ARCHS,
+    IMAGE_TOKENS,
+    PLACEHOLDER,
+    common_args,
+    image,
+    messages_data,
+    preference_data,
+    prompt_completion_data,
+    vlm_paths,
+)  # noqa: F401
 from datasets import Dataset, Features, Image, List, Value
 from transformers import AutoProcessor
 
@@ -39,8 +48,10 @@ def _sft(path, data, tmp_path, **kw):
 
 def test_missing_and_corrupt_files_are_refused_naming_the_row(tmp_path, vlm_paths):
     good = _png(tmp_path)
-    rows = [{"images": [good], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}
-            for _ in range(3)]
+    rows = [
+        {"images": [good], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}
+        for _ in range(3)
+    ]
     rows[2]["images"] = [str(tmp_path / "nope.png")]
     with pytest.raises(DataError, match=r"Row 2.*nope\.png.*does not exist"):
         _sft(vlm_paths["llava"], Dataset.from_list(rows), tmp_path)
@@ -57,10 +68,11 @@ def test_missing_and_corrupt_files_are_refused_naming_the_row(tmp_path, vlm_path
 
 
 def test_image_count_must_match_the_placeholders(tmp_path, vlm_paths):
-    two_blocks = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "hi"}]},
-                  {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
-    ok = {"images": [image(0)], "messages": [{**two_blocks[0], "content": two_blocks[0]["content"][1:]},
-                                             two_blocks[1]]}
+    two_blocks = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+    ]
+    ok = {"images": [image(0)], "messages": [{**two_blocks[0], "content": two_blocks[0]["content"][1:]}, two_blocks[1]]}
     data = Dataset.from_list([ok, {"images": [image(1)], "messages": two_blocks}])
     with pytest.raises(DataError, match=r"Row 1.*\(1\).*placeholders \(2\)"):
         _sft(vlm_paths["llava"], data, tmp_path)
@@ -79,28 +91,40 @@ def test_images_need_a_vision_language_model_and_its_processor(tmp_path, vlm_pat
         _sft(tiny_model_path, messages_data(2), tmp_path)
     tokenizer = AutoProcessor.from_pretrained(vlm_paths["llava"]).tokenizer
     with pytest.raises(ConfigError, match="processing_class must be the model's processor"):
-        SFTTrainer(vlm_paths["llava"], args=SFTConfig(**common_args(tmp_path)), train_dataset=messages_data(2),
-                   processing_class=tokenizer)
+        SFTTrainer(
+            vlm_paths["llava"],
+            args=SFTConfig(**common_args(tmp_path)),
+            train_dataset=messages_data(2),
+            processing_class=tokenizer,
+        )
 
 
-@pytest.mark.parametrize("option, value, match", [
-    ("packing", True, "packing=True is not supported with images"),
-    ("padding_free", True, "padding_free=True is not supported with images"),
-    ("truncation_mode", "keep_end", "keep_end"),
-    ("chunked_loss", True, "chunked_loss=True is not supported with images"),
-])
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        ("packing", True, "packing=True is not supported with images"),
+        ("padding_free", True, "padding_free=True is not supported with images"),
+        ("truncation_mode", "keep_end", "keep_end"),
+        ("chunked_loss", True, "chunked_loss=True is not supported with images"),
+    ],
+)
 def test_options_the_image_path_cannot_honour_are_refused(tmp_path, vlm_paths, option, value, match):
     with pytest.raises(ConfigError, match=match):
         _sft(vlm_paths["llava"], messages_data(2), tmp_path, **{option: value})
 
 
 def test_dpo_refuses_what_the_image_path_cannot_honour(tmp_path, vlm_paths):
-    for option, value, match in (("precompute_ref_log_probs", True, "precompute_ref_log_probs=True is not supported"),
-                                 ("padding_free", True, "padding_free=True is not supported with images"),
-                                 ("max_prompt_length", 8, "max_prompt_length is not applied to image rows")):
+    for option, value, match in (
+        ("precompute_ref_log_probs", True, "precompute_ref_log_probs=True is not supported"),
+        ("padding_free", True, "padding_free=True is not supported with images"),
+        ("max_prompt_length", 8, "max_prompt_length is not applied to image rows"),
+    ):
         with pytest.raises(ConfigError, match=match):
-            DPOTrainer(vlm_paths["llava"], args=DPOConfig(**common_args(tmp_path, **{option: value})),
-                       train_dataset=preference_data(2))
+            DPOTrainer(
+                vlm_paths["llava"],
+                args=DPOConfig(**common_args(tmp_path, **{option: value})),
+                train_dataset=preference_data(2),
+            )
     implicit = preference_data(2).remove_columns("prompt")
     with pytest.raises(ConfigError, match="no 'prompt' column"):
         DPOTrainer(vlm_paths["llava"], args=DPOConfig(**common_args(tmp_path)), train_dataset=implicit)
@@ -126,8 +150,13 @@ def test_sft_collator_trains_every_token_but_image_tokens_and_padding(vlm_paths,
         ids, labels, attention = batch["input_ids"][r], batch["labels"][r], batch["attention_mask"][r]
         for token, count in IMAGE_TOKENS[arch].items():  # the processor expanded the image
             assert int((ids == tok.convert_tokens_to_ids(token)).sum()) == count
-        rendered = "".join(f"<|im_start|>{m['role']}\n" + (PLACEHOLDER[arch] if m["role"] == "user" else "")
-                           + m["content"] + "<|im_end|>\n" for m in row["messages"])
+        rendered = "".join(
+            f"<|im_start|>{m['role']}\n"
+            + (PLACEHOLDER[arch] if m["role"] == "user" else "")
+            + m["content"]
+            + "<|im_end|>\n"
+            for m in row["messages"]
+        )
         # Trained: exactly the conversation's own text (the image placeholder and its expansion are not).
         assert _trained_text(tok, ids, labels) == rendered.replace(PLACEHOLDER[arch], "")
         for t in range(len(ids)):
@@ -151,18 +180,24 @@ def test_assistant_and_completion_only_masks_hold(vlm_paths, arch):
     for r in range(3):
         assert _trained_text(tok, batch["input_ids"][r], batch["labels"][r]) == f"digit {r}<|im_end|>\n"
     full = VisionSFTCollator(processor, completion_only_loss=False)(rows)
-    assert _trained_text(tok, full["input_ids"][1], full["labels"][1]) == \
-        "<|im_start|>user\nwhat is it<|im_end|>\n<|im_start|>assistant\ndigit 1<|im_end|>\n"
+    assert (
+        _trained_text(tok, full["input_ids"][1], full["labels"][1])
+        == "<|im_start|>user\nwhat is it<|im_end|>\n<|im_start|>assistant\ndigit 1<|im_end|>\n"
+    )
 
 
 def test_standard_text_with_placeholders(vlm_paths):
     processor = AutoProcessor.from_pretrained(vlm_paths["llava"])
-    rows = [{"images": [image(0)], "text": "<image>one two"}, {"images": [image(1), image(2)],
-                                                               "text": "<image> and <image> three"}]
+    rows = [
+        {"images": [image(0)], "text": "<image>one two"},
+        {"images": [image(1), image(2)], "text": "<image> and <image> three"},
+    ]
     batch = VisionSFTCollator(processor)(rows)
     assert batch["pixel_values"].shape[0] == 3
-    assert [_trained_text(processor.tokenizer, batch["input_ids"][r], batch["labels"][r]) for r in (0, 1)] == \
-        ["one two", " and  three"]
+    assert [_trained_text(processor.tokenizer, batch["input_ids"][r], batch["labels"][r]) for r in (0, 1)] == [
+        "one two",
+        " and  three",
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -172,8 +207,12 @@ def test_preference_collator_masks_and_images(vlm_paths, arch):
     rows = preference_data(2).to_list()
     batch = VisionPreferenceCollator(processor)(rows)
     assert batch["input_ids"].shape[0] == 4
-    expected = ["digit 0<|im_end|>\n", "digit 1<|im_end|>\n", "a cat 1 is here<|im_end|>\n",
-                "a cat 2 is here<|im_end|>\n"]
+    expected = [
+        "digit 0<|im_end|>\n",
+        "digit 1<|im_end|>\n",
+        "a cat 1 is here<|im_end|>\n",
+        "a cat 2 is here<|im_end|>\n",
+    ]
     for r in range(4):
         labels = batch["input_ids"][r].masked_fill(batch["completion_mask"][r] == 0, -100)
         assert _trained_text(tok, batch["input_ids"][r], labels) == expected[r]
@@ -193,8 +232,9 @@ def test_max_length_that_cuts_image_tokens_is_an_error(vlm_paths):
 
 def test_datasets_image_column_from_files_trains(tmp_path, vlm_paths):
     paths = [_png(tmp_path, i) for i in range(2)]
-    data = Dataset.from_list([{"image": p, "prompt": "<image>what", "completion": f" {i}"}
-                              for i, p in enumerate(paths)]).cast_column("image", Image())
+    data = Dataset.from_list(
+        [{"image": p, "prompt": "<image>what", "completion": f" {i}"} for i, p in enumerate(paths)]
+    ).cast_column("image", Image())
     trainer = _sft(vlm_paths["llava"], data, tmp_path, max_steps=1)
     batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])
     assert batch["pixel_values"].shape == (2, 3, 32, 32)

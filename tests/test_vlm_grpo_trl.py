@@ -22,17 +22,31 @@ from posttrain.generation.base import Completion
 
 # Per prompt (keyed by its number of " it"), its four completions: one ends with EOS (id 2 in the tiny
 # tokenizer, checked below), the others are cut at max_completion_length or shorter than it.
-COMPLETIONS = {0: [[15, 19, 23, 2], [17, 13], [21, 14, 16], [18, 18, 18, 18]],
-               1: [[40, 41], [42, 43, 44, 45], [50], [51, 52, 53]]}
+COMPLETIONS = {
+    0: [[15, 19, 23, 2], [17, 13], [21, 14, 16], [18, 18, 18, 18]],
+    1: [[40, 41], [42, 43, 44, 45], [50], [51, 52, 53]],
+}
 # Logged by one trainer only, or wall-clock times.
-NOT_COMPARED = {"step_time", "time/generation", "time/scoring", "time/update", "frac_reward_none",
-                "advantages/mean", "advantages/std", "train_runtime", "train_samples_per_second",
-                "train_steps_per_second", "total_flos", "learning_rate"}
+NOT_COMPARED = {
+    "step_time",
+    "time/generation",
+    "time/scoring",
+    "time/update",
+    "frac_reward_none",
+    "advantages/mean",
+    "advantages/std",
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "total_flos",
+    "learning_rate",
+}
 
 
 def prompts() -> Dataset:
-    return Dataset.from_list([{"images": [image(i)], "prompt": [{"role": "user", "content": "what is" + " it" * i}]}
-                              for i in range(2)])
+    return Dataset.from_list(
+        [{"images": [image(i)], "prompt": [{"role": "user", "content": "what is" + " it" * i}]} for i in range(2)]
+    )
 
 
 def text_length(completions, **kwargs):
@@ -40,10 +54,24 @@ def text_length(completions, **kwargs):
 
 
 def settings(tmp_path, name):
-    return dict(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=4, num_iterations=2, max_steps=2, beta=0.2, epsilon=0.05, learning_rate=0.05,
-                logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
-                disable_tqdm=True)
+    return dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        num_iterations=2,
+        max_steps=2,
+        beta=0.2,
+        epsilon=0.05,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
 
 
 def completions_of(tokenizer, prompt_ids) -> list[list[int]]:
@@ -57,8 +85,9 @@ def completions_of(tokenizer, prompt_ids) -> list[list[int]]:
 
 
 def logged(trainer) -> list[dict]:
-    return [{k: v for k, v in log.items() if k not in NOT_COMPARED} for log in trainer.state.log_history
-            if "loss" in log]
+    return [
+        {k: v for k, v in log.items() if k not in NOT_COMPARED} for log in trainer.state.log_history if "loss" in log
+    ]
 
 
 # What is compared per architecture: (steps, keys left out).
@@ -72,8 +101,13 @@ def test_grpo_matches_trl_on_the_same_image_prompts_and_completions(tmp_path, vl
     tokenizer = processor.tokenizer
     assert tokenizer.eos_token_id == 2
 
-    theirs = trl.GRPOTrainer(vlm_paths[arch], reward_funcs=text_length, train_dataset=prompts(),
-                             args=trl.GRPOConfig(**settings(tmp_path, "trl")), processing_class=processor)
+    theirs = trl.GRPOTrainer(
+        vlm_paths[arch],
+        reward_funcs=text_length,
+        train_dataset=prompts(),
+        args=trl.GRPOConfig(**settings(tmp_path, "trl")),
+        processing_class=processor,
+    )
     seen = []
 
     def trl_generation(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -84,8 +118,12 @@ def test_grpo_matches_trl_on_the_same_image_prompts_and_completions(tmp_path, vl
     theirs.train()
     assert seen and "pixel_values" in seen[0]  # TRL generated from the images
 
-    ours = GRPOTrainer(vlm_paths[arch], reward_funcs=text_length, train_dataset=prompts(),
-                       args=GRPOConfig(**settings(tmp_path, "ours"), freeze_vision_tower=False))  # TRL's: all train
+    ours = GRPOTrainer(
+        vlm_paths[arch],
+        reward_funcs=text_length,
+        train_dataset=prompts(),
+        args=GRPOConfig(**settings(tmp_path, "ours"), freeze_vision_tower=False),
+    )  # TRL's: all train
 
     def our_generation(prompt_ids, n, sampling, seeds, vision=None, suppress_tokens=None):
         assert vision is not None and all("pixel_values" in part for part in vision)

@@ -14,8 +14,9 @@ TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)
 
 
 def prompts(n: int = 2) -> Dataset:
-    return Dataset.from_list([{"images": [image(i)], "prompt": [{"role": "user", "content": "what is" + " it" * i}]}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [{"images": [image(i)], "prompt": [{"role": "user", "content": "what is" + " it" * i}]} for i in range(n)]
+    )
 
 
 def length_reward(completions, **kwargs):
@@ -26,10 +27,18 @@ def length_reward(completions, **kwargs):
 
 def trainer_for(method, path, tmp_path, peft_config=None, **kw):
     trainer_class, config_class = TRAINERS[method]
-    args = config_class(**common_args(tmp_path, max_steps=1, per_device_train_batch_size=4, num_generations=4,
-                                      max_completion_length=4, beta=0.0, **kw))
-    return trainer_class(path, reward_funcs=length_reward, args=args, train_dataset=prompts(),
-                         peft_config=peft_config)
+    args = config_class(
+        **common_args(
+            tmp_path,
+            max_steps=1,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=4,
+            beta=0.0,
+            **kw,
+        )
+    )
+    return trainer_class(path, reward_funcs=length_reward, args=args, train_dataset=prompts(), peft_config=peft_config)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -81,8 +90,11 @@ def test_lora_on_the_language_model_with_the_projector_trained_in_full(tmp_path,
     assert not any("vision_tower" in n and "lora" in n for n in names)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert not any("vision_tower" in n for n in trainable)
-    assert {n for n in trainable if "multi_modal_projector" in n} == {
-        n for n in trainable if "multi_modal_projector" in n and "modules_to_save" in n} != set()
+    assert (
+        {n for n in trainable if "multi_modal_projector" in n}
+        == {n for n in trainable if "multi_modal_projector" in n and "modules_to_save" in n}
+        != set()
+    )
     assert all("lora_" in n or "modules_to_save" in n for n in trainable)
     before = snapshot(trainer.model)
     trainer.train()

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _vlm import ARCHS, common_args, preference_data, prompt_completion_data, messages_data, vlm_paths, \
-    vlm_ref_paths  # noqa: F401
+from _vlm import ARCHS, common_args, messages_data, preference_data, prompt_completion_data, vlm_paths, vlm_ref_paths  # noqa: F401
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from posttrain import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -30,8 +29,11 @@ def _changed(before, model):
 @pytest.mark.parametrize("method", ["sft", "dpo"])
 def test_trains_two_steps_with_the_tower_frozen(tmp_path, vlm_paths, arch, method):
     if method == "sft":
-        trainer = SFTTrainer(vlm_paths[arch], args=SFTConfig(**common_args(tmp_path, assistant_only_loss=True)),
-                             train_dataset=messages_data(4))
+        trainer = SFTTrainer(
+            vlm_paths[arch],
+            args=SFTConfig(**common_args(tmp_path, assistant_only_loss=True)),
+            train_dataset=messages_data(4),
+        )
     else:
         trainer = DPOTrainer(vlm_paths[arch], args=DPOConfig(**common_args(tmp_path)), train_dataset=preference_data(4))
     tower, projector = _params(trainer.model, TOWER), _params(trainer.model, PROJECTOR)
@@ -51,8 +53,9 @@ def _eval_batch(trainer, rows):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sft_loss_equals_float64_nll_over_trained_tokens(tmp_path, vlm_paths, arch):
-    trainer = SFTTrainer(vlm_paths[arch], args=SFTConfig(**common_args(tmp_path)),
-                         train_dataset=prompt_completion_data(3))
+    trainer = SFTTrainer(
+        vlm_paths[arch], args=SFTConfig(**common_args(tmp_path)), train_dataset=prompt_completion_data(3)
+    )
     batch = _eval_batch(trainer, prompt_completion_data(3).to_list())
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))
@@ -72,8 +75,12 @@ def test_sft_loss_equals_float64_nll_over_trained_tokens(tmp_path, vlm_paths, ar
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dpo_loss_equals_float64_reference(tmp_path, vlm_paths, vlm_ref_paths, arch):
     beta = 0.3
-    trainer = DPOTrainer(vlm_paths[arch], ref_model=AutoModelForImageTextToText.from_pretrained(vlm_ref_paths[arch]),
-                         args=DPOConfig(**common_args(tmp_path, beta=beta)), train_dataset=preference_data(2))
+    trainer = DPOTrainer(
+        vlm_paths[arch],
+        ref_model=AutoModelForImageTextToText.from_pretrained(vlm_ref_paths[arch]),
+        args=DPOConfig(**common_args(tmp_path, beta=beta)),
+        train_dataset=preference_data(2),
+    )
     batch = _eval_batch(trainer, preference_data(2).to_list())
     trainer.ref_model.eval()
     with torch.no_grad():
@@ -83,8 +90,15 @@ def test_dpo_loss_equals_float64_reference(tmp_path, vlm_paths, vlm_ref_paths, a
         for model in (trainer.model, trainer.ref_model):
             logp = torch.log_softmax(model(**model_inputs).logits.double(), -1)
             mask, ids = batch["completion_mask"], batch["input_ids"]
-            logps.append(torch.tensor([sum(logp[r, t - 1, ids[r, t]].item() for t in range(1, ids.shape[1])
-                                           if mask[r, t]) for r in range(ids.shape[0])], dtype=torch.float64))
+            logps.append(
+                torch.tensor(
+                    [
+                        sum(logp[r, t - 1, ids[r, t]].item() for t in range(1, ids.shape[1]) if mask[r, t])
+                        for r in range(ids.shape[0])
+                    ],
+                    dtype=torch.float64,
+                )
+            )
     (pc, pr), (rc, rr) = (x.chunk(2) for x in logps)
     expected = -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).mean()
     assert abs((pc - rc) - (pr - rr)).max() > 1e-3  # the reference differs: the loss is not log 2
@@ -97,11 +111,19 @@ def test_lora_leaves_the_tower_alone_and_trains_the_projector(tmp_path, vlm_path
 
     peft_config = LoraConfig(r=4, target_modules="all-linear")
     if method == "sft":
-        trainer = SFTTrainer(vlm_paths["llava"], args=SFTConfig(**common_args(tmp_path)),
-                             train_dataset=prompt_completion_data(4), peft_config=peft_config)
+        trainer = SFTTrainer(
+            vlm_paths["llava"],
+            args=SFTConfig(**common_args(tmp_path)),
+            train_dataset=prompt_completion_data(4),
+            peft_config=peft_config,
+        )
     else:
-        trainer = DPOTrainer(vlm_paths["llava"], args=DPOConfig(**common_args(tmp_path)),
-                             train_dataset=preference_data(4), peft_config=peft_config)
+        trainer = DPOTrainer(
+            vlm_paths["llava"],
+            args=DPOConfig(**common_args(tmp_path)),
+            train_dataset=preference_data(4),
+            peft_config=peft_config,
+        )
     names = [n for n, _ in trainer.model.named_modules()]
     assert any("language_model" in n and "lora_A" in n for n in names)
     assert not any("vision_tower" in n and "lora" in n for n in names)
@@ -115,8 +137,11 @@ def test_lora_leaves_the_tower_alone_and_trains_the_projector(tmp_path, vlm_path
 
 
 def test_the_tower_trains_when_asked(tmp_path, vlm_paths):
-    trainer = SFTTrainer(vlm_paths["llava"], args=SFTConfig(**common_args(tmp_path, freeze_vision_tower=False)),
-                         train_dataset=prompt_completion_data(4))
+    trainer = SFTTrainer(
+        vlm_paths["llava"],
+        args=SFTConfig(**common_args(tmp_path, freeze_vision_tower=False)),
+        train_dataset=prompt_completion_data(4),
+    )
     tower = _params(trainer.model, ("vision_tower",))
     trainer.train()
     assert _changed(tower, trainer.model)
@@ -140,9 +165,14 @@ def test_qwen2_vl_batch_goes_through_the_loss(tmp_path):
     labels = input_ids.clone()
     labels[0, : len(image_tokens) + 3] = -100
     torch.manual_seed(0)
-    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels,
-             "pixel_values": torch.randn(16, 3 * 2 * 4 * 4), "image_grid_thw": torch.tensor([[1, 4, 4]]),
-             "mm_token_type_ids": (input_ids == ids("<|image_pad|>")).long()}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": labels,
+        "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "mm_token_type_ids": (input_ids == ids("<|image_pad|>")).long(),
+    }
     trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))
@@ -171,12 +201,19 @@ def _qwen2_vl(monkeypatch):
     from posttrain.models.tiny_vlm import build_tiny_qwen2_vl_model, qwen2_vl_processor_parts
 
     check = ProcessorMixin.check_argument_for_proper_class
-    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class",
-                        lambda self, name, arg: None if arg is None else check(self, name, arg))
+    monkeypatch.setattr(
+        ProcessorMixin,
+        "check_argument_for_proper_class",
+        lambda self, name, arg: None if arg is None else check(self, name, arg),
+    )
     model, tokenizer = build_tiny_qwen2_vl_model()
     image_processor, tokenizer = qwen2_vl_processor_parts(tokenizer)
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                                 chat_template=tokenizer.chat_template)
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
+    )
     return model, processor
 
 
@@ -195,10 +232,13 @@ def test_qwen2_vl_masks_and_training(tmp_path, qwen2_vl):
     pref = VisionPreferenceCollator(processor)(preference_data(2).to_list())
     assert pref["image_grid_thw"].shape[0] == 4 and pref["pixel_values"].shape[0] == 4 * 64
     losses = []
-    for trainer_cls, config, data in ((SFTTrainer, SFTConfig, messages_data(4)),
-                                      (DPOTrainer, DPOConfig, preference_data(4))):
-        trainer = trainer_cls(model, args=config(**common_args(tmp_path)), train_dataset=data,
-                              processing_class=processor)
+    for trainer_cls, config, data in (
+        (SFTTrainer, SFTConfig, messages_data(4)),
+        (DPOTrainer, DPOConfig, preference_data(4)),
+    ):
+        trainer = trainer_cls(
+            model, args=config(**common_args(tmp_path)), train_dataset=data, processing_class=processor
+        )
         merger = _params(trainer.model, ("merger",))
         blocks = {n: p for n, p in _params(trainer.model, ("visual",)).items() if ".merger." not in n}
         trainer.train()
@@ -207,8 +247,13 @@ def test_qwen2_vl_masks_and_training(tmp_path, qwen2_vl):
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     from peft import LoraConfig
 
-    lora = SFTTrainer(model, args=SFTConfig(**common_args(tmp_path)), train_dataset=messages_data(2),
-                      processing_class=processor, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    lora = SFTTrainer(
+        model,
+        args=SFTConfig(**common_args(tmp_path)),
+        train_dataset=messages_data(2),
+        processing_class=processor,
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
+    )
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert any(".merger." in n and "modules_to_save" in n for n in trainable)
     assert not any("visual" in n and "lora" in n for n in trainable)
@@ -221,8 +266,9 @@ def test_step0_metrics_equal_trls(tmp_path, vlm_paths, vlm_ref_paths, monkeypatc
     from _trl import import_trl
 
     trl = import_trl("sft_trainer", "dpo_trainer")
-    common = common_args(tmp_path, per_device_train_batch_size=4, max_steps=1, max_length=None,
-                         gradient_checkpointing=False)
+    common = common_args(
+        tmp_path, per_device_train_batch_size=4, max_steps=1, max_length=None, gradient_checkpointing=False
+    )
     logs = []
     for name, lib in (("trl", trl), ("posttrain", sys.modules["posttrain"])):
         if arch == "qwen2_vl":
@@ -236,16 +282,23 @@ def test_step0_metrics_equal_trls(tmp_path, vlm_paths, vlm_ref_paths, monkeypatc
             ref = AutoModelForImageTextToText.from_pretrained(vlm_ref_paths[arch])
         common["output_dir"] = str(tmp_path / name)
         if method == "sft":
-            trainer = lib.SFTTrainer(model, args=lib.SFTConfig(**common), train_dataset=prompt_completion_data(4),
-                                     processing_class=processor)
+            trainer = lib.SFTTrainer(
+                model, args=lib.SFTConfig(**common), train_dataset=prompt_completion_data(4), processing_class=processor
+            )
         else:
-            trainer = lib.DPOTrainer(model, ref_model=ref, args=lib.DPOConfig(**common),
-                                     train_dataset=preference_data(4), processing_class=processor)
+            trainer = lib.DPOTrainer(
+                model,
+                ref_model=ref,
+                args=lib.DPOConfig(**common),
+                train_dataset=preference_data(4),
+                processing_class=processor,
+            )
         trainer.train()
         logs.append(trainer.state.log_history[0])
     theirs, ours = logs
     keys = ("loss", "entropy", "mean_token_accuracy", "num_tokens") + (
-        () if method == "sft" else ("logps/chosen", "logps/rejected", "rewards/margins", "logits/chosen"))
+        () if method == "sft" else ("logps/chosen", "logps/rejected", "rewards/margins", "logits/chosen")
+    )
     for key in keys:
         assert ours[key] == pytest.approx(theirs[key], abs=1e-5, rel=1e-6), key
 
@@ -264,8 +317,9 @@ def test_llava_from_a_causal_lm_keeps_its_weights_and_trains(tmp_path, tiny_mode
             assert value.shape[0] == source[name].shape[0] + 1 and torch.equal(value[:-1], source[name])
         else:
             assert torch.equal(value, source[name]), name
-    trainer = SFTTrainer(path, args=SFTConfig(**common_args(tmp_path, max_steps=1)),
-                         train_dataset=prompt_completion_data(2))
+    trainer = SFTTrainer(
+        path, args=SFTConfig(**common_args(tmp_path, max_steps=1)), train_dataset=prompt_completion_data(2)
+    )
     trainer.train()
     assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
 
@@ -274,9 +328,9 @@ def test_llava_from_a_causal_lm_keeps_its_weights_and_trains(tmp_path, tiny_mode
 def test_per_row_image_inputs_split_and_merge_for_any_row_selection(vlm_paths, monkeypatch, arch):
     """What the online engine needs: a prompt's image inputs cut out of a batch and re-batched with any other rows
     (repeated once per completion) give the model exactly what processing those rows together gives."""
+    from _vlm import image
     from datasets import Dataset
 
-    from _vlm import image
     from posttrain.data.vision import VisionSFTCollator, merge_vision_inputs, split_vision_inputs
 
     if arch == "qwen2_vl":
@@ -285,15 +339,25 @@ def test_per_row_image_inputs_split_and_merge_for_any_row_selection(vlm_paths, m
         model = AutoModelForImageTextToText.from_pretrained(vlm_paths[arch])
         processor = AutoProcessor.from_pretrained(vlm_paths[arch])
     counts = [1, 2, 1]
-    rows = Dataset.from_list([{"images": [image(10 * r + k) for k in range(n)], "messages": [
-        {"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": f"row {r}"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "yes"}]}]} for r, n in enumerate(counts)]).to_list()
+    rows = Dataset.from_list(
+        [
+            {
+                "images": [image(10 * r + k) for k in range(n)],
+                "messages": [
+                    {"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": f"row {r}"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+                ],
+            }
+            for r, n in enumerate(counts)
+        ]
+    ).to_list()
     batch = VisionSFTCollator(processor)(rows)
     parts = split_vision_inputs(batch, counts)
     order = [2, 1, 1, 0]
     merged = merge_vision_inputs([parts[r] for r in order])
-    token_inputs = {k: batch[k][order] for k in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-                    if k in batch}
+    token_inputs = {
+        k: batch[k][order] for k in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids") if k in batch
+    }
     model.eval()
     with torch.no_grad():
         full = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
@@ -305,11 +369,19 @@ def test_per_row_image_inputs_split_and_merge_for_any_row_selection(vlm_paths, m
 def test_a_vision_model_trains_on_text_only_rows_with_its_processor(tmp_path, vlm_paths):
     from datasets import Dataset
 
-    text = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": f"digit {i}"}]} for i in range(2)])
+    text = Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"digit {i}"}]}
+            for i in range(2)
+        ]
+    )
     processor = AutoProcessor.from_pretrained(vlm_paths["llava"])
-    trainer = SFTTrainer(vlm_paths["llava"], args=SFTConfig(**common_args(tmp_path, max_steps=1)),
-                         train_dataset=text, processing_class=processor)
+    trainer = SFTTrainer(
+        vlm_paths["llava"],
+        args=SFTConfig(**common_args(tmp_path, max_steps=1)),
+        train_dataset=text,
+        processing_class=processor,
+    )
     assert "input_ids" in trainer.train_dataset.column_names  # tokenized ahead, as text data is
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))

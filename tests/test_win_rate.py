@@ -32,13 +32,27 @@ class LexicalJudge(BasePairwiseJudge):
 def _trainer(tmp_path, model, tokenizer, cls=Trainer, max_steps=3, **extra):
     rows = [tokenizer(t)["input_ids"][:3] for t in ("the sky is blue", "one two three", "a cat is good", "hello world")]
     eval_rows = [tokenizer(t)["input_ids"][:2] for t in PROMPTS]  # the eval loss needs tokens; the callback, prompts
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
-                             learning_rate=0.3, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-                             eval_strategy="steps", eval_steps=max_steps, per_device_eval_batch_size=4,
-                             disable_tqdm=True)
-    trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
-                  eval_dataset=Dataset.from_dict({"prompt": PROMPTS, "input_ids": eval_rows,
-                                                                   "labels": eval_rows}), processing_class=tokenizer)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        learning_rate=0.3,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=max_steps,
+        per_device_eval_batch_size=4,
+        disable_tqdm=True,
+    )
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        eval_dataset=Dataset.from_dict({"prompt": PROMPTS, "input_ids": eval_rows, "labels": eval_rows}),
+        processing_class=tokenizer,
+    )
     for key, value in extra.items():
         setattr(trainer, key, value)
     return trainer
@@ -52,7 +66,7 @@ def _greedy(model, tokenizer, prompts):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             gen = model.generate(**ids, generation_config=GEN, pad_token_id=tokenizer.pad_token_id)
-        out.append(tokenizer.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+        out.append(tokenizer.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
     return out
 
 
@@ -79,7 +93,7 @@ def test_win_rate_against_the_initial_weights(tmp_path, tiny_model_path, fresh_t
     prompts, pairs, shuffle = judge.calls[-1]
     assert prompts == PROMPTS and shuffle is False
     assert pairs == [[r, p] for r, p in zip(ref, policy)]  # [reference, policy]: 1 is a policy win
-    assert [row[4] for row in callback.table[-len(PROMPTS):]] == [int(p > r) for r, p in zip(ref, policy)]
+    assert [row[4] for row in callback.table[-len(PROMPTS) :]] == [int(p > r) for r, p in zip(ref, policy)]
 
 
 def test_win_rate_uses_the_trainers_ref_model_and_soft_scores(tmp_path, tiny_model_path, fresh_tokenizer):
@@ -101,8 +115,7 @@ def test_win_rate_uses_the_trainers_ref_model_and_soft_scores(tmp_path, tiny_mod
     assert _win_rates(trainer)[-1] == (3, sum(p <= 0.5 for p in probs) / 4)
 
 
-def test_win_rate_reference_of_a_peft_policy_is_the_adapter_disabled_base(tmp_path, tiny_model_path,
-                                                                          fresh_tokenizer):
+def test_win_rate_reference_of_a_peft_policy_is_the_adapter_disabled_base(tmp_path, tiny_model_path, fresh_tokenizer):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     policy = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(2)
@@ -130,18 +143,29 @@ def test_win_rate_needs_eval_prompts(tmp_path, tiny_model_path, fresh_tokenizer)
 def test_win_rate_reads_the_prompts_of_a_tokenized_preference_eval_set(tmp_path, tiny_model_path, fresh_tokenizer):
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
 
-    rows = [{"prompt": [{"role": "user", "content": f"the {w} is"}], "chosen": [{"role": "assistant",
-             "content": " good"}], "rejected": [{"role": "assistant", "content": " bad"}]} for w in ("cat", "dog")]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"the {w} is"}],
+            "chosen": [{"role": "assistant", "content": " good"}],
+            "rejected": [{"role": "assistant", "content": " bad"}],
+        }
+        for w in ("cat", "dog")
+    ]
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=True)
-    trainer = DPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
-                         train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
-                         processing_class=fresh_tokenizer)
+    trainer = DPOTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        processing_class=fresh_tokenizer,
+    )
     assert "prompt" not in trainer.eval_dataset.column_names  # DPO keeps only token ids
     judge = LexicalJudge()
     trainer.add_callback(WinRateCallback(judge, trainer, generation_config=GEN, shuffle_order=False))
     trainer.evaluate()
-    rendered = [fresh_tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-                for r in rows]
+    rendered = [
+        fresh_tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
+    ]
     assert judge.calls[-1][0] == rendered
     assert trainer.state.log_history[-1]["eval_win_rate"] == 0.0  # nothing trained: the policy is the reference
 
@@ -156,14 +180,30 @@ def test_win_rate_rises_as_dpo_learns_the_preferred_answer(tmp_path, tiny_model_
         def judge(self, prompts, completions, shuffle_order=True):
             return [1 if b.count(" no") > a.count(" no") else 0 for a, b in completions]
 
-    rows = [{"prompt": f"the {w} is", "chosen": " no", "rejected": " the"}
-            for w in ("cat", "dog", "sky", "sun", "tree", "fish", "moon", "bird")]
-    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=10, learning_rate=0.1,
-                     report_to="none", use_cpu=True, save_strategy="no", eval_strategy="steps", eval_steps=10,
-                     disable_tqdm=True, logging_steps=10)
-    trainer = DPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
-                         train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
-                         processing_class=fresh_tokenizer)
+    rows = [
+        {"prompt": f"the {w} is", "chosen": " no", "rejected": " the"}
+        for w in ("cat", "dog", "sky", "sun", "tree", "fish", "moon", "bird")
+    ]
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=10,
+        learning_rate=0.1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=10,
+        disable_tqdm=True,
+        logging_steps=10,
+    )
+    trainer = DPOTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        processing_class=fresh_tokenizer,
+    )
     callback = WinRateCallback(SaysNo(), trainer, generation_config=GEN, shuffle_order=False)
     trainer.add_callback(callback)
     trainer.train()

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_online_dpo import LowIdJudge, config, learning_run
+from test_online_engine import low_id_fraction, prompt_dataset
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.nash_md import NashMDConfig, NashMDTrainer, sample_completions
 from posttrain.experimental.xpo import XPOConfig, XPOTrainer
 from posttrain.generation.base import SamplingParams
 from posttrain.losses.online_preference import geometric_mixture_logps, nash_md_loss, xpo_loss
-from test_online_dpo import LowIdJudge, config, learning_run
-from test_online_engine import low_id_fraction, prompt_dataset
 
 
 # -- losses ----------------------------------------------------------------------------------------------------
@@ -106,10 +106,18 @@ def test_configs_have_the_former_trl_defaults_and_schedules(tmp_path):
 def test_xpo_pairs_a_policy_sample_with_a_reference_sample(tmp_path, tiny_model_path):
     """With mixture_coef=1 Nash-MD's opponent is the reference; XPO's second completion is the reference's:
     the same seeds give the same reference completions before any update."""
-    xpo = XPOTrainer(tiny_model_path, reward_funcs=low_id_fraction, train_dataset=prompt_dataset(4),
-                     args=config(tmp_path / "x", XPOConfig, temperature=1.0))
-    nash = NashMDTrainer(tiny_model_path, reward_funcs=low_id_fraction, train_dataset=prompt_dataset(4),
-                         args=config(tmp_path / "n", NashMDConfig, temperature=1.0, mixture_coef=1.0))
+    xpo = XPOTrainer(
+        tiny_model_path,
+        reward_funcs=low_id_fraction,
+        train_dataset=prompt_dataset(4),
+        args=config(tmp_path / "x", XPOConfig, temperature=1.0),
+    )
+    nash = NashMDTrainer(
+        tiny_model_path,
+        reward_funcs=low_id_fraction,
+        train_dataset=prompt_dataset(4),
+        args=config(tmp_path / "n", NashMDConfig, temperature=1.0, mixture_coef=1.0),
+    )
     rows = [dict(r) for r in xpo.train_dataset.select(range(2))]
     a, b = xpo.generate_episodes(rows, 2, [3, 4]), nash.generate_episodes(rows, 2, [3, 4])
     assert [e.token_ids for e in a[1::2]] == [e.token_ids for e in b[1::2]]
@@ -126,8 +134,12 @@ def test_nash_md_judge_path_uses_soft_probabilities(tmp_path, tiny_model_path):
             return [0.8 for _ in completions]
 
     judge = SoftJudge()
-    trainer = NashMDTrainer(tiny_model_path, judge=judge, train_dataset=prompt_dataset(4),
-                            args=config(tmp_path, NashMDConfig, temperature=1.0))
+    trainer = NashMDTrainer(
+        tiny_model_path,
+        judge=judge,
+        train_dataset=prompt_dataset(4),
+        args=config(tmp_path, NashMDConfig, temperature=1.0),
+    )
     trainer.train()
     assert judge.calls >= 1
     assert trainer.rollout.advantages.tolist() == pytest.approx([0.8] * len(trainer.rollout))
@@ -139,13 +151,18 @@ def scaled_low_id_fraction(completion_ids, **kwargs):
     return [10 * r for r in low_id_fraction(completion_ids)]
 
 
-@pytest.mark.parametrize("trainer_class, config_class, extra", [
-    (XPOTrainer, XPOConfig, dict(beta=0.1, learning_rate=3e-2)), (NashMDTrainer, NashMDConfig, dict(beta=0.01)),
-])
+@pytest.mark.parametrize(
+    "trainer_class, config_class, extra",
+    [
+        (XPOTrainer, XPOConfig, dict(beta=0.1, learning_rate=3e-2)),
+        (NashMDTrainer, NashMDConfig, dict(beta=0.01)),
+    ],
+)
 def test_method_learns_a_known_preference(tmp_path, tiny_model_path, trainer_class, config_class, extra):
     """The reward of the policy's own completions (the other completion comes from the reference or the mixture)."""
-    trainer, _ = learning_run(trainer_class, config_class, tmp_path, tiny_model_path, reward=scaled_low_id_fraction,
-                              max_steps=20, **extra)
+    trainer, _ = learning_run(
+        trainer_class, config_class, tmp_path, tiny_model_path, reward=scaled_low_id_fraction, max_steps=20, **extra
+    )
     rewards = [h["objective/model_scores"] / 10 for h in trainer.state.log_history if "objective/model_scores" in h]
     print(trainer_class.__name__, "policy reward", rewards[:3], "->", rewards[-3:])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2

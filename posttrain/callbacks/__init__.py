@@ -10,5 +10,14 @@ from .sync_ref import SyncRefModelCallback, mix_into_reference
 from .weave import WeaveCallback
 from .win_rate import WinRateCallback
 
-__all__ = ["BEMACallback", "LogCompletionsCallback", "MergeConfig", "MergeModelCallback", "RichProgressCallback",
-           "SyncRefModelCallback", "WeaveCallback", "WinRateCallback", "mix_into_reference"]
+__all__ = [
+    "BEMACallback",
+    "LogCompletionsCallback",
+    "MergeConfig",
+    "MergeModelCallback",
+    "RichProgressCallback",
+    "SyncRefModelCallback",
+    "WeaveCallback",
+    "WinRateCallback",
+    "mix_into_reference",
+]

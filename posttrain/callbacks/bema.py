@@ -34,9 +34,17 @@ class BEMACallback(TrainerCallback):
     (e.g. a LoRA base) are copied once and not averaged.
     """
 
-    def __init__(self, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2, lag: int = 10,
-                 update_after: int = 0, multiplier: float = 1.0, min_ema_multiplier: float = 0.0,
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+    ):
         if update_freq < 1:
             raise ValueError(f"BEMACallback: update_freq must be >= 1, got {update_freq}.")
         self.update_freq, self.ema_power, self.bias_power, self.lag = update_freq, ema_power, bias_power, lag
@@ -71,8 +79,9 @@ class BEMACallback(TrainerCallback):
     @torch.no_grad()
     def _update(self, step: int) -> None:
         beta, alpha = self._ema_beta(step), self._bema_alpha(step)
-        for theta_t, theta_0, ema, out in zip(self.thetat_params, self.theta0_params, self.ema_params,
-                                              self.running_params):
+        for theta_t, theta_0, ema, out in zip(
+            self.thetat_params, self.theta0_params, self.ema_params, self.running_params
+        ):
             theta_t = theta_t.detach().to(self.device)
             ema.mul_(1 - beta).add_(theta_t, alpha=beta)
             out.copy_(ema + alpha * (theta_t - theta_0))

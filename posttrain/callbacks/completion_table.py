@@ -35,8 +35,15 @@ def completion_table(records: list[dict], names: list[str]) -> tuple[list[str], 
     rows = []
     for record in records:
         per_function = record.get("rewards") or {}
-        rows.append([record["step"], _text(record["prompt"]), completion_text(record),
-                     *(_number(per_function.get(name)) for name in names), _number(record["reward"])])
+        rows.append(
+            [
+                record["step"],
+                _text(record["prompt"]),
+                completion_text(record),
+                *(_number(per_function.get(name)) for name in names),
+                _number(record["reward"]),
+            ]
+        )
     return columns, rows
 
 
@@ -51,8 +58,9 @@ def print_completion_table(records: list[dict], names: list[str], step: int, max
         numeric = column not in ("prompt", "completion")
         table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric)
     for row in rows:
-        table.add_row(*(("-" if v is None else f"{v:.3f}" if isinstance(v, float) else _text(v, max_chars))
-                        for v in row))
+        table.add_row(
+            *(("-" if v is None else f"{v:.3f}" if isinstance(v, float) else _text(v, max_chars)) for v in row)
+        )
     Console().print(table)
 
 
@@ -67,9 +75,8 @@ def log_completion_table(callbacks, records: list[dict], names: list[str], step:
             if wandb.run is not None:
                 wandb.log({"completions": wandb.Table(columns=columns, data=rows)}, commit=False)
         elif kind == "TrackioCallback":
-            import trackio
-
             import pandas as pd
+            import trackio
 
             trackio.log({"completions": trackio.Table(dataframe=pd.DataFrame(rows, columns=columns))}, step=step)
         elif kind == "MLflowCallback" and getattr(callback, "_initialized", False):
@@ -78,10 +85,16 @@ def log_completion_table(callbacks, records: list[dict], names: list[str], step:
             flush = getattr(callback._ml_flow, "flush_async_logging", None)
             if flush is not None:
                 flush()
-            callback._ml_flow.log_table({c: [row[i] for row in rows] for i, c in enumerate(columns)},
-                                        artifact_file=f"completions/step_{step:06d}.json")
+            callback._ml_flow.log_table(
+                {c: [row[i] for row in rows] for i, c in enumerate(columns)},
+                artifact_file=f"completions/step_{step:06d}.json",
+            )
         elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
             header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-            body = "".join("| " + " | ".join("-" if v is None else _text(v).replace("|", "\\|").replace("\n", " ")
-                                             for v in row) + " |\n" for row in rows)
+            body = "".join(
+                "| "
+                + " | ".join("-" if v is None else _text(v).replace("|", "\\|").replace("\n", " ") for v in row)
+                + " |\n"
+                for row in rows
+            )
             callback.tb_writer.add_text("completions", header + body, step)

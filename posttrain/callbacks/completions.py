@@ -12,8 +12,10 @@ def eval_prompts(trainer, num_prompts: int | None, who: str):
     """The trainer's eval dataset (its first `num_prompts` rows), which must have a ``prompt`` column."""
     dataset = trainer.eval_dataset
     if dataset is None:
-        raise ValueError(f"Trainer must have an evaluation dataset to use the {who}: pass eval_dataset=... "
-                         "with a 'prompt' column to the trainer.")
+        raise ValueError(
+            f"Trainer must have an evaluation dataset to use the {who}: pass eval_dataset=... "
+            "with a 'prompt' column to the trainer."
+        )
     if isinstance(dataset, dict):
         raise ValueError(f"{who}: pass a single eval_dataset (not a dict of them) to the trainer.")
     if num_prompts is not None:
@@ -24,9 +26,11 @@ def eval_prompts(trainer, num_prompts: int | None, who: str):
 def raw_prompts(dataset, who: str) -> list:
     """The eval dataset's raw prompts; tokenized eval sets keep no text, so say what is needed."""
     if "prompt" not in dataset.column_names:
-        raise ValueError(f"{who} needs a 'prompt' column in the trainer's eval_dataset, which has "
-                         f"{dataset.column_names}. Use a prompt-only or preference eval set (the trainer keeps it "
-                         "as text), or give the callback a trainer whose eval_dataset has prompts.")
+        raise ValueError(
+            f"{who} needs a 'prompt' column in the trainer's eval_dataset, which has "
+            f"{dataset.column_names}. Use a prompt-only or preference eval set (the trainer keeps it "
+            "as text), or give the callback a trainer whose eval_dataset has prompts."
+        )
     return list(dataset["prompt"])
 
 
@@ -45,11 +49,15 @@ def generate_completions(trainer, prompts: list, tokenizer, generation_config, b
         with accelerator.split_between_processes(prompts) as shard:
             shard_texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in shard]
             for start in range(0, len(shard_texts), max(1, batch_size)):
-                batch = tokenizer(shard_texts[start:start + batch_size], return_tensors="pt", padding=True,
-                                  truncation=True, add_special_tokens=False).to(model.device)
-                out = model.generate(**batch, generation_config=generation_config,
-                                     pad_token_id=tokenizer.pad_token_id)
-                new_tokens = out[:, batch["input_ids"].shape[1]:]
+                batch = tokenizer(
+                    shard_texts[start : start + batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=True,
+                    add_special_tokens=False,
+                ).to(model.device)
+                out = model.generate(**batch, generation_config=generation_config, pad_token_id=tokenizer.pad_token_id)
+                new_tokens = out[:, batch["input_ids"].shape[1] :]
                 completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
             texts = shard_texts
     finally:

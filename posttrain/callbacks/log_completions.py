@@ -39,8 +39,9 @@ class LogCompletionsCallback(TrainerCallback):
             return
         tokenizer = kwargs.get("processing_class") or self.trainer.processing_class
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's text tokenizer
-        prompts, completions = generate_completions(self.trainer, self.prompts, tokenizer, self.generation_config,
-                                                    args.per_device_eval_batch_size)
+        prompts, completions = generate_completions(
+            self.trainer, self.prompts, tokenizer, self.generation_config, args.per_device_eval_batch_size
+        )
         if self.trainer.accelerator.is_main_process:
             rows = [(str(state.global_step), p, c) for p, c in zip(prompts, completions)]
             self.table.extend(rows)
@@ -48,8 +49,12 @@ class LogCompletionsCallback(TrainerCallback):
             with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
                 for step, prompt, completion in rows:
                     f.write(json.dumps({"step": int(step), "prompt": prompt, "completion": completion}) + "\n")
-            logger.info("Step %d: logged %d completions to %s", state.global_step, len(rows),
-                        os.path.join(args.output_dir, "completions.jsonl"))
+            logger.info(
+                "Step %d: logged %d completions to %s",
+                state.global_step,
+                len(rows),
+                os.path.join(args.output_dir, "completions.jsonl"),
+            )
             self._log_to_wandb(args)
         self._last_logged_step = state.global_step
 
@@ -61,5 +66,10 @@ class LogCompletionsCallback(TrainerCallback):
         except ImportError:
             return
         if wandb.run is not None:
-            wandb.log({"completions": wandb.Table(columns=["step", "prompt", "completion"],
-                                                  data=[list(r) for r in self.table])})
+            wandb.log(
+                {
+                    "completions": wandb.Table(
+                        columns=["step", "prompt", "completion"], data=[list(r) for r in self.table]
+                    )
+                }
+            )

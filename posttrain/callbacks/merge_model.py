@@ -24,8 +24,13 @@ MERGE_METHODS = ("linear", "slerp")
 _REFUSED = ("ties", "dare_ties")
 
 
-def linear_merge(policy: torch.Tensor, target: torch.Tensor, policy_weight: float = 0.5,
-                 target_weight: float = 0.5, normalize: bool = True) -> torch.Tensor:
+def linear_merge(
+    policy: torch.Tensor,
+    target: torch.Tensor,
+    policy_weight: float = 0.5,
+    target_weight: float = 0.5,
+    normalize: bool = True,
+) -> torch.Tensor:
     """Weighted average w_p * policy + w_t * target, divided by (w_p + w_t) when `normalize` (as mergekit's linear
     merge does by default). Computed in float32 at least; returned in `policy`'s dtype."""
     dtype = torch.promote_types(policy.dtype, torch.float32)
@@ -33,14 +38,17 @@ def linear_merge(policy: torch.Tensor, target: torch.Tensor, policy_weight: floa
     if normalize:
         total = policy_weight + target_weight
         if total == 0:
-            raise ConfigError("linear merge: policy_model_weight + target_model_weight is 0; the weights must not "
-                              "cancel out (or set normalize=False).")
+            raise ConfigError(
+                "linear merge: policy_model_weight + target_model_weight is 0; the weights must not "
+                "cancel out (or set normalize=False)."
+            )
         out = out / total
     return out.to(policy.dtype)
 
 
-def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = 0.9995,
-          eps: float = 1e-8) -> torch.Tensor:
+def slerp(
+    t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = 0.9995, eps: float = 1e-8
+) -> torch.Tensor:
     """Spherical linear interpolation (Shoemake 1985) from `v0` (t=0) to `v1` (t=1), each tensor taken as one
     vector: with Ω the angle between their directions, (sin((1-t)Ω) v0 + sin(tΩ) v1) / sin Ω. When the directions
     are almost parallel (|cos Ω| > `dot_threshold`) sin Ω vanishes and this falls back to the linear
@@ -68,9 +76,11 @@ class MergeConfig:
 
     def __init__(self, method: str = "linear"):
         if method in _REFUSED:
-            raise ConfigError(f"MergeConfig(method={method!r}): posttrain merges in-process and implements only "
-                              f"{MERGE_METHODS}; TIES and DARE-TIES are not built in (TRL runs them through mergekit). "
-                              "Use method='linear' or 'slerp', or merge the saved checkpoint with mergekit yourself.")
+            raise ConfigError(
+                f"MergeConfig(method={method!r}): posttrain merges in-process and implements only "
+                f"{MERGE_METHODS}; TIES and DARE-TIES are not built in (TRL runs them through mergekit). "
+                "Use method='linear' or 'slerp', or merge the saved checkpoint with mergekit yourself."
+            )
         if method not in MERGE_METHODS:
             raise ConfigError(f"Unsupported merge method {method!r}; use one of {MERGE_METHODS}.")
         self.method = method
@@ -85,8 +95,9 @@ class MergeConfig:
     def torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, str(self.dtype), None)
         if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"MergeConfig.dtype={self.dtype!r} is not a torch dtype; use e.g. 'float16', "
-                              "'bfloat16' or 'float32'.")
+            raise ConfigError(
+                f"MergeConfig.dtype={self.dtype!r} is not a torch dtype; use e.g. 'float16', 'bfloat16' or 'float32'."
+            )
         return dtype
 
     def merge_tensors(self, policy: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -94,8 +105,10 @@ class MergeConfig:
         if not policy.is_floating_point():
             return policy
         if policy.shape != target.shape:
-            raise ConfigError(f"Cannot merge tensors of shapes {tuple(policy.shape)} and {tuple(target.shape)}; "
-                              "the target model must have the policy's architecture.")
+            raise ConfigError(
+                f"Cannot merge tensors of shapes {tuple(policy.shape)} and {tuple(target.shape)}; "
+                "the target model must have the policy's architecture."
+            )
         if self.method == "linear":
             return linear_merge(policy, target, self.policy_model_weight, self.target_model_weight)
         return slerp(self.t_values, policy, target)
@@ -105,8 +118,10 @@ def merge_state_dicts(config: MergeConfig, policy: dict, target: dict) -> dict:
     """Every policy tensor merged with the target's tensor of the same name."""
     missing = sorted(set(policy) - set(target))
     if missing:
-        raise ConfigError(f"The merge target lacks {len(missing)} of the policy's tensors (e.g. {missing[:3]}); it "
-                          "must be a checkpoint of the same architecture. Set MergeConfig.target_model_path.")
+        raise ConfigError(
+            f"The merge target lacks {len(missing)} of the policy's tensors (e.g. {missing[:3]}); it "
+            "must be a checkpoint of the same architecture. Set MergeConfig.target_model_path."
+        )
     return {name: config.merge_tensors(tensor, target[name]) for name, tensor in policy.items()}
 
 
@@ -124,8 +139,10 @@ def merge_model_weights(config: MergeConfig, model, out_path: str, processing_cl
     from ..models.loading import load_causal_lm
 
     if config.target_model_path is None:
-        raise ConfigError("MergeConfig.target_model_path is not set and the policy's config has no _name_or_path to "
-                          "merge with; set it to the checkpoint to merge the policy with.")
+        raise ConfigError(
+            "MergeConfig.target_model_path is not set and the policy's config has no _name_or_path to "
+            "merge with; set it to the checkpoint to merge the policy with."
+        )
     merged = _full_weights_model(model)
     target = load_causal_lm(config.target_model_path).state_dict()
     with torch.no_grad():
@@ -152,8 +169,12 @@ class MergeModelCallback(TrainerCallback):
     does not need a checkpoint to have been saved at the last step. `push_to_hub` uploads each merged model to the
     Hub repository ``<output_dir>_checkpoint-<step>_merged``, as in TRL."""
 
-    def __init__(self, merge_config: MergeConfig | None = None, merge_at_every_checkpoint: bool = False,
-                 push_to_hub: bool = False):
+    def __init__(
+        self,
+        merge_config: MergeConfig | None = None,
+        merge_at_every_checkpoint: bool = False,
+        push_to_hub: bool = False,
+    ):
         self.merge_config = merge_config or MergeConfig()
         self.merge_at_every_checkpoint = merge_at_every_checkpoint
         self.push_to_hub = push_to_hub
@@ -168,8 +189,12 @@ class MergeModelCallback(TrainerCallback):
             self.merge_config.target_model_path = getattr(unwrap(model).config, "_name_or_path", None) or None
         path = merge_model_weights(self.merge_config, model, os.path.join(checkpoint, "merged"), processing_class)
         self.merged_paths.append(path)
-        logger.info("Merged the policy with %s (%s) into %s", self.merge_config.target_model_path,
-                    self.merge_config.method, path)
+        logger.info(
+            "Merged the policy with %s (%s) into %s",
+            self.merge_config.target_model_path,
+            self.merge_config.method,
+            path,
+        )
         if self.push_to_hub:
             upload_model_to_hf(path, f"{args.output_dir}_checkpoint-{state.global_step}_merged")
 
@@ -182,5 +207,12 @@ class MergeModelCallback(TrainerCallback):
             self._merge(args, state, model, processing_class)
 
 
-__all__ = ["MergeConfig", "MergeModelCallback", "linear_merge", "merge_model_weights", "merge_state_dicts", "slerp",
-           "upload_model_to_hf"]
+__all__ = [
+    "MergeConfig",
+    "MergeModelCallback",
+    "linear_merge",
+    "merge_model_weights",
+    "merge_state_dicts",
+    "slerp",
+    "upload_model_to_hf",
+]

@@ -31,8 +31,9 @@ class RichProgressCallback(TrainerCallback):
 
         self.training_bar, self.evaluation_bar, self.rich_console = Progress(), Progress(), Console()
         self.training_status = self.rich_console.status("Nothing to log yet ...")
-        self.rich_group = Live(Panel(Group(self.training_bar, self.evaluation_bar, self.training_status)),
-                               console=self.rich_console)
+        self.rich_group = Live(
+            Panel(Group(self.training_bar, self.evaluation_bar, self.training_status)), console=self.rich_console
+        )
         self.rich_group.start()
         self.training_task = self.training_bar.add_task("[blue]Training  ", total=state.max_steps)
         self.current_step = 0
@@ -79,9 +80,13 @@ class RichProgressCallback(TrainerCallback):
             for name, value in metrics.items():
                 table.add_row(name, f"{value:.3f}" if isinstance(value, (int, float)) else str(value))
             panels.append(Panel(table, border_style="cyan", padding=(0, 1)))
-        self.training_status.update(Panel(Columns(panels, equal=False, expand=True),
-                                          title=f"[bold green]Step {state.global_step}[/bold green]",
-                                          border_style="green"))
+        self.training_status.update(
+            Panel(
+                Columns(panels, equal=False, expand=True),
+                title=f"[bold green]Step {state.global_step}[/bold green]",
+                border_style="green",
+            )
+        )
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.rich_group is not None:

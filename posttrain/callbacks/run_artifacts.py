@@ -94,8 +94,11 @@ class RunArtifactsCallback(TrainerCallback):
         try:
             path = write_report(args.output_dir, log_history=state.log_history, title=title)
         except ImportError:
-            logger.warning("No report written: matplotlib is not installed (pip install 'posttrain[report]', then "
-                           "posttrain report %s), or set write_report=False.", args.output_dir)
+            logger.warning(
+                "No report written: matplotlib is not installed (pip install 'posttrain[report]', then "
+                "posttrain report %s), or set write_report=False.",
+                args.output_dir,
+            )
         except DataError as err:
             logger.warning("No report written: %s", err)
         else:
@@ -108,4 +111,3 @@ class RunArtifactsCallback(TrainerCallback):
             write_model_card(self.trainer, args.output_dir)
         except OSError as err:  # a card is documentation: a full disk or read-only dir must not stop training
             logger.warning("No model card written to %s: %s", args.output_dir, err)
-

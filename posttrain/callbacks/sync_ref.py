@@ -16,8 +16,7 @@ def mix_into_reference(policy: nn.Module, ref_model: nn.Module, alpha: float) ->
     """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (matched by name); under ZeRO-3 and FSDP2
     (a collective there) on the parameters as the engines hold them."""
     policy_params, ref_params = named_weights(policy), named_weights(ref_model)
-    with torch.no_grad(), gathered_weights(policy_params.values()), \
-            gathered_weights(ref_params.values(), modify=True):
+    with torch.no_grad(), gathered_weights(policy_params.values()), gathered_weights(ref_params.values(), modify=True):
         for name, ref_param in ref_params.items():
             ref_param.mul_(1 - alpha).add_(policy_params[name].detach().to(ref_param.dtype), alpha=alpha)
 
@@ -32,8 +31,9 @@ class SyncRefModelCallback(TrainerCallback):
     instead. The accelerator is not needed (models are unwrapped here) and is kept for the signature.
     """
 
-    def __init__(self, ref_model: nn.Module, accelerator=None, alpha: float | None = None,
-                 sync_steps: int | None = None):
+    def __init__(
+        self, ref_model: nn.Module, accelerator=None, alpha: float | None = None, sync_steps: int | None = None
+    ):
         if isinstance(accelerator, numbers.Number):  # posttrain's earlier positional form (ref, alpha, steps)
             accelerator, alpha, sync_steps = None, accelerator, alpha if sync_steps is None else sync_steps
         self.ref_model, self.accelerator, self.alpha, self.sync_steps = ref_model, accelerator, alpha, sync_steps
@@ -77,6 +77,8 @@ def load_sync_ref_checkpoint_state(trainer, state: dict) -> None:
         return
     callback = _sync_callback(trainer)
     if callback is None or callback.ref_model is None:
-        raise ConfigError("The checkpoint holds a TR-DPO reference model (it was saved with sync_ref_model=True), "
-                          "but this run does not sync one; resume with sync_ref_model=True or start a new run.")
+        raise ConfigError(
+            "The checkpoint holds a TR-DPO reference model (it was saved with sync_ref_model=True), "
+            "but this run does not sync one; resume with sync_ref_model=True or start a new run."
+        )
     load_full_state_dict(callback.ref_model, weights)

@@ -19,9 +19,16 @@ class WeaveCallback(TrainerCallback):
     (``pip install weave``); the project is `project_name`, an already initialised Weave client, or the active
     wandb run's project."""
 
-    def __init__(self, trainer, project_name: str | None = None, scorers: dict | None = None,
-                 generation_config=None, num_prompts: int | None = None, dataset_name: str = "eval_dataset",
-                 model_name: str | None = None):
+    def __init__(
+        self,
+        trainer,
+        project_name: str | None = None,
+        scorers: dict | None = None,
+        generation_config=None,
+        num_prompts: int | None = None,
+        dataset_name: str = "eval_dataset",
+        model_name: str | None = None,
+    ):
         if importlib.util.find_spec("weave") is None:
             raise ImportError("WeaveCallback requires the `weave` package. To install, run `pip install weave`.")
         self.trainer, self.project_name, self.scorers = trainer, project_name, scorers or {}
@@ -46,13 +53,16 @@ class WeaveCallback(TrainerCallback):
             if self.project_name is None:
                 try:
                     import wandb
+
                     if wandb.run is not None:
                         self.project_name = f"{wandb.run.entity}/{wandb.run.project}"
                 except ImportError:
                     pass
             if self.project_name is None:
-                raise ValueError("WeaveCallback: no Weave client and no project. Call weave.init('project'), pass "
-                                 "project_name=..., or start a wandb run first.")
+                raise ValueError(
+                    "WeaveCallback: no Weave client and no project. Call weave.init('project'), pass "
+                    "project_name=..., or start a wandb run first."
+                )
             self._client = weave.init(self.project_name)
         if self.model_name is None:
             self.model_name = getattr(self.trainer.model.config, "_name_or_path", "unknown_model")
@@ -66,8 +76,9 @@ class WeaveCallback(TrainerCallback):
             return
         tokenizer = kwargs.get("processing_class") or self.trainer.processing_class
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-        prompts, completions = generate_completions(self.trainer, self.prompts, tokenizer, self.generation_config,
-                                                    args.per_device_eval_batch_size)
+        prompts, completions = generate_completions(
+            self.trainer, self.prompts, tokenizer, self.generation_config, args.per_device_eval_batch_size
+        )
         if self.trainer.accelerator.is_main_process:
             self._init_weave()
             self._log(state, prompts, completions)
@@ -76,8 +87,11 @@ class WeaveCallback(TrainerCallback):
     def _log(self, state, prompts, completions):
         from weave import EvaluationLogger
 
-        attributes = {"training_step": state.global_step, "model_name": self.model_name,
-                      "generation_config": self.generation_config.to_dict() if self.generation_config else None}
+        attributes = {
+            "training_step": state.global_step,
+            "model_name": self.model_name,
+            "generation_config": self.generation_config.to_dict() if self.generation_config else None,
+        }
         evaluation = EvaluationLogger(model=self.model_name, dataset=self.dataset_name, eval_attributes=attributes)
         scores: dict[str, list] = {name: [] for name in self.scorers}
         for prompt, completion in zip(prompts, completions):

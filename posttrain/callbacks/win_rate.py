@@ -41,8 +41,15 @@ class WinRateCallback(TrainerCallback):
     as the table ``win_rate_completions`` when ``report_to`` includes wandb.
     """
 
-    def __init__(self, judge, trainer, generation_config=None, num_prompts: int | None = None,
-                 shuffle_order: bool = True, use_soft_judge: bool = False):
+    def __init__(
+        self,
+        judge,
+        trainer,
+        generation_config=None,
+        num_prompts: int | None = None,
+        shuffle_order: bool = True,
+        use_soft_judge: bool = False,
+    ):
         self.judge, self.trainer, self.generation_config = judge, trainer, generation_config
         self.shuffle_order, self.use_soft_judge = shuffle_order, use_soft_judge
         self.eval_dataset = eval_prompts(trainer, num_prompts, "WinRateCallback")
@@ -65,7 +72,8 @@ class WinRateCallback(TrainerCallback):
             context = reference_forward(self.trainer.model, None)
         with context:
             self._rendered_prompts, self.ref_completions = generate_completions(
-                source, self.prompts, tokenizer, self.generation_config, args.per_device_eval_batch_size)
+                source, self.prompts, tokenizer, self.generation_config, args.per_device_eval_batch_size
+            )
 
     def _judge_and_log(self, state, prompts: list[str], completions: list[str]) -> None:
         if not self.trainer.accelerator.is_main_process:
@@ -79,8 +87,10 @@ class WinRateCallback(TrainerCallback):
         else:
             winners = self.judge.judge(prompts, pairs, self.shuffle_order)
         metrics["eval_win_rate"] = sum(w == 1 for w in winners) / len(winners)
-        rows = [(str(state.global_step), p, ref, policy, int(w))
-                for p, (ref, policy), w in zip(prompts, pairs, winners, strict=True)]
+        rows = [
+            (str(state.global_step), p, ref, policy, int(w))
+            for p, (ref, policy), w in zip(prompts, pairs, winners, strict=True)
+        ]
         self.table += rows
         self.trainer.log(metrics)
         self._log_to_wandb(rows)
@@ -106,7 +116,7 @@ class WinRateCallback(TrainerCallback):
         tokenizer = self._tokenizer(kwargs, self.trainer)
         if self.ref_completions is None:
             self._generate_reference(args, tokenizer)
-        prompts, completions = generate_completions(self.trainer, self.prompts, tokenizer, self.generation_config,
-                                                    args.per_device_eval_batch_size)
+        prompts, completions = generate_completions(
+            self.trainer, self.prompts, tokenizer, self.generation_config, args.per_device_eval_batch_size
+        )
         self._judge_and_log(state, prompts, completions)
-

@@ -37,13 +37,18 @@ class RewardArguments:
     """The rewards of the online methods (GRPO, RLOO, PPO); their weights are the config's `reward_weights`."""
 
     reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "A reward model (hub id or local directory of a sequence classifier), "
-                                        "scored before the reward_funcs."},
+        default=None,
+        metadata={
+            "help": "A reward model (hub id or local directory of a sequence classifier), "
+            "scored before the reward_funcs."
+        },
     )
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions: names from posttrain.rewards.REWARD_FUNCTIONS, dotted import paths "
-                          "(mypkg.rewards.my_reward), or reward model ids/paths."},
+        metadata={
+            "help": "Reward functions: names from posttrain.rewards.REWARD_FUNCTIONS, dotted import paths "
+            "(mypkg.rewards.my_reward), or reward model ids/paths."
+        },
     )
 
 
@@ -98,8 +103,9 @@ def _describe(hint: Any) -> str:
     if _is_enum(hint):
         return "one of " + ", ".join(repr(member.value) for member in hint)
     if origin is Literal:
-        return "one of " + ", ".join(str(option).lower() if isinstance(option, bool) else repr(option)
-                                     for option in args)
+        return "one of " + ", ".join(
+            str(option).lower() if isinstance(option, bool) else repr(option) for option in args
+        )
     if origin in (typing.Union, types.UnionType):
         described = [_describe(member) for member in _union_candidates(args)]
         return " or ".join(described + (["none"] if type(None) in args else []))
@@ -230,7 +236,7 @@ def _union_candidates(members: tuple) -> list:
 
 
 def _is_none_text(value: Any, takes_strings: bool) -> bool:
-    """"null" always means None; "none" only where the setting takes no strings (report_to="none" is a string)."""
+    """ "null" always means None; "none" only where the setting takes no strings (report_to="none" is a string)."""
     return isinstance(value, str) and (value.lower() == "null" or (not takes_strings and value.lower() == "none"))
 
 
@@ -274,8 +280,14 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     for key in values:
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name_message(str(key), list(hints))}")
-    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ConfigError(f"{where}: {missing[0]} is required; got {values}.")
     converted = {key: convert_value(value, hints[key], f"{where}: {key}") for key, value in values.items()}
@@ -340,10 +352,15 @@ def build_parser(prog: str, description: str, groups: list[FlagGroup]) -> argpar
 
 def spec_parser(prog: str, description: str, specs: list[dict[str, Any]]) -> argparse.ArgumentParser:
     """The parser of `build_parser` from flag specs (`flag_spec`), which may come from the on-disk cache."""
-    parser = CommandParser(prog=prog, usage=f"{prog} [--config run.yaml] [--flag VALUE ...]", description=description,
-                           allow_abbrev=False)
-    parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                        help="YAML file with the same keys as the flags; flags given here override it.")
+    parser = CommandParser(
+        prog=prog, usage=f"{prog} [--config run.yaml] [--flag VALUE ...]", description=description, allow_abbrev=False
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=argparse.SUPPRESS,
+        help="YAML file with the same keys as the flags; flags given here override it.",
+    )
     add_flag_specs(parser, specs)
     return parser
 
@@ -365,8 +382,16 @@ def flag_spec(group: FlagGroup) -> dict[str, Any]:
         nargs = _nargs(hints[name])
         # A setting that is on by default can be switched off with --no_<name>, as with TRL's parser.
         negatable = default is True and nargs == "?" and f"no_{name}" not in fields
-        flags.append({"name": name, "help": text, "default": repr(default), "metavar": _metavar(hints[name]),
-                      "nargs": nargs, "negatable": negatable})
+        flags.append(
+            {
+                "name": name,
+                "help": text,
+                "default": repr(default),
+                "metavar": _metavar(hints[name]),
+                "nargs": nargs,
+                "negatable": negatable,
+            }
+        )
     return {"title": group.title, "flags": flags}
 
 
@@ -380,12 +405,24 @@ def add_flag_specs(parser: argparse.ArgumentParser, specs: list[dict[str, Any]])
         section = parser.add_argument_group(spec["title"])
         for flag in spec["flags"]:
             name, nargs = flag["name"], flag["nargs"]
-            section.add_argument(*_spellings(name), dest=name, default=argparse.SUPPRESS, nargs=nargs,
-                                 const="true" if nargs == "?" else None, metavar=flag["metavar"],
-                                 help=flag["help"].replace("%", "%%"))
+            section.add_argument(
+                *_spellings(name),
+                dest=name,
+                default=argparse.SUPPRESS,
+                nargs=nargs,
+                const="true" if nargs == "?" else None,
+                metavar=flag["metavar"],
+                help=flag["help"].replace("%", "%%"),
+            )
             if flag["negatable"]:
-                section.add_argument(*_spellings(f"no_{name}"), dest=name, action="store_const", const="false",
-                                     default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                section.add_argument(
+                    *_spellings(f"no_{name}"),
+                    dest=name,
+                    action="store_const",
+                    const="false",
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                )
 
 
 def _spellings(name: str) -> list[str]:
@@ -456,8 +493,9 @@ def parse_settings(parser: argparse.ArgumentParser, groups: list[FlagGroup], arg
     return parse_flags(parser, hints, argv)
 
 
-def parse_flags(parser: argparse.ArgumentParser, hints: dict[str, Any], argv: list[str],
-                skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+def parse_flags(
+    parser: argparse.ArgumentParser, hints: dict[str, Any], argv: list[str], skip: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """`parse_settings` given each flag's type; the flags in `skip` are returned as given, unconverted."""
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:

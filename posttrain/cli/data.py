@@ -26,14 +26,17 @@ class ScriptArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub dataset name, local dataset directory, or data file (.jsonl .json .csv .parquet). "
-                          "Not used when `datasets` is given."},
+        metadata={
+            "help": "Hub dataset name, local dataset directory, or data file (.jsonl .json .csv .parquet). "
+            "Not used when `datasets` is given."
+        },
     )
     dataset_config: str | None = field(
         default=None, metadata={"help": "Configuration (subset) of the dataset: the `name` of datasets.load_dataset."}
     )
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (slices like "
-                                                                        "'train[:1000]' work)."})
+    dataset_train_split: str = field(
+        default="train", metadata={"help": "Split to train on (slices like 'train[:1000]' work)."}
+    )
     dataset_test_split: str = field(
         default="test", metadata={"help": "Split to evaluate on when eval_strategy is not 'no'."}
     )
@@ -41,8 +44,11 @@ class ScriptArguments:
         default=False, metadata={"help": "Stream the dataset (an IterableDataset) instead of loading it whole."}
     )
     ignore_bias_buffers: bool = field(
-        default=False, metadata={"help": "Leave boolean buffers (attention masks) out of DDP's buffer broadcast, "
-                                         "a fix for 'invalid scalar type' errors of some models under DDP."}
+        default=False,
+        metadata={
+            "help": "Leave boolean buffers (attention masks) out of DDP's buffer broadcast, "
+            "a fix for 'invalid scalar type' errors of some models under DDP."
+        },
     )
 
 
@@ -60,9 +66,11 @@ class DatasetConfig:
     columns: list[str] | None = field(default=None, metadata={"help": "Columns to keep (default: all)."})
     fraction: float | None = field(
         default=None,
-        metadata={"help": "Target share of this dataset in the mixture; set for all datasets or none. Shares are "
-                          "normalised, and the mixture is as large as it can be without repeating rows: the first "
-                          "round(share * N) rows of each dataset are kept."},
+        metadata={
+            "help": "Target share of this dataset in the mixture; set for all datasets or none. Shares are "
+            "normalised, and the mixture is as large as it can be without repeating rows: the first "
+            "round(share * N) rows of each dataset are kept."
+        },
     )
 
 
@@ -75,13 +83,15 @@ class DatasetMixtureConfig:
     )
     streaming: bool = field(default=False, metadata={"help": "Stream the datasets of the mixture."})
     test_split_size: float | None = field(
-        default=None, metadata={"help": "Split the mixture into 'train' and 'test' with this test share (a "
-                                        "fraction) or row count."}
+        default=None,
+        metadata={"help": "Split the mixture into 'train' and 'test' with this test share (a fraction) or row count."},
     )
 
     def __post_init__(self):
-        self.datasets = [build_dataclass(DatasetConfig, entry, where=f"datasets[{index}]")
-                         if isinstance(entry, dict) else entry for index, entry in enumerate(self.datasets)]
+        self.datasets = [
+            build_dataclass(DatasetConfig, entry, where=f"datasets[{index}]") if isinstance(entry, dict) else entry
+            for index, entry in enumerate(self.datasets)
+        ]
 
 
 @dataclass
@@ -90,40 +100,48 @@ class DataArguments(ScriptArguments):
     posttrain's ways to get evaluation rows (a separate source, or a held-out share)."""
 
     dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Split to evaluate on, of dataset_name or else of eval_dataset_name (with "
-                                        "eval_strategy other than 'no' and no other eval source: 'test', as TRL)."}
+        default=None,
+        metadata={
+            "help": "Split to evaluate on, of dataset_name or else of eval_dataset_name (with "
+            "eval_strategy other than 'no' and no other eval source: 'test', as TRL)."
+        },
     )
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "A separate source to evaluate on (read with dataset_test_split, else "
-                                        "its 'train' split, the only split of a data file)."}
+        default=None,
+        metadata={
+            "help": "A separate source to evaluate on (read with dataset_test_split, else "
+            "its 'train' split, the only split of a data file)."
+        },
     )
     eval_split_size: float | None = field(
         default=None, metadata={"help": "Hold out this fraction (0 < f < 1) of the training rows for evaluation."}
     )
     datasets: list[dict] | None = field(
         default=None,
-        metadata={"help": "Several datasets, concatenated: a list of {path, name (config), data_dir, data_files, "
-                          "split, columns (to keep), fraction (share)}; usually given in the YAML config."},
+        metadata={
+            "help": "Several datasets, concatenated: a list of {path, name (config), data_dir, data_files, "
+            "split, columns (to keep), fraction (share)}; usually given in the YAML config."
+        },
     )
     streaming: bool = field(default=False, metadata={"help": "Stream the datasets of the `datasets` mixture."})
     test_split_size: float | None = field(
-        default=None, metadata={"help": "Hold out this share of the training rows for evaluation (TRL's name "
-                                        "for eval_split_size)."}
+        default=None,
+        metadata={"help": "Hold out this share of the training rows for evaluation (TRL's name for eval_split_size)."},
     )
 
 
 def _check_exists(path: Path) -> None:
     if not path.is_file():
-        raise DataError(f"Data file {path} does not exist; check the path (relative paths start from "
-                        f"{Path.cwd()}).")
+        raise DataError(f"Data file {path} does not exist; check the path (relative paths start from {Path.cwd()}).")
 
 
 def _check_data_file(path: Path) -> None:
     """A missing, empty, or (for JSON) malformed file fails here with the file name and line number."""
     _check_exists(path)
     if path.suffix not in FILE_BUILDERS:
-        raise DataError(f"{path} is not a supported data file; use one of {', '.join(FILE_BUILDERS)}, or a "
-                        "dataset directory.")
+        raise DataError(
+            f"{path} is not a supported data file; use one of {', '.join(FILE_BUILDERS)}, or a dataset directory."
+        )
     with open(path, "rb") as file:
         if not any(chunk.strip() for chunk in iter(lambda: file.read(1 << 16), b"")):
             raise DataError(f"Data file {path} is empty; it needs at least one row.")
@@ -152,7 +170,7 @@ def _json_problem(path: Path) -> str | None:
             except json.JSONDecodeError as err:
                 return f"line {number} is not valid JSON ({err.msg} at column {err.colno}); fix or delete that line."
             if not isinstance(row, dict):
-                return f"line {number} is not a JSON object (one {{\"column\": value}} object per line)."
+                return f'line {number} is not a JSON object (one {{"column": value}} object per line).'
         return None
     try:
         json.loads("\n".join(lines))
@@ -186,8 +204,9 @@ def load_source(location: str, config: str | None = None, split: str = "train", 
     if path.is_file() or _looks_like_path(location):
         _check_data_file(path)
         builder = FILE_BUILDERS[path.suffix]
-        return _load(location, lambda: datasets.load_dataset(builder, data_files=str(path), split=split,
-                                                             streaming=streaming))
+        return _load(
+            location, lambda: datasets.load_dataset(builder, data_files=str(path), split=split, streaming=streaming)
+        )
     return _load(location, lambda: datasets.load_dataset(location, config, split=split, streaming=streaming))
 
 
@@ -204,8 +223,10 @@ def _load(location: str, load):
     try:
         dataset = load()
     except (DatasetNotFoundError, FileNotFoundError, ConnectionError) as err:
-        raise DataError(f"Could not find dataset {location!r} ({err}). Pass a hub dataset name, a dataset "
-                        "directory, or a data file path.") from None
+        raise DataError(
+            f"Could not find dataset {location!r} ({err}). Pass a hub dataset name, a dataset "
+            "directory, or a data file path."
+        ) from None
     except DatasetGenerationError as err:
         raise DataError(f"Could not read {location}: {err.__cause__ or err}") from None
     except ValueError as err:  # datasets' unknown split / config messages
@@ -220,12 +241,23 @@ def _load_entry(entry: DatasetConfig, streaming: bool):
     anything else (a builder with data_files, a hub dataset) through datasets.load_dataset."""
     import datasets
 
-    if entry.data_dir is None and entry.data_files is None and (
-            Path(entry.path).expanduser().exists() or _looks_like_path(entry.path)):
+    if (
+        entry.data_dir is None
+        and entry.data_files is None
+        and (Path(entry.path).expanduser().exists() or _looks_like_path(entry.path))
+    ):
         return load_source(entry.path, entry.name, entry.split, streaming=streaming)
-    return _load(entry.path, lambda: datasets.load_dataset(
-        path=entry.path, name=entry.name, data_dir=entry.data_dir, data_files=entry.data_files, split=entry.split,
-        streaming=streaming))
+    return _load(
+        entry.path,
+        lambda: datasets.load_dataset(
+            path=entry.path,
+            name=entry.name,
+            data_dir=entry.data_dir,
+            data_files=entry.data_files,
+            split=entry.split,
+            streaming=streaming,
+        ),
+    )
 
 
 def _select_columns(dataset, columns: list[str] | None, location: str):
@@ -258,16 +290,21 @@ def get_dataset(mixture_config: DatasetMixtureConfig, seed: int | None = None):
     entries = mixture_config.datasets
     if not entries:
         raise ConfigError("datasets: the mixture lists no dataset; add at least one {path: ...} entry.")
-    parts = [_select_columns(_load_entry(entry, mixture_config.streaming), entry.columns, entry.path)
-             for entry in entries]
+    parts = [
+        _select_columns(_load_entry(entry, mixture_config.streaming), entry.columns, entry.path) for entry in entries
+    ]
     fractions = [entry.fraction for entry in entries]
     if any(fraction is not None for fraction in fractions):
         if any(fraction is None for fraction in fractions):
-            raise ConfigError(f"datasets: `fraction` is set for some datasets and not others ({fractions}); set it "
-                              "for all of them or for none.")
+            raise ConfigError(
+                f"datasets: `fraction` is set for some datasets and not others ({fractions}); set it "
+                "for all of them or for none."
+            )
         if mixture_config.streaming:
-            raise ConfigError("datasets: `fraction` needs the length of each dataset, which streaming does not "
-                              "know; drop `fraction` or set streaming to false.")
+            raise ConfigError(
+                "datasets: `fraction` needs the length of each dataset, which streaming does not "
+                "know; drop `fraction` or set streaming to false."
+            )
         sizes = _mixture_sizes([len(part) for part in parts], fractions)
         parts = [part.select(range(size)) for part, size in zip(parts, sizes)]
     if not mixture_config.streaming:
@@ -285,22 +322,29 @@ def _align(parts: list, locations: list[str]) -> list:
     differently); different columns are an error that suggests `columns`."""
     columns = {location: sorted(part.column_names) for location, part in zip(locations, parts)}
     if len({tuple(names) for names in columns.values()}) > 1:
-        raise DataError(f"datasets: the sources have different columns {columns}; give each a 'columns' list "
-                        "so that they keep the same ones.")
+        raise DataError(
+            f"datasets: the sources have different columns {columns}; give each a 'columns' list "
+            "so that they keep the same ones."
+        )
     features = parts[0].features
     aligned = []
     for location, part in zip(locations, parts):
         try:
             aligned.append(part.cast(features))
         except (ValueError, TypeError) as err:
-            raise DataError(f"datasets: {location} has column types {part.features}, which do not convert to "
-                            f"those of {locations[0]} ({features}): {err}") from None
+            raise DataError(
+                f"datasets: {location} has column types {part.features}, which do not convert to "
+                f"those of {locations[0]} ({features}): {err}"
+            ) from None
     return aligned
 
 
 def _holdout(args: DataArguments) -> tuple[str, float] | None:
-    given = [(name, getattr(args, name)) for name in ("eval_split_size", "test_split_size")
-             if getattr(args, name) is not None]
+    given = [
+        (name, getattr(args, name))
+        for name in ("eval_split_size", "test_split_size")
+        if getattr(args, name) is not None
+    ]
     if len(given) > 1:
         raise ConfigError("--eval_split_size and --test_split_size both hold out training rows; pass one of them.")
     return given[0] if given else None
@@ -308,19 +352,25 @@ def _holdout(args: DataArguments) -> tuple[str, float] | None:
 
 def _check_arguments(args: DataArguments) -> None:
     if (args.dataset_name is None) == (args.datasets is None):
-        raise ConfigError("Give the training data either as --dataset_name or as a `datasets:` list in the YAML "
-                          "config" + (", not both." if args.dataset_name else "."))
+        raise ConfigError(
+            "Give the training data either as --dataset_name or as a `datasets:` list in the YAML "
+            "config" + (", not both." if args.dataset_name else ".")
+        )
     holdout = _holdout(args)
     if holdout is not None:
         name, size = holdout
         if args.dataset_test_split or args.eval_dataset_name:
-            raise ConfigError(f"--{name} holds out training rows for evaluation, which conflicts with "
-                              "--dataset_test_split / --eval_dataset_name; pass only one way to get eval rows.")
+            raise ConfigError(
+                f"--{name} holds out training rows for evaluation, which conflicts with "
+                "--dataset_test_split / --eval_dataset_name; pass only one way to get eval rows."
+            )
         if not 0 < size < 1:
             raise ConfigError(f"--{name} {size}: use a fraction between 0 and 1, e.g. 0.1.")
     if args.datasets is not None and args.dataset_test_split and not args.eval_dataset_name:
-        raise ConfigError("--dataset_test_split needs one source; with a `datasets:` mixture use "
-                          "--eval_dataset_name or --test_split_size.")
+        raise ConfigError(
+            "--dataset_test_split needs one source; with a `datasets:` mixture use "
+            "--eval_dataset_name or --test_split_size."
+        )
 
 
 def check_data_arguments(args: DataArguments) -> None:
@@ -343,8 +393,9 @@ def load_training_data(args: DataArguments, seed: int, evaluate: bool = False):
         mixture = DatasetMixtureConfig(datasets=list(args.datasets), streaming=args.streaming)
         train = get_dataset(mixture)["train"]
     else:
-        train = load_source(args.dataset_name, args.dataset_config, args.dataset_train_split,
-                            streaming=args.dataset_streaming)
+        train = load_source(
+            args.dataset_name, args.dataset_config, args.dataset_train_split, streaming=args.dataset_streaming
+        )
     holdout = _holdout(args)
     if holdout is not None:
         name, size = holdout
@@ -360,17 +411,22 @@ def load_training_data(args: DataArguments, seed: int, evaluate: bool = False):
     if args.eval_dataset_name:
         return train, load_source(args.eval_dataset_name, None, args.dataset_test_split or "train")
     if args.dataset_test_split:
-        return train, load_source(args.dataset_name, args.dataset_config, args.dataset_test_split,
-                                  streaming=args.dataset_streaming)
+        return train, load_source(
+            args.dataset_name, args.dataset_config, args.dataset_test_split, streaming=args.dataset_streaming
+        )
     if evaluate:
         if args.dataset_name is None:
-            raise ConfigError("eval_strategy is not 'no' but the `datasets:` mixture has no eval rows; set "
-                              "--test_split_size (or --eval_dataset_name), or --eval_strategy no.")
+            raise ConfigError(
+                "eval_strategy is not 'no' but the `datasets:` mixture has no eval rows; set "
+                "--test_split_size (or --eval_dataset_name), or --eval_strategy no."
+            )
         try:
             return train, load_source(args.dataset_name, args.dataset_config, "test", streaming=args.dataset_streaming)
         except DataError as err:
-            raise DataError(f"eval_strategy is not 'no', so the run evaluates on the 'test' split of "
-                            f"{args.dataset_name} (TRL's default dataset_test_split), which fails: {err} Pass "
-                            "--dataset_test_split, --eval_dataset_name or --eval_split_size, or --eval_strategy "
-                            "no.") from None
+            raise DataError(
+                f"eval_strategy is not 'no', so the run evaluates on the 'test' split of "
+                f"{args.dataset_name} (TRL's default dataset_test_split), which fails: {err} Pass "
+                "--dataset_test_split, --eval_dataset_name or --eval_split_size, or --eval_strategy "
+                "no."
+            ) from None
     return train, None

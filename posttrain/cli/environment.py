@@ -97,5 +97,5 @@ def _nvidia_gpus() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         entries = [entry for entry in visible.split(",") if entry.strip() and entry.strip() != "-1"]
-        names = names[:len(entries)]
+        names = names[: len(entries)]
     return names

@@ -39,8 +39,8 @@ from posttrain.cli.args import (
 )
 from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
 from posttrain.cli.environment import environment_report
-from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
+from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
 from posttrain.errors import ConfigError, PosttrainError
 
@@ -75,18 +75,40 @@ class Method:
 METHODS: dict[str, Method] = {
     "sft": Method("posttrain.trainers.sft", "SFTTrainer", "SFTConfig", "offline", "supervised fine-tuning"),
     "dpo": Method("posttrain.trainers.dpo", "DPOTrainer", "DPOConfig", "offline", "direct preference optimization"),
-    "kto": Method("posttrain.trainers.kto", "KTOTrainer", "KTOConfig", "offline",
-                  "preference tuning from thumbs-up/down labels (KTO)"),
-    "reward": Method("posttrain.trainers.reward", "RewardTrainer", "RewardConfig", "reward",
-                     "reward model from preference pairs"),
-    "grpo": Method("posttrain.trainers.grpo", "GRPOTrainer", "GRPOConfig", "online",
-                   "group relative policy optimization with reward functions"),
-    "rloo": Method("posttrain.trainers.rloo", "RLOOTrainer", "RLOOConfig", "online",
-                   "REINFORCE leave-one-out with reward functions"),
-    "ppo": Method("posttrain.trainers.ppo", "PPOTrainer", "PPOConfig", "online",
-                  "proximal policy optimization with a value model"),
-    "distill": Method("posttrain.trainers.distillation", "DistillationTrainer", "DistillationConfig", "offline",
-                      "teacher -> student distillation (--teacher_model_name_or_path)"),
+    "kto": Method(
+        "posttrain.trainers.kto",
+        "KTOTrainer",
+        "KTOConfig",
+        "offline",
+        "preference tuning from thumbs-up/down labels (KTO)",
+    ),
+    "reward": Method(
+        "posttrain.trainers.reward", "RewardTrainer", "RewardConfig", "reward", "reward model from preference pairs"
+    ),
+    "grpo": Method(
+        "posttrain.trainers.grpo",
+        "GRPOTrainer",
+        "GRPOConfig",
+        "online",
+        "group relative policy optimization with reward functions",
+    ),
+    "rloo": Method(
+        "posttrain.trainers.rloo",
+        "RLOOTrainer",
+        "RLOOConfig",
+        "online",
+        "REINFORCE leave-one-out with reward functions",
+    ),
+    "ppo": Method(
+        "posttrain.trainers.ppo", "PPOTrainer", "PPOConfig", "online", "proximal policy optimization with a value model"
+    ),
+    "distill": Method(
+        "posttrain.trainers.distillation",
+        "DistillationTrainer",
+        "DistillationConfig",
+        "offline",
+        "teacher -> student distillation (--teacher_model_name_or_path)",
+    ),
 }
 ALIASES = {"distillation": "distill"}  # TRL's name for the command
 TOOLS = {
@@ -154,8 +176,7 @@ def command_groups(method: Method, config_class: type) -> list[FlagGroup]:
     """The flags of a training command: the config's fields first (a name it defines is its own), then the
     model (TRL's ModelConfig), data (TRL's ScriptArguments and DatasetMixtureConfig), reward (online methods)
     and process flags: the flags of TRL's `trl <method>`."""
-    classes = [(f"training ({config_class.__name__})", config_class), ("model", ModelConfig),
-               ("data", DataArguments)]
+    classes = [(f"training ({config_class.__name__})", config_class), ("model", ModelConfig), ("data", DataArguments)]
     if method.kind == "online":
         classes.append(("rewards", RewardArguments))
     return flag_groups(*classes, ("processes", LaunchArguments))
@@ -181,8 +202,7 @@ def check_flags_early(name: str, argv: list[str]) -> dict[str, Any] | None:
         return None
     hints = spec_hints(spec)
     parser = spec_parser(spec["prog"], spec["description"], spec["groups"])
-    settings = parse_flags(parser, hints, argv, skip=frozenset(key for key, hint in hints.items()
-                                                               if is_deferred(hint)))
+    settings = parse_flags(parser, hints, argv, skip=frozenset(key for key, hint in hints.items() if is_deferred(hint)))
     values = {cls: {key: settings[key] for key in spec_names(spec, cls) if key in settings} for cls in CLI_CLASSES}
     check_settings(METHODS[name], values, settings)
     return spec
@@ -229,12 +249,19 @@ def train_command(name: str, argv: list[str]) -> int:
         extra["quantization_config"] = quantization_config
     data_args = DataArguments(**values[DataArguments])
     with config.main_process_first(desc="loading the dataset"):
-        train_dataset, eval_dataset = load_training_data(data_args, seed=config.seed,
-                                                         evaluate=config.eval_strategy != "no")
+        train_dataset, eval_dataset = load_training_data(
+            data_args, seed=config.seed, evaluate=config.eval_strategy != "no"
+        )
 
     _configure_logging()
-    trainer = trainer_class(model=model_args.model_name_or_path, args=config, train_dataset=train_dataset,
-                            eval_dataset=eval_dataset, peft_config=peft_config, **extra)
+    trainer = trainer_class(
+        model=model_args.model_name_or_path,
+        args=config,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=peft_config,
+        **extra,
+    )
     if data_args.ignore_bias_buffers:
         ignore_bool_buffers(trainer.model)
     _show_live_metrics(trainer)
@@ -263,12 +290,14 @@ def ignore_bool_buffers(model) -> None:
     """TRL's `ignore_bias_buffers`: DDP leaves boolean buffers (causal masks) out of its buffer broadcast."""
     import torch
 
-    model._ddp_params_and_buffers_to_ignore = [name for name, buffer in model.named_buffers()
-                                               if buffer.dtype == torch.bool]
+    model._ddp_params_and_buffers_to_ignore = [
+        name for name, buffer in model.named_buffers() if buffer.dtype == torch.bool
+    ]
 
 
-def build_config(name: str, config_class: type, values: dict[str, Any], model_args: ModelConfig,
-                 given: set[str] | None = None):
+def build_config(
+    name: str, config_class: type, values: dict[str, Any], model_args: ModelConfig, given: set[str] | None = None
+):
     """The method's config from the given settings; the model flags (`--dtype`, `--attn_implementation`,
     `--model_revision`) go to model_init_kwargs, under the config's own model_init_kwargs (as in TRL's scripts),
     and a flag given explicitly that contradicts them is an error."""
@@ -284,8 +313,10 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
             continue
         if key in init_kwargs and init_kwargs[key] != flag_value:
             if flag in given:
-                raise ConfigError(f"--{flag} {flag_value} conflicts with model_init_kwargs {{'{key}': "
-                                  f"{init_kwargs[key]!r}}}; set it in one place.")
+                raise ConfigError(
+                    f"--{flag} {flag_value} conflicts with model_init_kwargs {{'{key}': "
+                    f"{init_kwargs[key]!r}}}; set it in one place."
+                )
             continue
         init_kwargs[key] = flag_value
     values["model_init_kwargs"] = init_kwargs or None
@@ -299,8 +330,10 @@ def build_config(name: str, config_class: type, values: dict[str, Any], model_ar
 
 def check_model_path(model_args: ModelConfig) -> None:
     if not model_args.model_name_or_path:
-        raise ConfigError("--model_name_or_path is required (a hub id, a local directory, or "
-                          "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config.")
+        raise ConfigError(
+            "--model_name_or_path is required (a hub id, a local directory, or "
+            "builtin:SmolLM2-135M-Instruct), as a flag or as model_name_or_path: in the YAML config."
+        )
     path = Path(model_args.model_name_or_path).expanduser()
     if model_args.model_name_or_path.startswith(("/", "./", "../", "~")) and not path.exists():
         raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: no such directory.")
@@ -310,8 +343,9 @@ def check_lora_flags(model_args: ModelConfig, settings: dict[str, Any]) -> None:
     """LoRA flags without --use_peft are a mistake, not silently ignored."""
     lora_flags = sorted(name for name in settings if name in LORA_FIELDS)
     if not model_args.use_peft and lora_flags:
-        raise ConfigError(f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop "
-                          f"the LoRA settings.")
+        raise ConfigError(
+            f"--{lora_flags[0]} has no effect without --use_peft; add --use_peft true or drop the LoRA settings."
+        )
 
 
 def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
@@ -335,8 +369,10 @@ def reward_arguments(args: RewardArguments) -> dict[str, Any]:
 
 def check_rewards(args: RewardArguments) -> None:
     if not args.reward_funcs and not args.reward_model_name_or_path:
-        raise ConfigError("--reward_funcs is required for this method: name one or more rewards, e.g. "
-                          "--reward_funcs accuracy_reward think_format_reward (or give --reward_model_name_or_path).")
+        raise ConfigError(
+            "--reward_funcs is required for this method: name one or more rewards, e.g. "
+            "--reward_funcs accuracy_reward think_format_reward (or give --reward_model_name_or_path)."
+        )
 
 
 def resolve_reward(spec: str):
@@ -352,9 +388,11 @@ def resolve_reward(spec: str):
         return _import_reward(spec)
     close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
     suggestion = f" Did you mean {close[0]}?" if close else ""
-    raise ConfigError(f"--reward_funcs: unknown reward function {spec!r}.{suggestion} The library has: "
-                      f"{', '.join(REWARD_FUNCTIONS)}; or pass a dotted import path (mypkg.rewards.my_reward) or "
-                      "a reward model id/path.")
+    raise ConfigError(
+        f"--reward_funcs: unknown reward function {spec!r}.{suggestion} The library has: "
+        f"{', '.join(REWARD_FUNCTIONS)}; or pass a dotted import path (mypkg.rewards.my_reward) or "
+        "a reward model id/path."
+    )
 
 
 def _import_reward(spec: str):
@@ -382,9 +420,14 @@ def relaunch(name: str, argv: list[str], launch: LaunchArguments, settings: dict
     import subprocess
 
     if launch.accelerate_config and not Path(launch.accelerate_config).is_file():
-        preset = "" if Path(launch.accelerate_config).suffix else (
-            " posttrain ships no named accelerate presets (TRL's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu); write "
-            "one with `accelerate config` and pass its path.")
+        preset = (
+            ""
+            if Path(launch.accelerate_config).suffix
+            else (
+                " posttrain ships no named accelerate presets (TRL's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu); write "
+                "one with `accelerate config` and pass its path."
+            )
+        )
         raise ConfigError(f"--accelerate_config {launch.accelerate_config}: no such file.{preset}")
     child_args = _without_launch_flags(argv)
     command = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -393,8 +436,19 @@ def relaunch(name: str, argv: list[str], launch: LaunchArguments, settings: dict
         if "num_processes" in settings:
             command += ["--num_processes", str(launch.num_processes)]
     else:
-        command += ["--multi_gpu", "--num_processes", str(launch.num_processes), "--num_machines", "1",
-                    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+        command += [
+            "--multi_gpu",
+            "--num_processes",
+            str(launch.num_processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+        ]
         if "use_cpu" not in settings and not _has_cuda():
             child_args += ["--use_cpu", "true"]
     command += ["-m", "posttrain.cli.main", name, *child_args]
@@ -440,8 +494,11 @@ def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path
     from posttrain.cli.report import write_report
 
     if importlib.util.find_spec("matplotlib") is None:
-        print("warning: matplotlib is not installed, so no report was written (pip install matplotlib, then "
-              f"posttrain report {output_dir}).", file=sys.stderr)
+        print(
+            "warning: matplotlib is not installed, so no report was written (pip install matplotlib, then "
+            f"posttrain report {output_dir}).",
+            file=sys.stderr,
+        )
         return None
     try:
         return write_report(output_dir, log_history)
@@ -467,8 +524,11 @@ def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str
     evaluation = [f"{key} {value:.4g}" for key, value in final.items() if key.startswith("eval_")]
     minutes, seconds = divmod(round(wall_seconds), 60)
     rows = [
-        ("steps", f"{state.global_step} (epoch {state.epoch or 0:.3g}) on {trainer.args.world_size} process(es), "
-                  f"{trainer.args.device}"),
+        (
+            "steps",
+            f"{state.global_step} (epoch {state.epoch or 0:.3g}) on {trainer.args.world_size} process(es), "
+            f"{trainer.args.device}",
+        ),
         ("final", " | ".join(train) or "nothing logged (lower --logging_steps)"),
     ]
     if evaluation:
@@ -476,11 +536,18 @@ def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str
     evals = [row for row in state.log_history if "eval_loss" in row]
     if len(evals) > 1:  # e.g. with eval_on_start: the held-out loss before and after training
         first, last = evals[0], evals[-1]
-        rows.append(("held-out", f"eval_loss {first['eval_loss']:.4g} at step {first['step']} -> "
-                                 f"{last['eval_loss']:.4g} at step {last['step']}"))
-    rows += [("model", f"saved to {Path(trainer.args.output_dir).resolve()}"),
-             ("report", str(report.resolve()) if report else "not written"),
-             ("wall time", f"{minutes}m {seconds:02d}s")]
+        rows.append(
+            (
+                "held-out",
+                f"eval_loss {first['eval_loss']:.4g} at step {first['step']} -> "
+                f"{last['eval_loss']:.4g} at step {last['step']}",
+            )
+        )
+    rows += [
+        ("model", f"saved to {Path(trainer.args.output_dir).resolve()}"),
+        ("report", str(report.resolve()) if report else "not written"),
+        ("wall time", f"{minutes}m {seconds:02d}s"),
+    ]
     lines = [f"posttrain {name}: done"]
     for label, text in rows:
         lines.append(textwrap.fill(text, width=110, initial_indent=f"  {label:<10} ", subsequent_indent=" " * 13))

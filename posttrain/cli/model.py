@@ -14,8 +14,17 @@ from typing import Literal
 
 from posttrain.errors import ConfigError
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-               "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+LORA_FIELDS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+)
 BNB_4BIT_FIELDS = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
 
 
@@ -41,8 +50,11 @@ class ModelConfig:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt, e.g. q_proj v_proj, or all-linear (default: "
-                                        "PEFT's choice for the architecture)."}
+        default=None,
+        metadata={
+            "help": "Module names to adapt, e.g. q_proj v_proj, or all-linear (default: "
+            "PEFT's choice for the architecture)."
+        },
     )
     lora_target_parameters: list[str] | None = field(
         default=None, metadata={"help": "Parameter names to adapt directly (e.g. experts of a mixture-of-experts)."}
@@ -50,16 +62,17 @@ class ModelConfig:
     lora_modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved beside the adapter (e.g. lm_head)."}
     )
-    lora_task_type: str = field(
-        default="CAUSAL_LM", metadata={"help": "PEFT task type; 'SEQ_CLS' for reward models."}
-    )
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type; 'SEQ_CLS' for reward models."})
     use_rslora: bool = field(
-        default=False, metadata={"help": "Rank-stabilised LoRA: scale the adapter by alpha / sqrt(r) instead of "
-                                         "alpha / r."}
+        default=False,
+        metadata={"help": "Rank-stabilised LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r."},
     )
     use_dora: bool = field(
-        default=False, metadata={"help": "DoRA: learn a magnitude per output beside the LoRA direction (slower; "
-                                         "merge the weights for inference)."}
+        default=False,
+        metadata={
+            "help": "DoRA: learn a magnitude per output beside the LoRA direction (slower; "
+            "merge the weights for inference)."
+        },
     )
     load_in_8bit: bool = field(
         default=False, metadata={"help": "Load the base model in 8 bit with bitsandbytes (LoRA only; needs CUDA)."}
@@ -100,8 +113,10 @@ def get_peft_config(model_args: ModelConfig):
     if not model_args.use_peft:
         changed = _changed(model_args, LORA_FIELDS)
         if changed:
-            raise ConfigError(f"{changed[0]}={getattr(model_args, changed[0])!r} has no effect without use_peft; "
-                              "set use_peft (--use_peft) or drop the LoRA settings.")
+            raise ConfigError(
+                f"{changed[0]}={getattr(model_args, changed[0])!r} has no effect without use_peft; "
+                "set use_peft (--use_peft) or drop the LoRA settings."
+            )
         return None
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("use_peft needs the peft library: pip install peft.")
@@ -111,10 +126,16 @@ def get_peft_config(model_args: ModelConfig):
     if model_args.lora_target_parameters is not None:
         extra["target_parameters"] = model_args.lora_target_parameters
     return LoraConfig(
-        task_type=model_args.lora_task_type, r=model_args.lora_r, target_modules=model_args.lora_target_modules,
-        lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout, bias="none",
-        use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
-        modules_to_save=model_args.lora_modules_to_save, **extra,
+        task_type=model_args.lora_task_type,
+        r=model_args.lora_r,
+        target_modules=model_args.lora_target_modules,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        bias="none",
+        use_rslora=model_args.use_rslora,
+        use_dora=model_args.use_dora,
+        modules_to_save=model_args.lora_modules_to_save,
+        **extra,
     )
 
 
@@ -128,26 +149,36 @@ def get_quantization_config(model_args: ModelConfig):
     if flag is None:
         changed = _changed(model_args, BNB_4BIT_FIELDS)
         if changed:
-            raise ConfigError(f"{changed[0]}={getattr(model_args, changed[0])!r} only applies with load_in_4bit; "
-                              "set --load_in_4bit or drop it.")
+            raise ConfigError(
+                f"{changed[0]}={getattr(model_args, changed[0])!r} only applies with load_in_4bit; "
+                "set --load_in_4bit or drop it."
+            )
         return None
     if flag == "load_in_8bit" and _changed(model_args, BNB_4BIT_FIELDS):
-        raise ConfigError(f"{_changed(model_args, BNB_4BIT_FIELDS)[0]} only applies with load_in_4bit, not "
-                          "load_in_8bit; drop it or quantize in 4 bit.")
+        raise ConfigError(
+            f"{_changed(model_args, BNB_4BIT_FIELDS)[0]} only applies with load_in_4bit, not "
+            "load_in_8bit; drop it or quantize in 4 bit."
+        )
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"--{flag} quantizes the model with bitsandbytes, which is not installed: pip install "
-                          f"bitsandbytes (it needs a CUDA GPU), or drop --{flag} to train unquantized.")
+        raise ConfigError(
+            f"--{flag} quantizes the model with bitsandbytes, which is not installed: pip install "
+            f"bitsandbytes (it needs a CUDA GPU), or drop --{flag} to train unquantized."
+        )
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"--{flag}: bitsandbytes quantization needs a CUDA GPU and none is visible; drop --{flag} "
-                          "to train unquantized.")
+        raise ConfigError(
+            f"--{flag}: bitsandbytes quantization needs a CUDA GPU and none is visible; drop --{flag} "
+            "to train unquantized."
+        )
     from transformers import BitsAndBytesConfig
 
     if flag == "load_in_8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_compute_dtype=model_args.dtype, bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        load_in_4bit=True,
+        bnb_4bit_compute_dtype=model_args.dtype,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
         bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
     )
@@ -156,5 +187,9 @@ def get_quantization_config(model_args: ModelConfig):
 def model_init_kwargs(model_args: ModelConfig, trust_remote_code: bool = False) -> dict:
     """The from_pretrained keyword arguments TRL's scripts build from the model flags (revision, trust_remote_code,
     attn_implementation, dtype); a config's own `model_init_kwargs` are merged over them by the caller."""
-    return {"revision": model_args.model_revision, "trust_remote_code": trust_remote_code,
-            "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
+    return {
+        "revision": model_args.model_revision,
+        "trust_remote_code": trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }

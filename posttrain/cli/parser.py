@@ -54,11 +54,17 @@ class TrlParser(CommandParser):
             if not dataclasses.is_dataclass(cls):
                 raise ConfigError(f"TrlParser takes dataclass types; {cls!r} is not one.")
             if "config" in {f.name for f in dataclasses.fields(cls)}:
-                raise ConfigError(f"{cls.__name__} has a field named 'config', which is reserved for the YAML file "
-                                  "path (--config); rename the field.")
+                raise ConfigError(
+                    f"{cls.__name__} has a field named 'config', which is reserved for the YAML file "
+                    "path (--config); rename the field."
+                )
         super().__init__(**kwargs)
-        self.add_argument("--config", metavar="FILE.yaml", default=None,
-                          help="YAML file whose keys fill the settings below; flags given here override it.")
+        self.add_argument(
+            "--config",
+            metavar="FILE.yaml",
+            default=None,
+            help="YAML file whose keys fill the settings below; flags given here override it.",
+        )
         groups = flag_groups(*[(cls.__name__, cls) for cls in self.dataclass_types])
         add_flags(self, groups)
         self._hints: dict[str, Any] = {}
@@ -75,10 +81,15 @@ class TrlParser(CommandParser):
             fields = [f for f in dataclasses.fields(cls) if f.init]
             values = {f.name: settings[f.name] for f in fields if f.name in settings}
             for f in fields:
-                if (f.name not in values and f.default is dataclasses.MISSING
-                        and f.default_factory is dataclasses.MISSING):
-                    raise ConfigError(f"--{f.name} is required ({cls.__name__}.{f.name} has no default); pass it as "
-                                      f"a flag or as `{f.name}:` in the --config file.")
+                if (
+                    f.name not in values
+                    and f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING
+                ):
+                    raise ConfigError(
+                        f"--{f.name} is required ({cls.__name__}.{f.name} has no default); pass it as "
+                        f"a flag or as `{f.name}:` in the --config file."
+                    )
             try:
                 outputs.append(cls(**values))
             except PosttrainError:
@@ -99,8 +110,14 @@ class TrlParser(CommandParser):
 
     # -- TRL's entry points -------------------------------------------------------------------------------------
 
-    def parse_args_into_dataclasses(self, args=None, return_remaining_strings: bool = False,
-                                    look_for_args_file: bool = True, args_filename=None, args_file_flag=None):
+    def parse_args_into_dataclasses(
+        self,
+        args=None,
+        return_remaining_strings: bool = False,
+        look_for_args_file: bool = True,
+        args_filename=None,
+        args_file_flag=None,
+    ):
         """Flags (over the values of an earlier `set_defaults_with_config`) -> one instance per dataclass; with
         `return_remaining_strings` the tokens no flag took come last instead of raising."""
         args = list(sys.argv[1:] if args is None else args)
@@ -109,8 +126,10 @@ class TrlParser(CommandParser):
         given = vars(namespace)
         config_path = given.pop("config", None)
         if config_path is not None:
-            raise ConfigError(f"--config {config_path}: YAML files are read by parse_args_and_config(); call it "
-                              "instead of parse_args_into_dataclasses().")
+            raise ConfigError(
+                f"--config {config_path}: YAML files are read by parse_args_and_config(); call it "
+                "instead of parse_args_into_dataclasses()."
+            )
         settings = dict(self._config_values)
         for name, raw in given.items():
             if isinstance(raw, list) and len(raw) == 1:  # `--report_to none`, `--x '[1, 2]'`
@@ -167,8 +186,13 @@ class TrlParser(CommandParser):
         self._config_values.update(known)
         return [item for key in unknown for item in (f"--{key}", str(kwargs[key]))]
 
-    def parse_args_and_config(self, args=None, return_remaining_strings: bool = False,
-                              fail_with_unknown_args: bool = True, separate_remaining_strings: bool = False):
+    def parse_args_and_config(
+        self,
+        args=None,
+        return_remaining_strings: bool = False,
+        fail_with_unknown_args: bool = True,
+        separate_remaining_strings: bool = False,
+    ):
         """The YAML `--config` file (its `env:` mapping exported to os.environ) overridden by the flags -> one
         instance per dataclass.
 
@@ -190,8 +214,11 @@ class TrlParser(CommandParser):
             if separate_remaining_strings:
                 return (*output[:-1], config_remaining, output[-1])
             return (*output[:-1], config_remaining + output[-1])
-        refused = unknown_keys if fail_with_unknown_args else [
-            key for key in unknown_keys if key[2:] not in _launcher_options()]
+        refused = (
+            unknown_keys
+            if fail_with_unknown_args
+            else [key for key in unknown_keys if key[2:] not in _launcher_options()]
+        )
         if refused:
             raise ConfigError(f"{config_path}: {unknown_name_message(refused[0][2:], list(self._hints))}")
         return output
@@ -208,8 +235,6 @@ def _pop_config(args: list[str]) -> str | None:
         if token.startswith("--config="):
             return args.pop(index).split("=", 1)[1]
     return None
-
-
 
 
 def init_zero_verbose() -> None:

@@ -219,8 +219,14 @@ def plot_group(name: str, lines: dict[str, Series]) -> Figure:
     height = 1.2 + 2.8 * rows
     figure = figure_class(figsize=(7 if columns == 1 else 11, height), dpi=100)
     # Fixed margins: constrained layout measures every tick label and draws each figure twice (half the time).
-    figure.subplots_adjust(left=0.09 if columns == 1 else 0.07, right=0.97, bottom=0.55 / height,
-                           top=1 - 0.75 / height, wspace=0.25, hspace=1.0 / rows + 0.3)
+    figure.subplots_adjust(
+        left=0.09 if columns == 1 else 0.07,
+        right=0.97,
+        bottom=0.55 / height,
+        top=1 - 0.75 / height,
+        wspace=0.25,
+        hspace=1.0 / rows + 0.3,
+    )
     canvas_class(figure)
     for index, (quantity, quantity_lines) in enumerate(quantities.items()):
         axes = figure.add_subplot(rows, columns, index + 1)
@@ -469,8 +475,10 @@ def _completion_html(record: dict[str, Any]) -> str:
     """The completion cell: a tool-calling episode's transcript with its calls and results marked, else the text."""
     if not record.get("transcript"):
         return html.escape(_as_text(record["completion"]))
-    return "\n".join(f'<span class="{kind}">{html.escape(text)}</span>' if kind in ("call", "result")
-                     else html.escape(text) for kind, text in transcript_lines(record["transcript"]))
+    return "\n".join(
+        f'<span class="{kind}">{html.escape(text)}</span>' if kind in ("call", "result") else html.escape(text)
+        for kind, text in transcript_lines(record["transcript"])
+    )
 
 
 def _completions_html(records: list[dict[str, Any]]) -> str:
@@ -491,10 +499,12 @@ def _completions_html(records: list[dict[str, Any]]) -> str:
         ]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     # A reward model is named by its path; its last component reads better and is what TRL calls it.
-    function_headers = "".join(f"<th>{html.escape(name.rstrip('/').rsplit('/', 1)[-1] or name)}</th>"
-                               for name in functions)
+    function_headers = "".join(
+        f"<th>{html.escape(name.rstrip('/').rsplit('/', 1)[-1] or name)}</th>" for name in functions
+    )
     return (
         "<h2>Sample completions</h2>\n<table>\n"
         f"<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th>{function_headers}</tr>\n"
-        + "\n".join(rows) + "\n</table>"
+        + "\n".join(rows)
+        + "\n</table>"
     )

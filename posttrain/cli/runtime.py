@@ -28,8 +28,15 @@ REEXEC_ENV = "POSTTRAIN_ALLOCATOR_REEXEC"  # set in the re-executed process: nev
 ALLOCATOR_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libjemalloc.so.2")
 BUSY_SHARE = 0.75  # a core this busy with other work while we look gets no thread
 BUSY_LOOK_S = 0.3  # how long we look
-LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
-                "/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
 
 
 def find_allocator() -> str | None:
@@ -98,8 +105,9 @@ def cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
     return times
 
 
-def busy_cores(before: dict[int, tuple[int, int]] | None = None,
-               after: dict[int, tuple[int, int]] | None = None) -> int:
+def busy_cores(
+    before: dict[int, tuple[int, int]] | None = None, after: dict[int, tuple[int, int]] | None = None
+) -> int:
     """Physical cores of this process that other work kept at least BUSY_SHARE busy between two `cpu_times`
     snapshots (taken BUSY_LOOK_S apart when not given); a core counts once any of its hyper-threads is busy."""
     if before is None or after is None:
@@ -136,8 +144,11 @@ def thread_settings(num_processes: int = 1, busy: int = 0) -> dict[str, str]:
 def _num_processes(argv: list[str]) -> int:
     """--num_processes N from the command line (before the flags are parsed), 1 when absent or unreadable."""
     for i, token in enumerate(argv):
-        value = token.split("=", 1)[1] if token.startswith("--num_processes=") else (
-            argv[i + 1] if token == "--num_processes" and i + 1 < len(argv) else None)
+        value = (
+            token.split("=", 1)[1]
+            if token.startswith("--num_processes=")
+            else (argv[i + 1] if token == "--num_processes" and i + 1 < len(argv) else None)
+        )
         if value is not None:
             try:
                 return max(1, int(value))
@@ -153,8 +164,11 @@ def prepare_training_process(argv: list[str]) -> None:
     busy = busy_now()
     settings = thread_settings(processes, busy)
     if busy and physical_cores() > 1:
-        print(f"posttrain: other work keeps {busy} of the {physical_cores()} cores busy; training with "
-              f"{settings['OMP_NUM_THREADS']} thread(s) per process (OMP_NUM_THREADS sets it)", file=sys.stderr)
+        print(
+            f"posttrain: other work keeps {busy} of the {physical_cores()} cores busy; training with "
+            f"{settings['OMP_NUM_THREADS']} thread(s) per process (OMP_NUM_THREADS sets it)",
+            file=sys.stderr,
+        )
     os.environ.update(settings)
     if os.environ.get(REEXEC_ENV) or "torch" in sys.modules:
         return  # already re-executed (even if the preload failed), or too late: torch has its allocator

@@ -27,10 +27,21 @@ from posttrain.cli.args import FlagGroup, field_hints, flag_spec
 FORMAT = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # Files outside posttrain whose edits change the flags: TrainingArguments' fields and their types.
-DEPENDENCY_FILES = (("transformers", "training_args.py"), ("transformers", "trainer_utils.py"),
-                    ("transformers", "__init__.py"))
-_PRIMITIVES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "Any": Any,
-               "dict": dict, "list": list}
+DEPENDENCY_FILES = (
+    ("transformers", "training_args.py"),
+    ("transformers", "trainer_utils.py"),
+    ("transformers", "__init__.py"),
+)
+_PRIMITIVES = {
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "str": str,
+    "None": type(None),
+    "Any": Any,
+    "dict": dict,
+    "list": list,
+}
 _NAMES = {value: name for name, value in _PRIMITIVES.items()}
 
 
@@ -164,4 +175,3 @@ def store_spec(command: str, spec: dict[str, Any]) -> None:
         partial.replace(path)
     except OSError:
         pass
-

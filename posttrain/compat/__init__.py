@@ -6,5 +6,14 @@ from posttrain.cli.data import DatasetConfig, DatasetMixtureConfig, ScriptArgume
 from posttrain.cli.model import ModelConfig, get_peft_config, get_quantization_config
 from posttrain.cli.parser import TrlParser, init_zero_verbose
 
-__all__ = ["DatasetConfig", "DatasetMixtureConfig", "ModelConfig", "ScriptArguments", "TrlParser", "get_dataset",
-           "get_peft_config", "get_quantization_config", "init_zero_verbose"]
+__all__ = [
+    "DatasetConfig",
+    "DatasetMixtureConfig",
+    "ModelConfig",
+    "ScriptArguments",
+    "TrlParser",
+    "get_dataset",
+    "get_peft_config",
+    "get_quantization_config",
+    "init_zero_verbose",
+]

@@ -8,8 +8,16 @@ from typing import Any
 from ..errors import DataError
 from .formats import TEXT_COLUMNS, is_conversational, is_message_list
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
 
 
 def convert_sharegpt(messages: list[dict]) -> list[dict]:
@@ -54,7 +62,11 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
 
 # The column sets `apply_chat_template` accepts (besides `label`), one per dataset format.
 TEMPLATE_KEY_SETS = (
-    {"messages"}, {"prompt"}, {"prompt", "completion"}, {"prompt", "chosen", "rejected"}, {"chosen", "rejected"},
+    {"messages"},
+    {"prompt"},
+    {"prompt", "completion"},
+    {"prompt", "chosen", "rejected"},
+    {"chosen", "rejected"},
     {"prompt", "completion", "label"},
 )
 
@@ -68,8 +80,9 @@ def _common_prefix(text: str, other: str) -> str:
     return text[:n]
 
 
-def apply_chat_template(example: dict, processing_class, tools: list | None = None,
-                        **template_kwargs) -> dict[str, str]:
+def apply_chat_template(
+    example: dict, processing_class, tools: list | None = None, **template_kwargs
+) -> dict[str, str]:
     """Renders a conversational example into text columns, keeping its format (TRL's function).
 
     `messages` -> `text`; `prompt` -> `prompt` (a generation prompt after a user/tool turn, the last message
@@ -95,17 +108,27 @@ def apply_chat_template(example: dict, processing_class, tools: list | None = No
         prompt = example["prompt"]
         last_role = prompt[-1]["role"]
         if last_role not in ("user", "tool", "assistant"):
-            raise ValueError(f"Invalid role in the last message of the prompt: {last_role!r}; a prompt ends with a "
-                             "user or tool turn (answered) or an assistant turn (continued).")
-        text = render(tokenizer, prompt, add_generation_prompt=last_role != "assistant",
-                      continue_final_message=last_role == "assistant", **kwargs)
-        full = {col: render(tokenizer, prompt + example[col], **kwargs)
-                for col in ("chosen", "rejected", "completion") if col in example}
+            raise ValueError(
+                f"Invalid role in the last message of the prompt: {last_role!r}; a prompt ends with a "
+                "user or tool turn (answered) or an assistant turn (continued)."
+            )
+        text = render(
+            tokenizer,
+            prompt,
+            add_generation_prompt=last_role != "assistant",
+            continue_final_message=last_role == "assistant",
+            **kwargs,
+        )
+        full = {
+            col: render(tokenizer, prompt + example[col], **kwargs)
+            for col in ("chosen", "rejected", "completion")
+            if col in example
+        }
         for rendered in full.values():
             text = _common_prefix(text, rendered)
         out["prompt"] = text
         for col, rendered in full.items():
-            out[col] = rendered[len(text):]
+            out[col] = rendered[len(text) :]
     else:
         for col in ("chosen", "rejected"):
             if col in example:
@@ -115,8 +138,7 @@ def apply_chat_template(example: dict, processing_class, tools: list | None = No
     return {k: out[k] for k in ("text", "prompt", "chosen", "rejected", "completion", "label") if k in out}
 
 
-def maybe_apply_chat_template(example: dict, processing_class, tools: list | None = None,
-                              **template_kwargs) -> dict:
+def maybe_apply_chat_template(example: dict, processing_class, tools: list | None = None, **template_kwargs) -> dict:
     """`apply_chat_template` for conversational examples; standard examples are returned unchanged."""
     if is_conversational(example):
         return apply_chat_template(example, processing_class, tools=tools, **template_kwargs)

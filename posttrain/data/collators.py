@@ -36,7 +36,7 @@ def pad(sequences: list[list[int]], value: int, side: str = "right", multiple_of
             if side == "right":
                 out[i, : len(s)] = torch.as_tensor(s)
             else:
-                out[i, longest - len(s):] = torch.as_tensor(s)
+                out[i, longest - len(s) :] = torch.as_tensor(s)
     return out
 
 

@@ -17,8 +17,9 @@ stepwise_supervision     ``prompt``, ``completions``, ``labels`` process reward 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import DataError
 

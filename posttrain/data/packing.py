@@ -70,7 +70,7 @@ def _pack_batch(batch: dict, seq_length: int, strategy: str, wrapped_boundaries:
         else:
             starts, step = [0], seq_length
         for s in starts:
-            piece = {c: list(batch[c][r][s: s + step]) for c in columns}
+            piece = {c: list(batch[c][r][s : s + step]) for c in columns}
             if piece[columns[0]] or strategy == "wrapped":
                 pieces.append(piece)
     out: dict[str, list] = {c: [] for c in columns}
@@ -126,8 +126,7 @@ def _output_format(dataset) -> dict[str, Any]:
     return fmt
 
 
-def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: dict[str, Any] | None = None,
-                 **kwargs):
+def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: dict[str, Any] | None = None, **kwargs):
     """Packs a tokenized dataset's sequences into rows of at most `seq_length` tokens (TRL's function).
 
     Every column must hold per-token lists (e.g. ``input_ids``, ``attention_mask``); ``bfd`` and
@@ -145,15 +144,25 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
     dataset = dataset.with_format(None)
     _check_packable(dataset)
     map_kwargs = {**(map_kwargs or {}), **kwargs}
-    dataset = dataset.map(_pack_batch, batched=True, fn_kwargs={
-        "seq_length": seq_length, "strategy": strategy, "wrapped_boundaries": False}, **map_kwargs)
+    dataset = dataset.map(
+        _pack_batch,
+        batched=True,
+        fn_kwargs={"seq_length": seq_length, "strategy": strategy, "wrapped_boundaries": False},
+        **map_kwargs,
+    )
     if strategy != "wrapped" and fmt.get("columns") is not None:
         fmt["columns"] = list(fmt["columns"]) + ["seq_lengths"]
     return dataset.with_format(**fmt)
 
 
-def pack_sequences(dataset, seq_length: int, strategy: str = "bfd", split_long: bool = False,
-                   batch_size: int = 10_000, num_proc: int | None = None):
+def pack_sequences(
+    dataset,
+    seq_length: int,
+    strategy: str = "bfd",
+    split_long: bool = False,
+    batch_size: int = 10_000,
+    num_proc: int | None = None,
+):
     """posttrain's trainer-side packing: columns that are not per-token lists aligned with ``input_ids``
     are dropped, and every row keeps ``seq_lengths`` (also under ``wrapped``) so that position ids restart
     and attention stops at each original boundary. ``split_long=True`` with ``bfd`` is ``bfd_split``."""
@@ -164,11 +173,18 @@ def pack_sequences(dataset, seq_length: int, strategy: str = "bfd", split_long: 
     if strategy == "bfd" and split_long:
         strategy = "bfd_split"
     first = dataset[0]
-    drop = [c for c in dataset.column_names
-            if c != "seq_lengths" and not (isinstance(first[c], list) and len(first[c]) == len(first["input_ids"]))]
+    drop = [
+        c
+        for c in dataset.column_names
+        if c != "seq_lengths" and not (isinstance(first[c], list) and len(first[c]) == len(first["input_ids"]))
+    ]
     dataset = dataset.remove_columns(drop)
     return dataset.map(
-        _pack_batch, batched=True, batch_size=batch_size, num_proc=num_proc,
+        _pack_batch,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
         fn_kwargs={"seq_length": seq_length, "strategy": strategy, "wrapped_boundaries": True},
-        remove_columns=dataset.column_names, desc=f"Packing ({strategy})",
+        remove_columns=dataset.column_names,
+        desc=f"Packing ({strategy})",
     )

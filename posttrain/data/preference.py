@@ -35,8 +35,9 @@ def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], 
     require_chat_template(tokenizer)
     prompt = list(example["prompt"])
     continue_final = prompt[-1]["role"] == "assistant"  # an assistant-ended prompt is continued, not answered
-    prompt_text = render(tokenizer, prompt, add_generation_prompt=not continue_final,
-                         continue_final_message=continue_final)
+    prompt_text = render(
+        tokenizer, prompt, add_generation_prompt=not continue_final, continue_final_message=continue_final
+    )
     completions = {}
     for column in COMPLETIONS:
         full = render(tokenizer, prompt + list(example[column]))
@@ -46,7 +47,7 @@ def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], 
                 f"{column} completion cannot be told apart. Check the chat template (it must render earlier turns "
                 "the same way whatever follows them)."
             )
-        completions[column] = _text_ids(tokenizer, full[len(prompt_text):], add_special_tokens=False)
+        completions[column] = _text_ids(tokenizer, full[len(prompt_text) :], add_special_tokens=False)
     # The template carries any BOS itself.
     return _text_ids(tokenizer, prompt_text, add_special_tokens=False), completions
 
@@ -93,7 +94,7 @@ def tokenize_preference(
 def _apply_limits(out: dict, max_prompt_length: int | None, max_completion_length: int | None) -> dict:
     """Keeps the end of the prompt and the start of each completion."""
     if max_prompt_length is not None and len(out["prompt_ids"]) > max_prompt_length:
-        out["prompt_ids"] = out["prompt_ids"][len(out["prompt_ids"]) - max_prompt_length:]
+        out["prompt_ids"] = out["prompt_ids"][len(out["prompt_ids"]) - max_prompt_length :]
     if max_completion_length is not None:
         for column in COMPLETIONS:
             out[f"{column}_ids"] = out[f"{column}_ids"][:max_completion_length]
@@ -121,7 +122,10 @@ def warn_identical_pairs(dataset, name: str = "train_dataset") -> list[int]:
         shown = ", ".join(map(str, same[:10])) + (", ..." if len(same) > 10 else "")
         logger.warning(
             "%d row(s) of %s have identical chosen and rejected completions after tokenization (rows %s): they "
-            "carry no preference signal. Fix or drop them.", len(same), name, shown,
+            "carry no preference signal. Fix or drop them.",
+            len(same),
+            name,
+            shown,
         )
     return same
 
@@ -142,15 +146,18 @@ def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str, re
         keep = [len(p) < max_length for p in dataset["prompt_ids"]]
         why = f"their prompt alone fills max_length={max_length}, leaving no completion token"
     else:
-        keep = [len(p) + max(len(c), len(r)) <= max_length
-                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+        keep = [
+            len(p) + max(len(c), len(r)) <= max_length
+            for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])
+        ]
         why = f"prompt + chosen or prompt + rejected is longer than max_length={max_length}"
     dropped = len(keep) - sum(keep)
     if dropped == len(keep):
         raise DataError(f"Every row of {name} is dropped because {why}. Raise max_length (or set it to None).")
     if dropped:
-        logger.warning("Dropping %d of %d rows of %s: %s. Raise max_length to keep them.", dropped, len(keep), name,
-                       why)
+        logger.warning(
+            "Dropping %d of %d rows of %s: %s. Raise max_length to keep them.", dropped, len(keep), name, why
+        )
         if report is not None:
             report.dropped(dropped, why)
         dataset = dataset.select([i for i, k in enumerate(keep) if k])
@@ -184,17 +191,25 @@ def prepare_preference_dataset(
         require_chat_template(tokenizer)
     limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length)
     dataset = dataset.map(
-        _tokenize_row, with_indices=True, num_proc=num_proc,
+        _tokenize_row,
+        with_indices=True,
+        num_proc=num_proc,
         remove_columns=[c for c in dataset.column_names if c not in FLOAT_COLUMNS],
-        fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, limits=limits), desc=f"Tokenizing {name}",
+        fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, limits=limits),
+        desc=f"Tokenizing {name}",
     )
     dataset = report.take_cuts(drop_overlong_rows(dataset, max_length, truncation_mode, name, report))
     if truncation_mode != "drop" and max_length is not None and len(dataset):
-        over = [max(len(p) + len(c) - max_length, 0) + max(len(p) + len(r) - max_length, 0)
-                for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+        over = [
+            max(len(p) + len(c) - max_length, 0) + max(len(p) + len(r) - max_length, 0)
+            for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])
+        ]
         kept = "start" if truncation_mode == "keep_start" else "end"
-        report.truncated(sum(n > 0 for n in over), sum(over), "prompt + chosen/rejected longer than max_length "
-                                                              f"(the collator keeps each sequence's {kept})")
+        report.truncated(
+            sum(n > 0 for n in over),
+            sum(over),
+            f"prompt + chosen/rejected longer than max_length (the collator keeps each sequence's {kept})",
+        )
     warn_identical_pairs(dataset, name)
     return dataset
 
@@ -223,7 +238,7 @@ class PreferenceCollator:
     def _cut(self, ids: list) -> list:
         if self.max_length is None or len(ids) <= self.max_length:
             return ids
-        return ids[: self.max_length] if self.truncation_mode == "keep_start" else ids[len(ids) - self.max_length:]
+        return ids[: self.max_length] if self.truncation_mode == "keep_start" else ids[len(ids) - self.max_length :]
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         sequences, masks = [], []

@@ -66,7 +66,7 @@ class DatasetReport:
         columns = [c for c in dataset.column_names if c.startswith(CUT_PREFIX)]
         for column in columns:
             cuts = [int(n) for n in dataset[column]]
-            key = column[len(CUT_PREFIX):]
+            key = column[len(CUT_PREFIX) :]
             self.truncated(sum(n > 0 for n in cuts), sum(cuts), CUT_REASONS.get(key, key))
         return dataset.remove_columns(columns) if columns else dataset
 
@@ -138,8 +138,11 @@ class DataReport:
             return summary
         self.emitted = True
         changed = any(s.changed for s in self.datasets.values())
-        logger.log(logging.WARNING if changed else logging.INFO, "Data preparation report (before training):\n  %s",
-                   "\n  ".join(self.lines()))
+        logger.log(
+            logging.WARNING if changed else logging.INFO,
+            "Data preparation report (before training):\n  %s",
+            "\n  ".join(self.lines()),
+        )
         if output_dir:
             os.makedirs(output_dir, exist_ok=True)
             with open(os.path.join(output_dir, "data_report.json"), "w") as f:
@@ -158,8 +161,9 @@ class DataReportCallback(TrainerCallback):
             DataReport.of(self.trainer).emit(args.output_dir)
 
 
-def note_packing(report: DatasetReport, dataset, seq_length: int, strategy: str, split_long: bool,
-                 batch_size: int = 10_000) -> None:
+def note_packing(
+    report: DatasetReport, dataset, seq_length: int, strategy: str, split_long: bool, batch_size: int = 10_000
+) -> None:
     """Records what packing `dataset` (tokenized, not yet packed) into rows of `seq_length` will change:
     ``bfd`` truncates longer sequences, ``bfd_split`` splits them into pieces, ``wrapped`` cuts sequences at row
     boundaries (packing works per map batch of `batch_size` rows); empty sequences are dropped."""
@@ -172,12 +176,14 @@ def note_packing(report: DatasetReport, dataset, seq_length: int, strategy: str,
         split = 0
         for start in range(0, len(lengths), batch_size):
             end_of = 0
-            for n in lengths[start:start + batch_size]:
+            for n in lengths[start : start + batch_size]:
                 begin, end_of = end_of, end_of + n
                 split += n > 0 and begin // seq_length != (end_of - 1) // seq_length
         report.note(split, "sequences split across packed rows (wrapped packing; no token lost)")
     elif split_long:
-        report.note(sum(n > seq_length for n in lengths),
-                    "sequences longer than max_length split into pieces (bfd_split; no token lost)")
+        report.note(
+            sum(n > seq_length for n in lengths),
+            "sequences longer than max_length split into pieces (bfd_split; no token lost)",
+        )
     else:
         report.overlong(lengths, seq_length, "sequence longer than max_length (bfd packing keeps its start)")

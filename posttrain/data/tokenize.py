@@ -26,8 +26,10 @@ def tokenize_with_spans(tokenizer, text: str, spans: list[Span] | None, add_spec
     it, so for the prompt "the sky is " and the completion "blue" the token " blue" carries the answer.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError("posttrain needs a fast tokenizer (it maps trained characters to tokens through offsets). "
-                        "Load it with AutoTokenizer.from_pretrained(..., use_fast=True).")
+        raise DataError(
+            "posttrain needs a fast tokenizer (it maps trained characters to tokens through offsets). "
+            "Load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
+        )
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if spans is None:
@@ -88,8 +90,9 @@ def row_template_kwargs(example: dict, row: int = 0) -> dict:
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as error:
-            raise DataError(f"Row {row}, column 'tools': not valid JSON ({error}); give a list of tool schemas.") \
-                from error
+            raise DataError(
+                f"Row {row}, column 'tools': not valid JSON ({error}); give a list of tool schemas."
+            ) from error
     if tools:
         out["tools"] = tools
     return out
@@ -127,8 +130,10 @@ def tokenize_example(
             prompt_text = render(tokenizer, messages[:prompt_len], add_generation_prompt=True, **kw)
             text = render(tokenizer, messages, **kw)
             if not text.startswith(prompt_text):
-                raise DataError(f"Row {row}: the rendered prompt is not a prefix of the rendered conversation; "
-                                "cannot tell the completion apart. Check the chat template.")
+                raise DataError(
+                    f"Row {row}: the rendered prompt is not a prefix of the rendered conversation; "
+                    "cannot tell the completion apart. Check the chat template."
+                )
             spans = [(len(prompt_text), len(text.rstrip()))]
         else:
             text, spans = render(tokenizer, messages, **kw), None
@@ -152,8 +157,9 @@ def tokenize_example(
     return {"input_ids": ids, "completion_mask": mask}
 
 
-def truncate(ids: list, mask: list, max_length: int | None, truncation_mode: str = "keep_start", row: int = 0,
-             untrained: int = 0):
+def truncate(
+    ids: list, mask: list, max_length: int | None, truncation_mode: str = "keep_start", row: int = 0, untrained: int = 0
+):
     """The first (``keep_start``) or last (``keep_end``) `max_length` tokens and their mask (or labels, with
     ``untrained=-100``); a row left with no trained token is an error (it would add nothing to the loss)."""
     if max_length is None or len(ids) <= max_length:

@@ -70,19 +70,25 @@ def configure_tokenizer(processing_class, args) -> list[int]:
     if path is not None:
         if path.endswith(JINJA_SUFFIXES) or os.path.isfile(path):
             if not os.path.isfile(path):
-                raise ConfigError(f"chat_template_path={path!r}: no such file. Give the path of an existing Jinja "
-                                  "template file, or a tokenizer directory / hub id to clone the template from.")
+                raise ConfigError(
+                    f"chat_template_path={path!r}: no such file. Give the path of an existing Jinja "
+                    "template file, or a tokenizer directory / hub id to clone the template from."
+                )
             if not path.endswith(JINJA_SUFFIXES):
-                raise ConfigError(f"chat_template_path={path!r} is a file but not a Jinja template "
-                                  f"({'/'.join(JINJA_SUFFIXES)}). Rename it, or give the tokenizer's directory.")
+                raise ConfigError(
+                    f"chat_template_path={path!r} is a file but not a Jinja template "
+                    f"({'/'.join(JINJA_SUFFIXES)}). Rename it, or give the tokenizer's directory."
+                )
             with open(path, encoding="utf-8") as f:
                 processing_class.chat_template = f.read()
         else:
             source = _load_template_source(path)
             template = source.get_chat_template() if getattr(source, "chat_template", None) else None
             if not template:
-                raise ConfigError(f"chat_template_path={path!r}: that tokenizer has no chat template to clone. "
-                                  "Give a tokenizer that has one, or a .jinja file.")
+                raise ConfigError(
+                    f"chat_template_path={path!r}: that tokenizer has no chat template to clone. "
+                    "Give a tokenizer that has one, or a .jinja file."
+                )
             processing_class.chat_template = template
             vocab = tokenizer.get_vocab()
             missing = [t for t in source.added_tokens_decoder.values() if t.content not in vocab]
@@ -94,11 +100,15 @@ def configure_tokenizer(processing_class, args) -> list[int]:
     pad_token = getattr(args, "pad_token", None) or tokenizer.pad_token
     if pad_token is None and tokenizer.eos_token is not None:
         pad_token = tokenizer.eos_token
-        logger.warning("The tokenizer has no pad token; padding with its EOS token %r (padding is never trained "
-                       "or attended).", pad_token)
+        logger.warning(
+            "The tokenizer has no pad token; padding with its EOS token %r (padding is never trained or attended).",
+            pad_token,
+        )
     if pad_token is None:
-        raise ConfigError("The tokenizer has neither a pad token nor an EOS token, and pad_token is not set; set "
-                          "pad_token (or eos_token) to a token of the vocabulary.")
+        raise ConfigError(
+            "The tokenizer has neither a pad token nor an EOS token, and pad_token is not set; set "
+            "pad_token (or eos_token) to a token of the vocabulary."
+        )
     _require_in_vocab(tokenizer, pad_token, "pad_token")
     tokenizer.pad_token = pad_token
     return added
@@ -144,6 +154,9 @@ def make_added_tokens_trainable(peft_config, added_token_ids: list[int]) -> None
     peft_config.trainable_token_indices = indices
     modules = list(peft_config.modules_to_save or [])
     if "lm_head" not in modules:
-        logger.warning("The cloned chat template added %d tokens; training lm_head fully (added to the adapter's "
-                       "modules_to_save) so that the model can learn to emit them.", len(added_token_ids))
+        logger.warning(
+            "The cloned chat template added %d tokens; training lm_head fully (added to the adapter's "
+            "modules_to_save) so that the model can learn to emit them.",
+            len(added_token_ids),
+        )
         peft_config.modules_to_save = [*modules, "lm_head"]

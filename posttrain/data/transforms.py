@@ -37,11 +37,18 @@ def prepare_multimodal_messages(messages: list[dict[str, Any]], images: list | N
         out.append(message)
 
     # Tool results never carry images; assistant turns made only of tool calls have no content.
-    slots = [(i, j) for i, m in enumerate(out) if m.get("content") and m["role"] != "tool"
-             for j, part in enumerate(m["content"]) if part["type"] == "image" and "image" not in part]
+    slots = [
+        (i, j)
+        for i, m in enumerate(out)
+        if m.get("content") and m["role"] != "tool"
+        for j, part in enumerate(m["content"])
+        if part["type"] == "image" and "image" not in part
+    ]
     if len(slots) != len(images):
-        raise ValueError(f"Number of images provided ({len(images)}) does not match number of image placeholders "
-                         f"({len(slots)}). Give one image per {{'type': 'image'}} block without an 'image' payload.")
+        raise ValueError(
+            f"Number of images provided ({len(images)}) does not match number of image placeholders "
+            f"({len(slots)}). Give one image per {{'type': 'image'}} block without an 'image' payload."
+        )
     for (i, j), image in zip(slots, images):
         content = list(out[i]["content"])
         content[j] = {**content[j], "image": image}
@@ -52,8 +59,13 @@ def prepare_multimodal_messages(messages: list[dict[str, Any]], images: list | N
 def is_conversational_from_value(example: dict[str, Any]) -> bool:
     """True if the ``conversations`` column holds ShareGPT messages (``from``/``value`` keys)."""
     messages = example.get("conversations")
-    return (isinstance(messages, list) and len(messages) > 0 and isinstance(messages[0], dict)
-            and "from" in messages[0] and "value" in messages[0])
+    return (
+        isinstance(messages, list)
+        and len(messages) > 0
+        and isinstance(messages[0], dict)
+        and "from" in messages[0]
+        and "value" in messages[0]
+    )
 
 
 def maybe_convert_to_chatml(example: dict[str, list]) -> dict[str, list]:
@@ -85,8 +97,10 @@ def extract_prompt(example: dict) -> dict:
     chosen, rejected = example["chosen"], example["rejected"]
     shortest = min(len(chosen), len(rejected))
     if shortest == 0:
-        raise DataError("extract_prompt: 'chosen' or 'rejected' is empty, so there is no shared prompt to find. "
-                        "Fix or drop the row.")
+        raise DataError(
+            "extract_prompt: 'chosen' or 'rejected' is empty, so there is no shared prompt to find. "
+            "Fix or drop the row."
+        )
     idx = shortest - 1
     for i in range(shortest):
         if chosen[i] != rejected[i]:

@@ -32,11 +32,28 @@ IMAGE_COLUMNS = ("images", "image")
 # Per-token inputs some architectures take beside input_ids (Gemma 3, Qwen2-VL); padded with 0.
 TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 # Batch keys that go to the model's forward besides input_ids / attention_mask / position_ids.
-VISION_INPUTS = ("pixel_values", "pixel_attention_mask", "image_sizes", "image_grid_thw", "image_position_ids",
-                 "pixel_values_videos", "video_grid_thw", *TOKEN_INPUTS)
+VISION_INPUTS = (
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_sizes",
+    "image_grid_thw",
+    "image_position_ids",
+    "pixel_values_videos",
+    "video_grid_thw",
+    *TOKEN_INPUTS,
+)
 # Processor attributes naming image special tokens (never trained).
-_IMAGE_TOKEN_ATTRIBUTES = ("image_token", "boi_token", "eoi_token", "fake_image_token", "global_image_tag",
-                           "image_start_token", "image_end_token", "vision_start_token", "vision_end_token")
+_IMAGE_TOKEN_ATTRIBUTES = (
+    "image_token",
+    "boi_token",
+    "eoi_token",
+    "fake_image_token",
+    "global_image_tag",
+    "image_start_token",
+    "image_end_token",
+    "vision_start_token",
+    "vision_end_token",
+)
 VISION_TOWERS = ("vision_tower", "vision_model", "visual")
 PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
 IGNORE_INDEX = -100
@@ -98,13 +115,17 @@ def check_vision_inputs(model, processing_class, dataset, name: str = "train_dat
     """Images need a vision-language model and its processor: refused before training otherwise."""
     column = next(c for c in IMAGE_COLUMNS if c in dataset.column_names)
     if model is not None and not isinstance(model, str) and not is_vision_model(model):
-        raise ConfigError(f"{name} has an {column!r} column, but {type(model).__name__} is a text-only model (its "
-                          "config has no vision_config). Train a vision-language model, or drop the column "
-                          f"(dataset.remove_columns({column!r})).")
+        raise ConfigError(
+            f"{name} has an {column!r} column, but {type(model).__name__} is a text-only model (its "
+            "config has no vision_config). Train a vision-language model, or drop the column "
+            f"(dataset.remove_columns({column!r}))."
+        )
     if not is_processor(processing_class):
-        raise ConfigError(f"{name} has an {column!r} column, so processing_class must be the model's processor "
-                          f"(AutoProcessor.from_pretrained(...)), not {type(processing_class).__name__}, which cannot "
-                          "turn images into pixel values.")
+        raise ConfigError(
+            f"{name} has an {column!r} column, so processing_class must be the model's processor "
+            f"(AutoProcessor.from_pretrained(...)), not {type(processing_class).__name__}, which cannot "
+            "turn images into pixel values."
+        )
 
 
 @contextlib.contextmanager
@@ -123,21 +144,31 @@ def pad_token_view(processing_class):
 def check_vision_config(args, trainer: str) -> None:
     """Options the image path cannot honour are refused before training."""
     if getattr(args, "packing", False):
-        raise ConfigError(f"{trainer}: packing=True is not supported with images (an image's tokens and its pixel "
-                          "values would have to be split across packed rows). Set packing=False.")
+        raise ConfigError(
+            f"{trainer}: packing=True is not supported with images (an image's tokens and its pixel "
+            "values would have to be split across packed rows). Set packing=False."
+        )
     if getattr(args, "padding_free", False):
-        raise ConfigError(f"{trainer}: padding_free=True is not supported with images (the vision-language models' "
-                          "forward builds image features per padded row). Set padding_free=False.")
+        raise ConfigError(
+            f"{trainer}: padding_free=True is not supported with images (the vision-language models' "
+            "forward builds image features per padded row). Set padding_free=False."
+        )
     if args.max_length is not None and getattr(args, "truncation_mode", "keep_start") == "keep_end":
-        raise ConfigError(f"{trainer}: truncation_mode='keep_end' would cut image tokens at the start of the prompt "
-                          "while keeping their pixel values. Use truncation_mode='keep_start' or max_length=None.")
+        raise ConfigError(
+            f"{trainer}: truncation_mode='keep_end' would cut image tokens at the start of the prompt "
+            "while keeping their pixel values. Use truncation_mode='keep_start' or max_length=None."
+        )
     if getattr(args, "precompute_ref_log_probs", False):
-        raise ConfigError(f"{trainer}: precompute_ref_log_probs=True is not supported with images (rows are "
-                          "processed in the collator, not tokenized ahead). Set precompute_ref_log_probs=False.")
+        raise ConfigError(
+            f"{trainer}: precompute_ref_log_probs=True is not supported with images (rows are "
+            "processed in the collator, not tokenized ahead). Set precompute_ref_log_probs=False."
+        )
     for name in ("max_prompt_length", "max_completion_length"):
         if getattr(args, name, None) is not None:
-            raise ConfigError(f"{trainer}: {name} is not applied to image rows (they are processed whole in the "
-                              f"collator); bound them with max_length, or set {name}=None.")
+            raise ConfigError(
+                f"{trainer}: {name} is not applied to image rows (they are processed whole in the "
+                f"collator); bound them with max_length, or set {name}=None."
+            )
     if getattr(args, "chunked_loss", False):
         raise ConfigError(f"{trainer}: chunked_loss=True is not supported with images; set chunked_loss=False.")
 
@@ -168,8 +199,10 @@ def open_image(value, row: int | None = None, verify: bool = False):
                 raise DataError(f"{where}image file {str(value)!r} does not exist. Fix the path or drop the row.")
             image = Image.open(value)
         else:
-            raise DataError(f"{where}an image must be a PIL image, a file path, bytes or a {{'bytes', 'path'}} dict; "
-                            f"got {type(value).__name__}.")
+            raise DataError(
+                f"{where}an image must be a PIL image, a file path, bytes or a {{'bytes', 'path'}} dict; "
+                f"got {type(value).__name__}."
+            )
         if verify:
             image.verify()
             return None
@@ -177,8 +210,10 @@ def open_image(value, row: int | None = None, verify: bool = False):
     except DataError:
         raise
     except Exception as error:  # PIL raises many types for unreadable data
-        raise DataError(f"{where}the image {str(value)[:80]!r} cannot be read ({type(error).__name__}: {error}). "
-                        "Fix or drop the row.") from error
+        raise DataError(
+            f"{where}the image {str(value)[:80]!r} cannot be read ({type(error).__name__}: {error}). "
+            "Fix or drop the row."
+        ) from error
 
 
 def _undecoded(dataset):
@@ -195,12 +230,18 @@ def _undecoded(dataset):
 
 
 def _image_blocks(messages) -> int:
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
 
 
-def validate_vision_dataset(dataset, processor, accepted, trainer: str, name: str = "train_dataset",
-                            text_field: str = "text"):
+def validate_vision_dataset(
+    dataset, processor, accepted, trainer: str, name: str = "train_dataset", text_field: str = "text"
+):
     """Checks every row before training: the format, one image placeholder per image, and every image readable.
     Returns the dataset format."""
     from .formats import validate_dataset
@@ -222,15 +263,19 @@ def validate_vision_dataset(dataset, processor, accepted, trainer: str, name: st
                 raise DataError(f"Row {row} of {name}: {error}") from error
             for column in text_columns[1:]:
                 if _image_blocks(example[column]):
-                    raise DataError(f"Row {row} of {name}: column {column!r} holds image blocks; images belong in "
-                                    f"{first!r} (the prompt or conversation).")
+                    raise DataError(
+                        f"Row {row} of {name}: column {column!r} holds image blocks; images belong in "
+                        f"{first!r} (the prompt or conversation)."
+                    )
             count = _image_blocks(prepared)
         else:
             count = example[text_columns[0]].count(placeholder) if placeholder else len(images)
         if count != len(images):
             what = "{'type': 'image'} content blocks" if fmt.conversational else repr(placeholder)
-            raise DataError(f"Row {row} of {name} has {len(images)} image(s) but {count} image placeholder(s) "
-                            f"({what}). Give one placeholder per image.")
+            raise DataError(
+                f"Row {row} of {name} has {len(images)} image(s) but {count} image placeholder(s) "
+                f"({what}). Give one placeholder per image."
+            )
         for image in images:
             open_image(image, row, verify=True)
     return fmt
@@ -277,10 +322,15 @@ def adapt_vision_model(model, peft_config, freeze_tower: bool):
 
 def freeze_vision_tower_field():
     """The `freeze_vision_tower` config field the vision-capable trainers share."""
-    return field(default=True, metadata={"help": "posttrain extra: with a vision-language model, keep the vision "
-                                                 "tower's weights fixed (the projector and the language model train; "
-                                                 "with LoRA, the tower gets no adapter and the projector is trained "
-                                                 "in full). TRL trains every weight."})
+    return field(
+        default=True,
+        metadata={
+            "help": "posttrain extra: with a vision-language model, keep the vision "
+            "tower's weights fixed (the projector and the language model train; "
+            "with LoRA, the tower gets no adapter and the projector is trained "
+            "in full). TRL trains every weight."
+        },
+    )
 
 
 def vision_inputs(batch: dict) -> dict:
@@ -311,12 +361,14 @@ def _carry_mask(plain_ids: list, plain_mask: list, expanded_ids: list) -> list[i
     mask, carried = [0] * len(expanded_ids), 0
     matcher = difflib.SequenceMatcher(a=plain_ids, b=expanded_ids, autojunk=False)
     for a, b, size in matcher.get_matching_blocks():
-        mask[b:b + size] = plain_mask[a:a + size]
-        carried += sum(plain_mask[a:a + size])
+        mask[b : b + size] = plain_mask[a : a + size]
+        carried += sum(plain_mask[a : a + size])
     if carried != sum(plain_mask):
-        raise DataError("The processor's token ids of a row differ from its tokenizer's beyond the image tokens, so "
-                        "its trained tokens cannot be located. Check that the processor's tokenizer is the one its "
-                        "chat template was written for.")
+        raise DataError(
+            "The processor's token ids of a row differ from its tokenizer's beyond the image tokens, so "
+            "its trained tokens cannot be located. Check that the processor's tokenizer is the one its "
+            "chat template was written for."
+        )
     return mask
 
 
@@ -326,8 +378,13 @@ class Segment:
     spans: list | None | bool  # trained character spans; None = all of it, False = none
 
 
-def encode_rows(processor, rows: list[list[Segment]], images: list[list], max_length: int | None,
-                pad_to_multiple_of: int | None = None) -> tuple[dict, torch.Tensor]:
+def encode_rows(
+    processor,
+    rows: list[list[Segment]],
+    images: list[list],
+    max_length: int | None,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[dict, torch.Tensor]:
     """Each row's first segment (with the row's images) through the processor, the others through its tokenizer,
     concatenated, cut to `max_length` (keep_start) and right padded. Returns the model inputs and the
     trained-token mask [rows, T] (0 on image tokens, always)."""
@@ -335,23 +392,31 @@ def encode_rows(processor, rows: list[list[Segment]], images: list[list], max_le
 
     tokenizer = processor.tokenizer
     loaded = [[open_image(image) for image in row] for row in images]
-    out = processor(text=[row[0].text for row in rows], images=loaded if any(loaded) else None, padding=True,
-                    padding_side="right", add_special_tokens=False, return_tensors="pt")
+    out = processor(
+        text=[row[0].text for row in rows],
+        images=loaded if any(loaded) else None,
+        padding=True,
+        padding_side="right",
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
     image_ids = image_token_ids(processor)
     ids_rows, mask_rows, token_rows = [], [], {k: [] for k in TOKEN_INPUTS if k in out}
     for r, row in enumerate(rows):
         keep = out["attention_mask"][r].bool()
         ids = out["input_ids"][r][keep].tolist()
         first = row[0]
-        plain_ids, plain_mask = tokenize_with_spans(tokenizer, first.text, None if first.spans is False else
-                                                    first.spans, add_special_tokens=False)
+        plain_ids, plain_mask = tokenize_with_spans(
+            tokenizer, first.text, None if first.spans is False else first.spans, add_special_tokens=False
+        )
         if first.spans is False:
             plain_mask = [0] * len(plain_ids)
         mask = _carry_mask(plain_ids, plain_mask, ids)
         extra = {k: out[k][r][keep].tolist() for k in token_rows}
         for segment in row[1:]:
-            seg_ids, seg_mask = tokenize_with_spans(tokenizer, segment.text, None if segment.spans is False else
-                                                    segment.spans, add_special_tokens=False)
+            seg_ids, seg_mask = tokenize_with_spans(
+                tokenizer, segment.text, None if segment.spans is False else segment.spans, add_special_tokens=False
+            )
             ids += seg_ids
             mask += [0] * len(seg_ids) if segment.spans is False else seg_mask
             for k in extra:
@@ -359,8 +424,10 @@ def encode_rows(processor, rows: list[list[Segment]], images: list[list], max_le
         mask = [0 if t in image_ids else m for t, m in zip(ids, mask)]
         if max_length is not None and len(ids) > max_length:
             if any(t in image_ids for t in ids[max_length:]):
-                raise DataError(f"max_length={max_length} cuts image tokens off a sequence of {len(ids)} tokens, "
-                                "while its image stays: raise max_length or set it to None.")
+                raise DataError(
+                    f"max_length={max_length} cuts image tokens off a sequence of {len(ids)} tokens, "
+                    "while its image stays: raise max_length or set it to None."
+                )
             ids, mask = ids[:max_length], mask[:max_length]
             extra = {k: v[:max_length] for k, v in extra.items()}
         ids_rows.append(ids)
@@ -426,8 +493,9 @@ class VisionSFTCollator:
 
     def __call__(self, examples: list[dict]) -> dict:
         rows = [self._segments(e) for e in examples]
-        batch, mask = encode_rows(self.processor, rows, [row_images(e) for e in examples], self.max_length,
-                                  self.pad_to_multiple_of)
+        batch, mask = encode_rows(
+            self.processor, rows, [row_images(e) for e in examples], self.max_length, self.pad_to_multiple_of
+        )
         batch["labels"] = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
         return batch
 
@@ -448,8 +516,9 @@ class VisionPreferenceCollator:
                 texts.append(_prompt_completion_texts(e, self.processor, ("chosen", "rejected")))
             else:
                 texts.append((e["prompt"], [e["chosen"], e["rejected"]]))
-        rows = [[Segment(prompt, False), Segment(completions[c], None)] for c in (0, 1)
-                for prompt, completions in texts]
+        rows = [
+            [Segment(prompt, False), Segment(completions[c], None)] for c in (0, 1) for prompt, completions in texts
+        ]
         images = [row_images(e) for e in examples] * 2
         batch, mask = encode_rows(self.processor, rows, images, self.max_length, self.pad_to_multiple_of)
         batch["completion_mask"] = mask
@@ -470,8 +539,9 @@ class VisionSetup:
         evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
         with_images = [d for d in [train_dataset, *evals] if d is not None and is_vision_dataset(d)]
         self._vision = bool(with_images)
-        self._vision_model = (is_vision_checkpoint(model, args.trust_remote_code) if isinstance(model, str)
-                              else is_vision_model(model))
+        self._vision_model = (
+            is_vision_checkpoint(model, args.trust_remote_code) if isinstance(model, str) else is_vision_model(model)
+        )
         if processing_class is None:
             if self._vision_model:
                 processing_class = load_processor(model, args.trust_remote_code)
@@ -481,14 +551,19 @@ class VisionSetup:
         if self._vision:
             check_vision_config(args, trainer)
             if isinstance(model, str) and not self._vision_model:
-                raise ConfigError(f"{trainer}: the dataset has images, but {model!r} is a text-only model (its "
-                                  "config has no vision_config). Train a vision-language model, or drop the image "
-                                  "column.")
+                raise ConfigError(
+                    f"{trainer}: the dataset has images, but {model!r} is a text-only model (its "
+                    "config has no vision_config). Train a vision-language model, or drop the image "
+                    "column."
+                )
             check_vision_inputs(None if isinstance(model, str) else model, processing_class, with_images[0])
         if peft_config is not None and self._vision_model:
             peft_config = copy.copy(peft_config)
-        if (self._vision_model and args.ddp_find_unused_parameters is None
-                and not (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")):
+        if (
+            self._vision_model
+            and args.ddp_find_unused_parameters is None
+            and not (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+        ):
             # A batch without images leaves the projector without gradients, which DDP must be told about (as TRL).
             args.ddp_find_unused_parameters = True
         return processing_class, peft_config
@@ -524,9 +599,11 @@ def split_vision_inputs(batch: dict, images_per_row: list[int]) -> list[dict]:
         first, last = image_bounds[r], image_bounds[r + 1]
         for key, value in inputs.items():
             if inputs["pixel_values"].dim() == 5:  # per row
-                rows[r][key] = value[r:r + 1, :max(images_per_row[r], 1)] if key.startswith("pixel") else value[r:r + 1]
+                rows[r][key] = (
+                    value[r : r + 1, : max(images_per_row[r], 1)] if key.startswith("pixel") else value[r : r + 1]
+                )
             elif key == "pixel_values" and "image_grid_thw" in inputs:
-                rows[r][key] = value[patch_bounds[first]:patch_bounds[last]]
+                rows[r][key] = value[patch_bounds[first] : patch_bounds[last]]
             else:
                 rows[r][key] = value[first:last]
     return rows
@@ -556,6 +633,7 @@ def vision_batch(parts: list[dict], prompt_width: int, completion_width: int = 0
     for key in TOKEN_INPUTS:
         if any(key in part for part in parts):
             rows = [part[key] for part in parts]
-            out[key] = torch.stack([torch.cat([v.new_zeros(prompt_width - len(v)), v, v.new_zeros(completion_width)])
-                                    for v in rows])
+            out[key] = torch.stack(
+                [torch.cat([v.new_zeros(prompt_width - len(v)), v, v.new_zeros(completion_width)]) for v in rows]
+            )
     return out

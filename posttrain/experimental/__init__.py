@@ -26,11 +26,19 @@ from ..trainers.distillation import DistillationConfig, DistillationTrainer
 @dataclass
 class OnPolicyDistillationConfig(DistillationConfig):
     lmbda: float = field(
-        default=0.5, metadata={"help": "Fraction of micro-batches whose completions the student samples itself "
-                                       "(0: the data's completions only, 1: always the student's)."})
+        default=0.5,
+        metadata={
+            "help": "Fraction of micro-batches whose completions the student samples itself "
+            "(0: the data's completions only, 1: always the student's)."
+        },
+    )
     max_new_tokens: int | None = field(
-        default=128, metadata={"help": "Most tokens the student samples per completion (overrides "
-                                       "max_completion_length; None: use max_completion_length)."})
+        default=128,
+        metadata={
+            "help": "Most tokens the student samples per completion (overrides "
+            "max_completion_length; None: use max_completion_length)."
+        },
+    )
 
     def __post_init__(self):
         if self.max_new_tokens is not None:

@@ -14,12 +14,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 PIPELINE_UNSUPPORTED = {
     "request_timeout": "posttrain's vLLM client bounds every request by vllm_server_timeout; set that instead.",
     "weight_sync_timeout": "weights reach posttrain's vLLM server as files, a request bounded by "
-                           "vllm_server_timeout; set that instead.",
+    "vllm_server_timeout; set that instead.",
     "max_inflight_tasks": "the producer generates whole rounds, at most max_staleness of them ahead; bound the work in "
-                          "flight with max_staleness.",
+    "flight with max_staleness.",
     "queue_maxsize": "the queue holds at most max_staleness rounds of samples; bound it with max_staleness.",
     "heartbeat_stale_after_s": "the generation thread lives in the training process and its failure is raised in "
-                               "the training loop at once; there is no separate worker to watch.",
+    "the training loop at once; there is no separate worker to watch.",
 }
 
 
@@ -27,36 +27,84 @@ PIPELINE_UNSUPPORTED = {
 class AsyncPipelineFields:
     """TRL's fields of the asynchronous rollout pipeline (a mixin of the configs)."""
 
-    dtype: str = field(default="float32", metadata={"help": (
-        f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs wins); "
-        "serve the vLLM server in the same one.")})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": (
+                f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs wins); "
+                "serve the vLLM server in the same one."
+            )
+        },
+    )
     max_completion_length: int = field(default=2048, metadata={"help": "Most tokens generated per completion."})
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    use_vllm: bool = field(default=True, metadata={"help": (
-        "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a copy of "
-        "the policy through transformers.")})
+    use_vllm: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a copy of "
+                "the policy through transformers."
+            )
+        },
+    )
     vllm_mode: str = field(default="server", metadata={"help": "'server' (asynchronous generation needs it)."})
-    vllm_server_base_url: str | None = field(default="http://localhost:8000", metadata={"help": (
-        "URL of the vLLM server that samples the completions (`posttrain vllm-serve MODEL`).")})
-    request_timeout: int = field(default=600, metadata={"help": (
-        "TRL: seconds per HTTP request (posttrain: vllm_server_timeout bounds them; only the default).")})
-    weight_sync_timeout: int = field(default=1800, metadata={"help": (
-        "TRL: seconds a weight transfer may take (posttrain: vllm_server_timeout; only the default).")})
-    token_budget: int | None = field(default=None, metadata={"help": (
-        "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size completions "
-        "per micro-batch (TRL's token_budget <= 0); a positive budget is refused.")})
-    max_inflight_tasks: int = field(default=-1, metadata={"help": (
-        "TRL: concurrent generation requests (posttrain generates whole rounds; only -1, auto).")})
-    max_staleness: int = field(default=4, metadata={"help": (
-        "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many rounds "
-        "(optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights.")})
-    queue_maxsize: int = field(default=1024, metadata={"help": (
-        "TRL: samples buffered (posttrain holds at most max_staleness rounds; only the default).")})
-    weight_sync_steps: int = field(default=1, metadata={"help": (
-        "Optimizer steps between two refreshes of the sampler's weights (pushes to the vLLM server).")})
-    heartbeat_stale_after_s: float = field(default=300.0, metadata={"help": (
-        "TRL: seconds without a worker heartbeat before aborting (posttrain: no separate worker; only the "
-        "default).")})
+    vllm_server_base_url: str | None = field(
+        default="http://localhost:8000",
+        metadata={"help": ("URL of the vLLM server that samples the completions (`posttrain vllm-serve MODEL`).")},
+    )
+    request_timeout: int = field(
+        default=600,
+        metadata={
+            "help": ("TRL: seconds per HTTP request (posttrain: vllm_server_timeout bounds them; only the default).")
+        },
+    )
+    weight_sync_timeout: int = field(
+        default=1800,
+        metadata={
+            "help": ("TRL: seconds a weight transfer may take (posttrain: vllm_server_timeout; only the default).")
+        },
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size completions "
+                "per micro-batch (TRL's token_budget <= 0); a positive budget is refused."
+            )
+        },
+    )
+    max_inflight_tasks: int = field(
+        default=-1,
+        metadata={"help": ("TRL: concurrent generation requests (posttrain generates whole rounds; only -1, auto).")},
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": (
+                "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many rounds "
+                "(optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights."
+            )
+        },
+    )
+    queue_maxsize: int = field(
+        default=1024,
+        metadata={"help": ("TRL: samples buffered (posttrain holds at most max_staleness rounds; only the default).")},
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={
+            "help": ("Optimizer steps between two refreshes of the sampler's weights (pushes to the vLLM server).")
+        },
+    )
+    heartbeat_stale_after_s: float = field(
+        default=300.0,
+        metadata={
+            "help": (
+                "TRL: seconds without a worker heartbeat before aborting (posttrain: no separate worker; only the "
+                "default)."
+            )
+        },
+    )
 
     def resolve_async_pipeline(self) -> None:
         """Checks the pipeline fields and maps them onto the engine's (before OnlineConfig's own checks)."""
@@ -67,14 +115,20 @@ class AsyncPipelineFields:
         if self.weight_sync_steps < 1:
             raise ConfigError(f"weight_sync_steps={self.weight_sync_steps} must be at least 1.")
         if self.token_budget is not None and self.token_budget > 0:
-            raise ConfigError(f"token_budget={self.token_budget}: posttrain does not pack micro-batches by a token "
-                              "budget; it trains per_device_train_batch_size completions per micro-batch (TRL's "
-                              "token_budget <= 0). Leave token_budget at None or set it <= 0.")
-        for own, trl_name, default in (("async_generation_rounds", "max_staleness", None),
-                                       ("vllm_sync_steps", "weight_sync_steps", 1)):
+            raise ConfigError(
+                f"token_budget={self.token_budget}: posttrain does not pack micro-batches by a token "
+                "budget; it trains per_device_train_batch_size completions per micro-batch (TRL's "
+                "token_budget <= 0). Leave token_budget at None or set it <= 0."
+            )
+        for own, trl_name, default in (
+            ("async_generation_rounds", "max_staleness", None),
+            ("vllm_sync_steps", "weight_sync_steps", 1),
+        ):
             if getattr(self, own) not in (default, getattr(self, trl_name)):
-                raise ConfigError(f"{own}={getattr(self, own)} and {trl_name}={getattr(self, trl_name)} set the same "
-                                  f"thing here; set only {trl_name}.")
+                raise ConfigError(
+                    f"{own}={getattr(self, own)} and {trl_name}={getattr(self, trl_name)} set the same "
+                    f"thing here; set only {trl_name}."
+                )
         self.async_generation_rounds, self.vllm_sync_steps = self.max_staleness, self.weight_sync_steps
 
 
@@ -82,9 +136,11 @@ def refuse_trl_workers(trainer: str, rollout_worker, weight_transfer) -> None:
     """TRL's asynchronous trainers take a worker process and a weight-transfer object; posttrain has neither."""
     for name, value in (("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
         if value is not None:
-            raise ConfigError(f"{trainer}({name}=...) plugs a TRL worker process into TRL's trainer; posttrain "
-                              "generates in its own thread (on a vLLM server with use_vllm=True). Drop "
-                              f"{name}.")
+            raise ConfigError(
+                f"{trainer}({name}=...) plugs a TRL worker process into TRL's trainer; posttrain "
+                "generates in its own thread (on a vLLM server with use_vllm=True). Drop "
+                f"{name}."
+            )
 
 
 def apply_dtype(model, args) -> None:
@@ -92,5 +148,7 @@ def apply_dtype(model, args) -> None:
     if isinstance(model, str):
         args.model_init_kwargs = {"dtype": args.dtype, **(args.model_init_kwargs or {})}
     elif args.dtype != "float32":
-        raise ConfigError(f"dtype={args.dtype!r} applies when the model is given by name; the model passed is loaded "
-                          "already. Convert it (model.to(dtype)) or pass its name.")
+        raise ConfigError(
+            f"dtype={args.dtype!r} applies when the model is given by name; the model passed is loaded "
+            "already. Convert it (model.to(dtype)) or pass its name."
+        )

@@ -38,34 +38,60 @@ class A2POConfig(GRPOConfig):
 
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
-    num_generations: int = field(default=1, metadata={"help": (
-        "Stage 2 completions per prompt (A*-PO uses 1; each is regressed on its own).")})
-    num_value_samples: int = field(default=8, metadata={"help": (
-        "Stage 1: completions sampled from the reference policy per prompt to estimate V*.")})
-    beta1: float = field(default=0.5, metadata={"help": (
-        "Stage 1: KL temperature of V* = beta1 * log mean exp(r / beta1) (small: the best sample's reward).")})
-    filter_all_incorrect: bool = field(default=True, metadata={"help": (
-        "Stage 1: drop the training prompts whose reference samples all scored 0 (no learning signal).")})
-    beta2: float = field(default=1e-3, metadata={"help": (
-        "Stage 2: KL temperature of the implicit reward beta2 * log(pi / pi_ref) regressed onto r - V*.")})
+    num_generations: int = field(
+        default=1, metadata={"help": ("Stage 2 completions per prompt (A*-PO uses 1; each is regressed on its own).")}
+    )
+    num_value_samples: int = field(
+        default=8,
+        metadata={"help": ("Stage 1: completions sampled from the reference policy per prompt to estimate V*.")},
+    )
+    beta1: float = field(
+        default=0.5,
+        metadata={
+            "help": (
+                "Stage 1: KL temperature of V* = beta1 * log mean exp(r / beta1) (small: the best sample's reward)."
+            )
+        },
+    )
+    filter_all_incorrect: bool = field(
+        default=True,
+        metadata={
+            "help": ("Stage 1: drop the training prompts whose reference samples all scored 0 (no learning signal).")
+        },
+    )
+    beta2: float = field(
+        default=1e-3,
+        metadata={
+            "help": ("Stage 2: KL temperature of the implicit reward beta2 * log(pi / pi_ref) regressed onto r - V*.")
+        },
+    )
 
     def _check_loss_options(self) -> None:
         super()._check_loss_options()
         if self.num_value_samples < 1 or self.beta1 <= 0 or self.beta2 <= 0:
-            raise ConfigError(f"A2PO needs num_value_samples >= 1 (it is {self.num_value_samples}), beta1 > 0 (it is "
-                              f"{self.beta1}) and beta2 > 0 (it is {self.beta2}).")
-        refused = {"beta": self.beta != 0.0, "loss_type": self.loss_type != "dapo",
-                   "importance_sampling_level": self.importance_sampling_level != "token",
-                   "delta": self.delta is not None, "top_entropy_quantile": self.top_entropy_quantile != 1.0,
-                   "entropy_coef": self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-                   "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
-                   "dynamic_sampling": self.dynamic_sampling, "scale_rewards": self.scale_rewards != "group",
-                   "multi_objective_aggregation": self.multi_objective_aggregation != "sum_then_normalize"}
+            raise ConfigError(
+                f"A2PO needs num_value_samples >= 1 (it is {self.num_value_samples}), beta1 > 0 (it is "
+                f"{self.beta1}) and beta2 > 0 (it is {self.beta2})."
+            )
+        refused = {
+            "beta": self.beta != 0.0,
+            "loss_type": self.loss_type != "dapo",
+            "importance_sampling_level": self.importance_sampling_level != "token",
+            "delta": self.delta is not None,
+            "top_entropy_quantile": self.top_entropy_quantile != 1.0,
+            "entropy_coef": self.entropy_coef != 0.0 or self.use_adaptive_entropy,
+            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
+            "dynamic_sampling": self.dynamic_sampling,
+            "scale_rewards": self.scale_rewards != "group",
+            "multi_objective_aggregation": self.multi_objective_aggregation != "sum_then_normalize",
+        }
         for name, is_set in refused.items():
             if is_set:
-                raise ConfigError(f"A2POConfig.{name}={getattr(self, name)!r} has no effect: A*-PO's loss is the "
-                                  "regression of beta2 * log(pi / pi_ref) onto r - V* (its KL temperature is beta2). "
-                                  "Leave it at its default, or use GRPOConfig/GRPOTrainer.")
+                raise ConfigError(
+                    f"A2POConfig.{name}={getattr(self, name)!r} has no effect: A*-PO's loss is the "
+                    "regression of beta2 * log(pi / pi_ref) onto r - V* (its KL temperature is beta2). "
+                    "Leave it at its default, or use GRPOConfig/GRPOTrainer."
+                )
 
 
 class A2POTrainer(GRPOTrainer):
@@ -74,13 +100,33 @@ class A2POTrainer(GRPOTrainer):
     _name = "A2PO"
     config_class = A2POConfig
 
-    def __init__(self, model, reward_funcs, args: A2POConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), reward_processing_classes=None,
-                 peft_config=None, quantization_config=None):
-        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config)
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: A2POConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        reward_processing_classes=None,
+        peft_config=None,
+        quantization_config=None,
+    ):
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         self.optimal_values: dict[tuple[int, ...], float] | None = None
         self._round_values: torch.Tensor | None = None
 
@@ -114,10 +160,12 @@ class A2POTrainer(GRPOTrainer):
         if args.filter_all_incorrect and all_incorrect:
             kept = self.train_dataset.filter(lambda row: tuple(row[PROMPT_IDS_COLUMN]) not in all_incorrect)
             if len(kept) < args.generation_batch_size // args.num_generations:
-                raise DataError(f"filter_all_incorrect dropped {len(self.train_dataset) - len(kept)} of "
-                                f"{len(self.train_dataset)} prompts whose {n} reference samples all scored 0, leaving "
-                                "fewer than one generation round needs; set filter_all_incorrect=False or add "
-                                "prompts the model can solve.")
+                raise DataError(
+                    f"filter_all_incorrect dropped {len(self.train_dataset) - len(kept)} of "
+                    f"{len(self.train_dataset)} prompts whose {n} reference samples all scored 0, leaving "
+                    "fewer than one generation round needs; set filter_all_incorrect=False or add "
+                    "prompts the model can solve."
+                )
             self.train_dataset = kept
 
     def train(self, *args, **kwargs):
@@ -132,8 +180,11 @@ class A2POTrainer(GRPOTrainer):
 
     # -- Stage 2 -------------------------------------------------------------------------------------------
     def make_rollout(self, rows, slots, round_index):
-        n = self.args.num_generations if self.rollout_mode == "train" else (
-            self.args.num_generations_eval or self.args.num_generations)
+        n = (
+            self.args.num_generations
+            if self.rollout_mode == "train"
+            else (self.args.num_generations_eval or self.args.num_generations)
+        )
         values = [self.optimal_values[tuple(row[PROMPT_IDS_COLUMN])] for row in rows for _ in range(n)]
         self._round_values = torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
         return super().make_rollout(rows, slots, round_index)
@@ -149,7 +200,8 @@ class A2POTrainer(GRPOTrainer):
         sequence_logps = (torch.where(mask.bool(), logps, 0.0)).sum(1)
         ref_sequence_logps = (torch.where(mask.bool(), inputs["ref_logps"], 0.0)).sum(1)
         rewards = inputs["advantages"] + 0.0  # r - V*: V* enters only through the target
-        per_sequence, stats = a2po_loss(sequence_logps, ref_sequence_logps, rewards, torch.zeros_like(rewards),
-                                        self.args.beta2)
+        per_sequence, stats = a2po_loss(
+            sequence_logps, ref_sequence_logps, rewards, torch.zeros_like(rewards), self.args.beta2
+        )
         loss = per_sequence.sum() / inputs["total_sequences"]
         return loss * self.accelerator.num_processes, stats

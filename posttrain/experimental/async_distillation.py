@@ -56,29 +56,55 @@ class AsyncDistillationConfig(AsyncPipelineFields, OnlineConfig):
     method: ClassVar[str] = "asynchronous distillation"
 
     num_generations: int = field(default=1, metadata={"help": "Completions the student samples per prompt."})
-    teacher_server_urls: dict | str | None = field(default=None, metadata={"help": (
-        "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with the "
-        f"student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One entry "
-        "only (several, TRL's multi-teacher MOPD, are not supported).")})
-    beta: float = field(default=0.0, metadata={"help": (
-        "Generalized JSD interpolation: 0 forward KL (teacher's top-k support), 1 reverse KL; in between the "
-        "support is the teacher's top-1 and the sampled token.")})
-    teacher_temperature: float = field(default=1.0, metadata={"help": (
-        "Softmax temperature of both sides of the divergence (the student samples at `temperature`).")})
+    teacher_server_urls: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with the "
+                f"student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One entry "
+                "only (several, TRL's multi-teacher MOPD, are not supported)."
+            )
+        },
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "Generalized JSD interpolation: 0 forward KL (teacher's top-k support), 1 reverse KL; in between the "
+                "support is the teacher's top-1 and the sampled token."
+            )
+        },
+    )
+    teacher_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": ("Softmax temperature of both sides of the divergence (the student samples at `temperature`).")
+        },
+    )
     teacher_top_k: int = field(default=8, metadata={"help": "Teacher tokens per position the divergence compares."})
-    add_tail_bucket: bool = field(default=True, metadata={"help": (
-        "Compare the probability mass outside the support as one more element (else renormalise over it).")})
+    add_tail_bucket: bool = field(
+        default=True,
+        metadata={
+            "help": ("Compare the probability mass outside the support as one more element (else renormalise over it).")
+        },
+    )
     vllm_importance_sampling_correction: bool = field(default=False, metadata={"help": "Not used (only False)."})
-    log_completions_steps: int = field(default=100, metadata={"help": (
-        "TRL: scored samples between two completion logs (posttrain logs every round; only the default).")})
+    log_completions_steps: int = field(
+        default=100,
+        metadata={
+            "help": ("TRL: scored samples between two completion logs (posttrain logs every round; only the default).")
+        },
+    )
 
     def __post_init__(self):
         self.resolve_async_pipeline()
         if isinstance(self.teacher_server_urls, str):
             self.teacher_server_urls = json.loads(self.teacher_server_urls)
         if self.teacher_server_urls is not None and len(self.teacher_server_urls) != 1:
-            raise ConfigError(f"teacher_server_urls={self.teacher_server_urls}: posttrain distils from one teacher "
-                              "(TRL's multi-teacher MOPD with a teacher_id column is not supported); give one entry.")
+            raise ConfigError(
+                f"teacher_server_urls={self.teacher_server_urls}: posttrain distils from one teacher "
+                "(TRL's multi-teacher MOPD with a teacher_id column is not supported); give one entry."
+            )
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"beta={self.beta} must be in [0, 1] (0: forward KL, 1: reverse KL).")
         if self.teacher_temperature <= 0:
@@ -95,8 +121,9 @@ class LocalTeacher:
         self.model, self.pad_token_id = freeze(model), pad_token_id
 
     @torch.no_grad()
-    def sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int,
-                          temperature: float) -> list[tuple[list[list[int]], list[list[float]], list[float]]]:
+    def sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int, temperature: float
+    ) -> list[tuple[list[list[int]], list[list[float]], list[float]]]:
         """Per sequence, for each position from its prompt length on: the teacher's top_k ids and log-probs (at
         `temperature`), and its log-prob of the sequence's token there."""
         device = next(self.model.parameters()).device
@@ -105,9 +132,14 @@ class LocalTeacher:
         logps = (logits.double()[:, :-1] / temperature).log_softmax(-1)
         top_logps, top_ids = logps.topk(top_k, dim=-1)
         sampled = logps.gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-        return [(top_ids[row, start - 1:len(seq) - 1].tolist(), top_logps[row, start - 1:len(seq) - 1].tolist(),
-                 sampled[row, start - 1:len(seq) - 1].tolist())
-                for row, (seq, start) in enumerate(zip(sequences, prompt_lengths))]
+        return [
+            (
+                top_ids[row, start - 1 : len(seq) - 1].tolist(),
+                top_logps[row, start - 1 : len(seq) - 1].tolist(),
+                sampled[row, start - 1 : len(seq) - 1].tolist(),
+            )
+            for row, (seq, start) in enumerate(zip(sequences, prompt_lengths))
+        ]
 
 
 class AsyncDistillationTrainer(OnlineTrainer):
@@ -119,9 +151,20 @@ class AsyncDistillationTrainer(OnlineTrainer):
     kl_in_loss = False
     loss_ignores_the_sampler = True  # a divergence to the teacher on the samples, whatever weights drew them
 
-    def __init__(self, model, args: AsyncDistillationConfig | None = None, train_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None, rollout_worker=None, weight_transfer=None,
-                 teacher_model=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: AsyncDistillationConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        rollout_worker=None,
+        weight_transfer=None,
+        teacher_model=None,
+        **kwargs,
+    ):
         refuse_trl_workers("AsyncDistillationTrainer", rollout_worker, weight_transfer)
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
@@ -129,16 +172,26 @@ class AsyncDistillationTrainer(OnlineTrainer):
         apply_dtype(model, args)
         self._scored: dict[tuple, tuple] = {}  # the teacher's answers for the round's sequences
         if teacher_model is not None and args.teacher_server_urls is not None:
-            raise ConfigError("Both teacher_model and teacher_server_urls are set; keep the one teacher to distil "
-                              "from.")
+            raise ConfigError(
+                "Both teacher_model and teacher_server_urls are set; keep the one teacher to distil from."
+            )
         if teacher_model is None:
             from .server_distillation import TeacherServer
 
-            self.teacher = TeacherServer(next(iter((args.teacher_server_urls or {"default": DEFAULT_TEACHER_URL})
-                                                   .values())))
-        super().__init__(model, [self.teacher_logprob], args=args, train_dataset=train_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, **kwargs)
+            self.teacher = TeacherServer(
+                next(iter((args.teacher_server_urls or {"default": DEFAULT_TEACHER_URL}).values()))
+            )
+        super().__init__(
+            model,
+            [self.teacher_logprob],
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            **kwargs,
+        )
         self.reward_columns.append(PROMPT_IDS_COLUMN)  # the teacher scores the prompt's tokens too
         if teacher_model is not None:
             from transformers import AutoModelForCausalLM
@@ -147,8 +200,10 @@ class AsyncDistillationTrainer(OnlineTrainer):
                 teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=self.model.dtype)
             self.teacher = LocalTeacher(teacher_model.to(self.accelerator.device), self.processing_class.pad_token_id)
         if self.teacher_vocabulary() > self.model.get_output_embeddings().weight.shape[0]:
-            raise ConfigError("The teacher's vocabulary is larger than the student's: the teacher must use the "
-                              "student's tokenizer (its token ids index the student's vocabulary).")
+            raise ConfigError(
+                "The teacher's vocabulary is larger than the student's: the teacher must use the "
+                "student's tokenizer (its token ids index the student's vocabulary)."
+            )
 
     def teacher_vocabulary(self) -> int:
         if isinstance(self.teacher, LocalTeacher):
@@ -160,8 +215,9 @@ class AsyncDistillationTrainer(OnlineTrainer):
         """The teacher's mean log-prob of each completion's tokens (at teacher_temperature)."""
         prompt_ids = kwargs[PROMPT_IDS_COLUMN]
         self._scored = {}  # this round's, so that its micro-batches need not ask the teacher again
-        scored = self.teacher_scores([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)],
-                                     [len(p) for p in prompt_ids])
+        scored = self.teacher_scores(
+            [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)], [len(p) for p in prompt_ids]
+        )
         return [sum(own) / max(len(own), 1) for _, _, own in scored]
 
     def teacher_scores(self, sequences: list[list[int]], prompt_lengths: list[int]) -> list[tuple]:
@@ -169,9 +225,12 @@ class AsyncDistillationTrainer(OnlineTrainer):
         position, from this round's scores where the sequence was scored already (else asked now)."""
         missing = [i for i, sequence in enumerate(sequences) if tuple(sequence) not in self._scored]
         if missing:
-            fresh = self.teacher.sequence_logprobs([sequences[i] for i in missing],
-                                                   [prompt_lengths[i] for i in missing], self.args.teacher_top_k,
-                                                   self.args.teacher_temperature)
+            fresh = self.teacher.sequence_logprobs(
+                [sequences[i] for i in missing],
+                [prompt_lengths[i] for i in missing],
+                self.args.teacher_top_k,
+                self.args.teacher_temperature,
+            )
             self._scored.update({tuple(sequences[i]): answer for i, answer in zip(missing, fresh)})
         return [self._scored[tuple(sequence)] for sequence in sequences]
 
@@ -199,15 +258,21 @@ class AsyncDistillationTrainer(OnlineTrainer):
         top_logps = torch.full(shape, float("-inf"), dtype=torch.float64)
         own = torch.full(mask.shape, float("-inf"), dtype=torch.float64)
         for row, (row_ids, row_logps, row_own) in enumerate(scored):
-            top_ids[row, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.long).view(-1, args.teacher_top_k)
-            top_logps[row, :len(row_ids)] = torch.tensor(row_logps, dtype=torch.float64).view(-1, args.teacher_top_k)
-            own[row, :len(row_own)] = torch.tensor(row_own, dtype=torch.float64)
+            top_ids[row, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long).view(-1, args.teacher_top_k)
+            top_logps[row, : len(row_ids)] = torch.tensor(row_logps, dtype=torch.float64).view(-1, args.teacher_top_k)
+            own[row, : len(row_own)] = torch.tensor(row_own, dtype=torch.float64)
         device = logits.device
-        support, teacher, valid = server_support(top_ids.to(device)[mask], top_logps.to(device)[mask],
-                                                 inputs["completion_ids"][mask], own.to(device)[mask], args.beta)
+        support, teacher, valid = server_support(
+            top_ids.to(device)[mask],
+            top_logps.to(device)[mask],
+            inputs["completion_ids"][mask],
+            own.to(device)[mask],
+            args.beta,
+        )
         per_token = torch.zeros(mask.shape, dtype=logits.dtype, device=device)
-        per_token[mask] = sparse_teacher_divergence(logits[mask], support, teacher, valid, args.beta,
-                                                    args.add_tail_bucket, args.teacher_temperature).to(logits.dtype)
+        per_token[mask] = sparse_teacher_divergence(
+            logits[mask], support, teacher, valid, args.beta, args.add_tail_bucket, args.teacher_temperature
+        ).to(logits.dtype)
         metrics = {}
         loss = aggregate_loss(per_token, mask, "dapo", total_tokens=inputs["total_tokens"])
         loss = self.add_router_aux_loss(loss * self.accelerator.num_processes, outputs, metrics)

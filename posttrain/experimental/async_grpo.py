@@ -32,26 +32,40 @@ class AsyncGRPOConfig(AsyncPipelineFields, GRPOConfig):
     unsupported_options: ClassVar[dict[str, str]] = {
         **GRPOConfig.unsupported_options,
         "fork_threshold_tokens": "posttrain never re-tokenizes a conversation (a turn's token ids are appended as "
-                                 "sampled), so there is no drift to fork a training row on.",
+        "sampled), so there is no drift to fork a training row on.",
         **PIPELINE_UNSUPPORTED,
         "scale_rewards": "asynchronous GRPO divides by the group's population std as TRL's does; for another "
-                         "scaling use GRPOTrainer with async_generation_rounds.",
+        "scaling use GRPOTrainer with async_generation_rounds.",
         "multi_objective_aggregation": "asynchronous GRPO sums the weighted rewards as TRL's does; for GDPO use "
-                                       "GRPOTrainer with async_generation_rounds.",
+        "GRPOTrainer with async_generation_rounds.",
         "vllm_importance_sampling_correction": "the ratio is already taken against the sampler's log-probs, so a "
-                                               "correction by pi_old / pi_sampler is always 1.",
+        "correction by pi_old / pi_sampler is always 1.",
     }
     method: ClassVar[str] = "asynchronous GRPO"
 
     lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
-    loss_type: str = field(default="bnpo", metadata={"help": (
-        "Loss aggregation (GRPOConfig.loss_type); TRL's asynchronous trainer takes the token mean of each "
-        "micro-batch, 'bnpo'.")})
-    fork_threshold_tokens: int = field(default=1024, metadata={"help": (
-        "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never re-tokenizes: "
-        "only the default).")})
-    vllm_importance_sampling_correction: bool = field(default=False, metadata={"help": (
-        "Not used: the ratio is taken against the sampler's log-probs already (only False).")})
+    loss_type: str = field(
+        default="bnpo",
+        metadata={
+            "help": (
+                "Loss aggregation (GRPOConfig.loss_type); TRL's asynchronous trainer takes the token mean of each "
+                "micro-batch, 'bnpo'."
+            )
+        },
+    )
+    fork_threshold_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": (
+                "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never re-tokenizes: "
+                "only the default)."
+            )
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": ("Not used: the ratio is taken against the sampler's log-probs already (only False).")},
+    )
 
     def __post_init__(self):
         self.resolve_async_pipeline()
@@ -61,8 +75,9 @@ class AsyncGRPOConfig(AsyncPipelineFields, GRPOConfig):
 def population_group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = 1e-8) -> torch.Tensor:
     """(r - mean) / (population std + eps) within each prompt's group, over the scored completions (NaN: no
     reward applies, advantage 0), as TRL's asynchronous GRPO computes them."""
-    return groupwise_advantages(rewards, num_generations,
-                                lambda group: (group - group.mean()) / (group.std(correction=0) + eps))
+    return groupwise_advantages(
+        rewards, num_generations, lambda group: (group - group.mean()) / (group.std(correction=0) + eps)
+    )
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -72,17 +87,40 @@ class AsyncGRPOTrainer(GRPOTrainer):
     config_class = AsyncGRPOConfig
     accepts_images = False  # the generation thread samples text prompts
 
-    def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, train_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
-                 environment_factory=None, rollout_worker=None, weight_transfer=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
+        **kwargs,
+    ):
         refuse_trl_workers("AsyncGRPOTrainer", rollout_worker, weight_transfer)
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
             args = AsyncGRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-AsyncGRPO")
         apply_dtype(model, args)
-        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, tools=tools, environment_factory=environment_factory, **kwargs)
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
+            **kwargs,
+        )
 
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
         return Advantages(self.local_share(population_group_advantages(rewards, rollout.num_generations)))

@@ -32,8 +32,13 @@ from ..losses.bco import (
 )
 from ..models.loading import load_causal_lm
 from ..models.reference import is_peft_model, reference_forward, unwrap
-from ..trainers.dpo import (ReferenceConfig, ReferenceTrainer, check_length_settings, load_processing_class,
-                             sequence_logps)
+from ..trainers.dpo import (
+    ReferenceConfig,
+    ReferenceTrainer,
+    check_length_settings,
+    load_processing_class,
+    sequence_logps,
+)
 from ..trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
 
 logger = logging.getLogger("posttrain")
@@ -41,45 +46,73 @@ logger = logging.getLogger("posttrain")
 
 @dataclass
 class BCOConfig(ReferenceConfig):
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate (TRL's BCOConfig kept "
-                                                                 "transformers' default)."})
+    learning_rate: float = field(
+        default=5e-5, metadata={"help": "Peak learning rate (TRL's BCOConfig kept transformers' default)."}
+    )
     train_sampling_strategy: str = field(
-        default="sequential", metadata={"help": "Order of the training rows (TRL's BCO reads them in order)."})
+        default="sequential", metadata={"help": "Order of the training rows (TRL's BCO reads them in order)."}
+    )
     max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion (None: no bound); see max_prompt_length."})
+        default=1024, metadata={"help": "Bound on prompt + completion (None: no bound); see max_prompt_length."}
+    )
     max_prompt_length: int | None = field(
-        default=None, metadata={"help": "When prompt + completion exceeds max_length: first cut the prompt to this "
-                                        "many tokens (as truncation_mode says), then the completion to max_length - "
-                                        "max_prompt_length. None: cut the whole sequence as truncation_mode says."})
+        default=None,
+        metadata={
+            "help": "When prompt + completion exceeds max_length: first cut the prompt to this "
+            "many tokens (as truncation_mode says), then the completion to max_length - "
+            "max_prompt_length. None: cut the whole sequence as truncation_mode says."
+        },
+    )
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many completion tokens."})
-    beta: float = field(default=0.1, metadata={"help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-                                                       "keeps the policy closer to the reference."})
+        default=None, metadata={"help": "Keep at most the first this-many completion tokens."}
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={
+            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
+            "keeps the policy closer to the reference."
+        },
+    )
     label_pad_token_id: int = field(
-        default=-100, metadata={"help": "TRL's marker of untrained label positions; posttrain marks completion tokens "
-                                        "with a mask instead, so any value trains the same."})
+        default=-100,
+        metadata={
+            "help": "TRL's marker of untrained label positions; posttrain marks completion tokens "
+            "with a mask instead, so any value trains the same."
+        },
+    )
     padding_value: int | None = field(
-        default=None, metadata={"help": "Token id that pads input_ids (default: the tokenizer's pad token)."})
+        default=None, metadata={"help": "Token id that pads input_ids (default: the tokenizer's pad token)."}
+    )
     truncation_mode: str = field(
-        default="keep_end", metadata={"help": "Which end of an over-long prompt (or sequence) survives: keep_end "
-                                              "or keep_start.", "choices": ["keep_end", "keep_start"]})
+        default="keep_end",
+        metadata={
+            "help": "Which end of an over-long prompt (or sequence) survives: keep_end or keep_start.",
+            "choices": ["keep_end", "keep_start"],
+        },
+    )
     generate_during_eval: bool = field(
-        default=False, metadata={"help": "Not supported (TRL logged sampled completions to W&B / Comet tables)."})
+        default=False, metadata={"help": "Not supported (TRL logged sampled completions to W&B / Comet tables)."}
+    )
     is_encoder_decoder: bool | None = field(
-        default=None, metadata={"help": "Only decoder-only (causal) models are supported: leave unset or False."})
+        default=None, metadata={"help": "Only decoder-only (causal) models are supported: leave unset or False."}
+    )
     ref_model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a name or path."})
+        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a name or path."}
+    )
     prompt_sample_size: int = field(
-        default=1024, metadata={"help": "UDM: prompts of each class embedded to fit the density-ratio classifier."})
+        default=1024, metadata={"help": "UDM: prompts of each class embedded to fit the density-ratio classifier."}
+    )
     min_density_ratio: float = field(
-        default=0.5, metadata={"help": "UDM: lower clamp of an undesirable example's density-ratio weight."})
+        default=0.5, metadata={"help": "UDM: lower clamp of an undesirable example's density-ratio weight."}
+    )
     max_density_ratio: float = field(
-        default=10.0, metadata={"help": "UDM: upper clamp of an undesirable example's density-ratio weight."})
+        default=10.0, metadata={"help": "UDM: upper clamp of an undesirable example's density-ratio weight."}
+    )
 
     unsupported_options: ClassVar[dict[str, str]] = {
         **ReferenceConfig.unsupported_options,
         "generate_during_eval": "it logged sampled completions as W&B / Comet tables; posttrain logs completions "
-                                "with posttrain.callbacks.LogCompletionsCallback instead.",
+        "with posttrain.callbacks.LogCompletionsCallback instead.",
     }
 
     def __post_init__(self):
@@ -88,16 +121,20 @@ class BCOConfig(ReferenceConfig):
 
             self.ref_model_init_kwargs = json.loads(self.ref_model_init_kwargs)
         if self.is_encoder_decoder:
-            raise ConfigError("is_encoder_decoder=True: posttrain's BCOTrainer trains decoder-only (causal) models; "
-                              "leave is_encoder_decoder unset.")
+            raise ConfigError(
+                "is_encoder_decoder=True: posttrain's BCOTrainer trains decoder-only (causal) models; "
+                "leave is_encoder_decoder unset."
+            )
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
         check_length_settings(self)
         if self.prompt_sample_size < 1:
             raise ConfigError(f"prompt_sample_size={self.prompt_sample_size} must be at least 1.")
         if not 0 <= self.min_density_ratio <= self.max_density_ratio:
-            raise ConfigError(f"min_density_ratio={self.min_density_ratio} and max_density_ratio="
-                              f"{self.max_density_ratio} must satisfy 0 <= min <= max.")
+            raise ConfigError(
+                f"min_density_ratio={self.min_density_ratio} and max_density_ratio="
+                f"{self.max_density_ratio} must satisfy 0 <= min <= max."
+            )
         super().__post_init__()
 
 
@@ -108,8 +145,14 @@ COMPLETION_CUT = "completion cut by max_length / max_completion_length"
 NO_COMPLETION_LEFT = "truncation to max_length leaves no completion token"
 
 
-def truncate_bco(prompt: list, completion: list, max_length: int | None, max_prompt_length: int | None = None,
-                 max_completion_length: int | None = None, truncation_mode: str = "keep_end") -> tuple[list, list]:
+def truncate_bco(
+    prompt: list,
+    completion: list,
+    max_length: int | None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    truncation_mode: str = "keep_end",
+) -> tuple[list, list]:
     """TRL's BCO rule: a sequence over max_length first loses prompt tokens beyond max_prompt_length (its start
     with keep_end, its end with keep_start), then completion tokens beyond max_length - max_prompt_length. Without
     max_prompt_length, the joined sequence is cut as truncation_mode says."""
@@ -122,12 +165,12 @@ def truncate_bco(prompt: list, completion: list, max_length: int | None, max_pro
     if max_prompt_length is None:
         if keep_end:
             cut = len(prompt) + len(completion) - limit
-            return prompt[cut:], completion[max(0, cut - len(prompt)):]
-        return prompt[:limit], completion[:max(0, limit - len(prompt))]
+            return prompt[cut:], completion[max(0, cut - len(prompt)) :]
+        return prompt[:limit], completion[: max(0, limit - len(prompt))]
     p = max_prompt_length
     prompt = prompt[-p:] if keep_end else prompt[:p]
     if len(prompt) + len(completion) > limit:
-        completion = completion[:limit - p]
+        completion = completion[: limit - p]
     return prompt, completion
 
 
@@ -136,12 +179,18 @@ def _tokenize_bco_row(example, row, tokenizer, fmt, completion_fmt, limits, embe
     start = out["completion_mask"].index(1)
     full_prompt, full_completion = out["input_ids"][:start], out["input_ids"][start:]
     prompt, completion = truncate_bco(full_prompt, full_completion, **limits)
-    out = {"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion),
-           cut_column(PROMPT_CUT): len(full_prompt) - len(prompt),
-           cut_column(COMPLETION_CUT): len(full_completion) - len(completion)}
+    out = {
+        "input_ids": prompt + completion,
+        "completion_mask": [0] * len(prompt) + [1] * len(completion),
+        cut_column(PROMPT_CUT): len(full_prompt) - len(prompt),
+        cut_column(COMPLETION_CUT): len(full_completion) - len(completion),
+    }
     if embedding_tokenizer is not None:  # UDM: the prompt as text, in the embedding model's tokens
-        text = (render(tokenizer, list(example["prompt"]), add_generation_prompt=True) if fmt.conversational
-                else example["prompt"])
+        text = (
+            render(tokenizer, list(example["prompt"]), add_generation_prompt=True)
+            if fmt.conversational
+            else example["prompt"]
+        )
         out["embedding_input_ids"] = embedding_tokenizer(text, truncation=True, add_special_tokens=False)["input_ids"]
     return out
 
@@ -170,38 +219,66 @@ class BCOTrainer(ReferenceTrainer):
     disabled, or the adapter `ref_adapter_name`, or log-probs precomputed once (`precompute_ref_log_probs`).
     `embedding_func(input_ids=..., attention_mask=...)` returns one embedding per prompt ([B, D]) for UDM.
     """
+
     _name = "BCO"
 
     REF_COLUMNS = ("ref_logps",)
     ID_COLUMNS = ("input_ids", "completion_mask", "label")
     PREPARED_COLUMN = "input_ids"
 
-    def __init__(self, model=None, ref_model=None, args: BCOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, data_collator=None, model_init=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None,
-                 model_adapter_name: str | None = None, ref_adapter_name: str | None = None, embedding_func=None,
-                 embedding_tokenizer=None, quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        ref_model=None,
+        args: BCOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        data_collator=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+        model_adapter_name: str | None = None,
+        ref_adapter_name: str | None = None,
+        embedding_func=None,
+        embedding_tokenizer=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or BCOConfig(output_dir="outputs/bco")
         if model_init is not None:
-            raise ConfigError("model_init is not supported by posttrain's BCOTrainer (the reference model and the "
-                              "data are prepared from the model when the trainer is built); pass `model` instead.")
+            raise ConfigError(
+                "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
+                "data are prepared from the model when the trainer is built); pass `model` instead."
+            )
         if model is None:
             raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
         if (embedding_func is None) != (embedding_tokenizer is None):
-            raise ConfigError("UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
-                              "the one and embedded with the other); pass both, or neither to train without UDM.")
+            raise ConfigError(
+                "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
+                "the one and embedded with the other); pass both, or neither to train without UDM."
+            )
         for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
             if name is not None and (isinstance(model, str) or not is_peft_model(model) or peft_config is not None):
-                raise ConfigError(f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
-                                  f"peft_config); pass such a model, or drop {option}.")
+                raise ConfigError(
+                    f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
+                    f"peft_config); pass such a model, or drop {option}."
+                )
         if ref_adapter_name is not None and args.precompute_ref_log_probs:
-            raise ConfigError("ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
-                              "precompute_ref_log_probs=False.")
+            raise ConfigError(
+                "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
+                "precompute_ref_log_probs=False."
+            )
         if isinstance(ref_model, str) and args.ref_model_init_kwargs:
             ref_model = load_causal_lm(ref_model, dict(args.ref_model_init_kwargs))
         elif args.ref_model_init_kwargs and ref_model is not None:
-            raise ConfigError("ref_model_init_kwargs only applies when `ref_model` is a name or path; the ref_model "
-                              "you passed is already loaded. Drop ref_model_init_kwargs.")
+            raise ConfigError(
+                "ref_model_init_kwargs only applies when `ref_model` is a name or path; the ref_model "
+                "you passed is already loaded. Drop ref_model_init_kwargs."
+            )
         self.embedding_func, self.embedding_tokenizer = embedding_func, embedding_tokenizer
         self._adapters = (model_adapter_name or "default", ref_adapter_name)
         self._delta = (0.0, 0)  # running mean of the implicit rewards, and how many it averages
@@ -210,9 +287,21 @@ class BCOTrainer(ReferenceTrainer):
         processing_class = load_processing_class(model, processing_class, args)
         if model_adapter_name is not None:
             unwrap(model).set_adapter(model_adapter_name)
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **kwargs,
+        )
         # A PEFT policy's reference: its adapter as it starts (posttrain's rule), or the named adapter; with a named
         # adapter to train and none for the reference, the policy with adapters disabled (TRL's rule).
         pretrained = peft_config is None and is_peft_model(model) and ref_adapter_name is model_adapter_name is None
@@ -231,11 +320,17 @@ class BCOTrainer(ReferenceTrainer):
             require_chat_template(tokenizer)
         completion_fmt = DatasetFormat("prompt_completion", fmt.conversational, ("prompt", "completion"))
         dataset = dataset.map(
-            _tokenize_bco_row, with_indices=True, num_proc=args.dataset_num_proc,
+            _tokenize_bco_row,
+            with_indices=True,
+            num_proc=args.dataset_num_proc,
             remove_columns=[c for c in dataset.column_names if c not in ("label", *self.REF_COLUMNS)],
-            fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, completion_fmt=completion_fmt,
-                           limits={k: getattr(args, k) for k in TRUNCATION_FIELDS},
-                           embedding_tokenizer=self.embedding_tokenizer),
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                fmt=fmt,
+                completion_fmt=completion_fmt,
+                limits={k: getattr(args, k) for k in TRUNCATION_FIELDS},
+                embedding_tokenizer=self.embedding_tokenizer,
+            ),
             desc=f"Tokenizing {name}",
         )
         report = DataReport.of(self).start(name, len(dataset))
@@ -244,10 +339,17 @@ class BCOTrainer(ReferenceTrainer):
         report.dropped(len(empty), NO_COMPLETION_LEFT)
         if empty:
             if len(empty) == len(dataset):
-                raise DataError(f"Every row of {name} loses its whole completion to max_length={args.max_length}; "
-                                "raise max_length or lower max_prompt_length.")
-            logger.warning("Dropping %d of %d rows of %s: truncation to max_length=%s leaves no completion token.",
-                           len(empty), len(dataset), name, args.max_length)
+                raise DataError(
+                    f"Every row of {name} loses its whole completion to max_length={args.max_length}; "
+                    "raise max_length or lower max_prompt_length."
+                )
+            logger.warning(
+                "Dropping %d of %d rows of %s: truncation to max_length=%s leaves no completion token.",
+                len(empty),
+                len(dataset),
+                name,
+                args.max_length,
+            )
             dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
         return report.take_cuts(dataset)  # the truncation of the rows kept
 
@@ -285,8 +387,9 @@ class BCOTrainer(ReferenceTrainer):
     # -- UDM -------------------------------------------------------------------------------------
     def _embed(self, batch: dict) -> torch.Tensor:
         with torch.no_grad():
-            return self.embedding_func(input_ids=batch["embedding_input_ids"],
-                                       attention_mask=batch["embedding_attention_mask"]).float()
+            return self.embedding_func(
+                input_ids=batch["embedding_input_ids"], attention_mask=batch["embedding_attention_mask"]
+            ).float()
 
     def _fit_udm_classifier(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeds up to prompt_sample_size prompts of each class (drawn with the run's seed) and fits the
@@ -297,17 +400,21 @@ class BCOTrainer(ReferenceTrainer):
         for wanted in (True, False):
             rows = [i for i, label in enumerate(labels) if label == wanted]
             if not rows:
-                raise DataError("UDM compares the prompts of desirable and undesirable examples, but train_dataset "
-                                f"has no {'desirable' if wanted else 'undesirable'} rows.")
-            order = torch.randperm(len(rows), generator=generator)[:self.args.prompt_sample_size]
+                raise DataError(
+                    "UDM compares the prompts of desirable and undesirable examples, but train_dataset "
+                    f"has no {'desirable' if wanted else 'undesirable'} rows."
+                )
+            order = torch.randperm(len(rows), generator=generator)[: self.args.prompt_sample_size]
             picked += [rows[i] for i in sorted(order.tolist())]
-        sample = self.train_dataset.select(picked).select_columns(["input_ids", "completion_mask", "label",
-                                                                   "embedding_input_ids"])
+        sample = self.train_dataset.select(picked).select_columns(
+            ["input_ids", "completion_mask", "label", "embedding_input_ids"]
+        )
         size = self.args.per_device_train_batch_size
         embeddings, classes = [], []
         for start in range(0, len(sample), size):
-            batch = self._prepare_inputs(self.data_collator([sample[i] for i in
-                                                             range(start, min(start + size, len(sample)))]))
+            batch = self._prepare_inputs(
+                self.data_collator([sample[i] for i in range(start, min(start + size, len(sample)))])
+            )
             embeddings.append(self._embed(batch).cpu())
             classes.append(batch["label"].cpu())
         desirable = torch.cat(classes)
@@ -332,12 +439,14 @@ class BCOTrainer(ReferenceTrainer):
             rewards = self.args.beta * (policy.logps.detach() - ref_logps)
             self._delta = update_running_mean(*self._delta, self.accelerator.gather(rewards.float()))
         delta = self._delta[0]
-        losses, rewards = bco_loss(policy.logps, ref_logps, labels, delta, beta=self.args.beta,
-                                   undesirable_weights=self._udm_weights(inputs))
+        losses, rewards = bco_loss(
+            policy.logps, ref_logps, labels, delta, beta=self.args.beta, undesirable_weights=self._udm_weights(inputs)
+        )
         loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, n, model.training)
         loss = self.add_aux_loss(loss, policy.aux_loss)
-        self.record_token_metrics(policy.stats, policy.token_counts, inputs["attention_mask"].sum(),
-                                  {"chosen": labels, "rejected": ~labels})
+        self.record_token_metrics(
+            policy.stats, policy.token_counts, inputs["attention_mask"].sum(), {"chosen": labels, "rejected": ~labels}
+        )
         KTOTrainer._record_class_metrics(self, labels, rewards, policy.logps.detach())
         self._metrics["train" if self.model.training else "eval"].pop("kl", None)  # BCO has no KL reference point
         self.record_metrics({"delta": delta})

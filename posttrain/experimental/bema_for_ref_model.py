@@ -46,12 +46,21 @@ class BEMACallback(_BEMACallback):
     module (`posttrain.experimental.bema_for_ref_model.DPOTrainer`), which hands callbacks the reference.
     """
 
-    def __init__(self, update_freq: int = 400, ema_power: float = 0.5, bias_power: float = 0.2, lag: int = 10,
-                 update_after: int = 0, multiplier: float = 1.0, min_ema_multiplier: float = 0.0,
-                 device: str = "cpu", update_ref_model: bool = False, ref_model_update_freq: int = 400,
-                 ref_model_update_after: int = 0):
-        super().__init__(update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier,
-                         device)
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+        update_ref_model: bool = False,
+        ref_model_update_freq: int = 400,
+        ref_model_update_after: int = 0,
+    ):
+        super().__init__(update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier, device)
         if ref_model_update_freq < 1:
             raise ConfigError(f"BEMACallback: ref_model_update_freq={ref_model_update_freq} must be >= 1.")
         self.update_ref_model = update_ref_model
@@ -66,8 +75,10 @@ class BEMACallback(_BEMACallback):
         if (step - self.ref_model_update_after) % self.ref_model_update_freq:
             return
         if "ref_model" not in kwargs:
-            raise ConfigError("BEMACallback(update_ref_model=True) needs the trainer to pass its reference model to "
-                              "callbacks; use posttrain.experimental.bema_for_ref_model.DPOTrainer.")
+            raise ConfigError(
+                "BEMACallback(update_ref_model=True) needs the trainer to pass its reference model to "
+                "callbacks; use posttrain.experimental.bema_for_ref_model.DPOTrainer."
+            )
         self.load_into_reference(model, kwargs["ref_model"])
         logger.info("BEMACallback: step %d, the reference model now holds the BEMA weights", step)
 
@@ -82,14 +93,18 @@ class BEMACallback(_BEMACallback):
             try:
                 ref.load_state_dict(source.state_dict())
             except RuntimeError as error:
-                raise ConfigError("BEMACallback(update_ref_model=True): the reference model's parameters do not "
-                                  "match the policy's, so the BEMA weights cannot be loaded into it. Use a "
-                                  f"reference of the policy's architecture. ({error})") from error
+                raise ConfigError(
+                    "BEMACallback(update_ref_model=True): the reference model's parameters do not "
+                    "match the policy's, so the BEMA weights cannot be loaded into it. Use a "
+                    f"reference of the policy's architecture. ({error})"
+                ) from error
             return
         policy = unwrap(model)
         if not is_peft_model(policy):
-            raise ConfigError("BEMACallback(update_ref_model=True): the trainer has no reference model to update "
-                              "(its reference log-probs were precomputed?); set precompute_ref_log_probs=False.")
+            raise ConfigError(
+                "BEMACallback(update_ref_model=True): the trainer has no reference model to update "
+                "(its reference log-probs were precomputed?); set precompute_ref_log_probs=False."
+            )
         if REFERENCE_ADAPTER not in policy.peft_config:
             add_reference_adapter(policy)
         params = dict(policy.named_parameters())
@@ -106,12 +121,19 @@ class DPOTrainer(_DPOTrainer):
         super().__init__(*args, **kwargs)
         updates = any(getattr(c, "update_ref_model", False) for c in self.callback_handler.callbacks)
         if updates and self.args.precompute_ref_log_probs:
-            raise ConfigError("BEMACallback(update_ref_model=True) changes the reference during training, so its "
-                              "log-probs cannot be precomputed; set precompute_ref_log_probs=False.")
+            raise ConfigError(
+                "BEMACallback(update_ref_model=True) changes the reference during training, so its "
+                "log-probs cannot be precomputed; set precompute_ref_log_probs=False."
+            )
         handler = self.callback_handler
-        self.callback_handler = CallbackHandlerWithRefModel(handler.callbacks, handler.model, self.ref_model,
-                                                            handler.processing_class, handler.optimizer,
-                                                            handler.lr_scheduler)
+        self.callback_handler = CallbackHandlerWithRefModel(
+            handler.callbacks,
+            handler.model,
+            self.ref_model,
+            handler.processing_class,
+            handler.optimizer,
+            handler.lr_scheduler,
+        )
 
 
 __all__ = ["BEMACallback", "CallbackHandlerWithRefModel", "DPOTrainer"]

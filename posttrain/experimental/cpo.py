@@ -18,20 +18,28 @@ from .orpo import ReferenceFreeConfig, ReferenceFreeTrainer
 @dataclass
 class CPOConfig(ReferenceFreeConfig):
     beta: float = field(
-        default=0.1, metadata={"help": "Temperature of the preference loss (for ipo, the regularisation tau)."})
+        default=0.1, metadata={"help": "Temperature of the preference loss (for ipo, the regularisation tau)."}
+    )
     label_smoothing: float = field(
-        default=0.0, metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] (sigmoid and simpo "
-                                       "only)."})
+        default=0.0,
+        metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] (sigmoid and simpo only)."},
+    )
     loss_type: str = field(
-        default="sigmoid", metadata={"help": "sigmoid (CPO), hinge (SLiC), ipo, simpo (SimPO), or alphapo (SimPO "
-                                             "with cpo_alpha=0; set alpha for AlphaPO's reward shape).",
-                                     "choices": ["sigmoid", "hinge", "ipo", "simpo", "alphapo"]})
-    cpo_alpha: float = field(default=1.0, metadata={"help": "Weight of the NLL (behaviour cloning) term on the "
-                                                            "chosen completions."})
+        default="sigmoid",
+        metadata={
+            "help": "sigmoid (CPO), hinge (SLiC), ipo, simpo (SimPO), or alphapo (SimPO "
+            "with cpo_alpha=0; set alpha for AlphaPO's reward shape).",
+            "choices": ["sigmoid", "hinge", "ipo", "simpo", "alphapo"],
+        },
+    )
+    cpo_alpha: float = field(
+        default=1.0, metadata={"help": "Weight of the NLL (behaviour cloning) term on the chosen completions."}
+    )
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma (simpo only)."})
     alpha: float = field(
-        default=0.0, metadata={"help": "AlphaPO's reward shape, any loss type: r = (1 - p^-alpha) / alpha "
-                                       "(0: r = log p)."})
+        default=0.0,
+        metadata={"help": "AlphaPO's reward shape, any loss type: r = (1 - p^-alpha) / alpha (0: r = log p)."},
+    )
 
     def __post_init__(self):
         if self.loss_type == "alphapo":  # as TRL: shorthand for SimPO without the NLL term
@@ -47,16 +55,43 @@ class CPOTrainer(ReferenceFreeTrainer):
     Loss per pair: the `loss_type` preference loss on summed (sigmoid, hinge) or per-token averaged (ipo, simpo)
     completion log-probs, plus cpo_alpha times the chosen completions' token-mean NLL over the micro-batch.
     """
+
     _name = "CPO"
 
-    def __init__(self, model=None, args: CPOConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),
-                 preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None,
-                 quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: CPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or CPOConfig(output_dir="outputs/cpo")
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, model_init,
-                         callbacks, optimizers, preprocess_logits_for_metrics, peft_config, compute_metrics,
-                         quantization_config, **kwargs)
+        super().__init__(
+            model,
+            args,
+            data_collator,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            model_init,
+            callbacks,
+            optimizers,
+            preprocess_logits_for_metrics,
+            peft_config,
+            compute_metrics,
+            quantization_config,
+            **kwargs,
+        )
 
     def sequence_scores(self, policy):
         return super().sequence_scores(policy) if self.args.loss_type in CPO_AVERAGED_TYPES else policy.logps
@@ -66,8 +101,14 @@ class CPOTrainer(ReferenceFreeTrainer):
         half = policy.logps.shape[0] // 2
         scores = self.sequence_scores(policy)
         losses, chosen_rewards, rejected_rewards = cpo_loss(
-            scores[:half], scores[half:], loss_type=args.loss_type, beta=args.beta,
-            label_smoothing=args.label_smoothing, simpo_gamma=args.simpo_gamma, alpha=args.alpha)
+            scores[:half],
+            scores[half:],
+            loss_type=args.loss_type,
+            beta=args.beta,
+            label_smoothing=args.label_smoothing,
+            simpo_gamma=args.simpo_gamma,
+            alpha=args.alpha,
+        )
         # As TRL, the NLL is neither computed nor logged (0) when its weight is 0.
         nll = self.chosen_nll(policy) if args.cpo_alpha else losses.new_zeros(())
         return losses + args.cpo_alpha * nll, chosen_rewards, rejected_rewards, {"nll_loss": nll.detach()}

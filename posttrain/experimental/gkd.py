@@ -31,23 +31,42 @@ from ..trainers.sft import SFTTrainer
 class GKDConfig(DistillationConfig):
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
     temperature: float = field(
-        default=0.9, metadata={"help": "Sampling temperature of the student's (and with seq_kd the teacher's) "
-                                       "completions; the loss compares the untempered distributions."})
+        default=0.9,
+        metadata={
+            "help": "Sampling temperature of the student's (and with seq_kd the teacher's) "
+            "completions; the loss compares the untempered distributions."
+        },
+    )
     lmbda: float = field(
-        default=0.5, metadata={"help": "Probability that a micro-batch's completions are sampled by the student "
-                                       "(the on-policy fraction)."})
+        default=0.5,
+        metadata={
+            "help": "Probability that a micro-batch's completions are sampled by the student (the on-policy fraction)."
+        },
+    )
     beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-                                       "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."})
+        default=0.5,
+        metadata={
+            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
+            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
+        },
+    )
     max_new_tokens: int = field(
-        default=128, metadata={"help": "Most tokens sampled per completion (sets max_completion_length)."})
+        default=128, metadata={"help": "Most tokens sampled per completion (sets max_completion_length)."}
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
     seq_kd: bool = field(
-        default=False, metadata={"help": "Sequence-level KD: micro-batches that are not on-policy train on "
-                                         "completions the teacher samples instead of the data's."})
+        default=False,
+        metadata={
+            "help": "Sequence-level KD: micro-batches that are not on-policy train on "
+            "completions the teacher samples instead of the data's."
+        },
+    )
     shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset once with `seed` (batches are drawn in "
-                                         "random order either way)."})
+        default=False,
+        metadata={
+            "help": "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
+        },
+    )
 
     def __post_init__(self):
         self.max_completion_length = self.max_new_tokens
@@ -61,8 +80,10 @@ def _tokenize_messages(example: dict, row: int, tokenizer, max_length: int | Non
     last max_length tokens."""
     messages = example["messages"]
     if not is_message_list(messages) or len(messages) < 2:
-        raise DataError(f"Row {row}, column 'messages': GKD needs a list of at least two {{'role', 'content'}} "
-                        f"messages (the last is the completion), got {messages!r:.80}. Fix or drop that row.")
+        raise DataError(
+            f"Row {row}, column 'messages': GKD needs a list of at least two {{'role', 'content'}} "
+            f"messages (the last is the completion), got {messages!r:.80}. Fix or drop that row."
+        )
     prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -71,8 +92,10 @@ def _tokenize_messages(example: dict, row: int, tokenizer, max_length: int | Non
     if max_length is not None and len(ids) > max_length:
         start, ids = max(0, start - (len(ids) - max_length)), ids[-max_length:]
     if start == 0:
-        raise DataError(f"Row {row}: no prompt token is left after keeping the last max_length={max_length} "
-                        "tokens, so there is nothing to sample a completion for. Raise max_length.")
+        raise DataError(
+            f"Row {row}: no prompt token is left after keeping the last max_length={max_length} "
+            "tokens, so there is nothing to sample a completion for. Raise max_length."
+        )
     return {"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]}
 
 
@@ -81,6 +104,7 @@ class GKDTrainer(DistillationTrainer):
     in TRL's order; posttrain's extras (teacher_processing_class, quantization_config, compute_loss_func, ...)
     after them. The loss and metrics are DistillationTrainer's (distill_loss, teacher_agreement, on_policy, ...).
     """
+
     _name = "GKD"
 
     def __init__(
@@ -105,20 +129,37 @@ class GKDTrainer(DistillationTrainer):
     ):
         args = args or GKDConfig(output_dir="outputs/gkd")
         self._teacher_sampler = None
-        super().__init__(model, teacher_model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         quantization_config=quantization_config, peft_config=peft_config,
-                         teacher_processing_class=teacher_processing_class, data_collator=data_collator,
-                         compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                         formatting_func=formatting_func, **kwargs)
+        super().__init__(
+            model,
+            teacher_model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            teacher_processing_class=teacher_processing_class,
+            data_collator=data_collator,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            formatting_func=formatting_func,
+            **kwargs,
+        )
 
     def prepare_dataset(self, dataset, tokenizer, args, name: str):
         columns = dataset.column_names
         if "messages" in columns and not {"prompt", "completion", "input_ids"} & set(columns):
             require_chat_template(tokenizer, "GKD's messages")
-            dataset = dataset.map(_tokenize_messages, with_indices=True, remove_columns=columns,
-                                  num_proc=args.dataset_num_proc, desc=f"Tokenizing {name}",
-                                  fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length))
+            dataset = dataset.map(
+                _tokenize_messages,
+                with_indices=True,
+                remove_columns=columns,
+                num_proc=args.dataset_num_proc,
+                desc=f"Tokenizing {name}",
+                fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
+            )
             return SFTTrainer.prepare_dataset(self, dataset, tokenizer, args, name)  # tokenized rows as they are
         return super().prepare_dataset(dataset, tokenizer, args, name)
 

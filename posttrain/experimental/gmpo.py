@@ -26,31 +26,48 @@ class GMPOConfig(GRPOConfig):
 
     method = "GMPO"
 
-    epsilon: float = field(default=0.4, metadata={"help": (
-        "Lower clip bound in log space: a token's ratio is kept above exp(-epsilon). GMPO recommends 0.4.")})
-    epsilon_high: float | None = field(default=None, metadata={"help": (
-        "Upper clip bound in log space: a token's ratio is kept below exp(epsilon_high) (None: epsilon).")})
+    epsilon: float = field(
+        default=0.4,
+        metadata={
+            "help": ("Lower clip bound in log space: a token's ratio is kept above exp(-epsilon). GMPO recommends 0.4.")
+        },
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": ("Upper clip bound in log space: a token's ratio is kept below exp(epsilon_high) (None: epsilon).")
+        },
+    )
 
     def _check_loss_options(self) -> None:
         super()._check_loss_options()
         refused = {
-            "loss_type": (self.loss_type != "dapo", "GMPO's loss is a mean over completions of the geometric-mean "
-                          "surrogate, whatever loss_type says"),
-            "importance_sampling_level": (self.importance_sampling_level != "token",
-                                          "the geometric mean is already a sequence-level weight"),
+            "loss_type": (
+                self.loss_type != "dapo",
+                "GMPO's loss is a mean over completions of the geometric-mean surrogate, whatever loss_type says",
+            ),
+            "importance_sampling_level": (
+                self.importance_sampling_level != "token",
+                "the geometric mean is already a sequence-level weight",
+            ),
             "delta": (self.delta is not None, "the log-space clip already bounds each token's ratio"),
-            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None,
-                                          "GMPO has no off-policy sequence masking"),
+            "off_policy_mask_threshold": (
+                self.off_policy_mask_threshold is not None,
+                "GMPO has no off-policy sequence masking",
+            ),
             "entropy_coef": (self.entropy_coef != 0.0 or self.use_adaptive_entropy, "GMPO has no entropy bonus"),
             "vllm_importance_sampling_correction": (
                 self.use_vllm and self.vllm_importance_sampling_correction,
-                "GMPO's loss has no sampler-mismatch correction"),
+                "GMPO's loss has no sampler-mismatch correction",
+            ),
         }
         for name, (is_set, why) in refused.items():
             if is_set:
-                raise ConfigError(f"GMPOConfig.{name}={getattr(self, name)!r} has no effect: {why}. Leave it at its "
-                                  "default (for vLLM: vllm_importance_sampling_correction=False), or use "
-                                  "GRPOConfig/GRPOTrainer.")
+                raise ConfigError(
+                    f"GMPOConfig.{name}={getattr(self, name)!r} has no effect: {why}. Leave it at its "
+                    "default (for vLLM: vllm_importance_sampling_correction=False), or use "
+                    "GRPOConfig/GRPOTrainer."
+                )
 
 
 class GMPOTrainer(GRPOTrainer):
@@ -65,7 +82,15 @@ class GMPOTrainer(GRPOTrainer):
         args, mask = self.args, inputs["loss_mask"]
         selected = self.high_entropy_tokens(entropy, mask)
         per_sequence, stats = gmpo_objective(
-            logps, inputs.get("old_logps", logps.detach()), inputs["advantages"], mask, epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high, keep=selected, ref_logps=inputs.get("ref_logps"), beta=args.beta)
+            logps,
+            inputs.get("old_logps", logps.detach()),
+            inputs["advantages"],
+            mask,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            keep=selected,
+            ref_logps=inputs.get("ref_logps"),
+            beta=args.beta,
+        )
         loss = per_sequence.sum() / inputs["total_sequences"]
         return loss * self.accelerator.num_processes, objective_metrics(stats, self.accelerator.gather)

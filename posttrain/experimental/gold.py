@@ -33,89 +33,139 @@ from .gkd import GKDTrainer
 class GOLDConfig(DistillationConfig):
     learning_rate: float = field(default=1e-7, metadata={"help": "Peak learning rate."})
     temperature: float = field(
-        default=0.9, metadata={"help": "Sampling temperature, and the temperature of both distributions in the "
-                                       "generalized JSD (not in ULD: see uld_*_temperature)."})
+        default=0.9,
+        metadata={
+            "help": "Sampling temperature, and the temperature of both distributions in the "
+            "generalized JSD (not in ULD: see uld_*_temperature)."
+        },
+    )
     top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
     lmbda: float = field(
-        default=0.5, metadata={"help": "Probability that a micro-batch's completions are sampled by the student."})
+        default=0.5, metadata={"help": "Probability that a micro-batch's completions are sampled by the student."}
+    )
     beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL, 0.5 = JSD, 1 = reverse KL."})
+        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL, 0.5 = JSD, 1 = reverse KL."}
+    )
     max_completion_length: int = field(default=128, metadata={"help": "Most tokens sampled per completion."})
     shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset once with `seed` (batches are drawn in "
-                                         "random order either way)."})
+        default=False,
+        metadata={
+            "help": "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
+        },
+    )
     teacher_tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "The teacher's tokenizer for ULD (default: the teacher's own)."})
+        default=None, metadata={"help": "The teacher's tokenizer for ULD (default: the teacher's own)."}
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
     seq_kd: bool = field(
-        default=False, metadata={"help": "Micro-batches that are not on-policy train on the teacher's samples."})
+        default=False, metadata={"help": "Micro-batches that are not on-policy train on the teacher's samples."}
+    )
     num_generations: int = field(
-        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's GOLD)."})
+        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's GOLD)."}
+    )
     generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Prompts per process per optimizer step (None: per_device_train_batch_size "
-                                        "* gradient_accumulation_steps / num_generations, the only value allowed)."})
+        default=None,
+        metadata={
+            "help": "Prompts per process per optimizer step (None: per_device_train_batch_size "
+            "* gradient_accumulation_steps / num_generations, the only value allowed)."
+        },
+    )
     use_uld_loss: bool = field(
-        default=False, metadata={"help": "Universal Logit Distillation instead of the generalized JSD (for a teacher "
-                                         "with a different tokenizer)."})
+        default=False,
+        metadata={
+            "help": "Universal Logit Distillation instead of the generalized JSD (for a teacher "
+            "with a different tokenizer)."
+        },
+    )
     uld_token_merge_strategy: str = field(
-        default="observed", metadata={"help": "How several tokens aligned to one are merged: 'observed' (first "
-                                              "position x later tokens' probabilities) or 'bayesian' (last position "
-                                              "x earlier tokens' probabilities)."})
+        default="observed",
+        metadata={
+            "help": "How several tokens aligned to one are merged: 'observed' (first "
+            "position x later tokens' probabilities) or 'bayesian' (last position "
+            "x earlier tokens' probabilities)."
+        },
+    )
     use_extended_uld: bool = field(
-        default=True, metadata={"help": "Align the tokenizations by byte offsets (False: position by position)."})
+        default=True, metadata={"help": "Align the tokenizations by byte offsets (False: position by position)."}
+    )
     uld_use_hybrid_loss: bool = field(
-        default=False, metadata={"help": "Hybrid ULD: the generalized JSD (beta) on the tokens both vocabularies "
-                                         "share, sorted L1 on the others."})
+        default=False,
+        metadata={
+            "help": "Hybrid ULD: the generalized JSD (beta) on the tokens both vocabularies "
+            "share, sorted L1 on the others."
+        },
+    )
     uld_hybrid_matched_weight: float | None = field(
-        default=None, metadata={"help": "Hybrid ULD weight of the shared tokens (only with uld_use_hybrid_loss)."})
+        default=None, metadata={"help": "Hybrid ULD weight of the shared tokens (only with uld_use_hybrid_loss)."}
+    )
     uld_hybrid_unmatched_weight: float | None = field(
-        default=None, metadata={"help": "Hybrid ULD weight of the other tokens (only with uld_use_hybrid_loss)."})
+        default=None, metadata={"help": "Hybrid ULD weight of the other tokens (only with uld_use_hybrid_loss)."}
+    )
     uld_crossentropy_weight: float = field(
-        default=0.0, metadata={"help": "Weight of the student's NLL of the completions in the ULD loss."})
+        default=0.0, metadata={"help": "Weight of the student's NLL of the completions in the ULD loss."}
+    )
     uld_distillation_weight: float = field(default=1.0, metadata={"help": "Weight of the ULD term."})
     uld_student_temperature: float = field(default=1.0, metadata={"help": "Student softmax temperature in ULD."})
     uld_teacher_temperature: float = field(default=1.0, metadata={"help": "Teacher softmax temperature in ULD."})
     uld_skip_student_eos: bool = field(
-        default=True, metadata={"help": "Leave the student completion's last token out of ULD."})
+        default=True, metadata={"help": "Leave the student completion's last token out of ULD."}
+    )
     uld_skip_teacher_eos: bool = field(
-        default=True, metadata={"help": "Leave the teacher completion's last token (its EOS) out of ULD."})
+        default=True, metadata={"help": "Leave the teacher completion's last token (its EOS) out of ULD."}
+    )
     vllm_server_port: int = field(default=8001, metadata={"help": "vLLM server port (only with use_vllm)."})
     vllm_gpu_memory_utilization: float = field(
-        default=0.9, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."})
+        default=0.9, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."}
+    )
     vllm_sync_frequency: int = field(
-        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."})
+        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."}
+    )
     log_completions_steps: int = field(
-        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."})
+        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."}
+    )
     wandb_log_unique_prompts: bool = field(
-        default=True, metadata={"help": "With log_completions: show each prompt's completion once."})
+        default=True, metadata={"help": "With log_completions: show each prompt's completion once."}
+    )
     callbacks: list[str] = field(
-        default_factory=list, metadata={"help": "TRL's unused callback names; pass callback objects to the trainer's "
-                                                "`callbacks` argument instead."})
+        default_factory=list,
+        metadata={
+            "help": "TRL's unused callback names; pass callback objects to the trainer's `callbacks` argument instead."
+        },
+    )
 
     def __post_init__(self):
         if isinstance(self.callbacks, str):
             self.callbacks = json.loads(self.callbacks)
         if self.callbacks:
-            raise ConfigError(f"callbacks={self.callbacks}: GOLDConfig.callbacks is not read by TRL's or posttrain's "
-                              "GOLDTrainer. Pass callback objects as GOLDTrainer(callbacks=[...]) and leave it empty.")
+            raise ConfigError(
+                f"callbacks={self.callbacks}: GOLDConfig.callbacks is not read by TRL's or posttrain's "
+                "GOLDTrainer. Pass callback objects as GOLDTrainer(callbacks=[...]) and leave it empty."
+            )
         if self.num_generations != 1:
-            raise ConfigError(f"num_generations={self.num_generations}: posttrain's GOLD samples one completion per "
-                              "prompt. Set num_generations=1 (repeat prompts in the dataset for more samples).")
+            raise ConfigError(
+                f"num_generations={self.num_generations}: posttrain's GOLD samples one completion per "
+                "prompt. Set num_generations=1 (repeat prompts in the dataset for more samples)."
+            )
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if self.generation_batch_size not in (None, local):
-            raise ConfigError(f"generation_batch_size={self.generation_batch_size} must equal "
-                              f"per_device_train_batch_size * gradient_accumulation_steps ({local}) with one "
-                              "generation per prompt; leave it None.")
+            raise ConfigError(
+                f"generation_batch_size={self.generation_batch_size} must equal "
+                f"per_device_train_batch_size * gradient_accumulation_steps ({local}) with one "
+                "generation per prompt; leave it None."
+            )
         self.generation_batch_size = local
         weights = (self.uld_hybrid_matched_weight, self.uld_hybrid_unmatched_weight)
         if (weights[0] is None) != (weights[1] is None):
-            raise ConfigError(f"uld_hybrid_matched_weight={weights[0]}, uld_hybrid_unmatched_weight={weights[1]}: "
-                              "set both (fixed weights) or neither (weights from the shared vocabulary fraction).")
+            raise ConfigError(
+                f"uld_hybrid_matched_weight={weights[0]}, uld_hybrid_unmatched_weight={weights[1]}: "
+                "set both (fixed weights) or neither (weights from the shared vocabulary fraction)."
+            )
         if weights[0] is not None and min(weights) < 0:
             raise ConfigError(f"The hybrid ULD weights {weights} must be >= 0.")
         if self.uld_token_merge_strategy not in MERGE_STRATEGIES:
-            raise ConfigError(f"uld_token_merge_strategy={self.uld_token_merge_strategy!r} is not one of "
-                              f"{MERGE_STRATEGIES}.")
+            raise ConfigError(
+                f"uld_token_merge_strategy={self.uld_token_merge_strategy!r} is not one of {MERGE_STRATEGIES}."
+            )
         for name in ("uld_crossentropy_weight", "uld_distillation_weight"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
@@ -123,11 +173,15 @@ class GOLDConfig(DistillationConfig):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
         if self.max_length is not None and self.max_completion_length >= self.max_length:
-            raise ConfigError(f"max_completion_length={self.max_completion_length} must be smaller than max_length="
-                              f"{self.max_length} to leave room for the prompt.")
+            raise ConfigError(
+                f"max_completion_length={self.max_completion_length} must be smaller than max_length="
+                f"{self.max_length} to leave room for the prompt."
+            )
         if self.use_uld_loss and (self.padding_free or self.packing):
-            raise ConfigError("use_uld_loss=True aligns each row's completion with the teacher's tokenization; set "
-                              "padding_free=False and packing=False.")
+            raise ConfigError(
+                "use_uld_loss=True aligns each row's completion with the teacher's tokenization; set "
+                "padding_free=False and packing=False."
+            )
         if self.log_completions_steps < 1:
             raise ConfigError(f"log_completions_steps={self.log_completions_steps} must be at least 1.")
         self.log_unique_prompts = self.wandb_log_unique_prompts
@@ -137,8 +191,9 @@ class GOLDConfig(DistillationConfig):
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's): each byte is shown as one printable character."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -161,8 +216,10 @@ def byte_offsets(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
         elif all(c in table for c in token):
             size = len(token)
         else:
-            raise ConfigError(f"Token {token!r} (id {token_id}) of {type(tokenizer).__name__} is not byte-level BPE: "
-                              "extended ULD aligns byte-level BPE tokenizers only. Set use_extended_uld=False.")
+            raise ConfigError(
+                f"Token {token!r} (id {token_id}) of {type(tokenizer).__name__} is not byte-level BPE: "
+                "extended ULD aligns byte-level BPE tokenizers only. Set use_extended_uld=False."
+            )
         offsets.append((cursor, cursor + size))
         cursor += size
     return offsets
@@ -204,38 +261,75 @@ class GOLDTrainer(GKDTrainer):
     order (posttrain's extras after them). Data as for GKD (TRL's `messages` rows, or prompt-completion rows).
     With use_uld_loss the teacher may use any byte-level BPE tokenizer. Logged besides distillation's metrics:
     TRL's on_policy_loss / off_policy_loss and, with hybrid ULD, matched_loss / unmatched_loss."""
+
     _name = "GOLD"
 
-    def __init__(self, model=None, teacher_model=None, args: GOLDConfig | None = None, data_collator=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, *,
-                 teacher_processing_class=None, quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: GOLDConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        *,
+        teacher_processing_class=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or GOLDConfig(output_dir="outputs/gold")
         self.teacher_tokenizer, self._shared_ids = None, None
         self._on_policy_flags: deque[bool] = deque()
         self._policy_totals = torch.zeros(2, 2, dtype=torch.float64)  # [on, off] x [loss sum, optimizer steps]
         if args.use_uld_loss and args.teacher_tokenizer_name_or_path is not None:
             if teacher_processing_class is not None:
-                raise ConfigError("Two teacher tokenizers: teacher_processing_class and "
-                                  "teacher_tokenizer_name_or_path; give only one.")
-            teacher_processing_class = load_tokenizer(args.teacher_tokenizer_name_or_path,
-                                                      trust_remote_code=args.trust_remote_code)
-        super().__init__(model, teacher_model, args, data_collator, train_dataset, eval_dataset, processing_class,
-                         compute_metrics, callbacks, optimizers, preprocess_logits_for_metrics, peft_config,
-                         teacher_processing_class=teacher_processing_class, quantization_config=quantization_config,
-                         **kwargs)
+                raise ConfigError(
+                    "Two teacher tokenizers: teacher_processing_class and "
+                    "teacher_tokenizer_name_or_path; give only one."
+                )
+            teacher_processing_class = load_tokenizer(
+                args.teacher_tokenizer_name_or_path, trust_remote_code=args.trust_remote_code
+            )
+        super().__init__(
+            model,
+            teacher_model,
+            args,
+            data_collator,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            compute_metrics,
+            callbacks,
+            optimizers,
+            preprocess_logits_for_metrics,
+            peft_config,
+            teacher_processing_class=teacher_processing_class,
+            quantization_config=quantization_config,
+            **kwargs,
+        )
 
     def _check_teacher(self, teacher, teacher_tokenizer) -> None:
         if not self.args.use_uld_loss:
             return super()._check_teacher(teacher, teacher_tokenizer)
         if teacher_tokenizer is None:
-            raise ConfigError("use_uld_loss=True re-tokenizes the text for the teacher, but the teacher came without "
-                              "a tokenizer: set teacher_tokenizer_name_or_path (or pass teacher_processing_class).")
+            raise ConfigError(
+                "use_uld_loss=True re-tokenizes the text for the teacher, but the teacher came without "
+                "a tokenizer: set teacher_tokenizer_name_or_path (or pass teacher_processing_class)."
+            )
         if teacher_tokenizer.pad_token is None:
             teacher_tokenizer.pad_token = teacher_tokenizer.eos_token
         self.teacher_tokenizer = teacher_tokenizer
-        self._shared_ids = shared_token_ids(self.processing_class.get_vocab(), teacher_tokenizer.get_vocab()) \
-            if self.args.uld_use_hybrid_loss else None
+        self._shared_ids = (
+            shared_token_ids(self.processing_class.get_vocab(), teacher_tokenizer.get_vocab())
+            if self.args.uld_use_hybrid_loss
+            else None
+        )
 
     def loss_temperature(self) -> float:
         return self.args.temperature  # TRL's GOLD tempers the JSD (its GKD does not)
@@ -249,8 +343,11 @@ class GOLDTrainer(GKDTrainer):
         args, labels = self.args, inputs["labels"]
         forward = {k: v for k, v in inputs.items() if k not in ("labels", "num_input_tokens")}
         student_logits = model(**forward, use_cache=False).logits
-        decode = lambda ids: self.processing_class.decode(ids, skip_special_tokens=False,  # noqa: E731
-                                                          clean_up_tokenization_spaces=False)
+        decode = lambda ids: self.processing_class.decode(
+            ids,
+            skip_special_tokens=False,  # noqa: E731
+            clean_up_tokenization_spaces=False,
+        )
         prompts, completions, student_offsets = [], [], torch.zeros((*labels.shape, 2), dtype=torch.long)
         for i, row in enumerate(labels):
             trained = (row != IGNORE_INDEX).nonzero()
@@ -261,18 +358,35 @@ class GOLDTrainer(GKDTrainer):
             completions.append(decode(ids))
             if args.use_extended_uld and ids:
                 student_offsets[i, start:end] = torch.tensor(byte_offsets(self.processing_class, ids))
-        t_ids, t_labels, t_mask, t_offsets = (x.to(student_logits.device) for x in teacher_inputs(
-            self.teacher_tokenizer, prompts, completions, args.use_extended_uld))
+        t_ids, t_labels, t_mask, t_offsets = (
+            x.to(student_logits.device)
+            for x in teacher_inputs(self.teacher_tokenizer, prompts, completions, args.use_extended_uld)
+        )
         with torch.no_grad():
             teacher_logits = self.teacher_model(input_ids=t_ids, attention_mask=t_mask).logits
-        parts = [uld_sequence_parts(
-            student_logits[i], teacher_logits[i], labels[i], t_labels[i], inputs["input_ids"][i], t_ids[i],
-            student_offsets[i], t_offsets[i].cpu(), extended=args.use_extended_uld,
-            strategy=args.uld_token_merge_strategy, student_temperature=args.uld_student_temperature,
-            teacher_temperature=args.uld_teacher_temperature, skip_student_eos=args.uld_skip_student_eos,
-            skip_teacher_eos=args.uld_skip_teacher_eos, shared=self._shared_ids, beta=args.beta,
-            matched_weight=args.uld_hybrid_matched_weight, unmatched_weight=args.uld_hybrid_unmatched_weight)
-            for i in range(len(labels))]
+        parts = [
+            uld_sequence_parts(
+                student_logits[i],
+                teacher_logits[i],
+                labels[i],
+                t_labels[i],
+                inputs["input_ids"][i],
+                t_ids[i],
+                student_offsets[i],
+                t_offsets[i].cpu(),
+                extended=args.use_extended_uld,
+                strategy=args.uld_token_merge_strategy,
+                student_temperature=args.uld_student_temperature,
+                teacher_temperature=args.uld_teacher_temperature,
+                skip_student_eos=args.uld_skip_student_eos,
+                skip_teacher_eos=args.uld_skip_teacher_eos,
+                shared=self._shared_ids,
+                beta=args.beta,
+                matched_weight=args.uld_hybrid_matched_weight,
+                unmatched_weight=args.uld_hybrid_unmatched_weight,
+            )
+            for i in range(len(labels))
+        ]
         per_row = torch.stack([loss for loss, _, _ in parts])
         rows = len(labels)
         loss_sum = args.uld_distillation_weight * per_row.sum()
@@ -281,9 +395,21 @@ class GOLDTrainer(GKDTrainer):
             loss_sum = loss_sum + args.uld_crossentropy_weight * rows * nll / count.clamp(min=1)
         loss = self.effective_batch_mean(loss_sum, num_items_in_batch, rows, model.training)
         metrics = self._metrics["train" if model.training else "eval"]
-        totals = self.accelerator.gather(torch.stack([per_row.detach().sum(), nll.detach(), correct.float(),
-                                                      count.float(), torch.tensor(float(rows)).to(nll.device)])
-                                         .reshape(1, 5)).sum(0).tolist()
+        totals = (
+            self.accelerator.gather(
+                torch.stack(
+                    [
+                        per_row.detach().sum(),
+                        nll.detach(),
+                        correct.float(),
+                        count.float(),
+                        torch.tensor(float(rows)).to(nll.device),
+                    ]
+                ).reshape(1, 5)
+            )
+            .sum(0)
+            .tolist()
+        )
         metrics["distill_loss"].append(totals[0] / max(totals[4], 1))
         metrics["nll"].append(totals[1] / max(totals[3], 1))
         metrics["mean_token_accuracy"].append(totals[2] / max(totals[3], 1))
@@ -296,8 +422,10 @@ class GOLDTrainer(GKDTrainer):
         micro-batch's compared rows. TRL keeps the last row's and divides its sum over the logging window by
         optimizer steps, not micro-batches: the same with one row per micro-batch and no accumulation."""
         compared = [(m.detach(), u.detach()) for _, m, u in parts if m is not None]
-        sums = torch.tensor([sum(float(m) for m, _ in compared), sum(float(u) for _, u in compared),
-                             float(len(compared))], device=device)
+        sums = torch.tensor(
+            [sum(float(m) for m, _ in compared), sum(float(u) for _, u in compared), float(len(compared))],
+            device=device,
+        )
         matched, unmatched, rows = self.accelerator.gather(sums.reshape(1, 3)).sum(0).tolist()
         if rows:
             metrics["matched_loss"].append(matched / rows)
@@ -319,7 +447,8 @@ class GOLDTrainer(GKDTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         on_policy = self._on_policy_flags.popleft() if self._on_policy_flags else False
         self._policy_totals[0 if on_policy else 1] += torch.tensor(
-            [float(loss), 1.0 / self.args.gradient_accumulation_steps], dtype=torch.float64)
+            [float(loss), 1.0 / self.args.gradient_accumulation_steps], dtype=torch.float64
+        )
         return loss
 
     def log(self, logs, start_time=None):

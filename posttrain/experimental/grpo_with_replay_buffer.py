@@ -33,9 +33,15 @@ _REPLAY_TAG = 7  # keeps the buffer's sampling seeds apart from the others deriv
 class GRPOWithReplayBufferConfig(GRPOConfig):
     """GRPOConfig plus the size of the replay buffer."""
 
-    replay_buffer_size: int = field(default=64, metadata={"help": (
-        "Groups with reward variance kept to replace later zero-variance groups, highest std(rewards) * "
-        "sum|advantages| first (0: off, plain GRPO).")})
+    replay_buffer_size: int = field(
+        default=64,
+        metadata={
+            "help": (
+                "Groups with reward variance kept to replace later zero-variance groups, highest std(rewards) * "
+                "sum|advantages| first (0: off, plain GRPO)."
+            )
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,8 +83,15 @@ class ReplayBuffer:
 
 # The rollout fields that hold one row per completion, with the value that pads them; left-padded ones first.
 _PROMPT_FIELDS = {"prompt_ids": None, "prompt_mask": 0}
-_COMPLETION_FIELDS = {"completion_ids": None, "completion_mask": 0, "model_mask": 0, "loss_mask": 0,
-                      "sampler_logps": 0.0, "old_logps": 0.0, "ref_logps": 0.0}
+_COMPLETION_FIELDS = {
+    "completion_ids": None,
+    "completion_mask": 0,
+    "model_mask": 0,
+    "loss_mask": 0,
+    "sampler_logps": 0.0,
+    "old_logps": 0.0,
+    "ref_logps": 0.0,
+}
 _ROW_FIELDS = ("finished", "rewards", "per_function_rewards", "advantages")
 
 
@@ -115,22 +128,26 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         """Buffers this round's groups with variance, then swaps its zero-variance groups for buffered ones."""
         n = rollout.num_generations
         groups = range(len(rollout) // n)
-        varied = [g for g in groups if group_has_variance(rollout.rewards[g * n:(g + 1) * n])]
+        varied = [g for g in groups if group_has_variance(rollout.rewards[g * n : (g + 1) * n])]
         for g in varied:
-            rewards = rollout.rewards[g * n:(g + 1) * n]
+            rewards = rollout.rewards[g * n : (g + 1) * n]
             rewards = rewards[~rewards.isnan()]
-            advantages = rollout.advantages[g * n:(g + 1) * n]
+            advantages = rollout.advantages[g * n : (g + 1) * n]
             self.replay_buffer.add(float(rewards.std() * advantages.abs().sum()), self._group(rollout, g))
         idle = [g for g in groups if g not in varied]
         replaced = 0
         if idle and len(self.replay_buffer):
-            generator = torch.Generator().manual_seed(derive_seed(self.args.seed, round_index,
-                                                                  self.accelerator.process_index, _REPLAY_TAG))
+            generator = torch.Generator().manual_seed(
+                derive_seed(self.args.seed, round_index, self.accelerator.process_index, _REPLAY_TAG)
+            )
             rollout = self._put_groups(rollout, idle, self.replay_buffer.sample(len(idle), generator))
             rollout.step_tokens = self._step_token_totals(rollout)
             replaced = len(idle)
-        counts = self.accelerator.gather(torch.tensor([[replaced, len(groups), len(self.replay_buffer)]],
-                                                      dtype=torch.float32, device=self.accelerator.device)).sum(0)
+        counts = self.accelerator.gather(
+            torch.tensor(
+                [[replaced, len(groups), len(self.replay_buffer)]], dtype=torch.float32, device=self.accelerator.device
+            )
+        ).sum(0)
         self._metrics["train"]["replay_buffer/frac_replayed"].append(float(counts[0] / counts[1]))
         self._metrics["train"]["replay_buffer/size"].append(float(counts[2]))
         return rollout
@@ -166,18 +183,20 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
                 tensor = _widen(state[name], target_width, fill, left).clone()
                 for target, group in zip(targets, groups):
                     if group[name] is None:
-                        raise ConfigError(f"A buffered group lacks {name}; keep the options that produce it "
-                                          "(beta, use_vllm) fixed during a run.")
-                    tensor[target * n:(target + 1) * n] = _widen(group[name], target_width, fill, left).to(tensor)
+                        raise ConfigError(
+                            f"A buffered group lacks {name}; keep the options that produce it "
+                            "(beta, use_vllm) fixed during a run."
+                        )
+                    tensor[target * n : (target + 1) * n] = _widen(group[name], target_width, fill, left).to(tensor)
                 state[name] = tensor
         for name in _ROW_FIELDS:
             state[name] = state[name].clone()
             for target, group in zip(targets, groups):
-                state[name][target * n:(target + 1) * n] = group[name].to(state[name])
+                state[name][target * n : (target + 1) * n] = group[name].to(state[name])
         episodes = list(state["episodes"])
         if episodes:
             for target, group in zip(targets, groups):
-                episodes[target * n:(target + 1) * n] = group["episodes"]
+                episodes[target * n : (target + 1) * n] = group["episodes"]
         state["episodes"] = episodes
         return Rollout(**state)
 

@@ -26,28 +26,37 @@ import os
 import sys
 import tempfile
 import threading
-import tomllib
 import uuid
 from collections.abc import Callable
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from ..errors import ConfigError, DataError
 
 LIFECYCLE_HOOKS = ("_start", "_run", "_verify", "_stop")
-INSTALL_HINT = ("Install it with `pip install harbor` (Harbor needs Python >= 3.12; this is Python "
-                f"{sys.version_info.major}.{sys.version_info.minor}) together with a sandbox backend (e.g. Docker)")
-METADATA_KEYS = {"gold_answer": "gold_answer", "reward_mode": "reward_mode_initial",
-                 "difficulty_level": "difficulty_level", "kaggle_dataset": "kaggle_dataset_name"}
+INSTALL_HINT = (
+    "Install it with `pip install harbor` (Harbor needs Python >= 3.12; this is Python "
+    f"{sys.version_info.major}.{sys.version_info.minor}) together with a sandbox backend (e.g. Docker)"
+)
+METADATA_KEYS = {
+    "gold_answer": "gold_answer",
+    "reward_mode": "reward_mode_initial",
+    "difficulty_level": "difficulty_level",
+    "kaggle_dataset": "kaggle_dataset_name",
+}
 
 
 def require_harbor(what: str) -> None:
     """Raises ConfigError naming `what` unless the `harbor` package can be imported."""
     if importlib.util.find_spec("harbor") is None:
-        raise ConfigError(f"{what} runs Harbor sandboxes and verifiers, which needs the `harbor` package, not "
-                          f"installed here. {INSTALL_HINT}, or subclass HarborEnv and override "
-                          f"{', '.join(LIFECYCLE_HOOKS)} to run tasks without Harbor.")
+        raise ConfigError(
+            f"{what} runs Harbor sandboxes and verifiers, which needs the `harbor` package, not "
+            f"installed here. {INSTALL_HINT}, or subclass HarborEnv and override "
+            f"{', '.join(LIFECYCLE_HOOKS)} to run tasks without Harbor."
+        )
 
 
 class HarborEnv:
@@ -77,8 +86,10 @@ class HarborEnv:
 
     def reset(self, task_dir: str | None = None, **row: Any) -> str:
         if task_dir is None:
-            raise DataError("A Harbor environment is reset with the row's `task_dir` (the task's directory), but the "
-                            f"row has only {sorted(row)}. Train on HarborSpec(...).train_dataset.")
+            raise DataError(
+                "A Harbor environment is reset with the row's `task_dir` (the task's directory), but the "
+                f"row has only {sorted(row)}. Train on HarborSpec(...).train_dataset."
+            )
         instruction = self._wait(self._start(task_dir))
         self._started, self._reward = True, None
         return instruction + self.PROMPT_SUFFIX
@@ -88,7 +99,7 @@ class HarborEnv:
         stdout, stderr, code = self._wait(self._run(command, timeout))
         output = (stdout or "") + (stderr or "")
         if len(output) > self.OUTPUT_LIMIT:
-            output = output[:self.OUTPUT_LIMIT] + "\n... [truncated]"
+            output = output[: self.OUTPUT_LIMIT] + "\n... [truncated]"
         return output or f"(empty output, rc={code})"
 
     @property
@@ -111,9 +122,13 @@ class HarborEnv:
         self._task = Task(task_dir=Path(task_dir))
         self._paths = TrialPaths(trial_dir=Path(tempfile.mkdtemp(prefix="posttrain_harbor_")))
         self._env = EnvironmentFactory.create_environment_from_config(
-            config=EnvironmentConfig(type=self.environment_type), environment_dir=self._task.paths.environment_dir,
-            environment_name=self._task.short_name, session_id=uuid.uuid4().hex, trial_paths=self._paths,
-            task_env_config=self._task.config.environment)
+            config=EnvironmentConfig(type=self.environment_type),
+            environment_dir=self._task.paths.environment_dir,
+            environment_name=self._task.short_name,
+            session_id=uuid.uuid4().hex,
+            trial_paths=self._paths,
+            task_env_config=self._task.config.environment,
+        )
         await self._env.start(force_build=False)
         await self._copy_build_files()
         await self._env.run_healthcheck()
@@ -143,8 +158,7 @@ class HarborEnv:
                 remote = target.rstrip("/") + "/" + Path(source).name if into_dir else target
                 staged = "/tmp/" + uuid.uuid4().hex
                 await self._env.upload_file(local, staged)
-                await self._env.exec(f"mkdir -p {os.path.dirname(remote) or '/'} && mv {staged} {remote}",
-                                         user="root")
+                await self._env.exec(f"mkdir -p {os.path.dirname(remote) or '/'} && mv {staged} {remote}", user="root")
 
     async def _run(self, command: str, timeout: int) -> tuple[str, str, int]:
         result = await self._env.exec(command, timeout_sec=timeout)
@@ -157,8 +171,12 @@ class HarborEnv:
 
         await self._env.empty_dirs([EnvironmentPaths.for_os(self._env.os).verifier_dir], chmod=True)
         verifier = VerifierFactory.create_verifier_from_config(
-            VerifierConfig(), task=self._task, trial_paths=self._paths, environment=self._env,
-            override_env=self._task.config.verifier.env or None)
+            VerifierConfig(),
+            task=self._task,
+            trial_paths=self._paths,
+            environment=self._env,
+            override_env=self._task.config.verifier.env or None,
+        )
         rewards = (await verifier.verify()).rewards or {}
         return float(rewards.get("reward", next(iter(rewards.values()), 0.0)))
 
@@ -233,8 +251,10 @@ def resolve_agent(agent: str | type) -> type[HarborEnv]:
             module = importlib.import_module(target)
         cls = getattr(module, name, None)
     else:
-        raise ConfigError(f"agent={agent!r} is unknown: give a built-in name {sorted(AGENTS)}, 'package.module:Class', "
-                          "'path/to/file.py:Class' or a HarborEnv subclass.")
+        raise ConfigError(
+            f"agent={agent!r} is unknown: give a built-in name {sorted(AGENTS)}, 'package.module:Class', "
+            "'path/to/file.py:Class' or a HarborEnv subclass."
+        )
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
         raise ConfigError(f"agent={agent!r} gives {cls!r}, which is not a HarborEnv subclass.")
     return cls
@@ -259,8 +279,16 @@ class HarborSpec:
     kaggle_dataset columns.
     """
 
-    def __init__(self, dataset: str, *, agent: str | type = "bash", environment_type: str = "docker",
-                 num_tasks: int | None = None, indices: list[int] | None = None, include_metadata: bool = True):
+    def __init__(
+        self,
+        dataset: str,
+        *,
+        agent: str | type = "bash",
+        environment_type: str = "docker",
+        num_tasks: int | None = None,
+        indices: list[int] | None = None,
+        include_metadata: bool = True,
+    ):
         if num_tasks is not None and indices is not None:
             raise ConfigError("HarborSpec takes num_tasks (the first n tasks) or indices (chosen tasks), not both.")
         self.dataset, self.environment_type = dataset, environment_type
@@ -284,7 +312,7 @@ class HarborSpec:
             if bad:
                 raise ConfigError(f"indices {bad} are out of range: the suite has {len(dirs)} tasks.")
             return [dirs[i] for i in self.indices]
-        return dirs[:self.num_tasks] if self.num_tasks is not None else dirs
+        return dirs[: self.num_tasks] if self.num_tasks is not None else dirs
 
     def _download(self) -> Path:
         from huggingface_hub import snapshot_download
@@ -292,10 +320,12 @@ class HarborSpec:
         try:
             return Path(snapshot_download(self.dataset, repo_type="dataset", allow_patterns=["tasks/**"]))
         except Exception as error:  # noqa: BLE001 - offline, unknown repo, no access: one message with the fix
-            raise ConfigError(f"HarborSpec({self.dataset!r}) is not a local directory and downloading it as a Hub "
-                              f"dataset failed ({type(error).__name__}: {error}). Give the path of a local task tree, "
-                              f"or download it first: `huggingface-cli download {self.dataset} --repo-type dataset "
-                              "--include 'tasks/**' --local-dir DIR`.") from None
+            raise ConfigError(
+                f"HarborSpec({self.dataset!r}) is not a local directory and downloading it as a Hub "
+                f"dataset failed ({type(error).__name__}: {error}). Give the path of a local task tree, "
+                f"or download it first: `huggingface-cli download {self.dataset} --repo-type dataset "
+                "--include 'tasks/**' --local-dir DIR`."
+            ) from None
 
     @cached_property
     def train_dataset(self):
@@ -305,8 +335,11 @@ class HarborSpec:
 
         dirs = self.task_dirs
         indices = list(self.indices) if self.indices is not None else list(range(len(dirs)))
-        rows: dict[str, list] = {"prompt": [[{"role": "user", "content": ""}] for _ in dirs],
-                                 "task_dir": [str(d) for d in dirs], "task_index": indices}
+        rows: dict[str, list] = {
+            "prompt": [[{"role": "user", "content": ""}] for _ in dirs],
+            "task_dir": [str(d) for d in dirs],
+            "task_index": indices,
+        }
         if self.include_metadata:
             metadata = [_task_metadata(d) for d in dirs]
             for column in METADATA_KEYS:

@@ -30,45 +30,77 @@ class IWOPDConfig(DistillationConfig):
     unsupported_options: ClassVar[dict[str, str]] = {
         **DistillationConfig.unsupported_options,
         "use_teacher_server": "a remote teacher server (TRL's teacher-logprob HTTP protocol) is not implemented in "
-                              "posttrain; load the teacher locally (teacher_model / teacher_model_name_or_path).",
+        "posttrain; load the teacher locally (teacher_model / teacher_model_name_or_path).",
         "teacher_model_server_url": "it only applies with use_teacher_server, which posttrain does not support.",
     }
 
     distillation_objective: str = field(
-        default="iw_opd", metadata={"help": "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) "
-                                            "or 'jsd' (generalized JSD, see loss_top_k)."})
+        default="iw_opd",
+        metadata={
+            "help": "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) "
+            "or 'jsd' (generalized JSD, see loss_top_k)."
+        },
+    )
     iw_opd_gamma: float = field(
-        default=0.5, metadata={"help": "How much more early tokens weigh: w_t = 1 + gamma * (share of the "
-                                       "completion's |log-ratio| still ahead)."})
+        default=0.5,
+        metadata={
+            "help": "How much more early tokens weigh: w_t = 1 + gamma * (share of the "
+            "completion's |log-ratio| still ahead)."
+        },
+    )
     iw_opd_epsilon: float = field(default=1e-8, metadata={"help": "Floor of the per-completion |log-ratio| sum."})
     reverse_kl_top_1_mode: str = field(
-        default="sampled", metadata={"help": "The student-side token of the mixed top-1 JSD: 'sampled' (the "
-                                             "completion's token) or 'argmax' (the student's most likely)."})
+        default="sampled",
+        metadata={
+            "help": "The student-side token of the mixed top-1 JSD: 'sampled' (the "
+            "completion's token) or 'argmax' (the student's most likely)."
+        },
+    )
     max_completion_length: int = field(default=512, metadata={"help": "Most tokens sampled per completion."})
     max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Cut prompts to this many tokens, on the tokenizer's truncation side "
-                                        "(default: max_length - max_completion_length)."})
+        default=None,
+        metadata={
+            "help": "Cut prompts to this many tokens, on the tokenizer's truncation side "
+            "(default: max_length - max_completion_length)."
+        },
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
     use_teacher_server: bool = field(default=False, metadata={"help": "Remote teacher server (not supported)."})
     teacher_model_server_url: str | None = field(
-        default=None, metadata={"help": "Remote teacher server URL (not supported)."})
+        default=None, metadata={"help": "Remote teacher server URL (not supported)."}
+    )
     loss_top_k: int = field(
-        default=1, metadata={"help": "JSD objective: compare the distributions on this many top tokens (0: the "
-                                     "full vocabulary; 1 with beta > 0: the mixed top-1 support)."})
+        default=1,
+        metadata={
+            "help": "JSD objective: compare the distributions on this many top tokens (0: the "
+            "full vocabulary; 1 with beta > 0: the mixed top-1 support)."
+        },
+    )
     loss_add_tail: bool = field(
-        default=True, metadata={"help": "JSD on a top-k support: add the remaining mass as one more element "
-                                        "(else renormalise over the support)."})
+        default=True,
+        metadata={
+            "help": "JSD on a top-k support: add the remaining mass as one more element "
+            "(else renormalise over the support)."
+        },
+    )
     num_generations: int = field(
-        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's IW-OPD)."})
+        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's IW-OPD)."}
+    )
     generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Prompts per process per optimizer step (None: the local batch, the only "
-                                        "value allowed with one generation per prompt)."})
+        default=None,
+        metadata={
+            "help": "Prompts per process per optimizer step (None: the local batch, the only "
+            "value allowed with one generation per prompt)."
+        },
+    )
     top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
     vllm_server_port: int = field(default=8001, metadata={"help": "vLLM server port (only with use_vllm)."})
     vllm_sync_frequency: int = field(
-        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."})
+        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."}
+    )
     log_completions_steps: int = field(
-        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."})
+        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."}
+    )
 
     def __post_init__(self):
         if self.distillation_objective not in OBJECTIVES:
@@ -80,22 +112,30 @@ class IWOPDConfig(DistillationConfig):
         if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
             raise ConfigError(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} is not 'sampled' or 'argmax'.")
         if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
-            raise ConfigError("distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
-                              "and reverse_kl_top_1_mode='sampled'.")
+            raise ConfigError(
+                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
+                "and reverse_kl_top_1_mode='sampled'."
+            )
         if self.loss_top_k < 0:
             raise ConfigError(f"loss_top_k={self.loss_top_k} must be >= 0 (0: the full vocabulary).")
         if self.max_length is not None and self.max_completion_length >= self.max_length:
-            raise ConfigError(f"max_completion_length={self.max_completion_length} must be smaller than max_length="
-                              f"{self.max_length} to leave room for the prompt.")
+            raise ConfigError(
+                f"max_completion_length={self.max_completion_length} must be smaller than max_length="
+                f"{self.max_length} to leave room for the prompt."
+            )
         if self.max_prompt_length is None and self.max_length is not None:
             self.max_prompt_length = self.max_length - self.max_completion_length
         if self.num_generations != 1:
-            raise ConfigError(f"num_generations={self.num_generations}: posttrain's IW-OPD samples one completion per "
-                              "prompt. Set num_generations=1 (repeat prompts in the dataset for more samples).")
+            raise ConfigError(
+                f"num_generations={self.num_generations}: posttrain's IW-OPD samples one completion per "
+                "prompt. Set num_generations=1 (repeat prompts in the dataset for more samples)."
+            )
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if self.generation_batch_size not in (None, local):
-            raise ConfigError(f"generation_batch_size={self.generation_batch_size} must equal "
-                              f"per_device_train_batch_size * gradient_accumulation_steps ({local}); leave it None.")
+            raise ConfigError(
+                f"generation_batch_size={self.generation_batch_size} must equal "
+                f"per_device_train_batch_size * gradient_accumulation_steps ({local}); leave it None."
+            )
         self.generation_batch_size = local
         if self.log_completions_steps < 1:
             raise ConfigError(f"log_completions_steps={self.log_completions_steps} must be at least 1.")
@@ -113,8 +153,11 @@ def _messages_to_prompt(example: dict) -> dict:
 def _truncate_prompt(example: dict, max_prompt_length: int, keep_end: bool) -> dict:
     """Cuts a tokenized row's prompt (the tokens before its first trained one) to max_prompt_length tokens."""
     ids = example["input_ids"]
-    trained = example["labels"] if "labels" in example else [IGNORE_INDEX if m == 0 else t
-                                                              for t, m in zip(ids, example["completion_mask"])]
+    trained = (
+        example["labels"]
+        if "labels" in example
+        else [IGNORE_INDEX if m == 0 else t for t, m in zip(ids, example["completion_mask"])]
+    )
     start = next((i for i, label in enumerate(trained) if label != IGNORE_INDEX), len(ids))
     if start <= max_prompt_length:
         return example
@@ -127,33 +170,70 @@ class IWOPDTrainer(DistillationTrainer):
     """`IWOPDTrainer(model, teacher_model, args=IWOPDConfig(...), train_dataset=...)`, TRL's keyword arguments in
     TRL's order (posttrain's extras after them). Logged: TRL's iw_opd/mean_advantage, iw_opd/mean_abs_advantage,
     iw_opd/mean_weight, iw_opd/min_weight, iw_opd/max_weight, and DistillationTrainer's metrics."""
+
     _name = "IW-OPD"
 
-    def __init__(self, model=None, teacher_model=None, args: IWOPDConfig | None = None, data_collator=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, *,
-                 teacher_processing_class=None, quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: IWOPDConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        *,
+        teacher_processing_class=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or IWOPDConfig(output_dir="outputs/iw_opd")
-        super().__init__(model, teacher_model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         quantization_config=quantization_config, peft_config=peft_config,
-                         teacher_processing_class=teacher_processing_class, data_collator=data_collator,
-                         compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                         **kwargs)
+        super().__init__(
+            model,
+            teacher_model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            teacher_processing_class=teacher_processing_class,
+            data_collator=data_collator,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **kwargs,
+        )
 
     def prepare_dataset(self, dataset, tokenizer, args: IWOPDConfig, name: str):
         columns = dataset.column_names
         if "messages" in columns and not {"prompt", "completion", "input_ids"} & set(columns):
-            dataset = dataset.map(_messages_to_prompt, remove_columns=columns, num_proc=args.dataset_num_proc,
-                                  desc=f"Splitting {name} into prompts and completions")
+            dataset = dataset.map(
+                _messages_to_prompt,
+                remove_columns=columns,
+                num_proc=args.dataset_num_proc,
+                desc=f"Splitting {name} into prompts and completions",
+            )
             if all(c is None for c in dataset["completion"]):
                 dataset = dataset.remove_columns("completion")
         dataset = super().prepare_dataset(dataset, tokenizer, args, name)
         if args.max_prompt_length is None:
             return dataset
-        return dataset.map(_truncate_prompt, num_proc=args.dataset_num_proc, desc=f"Cutting the prompts of {name}",
-                           fn_kwargs=dict(max_prompt_length=args.max_prompt_length,
-                                          keep_end=getattr(tokenizer, "truncation_side", "right") == "left"))
+        return dataset.map(
+            _truncate_prompt,
+            num_proc=args.dataset_num_proc,
+            desc=f"Cutting the prompts of {name}",
+            fn_kwargs=dict(
+                max_prompt_length=args.max_prompt_length,
+                keep_end=getattr(tokenizer, "truncation_side", "right") == "left",
+            ),
+        )
 
     def _get_train_sampler(self, train_dataset=None):
         return super(DistillationTrainer, self)._get_train_sampler(train_dataset)  # random order, as TRL
@@ -172,8 +252,9 @@ class IWOPDTrainer(DistillationTrainer):
             s_logps = (s_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
             with torch.no_grad():
                 t_logps = (t_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-            losses, advantages, weights = iw_opd_token_losses(s_logps, t_logps, mask, args.iw_opd_gamma,
-                                                              args.iw_opd_epsilon)
+            losses, advantages, weights = iw_opd_token_losses(
+                s_logps, t_logps, mask, args.iw_opd_gamma, args.iw_opd_epsilon
+            )
             if mask.any():
                 metrics["iw_opd/mean_advantage"].append(advantages[mask].mean().item())
                 metrics["iw_opd/mean_abs_advantage"].append((t_logps - s_logps.detach())[mask].abs().mean().item())
@@ -183,13 +264,16 @@ class IWOPDTrainer(DistillationTrainer):
         elif args.beta > 0 and args.loss_top_k == 1:
             reverse = s_logits.argmax(-1) if args.reverse_kl_top_1_mode == "argmax" else tokens
             support, valid = top1_mixed_support(t_logits, reverse, args.beta)
-            losses = support_divergence(s_logits, t_logits, support, valid, args.beta, args.loss_add_tail,
-                                        args.temperature)
+            losses = support_divergence(
+                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
+            )
         elif 0 < args.loss_top_k < s_logits.shape[-1]:
-            support, valid = top_k_support(s_logits / args.temperature, t_logits / args.temperature, args.loss_top_k,
-                                           args.beta)
-            losses = support_divergence(s_logits, t_logits, support, valid, args.beta, args.loss_add_tail,
-                                        args.temperature)
+            support, valid = top_k_support(
+                s_logits / args.temperature, t_logits / args.temperature, args.loss_top_k, args.beta
+            )
+            losses = support_divergence(
+                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
+            )
         else:
             losses = generalized_jsd(s_logits, t_logits, args.beta, mask, args.temperature)
         divergence = torch.where(mask, losses, 0.0).sum()

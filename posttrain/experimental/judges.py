@@ -78,8 +78,13 @@ class BaseBinaryJudge(BaseJudge):
     (CGPO's binary judges, arXiv:2409.20370)."""
 
     @abstractmethod
-    def judge(self, prompts: list[str], completions: list[str], gold_completions: list[str] | None = None,
-              shuffle_order: bool = True) -> list[int]:
+    def judge(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        gold_completions: list[str] | None = None,
+        shuffle_order: bool = True,
+    ) -> list[int]:
         raise NotImplementedError("Judge subclasses must implement the `judge` method.")
 
 
@@ -87,8 +92,9 @@ class BaseBinaryJudge(BaseJudge):
 def _check_pairs(completions) -> None:
     bad = [i for i, pair in enumerate(completions) if len(pair) != 2]
     if bad:
-        raise ValueError(f"A pairwise judge needs exactly 2 completions per prompt; prompt {bad[0]} has "
-                         f"{len(completions[bad[0]])}.")
+        raise ValueError(
+            f"A pairwise judge needs exactly 2 completions per prompt; prompt {bad[0]} has {len(completions[bad[0]])}."
+        )
 
 
 def _flip_mask(n: int, shuffle_order: bool) -> np.ndarray:
@@ -114,11 +120,11 @@ class ScoringPairwiseJudge(BasePairwiseJudge):
     """
 
     @abstractmethod
-    def pair_scores(self, prompts: list, pairs: list[list[str]]) -> torch.Tensor:
-        ...
+    def pair_scores(self, prompts: list, pairs: list[list[str]]) -> torch.Tensor: ...
 
-    def judge(self, prompts, completions, shuffle_order: bool = True, return_scores: bool = False,
-              temperature: float = 1.0) -> list:
+    def judge(
+        self, prompts, completions, shuffle_order: bool = True, return_scores: bool = False, temperature: float = 1.0
+    ) -> list:
         _check_pairs(completions)
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0.")
@@ -151,8 +157,14 @@ class RewardModelPairwiseJudge(ScoringPairwiseJudge):
     model posttrain can load, for instance one trained with `RewardTrainer`. Soft scores are the Bradley-Terry
     probability sigmoid((r0 - r1) / temperature)."""
 
-    def __init__(self, reward_model, tokenizer=None, batch_size: int = 8, max_length: int | None = None,
-                 model_init_kwargs: dict | None = None):
+    def __init__(
+        self,
+        reward_model,
+        tokenizer=None,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        model_init_kwargs: dict | None = None,
+    ):
         from ..models.loading import load_sequence_classifier, load_tokenizer, resolve_model_path
 
         if isinstance(reward_model, str):  # a causal LM checkpoint would get a random head: a coin-flip judge
@@ -160,9 +172,11 @@ class RewardModelPairwiseJudge(ScoringPairwiseJudge):
 
             architectures = AutoConfig.from_pretrained(resolve_model_path(reward_model)).architectures or []
             if not any(a.endswith("ForSequenceClassification") for a in architectures):
-                raise ConfigError(f"{reward_model!r} is not a reward model (its architectures are {architectures}); "
-                                  "a new classification head would judge at random. Pass a trained reward model, "
-                                  "e.g. the output of RewardTrainer.")
+                raise ConfigError(
+                    f"{reward_model!r} is not a reward model (its architectures are {architectures}); "
+                    "a new classification head would judge at random. Pass a trained reward model, "
+                    "e.g. the output of RewardTrainer."
+                )
         self.tokenizer = load_tokenizer(reward_model, tokenizer)
         self.model = load_sequence_classifier(reward_model, 1, model_init_kwargs, self.tokenizer).eval()
         self.batch_size, self.max_length = batch_size, max_length
@@ -175,9 +189,14 @@ class RewardModelPairwiseJudge(ScoringPairwiseJudge):
         self.tokenizer.padding_side = "right"
         try:
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                       truncation=self.max_length is not None, max_length=self.max_length,
-                                       add_special_tokens=False).to(self.model.device)
+                batch = self.tokenizer(
+                    texts[start : start + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=self.max_length is not None,
+                    max_length=self.max_length,
+                    add_special_tokens=False,
+                ).to(self.model.device)
                 out.append(self.model(**batch).logits[:, 0].float().cpu())
         finally:
             self.tokenizer.padding_side = padding_side
@@ -199,8 +218,14 @@ class CausalLMPairwiseJudge(ScoringPairwiseJudge):
     deterministic and never invalid, and `return_scores=True` gives the model's probability of "0".
     """
 
-    def __init__(self, model, tokenizer=None, system_prompt: str | None = None, batch_size: int = 8,
-                 model_init_kwargs: dict | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        system_prompt: str | None = None,
+        batch_size: int = 8,
+        model_init_kwargs: dict | None = None,
+    ):
         from ..models.loading import load_causal_lm, load_tokenizer
 
         self.tokenizer = load_tokenizer(model, tokenizer)
@@ -208,17 +233,21 @@ class CausalLMPairwiseJudge(ScoringPairwiseJudge):
         self.system_prompt = system_prompt or DEFAULT_PAIRWISE_SYSTEM_PROMPT
         for key in ("{prompt}", "{response0}", "{response1}"):
             if key not in self.system_prompt:
-                raise ConfigError(f"system_prompt must contain the placeholder {key} (it has {{prompt}}, "
-                                  "{response0} and {response1} filled in).")
+                raise ConfigError(
+                    f"system_prompt must contain the placeholder {key} (it has {{prompt}}, "
+                    "{response0} and {response1} filled in)."
+                )
         self.batch_size = batch_size
         self.answer_ids = [self._single_token(digit) for digit in ("0", "1")]
 
     def _single_token(self, text: str) -> int:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) != 1:
-            raise ConfigError(f"CausalLMPairwiseJudge reads the logit of the answer {text!r}, but this tokenizer "
-                              f"splits it into {len(ids)} tokens {ids}; use a model whose tokenizer has a single "
-                              "token for each digit.")
+            raise ConfigError(
+                f"CausalLMPairwiseJudge reads the logit of the answer {text!r}, but this tokenizer "
+                f"splits it into {len(ids)} tokens {ids}; use a model whose tokenizer has a single "
+                "token for each digit."
+            )
         return ids[0]
 
     def render(self, prompt, pair) -> str:
@@ -227,8 +256,9 @@ class CausalLMPairwiseJudge(ScoringPairwiseJudge):
             prompt = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
         content = self.system_prompt.format(prompt=prompt, response0=pair[0], response1=pair[1])
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
         return content
 
     @torch.no_grad()
@@ -238,8 +268,9 @@ class CausalLMPairwiseJudge(ScoringPairwiseJudge):
         self.tokenizer.padding_side = "left"  # the next-token logits are then at the last position
         try:
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                       add_special_tokens=False).to(self.model.device)
+                batch = self.tokenizer(
+                    texts[start : start + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(self.model.device)
                 logits = self.model(**batch).logits[:, -1, :]
                 out.append(logits[:, self.answer_ids].float().cpu())
         finally:
@@ -254,10 +285,12 @@ class PairRMJudge(ScoringPairwiseJudge):
 
     def __init__(self):
         if importlib.util.find_spec("llm_blender") is None:
-            raise ConfigError("PairRMJudge needs the llm-blender package and the llm-blender/PairRM weights from the "
-                              "Hugging Face Hub, and llm-blender is not installed. Install it (pip install "
-                              "llm-blender) where the Hub is reachable, or judge with a local reward model instead: "
-                              "RewardModelPairwiseJudge('path/to/reward-model').")
+            raise ConfigError(
+                "PairRMJudge needs the llm-blender package and the llm-blender/PairRM weights from the "
+                "Hugging Face Hub, and llm-blender is not installed. Install it (pip install "
+                "llm-blender) where the Hub is reachable, or judge with a local reward model instead: "
+                "RewardModelPairwiseJudge('path/to/reward-model')."
+            )
         import transformers.utils.hub
 
         if not hasattr(transformers.utils.hub, "TRANSFORMERS_CACHE"):  # llm-blender reads it at import
@@ -280,8 +313,7 @@ class _ChatAPIPairwiseJudge(BasePairwiseJudge):
     system_prompt: str
 
     @abstractmethod
-    def _ask(self, content: str) -> str:
-        ...
+    def _ask(self, content: str) -> str: ...
 
     def _rank(self, prompt, pair) -> int:
         content = self.system_prompt.format(prompt=prompt, response0=pair[0], response1=pair[1])
@@ -304,8 +336,12 @@ class HfPairwiseJudge(_ChatAPIPairwiseJudge):
     the user message) must contain ``{prompt}``, ``{response0}``, ``{response1}`` and ask for a one-character
     answer. Needs the network; for a local model use `CausalLMPairwiseJudge`."""
 
-    def __init__(self, model: str = "meta-llama/Meta-Llama-3-70B-Instruct", token: str | None = None,
-                 system_prompt: str | None = None):
+    def __init__(
+        self,
+        model: str = "meta-llama/Meta-Llama-3-70B-Instruct",
+        token: str | None = None,
+        system_prompt: str | None = None,
+    ):
         from huggingface_hub import InferenceClient
 
         self.client = InferenceClient(model=model, token=token)
@@ -321,12 +357,15 @@ class OpenAIPairwiseJudge(_ChatAPIPairwiseJudge):
     limit) it stops calling the API and returns -1 for every pair, with a warning once. Needs the `openai` package
     and OPENAI_API_KEY."""
 
-    def __init__(self, model: str = "gpt-4-turbo-preview", system_prompt: str | None = None,
-                 max_requests: int | None = 1_000):
+    def __init__(
+        self, model: str = "gpt-4-turbo-preview", system_prompt: str | None = None, max_requests: int | None = 1_000
+    ):
         if importlib.util.find_spec("openai") is None:
-            raise ConfigError("OpenAIPairwiseJudge needs the openai package (pip install openai) and an "
-                              "OPENAI_API_KEY; for a judge that runs locally use CausalLMPairwiseJudge or "
-                              "RewardModelPairwiseJudge.")
+            raise ConfigError(
+                "OpenAIPairwiseJudge needs the openai package (pip install openai) and an "
+                "OPENAI_API_KEY; for a judge that runs locally use CausalLMPairwiseJudge or "
+                "RewardModelPairwiseJudge."
+            )
         from openai import OpenAI
 
         self.client = OpenAI()
@@ -335,15 +374,19 @@ class OpenAIPairwiseJudge(_ChatAPIPairwiseJudge):
         self.num_requests, self._warned = 0, False
 
     def _ask(self, content: str) -> str:
-        reply = self.client.chat.completions.create(model=self.model, max_tokens=1,
-                                                    messages=[{"role": "user", "content": content}])
+        reply = self.client.chat.completions.create(
+            model=self.model, max_tokens=1, messages=[{"role": "user", "content": content}]
+        )
         return reply.choices[0].message.content
 
     def judge(self, prompts, completions, shuffle_order: bool = True) -> list[int]:
         if self.max_requests is not None and self.num_requests >= self.max_requests:
             if not self._warned:
-                logger.warning("OpenAIPairwiseJudge reached max_requests=%d; returning -1 from now on. Raise "
-                               "max_requests (None: no limit) to keep judging.", self.max_requests)
+                logger.warning(
+                    "OpenAIPairwiseJudge reached max_requests=%d; returning -1 from now on. Raise "
+                    "max_requests (None: no limit) to keep judging.",
+                    self.max_requests,
+                )
                 self._warned = True
             return [-1] * len(prompts)
         ranks = super().judge(prompts, completions, shuffle_order)
@@ -368,6 +411,17 @@ class AllTrueJudge(BaseBinaryJudge):
         return out
 
 
-__all__ = ["AllTrueJudge", "BaseBinaryJudge", "BaseJudge", "BasePairwiseJudge", "BaseRankJudge",
-           "CausalLMPairwiseJudge", "DEFAULT_PAIRWISE_SYSTEM_PROMPT", "HfPairwiseJudge", "OpenAIPairwiseJudge",
-           "PairRMJudge", "RewardModelPairwiseJudge", "ScoringPairwiseJudge"]
+__all__ = [
+    "AllTrueJudge",
+    "BaseBinaryJudge",
+    "BaseJudge",
+    "BasePairwiseJudge",
+    "BaseRankJudge",
+    "CausalLMPairwiseJudge",
+    "DEFAULT_PAIRWISE_SYSTEM_PROMPT",
+    "HfPairwiseJudge",
+    "OpenAIPairwiseJudge",
+    "PairRMJudge",
+    "RewardModelPairwiseJudge",
+    "ScoringPairwiseJudge",
+]

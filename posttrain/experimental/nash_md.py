@@ -25,14 +25,20 @@ __all__ = ["NashMDConfig", "NashMDTrainer", "sample_completions"]
 
 
 @torch.no_grad()
-def sample_completions(next_logits, prompts: list[list[int]], sampling, seeds: list[int], eos_ids: set[int],
-                       pad_id: int, device) -> list[Episode]:
+def sample_completions(
+    next_logits, prompts: list[list[int]], sampling, seeds: list[int], eos_ids: set[int], pad_id: int, device
+) -> list[Episode]:
     """One completion per prompt from `next_logits(input_ids, attention_mask, position_ids) -> [B, V]` (the
     next-token logits of some model or mixture), with the sampling filters of `sampling` and a generator seeded
     per prompt. A plain loop without a KV cache: meant for the second completion of XPO / Nash-MD."""
-    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
-                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     processors = LogitsProcessorList()
     if sampling.repetition_penalty != 1.0:
@@ -78,14 +84,21 @@ class PairedSamplerMixin:
         eos = {self.processing_class.eos_token_id}
         configured = unwrap(self.model).generation_config.eos_token_id
         eos |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-        other = sample_completions(self.second_logits, [row[PROMPT_IDS_COLUMN] for row in rows], self.sampling,
-                                   [s + 1 for s in seeds], eos, self.processing_class.pad_token_id,
-                                   self.accelerator.device)
+        other = sample_completions(
+            self.second_logits,
+            [row[PROMPT_IDS_COLUMN] for row in rows],
+            self.sampling,
+            [s + 1 for s in seeds],
+            eos,
+            self.processing_class.pad_token_id,
+            self.accelerator.device,
+        )
         return [episode for pair in zip(own, other) for episode in pair]
 
     def _next_logits(self, model, ids, mask, position_ids) -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                     logits_to_keep=1).logits[:, -1]
+        return model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=1
+        ).logits[:, -1]
 
 
 @dataclass
@@ -97,8 +110,11 @@ class NashMDConfig(OnlineDPOConfig):
 
     mixture_coef: list[float] | float = field(
         default_factory=lambda: [0.5],
-        metadata={"help": "Weight of the reference in the geometric mixture pi^(1-c) pi_ref^c that samples the "
-                          "opponent completion, in [0, 1]. A list gives one value per epoch."})
+        metadata={
+            "help": "Weight of the reference in the geometric mixture pi^(1-c) pi_ref^c that samples the "
+            "opponent completion, in [0, 1]. A list gives one value per epoch."
+        },
+    )
 
 
 class NashMDTrainer(PairedSamplerMixin, OnlineDPOTrainer):
@@ -123,12 +139,17 @@ class NashMDTrainer(PairedSamplerMixin, OnlineDPOTrainer):
         scores = self.pair_scores(rewards, rollout)
         probability = scores[:, 0] if self.judge is not None else torch.sigmoid(scores[:, 0] - scores[:, 1])
         finished = self.accelerator.gather(rollout.finished).float().view(-1, 2)
-        metrics = {"val/model_contain_eos_token": float(finished[:, 0].mean()),
-                   "val/ref_contain_eos_token": float(finished[:, 1].mean()),
-                   "objective/model_scores": float(scores[:, 0].nanmean()),
-                   "objective/mixture_scores": float(scores[:, 1].nanmean())}
-        return Advantages(self.local_share(probability.repeat_interleave(2)),
-                          returns=self.local_share(scores.reshape(-1)), metrics=metrics)
+        metrics = {
+            "val/model_contain_eos_token": float(finished[:, 0].mean()),
+            "val/ref_contain_eos_token": float(finished[:, 1].mean()),
+            "objective/model_scores": float(scores[:, 0].nanmean()),
+            "objective/mixture_scores": float(scores[:, 1].nanmean()),
+        }
+        return Advantages(
+            self.local_share(probability.repeat_interleave(2)),
+            returns=self.local_share(scores.reshape(-1)),
+            metrics=metrics,
+        )
 
     def pair_loss(self, inputs, logps, ref_logps, mask):
         beta = self.beta
@@ -136,10 +157,20 @@ class NashMDTrainer(PairedSamplerMixin, OnlineDPOTrainer):
         valid = ~probability.isnan()
         losses, score, kl = nash_md_loss(logps[0::2], ref_logps[0::2], mask[0::2], probability.nan_to_num(0.5), beta)
         sums = (logps.detach() * mask).sum(1)
-        metrics = {"loss/kl": kl.mean(), "loss/score": score[valid].mean() if valid.any() else 0.0,
-                   "objective/entropy": -sums[0::2].mean(), "logps/chosen": sums[0::2].mean(),
-                   "logps/rejected": sums[1::2].mean(), "beta": beta, "mixture_coef": self.mixture_coef}
+        metrics = {
+            "loss/kl": kl.mean(),
+            "loss/score": score[valid].mean() if valid.any() else 0.0,
+            "objective/entropy": -sums[0::2].mean(),
+            "logps/chosen": sums[0::2].mean(),
+            "logps/rejected": sums[1::2].mean(),
+            "beta": beta,
+            "mixture_coef": self.mixture_coef,
+        }
         if valid.any():
-            metrics.update({"rewards/probabilities": probability[valid].mean(),
-                            "rewards/accuracies": (probability[valid] > 0.5).float().mean()})
+            metrics.update(
+                {
+                    "rewards/probabilities": probability[valid].mean(),
+                    "rewards/accuracies": (probability[valid] > 0.5).float().mean(),
+                }
+            )
         return losses * valid, metrics

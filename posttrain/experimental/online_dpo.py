@@ -61,43 +61,65 @@ class OnlineDPOConfig(OnlineConfig):
 
     learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
     reward_model_path: str | None = field(
-        default=None, metadata={"help": "Path or name of a reward model that scores the completions, used when the "
-                                        "trainer gets no reward_funcs."})
+        default=None,
+        metadata={
+            "help": "Path or name of a reward model that scores the completions, used when the "
+            "trainer gets no reward_funcs."
+        },
+    )
     max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per completion."})
     max_length: int | None = field(
-        default=512, metadata={"help": "Most prompt + completion tokens in the forward pass; longer sequences lose "
-                                       "prompt tokens from the left (None: no limit)."})
+        default=512,
+        metadata={
+            "help": "Most prompt + completion tokens in the forward pass; longer sequences lose "
+            "prompt tokens from the left (None: no limit)."
+        },
+    )
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (> 0)."})
     missing_eos_penalty: float | None = field(
-        default=None, metadata={"help": "Subtracted from the score of a completion that did not end with EOS "
-                                        "(>= 0; None: no penalty)."})
+        default=None,
+        metadata={
+            "help": "Subtracted from the score of a completion that did not end with EOS (>= 0; None: no penalty)."
+        },
+    )
     beta: list[float] | float = field(
         default_factory=lambda: [0.1],
-        metadata={"help": "Deviation from the reference (IPO's tau for loss_type='ipo'). A list gives one value per "
-                          "epoch, the last for the remaining epochs."})
-    loss_type: str = field(default="sigmoid", metadata={"help": "'sigmoid' (DPO) or 'ipo'.",
-                                                        "choices": ["sigmoid", "ipo"]})
+        metadata={
+            "help": "Deviation from the reference (IPO's tau for loss_type='ipo'). A list gives one value per "
+            "epoch, the last for the remaining epochs."
+        },
+    )
+    loss_type: str = field(
+        default="sigmoid", metadata={"help": "'sigmoid' (DPO) or 'ipo'.", "choices": ["sigmoid", "ipo"]}
+    )
     num_generations: int = field(default=2, metadata={"help": "Completions per prompt: always 2 (a pair)."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch dropout off in the policy and the "
-                                                                  "reference."})
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Switch dropout off in the policy and the reference."}
+    )
     vllm_gpu_memory_utilization: float = field(
-        default=0.55, metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory "
-                                        "vLLM may use."})
+        default=0.55,
+        metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may use."},
+    )
 
     def __post_init__(self):
         if self.num_generations != 2:
-            raise ConfigError(f"num_generations={self.num_generations}: {self.method} compares exactly 2 completions "
-                              "per prompt; leave it at 2.")
+            raise ConfigError(
+                f"num_generations={self.num_generations}: {self.method} compares exactly 2 completions "
+                "per prompt; leave it at 2."
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
         if self.max_length is not None and self.max_length < 1:
             raise ConfigError(f"max_length={self.max_length} must be at least 1 (None: no limit).")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            raise ConfigError(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from "
-                              "the score); None switches it off.")
+            raise ConfigError(
+                f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from "
+                "the score); None switches it off."
+            )
         self.max_completion_length = self.max_new_tokens
-        schedules = {name: _check_schedule(name, getattr(self, name), *bounds)
-                     for name, bounds in self.schedules.items()}
+        schedules = {
+            name: _check_schedule(name, getattr(self, name), *bounds) for name, bounds in self.schedules.items()
+        }
         self.beta = _schedule(schedules["beta"], 0)  # the engine's checks read one number
         super().__post_init__()
         for name, value in schedules.items():
@@ -130,8 +152,10 @@ class _JudgeReward:
         return value
 
     def __call__(self, prompts, completions, **kwargs) -> list[float | None]:
-        pairs = [(self._text(completions[i]).strip(), self._text(completions[i + 1]).strip())
-                 for i in range(0, len(completions), 2)]
+        pairs = [
+            (self._text(completions[i]).strip(), self._text(completions[i + 1]).strip())
+            for i in range(0, len(completions), 2)
+        ]
         firsts = [self._text(p) for p in prompts[::2]]
         if self.soft:
             scores = self.judge.judge(firsts, pairs, return_scores=True)
@@ -153,20 +177,41 @@ class OnlineDPOTrainer(OnlineTrainer):
     config_class = OnlineDPOConfig
     soft_judge: ClassVar[bool] = False  # whether a judge's soft scores are used (Nash-MD)
 
-    def __init__(self, model, ref_model=None, reward_funcs=None, args: OnlineDPOConfig | None = None,
-                 data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 reward_processing_classes=None, peft_config=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, *, judge=None,
-                 quantization_config=None):
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        reward_funcs=None,
+        args: OnlineDPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        *,
+        judge=None,
+        quantization_config=None,
+    ):
         args = args or self.config_class(output_dir=f"outputs/{type(self).__name__.removesuffix('Trainer').lower()}")
         if ref_model is not None and ref_model is model:
-            raise ConfigError("model and ref_model are the same object; pass ref_model=None to use a frozen copy "
-                              "of the model as the reference.")
+            raise ConfigError(
+                "model and ref_model are the same object; pass ref_model=None to use a frozen copy "
+                "of the model as the reference."
+            )
         for name, value, why in (
-                ("data_collator", data_collator, "the online engine batches prompts and completions itself"),
-                ("compute_metrics", compute_metrics, "evaluation generates completions and logs their rewards and "
-                                                     "loss (eval_reward, eval_loss)"),
-                ("preprocess_logits_for_metrics", preprocess_logits_for_metrics, "evaluation keeps no logits")):
+            ("data_collator", data_collator, "the online engine batches prompts and completions itself"),
+            (
+                "compute_metrics",
+                compute_metrics,
+                "evaluation generates completions and logs their rewards and loss (eval_reward, eval_loss)",
+            ),
+            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics, "evaluation keeps no logits"),
+        ):
             if value is not None:
                 raise ConfigError(f"{type(self).__name__} does not take {name}: {why}. Drop it.")
         reward_funcs = self._reward_sources(reward_funcs, judge, args)
@@ -175,10 +220,19 @@ class OnlineDPOTrainer(OnlineTrainer):
         else:
             processing_classes = [reward_processing_classes]
         self.judge = judge
-        super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, reward_processing_classes=processing_classes,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         peft_config=peft_config)
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         if ref_model is not None:
             from ..models.loading import load_causal_lm
 
@@ -188,24 +242,33 @@ class OnlineDPOTrainer(OnlineTrainer):
                 for module in ref_model.modules():
                     if isinstance(module, torch.nn.Dropout):
                         module.p = 0.0
-            self.ref_model = self.accelerator.prepare_model(ref_model.eval().requires_grad_(False),
-                                                            evaluation_mode=True)
+            self.ref_model = self.accelerator.prepare_model(
+                ref_model.eval().requires_grad_(False), evaluation_mode=True
+            )
 
     def _reward_sources(self, reward_funcs, judge, args) -> list:
         if judge is not None:
             if reward_funcs is not None or args.reward_model_path is not None:
-                raise ConfigError("Pass either a judge or reward_funcs/reward_model_path, not both: the judge alone "
-                                  "decides which completion is chosen.")
+                raise ConfigError(
+                    "Pass either a judge or reward_funcs/reward_model_path, not both: the judge alone "
+                    "decides which completion is chosen."
+                )
             if not isinstance(judge, BasePairwiseJudge):
-                raise ConfigError(f"judge is a {type(judge).__name__}; {type(self).__name__} needs a "
-                                  "BasePairwiseJudge (e.g. posttrain.experimental.judges.RewardModelPairwiseJudge).")
+                raise ConfigError(
+                    f"judge is a {type(judge).__name__}; {type(self).__name__} needs a "
+                    "BasePairwiseJudge (e.g. posttrain.experimental.judges.RewardModelPairwiseJudge)."
+                )
             return [_JudgeReward(judge, soft=self.soft_judge)]
         if reward_funcs is not None and args.reward_model_path is not None:
-            raise ConfigError("Both reward_funcs and args.reward_model_path are set; pass the reward model in "
-                              "reward_funcs or drop reward_model_path.")
+            raise ConfigError(
+                "Both reward_funcs and args.reward_model_path are set; pass the reward model in "
+                "reward_funcs or drop reward_model_path."
+            )
         if reward_funcs is None and args.reward_model_path is None:
-            raise ConfigError(f"{type(self).__name__} needs reward_funcs (functions, reward models or their "
-                              "paths), args.reward_model_path, or a judge to rank each pair of completions.")
+            raise ConfigError(
+                f"{type(self).__name__} needs reward_funcs (functions, reward models or their "
+                "paths), args.reward_model_path, or a judge to rank each pair of completions."
+            )
         return reward_funcs if reward_funcs is not None else [args.reward_model_path]
 
     # -- engine hooks ------------------------------------------------------------------------------------
@@ -260,15 +323,17 @@ class OnlineDPOTrainer(OnlineTrainer):
         margin = (scores.max(1).values - scores.min(1).values)[valid]
         metrics = {"val/contain_eos_token": float(finished.mean())}
         if valid.any():
-            metrics.update({"objective/scores": float(scores[valid].mean()),
-                            "objective/scores_margin": float(margin.mean())})
-        return Advantages(self.local_share(preference.reshape(-1)), returns=self.local_share(scores.reshape(-1)),
-                          metrics=metrics)
+            metrics.update(
+                {"objective/scores": float(scores[valid].mean()), "objective/scores_margin": float(margin.mean())}
+            )
+        return Advantages(
+            self.local_share(preference.reshape(-1)), returns=self.local_share(scores.reshape(-1)), metrics=metrics
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps, _ = self.completion_logps(model, inputs)
         mask = inputs["model_mask"].to(logps.dtype)
-        ref_logps = inputs["ref_logps"][:, :logps.shape[1]]
+        ref_logps = inputs["ref_logps"][:, : logps.shape[1]]
         losses, metrics = self.pair_loss(inputs, logps, ref_logps, mask)
         pairs = inputs["total_sequences"] // 2  # pairs of the optimizer step, all processes
         loss = losses.sum() / pairs * self.accelerator.num_processes
@@ -283,20 +348,33 @@ class OnlineDPOTrainer(OnlineTrainer):
         valid, first = preference[:, 0] != 0, (preference[:, 0] > 0).long()
         rows = torch.arange(len(first), device=first.device)
         losses, chosen_rewards, rejected_rewards = online_dpo_loss(
-            sums[rows, 1 - first], sums[rows, first], ref_sums[rows, 1 - first], ref_sums[rows, first], beta,
-            self.args.loss_type)
+            sums[rows, 1 - first],
+            sums[rows, first],
+            ref_sums[rows, 1 - first],
+            ref_sums[rows, first],
+            beta,
+            self.args.loss_type,
+        )
         losses = losses * valid
         kl = (sums - ref_sums).detach().reshape(-1)
         scores = inputs["returns"]
-        metrics = {"objective/kl": kl.mean(), "objective/entropy": -sums.detach().mean(),
-                   "objective/non_score_reward": (-beta * kl).mean(),
-                   "objective/rlhf_reward": (scores - beta * kl).mean(),
-                   "beta": beta}
+        metrics = {
+            "objective/kl": kl.mean(),
+            "objective/entropy": -sums.detach().mean(),
+            "objective/non_score_reward": (-beta * kl).mean(),
+            "objective/rlhf_reward": (scores - beta * kl).mean(),
+            "beta": beta,
+        }
         if valid.any():
             margins = (chosen_rewards - rejected_rewards)[valid]
-            metrics.update({"rewards/chosen": chosen_rewards[valid].mean(),
-                            "rewards/rejected": rejected_rewards[valid].mean(),
-                            "rewards/margins": margins.mean(), "rewards/accuracies": (margins > 0).float().mean(),
-                            "logps/chosen": sums[rows, 1 - first][valid].detach().mean(),
-                            "logps/rejected": sums[rows, first][valid].detach().mean()})
+            metrics.update(
+                {
+                    "rewards/chosen": chosen_rewards[valid].mean(),
+                    "rewards/rejected": rejected_rewards[valid].mean(),
+                    "rewards/margins": margins.mean(),
+                    "rewards/accuracies": (margins > 0).float().mean(),
+                    "logps/chosen": sums[rows, 1 - first][valid].detach().mean(),
+                    "logps/rejected": sums[rows, first][valid].detach().mean(),
+                }
+            )
         return losses, metrics

@@ -36,9 +36,11 @@ def import_openreward():
     try:
         import openreward
     except ImportError:
-        raise ConfigError("OpenRewardSpec talks to an OpenReward (ORS) environment server through the `openreward` "
-                          "SDK, which is not installed here. Install it with `pip install openreward` (and set "
-                          "OPENREWARD_API_KEY for openreward.ai catalog environments).") from None
+        raise ConfigError(
+            "OpenRewardSpec talks to an OpenReward (ORS) environment server through the `openreward` "
+            "SDK, which is not installed here. Install it with `pip install openreward` (and set "
+            "OPENREWARD_API_KEY for openreward.ai catalog environments)."
+        ) from None
     return openreward
 
 
@@ -78,8 +80,11 @@ def tool_method(spec: Any) -> Callable | None:
     for pname in ordered:
         annotations[pname] = _param_type(properties[pname])
         default = inspect.Parameter.empty if pname in required else properties[pname].get("default")
-        parameters.append(inspect.Parameter(pname, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
-                                            annotation=annotations[pname]))
+        parameters.append(
+            inspect.Parameter(
+                pname, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotations[pname]
+            )
+        )
         text = properties[pname].get("description") or properties[pname].get("title") or pname
         documented.append(f"    {pname}: {' '.join(str(text).split())}")
     signature = inspect.Signature(parameters, return_annotation=str)
@@ -132,8 +137,7 @@ class OpenRewardEnvironment:
             from openreward.api.environments.client import Task
 
             env = self._environment
-            task = Task(server_name=env.server, environment_name=env.name, task_spec=task_spec,
-                        namespace=env.namespace)
+            task = Task(server_name=env.server, environment_name=env.name, task_spec=task_spec, namespace=env.namespace)
             context = env.session(task=task, secrets=self._secrets)
         else:
             context = self._environment.session(split=self._split, index=int(task_index), secrets=self._secrets)
@@ -195,10 +199,20 @@ class OpenRewardSpec:
     too, keeping the first schema of each name; the shared tools only when off or when every probe fails.
     """
 
-    def __init__(self, target: str, *, num_tasks: int | None = None, split: str = "train",
-                 indices: list[int] | None = None, api_key: str | None = None, secrets: dict[str, str] | None = None,
-                 env_name: str | None = None, include_metadata: bool = True, discover_task_tools: bool = True,
-                 task_tools_discovery_index: int | None = None):
+    def __init__(
+        self,
+        target: str,
+        *,
+        num_tasks: int | None = None,
+        split: str = "train",
+        indices: list[int] | None = None,
+        api_key: str | None = None,
+        secrets: dict[str, str] | None = None,
+        env_name: str | None = None,
+        include_metadata: bool = True,
+        discover_task_tools: bool = True,
+        task_tools_discovery_index: int | None = None,
+    ):
         if num_tasks is not None and indices is not None:
             raise ConfigError("OpenRewardSpec takes num_tasks (the first n tasks) or indices (chosen tasks), not both.")
         self.target, self.is_url = target, "://" in target
@@ -235,8 +249,11 @@ class OpenRewardSpec:
 
         env = self.environment
         if self.indices is not None or self.num_tasks is not None:
-            indices = list(self.indices) if self.indices is not None else \
-                list(range(min(self.num_tasks, env.num_tasks(self.split))))
+            indices = (
+                list(self.indices)
+                if self.indices is not None
+                else list(range(min(self.num_tasks, env.num_tasks(self.split))))
+            )
             specs = [env.get_task(self.split, i) for i in indices]
         else:
             try:

@@ -34,26 +34,42 @@ class ReferenceFreeConfig(PosttrainConfig):
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
     max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on each prompt + completion sequence; the end of the completion is "
-                                        "cut (rows whose prompt alone fills it are dropped, with a warning)."})
+        default=1024,
+        metadata={
+            "help": "Bound on each prompt + completion sequence; the end of the completion is "
+            "cut (rows whose prompt alone fills it are dropped, with a warning)."
+        },
+    )
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many tokens of each completion."})
+        default=None, metadata={"help": "Keep at most the first this-many tokens of each completion."}
+    )
     beta: float = field(default=0.1, metadata={"help": "Weight of the preference term."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
     generate_during_eval: bool = field(
-        default=False, metadata={"help": "At each evaluation, sample completions for a random batch of eval prompts "
-                                         "and log them (output_dir/game_log.jsonl, and a W&B table with wandb)."})
+        default=False,
+        metadata={
+            "help": "At each evaluation, sample completions for a random batch of eval prompts "
+            "and log them (output_dir/game_log.jsonl, and a W&B table with wandb)."
+        },
+    )
     is_encoder_decoder: bool | None = field(
-        default=None, metadata={"help": "Whether the model is an encoder-decoder (posttrain trains decoder-only "
-                                        "causal LMs: leave None or False)."})
+        default=None,
+        metadata={
+            "help": "Whether the model is an encoder-decoder (posttrain trains decoder-only "
+            "causal LMs: leave None or False)."
+        },
+    )
     padding_free: bool = field(
-        default=False, metadata={"help": "posttrain extra: concatenate each batch's 2B sequences into one row "
-                                         "without padding."})
+        default=False,
+        metadata={"help": "posttrain extra: concatenate each batch's 2B sequences into one row without padding."},
+    )
 
     def __post_init__(self):
         if self.is_encoder_decoder:
-            raise ConfigError("is_encoder_decoder=True: posttrain trains decoder-only causal language models, not "
-                              "encoder-decoders; use a causal LM and leave is_encoder_decoder unset.")
+            raise ConfigError(
+                "is_encoder_decoder=True: posttrain trains decoder-only causal language models, not "
+                "encoder-decoders; use a causal LM and leave is_encoder_decoder unset."
+            )
         for name in ("max_length", "max_completion_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
@@ -63,14 +79,18 @@ class ReferenceFreeConfig(PosttrainConfig):
 @dataclass
 class ORPOConfig(ReferenceFreeConfig):
     beta: float = field(
-        default=0.1, metadata={"help": "Weight of the odds-ratio term against the NLL term (the paper's lambda)."})
+        default=0.1, metadata={"help": "Weight of the odds-ratio term against the NLL term (the paper's lambda)."}
+    )
     padding_value: int | None = field(
-        default=None, metadata={"help": "Token id padding input_ids (default: the tokenizer's pad token)."})
+        default=None, metadata={"help": "Token id padding input_ids (default: the tokenizer's pad token)."}
+    )
 
     def __post_init__(self):
         if self.beta < 0:
-            raise ConfigError(f"beta={self.beta} must be at least 0 (it weights the odds-ratio term; 0 is plain SFT "
-                              "on the chosen completions).")
+            raise ConfigError(
+                f"beta={self.beta} must be at least 0 (it weights the odds-ratio term; 0 is plain SFT "
+                "on the chosen completions)."
+            )
         super().__post_init__()
 
 
@@ -81,14 +101,29 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
     rewards and extra metrics. The losses are summed and divided by the number of pairs in the whole effective batch.
     """
 
-    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),
-                 preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None,
-                 quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         if model is None:
             if model_init is None:
-                raise ConfigError(f"{type(self).__name__} needs a model: pass model=... (a model, name or path) or "
-                                  "model_init=<a function returning one>.")
+                raise ConfigError(
+                    f"{type(self).__name__} needs a model: pass model=... (a model, name or path) or "
+                    "model_init=<a function returning one>."
+                )
             model = model_init()
         elif model_init is not None:
             raise ConfigError("Pass either model or model_init, not both (model_init would replace the model).")
@@ -96,14 +131,28 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
             raise ConfigError(f"{type(self).__name__} needs a train_dataset (prompt, chosen, rejected).")
         config = getattr(model, "config", None)
         if getattr(config, "is_encoder_decoder", False):
-            raise ConfigError(f"{type(config).__name__} is an encoder-decoder model; posttrain's "
-                              f"{type(self).__name__} trains decoder-only causal LMs.")
+            raise ConfigError(
+                f"{type(config).__name__} is an encoder-decoder model; posttrain's "
+                f"{type(self).__name__} trains decoder-only causal LMs."
+            )
         processing_class = load_processing_class(model, processing_class, args)
         self._total_train_tokens = 0
         self._last_logits = (0.0, 0.0)
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **kwargs,
+        )
         # As TRL: the aux loss joins when the model config asks for router logits, at the config's coefficient.
         config = self.accelerator.unwrap_model(self.model).config.get_text_config()
         self.aux_loss_enabled = bool(getattr(config, "output_router_logits", False))
@@ -112,15 +161,24 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
     # -- data ------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args, name: str):
         return prepare_preference_dataset(
-            dataset, tokenizer, trainer=type(self).__name__, name=name,
-            max_completion_length=args.max_completion_length, max_length=args.max_length,
-            truncation_mode="keep_start", num_proc=args.dataset_num_proc,
+            dataset,
+            tokenizer,
+            trainer=type(self).__name__,
+            name=name,
+            max_completion_length=args.max_completion_length,
+            max_length=args.max_length,
+            truncation_mode="keep_start",
+            num_proc=args.dataset_num_proc,
         )
 
     def default_collator(self, tokenizer, args):
         pad = getattr(args, "padding_value", None)
-        return PreferenceCollator(tokenizer.pad_token_id if pad is None else pad, padding_free=args.padding_free,
-                                  max_length=args.max_length, truncation_mode="keep_start")
+        return PreferenceCollator(
+            tokenizer.pad_token_id if pad is None else pad,
+            padding_free=args.padding_free,
+            max_length=args.max_length,
+            truncation_mode="keep_start",
+        )
 
     def count_loss_items(self, batch):
         return (int(sequence_index(batch).max()) + 1) // 2
@@ -165,8 +223,9 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
         for name, part in parts.items():
             metrics[f"logps/{name}"] = scores[part].mean()
         if not self.model.training:  # what prediction_step hands compute_metrics
-            self._last_logits = tuple((policy.stats["logits"][part].sum() / counts[part].sum().clamp(min=1)).item()
-                                      for part in parts.values())
+            self._last_logits = tuple(
+                (policy.stats["logits"][part].sum() / counts[part].sum().clamp(min=1)).item() for part in parts.values()
+            )
         self.record_metrics({**metrics, **extra})
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -176,8 +235,9 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
             return loss, None, None
         if ignore_keys is None:
             ignore_keys = getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", []) or []
-        values = [v for k, v in zip(("eval_logits/chosen", "eval_logits/rejected"), self._last_logits)
-                  if k not in ignore_keys]
+        values = [
+            v for k, v in zip(("eval_logits/chosen", "eval_logits/rejected"), self._last_logits) if k not in ignore_keys
+        ]
         logits = torch.tensor(values, device=self.accelerator.device)
         return loss, logits, torch.zeros(logits.shape[0], device=self.accelerator.device)
 
@@ -191,8 +251,9 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
         super().load_checkpoint_state(state)
 
     # -- generate_during_eval --------------------------------------------------------------------
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         if self.args.generate_during_eval:
             self._log_game(dataloader.dataset)
         return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
@@ -208,16 +269,24 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
         was_training = model.training
         model.eval()
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
-                           device=self.accelerator.device)
+        ids = torch.tensor(
+            [[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=self.accelerator.device
+        )
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ids.device)
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, max_length=max(self.args.max_length or 512,
-                                 width + 1), do_sample=True, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_length=max(self.args.max_length or 512, width + 1),
+                do_sample=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         finally:
             model.train(was_training)
-        table = [[tokenizer.decode(p, skip_special_tokens=True),
-                  tokenizer.decode(o[width:], skip_special_tokens=True)] for p, o in zip(prompts, out.tolist())]
+        table = [
+            [tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(o[width:], skip_special_tokens=True)]
+            for p, o in zip(prompts, out.tolist())
+        ]
         if not self.accelerator.is_main_process:
             return
         os.makedirs(self.args.output_dir, exist_ok=True)
@@ -238,25 +307,56 @@ class ORPOTrainer(ReferenceFreeTrainer):
     Loss per pair: NLL of the chosen micro-batch's prompt + completion tokens (token mean, as TRL) minus
     beta * log sigmoid(log odds ratio) of the per-token average completion log-probs.
     """
+
     _name = "ORPO"
 
-    def __init__(self, model=None, args: ORPOConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, model_init=None, callbacks=None, optimizers=(None, None),
-                 preprocess_logits_for_metrics=None, peft_config=None, compute_metrics=None,
-                 quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: ORPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or ORPOConfig(output_dir="outputs/orpo")
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, model_init,
-                         callbacks, optimizers, preprocess_logits_for_metrics, peft_config, compute_metrics,
-                         quantization_config, **kwargs)
+        super().__init__(
+            model,
+            args,
+            data_collator,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            model_init,
+            callbacks,
+            optimizers,
+            preprocess_logits_for_metrics,
+            peft_config,
+            compute_metrics,
+            quantization_config,
+            **kwargs,
+        )
 
     def pair_losses(self, policy, logits, inputs):
         half = policy.logps.shape[0] // 2
         average = self.sequence_scores(policy)
         odds_losses, chosen_rewards, rejected_rewards, log_sigmoid_odds, log_odds = orpo_loss(
-            average[:half], average[half:], beta=self.args.beta)
+            average[:half], average[half:], beta=self.args.beta
+        )
         nll = full_sequence_nll(logits, inputs, half)
-        extra = {"nll_loss": nll.detach(), "log_odds_ratio": log_sigmoid_odds.mean(),
-                 "log_odds_chosen": log_odds.mean()}
+        extra = {
+            "nll_loss": nll.detach(),
+            "log_odds_ratio": log_sigmoid_odds.mean(),
+            "log_odds_chosen": log_odds.mean(),
+        }
         return odds_losses + nll, chosen_rewards, rejected_rewards, extra
 
 

@@ -29,18 +29,22 @@ _TOKENIZED = Features({"input_ids": Sequence(Value("int64")), "labels": Sequence
 class PRMConfig(PosttrainConfig):
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
     max_length: int | None = field(
-        default=1024, metadata={"help": "Cut prompt + steps to this many tokens (None: no limit)."})
+        default=1024, metadata={"help": "Cut prompt + steps to this many tokens (None: no limit)."}
+    )
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep the last this many prompt tokens (a BOS token is kept in front; "
-                                       "None: no limit)."})
+        default=512,
+        metadata={"help": "Keep the last this many prompt tokens (a BOS token is kept in front; None: no limit)."},
+    )
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Cut the steps (all of them together) to this many tokens (None: no limit)."})
+        default=None, metadata={"help": "Cut the steps (all of them together) to this many tokens (None: no limit)."}
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
     step_separator: str = field(
-        default="\n", metadata={"help": "Text appended to every step; a step's label sits on its last token."})
+        default="\n", metadata={"help": "Text appended to every step; a step's label sits on its last token."}
+    )
     train_on_last_step_only: bool = field(
-        default=False, metadata={"help": "Train on the last step's label only (evaluation still scores every "
-                                         "step)."})
+        default=False, metadata={"help": "Train on the last step's label only (evaluation still scores every step)."}
+    )
 
     def __post_init__(self):
         for name in ("max_length", "max_prompt_length", "max_completion_length"):
@@ -51,25 +55,37 @@ class PRMConfig(PosttrainConfig):
         super().__post_init__()
 
 
-def tokenize_steps(example: dict, tokenizer, step_separator: str, max_length: int | None = None,
-                   max_prompt_length: int | None = None, max_completion_length: int | None = None,
-                   train_on_last_step_only: bool = False, is_eval: bool = False, row: int = 0) -> dict:
+def tokenize_steps(
+    example: dict,
+    tokenizer,
+    step_separator: str,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    max_completion_length: int | None = None,
+    train_on_last_step_only: bool = False,
+    is_eval: bool = False,
+    row: int = 0,
+) -> dict:
     """{"input_ids", "labels"} of one stepwise-supervision row (see the module docstring)."""
     prompt, steps, labels = example.get("prompt"), example.get("completions"), example.get("labels")
     if not isinstance(prompt, str):
         kind = "a list of messages" if is_message_list(prompt) else type(prompt).__name__
-        raise DataError(f"Row {row}, column 'prompt': expected the prompt text (a string), got {kind}. Render "
-                        "conversational prompts to text first (e.g. tokenizer.apply_chat_template(..., "
-                        "tokenize=False)).")
+        raise DataError(
+            f"Row {row}, column 'prompt': expected the prompt text (a string), got {kind}. Render "
+            "conversational prompts to text first (e.g. tokenizer.apply_chat_template(..., "
+            "tokenize=False))."
+        )
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps) or not steps:
-        raise DataError(f"Row {row}, column 'completions': expected a non-empty list of step strings, got "
-                        f"{steps!r:.80}.")
+        raise DataError(
+            f"Row {row}, column 'completions': expected a non-empty list of step strings, got {steps!r:.80}."
+        )
     if not isinstance(labels, list) or len(labels) != len(steps):
         raise DataError(f"Row {row}: {len(steps)} steps but labels {labels!r:.80}; give one label (bool) per step.")
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if max_prompt_length is not None:
-        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:] if len(prompt_ids) > max_prompt_length \
-            else prompt_ids
+        prompt_ids = (
+            prompt_ids[len(prompt_ids) - max_prompt_length :] if len(prompt_ids) > max_prompt_length else prompt_ids
+        )
     if tokenizer.bos_token_id is not None:
         prompt_ids = [tokenizer.bos_token_id] + prompt_ids
     separator = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
@@ -91,11 +107,14 @@ def _load_token_classifier(model: str | PreTrainedModel, model_init_kwargs: dict
     """A two-class token classifier; a causal LM checkpoint gets a new classification head."""
     if isinstance(model, PreTrainedModel):
         if not type(model).__name__.endswith("ForTokenClassification"):
-            raise ConfigError(f"A {type(model).__name__} is not a token classifier; pass an "
-                              "AutoModelForTokenClassification (num_labels=2), or the checkpoint's name or path.")
+            raise ConfigError(
+                f"A {type(model).__name__} is not a token classifier; pass an "
+                "AutoModelForTokenClassification (num_labels=2), or the checkpoint's name or path."
+            )
         return model
-    return AutoModelForTokenClassification.from_pretrained(resolve_model_path(model), num_labels=2,
-                                                           **_init_kwargs(model_init_kwargs))
+    return AutoModelForTokenClassification.from_pretrained(
+        resolve_model_path(model), num_labels=2, **_init_kwargs(model_init_kwargs)
+    )
 
 
 class PRMTrainer(BaseTrainer):
@@ -106,41 +125,83 @@ class PRMTrainer(BaseTrainer):
     or path (loaded with a new two-class head). Logged: loss and accuracy (of the step labels, train and eval,
     TRL's eval key), num_steps (labelled steps so far).
     """
+
     _name = "PRM"
     load_model = staticmethod(_load_token_classifier)
 
-    def __init__(self, model=None, args: PRMConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, model_init=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None, peft_config=None, *,
-                 quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: PRMConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        *,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or PRMConfig(output_dir="outputs/prm")
         if model_init is not None:
-            raise ConfigError("model_init (transformers' hyperparameter search) is not supported by posttrain's "
-                              "PRMTrainer: pass the model itself as `model` and drop model_init.")
+            raise ConfigError(
+                "model_init (transformers' hyperparameter search) is not supported by posttrain's "
+                "PRMTrainer: pass the model itself as `model` and drop model_init."
+            )
         if model is None:
             raise ConfigError("PRMTrainer needs `model`: a token classifier or a checkpoint name or path.")
         if train_dataset is None:
-            raise ConfigError("PRMTrainer needs a train_dataset of stepwise supervision rows (prompt, completions, "
-                              "labels).")
+            raise ConfigError(
+                "PRMTrainer needs a train_dataset of stepwise supervision rows (prompt, completions, labels)."
+            )
         self._steps_seen = 0
-        super().__init__(_load_token_classifier(model) if not isinstance(model, str) else model, args,
-                         train_dataset, eval_dataset, processing_class, peft_config, data_collator, callbacks,
-                         optimizers, quantization_config, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs)
+        super().__init__(
+            _load_token_classifier(model) if not isinstance(model, str) else model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **kwargs,
+        )
 
     def prepare_dataset(self, dataset, tokenizer, args: PRMConfig, name: str):
         if "input_ids" in dataset.column_names:
             return dataset
         missing = [c for c in ("prompt", "completions", "labels") if c not in dataset.column_names]
         if missing:
-            raise DataError(f"{name} lacks the column(s) {missing}: PRMTrainer reads stepwise supervision rows "
-                            "{'prompt': str, 'completions': [step, ...], 'labels': [bool, ...]}.")
-        settings = dict(tokenizer=tokenizer, step_separator=args.step_separator, max_length=args.max_length,
-                        max_prompt_length=args.max_prompt_length, max_completion_length=args.max_completion_length,
-                        train_on_last_step_only=args.train_on_last_step_only, is_eval=name != "train_dataset")
-        return dataset.map(lambda example, row: tokenize_steps(example, row=row, **settings), with_indices=True,
-                           remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
-                           desc=f"Tokenizing {name}", features=_TOKENIZED)  # else labels stay typed as bools
+            raise DataError(
+                f"{name} lacks the column(s) {missing}: PRMTrainer reads stepwise supervision rows "
+                "{'prompt': str, 'completions': [step, ...], 'labels': [bool, ...]}."
+            )
+        settings = dict(
+            tokenizer=tokenizer,
+            step_separator=args.step_separator,
+            max_length=args.max_length,
+            max_prompt_length=args.max_prompt_length,
+            max_completion_length=args.max_completion_length,
+            train_on_last_step_only=args.train_on_last_step_only,
+            is_eval=name != "train_dataset",
+        )
+        return dataset.map(
+            lambda example, row: tokenize_steps(example, row=row, **settings),
+            with_indices=True,
+            remove_columns=dataset.column_names,
+            num_proc=args.dataset_num_proc,
+            desc=f"Tokenizing {name}",
+            features=_TOKENIZED,
+        )  # else labels stay typed as bools
 
     def default_collator(self, tokenizer, args):
         return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
@@ -191,8 +252,15 @@ def _text(value) -> str:
     raise DataError(f"prm_reward_func scores text or conversations; got a {type(value).__name__}.")
 
 
-def prm_reward_func(model, tokenizer=None, step_separator: str = "\n", aggregate: str = "min",
-                    positive_label: int = 1, batch_size: int = 8, max_length: int | None = None):
+def prm_reward_func(
+    model,
+    tokenizer=None,
+    step_separator: str = "\n",
+    aggregate: str = "min",
+    positive_label: int = 1,
+    batch_size: int = 8,
+    max_length: int | None = None,
+):
     """A reward function `f(prompts, completions, **kwargs) -> list[float]` for GRPO/RLOO from a process reward
     model (a token classifier, or its name or path).
 
@@ -222,21 +290,29 @@ def prm_reward_func(model, tokenizer=None, step_separator: str = "\n", aggregate
             if not steps:
                 rows.append(None)
                 continue
-            rows.append(tokenize_steps({"prompt": _text(prompt), "completions": steps, "labels": [1] * len(steps)},
-                                       tokenizer, step_separator, max_length=max_length, is_eval=True))
+            rows.append(
+                tokenize_steps(
+                    {"prompt": _text(prompt), "completions": steps, "labels": [1] * len(steps)},
+                    tokenizer,
+                    step_separator,
+                    max_length=max_length,
+                    is_eval=True,
+                )
+            )
         rewards = [0.0] * len(rows)
         scored = [i for i, r in enumerate(rows) if r is not None]
         device = next(model.parameters()).device
         for start in range(0, len(scored), batch_size):
-            chunk = scored[start:start + batch_size]
+            chunk = scored[start : start + batch_size]
             width = max(len(rows[i]["input_ids"]) for i in chunk)
             ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for j, i in enumerate(chunk):
-                ids[j, :len(rows[i]["input_ids"])] = torch.tensor(rows[i]["input_ids"])
-                mask[j, :len(rows[i]["input_ids"])] = 1
-            probabilities = step_probabilities(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits,
-                                               positive_label).cpu()
+                ids[j, : len(rows[i]["input_ids"])] = torch.tensor(rows[i]["input_ids"])
+                mask[j, : len(rows[i]["input_ids"])] = 1
+            probabilities = step_probabilities(
+                model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits, positive_label
+            ).cpu()
             for j, i in enumerate(chunk):
                 ends = [t for t, label in enumerate(rows[i]["labels"]) if label != IGNORE_INDEX]
                 rewards[i] = aggregate_steps(probabilities[j, ends].tolist(), aggregate)

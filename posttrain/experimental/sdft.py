@@ -32,23 +32,26 @@ from ..losses.sft import IGNORE_INDEX, shift_for_next_token
 from ..trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
 
 TEACHER_KINDS = ("base", "live", "ema")
-_NOT_SELF_DISTILLATION = ("DistillationTrainer's {} (teacher/student mixing of GKD) does not apply to "
-                          "self-distillation, whose objective is set by distillation_mode / distillation_alpha.")
+_NOT_SELF_DISTILLATION = (
+    "DistillationTrainer's {} (teacher/student mixing of GKD) does not apply to "
+    "self-distillation, whose objective is set by distillation_mode / distillation_alpha."
+)
 
 
 @dataclass
 class SelfDistillationConfig(DistillationConfig):
     """The settings SDFT and SDPO share (TRL's names); each method's config sets TRL's defaults."""
+
     unsupported_options: ClassVar[dict[str, str]] = {
         **DistillationConfig.unsupported_options,
         "use_teacher_server": "teacher log-probs from a vLLM server need vLLM (use_vllm), which posttrain does not "
-                              "wire for self-distillation; the teacher is scored locally.",
+        "wire for self-distillation; the teacher is scored locally.",
         "num_iterations": "posttrain samples fresh completions for every micro-batch and updates on them once "
-                          "(TRL's default); re-using a generation batch for several updates is not implemented.",
+        "(TRL's default); re-using a generation batch for several updates is not implemented.",
         "steps_per_generation": "completions are sampled per optimizer step (TRL's default, steps_per_generation = "
-                                "gradient_accumulation_steps); leave it None.",
+        "gradient_accumulation_steps); leave it None.",
         "generation_batch_size": "completions are sampled per optimizer step (TRL's default, per_device_train_"
-                                 "batch_size * processes * gradient_accumulation_steps); leave it None.",
+        "batch_size * processes * gradient_accumulation_steps); leave it None.",
         "teacher_model_name_or_path": "the teacher is the student itself (teacher_model_kind); drop it.",
         "lmbda": _NOT_SELF_DISTILLATION.format("lmbda"),
         "alpha": _NOT_SELF_DISTILLATION.format("alpha"),
@@ -57,41 +60,65 @@ class SelfDistillationConfig(DistillationConfig):
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in student and teacher."})
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."})
+        default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."}
+    )
     max_completion_length: int | None = field(
-        default=256, metadata={"help": "Most tokens the student samples per completion."})
+        default=256, metadata={"help": "Most tokens the student samples per completion."}
+    )
     num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (consecutive rows of a batch)."})
+        default=8, metadata={"help": "Completions sampled per prompt (consecutive rows of a batch)."}
+    )
     num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt in evaluation (None: num_generations)."})
+        default=None, metadata={"help": "Completions per prompt in evaluation (None: num_generations)."}
+    )
     generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions per generation round (only the default is supported)."})
+        default=None, metadata={"help": "Completions per generation round (only the default is supported)."}
+    )
     steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Steps per generation round (only the default is supported)."})
+        default=None, metadata={"help": "Steps per generation round (only the default is supported)."}
+    )
     num_iterations: int = field(default=1, metadata={"help": "Updates per generation batch (only 1)."})
     use_teacher_server: bool = field(
-        default=False, metadata={"help": "Teacher log-probs from the vLLM server (not supported)."})
+        default=False, metadata={"help": "Teacher log-probs from the vLLM server (not supported)."}
+    )
     teacher_model_kind: str = field(
-        default="base", metadata={"help": "The teacher: 'base' (the initial student, frozen), 'live' (the current "
-                                          "student) or 'ema' (an exponential moving average of the student)."})
+        default="base",
+        metadata={
+            "help": "The teacher: 'base' (the initial student, frozen), 'live' (the current "
+            "student) or 'ema' (an exponential moving average of the student)."
+        },
+    )
     teacher_update_rate: float = field(
-        default=0.05, metadata={"help": "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy)."})
-    teacher_sync_steps: int = field(
-        default=1, metadata={"help": "EMA teacher: optimizer steps between updates."})
+        default=0.05, metadata={"help": "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy)."}
+    )
+    teacher_sync_steps: int = field(default=1, metadata={"help": "EMA teacher: optimizer steps between updates."})
     distillation_alpha: float = field(
-        default=0.5, metadata={"help": "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the "
-                                       "generalized JSD."})
+        default=0.5,
+        metadata={"help": "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the generalized JSD."},
+    )
     distillation_mode: str = field(
-        default="topk_logits", metadata={"help": "'topk_logits' (the student's top-k tokens), 'full_logits' (the "
-                                                 "whole vocabulary) or 'sampled_token' (reverse KL on the sample)."})
+        default="topk_logits",
+        metadata={
+            "help": "'topk_logits' (the student's top-k tokens), 'full_logits' (the "
+            "whole vocabulary) or 'sampled_token' (reverse KL on the sample)."
+        },
+    )
     distillation_topk: int | None = field(
-        default=100, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."})
+        default=100, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."}
+    )
     distillation_is_clip: float | None = field(
-        default=2.0, metadata={"help": "Importance-weight clip for re-used rollouts; with fresh rollouts per step "
-                                       "(the only mode here, and TRL's default) TRL applies no weight either."})
+        default=2.0,
+        metadata={
+            "help": "Importance-weight clip for re-used rollouts; with fresh rollouts per step "
+            "(the only mode here, and TRL's default) TRL applies no weight either."
+        },
+    )
     distillation_add_tail: bool = field(
-        default=False, metadata={"help": "topk_logits: add the mass outside the top k as one more element "
-                                         "(else renormalise over the top k)."})
+        default=False,
+        metadata={
+            "help": "topk_logits: add the mass outside the top k as one more element (else renormalise over the top k)."
+        },
+    )
 
     def __post_init__(self):
         if self.teacher_model_kind not in TEACHER_KINDS:
@@ -105,18 +132,23 @@ class SelfDistillationConfig(DistillationConfig):
         if not 0 <= self.distillation_alpha <= 1:
             raise ConfigError(f"distillation_alpha={self.distillation_alpha} must lie in [0, 1].")
         if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
-            raise ConfigError("distillation_mode='sampled_token' estimates reverse KL only: set distillation_alpha="
-                              f"1.0 (got {self.distillation_alpha}) or use 'full_logits' / 'topk_logits'.")
+            raise ConfigError(
+                "distillation_mode='sampled_token' estimates reverse KL only: set distillation_alpha="
+                f"1.0 (got {self.distillation_alpha}) or use 'full_logits' / 'topk_logits'."
+            )
         if self.distillation_mode == "topk_logits" and (self.distillation_topk is None or self.distillation_topk < 1):
-            raise ConfigError(f"distillation_mode='topk_logits' needs distillation_topk >= 1 (got "
-                              f"{self.distillation_topk}).")
+            raise ConfigError(
+                f"distillation_mode='topk_logits' needs distillation_topk >= 1 (got {self.distillation_topk})."
+            )
         if self.num_generations < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
             raise ConfigError("num_generations and num_generations_eval must be at least 1.")
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if local % self.num_generations:
-            raise ConfigError(f"per_device_train_batch_size * gradient_accumulation_steps ({local}) must be a multiple "
-                              f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
-                              "in one optimizer step.")
+            raise ConfigError(
+                f"per_device_train_batch_size * gradient_accumulation_steps ({local}) must be a multiple "
+                f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
+                "in one optimizer step."
+            )
         if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
             self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
         super().__post_init__()
@@ -125,20 +157,31 @@ class SelfDistillationConfig(DistillationConfig):
 @dataclass
 class SDFTConfig(SelfDistillationConfig):
     """TRL's SDFTConfig fields and defaults; posttrain's distillation and SFT settings around them."""
+
     generate_from_teacher: bool = field(
-        default=False, metadata={"help": "Sample completions from the teacher's prompt (with the student's "
-                                         "weights) instead of the student's prompt."})
+        default=False,
+        metadata={
+            "help": "Sample completions from the teacher's prompt (with the student's "
+            "weights) instead of the student's prompt."
+        },
+    )
     teacher_prompt_template: str = field(
         default="{prompt}\n\n{privileged_context}",
-        metadata={"help": "How the teacher's prompt joins the prompt (the last user message's text for "
-                          "conversations) and the privileged context; needs both placeholders."})
+        metadata={
+            "help": "How the teacher's prompt joins the prompt (the last user message's text for "
+            "conversations) and the privileged context; needs both placeholders."
+        },
+    )
     num_loss_tokens_to_skip: int = field(
-        default=0, metadata={"help": "Leave the first this many completion tokens out of the loss."})
+        default=0, metadata={"help": "Leave the first this many completion tokens out of the loss."}
+    )
 
     def __post_init__(self):
         if "{prompt}" not in self.teacher_prompt_template or "{privileged_context}" not in self.teacher_prompt_template:
-            raise ConfigError(f"teacher_prompt_template={self.teacher_prompt_template!r} needs both {{prompt}} and "
-                              "{privileged_context} placeholders.")
+            raise ConfigError(
+                f"teacher_prompt_template={self.teacher_prompt_template!r} needs both {{prompt}} and "
+                "{privileged_context} placeholders."
+            )
         if self.num_loss_tokens_to_skip < 0:
             raise ConfigError(f"num_loss_tokens_to_skip={self.num_loss_tokens_to_skip} must be >= 0.")
         super().__post_init__()
@@ -197,9 +240,11 @@ def with_user_text(prompt: Any, template: str, **values: Any) -> Any:
     if not isinstance(prompt, list):
         return template.format(prompt=prompt, **values)
     if not prompt or prompt[-1].get("role") != "user":
-        raise DataError("Self-distillation builds the teacher's prompt from the last user message, but this prompt "
-                        f"ends with a {prompt[-1].get('role') if prompt else 'missing'!r} message. End prompts with "
-                        "a user turn.")
+        raise DataError(
+            "Self-distillation builds the teacher's prompt from the last user message, but this prompt "
+            f"ends with a {prompt[-1].get('role') if prompt else 'missing'!r} message. End prompts with "
+            "a user turn."
+        )
     text = template.format(prompt=message_text(prompt[-1].get("content", "")), **values)
     return list(prompt[:-1]) + [{"role": "user", "content": text}]
 
@@ -224,33 +269,62 @@ def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: d
 def _tokenize_row(example: dict, row: int, tokenizer, keep: int | None, template_kwargs: dict, offset: int) -> dict:
     full = prompt_ids(example["prompt"], row, tokenizer, None, template_kwargs)
     ids = full[-keep:] if keep else full
-    return {"input_ids": ids, "completion_mask": [0] * len(ids), "sd_row": offset + row,
-            cut_column("max_prompt_length"): len(full) - len(ids)}
+    return {
+        "input_ids": ids,
+        "completion_mask": [0] * len(ids),
+        "sd_row": offset + row,
+        cut_column("max_prompt_length"): len(full) - len(ids),
+    }
 
 
 class SelfDistillationTrainer(DistillationTrainer):
     """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
+
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulation steps itself, as TRL does
 
-    def __init__(self, model, args: SelfDistillationConfig, train_dataset=None, eval_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: SelfDistillationConfig,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        **kwargs,
+    ):
         if train_dataset is None:
             raise ConfigError(f"{type(self).__name__} needs a train_dataset (rows with a 'prompt').")
         from peft import PeftModel  # noqa: PLC0415 (peft is a dependency; imported where it is needed)
 
         if args.teacher_model_kind == "ema" and (peft_config is not None or isinstance(model, PeftModel)):
-            raise ConfigError("teacher_model_kind='ema' with PEFT: TRL averages a separate teacher adapter, which "
-                              "posttrain does not implement. Use teacher_model_kind='base' or 'live', or train "
-                              "without peft_config.")
+            raise ConfigError(
+                "teacher_model_kind='ema' with PEFT: TRL averages a separate teacher adapter, which "
+                "posttrain does not implement. Use teacher_model_kind='base' or 'live', or train "
+                "without peft_config."
+            )
         self._rows: list[dict] = []  # the raw dataset rows; prepared rows point into it (`sd_row`)
-        super().__init__(model, None, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, **kwargs)
+        super().__init__(
+            model,
+            None,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            **kwargs,
+        )
         if args.teacher_model_kind == "live":
             self.teacher_model = None  # the student, scored without gradients
         elif args.teacher_model_kind == "ema":
-            self.add_callback(SyncRefModelCallback(self.teacher_model, alpha=args.teacher_update_rate,
-                                                   sync_steps=args.teacher_sync_steps))
+            self.add_callback(
+                SyncRefModelCallback(
+                    self.teacher_model, alpha=args.teacher_update_rate, sync_steps=args.teacher_sync_steps
+                )
+            )
 
     @staticmethod
     def _resolve_teacher(model, teacher_model, args):
@@ -269,18 +343,30 @@ class SelfDistillationTrainer(DistillationTrainer):
         """Rows with a 'prompt' (text or messages): the tokenized prompt, and the row's place in `_rows` (the other
         columns are read from there when the teacher's prompt is built and rewards are scored)."""
         if "prompt" not in dataset.column_names:
-            raise DataError(f"{name} has no 'prompt' column (columns: {dataset.column_names}); "
-                            f"{type(self).__name__} samples completions for prompts.")
+            raise DataError(
+                f"{name} has no 'prompt' column (columns: {dataset.column_names}); "
+                f"{type(self).__name__} samples completions for prompts."
+            )
         if len(dataset) and is_message_list(dataset[0]["prompt"]):
             require_chat_template(tokenizer_of(tokenizer), "conversational prompts")
         offset = len(self._rows)
         self._rows.extend(dataset.to_list())
         report = DataReport.of(self).start(name, len(dataset))  # prompts cut to max_prompt_length
-        return report.take_cuts(dataset.map(
-            _tokenize_row, with_indices=True, remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
-            desc=f"Tokenizing the prompts of {name}", fn_kwargs=dict(
-                tokenizer=tokenizer_of(tokenizer), keep=args.max_prompt_length,
-                template_kwargs=args.chat_template_kwargs or {}, offset=offset)))
+        return report.take_cuts(
+            dataset.map(
+                _tokenize_row,
+                with_indices=True,
+                remove_columns=dataset.column_names,
+                num_proc=args.dataset_num_proc,
+                desc=f"Tokenizing the prompts of {name}",
+                fn_kwargs=dict(
+                    tokenizer=tokenizer_of(tokenizer),
+                    keep=args.max_prompt_length,
+                    template_kwargs=args.chat_template_kwargs or {},
+                    offset=offset,
+                ),
+            )
+        )
 
     def _prompt_ids(self, prompt, row: int, keep: int | None) -> list[int]:
         """A teacher or generation prompt's ids, made as the student's are."""
@@ -294,8 +380,9 @@ class SelfDistillationTrainer(DistillationTrainer):
         return _RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
 
     def _get_eval_sampler(self, eval_dataset):
-        return _RepeatedSampler(SequentialSampler(eval_dataset),
-                                self.args.num_generations_eval or self.args.num_generations)
+        return _RepeatedSampler(
+            SequentialSampler(eval_dataset), self.args.num_generations_eval or self.args.num_generations
+        )
 
     # -- rollouts and the teacher's inputs ---------------------------------------------------------------------
     def _generation_prompts(self, rows: list[dict]) -> list[list[int]] | None:
@@ -316,8 +403,9 @@ class SelfDistillationTrainer(DistillationTrainer):
         self._attach_teacher_inputs(batches, "train")
         return batches, count
 
-    def _teacher_prompts(self, rows: list[dict], prompts: list[list[int]], completions: list[list[int]],
-                         mode: str) -> tuple[list[list[int]], list[bool]]:
+    def _teacher_prompts(
+        self, rows: list[dict], prompts: list[list[int]], completions: list[list[int]], mode: str
+    ) -> tuple[list[list[int]], list[bool]]:
         """Hook: each rollout's teacher prompt ids and whether the rollout is distilled (all rollouts of the
         optimizer step in order; `prompts` / `completions` are the student's ids)."""
         raise NotImplementedError
@@ -336,8 +424,10 @@ class SelfDistillationTrainer(DistillationTrainer):
         for b, batch in enumerate(batches):
             mine = [(i, p) for i, p in enumerate(parts) if p[0] == b]
             ids = [teacher_prompts[i] + p[3] for i, p in mine]
-            labels = [[IGNORE_INDEX] * len(teacher_prompts[i]) + [IGNORE_INDEX] * min(skip, len(p[3]))
-                      + p[3][skip:] for i, p in mine]
+            labels = [
+                [IGNORE_INDEX] * len(teacher_prompts[i]) + [IGNORE_INDEX] * min(skip, len(p[3])) + p[3][skip:]
+                for i, p in mine
+            ]
             device = batch["input_ids"].device
             pad_id = self._own_collator.pad_token_id
             batch["teacher_input_ids"] = pad(ids, pad_id).to(device)
@@ -367,17 +457,22 @@ class SelfDistillationTrainer(DistillationTrainer):
         slots = torch.arange(width, device=mask.device)[None, :] < lengths[:, None]
         tokens = torch.zeros(slots.shape, dtype=torch.long, device=mask.device).masked_scatter(slots, targets[mask])
         student_logits = student.new_zeros(*slots.shape, student.shape[-1]).masked_scatter(
-            slots[..., None], student[mask])
+            slots[..., None], student[mask]
+        )
         teacher_logits = None
         if self._needs_teacher():
             teacher_model = self.teacher_model if self.teacher_model is not None else model
             with torch.no_grad():
-                teacher = teacher_model(input_ids=inputs["teacher_input_ids"],
-                                        attention_mask=inputs["teacher_attention_mask"], use_cache=False).logits
+                teacher = teacher_model(
+                    input_ids=inputs["teacher_input_ids"],
+                    attention_mask=inputs["teacher_attention_mask"],
+                    use_cache=False,
+                ).logits
                 teacher_mask = shift_for_next_token(inputs["teacher_labels"]) != IGNORE_INDEX
                 teacher = teacher[..., : student.shape[-1]]
                 teacher_logits = teacher.new_zeros(*slots.shape, teacher.shape[-1]).masked_scatter(
-                    slots[..., None], teacher[teacher_mask])
+                    slots[..., None], teacher[teacher_mask]
+                )
         loss = self._objective(student_logits, teacher_logits, tokens, slots, inputs, mode)
         if model.training:
             self._count_tokens(mask, inputs["attention_mask"])
@@ -399,12 +494,20 @@ class SelfDistillationTrainer(DistillationTrainer):
         """TRL's aggregation: per-token losses averaged over each distilled completion, then over all rows."""
         args = self.args
         per_token = self_distillation_token_losses(
-            student_logits, teacher_logits, tokens, args.distillation_mode, args.distillation_alpha,
-            args.distillation_topk, args.distillation_add_tail, self.loss_temperature())
+            student_logits,
+            teacher_logits,
+            tokens,
+            args.distillation_mode,
+            args.distillation_alpha,
+            args.distillation_topk,
+            args.distillation_add_tail,
+            self.loss_temperature(),
+        )
         loss_mask = slots & (inputs["sd_mask"][:, None] > 0)
         value = per_token[loss_mask].detach().float()
-        total = self.accelerator.gather(torch.stack([value.sum(), torch.tensor(float(value.numel()),
-                                                                               device=value.device)])[None]).sum(0)
+        total = self.accelerator.gather(
+            torch.stack([value.sum(), torch.tensor(float(value.numel()), device=value.device)])[None]
+        ).sum(0)
         mean = (total[0] / total[1].clamp(min=1)).item()
         metrics = self._metrics[mode]
         metrics["self_distillation/distillation_loss"].append(mean)
@@ -432,17 +535,32 @@ class SDFTTrainer(SelfDistillationTrainer):
     Data: a 'prompt' (text or messages) and a 'privileged_context' per row. Logged: TRL's
     self_distillation/distillation_loss, sdft/distillation_loss and completions/* keys.
     """
+
     _name = "SDFT"
 
-    def __init__(self, model, args: SDFTConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: SDFTConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        **kwargs,
+    ):
         args = args or SDFTConfig(output_dir="outputs/sdft")
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
-                         peft_config, **kwargs)
+        super().__init__(
+            model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers, peft_config, **kwargs
+        )
 
     def _teacher_prompt(self, row: dict, index: int) -> list[int]:
-        prompt = with_user_text(row["prompt"], self.args.teacher_prompt_template,
-                                privileged_context=privileged_text(row.get("privileged_context")))
+        prompt = with_user_text(
+            row["prompt"],
+            self.args.teacher_prompt_template,
+            privileged_context=privileged_text(row.get("privileged_context")),
+        )
         return self._prompt_ids(prompt, index, self.args.max_prompt_length)
 
     def _generation_prompts(self, rows):

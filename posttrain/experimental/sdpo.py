@@ -32,72 +32,103 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 @dataclass
 class SDPOConfig(SelfDistillationConfig):
     """TRL's SDPOConfig fields and defaults; posttrain's distillation and SFT settings around them."""
+
     unsupported_options: ClassVar[dict[str, str]] = {
         **SelfDistillationConfig.unsupported_options,
         "beta": "TRL 1.16's SDPO stores beta but never adds a KL term (no reference model is loaded); posttrain "
-                "refuses a non-zero value rather than ignore it. Keep beta=0.0.",
+        "refuses a non-zero value rather than ignore it. Keep beta=0.0.",
     }
 
     beta: float = field(default=0.0, metadata={"help": "KL coefficient (not applied by SDPO: keep 0.0)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the policy ratio."})
     epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range of the policy ratio (None: epsilon)."})
+        default=None, metadata={"help": "Upper clip range of the policy ratio (None: epsilon)."}
+    )
     importance_sampling_level: str = field(
-        default="token", metadata={"help": "Policy ratio per 'token' or per 'sequence' (GSPO)."})
+        default="token", metadata={"help": "Policy ratio per 'token' or per 'sequence' (GSPO)."}
+    )
     reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (None: all 1.0)."})
+        default=None, metadata={"help": "One weight per reward function (None: all 1.0)."}
+    )
     scale_rewards: str = field(
-        default="group", metadata={"help": "Advantage scaling: 'group' std, 'batch' std or 'none' (True/False: "
-                                           "'group'/'none')."})
+        default="group",
+        metadata={"help": "Advantage scaling: 'group' std, 'batch' std or 'none' (True/False: 'group'/'none')."},
+    )
     loss_type: str = field(
-        default="dapo", metadata={"help": "Policy-loss aggregation: 'grpo' (per completion, then mean), 'bnpo' / "
-                                          "'dapo' (per token of the micro-batch), 'dr_grpo' (by max length)."})
+        default="dapo",
+        metadata={
+            "help": "Policy-loss aggregation: 'grpo' (per completion, then mean), 'bnpo' / "
+            "'dapo' (per token of the micro-batch), 'dr_grpo' (by max length)."
+        },
+    )
     mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."})
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+    )
     distillation_weight: float = field(
-        default=1.0, metadata={"help": "Loss = (1 - w) * policy loss + w * distillation loss; 1.0 distils only."})
+        default=1.0, metadata={"help": "Loss = (1 - w) * policy loss + w * distillation loss; 1.0 distils only."}
+    )
     distillation_alpha: float = field(
-        default=1.0, metadata={"help": "Divergence: 0 forward KL, 1 reverse KL (sampled_token needs 1.0)."})
+        default=1.0, metadata={"help": "Divergence: 0 forward KL, 1 reverse KL (sampled_token needs 1.0)."}
+    )
     distillation_mode: str = field(
-        default="sampled_token", metadata={"help": "'sampled_token' (reverse KL on the sample), 'full_logits' or "
-                                                   "'topk_logits'."})
+        default="sampled_token",
+        metadata={"help": "'sampled_token' (reverse KL on the sample), 'full_logits' or 'topk_logits'."},
+    )
     distillation_topk: int | None = field(
-        default=None, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."})
+        default=None, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."}
+    )
     teacher_model_kind: str = field(
-        default="ema", metadata={"help": "The teacher: 'ema' (moving average of the student), 'base' (the initial "
-                                         "student) or 'live' (the current student)."})
+        default="ema",
+        metadata={
+            "help": "The teacher: 'ema' (moving average of the student), 'base' (the initial "
+            "student) or 'live' (the current student)."
+        },
+    )
     max_reprompt_len: int = field(
-        default=10240, metadata={"help": "Keep at most this many tokens (the last ones) of a teacher prompt."})
+        default=10240, metadata={"help": "Keep at most this many tokens (the last ones) of a teacher prompt."}
+    )
     use_successful_as_teacher: bool = field(
-        default=True, metadata={"help": "Re-ask the teacher with a successful sibling completion as the solution."})
+        default=True, metadata={"help": "Re-ask the teacher with a successful sibling completion as the solution."}
+    )
     success_reward_threshold: float = field(
-        default=1.0, metadata={"help": "A completion with at least this reward is a successful demonstration."})
+        default=1.0, metadata={"help": "A completion with at least this reward is a successful demonstration."}
+    )
     dont_reprompt_on_self_success: bool = field(
-        default=True, metadata={"help": "Never use a completion as its own demonstration."})
+        default=True, metadata={"help": "Never use a completion as its own demonstration."}
+    )
     reprompt_template: str = field(
         default="{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n",
-        metadata={"help": "The teacher's prompt, from {prompt}, {solution} and {feedback}."})
+        metadata={"help": "The teacher's prompt, from {prompt}, {solution} and {feedback}."},
+    )
     solution_template: str = field(
         default="\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
-        metadata={"help": "How a successful demonstration ({successful_previous_attempt}) is shown."})
+        metadata={"help": "How a successful demonstration ({successful_previous_attempt}) is shown."},
+    )
     feedback_template: str = field(
         default="\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n",
-        metadata={"help": "How environment feedback ({feedback_raw}) is shown."})
+        metadata={"help": "How environment feedback ({feedback_raw}) is shown."},
+    )
     include_environment_feedback: bool = field(
-        default=False, metadata={"help": "Show the row's privileged_context (feedback) to the teacher."})
+        default=False, metadata={"help": "Show the row's privileged_context (feedback) to the teacher."}
+    )
     environment_feedback_only_without_solution: bool = field(
-        default=False, metadata={"help": "Show feedback only when no successful demonstration exists."})
+        default=False, metadata={"help": "Show feedback only when no successful demonstration exists."}
+    )
     remove_thinking_from_demonstration: bool = field(
-        default=False, metadata={"help": "Drop <think>...</think> blocks from demonstrations."})
+        default=False, metadata={"help": "Drop <think>...</think> blocks from demonstrations."}
+    )
     diagnostics_warning_interval: int = field(
-        default=10, metadata={"help": "Warn every this many consecutive steps without any distilled completion "
-                                      "(0: never)."})
+        default=10,
+        metadata={"help": "Warn every this many consecutive steps without any distilled completion (0: never)."},
+    )
     diagnostics_flat_tolerance: float = field(
-        default=1e-8, metadata={"help": "Reward std / reprompt fraction at or below this counts as zero."})
+        default=1e-8, metadata={"help": "Reward std / reprompt fraction at or below this counts as zero."}
+    )
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
-            self.scale_rewards, self.scale_rewards)
+            self.scale_rewards, self.scale_rewards
+        )
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS}.")
         if not 0 <= self.distillation_weight <= 1:
@@ -105,8 +136,9 @@ class SDPOConfig(SelfDistillationConfig):
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
         if self.importance_sampling_level not in ("token", "sequence"):
-            raise ConfigError(f"importance_sampling_level={self.importance_sampling_level!r} is not 'token' or "
-                              "'sequence'.")
+            raise ConfigError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is not 'token' or 'sequence'."
+            )
         if self.max_reprompt_len < 1:
             raise ConfigError(f"max_reprompt_len={self.max_reprompt_len} must be at least 1.")
         if self.epsilon_high is None:
@@ -118,9 +150,11 @@ class SDPOConfig(SelfDistillationConfig):
         finally:
             self.loss_type = policy_loss_type
         if self.world_size > 1 and self.per_device_train_batch_size % self.num_generations:
-            raise ConfigError(f"With {self.world_size} processes each micro-batch must hold whole groups: make "
-                              f"per_device_train_batch_size ({self.per_device_train_batch_size}) a multiple of "
-                              f"num_generations ({self.num_generations}).")
+            raise ConfigError(
+                f"With {self.world_size} processes each micro-batch must hold whole groups: make "
+                f"per_device_train_batch_size ({self.per_device_train_batch_size}) a multiple of "
+                f"num_generations ({self.num_generations})."
+            )
 
 
 class SDPOTrainer(SelfDistillationTrainer):
@@ -128,23 +162,38 @@ class SDPOTrainer(SelfDistillationTrainer):
     order. Data: a 'prompt' per row (+ 'privileged_context' feedback, + the columns the rewards read). Logged: TRL's
     self_distillation/* keys (distillation_loss, policy_loss, reward_*, success/feedback/reprompt fractions),
     sdpo/distillation_loss and completions/*."""
+
     _name = "SDPO"
 
-    def __init__(self, model, reward_funcs=None, args: SDPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: SDPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        **kwargs,
+    ):
         args = args or SDPOConfig(output_dir="outputs/sdpo")
         if reward_funcs is None or reward_funcs == []:
-            raise ConfigError("SDPOTrainer needs reward_funcs: successful completions (reward >= "
-                              "success_reward_threshold) are the teacher's demonstrations.")
+            raise ConfigError(
+                "SDPOTrainer needs reward_funcs: successful completions (reward >= "
+                "success_reward_threshold) are the teacher's demonstrations."
+            )
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         classes = reward_processing_classes
         if classes is not None and not isinstance(classes, list):
             classes = [classes]
         self._scorer = RewardScorer(funcs, args.reward_weights, classes)
         self._flat_steps = 0
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
-                         peft_config, **kwargs)
+        super().__init__(
+            model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers, peft_config, **kwargs
+        )
         self._scorer.to(self.accelerator.device)
 
     # -- teacher prompts from successful siblings ----------------------------------------------------------------
@@ -159,16 +208,23 @@ class SDPOTrainer(SelfDistillationTrainer):
         rewards = torch.nansum(per_func * self._scorer.weights, dim=1)
         advantages = group_advantages(rewards, group, args.scale_rewards) if group > 1 else torch.zeros_like(rewards)
         self._advantages = advantages.tolist()
-        demos = (successful_demonstrations(rewards.tolist(), group, args.success_reward_threshold,
-                                           args.dont_reprompt_on_self_success)
-                 if args.use_successful_as_teacher else [None] * len(rows))
+        demos = (
+            successful_demonstrations(
+                rewards.tolist(), group, args.success_reward_threshold, args.dont_reprompt_on_self_success
+            )
+            if args.use_successful_as_teacher
+            else [None] * len(rows)
+        )
         teacher, active, used_feedback, has_feedback = [], [], 0, 0
         for i, row in enumerate(rows):
             feedback = row.get("privileged_context")
             available = isinstance(feedback, str) and feedback.strip() != ""
             has_feedback += available
-            use_feedback = (args.include_environment_feedback and available
-                            and not (args.environment_feedback_only_without_solution and demos[i] is not None))
+            use_feedback = (
+                args.include_environment_feedback
+                and available
+                and not (args.environment_feedback_only_without_solution and demos[i] is not None)
+            )
             used_feedback += use_feedback
             if demos[i] is None and not use_feedback:
                 teacher.append(prompts[i])  # not distilled: the student's own prompt (masked out of the loss)
@@ -192,7 +248,7 @@ class SDPOTrainer(SelfDistillationTrainer):
         start, ends = 0, self._stop_ids | {self._own_collator.pad_token_id}
         for batch in batches:
             rows = batch["input_ids"].shape[0]
-            batch["advantages"] = torch.tensor(self._advantages[start:start + rows], device=batch["input_ids"].device)
+            batch["advantages"] = torch.tensor(self._advantages[start : start + rows], device=batch["input_ids"].device)
             start += rows
             if self.args.mask_truncated_completions:  # a completion cut at the length limit leaves the loss
                 for r, labels in enumerate(batch["labels"]):
@@ -227,7 +283,9 @@ class SDPOTrainer(SelfDistillationTrainer):
             logger.warning(
                 "SDPO: no completion was distilled for %d steps in a row: no completion reached "
                 "success_reward_threshold=%s and no feedback was used. Check the rewards or lower the threshold.",
-                self._flat_steps, self.args.success_reward_threshold)
+                self._flat_steps,
+                self.args.success_reward_threshold,
+            )
 
     # -- the loss ----------------------------------------------------------------------------------------------
     def _needs_teacher(self) -> bool:
@@ -240,14 +298,26 @@ class SDPOTrainer(SelfDistillationTrainer):
             loss = weight * self._distillation_loss(student_logits, teacher_logits, tokens, slots, inputs, mode)
         if weight < 1:
             logps = torch.log_softmax(student_logits.float() / self.loss_temperature(), -1).gather(
-                -1, tokens[..., None])[..., 0]
-            per_token, _ = clipped_policy_loss(logps, logps.detach(), inputs["advantages"], slots,
-                                               epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                                               importance_sampling_level=args.importance_sampling_level)
-            policy = aggregate_loss(per_token, slots, "bnpo" if args.loss_type == "dapo" else args.loss_type,
-                                    max_completion_length=args.max_completion_length)
+                -1, tokens[..., None]
+            )[..., 0]
+            per_token, _ = clipped_policy_loss(
+                logps,
+                logps.detach(),
+                inputs["advantages"],
+                slots,
+                epsilon_low=args.epsilon,
+                epsilon_high=args.epsilon_high,
+                importance_sampling_level=args.importance_sampling_level,
+            )
+            policy = aggregate_loss(
+                per_token,
+                slots,
+                "bnpo" if args.loss_type == "dapo" else args.loss_type,
+                max_completion_length=args.max_completion_length,
+            )
             self._metrics[mode]["self_distillation/policy_loss"].append(
-                self.accelerator.gather(policy.detach()[None]).mean().item())
+                self.accelerator.gather(policy.detach()[None]).mean().item()
+            )
             loss = loss + (1 - weight) * policy
         return loss
 

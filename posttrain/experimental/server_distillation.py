@@ -24,47 +24,74 @@ from ..losses.server_distillation import server_support, sparse_teacher_divergen
 from ..trainers.distillation import DistillationConfig, DistillationTrainer
 
 CONNECT_TIMEOUT_S = 60.0  # how long the trainer waits for the teacher server to answer when it is built (as TRL)
-START_HINT = ("start the teacher with `vllm serve TEACHER --port 8000` (or `posttrain vllm-serve TEACHER --port "
-              "8000`) and set teacher_model_server_url to its address, e.g. 'http://localhost:8000'")
+START_HINT = (
+    "start the teacher with `vllm serve TEACHER --port 8000` (or `posttrain vllm-serve TEACHER --port "
+    "8000`) and set teacher_model_server_url to its address, e.g. 'http://localhost:8000'"
+)
 
 
 @dataclass
 class ServerDistillationConfig(DistillationConfig):
     teacher_model_server_url: str | None = field(
-        default=None, metadata={"help": "Base URL of the vLLM server hosting the teacher, e.g. "
-                                        "'http://localhost:8000'. Required."})
+        default=None,
+        metadata={"help": "Base URL of the vLLM server hosting the teacher, e.g. 'http://localhost:8000'. Required."},
+    )
     vllm_server_port: int = field(
-        default=8001, metadata={"help": "Port of the student's vLLM server (only with use_vllm); 8001 keeps it apart "
-                                        "from the teacher's usual 8000."})
+        default=8001,
+        metadata={
+            "help": "Port of the student's vLLM server (only with use_vllm); 8001 keeps it apart "
+            "from the teacher's usual 8000."
+        },
+    )
     loss_top_k: int = field(
-        default=1, metadata={"help": "Teacher tokens per position the server reports and the divergence compares: "
-                                     "any k >= 1 with beta=0 (forward KL), exactly 1 with beta > 0."})
+        default=1,
+        metadata={
+            "help": "Teacher tokens per position the server reports and the divergence compares: "
+            "any k >= 1 with beta=0 (forward KL), exactly 1 with beta > 0."
+        },
+    )
     loss_add_tail: bool = field(
-        default=True, metadata={"help": "Compare the mass outside the compared tokens as one more element (False: "
-                                        "renormalise both distributions over the compared tokens)."})
+        default=True,
+        metadata={
+            "help": "Compare the mass outside the compared tokens as one more element (False: "
+            "renormalise both distributions over the compared tokens)."
+        },
+    )
     reverse_kl_top_1_mode: str = field(
-        default="sampled", metadata={"help": "Which token the reverse-KL side of beta > 0 compares: 'sampled' (the "
-                                             "completion's token; the only one a server can score).",
-                                     "choices": ["sampled", "argmax"]})
+        default="sampled",
+        metadata={
+            "help": "Which token the reverse-KL side of beta > 0 compares: 'sampled' (the "
+            "completion's token; the only one a server can score).",
+            "choices": ["sampled", "argmax"],
+        },
+    )
 
     def __post_init__(self):
         if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
             raise ConfigError(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} must be 'sampled' or 'argmax'.")
         if self.reverse_kl_top_1_mode == "argmax":
-            raise ConfigError("reverse_kl_top_1_mode='argmax' compares the student's most likely token, which the "
-                              "teacher server cannot score (it reports its own top tokens and the sequence's). Use "
-                              "'sampled'.")
+            raise ConfigError(
+                "reverse_kl_top_1_mode='argmax' compares the student's most likely token, which the "
+                "teacher server cannot score (it reports its own top tokens and the sequence's). Use "
+                "'sampled'."
+            )
         if self.teacher_model_server_url is None or not self.teacher_model_server_url.strip():
             raise ConfigError(f"teacher_model_server_url is required: {START_HINT}.")
         if self.loss_top_k < 1:
-            raise ConfigError(f"loss_top_k={self.loss_top_k}: the server reports only the teacher's top tokens, so "
-                              "the full-vocabulary divergence (0) is not available; use k >= 1.")
+            raise ConfigError(
+                f"loss_top_k={self.loss_top_k}: the server reports only the teacher's top tokens, so "
+                "the full-vocabulary divergence (0) is not available; use k >= 1."
+            )
         if self.beta > 0 and self.loss_top_k != 1:
-            raise ConfigError(f"loss_top_k={self.loss_top_k} with beta={self.beta}: with a reverse-KL part the "
-                              "support is the teacher's top-1 and the sampled token; set loss_top_k=1 (or beta=0).")
+            raise ConfigError(
+                f"loss_top_k={self.loss_top_k} with beta={self.beta}: with a reverse-KL part the "
+                "support is the teacher's top-1 and the sampled token; set loss_top_k=1 (or beta=0)."
+            )
         if self.padding_free or self.packing:
-            raise ConfigError("padding_free / packing: the teacher server scores each sequence on its own; set "
-                              "padding_free=False and packing=False.")
+            raise ConfigError(
+                "padding_free / packing: the teacher server scores each sequence on its own; set "
+                "padding_free=False and packing=False."
+            )
         super().__post_init__()
 
 
@@ -77,29 +104,39 @@ class TeacherServer:
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
-                models = self.client.request("GET", "/v1/models", what="reading the teacher server's model",
-                                             timeout_s=10.0)["data"]
+                models = self.client.request(
+                    "GET", "/v1/models", what="reading the teacher server's model", timeout_s=10.0
+                )["data"]
                 break
             except (VLLMServerError, KeyError, TypeError) as err:
                 if time.monotonic() >= deadline:
-                    raise ConfigError(f"teacher_model_server_url={base_url!r}: no teacher server answered within "
-                                      f"{connect_timeout_s:g} s ({err}). To fix it, {START_HINT}.") from None
+                    raise ConfigError(
+                        f"teacher_model_server_url={base_url!r}: no teacher server answered within "
+                        f"{connect_timeout_s:g} s ({err}). To fix it, {START_HINT}."
+                    ) from None
                 time.sleep(1.0)
         self.model = models[0]["id"]
 
-    def sequence_logprobs(self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int,
-                          temperature: float) -> list[tuple[list[list[int]], list[list[float]], list[float]]]:
+    def sequence_logprobs(
+        self, sequences: list[list[int]], prompt_lengths: list[int], top_k: int, temperature: float
+    ) -> list[tuple[list[list[int]], list[list[float]], list[float]]]:
         """Per sequence, for each position from its prompt length on: (the teacher's top_k ids, their log-probs,
         padded with id 0 / -inf), and its log-prob of the sequence's token there (-inf if not reported)."""
-        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": temperature,
-                "prompt_logprobs": top_k}
+        body = {
+            "model": self.model,
+            "prompt": sequences,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": top_k,
+        }
         answer = self.client.request("POST", "/v1/completions", body, what="scoring completions with the teacher")
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(sequences):
-            raise VLLMServerError(f"The teacher server answered {len(choices)} choices for {len(sequences)} "
-                                  "sequences.")
-        return [_position_logprobs(c["prompt_logprobs"], seq, start, top_k)
-                for c, seq, start in zip(choices, sequences, prompt_lengths)]
+            raise VLLMServerError(f"The teacher server answered {len(choices)} choices for {len(sequences)} sequences.")
+        return [
+            _position_logprobs(c["prompt_logprobs"], seq, start, top_k)
+            for c, seq, start in zip(choices, sequences, prompt_lengths)
+        ]
 
 
 def _logprob(entry: dict) -> float:
@@ -123,21 +160,44 @@ class ServerDistillationTrainer(DistillationTrainer):
     """`ServerDistillationTrainer(model, args=ServerDistillationConfig(teacher_model_server_url=...),
     train_dataset=...)`, TRL's keyword arguments in TRL's order. The server is reached once when the trainer is
     built, so a wrong address stops before any data is prepared."""
+
     _name = "Server Distillation"
 
-    def __init__(self, model, args: ServerDistillationConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), quantization_config=None,
-                 peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: ServerDistillationConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        **kwargs,
+    ):
         args = args or ServerDistillationConfig(output_dir="outputs/server_distillation")
         if kwargs.get("teacher_model") is not None or args.teacher_model_name_or_path is not None:
-            raise ConfigError("ServerDistillationTrainer's teacher is the one at teacher_model_server_url; drop "
-                              "teacher_model / teacher_model_name_or_path (or use DistillationTrainer for a local "
-                              "teacher).")
+            raise ConfigError(
+                "ServerDistillationTrainer's teacher is the one at teacher_model_server_url; drop "
+                "teacher_model / teacher_model_name_or_path (or use DistillationTrainer for a local "
+                "teacher)."
+            )
         kwargs.pop("teacher_model", None)
         self.teacher_server = TeacherServer(args.teacher_model_server_url)
-        super().__init__(model, None, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         quantization_config=quantization_config, peft_config=peft_config, **kwargs)
+        super().__init__(
+            model,
+            None,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            **kwargs,
+        )
 
     @staticmethod
     def _resolve_teacher(model, teacher_model, args):
@@ -151,7 +211,7 @@ class ServerDistillationTrainer(DistillationTrainer):
         sequences, starts = [], []
         for row in range(len(ids)):
             positions = rows[rows[:, 0] == row, 1]
-            sequences.append(ids[row, :int(valid_len[row])].tolist())
+            sequences.append(ids[row, : int(valid_len[row])].tolist())
             starts.append(int(positions[0]) + 1 if len(positions) else len(sequences[-1]))
         k = self.args.loss_top_k
         shape = (*mask.shape, k)
@@ -170,14 +230,18 @@ class ServerDistillationTrainer(DistillationTrainer):
         needed = actual if self.args.beta > 0 else topk_logps[..., 0]
         missing = mask & ~torch.isfinite(needed)
         if missing.any():
-            raise DataError(f"The teacher server reported no log-prob for {int(missing.sum())} of {int(mask.sum())} "
-                            "completion positions. Check that it serves a model with the student's tokenizer and "
-                            f"allows prompt_logprobs={k} (vLLM's --max-logprobs).")
+            raise DataError(
+                f"The teacher server reported no log-prob for {int(missing.sum())} of {int(mask.sum())} "
+                "completion positions. Check that it serves a model with the student's tokenizer and "
+                f"allows prompt_logprobs={k} (vLLM's --max-logprobs)."
+            )
         sampled = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # the token each position predicts
-        support, teacher, valid = server_support(topk_ids[mask], topk_logps[mask], sampled[mask], actual[mask],
-                                                 self.args.beta)
-        divergence = sparse_teacher_divergence(student_logits[mask], support, teacher, valid, self.args.beta,
-                                               self.args.loss_add_tail, temperature)
+        support, teacher, valid = server_support(
+            topk_ids[mask], topk_logps[mask], sampled[mask], actual[mask], self.args.beta
+        )
+        divergence = sparse_teacher_divergence(
+            student_logits[mask], support, teacher, valid, self.args.beta, self.args.loss_add_tail, temperature
+        )
         return divergence.sum(), topk_ids[mask][:, 0]
 
 

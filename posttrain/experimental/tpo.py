@@ -39,31 +39,47 @@ from ..trainers.preference_common import PreferenceMetricsMixin
 class TPOConfig(PosttrainConfig):
     learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
     disable_dropout: bool = field(
-        default=True, metadata={"help": "Turn dropout off in the model (its log-probs are compared across "
-                                        "completions)."})
+        default=True,
+        metadata={"help": "Turn dropout off in the model (its log-probs are compared across completions)."},
+    )
     max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on each prompt + completion sequence, cut as truncation_mode says "
-                                        "(None: no bound)."})
+        default=1024,
+        metadata={"help": "Bound on each prompt + completion sequence, cut as truncation_mode says (None: no bound)."},
+    )
     truncation_mode: str = field(
-        default="keep_start", metadata={"help": "How a sequence over max_length is cut: keep_start (drop its end) "
-                                                "or keep_end (drop the start of the prompt).",
-                                        "choices": ["keep_end", "keep_start"]})
+        default="keep_start",
+        metadata={
+            "help": "How a sequence over max_length is cut: keep_start (drop its end) "
+            "or keep_end (drop the start of the prompt).",
+            "choices": ["keep_end", "keep_start"],
+        },
+    )
     pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad each batch to a multiple of this length."})
+        default=None, metadata={"help": "Pad each batch to a multiple of this length."}
+    )
     loss_type: str = field(
-        default="sigmoid", metadata={"help": "Preference loss between chosen and rejected: sigmoid (TPO), hinge "
-                                             "(SLiC), ipo, or tpo-l (length-normalised, with a target margin).",
-                                     "choices": list(TPO_LOSS_TYPES)})
+        default="sigmoid",
+        metadata={
+            "help": "Preference loss between chosen and rejected: sigmoid (TPO), hinge "
+            "(SLiC), ipo, or tpo-l (length-normalised, with a target margin).",
+            "choices": list(TPO_LOSS_TYPES),
+        },
+    )
     beta: float = field(
-        default=0.01, metadata={"help": "Temperature of the preference loss (for 'ipo', its regulariser tau)."})
+        default=0.01, metadata={"help": "Temperature of the preference loss (for 'ipo', its regulariser tau)."}
+    )
     label_smoothing: float = field(
-        default=0.0, metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] ('sigmoid' and "
-                                       "'tpo-l' only)."})
+        default=0.0,
+        metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] ('sigmoid' and 'tpo-l' only)."},
+    )
     tpo_alpha: float = field(
-        default=1.0, metadata={"help": "Weight of the NLL of the gold `reference` completion (0: no NLL term, and "
-                                       "the gold completions are not run through the model)."})
-    tpo_l_gamma: float = field(
-        default=0.5, metadata={"help": "Target reward margin gamma of loss_type 'tpo-l'."})
+        default=1.0,
+        metadata={
+            "help": "Weight of the NLL of the gold `reference` completion (0: no NLL term, and "
+            "the gold completions are not run through the model)."
+        },
+    )
+    tpo_l_gamma: float = field(default=0.5, metadata={"help": "Target reward margin gamma of loss_type 'tpo-l'."})
 
     def __post_init__(self):
         if self.loss_type not in TPO_LOSS_TYPES:
@@ -74,8 +90,10 @@ class TPOConfig(PosttrainConfig):
         if not 0 <= self.label_smoothing <= 0.5:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 0.5].")
         if self.label_smoothing and self.loss_type not in SMOOTHABLE:
-            raise ConfigError(f"label_smoothing={self.label_smoothing} has no effect on loss_type "
-                              f"{self.loss_type!r} (only {sorted(SMOOTHABLE)} use it); set label_smoothing=0.0.")
+            raise ConfigError(
+                f"label_smoothing={self.label_smoothing} has no effect on loss_type "
+                f"{self.loss_type!r} (only {sorted(SMOOTHABLE)} use it); set label_smoothing=0.0."
+            )
         if self.tpo_alpha < 0:
             raise ConfigError(f"tpo_alpha={self.tpo_alpha} must be 0 or more (it weighs the gold completion's NLL).")
         if self.max_length is not None and self.max_length < 1:
@@ -90,9 +108,11 @@ def _strip_prompt(example: dict, row: int) -> dict:
     explicit = extract_prompt(example)
     prompt, gold = explicit["prompt"], example["reference"]
     if gold[: len(prompt)] != prompt:
-        raise DataError(f"Row {row}: 'reference' does not start with the prompt that 'chosen' and 'rejected' share, "
-                        "so the gold completion cannot be told apart. Add an explicit 'prompt' column.")
-    return {**explicit, "reference": gold[len(prompt):]}
+        raise DataError(
+            f"Row {row}: 'reference' does not start with the prompt that 'chosen' and 'rejected' share, "
+            "so the gold completion cannot be told apart. Add an explicit 'prompt' column."
+        )
+    return {**explicit, "reference": gold[len(prompt) :]}
 
 
 def _tokenize_triple(example, row, tokenizer, fmt):
@@ -102,8 +122,9 @@ def _tokenize_triple(example, row, tokenizer, fmt):
         example = _strip_prompt(example, row)
     explicit = DatasetFormat(fmt.kind, fmt.conversational, ("prompt", "chosen", "rejected"))
     pair = tokenize_preference(example, tokenizer, explicit, row=row)
-    gold = tokenize_preference({**example, "chosen": example["reference"], "rejected": example["reference"]},
-                               tokenizer, explicit, row=row)
+    gold = tokenize_preference(
+        {**example, "chosen": example["reference"], "rejected": example["reference"]}, tokenizer, explicit, row=row
+    )
     return {**pair, "reference_ids": gold["chosen_ids"]}
 
 
@@ -112,20 +133,32 @@ def prepare_triple_dataset(dataset, tokenizer, args: TPOConfig, name: str, repor
     receives the rows dropped and the sequences the collator will cut to max_length."""
     fmt = validate_dataset(dataset, ("preference",), "TPOTrainer", name)
     if "reference" not in dataset.column_names:
-        raise DataError(f"TPOTrainer needs a gold completion per row in a 'reference' column besides 'chosen' and "
-                        f"'rejected', but {name} has columns {dataset.column_names}. Add it.")
-    dataset = dataset.map(_tokenize_triple, with_indices=True, num_proc=args.dataset_num_proc,
-                          remove_columns=dataset.column_names, fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt),
-                          desc=f"Tokenizing {name}")
+        raise DataError(
+            f"TPOTrainer needs a gold completion per row in a 'reference' column besides 'chosen' and "
+            f"'rejected', but {name} has columns {dataset.column_names}. Add it."
+        )
+    dataset = dataset.map(
+        _tokenize_triple,
+        with_indices=True,
+        num_proc=args.dataset_num_proc,
+        remove_columns=dataset.column_names,
+        fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt),
+        desc=f"Tokenizing {name}",
+    )
     report = report if report is not None else DatasetReport(rows_in=len(dataset))
     dataset = drop_overlong_rows(dataset, args.max_length, args.truncation_mode, name, report)
     if args.max_length is not None:
         columns = ("chosen_ids", "rejected_ids") + (("reference_ids",) if args.tpo_alpha != 0 else ())
-        over = [sum(max(len(row["prompt_ids"]) + len(row[c]) - args.max_length, 0) for c in columns)
-                for row in dataset.select_columns(["prompt_ids", *columns])]
+        over = [
+            sum(max(len(row["prompt_ids"]) + len(row[c]) - args.max_length, 0) for c in columns)
+            for row in dataset.select_columns(["prompt_ids", *columns])
+        ]
         kept = "start" if args.truncation_mode == "keep_start" else "end"
-        report.truncated(sum(n > 0 for n in over), sum(over), "prompt + chosen/rejected/reference longer than "
-                                                              f"max_length (the collator keeps each sequence's {kept})")
+        report.truncated(
+            sum(n > 0 for n in over),
+            sum(over),
+            f"prompt + chosen/rejected/reference longer than max_length (the collator keeps each sequence's {kept})",
+        )
     warn_identical_pairs(dataset, name)
     return dataset
 
@@ -147,9 +180,11 @@ class TriplePreferenceCollator(PreferenceCollator):
                 mask[0] = 0  # nothing predicts a sequence's first token
                 masks.append(mask)
         multiple = self.pad_to_multiple_of
-        return {"input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
-                "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
-                "completion_mask": pad(masks, 0, multiple_of=multiple)}
+        return {
+            "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
+            "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
+            "completion_mask": pad(masks, 0, multiple_of=multiple),
+        }
 
 
 class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
@@ -159,26 +194,53 @@ class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
 
     _name = "TPO"
 
-    def __init__(self, model, args: TPOConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, quantization_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: TPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        quantization_config=None,
+        **kwargs,
+    ):
         args = args or TPOConfig(output_dir="outputs/tpo")
         if train_dataset is None:
             raise ConfigError("TPOTrainer needs a train_dataset (rows with prompt, chosen, rejected and reference).")
         self._branches = 3 if args.tpo_alpha != 0 else 2
         self._total_train_tokens = 0
         processing_class = load_processing_class(model, processing_class, args)
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            **kwargs,
+        )
 
     def prepare_dataset(self, dataset, tokenizer, args: TPOConfig, name: str):
         return prepare_triple_dataset(dataset, tokenizer, args, name, DataReport.of(self).start(name, len(dataset)))
 
     def default_collator(self, tokenizer, args: TPOConfig):
-        return TriplePreferenceCollator(tokenizer.pad_token_id, max_length=args.max_length,
-                                        truncation_mode=args.truncation_mode,
-                                        pad_to_multiple_of=args.pad_to_multiple_of,
-                                        include_reference=args.tpo_alpha != 0)
+        return TriplePreferenceCollator(
+            tokenizer.pad_token_id,
+            max_length=args.max_length,
+            truncation_mode=args.truncation_mode,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+            include_reference=args.tpo_alpha != 0,
+        )
 
     def count_loss_items(self, batch):
         return len(batch["input_ids"]) // self._branches
@@ -192,12 +254,17 @@ class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
         args = self.args
         n = len(inputs["input_ids"]) // self._branches
         policy = sequence_logps(model, inputs)
-        scores = tpo_scores(policy.logps[:2 * n], policy.token_counts[:2 * n], args.loss_type)
+        scores = tpo_scores(policy.logps[: 2 * n], policy.token_counts[: 2 * n], args.loss_type)
         losses, chosen_rewards, rejected_rewards = tpo_loss(
-            scores[:n], scores[n:], loss_type=args.loss_type, beta=args.beta,
-            label_smoothing=args.label_smoothing, tpo_l_gamma=args.tpo_l_gamma)
+            scores[:n],
+            scores[n:],
+            loss_type=args.loss_type,
+            beta=args.beta,
+            label_smoothing=args.label_smoothing,
+            tpo_l_gamma=args.tpo_l_gamma,
+        )
         if self._branches == 3:  # the gold completions' token-mean NLL over the micro-batch, as in TRL
-            nll = -policy.token_logps[2 * n:].sum() / policy.token_counts[2 * n:].sum().clamp(min=1)
+            nll = -policy.token_logps[2 * n :].sum() / policy.token_counts[2 * n :].sum().clamp(min=1)
             losses = losses + args.tpo_alpha * nll
         loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, n, model.training)
         self._record(policy, scores.detach(), chosen_rewards, rejected_rewards, inputs, n)
@@ -207,10 +274,14 @@ class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
         parts = {"chosen": slice(None, n), "rejected": slice(n, 2 * n)}
         # entropy and num_tokens cover every sequence of the batch, the gold ones included (as TRL logs them)
         self.record_token_metrics(policy.stats, policy.token_counts, inputs["attention_mask"].sum(), parts)
-        metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                   "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                   "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                   "logps/chosen": scores[:n].mean(), "logps/rejected": scores[n:].mean()}
+        metrics = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": scores[:n].mean(),
+            "logps/rejected": scores[n:].mean(),
+        }
         counts = policy.token_counts
         top1 = self.accelerator.gather(torch.stack([policy.stats["top1"][:n].sum(), counts[:n].sum()])[None])
         metrics["mean_token_accuracy"] = top1[:, 0].sum() / top1[:, 1].sum().clamp(min=1)
@@ -223,8 +294,9 @@ class TPOTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
             return loss, None, None
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                           use_cache=False).logits
+            logits = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
+            ).logits
         return loss, logits, inputs["input_ids"]
 
     def checkpoint_state(self) -> dict:

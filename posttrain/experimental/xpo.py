@@ -31,8 +31,10 @@ class XPOConfig(OnlineDPOConfig):
 
     alpha: list[float] | float = field(
         default_factory=lambda: [1e-5],
-        metadata={"help": "Weight of the exploration term alpha * log pi(y_ref) (>= 0). A list gives one value per "
-                          "epoch."})
+        metadata={
+            "help": "Weight of the exploration term alpha * log pi(y_ref) (>= 0). A list gives one value per epoch."
+        },
+    )
 
 
 class XPOTrainer(PairedSamplerMixin, OnlineDPOTrainer):
@@ -55,10 +57,14 @@ class XPOTrainer(PairedSamplerMixin, OnlineDPOTrainer):
         finished = self.accelerator.gather(rollout.finished).float().view(-1, 2)
         estimate.metrics.pop("val/contain_eos_token")
         estimate.metrics.pop("objective/scores", None)
-        estimate.metrics.update({"val/model_contain_eos_token": float(finished[:, 0].mean()),
-                                 "val/ref_contain_eos_token": float(finished[:, 1].mean()),
-                                 "objective/model_scores": float(scores[:, 0].nanmean()),
-                                 "objective/ref_scores": float(scores[:, 1].nanmean())})
+        estimate.metrics.update(
+            {
+                "val/model_contain_eos_token": float(finished[:, 0].mean()),
+                "val/ref_contain_eos_token": float(finished[:, 1].mean()),
+                "objective/model_scores": float(scores[:, 0].nanmean()),
+                "objective/ref_scores": float(scores[:, 1].nanmean()),
+            }
+        )
         return estimate
 
     def pair_loss(self, inputs, logps, ref_logps, mask):
@@ -69,18 +75,34 @@ class XPOTrainer(PairedSamplerMixin, OnlineDPOTrainer):
         chosen = (preference[:, 0] <= 0).long()  # 0: the policy's completion is chosen, 1: the reference's
         rows = torch.arange(len(chosen), device=chosen.device)
         losses, dpo, exploration, margins = xpo_loss(
-            sums[rows, chosen], sums[rows, 1 - chosen], ref_sums[rows, chosen], ref_sums[rows, 1 - chosen],
-            sums[:, 1], beta, alpha, self.args.loss_type)
+            sums[rows, chosen],
+            sums[rows, 1 - chosen],
+            ref_sums[rows, chosen],
+            ref_sums[rows, 1 - chosen],
+            sums[:, 1],
+            beta,
+            alpha,
+            self.args.loss_type,
+        )
         kl = (sums - ref_sums).detach()[:, 0]
-        metrics = {"loss/dpo": dpo[valid].detach().mean() if valid.any() else 0.0,
-                   "loss/xpo": exploration.detach().mean(), "objective/kl": kl.mean(),
-                   "objective/entropy": -sums[:, 0].detach().mean(), "alpha": alpha, "beta": beta}
+        metrics = {
+            "loss/dpo": dpo[valid].detach().mean() if valid.any() else 0.0,
+            "loss/xpo": exploration.detach().mean(),
+            "objective/kl": kl.mean(),
+            "objective/entropy": -sums[:, 0].detach().mean(),
+            "alpha": alpha,
+            "beta": beta,
+        }
         if valid.any():
             chosen_rewards = beta * (sums - ref_sums).detach()[rows, chosen]
-            metrics.update({"rewards/chosen": chosen_rewards[valid].mean(),
-                            "rewards/rejected": (chosen_rewards - margins)[valid].mean(),
-                            "rewards/margins": margins[valid].mean(),
-                            "rewards/accuracies": (margins[valid] > 0).float().mean(),
-                            "logps/chosen": sums[rows, chosen][valid].detach().mean(),
-                            "logps/rejected": sums[rows, 1 - chosen][valid].detach().mean()})
+            metrics.update(
+                {
+                    "rewards/chosen": chosen_rewards[valid].mean(),
+                    "rewards/rejected": (chosen_rewards - margins)[valid].mean(),
+                    "rewards/margins": margins[valid].mean(),
+                    "rewards/accuracies": (margins[valid] > 0).float().mean(),
+                    "logps/chosen": sums[rows, chosen][valid].detach().mean(),
+                    "logps/rejected": sums[rows, 1 - chosen][valid].detach().mean(),
+                }
+            )
         return losses * valid, metrics

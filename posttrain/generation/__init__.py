@@ -18,13 +18,21 @@ def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
     if getattr(args, "use_transformers_continuous_batching", False):
         from .continuous_batching import ContinuousBatchingBackend
 
-        return ContinuousBatchingBackend(model, tokenizer.pad_token_id, stop_ids,
-                                         getattr(args, "transformers_continuous_batching_config", None))
-    return TransformersBackend(model, tokenizer.pad_token_id, stop_ids,
-                               cache_implementation=getattr(args, "cache_implementation", None))
+        return ContinuousBatchingBackend(
+            model, tokenizer.pad_token_id, stop_ids, getattr(args, "transformers_continuous_batching_config", None)
+        )
+    return TransformersBackend(
+        model, tokenizer.pad_token_id, stop_ids, cache_implementation=getattr(args, "cache_implementation", None)
+    )
 
 
 __all__ = [
-    "Completion", "GenerationBackend", "SamplingParams", "TransformersBackend", "completion_seeds",
-    "create_generation_backend", "derive_seed", "stop_token_ids",
+    "Completion",
+    "GenerationBackend",
+    "SamplingParams",
+    "TransformersBackend",
+    "completion_seeds",
+    "create_generation_backend",
+    "derive_seed",
+    "stop_token_ids",
 ]

@@ -95,8 +95,9 @@ def completion_seeds(seed: int | Sequence[int] | None, num_prompts: int, n: int)
     else:
         prompt_seeds = list(seed)
         if len(prompt_seeds) != num_prompts:
-            raise ConfigError(f"Got {len(prompt_seeds)} seeds for {num_prompts} prompts; pass one seed per prompt "
-                              "or a single int.")
+            raise ConfigError(
+                f"Got {len(prompt_seeds)} seeds for {num_prompts} prompts; pass one seed per prompt or a single int."
+            )
     return [derive_seed(s, j) for s in prompt_seeds for j in range(n)]
 
 

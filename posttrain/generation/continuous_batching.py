@@ -43,22 +43,39 @@ class ContinuousBatchingBackend(GenerationBackend):
         try:
             self.config = ContinuousBatchingConfig(**(config or {}))
         except TypeError as err:
-            raise ConfigError(f"transformers_continuous_batching_config={config!r}: {err}. Use the keyword "
-                              "arguments of transformers.generation.ContinuousBatchingConfig.") from None
+            raise ConfigError(
+                f"transformers_continuous_batching_config={config!r}: {err}. Use the keyword "
+                "arguments of transformers.generation.ContinuousBatchingConfig."
+            ) from None
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
-                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Completion]:
         if sampling.extra:
             unknown = sorted(set(sampling.extra) - set(GenerationConfig().to_dict()))
             if unknown:
                 raise ConfigError(f"generation_kwargs has keys GenerationConfig does not know: {unknown}.")
         model = extract_model_from_parallel(self.model)
-        config = GenerationConfig(**{
-            **sampling.extra, "max_new_tokens": sampling.max_tokens, "do_sample": True, "num_return_sequences": n,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-            "min_p": sampling.min_p or None, "repetition_penalty": sampling.repetition_penalty,
-            "eos_token_id": self.eos_token_ids, "pad_token_id": self.pad_token_id})
+        config = GenerationConfig(
+            **{
+                **sampling.extra,
+                "max_new_tokens": sampling.max_tokens,
+                "do_sample": True,
+                "num_return_sequences": n,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "min_p": sampling.min_p or None,
+                "repetition_penalty": sampling.repetition_penalty,
+                "eos_token_id": self.eos_token_ids,
+                "pad_token_id": self.pad_token_id,
+            }
+        )
         seeds = completion_seeds(seed, len(prompt_ids), 1)
         was_training = model.training
         model.eval()
@@ -66,10 +83,16 @@ class ContinuousBatchingBackend(GenerationBackend):
             with torch.random.fork_rng(devices=[]):
                 if seeds is not None:
                     torch.manual_seed(derive_seed(*seeds) % 2**63)
-                outputs = model.generate_batch([list(ids) for ids in prompt_ids], generation_config=config,
-                                               continuous_batching_config=self.config, warmup=False)
+                outputs = model.generate_batch(
+                    [list(ids) for ids in prompt_ids],
+                    generation_config=config,
+                    continuous_batching_config=self.config,
+                    warmup=False,
+                )
         finally:
             model.train(was_training)
         order = request_order(list(outputs), len(prompt_ids), n)
-        return [completion_from_tokens(k // n, list(outputs[rid].generated_tokens), self.eos_token_ids)
-                for k, rid in enumerate(order)]
+        return [
+            completion_from_tokens(k // n, list(outputs[rid].generated_tokens), self.eos_token_ids)
+            for k, rid in enumerate(order)
+        ]

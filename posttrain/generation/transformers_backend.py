@@ -42,8 +42,9 @@ from .base import Completion, GenerationBackend, SamplingParams, completion_seed
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(generators), vocab_size] Gumbel(0, 1) noise, row i from generators[i]."""
-    return _gumbel(torch.stack([torch.rand(vocab_size, generator=g, device=device, dtype=torch.float32)
-                                for g in generators]))
+    return _gumbel(
+        torch.stack([torch.rand(vocab_size, generator=g, device=device, dtype=torch.float32) for g in generators])
+    )
 
 
 def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,14 @@ class StepNoise:
     transformed on its own, as `gumbel_noise` does. Elsewhere (CUDA's Philox offsets advance per call) every step
     draws on its own."""
 
-    def __init__(self, generators: Sequence[torch.Generator], vocab_size: int, device: torch.device, max_steps: int,
-                 budget_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self,
+        generators: Sequence[torch.Generator],
+        vocab_size: int,
+        device: torch.device,
+        max_steps: int,
+        budget_bytes: int = 32 << 20,
+    ) -> None:
         self.generators, self.vocab_size, self.device = generators, vocab_size, device
         per_step = 4 * vocab_size * max(len(generators), 1)
         self.steps = max(1, min(max_steps, budget_bytes // per_step)) if torch.device(device).type == "cpu" else 1
@@ -72,8 +79,18 @@ class StepNoise:
         if self.steps == 1:
             return gumbel_noise([self.generators[i] for i in rows], self.vocab_size, self.device)
         if self.block is None or step >= self.block_start + self.steps:
-            self.block = torch.stack([torch.rand(self.steps, self.vocab_size, generator=self.generators[i],
-                                                 device=self.device, dtype=torch.float32) for i in rows])
+            self.block = torch.stack(
+                [
+                    torch.rand(
+                        self.steps,
+                        self.vocab_size,
+                        generator=self.generators[i],
+                        device=self.device,
+                        dtype=torch.float32,
+                    )
+                    for i in rows
+                ]
+            )
             self.block_rows, self.block_start = list(rows), step
         offset = step - self.block_start
         if rows == self.block_rows:
@@ -106,19 +123,30 @@ def _filters(sampling: SamplingParams) -> list[LogitsProcessor]:
     return filters
 
 
-def generation_config(sampling: SamplingParams, eos_token_ids: Sequence[int], pad_token_id: int,
-                      **settings) -> GenerationConfig:
+def generation_config(
+    sampling: SamplingParams, eos_token_ids: Sequence[int], pad_token_id: int, **settings
+) -> GenerationConfig:
     """Greedy decoding over the filtered, Gumbel-noised scores, plus `sampling.extra` (generation_kwargs),
     each key of which must be a GenerationConfig setting (an unknown one would be ignored without a word)."""
     known = GenerationConfig().to_dict()
     unknown = sorted(set(sampling.extra) - set(known))
     if unknown:
-        raise ConfigError(f"generation_kwargs has keys that transformers' GenerationConfig does not know: {unknown}. "
-                          "Fix their spelling or drop them (vLLM-only settings need use_vllm=True).")
-    return GenerationConfig(**{
-        **sampling.extra, "max_new_tokens": sampling.max_tokens, "do_sample": False, "num_beams": 1,
-        "repetition_penalty": sampling.repetition_penalty, "eos_token_id": list(eos_token_ids),
-        "pad_token_id": pad_token_id, **{k: v for k, v in settings.items() if v is not None}})
+        raise ConfigError(
+            f"generation_kwargs has keys that transformers' GenerationConfig does not know: {unknown}. "
+            "Fix their spelling or drop them (vLLM-only settings need use_vllm=True)."
+        )
+    return GenerationConfig(
+        **{
+            **sampling.extra,
+            "max_new_tokens": sampling.max_tokens,
+            "do_sample": False,
+            "num_beams": 1,
+            "repetition_penalty": sampling.repetition_penalty,
+            "eos_token_id": list(eos_token_ids),
+            "pad_token_id": pad_token_id,
+            **{k: v for k, v in settings.items() if v is not None},
+        }
+    )
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,9 +167,16 @@ class TransformersBackend(GenerationBackend):
     the filtered scores, as vLLM's processed log-probs); the `generate` fallback reports none.
     """
 
-    def __init__(self, model, pad_token_id: int, eos_token_ids: Sequence[int],
-                 cache_implementation: str | None = None, share_prefill: bool = True, drop_finished: bool = True,
-                 return_logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        cache_implementation: str | None = None,
+        share_prefill: bool = True,
+        drop_finished: bool = True,
+        return_logprobs: bool = False,
+    ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
@@ -184,8 +219,15 @@ class TransformersBackend(GenerationBackend):
         finally:
             model.train(was_training)
 
-    def decode(self, model, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
-               seeds: list[int], suppress_tokens: Sequence[int] | None = None) -> list[Completion]:
+    def decode(
+        self,
+        model,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int],
+        suppress_tokens: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """Prefill (each distinct prompt once, unless share_prefill is off), then one token per step for the rows
         still running."""
         device = next(model.parameters()).device
@@ -200,12 +242,24 @@ class TransformersBackend(GenerationBackend):
         if fast is not None:
             logits = fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
         else:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                           use_cache=True, logits_to_keep=1, **quiet).logits[:, -1].float()
+            logits = (
+                model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **quiet,
+                )
+                .logits[:, -1]
+                .float()
+            )
         if copies != n:  # the group's n completions continue from one prompt's cache
             cache.batch_repeat_interleave(n)
             logits, input_ids, attention_mask, position_ids = (
-                t.repeat_interleave(n, dim=0) for t in (logits, input_ids, attention_mask, position_ids))
+                t.repeat_interleave(n, dim=0) for t in (logits, input_ids, attention_mask, position_ids)
+            )
 
         rows = input_ids.shape[0]
         active = torch.arange(rows, device=device)  # which completion each batch row is
@@ -217,10 +271,16 @@ class TransformersBackend(GenerationBackend):
         logprob_lists: list[list[float]] = [[] for _ in range(rows)]
         finished = [False] * rows
         stops = set(self.eos_token_ids)
-        penalty = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty) \
-            if sampling.repetition_penalty != 1.0 else None
-        generated = None if penalty is None else torch.full((rows, sampling.max_tokens), self.pad_token_id,
-                                                             dtype=torch.long, device=device)
+        penalty = (
+            RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)
+            if sampling.repetition_penalty != 1.0
+            else None
+        )
+        generated = (
+            None
+            if penalty is None
+            else torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        )
         filters = _filters(sampling)
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
@@ -240,8 +300,9 @@ class TransformersBackend(GenerationBackend):
             if generated is not None:
                 generated[active, step] = tokens
             sampled = tokens.tolist()
-            step_logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist() \
-                if self.return_logprobs else None
+            step_logprobs = (
+                scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist() if self.return_logprobs else None
+            )
             keep = []
             for i, (row, token) in enumerate(zip(active_rows, sampled)):
                 if not finished[row]:  # (with drop_finished off a finished row samples on, as padding)
@@ -256,41 +317,74 @@ class TransformersBackend(GenerationBackend):
                 index = torch.tensor([i for i, kept in enumerate(keep) if kept], device=device)
                 cache.batch_select_indices(index)
                 active, tokens, attention_mask, next_position = (
-                    t[index] for t in (active, tokens, attention_mask, next_position))
+                    t[index] for t in (active, tokens, attention_mask, next_position)
+                )
                 active_rows = [row for row, kept in zip(active_rows, keep) if kept]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
             step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
             if fast is not None:
                 logits = fast(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
             else:
-                logits = model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_position[:, None],
-                               cache=cache, use_cache=True, **quiet).logits[:, -1].float()
+                logits = (
+                    model(
+                        input_ids=tokens[:, None],
+                        attention_mask=step_mask,
+                        position_ids=next_position[:, None],
+                        cache=cache,
+                        use_cache=True,
+                        **quiet,
+                    )
+                    .logits[:, -1]
+                    .float()
+                )
             next_position = next_position + 1
-        return [Completion(i // n, token_lists[i], logprob_lists[i] if self.return_logprobs else None, finished[i])
-                for i in range(rows)]
+        return [
+            Completion(i // n, token_lists[i], logprob_lists[i] if self.return_logprobs else None, finished[i])
+            for i in range(rows)
+        ]
 
-    def generate_with_transformers(self, model, prompt_ids: Sequence[Sequence[int]], n: int,
-                                   sampling: SamplingParams, seeds: list[int], vision: Sequence[dict] | None = None,
-                                   suppress_tokens: Sequence[int] | None = None) -> list[Completion]:
+    def generate_with_transformers(
+        self,
+        model,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int],
+        vision: Sequence[dict] | None = None,
+        suppress_tokens: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """All n * len(prompts) completions in one left-padded `model.generate` batch."""
         device = next(model.parameters()).device
         input_ids, attention_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, device)
         width = input_ids.shape[1]
-        config = generation_config(sampling, self.eos_token_ids, self.pad_token_id,
-                                   cache_implementation=self.cache_implementation,
-                                   suppress_tokens=list(suppress_tokens) if suppress_tokens else None)
+        config = generation_config(
+            sampling,
+            self.eos_token_ids,
+            self.pad_token_id,
+            cache_implementation=self.cache_implementation,
+            suppress_tokens=list(suppress_tokens) if suppress_tokens else None,
+        )
         images = {}
         if vision is not None:
             from ..data.vision import vision_batch
 
             dtype = next(model.parameters()).dtype
-            images = {k: v.to(device, dtype) if k.startswith("pixel_values") else v.to(device)
-                      for k, v in vision_batch([part for part in vision for _ in range(n)], width).items()}
+            images = {
+                k: v.to(device, dtype) if k.startswith("pixel_values") else v.to(device)
+                for k, v in vision_batch([part for part in vision for _ in range(n)], width).items()
+            }
         processors = LogitsProcessorList([*_filters(sampling), SeededGumbelSampler(seeds, device)])
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                logits_processor=processors, **images)
-        return [completion_from_tokens(i // n, generated, self.eos_token_ids)
-                for i, generated in enumerate(output[:, width:].tolist())]
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=processors,
+            **images,
+        )
+        return [
+            completion_from_tokens(i // n, generated, self.eos_token_ids)
+            for i, generated in enumerate(output[:, width:].tolist())
+        ]
 
 
 def rows_can_be_copied(model) -> bool:

@@ -88,7 +88,7 @@ def _base_name(name: str, adapters: set[str]) -> str | None:
         return None
     if "modules_to_save" in parts:
         index = parts.index("modules_to_save")
-        del parts[index:index + 2]  # "modules_to_save.<adapter>": the trained copy is the weight
+        del parts[index : index + 2]  # "modules_to_save.<adapter>": the trained copy is the weight
     elif adapters.intersection(parts):  # lora_A.<adapter>, lora_B.<adapter>, lora_magnitude_vector.<adapter>...
         return None
     return ".".join(part for part in parts if part != "base_layer")
@@ -104,16 +104,19 @@ def _unique_tensors(named) -> list[tuple[str, torch.Tensor]]:
     return unique
 
 
-def save_weights(weights: Sequence[tuple[str, torch.Tensor]], directory: str | os.PathLike,
-                 dtype: torch.dtype | None = None) -> Path:
+def save_weights(
+    weights: Sequence[tuple[str, torch.Tensor]], directory: str | os.PathLike, dtype: torch.dtype | None = None
+) -> Path:
     """Writes the weights as one safetensors file into `directory` (floating tensors cast to `dtype`), via a
     temporary name and a rename so that a reader never sees a half-written file."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
-               for name, t in weights}
+    tensors = {
+        name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
+        for name, t in weights
+    }
     staging = directory / (WEIGHTS_FILE + ".partial")
     save_file(tensors, str(staging), metadata={"format": "pt"})
     os.replace(staging, directory / WEIGHTS_FILE)
@@ -125,12 +128,14 @@ def sampler_logps_tensor(completions: Sequence[Completion], width: int) -> torch
     """The sampler's log-probs right-padded with 0 to [N, width], or None when a completion has none."""
     if not completions or any(c.logprobs is None for c in completions):
         return None
-    return torch.tensor([list(c.logprobs) + [0.0] * (width - len(c.logprobs)) for c in completions],
-                        dtype=torch.float32)
+    return torch.tensor(
+        [list(c.logprobs) + [0.0] * (width - len(c.logprobs)) for c in completions], dtype=torch.float32
+    )
 
 
-def sampler_mismatch_metrics(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
-                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def sampler_mismatch_metrics(
+    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs of the sampled tokens are from the trainer's, over `mask`'s tokens:
     mean and max absolute difference (nats), and the mean ratio exp(trainer - sampler). In fp32 with the
     same weights they agree to ~1e-4; more means a weight-sync problem, lower precision, or a stale sampler."""
@@ -139,8 +144,11 @@ def sampler_mismatch_metrics(trainer_logps: torch.Tensor, sampler_logps: torch.T
     if diff.numel() == 0:
         zero = torch.zeros((), device=trainer_logps.device)
         return {"sampler/logp_diff_mean": zero, "sampler/logp_diff_max": zero, "sampler/ratio_mean": zero + 1}
-    return {"sampler/logp_diff_mean": diff.abs().mean(), "sampler/logp_diff_max": diff.abs().max(),
-            "sampler/ratio_mean": diff.exp().mean()}
+    return {
+        "sampler/logp_diff_mean": diff.abs().mean(),
+        "sampler/logp_diff_max": diff.abs().max(),
+        "sampler/ratio_mean": diff.exp().mean(),
+    }
 
 
 # -- the backends ------------------------------------------------------------------------------------------------
@@ -191,9 +199,16 @@ class VLLMServerBackend(GenerationBackend):
     restarted between two requests is noticed as well. `reconnects` counts both kinds of event.
     """
 
-    def __init__(self, client: VLLMClient, stop_token_ids: Sequence[int], sync_steps: int = 1,
-                 steps_per_round: int = 1, sync_dir: str | os.PathLike | None = None,
-                 vocab_size: int | None = None, reconnect_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        client: VLLMClient,
+        stop_token_ids: Sequence[int],
+        sync_steps: int = 1,
+        steps_per_round: int = 1,
+        sync_dir: str | os.PathLike | None = None,
+        vocab_size: int | None = None,
+        reconnect_timeout_s: float | None = None,
+    ) -> None:
         self.client = client
         self.stop_token_ids = list(stop_token_ids)
         self.schedule = _SyncSchedule(sync_steps, steps_per_round)
@@ -213,20 +228,28 @@ class VLLMServerBackend(GenerationBackend):
         self.dtype = getattr(torch, info["dtype"], None)
         served_vocab = info.get("vocab_size")
         if vocab_size is not None and served_vocab is not None and served_vocab != vocab_size:
-            raise ConfigError(f"The vLLM server at {client.base_url} serves {info['model']!r} with a vocabulary of "
-                              f"{served_vocab} tokens, but the trained model has {vocab_size}: it serves another "
-                              "model. Start the server with the model you train.")
+            raise ConfigError(
+                f"The vLLM server at {client.base_url} serves {info['model']!r} with a vocabulary of "
+                f"{served_vocab} tokens, but the trained model has {vocab_size}: it serves another "
+                "model. Start the server with the model you train."
+            )
         self._served = (info["model"], served_vocab)
         self.rounds = 0
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
-                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Completion]:
         _check_lengths(prompt_ids, sampling, self.max_model_len, f"the vLLM server at {self.client.base_url}")
         self.rounds += 1
         context = f"generation round {self.rounds}, at optimizer step {self.schedule.step}"
         seeds = completion_seeds(seed, len(prompt_ids), 1)
-        return self._call(lambda: self.client.generate(prompt_ids, n, sampling, seeds, self.stop_token_ids,
-                                                       context=context), context)
+        return self._call(
+            lambda: self.client.generate(prompt_ids, n, sampling, seeds, self.stop_token_ids, context=context), context
+        )
 
     def sync_weights(self, model, force: bool = False) -> None:
         if not force and not self.schedule.due():
@@ -257,9 +280,13 @@ class VLLMServerBackend(GenerationBackend):
             try:
                 if self.pushes and not self._stale and self.client.weights_version(context)["version"] != self._version:
                     self._count_reconnect()
-                    logger.warning("The vLLM server at %s no longer holds the weights pushed last (%s): it was "
-                                   "restarted. Pushing them again (reconnect %d of this run).", self.client.base_url,
-                                   context, self.reconnects)
+                    logger.warning(
+                        "The vLLM server at %s no longer holds the weights pushed last (%s): it was "
+                        "restarted. Pushing them again (reconnect %d of this run).",
+                        self.client.base_url,
+                        context,
+                        self.reconnects,
+                    )
                     self._stale = True
                 if self._stale:
                     self.client.reload_weights(str(self.sync_dir), context, version=self._version)
@@ -272,25 +299,36 @@ class VLLMServerBackend(GenerationBackend):
         """Waits for the server to answer again and checks it (model, posttrain's worker extension); raises the
         original error, saying so, if it does not come back in time."""
         url, timeout = self.client.base_url, self.reconnect_timeout_s
-        logger.warning("%s Waiting up to %g s (vllm_server_timeout) for it to come back; restart it on the same "
-                       "host and port to continue the run.", error, timeout)
+        logger.warning(
+            "%s Waiting up to %g s (vllm_server_timeout) for it to come back; restart it on the same "
+            "host and port to continue the run.",
+            error,
+            timeout,
+        )
         started = time.monotonic()
         try:
             info = self.client.wait_until_ready(timeout)
         except VLLMServerError as failure:
             if time.monotonic() - started < timeout:  # it answered, but not as a posttrain server of this model
                 raise
-            raise VLLMServerError(f"{error} It did not come back within {timeout:g} s (vllm_server_timeout)."
-                                  ) from failure
+            raise VLLMServerError(
+                f"{error} It did not come back within {timeout:g} s (vllm_server_timeout)."
+            ) from failure
         if (info["model"], info.get("vocab_size")) != self._served:
-            raise VLLMServerError(f"The vLLM server at {url} came back serving {info['model']!r} (vocabulary "
-                                  f"{info.get('vocab_size')}) instead of {self._served[0]!r} (vocabulary "
-                                  f"{self._served[1]}). Restart it with the model you train.")
+            raise VLLMServerError(
+                f"The vLLM server at {url} came back serving {info['model']!r} (vocabulary "
+                f"{info.get('vocab_size')}) instead of {self._served[0]!r} (vocabulary "
+                f"{self._served[1]}). Restart it with the model you train."
+            )
         self._count_reconnect()
         self._stale = self.pushes > 0  # a restarted server holds its start-up weights
-        logger.warning("Reconnected to the vLLM server at %s after %.0f s (reconnect %d of this run)%s.", url,
-                       time.monotonic() - started, self.reconnects,
-                       "; pushing the weights of the last sync again" if self._stale else "")
+        logger.warning(
+            "Reconnected to the vLLM server at %s after %.0f s (reconnect %d of this run)%s.",
+            url,
+            time.monotonic() - started,
+            self.reconnects,
+            "; pushing the weights of the last sync again" if self._stale else "",
+        )
 
     def _count_reconnect(self) -> None:
         self.reconnects += 1
@@ -314,35 +352,65 @@ class VLLMColocateBackend(GenerationBackend):
     The KV cache is capped at `kv_cache_gb` (on a GPU, `gpu_memory_utilization` applies when it is None).
     """
 
-    def __init__(self, model, tokenizer, stop_token_ids: Sequence[int], max_model_len: int, sync_steps: int = 1,
-                 steps_per_round: int = 1, kv_cache_gb: float | None = 1.0, gpu_memory_utilization: float = 0.3,
-                 enable_sleep_mode: bool = False, seed: int = 0, model_impl: str = "vllm") -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        stop_token_ids: Sequence[int],
+        max_model_len: int,
+        sync_steps: int = 1,
+        steps_per_round: int = 1,
+        kv_cache_gb: float | None = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        model_impl: str = "vllm",
+    ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             from vllm import LLM
         except ImportError as err:
-            raise ConfigError(f"vllm_mode='colocate' runs vLLM inside the trainer, but vLLM cannot be imported here "
-                              f"({err}). Run the trainer in the vLLM environment (scripts/setup_vllm.sh makes "
-                              "`.venv-vllm`), or use vllm_mode='server'.") from None
+            raise ConfigError(
+                f"vllm_mode='colocate' runs vLLM inside the trainer, but vLLM cannot be imported here "
+                f"({err}). Run the trainer in the vLLM environment (scripts/setup_vllm.sh makes "
+                "`.venv-vllm`), or use vllm_mode='server'."
+            ) from None
         self.stop_token_ids = list(stop_token_ids)
         self.schedule = _SyncSchedule(sync_steps, steps_per_round)
         self.max_model_len = max_model_len
         self.enable_sleep_mode = enable_sleep_mode
         self._directory = tempfile.TemporaryDirectory(prefix="posttrain-vllm-model-")
         dtype = _save_checkpoint(model, tokenizer, self._directory.name)
-        memory = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb is not None
-                  else {"gpu_memory_utilization": gpu_memory_utilization})
+        memory = (
+            {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+            if kv_cache_gb is not None
+            else {"gpu_memory_utilization": gpu_memory_utilization}
+        )
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker makes it a no-op in its process (ours)
-        self.llm = LLM(model=self._directory.name, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                       worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                       generation_config="vllm", enable_sleep_mode=enable_sleep_mode, seed=seed,
-                       model_impl=model_impl, **memory)
+        self.llm = LLM(
+            model=self._directory.name,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            model_impl=model_impl,
+            **memory,
+        )
         torch.set_num_threads = set_num_threads
         if enable_sleep_mode:
             self.llm.sleep(level=1)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
-                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Completion]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -353,16 +421,33 @@ class VLLMColocateBackend(GenerationBackend):
             from vllm.sampling_params import StructuredOutputsParams
 
             structured["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
-        params = [VLLMSamplingParams(
-            **sampling.extra, **structured, n=n, seed=s, max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty, stop_token_ids=self.stop_token_ids, logprobs=0,
-            detokenize=False) for s in seeds]
+        params = [
+            VLLMSamplingParams(
+                **sampling.extra,
+                **structured,
+                n=n,
+                seed=s,
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                stop_token_ids=self.stop_token_ids,
+                logprobs=0,
+                detokenize=False,
+            )
+            for s in seeds
+        ]
         with self._awake():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids], params,
-                                        use_tqdm=False)
-        return [completion_from_output(i, sample.token_ids, _sampled_logprobs(sample), self.stop_token_ids)
-                for i, output in enumerate(outputs) for sample in output.outputs]
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids], params, use_tqdm=False
+            )
+        return [
+            completion_from_output(i, sample.token_ids, _sampled_logprobs(sample), self.stop_token_ids)
+            for i, output in enumerate(outputs)
+            for sample in output.outputs
+        ]
 
     def sync_weights(self, model, force: bool = False) -> None:
         if not force and not self.schedule.due():
@@ -404,13 +489,16 @@ def _save_checkpoint(model, tokenizer, directory: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_lengths(prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, max_model_len: int,
-                   engine: str) -> None:
+def _check_lengths(
+    prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, max_model_len: int, engine: str
+) -> None:
     longest = max((len(ids) for ids in prompt_ids), default=0)
     if longest + sampling.max_tokens > max_model_len:
-        raise ConfigError(f"A prompt of {longest} tokens plus max_completion_length={sampling.max_tokens} exceeds the "
-                          f"{max_model_len}-token context of {engine}. Lower max_prompt_length or "
-                          "max_completion_length, or start vLLM with a larger --max-model-len.")
+        raise ConfigError(
+            f"A prompt of {longest} tokens plus max_completion_length={sampling.max_tokens} exceeds the "
+            f"{max_model_len}-token context of {engine}. Lower max_prompt_length or "
+            "max_completion_length, or start vLLM with a larger --max-model-len."
+        )
 
 
 # -- the factory's entry point ----------------------------------------------------------------------------------
@@ -423,17 +511,21 @@ def check_cpu_head_dim(config) -> None:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim < 32:
-        raise ConfigError(f"vLLM on a CPU needs attention heads of at least 32 dimensions, but this model's are "
-                          f"{head_dim} (hidden_size {config.hidden_size} / {config.num_attention_heads} heads). "
-                          "Generate with transformers (use_vllm=False), or use a model with head_dim >= 32.")
+        raise ConfigError(
+            f"vLLM on a CPU needs attention heads of at least 32 dimensions, but this model's are "
+            f"{head_dim} (hidden_size {config.hidden_size} / {config.num_attention_heads} heads). "
+            "Generate with transformers (use_vllm=False), or use a model with head_dim >= 32."
+        )
 
 
 def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -> GenerationBackend:
     """The vLLM backend that `args` (an OnlineConfig with use_vllm=True) asks for."""
     mode = args.vllm_mode
     if mode not in VLLM_MODES:
-        raise ConfigError(f"vllm_mode={mode!r} is not one of {VLLM_MODES}: 'server' for a vLLM server started with "
-                          "`posttrain vllm-serve`, 'colocate' for vLLM inside the training process.")
+        raise ConfigError(
+            f"vllm_mode={mode!r} is not one of {VLLM_MODES}: 'server' for a vLLM server started with "
+            "`posttrain vllm-serve`, 'colocate' for vLLM inside the training process."
+        )
     common = dict(sync_steps=args.vllm_sync_steps, steps_per_round=args.steps_per_generation)
     if mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
@@ -443,15 +535,29 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
     check_cpu_head_dim(_policy(model).config)
     context = _policy(model).config.max_position_embeddings
     max_model_len = args.vllm_max_model_length or min(
-        context, (args.max_prompt_length or context) + args.max_completion_length)
-    return VLLMColocateBackend(model, tokenizer, stop_token_ids, max_model_len=max_model_len,
-                               model_impl=args.vllm_model_impl,
-                               kv_cache_gb=args.vllm_kv_cache_gb,
-                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               enable_sleep_mode=args.vllm_enable_sleep_mode, seed=args.seed, **common)
+        context, (args.max_prompt_length or context) + args.max_completion_length
+    )
+    return VLLMColocateBackend(
+        model,
+        tokenizer,
+        stop_token_ids,
+        max_model_len=max_model_len,
+        model_impl=args.vllm_model_impl,
+        kv_cache_gb=args.vllm_kv_cache_gb,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        seed=args.seed,
+        **common,
+    )
 
 
 __all__ = [
-    "VLLMColocateBackend", "VLLMServerBackend", "VLLMServerError", "create_vllm_backend", "policy_weights",
-    "sampler_logps_tensor", "sampler_mismatch_metrics", "save_weights",
+    "VLLMColocateBackend",
+    "VLLMServerBackend",
+    "VLLMServerError",
+    "create_vllm_backend",
+    "policy_weights",
+    "sampler_logps_tensor",
+    "sampler_mismatch_metrics",
+    "save_weights",
 ]

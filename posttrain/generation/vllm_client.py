@@ -60,8 +60,16 @@ class VLLMClient:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # -- plumbing ------------------------------------------------------------------------------------------
-    def request(self, method: str, path: str, body: dict | None = None, *, what: str, context: str = "",
-                timeout_s: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        what: str,
+        context: str = "",
+        timeout_s: float | None = None,
+    ) -> Any:
         """One HTTP request; the decoded JSON answer (None when empty). `what` and `context` name the
         operation in the error raised on failure."""
         url = self.base_url + path
@@ -73,22 +81,28 @@ class VLLMClient:
             with self._opener.open(request, timeout=timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            raise VLLMServerError(f"{what}{where} failed: the vLLM server at {url} answered HTTP {err.code}: "
-                                  f"{_error_detail(err)}") from None
+            raise VLLMServerError(
+                f"{what}{where} failed: the vLLM server at {url} answered HTTP {err.code}: {_error_detail(err)}"
+            ) from None
         except TimeoutError:
-            raise VLLMServerError(f"{what}{where} failed: the vLLM server at {url} did not answer within "
-                                  f"{timeout:g} s. Raise the client timeout if the server is just slow.") from None
+            raise VLLMServerError(
+                f"{what}{where} failed: the vLLM server at {url} did not answer within "
+                f"{timeout:g} s. Raise the client timeout if the server is just slow."
+            ) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
             reason = getattr(err, "reason", None) or err
-            raise VLLMServerUnreachable(f"{what}{where} failed: could not reach the vLLM server at {url} ({reason}). "
-                                        f"Is it running? If not, {SERVE_HINT}.") from None
+            raise VLLMServerUnreachable(
+                f"{what}{where} failed: could not reach the vLLM server at {url} ({reason}). "
+                f"Is it running? If not, {SERVE_HINT}."
+            ) from None
         try:
             return json.loads(raw) if raw else None
         except json.JSONDecodeError:
             raise VLLMServerError(f"{what}{where}: the answer of {url} is not JSON: {raw[:200]!r}") from None
 
-    def collective_rpc(self, method: str, args: Sequence[str] = (), *, what: str, context: str = "",
-                       timeout_s: float | None = None) -> list:
+    def collective_rpc(
+        self, method: str, args: Sequence[str] = (), *, what: str, context: str = "", timeout_s: float | None = None
+    ) -> list:
         """Calls `method` on every vLLM worker; returns the workers' results."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         body = {"method": method, "args": list(args), "timeout": timeout}
@@ -107,8 +121,9 @@ class VLLMClient:
                 break
             except VLLMServerError as err:
                 if time.monotonic() >= deadline:
-                    raise VLLMServerError(f"The vLLM server at {self.base_url} was not ready within {timeout:g} s "
-                                          f"(last attempt: {err}).") from None
+                    raise VLLMServerError(
+                        f"The vLLM server at {self.base_url} was not ready within {timeout:g} s (last attempt: {err})."
+                    ) from None
                 time.sleep(1.0)
         return self.handshake()
 
@@ -120,36 +135,53 @@ class VLLMClient:
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} runs vLLM {version}; posttrain needs vLLM >= "
                 f"{'.'.join(map(str, MIN_VLLM_VERSION))} (tested with {TESTED_VLLM_VERSION}). Upgrade the server's "
-                "vLLM.")
+                "vLLM."
+            )
         if _major_minor(version) != _major_minor(TESTED_VLLM_VERSION):
-            logger.warning("The vLLM server at %s runs vLLM %s; posttrain was tested with %s.", self.base_url,
-                           version, TESTED_VLLM_VERSION)
+            logger.warning(
+                "The vLLM server at %s runs vLLM %s; posttrain was tested with %s.",
+                self.base_url,
+                version,
+                TESTED_VLLM_VERSION,
+            )
         models = self.request("GET", "/v1/models", what="listing the served model")["data"]
         try:
-            results = self.collective_rpc("posttrain_handshake", what="checking posttrain's worker extension",
-                                          timeout_s=60.0)
+            results = self.collective_rpc(
+                "posttrain_handshake", what="checking posttrain's worker extension", timeout_s=60.0
+            )
         except VLLMServerError as err:
             if "HTTP 404" in str(err):
                 raise VLLMServerError(
                     f"The vLLM server at {self.base_url} has no /collective_rpc route: it was started without "
-                    f"VLLM_SERVER_DEV_MODE=1. Restart it; `posttrain vllm-serve` sets it.") from None
+                    f"VLLM_SERVER_DEV_MODE=1. Restart it; `posttrain vllm-serve` sets it."
+                ) from None
             raise VLLMServerError(
                 f"The vLLM server at {self.base_url} does not have posttrain's worker extension ({err}). Restart it "
-                f"with --worker-extension-cls {WORKER_EXTENSION}; `posttrain vllm-serve` sets it.") from None
+                f"with --worker-extension-cls {WORKER_EXTENSION}; `posttrain vllm-serve` sets it."
+            ) from None
         info = results[0]
         if info.get("protocol") != PROTOCOL_VERSION:
             raise VLLMServerError(
                 f"Version mismatch: the vLLM server at {self.base_url} runs posttrain's worker extension protocol "
                 f"{info.get('protocol')}, this trainer speaks protocol {PROTOCOL_VERSION}. Install the same posttrain "
-                "version in the server's and the trainer's environments and restart the server.")
+                "version in the server's and the trainer's environments and restart the server."
+            )
         self.model_name = models[0]["id"]
         self.server_info = {**info, "vllm_version": version, "model": self.model_name}
         return self.server_info
 
     # -- generation -----------------------------------------------------------------------------------------
-    def complete(self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int | None,
-                 stop_token_ids: Sequence[int], prompt_index: int = 0, context: str = "",
-                 temperature: float | None = None) -> list[Completion]:
+    def complete(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        stop_token_ids: Sequence[int],
+        prompt_index: int = 0,
+        context: str = "",
+        temperature: float | None = None,
+    ) -> list[Completion]:
         """`n` completions of one prompt (token ids in, token ids and the sampler's log-probs out).
 
         `temperature` overrides sampling.temperature (0 is greedy decoding, which SamplingParams forbids
@@ -157,11 +189,19 @@ class VLLMClient:
         if self.model_name is None:
             self.handshake()
         body = {
-            "model": self.model_name, "prompt": list(prompt_ids), "n": n, "max_tokens": sampling.max_tokens,
+            "model": self.model_name,
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature if temperature is None else temperature,
-            "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty, "stop_token_ids": list(stop_token_ids),
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "stop_token_ids": list(stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
         }
         body.update(sampling.extra)
         if sampling.regex is not None:
@@ -170,11 +210,20 @@ class VLLMClient:
             body["seed"] = seed
         answer = self.request("POST", "/v1/completions", body, what="generation", context=context)
         choices = sorted(answer["choices"], key=lambda c: c["index"])
-        return [completion_from_output(prompt_index, c["token_ids"], c["logprobs"]["token_logprobs"], stop_token_ids)
-                for c in choices]
+        return [
+            completion_from_output(prompt_index, c["token_ids"], c["logprobs"]["token_logprobs"], stop_token_ids)
+            for c in choices
+        ]
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
-                 seeds: Sequence[int] | None, stop_token_ids: Sequence[int], context: str = "") -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int] | None,
+        stop_token_ids: Sequence[int],
+        context: str = "",
+    ) -> list[Completion]:
         """`n` completions per prompt, prompt-major. One request per prompt, all sent at once so that the
         server batches them; `seeds` has one seed per prompt (or None)."""
         if not prompt_ids:
@@ -182,8 +231,10 @@ class VLLMClient:
         seeds = list(seeds) if seeds is not None else [None] * len(prompt_ids)
         pool = ThreadPoolExecutor(max_workers=min(len(prompt_ids), 64))
         try:
-            futures = [pool.submit(self.complete, ids, n, sampling, seed, stop_token_ids, i, context)
-                       for i, (ids, seed) in enumerate(zip(prompt_ids, seeds))]
+            futures = [
+                pool.submit(self.complete, ids, n, sampling, seed, stop_token_ids, i, context)
+                for i, (ids, seed) in enumerate(zip(prompt_ids, seeds))
+            ]
             return [completion for future in futures for completion in future.result()]
         finally:  # after a failure, requests not yet sent are dropped rather than each waiting for a timeout
             pool.shutdown(wait=False, cancel_futures=True)
@@ -196,8 +247,12 @@ class VLLMClient:
         also after a failure."""
         self.request("POST", "/pause?mode=wait", {}, what="pausing generation for a weight sync", context=context)
         try:
-            self.collective_rpc("posttrain_reload_from_path", [directory, version], context=context,
-                                what=f"reloading the weights from {directory}")
+            self.collective_rpc(
+                "posttrain_reload_from_path",
+                [directory, version],
+                context=context,
+                what=f"reloading the weights from {directory}",
+            )
             self.reset_prefix_cache(context)
         finally:
             self.request("POST", "/resume", {}, what="resuming generation after a weight sync", context=context)
@@ -205,8 +260,9 @@ class VLLMClient:
     def weights_version(self, context: str = "") -> dict[str, Any]:
         """The server's `{"version", "reloads"}` (see `PosttrainWorkerExtension.posttrain_weights_version`);
         with several workers (tensor parallelism) they hold the same weights, so the first one answers."""
-        return self.collective_rpc("posttrain_weights_version", what="asking which weights the server holds",
-                                   context=context, timeout_s=60.0)[0]
+        return self.collective_rpc(
+            "posttrain_weights_version", what="asking which weights the server holds", context=context, timeout_s=60.0
+        )[0]
 
     def reset_prefix_cache(self, context: str = "", attempts: int = 20) -> None:
         """Resets the prefix cache; vLLM refuses while KV blocks are held, so it is retried briefly."""
@@ -215,14 +271,20 @@ class VLLMClient:
             if answer is None or answer.get("success", True):
                 return
             time.sleep(0.25)
-        raise VLLMServerError(f"resetting the prefix cache ({context}) failed: the vLLM server at {self.base_url} "
-                              f"still held KV blocks after {attempts} attempts; old-weight KV entries could be reused.")
+        raise VLLMServerError(
+            f"resetting the prefix cache ({context}) failed: the vLLM server at {self.base_url} "
+            f"still held KV blocks after {attempts} attempts; old-weight KV entries could be reused."
+        )
 
     # -- weight sync, GPU fast path (NCCL): vLLM's weight-sync client protocol -----------------------------------
     # vLLM's trainer-side transfer engines (vllm.distributed.weight_transfer) drive these five calls.
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info},
-                     what="initialising the NCCL weight transfer")
+        self.request(
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": init_info},
+            what="initialising the NCCL weight transfer",
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.request("POST", "/shutdown_weight_transfer_engine", {}, what="shutting down the weight transfer")
@@ -234,12 +296,14 @@ class VLLMClient:
         self.request("POST", "/update_weights", {"update_info": update_info}, what="receiving the weights (NCCL)")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.request("POST", "/finish_weight_update", {"weight_version": weight_version},
-                     what="finishing a weight update")
+        self.request(
+            "POST", "/finish_weight_update", {"weight_version": weight_version}, what="finishing a weight update"
+        )
 
 
-def completion_from_output(prompt_index: int, token_ids: Sequence[int], logprobs: Sequence[float] | None,
-                           stop_token_ids: Sequence[int]) -> Completion:
+def completion_from_output(
+    prompt_index: int, token_ids: Sequence[int], logprobs: Sequence[float] | None, stop_token_ids: Sequence[int]
+) -> Completion:
     """A Completion from vLLM's output; it ended with EOS when its last token is a stop token (vLLM keeps
     the stop token in the output ids)."""
     token_ids = list(token_ids)

@@ -52,8 +52,7 @@ class PosttrainWorkerExtension:
         """Which weights this worker holds: the `version` of the last reload (None: the start-up weights, as
         after a restart) and how many reloads it has done. The trainer compares the version with the one it
         pushed last, so a server restarted between two requests is noticed, not silently sampled from."""
-        return {"version": getattr(self, "_posttrain_version", None),
-                "reloads": getattr(self, "_posttrain_reloads", 0)}
+        return {"version": getattr(self, "_posttrain_version", None), "reloads": getattr(self, "_posttrain_reloads", 0)}
 
     def posttrain_reload_from_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Loads `(name, tensor)` pairs handed over in process (colocate mode, no multiprocessing)."""

@@ -75,8 +75,10 @@ def decoupled_advantages(
     every objective its own say. Rows no function applies to, and NaN results, get advantage 0.
     """
     if rewards_per_function.dim() != 2 or weights.numel() != rewards_per_function.shape[1]:
-        raise ConfigError(f"rewards_per_function {tuple(rewards_per_function.shape)} must be [N, F] with one of "
-                          f"the {weights.numel()} reward_weights per column.")
+        raise ConfigError(
+            f"rewards_per_function {tuple(rewards_per_function.shape)} must be [N, F] with one of "
+            f"the {weights.numel()} reward_weights per column."
+        )
     per_function = rewards_per_function.detach()
     groups = _grouped(per_function[:, 0], num_generations).shape[0]
     grouped = per_function.reshape(groups, num_generations, -1)
@@ -201,8 +203,10 @@ class AdaptiveEntropyController:
 
     def __init__(self, coef: float, target: float, delta: float, coef_min: float, coef_max: float) -> None:
         if not coef_min <= coef_max or delta < 0:
-            raise ConfigError(f"Adaptive entropy control needs entropy_coef_min ({coef_min}) <= entropy_coef_max "
-                              f"({coef_max}) and entropy_coef_delta ({delta}) >= 0.")
+            raise ConfigError(
+                f"Adaptive entropy control needs entropy_coef_min ({coef_min}) <= entropy_coef_max "
+                f"({coef_max}) and entropy_coef_delta ({delta}) >= 0."
+            )
         self.coef, self.target, self.delta = coef, target, delta
         self.coef_min, self.coef_max = coef_min, coef_max
         self.last_entropy = math.inf

@@ -50,8 +50,9 @@ def density_ratio_weights(prob_desirable: Tensor, min_ratio: float, max_ratio: f
     return (prob_desirable / (1 - prob_desirable + 1e-8)).clamp(min=min_ratio, max=max_ratio)
 
 
-def fit_density_ratio_classifier(embeddings: Tensor, desirable: Tensor, c: float = 1.0,
-                                 max_iter: int = 500) -> tuple[Tensor, Tensor]:
+def fit_density_ratio_classifier(
+    embeddings: Tensor, desirable: Tensor, c: float = 1.0, max_iter: int = 500
+) -> tuple[Tensor, Tensor]:
     """L2-regularised logistic regression telling desirable prompts (True) from undesirable ones, classes
     weighted n / (2 n_class) so that both count alike (scikit-learn's LogisticRegression(class_weight='balanced')
     objective, which TRL's BCO used): minimises 0.5 ||w||^2 + c * sum_i s_i log(1 + exp(-y_i (w.x_i + b))).
@@ -65,8 +66,9 @@ def fit_density_ratio_classifier(embeddings: Tensor, desirable: Tensor, c: float
     sample_weight = torch.where(y > 0, n / (2 * n_pos), n / (2 * (n - n_pos))).double()
     w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([w, b], lr=1, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-14,
-                                  line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        [w, b], lr=1, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-14, line_search_fn="strong_wolfe"
+    )
 
     def objective():
         optimizer.zero_grad()

@@ -27,13 +27,18 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 
 def _per_token(
-    divergence: Divergence, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-    mask: torch.Tensor | None, temperature: float,
+    divergence: Divergence,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None,
+    temperature: float,
 ) -> torch.Tensor:
     """Applies `divergence(student_logps, teacher_logps)` at the positions in `mask`; zeros elsewhere."""
     if student_logits.shape != teacher_logits.shape:
-        raise ConfigError(f"Student logits {tuple(student_logits.shape)} and teacher logits "
-                          f"{tuple(teacher_logits.shape)} differ in shape; align the vocabularies with shared_vocab.")
+        raise ConfigError(
+            f"Student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ in shape; align the vocabularies with shared_vocab."
+        )
     if temperature <= 0:
         raise ConfigError(f"temperature={temperature} must be > 0 (1.0 leaves the distributions as they are).")
     if mask is None:
@@ -46,20 +51,33 @@ def _per_token(
     return out.masked_scatter(mask, divergence(student, teacher))
 
 
-def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-               temperature: float = 1.0) -> torch.Tensor:
+def forward_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """KL(teacher ‖ student) per position: mode-covering, the classic distillation loss."""
     return _per_token(lambda s, t: _kl(t, s), student_logits, teacher_logits, mask, temperature)
 
 
-def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-               temperature: float = 1.0) -> torch.Tensor:
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """KL(student ‖ teacher) per position: mode-seeking, the student concentrates on the teacher's modes."""
     return _per_token(_kl, student_logits, teacher_logits, mask, temperature)
 
 
-def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
-                    mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """GKD's generalized Jensen-Shannon divergence per position:
 
         JSD_beta = beta * KL(p_T ‖ m) + (1 - beta) * KL(p_S ‖ m),   m = beta * p_T + (1 - beta) * p_S.

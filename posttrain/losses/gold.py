@@ -45,8 +45,9 @@ def align_by_byte_offsets(student_offsets, teacher_offsets) -> tuple[list[list[i
     return student_groups, teacher_groups
 
 
-def merge_groups(probs: torch.Tensor, groups: list[list[int]], token_ids: list[int],
-                 strategy: str = "observed") -> torch.Tensor:
+def merge_groups(
+    probs: torch.Tensor, groups: list[list[int]], token_ids: list[int], strategy: str = "observed"
+) -> torch.Tensor:
     """[groups, V]: one distribution per group (see the module docstring); an empty group gives zeros."""
     if strategy not in MERGE_STRATEGIES:
         raise ConfigError(f"uld_token_merge_strategy={strategy!r} is not one of {MERGE_STRATEGIES}.")
@@ -67,10 +68,12 @@ def sorted_l1(student_probs: torch.Tensor, teacher_probs: torch.Tensor) -> torch
     """ULD's distance between [N, V_S] and [N, V_T] distributions: the L1 distance of the probabilities sorted in
     decreasing order (zero-padded to the larger vocabulary), summed over positions and divided by N."""
     width = max(student_probs.shape[-1], teacher_probs.shape[-1])
-    student = torch.nn.functional.pad(student_probs.sort(-1, descending=True).values,
-                                      (0, width - student_probs.shape[-1]))
-    teacher = torch.nn.functional.pad(teacher_probs.sort(-1, descending=True).values,
-                                      (0, width - teacher_probs.shape[-1]))
+    student = torch.nn.functional.pad(
+        student_probs.sort(-1, descending=True).values, (0, width - student_probs.shape[-1])
+    )
+    teacher = torch.nn.functional.pad(
+        teacher_probs.sort(-1, descending=True).values, (0, width - teacher_probs.shape[-1])
+    )
     return (student - teacher).abs().sum() / student_probs.shape[0]
 
 
@@ -93,21 +96,32 @@ def _probability_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) 
     return terms.sum() / max(student.shape[0], 1)
 
 
-def hybrid_uld(student_probs: torch.Tensor, teacher_probs: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
-               beta: float, matched_weight: float | None = None,
-               unmatched_weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hybrid_uld(
+    student_probs: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor],
+    beta: float,
+    matched_weight: float | None = None,
+    unmatched_weight: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, matched part, unmatched part) of hybrid ULD on aligned [N, V_S] / [N, V_T] distributions: the
     generalized JSD on the probabilities of the tokens both vocabularies share (`shared`: teacher ids, student ids),
     ULD's sorted L1 on the others. Without weights they are weighed by the shared fraction of the teacher's
     vocabulary and its complement."""
     teacher_ids, student_ids = (ids.to(student_probs.device) for ids in shared)
-    matched = _probability_jsd(student_probs[:, student_ids], teacher_probs[:, teacher_ids], beta) \
-        if len(teacher_ids) else student_probs.sum() * 0.0
+    matched = (
+        _probability_jsd(student_probs[:, student_ids], teacher_probs[:, teacher_ids], beta)
+        if len(teacher_ids)
+        else student_probs.sum() * 0.0
+    )
     t_rest = torch.ones(teacher_probs.shape[-1], dtype=torch.bool, device=teacher_probs.device)
     s_rest = torch.ones(student_probs.shape[-1], dtype=torch.bool, device=student_probs.device)
     t_rest[teacher_ids], s_rest[student_ids] = False, False
-    unmatched = sorted_l1(student_probs[:, s_rest], teacher_probs[:, t_rest]) if t_rest.any() and s_rest.any() \
+    unmatched = (
+        sorted_l1(student_probs[:, s_rest], teacher_probs[:, t_rest])
+        if t_rest.any() and s_rest.any()
         else student_probs.sum() * 0.0
+    )
     if matched_weight is None:
         matched_weight = len(teacher_ids) / max(1, teacher_probs.shape[-1])
         unmatched_weight = 1.0 - matched_weight
@@ -125,12 +139,24 @@ def uld_sequence_loss(*args, **kwargs) -> torch.Tensor:
 
 
 def uld_sequence_parts(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, student_labels: torch.Tensor,
-    teacher_labels: torch.Tensor, student_ids: torch.Tensor, teacher_ids: torch.Tensor,
-    student_offsets: torch.Tensor | None = None, teacher_offsets: torch.Tensor | None = None, *,
-    extended: bool = True, strategy: str = "observed", student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0, skip_student_eos: bool = True, skip_teacher_eos: bool = True,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None, beta: float = 0.5, matched_weight: float | None = None,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_labels: torch.Tensor,
+    teacher_labels: torch.Tensor,
+    student_ids: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    student_offsets: torch.Tensor | None = None,
+    teacher_offsets: torch.Tensor | None = None,
+    *,
+    extended: bool = True,
+    strategy: str = "observed",
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    skip_student_eos: bool = True,
+    skip_teacher_eos: bool = True,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    beta: float = 0.5,
+    matched_weight: float | None = None,
     unmatched_weight: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(loss, matched part, unmatched part) of ULD on one sequence pair; the parts are hybrid ULD's (with `shared`)
@@ -152,8 +178,8 @@ def uld_sequence_parts(
         raise ConfigError("use_extended_uld=True aligns tokens by byte offsets; pass both sides' offsets.")
 
     def spans():
-        s_off = student_offsets[s_start:s_start + s_size].tolist() if extended else None
-        t_off = teacher_offsets[t_start:t_start + t_size].tolist() if extended else None
+        s_off = student_offsets[s_start : s_start + s_size].tolist() if extended else None
+        t_off = teacher_offsets[t_start : t_start + t_size].tolist() if extended else None
         return s_off, t_off
 
     if strategy == "bayesian" and (s_start == 0 or t_start == 0):  # no logit predicts a first token at position 0
@@ -168,10 +194,10 @@ def uld_sequence_parts(
         if s_size <= 0 or t_size <= 0:
             return zero, None, None
     shift = 1 if strategy == "bayesian" else 0
-    s_probs = (student_logits[s_start - shift:s_start + s_size - shift] / student_temperature).softmax(-1)
-    t_probs = (teacher_logits[t_start - shift:t_start + t_size - shift] / teacher_temperature).softmax(-1)
-    s_ids = student_ids[s_start:s_start + s_size].tolist()
-    t_ids = teacher_ids[t_start:t_start + t_size].tolist()
+    s_probs = (student_logits[s_start - shift : s_start + s_size - shift] / student_temperature).softmax(-1)
+    t_probs = (teacher_logits[t_start - shift : t_start + t_size - shift] / teacher_temperature).softmax(-1)
+    s_ids = student_ids[s_start : s_start + s_size].tolist()
+    t_ids = teacher_ids[t_start : t_start + t_size].tolist()
     if extended:
         pairs = [(sg, tg) for sg, tg in zip(*align_by_byte_offsets(*spans())) if sg and tg]
         s_aligned = merge_groups(s_probs, [sg for sg, _ in pairs], s_ids, strategy)

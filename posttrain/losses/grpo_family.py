@@ -70,11 +70,18 @@ def a2po_optimal_values(rewards: torch.Tensor, beta1: float) -> torch.Tensor:
     return beta1 * (torch.logsumexp(rewards / beta1, dim=1) - math.log(rewards.shape[1]))
 
 
-def a2po_loss(sequence_logps: torch.Tensor, ref_sequence_logps: torch.Tensor, rewards: torch.Tensor,
-              optimal_values: torch.Tensor, beta2: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def a2po_loss(
+    sequence_logps: torch.Tensor,
+    ref_sequence_logps: torch.Tensor,
+    rewards: torch.Tensor,
+    optimal_values: torch.Tensor,
+    beta2: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A*-PO's squared regression per completion [B]: (beta2 * (log pi(y|x) - log pi_ref(y|x)) - (r - V*(x)))^2,
     with sequence log-probs summed over the completion. Stats: "implicit_reward" and "advantage" (their means)."""
     implicit_reward = beta2 * (sequence_logps - ref_sequence_logps.detach())
     target = (rewards - optimal_values).detach()
-    return (implicit_reward - target) ** 2, {"implicit_reward": implicit_reward.detach().mean(),
-                                             "advantage": target.mean()}
+    return (implicit_reward - target) ** 2, {
+        "implicit_reward": implicit_reward.detach().mean(),
+        "advantage": target.mean(),
+    }

@@ -17,8 +17,12 @@ import torch
 
 
 def iw_opd_token_losses(
-    student_logps: torch.Tensor, teacher_logps: torch.Tensor, mask: torch.Tensor, gamma: float = 0.5,
-    eps: float = 1e-8, rollout_logps: torch.Tensor | None = None,
+    student_logps: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 0.5,
+    eps: float = 1e-8,
+    rollout_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss, advantages w_t * a_t, weights w_t), each [B, T], for the log-probabilities [B, T] of the
     sampled tokens under the student, the teacher and (default: the student's, detached) the rollout policy."""
@@ -55,8 +59,13 @@ def _support_jsd(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tens
 
 
 def support_divergence(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, support: torch.Tensor, valid: torch.Tensor,
-    beta: float, add_tail: bool = True, temperature: float = 1.0,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    support: torch.Tensor,
+    valid: torch.Tensor,
+    beta: float,
+    add_tail: bool = True,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Generalized JSD (0: forward KL, 1: reverse KL) per position between the two distributions restricted to the
     token ids `support` [..., K] (`valid` marks the ids to use, e.g. not duplicates): renormalised over the support,
@@ -67,8 +76,9 @@ def support_divergence(
     return divergence_on_support(student, teacher, valid, beta, add_tail)
 
 
-def divergence_on_support(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, beta: float,
-                          add_tail: bool) -> torch.Tensor:
+def divergence_on_support(
+    student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, beta: float, add_tail: bool
+) -> torch.Tensor:
     """Generalized JSD per position from the two log-probs at the support ids [..., K] (full-vocabulary
     log-probs, read where `valid`): renormalised over the support, or with the rest of the mass as one more
     element (`add_tail`)."""
@@ -83,8 +93,9 @@ def divergence_on_support(student: torch.Tensor, teacher: torch.Tensor, valid: t
     return _support_jsd(student, teacher, valid, beta)
 
 
-def top_k_support(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int,
-                  beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_support(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids a top-k divergence compares: the teacher's top k (beta=0), the student's (beta=1), or the teacher's
     then the student's with repeats marked invalid (0 < beta < 1)."""
     if beta == 0:
@@ -96,8 +107,9 @@ def top_k_support(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k:
     return _first_occurrences(support)
 
 
-def top1_mixed_support(teacher_logits: torch.Tensor, reverse_ids: torch.Tensor,
-                       beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def top1_mixed_support(
+    teacher_logits: torch.Tensor, reverse_ids: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """IW-OPD's mixed top-1 support: the token `reverse_ids` (the sampled one, or the student's argmax) alone for
     beta=1, else the teacher's argmax then that token (invalid when they coincide)."""
     if beta == 1:
@@ -110,5 +122,5 @@ def _first_occurrences(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """`support` with repeated ids replaced by id 0 and marked invalid."""
     valid = torch.ones_like(support, dtype=torch.bool)
     for i in range(1, support.shape[-1]):
-        valid[..., i] = ~(support[..., i:i + 1] == support[..., :i]).any(-1)
+        valid[..., i] = ~(support[..., i : i + 1] == support[..., :i]).any(-1)
     return torch.where(valid, support, torch.zeros_like(support)), valid

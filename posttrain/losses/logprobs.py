@@ -34,8 +34,9 @@ class RowSoftmax(NamedTuple):
     log_sum_sq: torch.Tensor | None
 
 
-def softmax_by_rows(z: torch.Tensor, *, probs: bool = False, entropy: bool = False,
-                    log_sum_sq: bool = False) -> RowSoftmax:
+def softmax_by_rows(
+    z: torch.Tensor, *, probs: bool = False, entropy: bool = False, log_sum_sq: bool = False
+) -> RowSoftmax:
     """The softmax statistics of logits z [N, V], exp(z - max) worked out `softmax_rows(V)` rows at a time so that
     the chunk itself is the only [N, V] tensor. z is overwritten: shifted by its row maxima, or with `probs` the
     probabilities. With m the row maximum and s = sum_v exp(z_v - m): log-normalizer m + log s, entropy
@@ -125,9 +126,16 @@ class _LinearLogps(torch.autograd.Function):
             rows, exact = hidden.shape[0], _logits_dtype(dtype)
             logz = hidden.new_empty(rows, dtype=exact)
             picked = hidden.new_empty(rows, dtype=exact)
-            extra = {name: hidden.new_empty(rows, dtype=exact)
-                     for name, wanted in (("mean_logits", stats), ("entropy", stats), ("top1", stats),
-                                          ("log_sum_sq", log_sum_sq)) if wanted}
+            extra = {
+                name: hidden.new_empty(rows, dtype=exact)
+                for name, wanted in (
+                    ("mean_logits", stats),
+                    ("entropy", stats),
+                    ("top1", stats),
+                    ("log_sum_sq", log_sum_sq),
+                )
+                if wanted
+            }
             for start in range(0, rows, chunk):
                 part = slice(start, start + chunk)
                 z = _chunk_logits(hidden[part], w, bias, dtype)
@@ -176,16 +184,24 @@ class _LinearLogps(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
             del grad_z  # before the next chunk's logits
-        cast = (lambda grad, like: None if grad is None else grad.to(like.dtype))
+        cast = lambda grad, like: None if grad is None else grad.to(like.dtype)
         grad_weight = cast(grad_weight, weight)
         if ctx.on_weight_grad is not None and grad_weight is not None and ctx.on_weight_grad(grad_weight):
             grad_weight = None  # taken over: delivered to autograd with the embedding's rows added
         return cast(grad_hidden, hidden), grad_weight, cast(grad_bias, bias), None, None, None, None, None
 
 
-def linear_logps(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, stats: bool = False, log_sum_sq: bool = False, chunk_size: int | None = None,
-                 on_weight_grad=None) -> TokenScores:
+def linear_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stats: bool = False,
+    log_sum_sq: bool = False,
+    chunk_size: int | None = None,
+    on_weight_grad=None,
+) -> TokenScores:
     """log_softmax(hidden @ weight.T + bias)[i, index[i]] for rows hidden [N, H], weight [V, H], index [N].
 
     Peak memory is one chunk of `chunk_size` rows of logits (default: CHUNK_ELEMENTS // V rows) and a few rows

@@ -31,31 +31,44 @@ def pair_preferences(scores: Tensor) -> Tensor:
     return scores[:, 0] >= scores[:, 1]
 
 
-def online_dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
-                    ref_rejected_logps: Tensor, beta: float, loss_type: str = "sigmoid"
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+def online_dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-pair losses [P] and the detached implicit rewards beta * (log pi - log pi_ref) of chosen and rejected.
 
     Log-probs are summed over each completion (IPO here takes the sums as they are, as online DPO does)."""
     if loss_type not in ("sigmoid", "ipo"):
         raise ValueError(f"loss_type={loss_type!r}: online DPO implements 'sigmoid' and 'ipo'.")
-    return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, loss_type=loss_type,
-                    beta=beta)
+    return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, loss_type=loss_type, beta=beta)
 
 
-def xpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
-             policy_logps_of_ref_samples: Tensor, beta: float, alpha: float, loss_type: str = "sigmoid"
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def xpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    policy_logps_of_ref_samples: Tensor,
+    beta: float,
+    alpha: float,
+    loss_type: str = "sigmoid",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-pair XPO loss [P] = DPO loss + alpha * log pi(y_ref); also returns the DPO part, the exploration part
     and the (detached) chosen - rejected implicit reward margin."""
-    dpo, chosen_rewards, rejected_rewards = online_dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps,
-                                                            ref_rejected_logps, beta, loss_type)
+    dpo, chosen_rewards, rejected_rewards = online_dpo_loss(
+        chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type
+    )
     exploration = alpha * policy_logps_of_ref_samples
     return dpo + exploration, dpo, exploration, chosen_rewards - rejected_rewards
 
 
-def nash_md_loss(logps: Tensor, ref_logps: Tensor, mask: Tensor, probability: Tensor, beta: float
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+def nash_md_loss(
+    logps: Tensor, ref_logps: Tensor, mask: Tensor, probability: Tensor, beta: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-completion Nash-MD surrogate [N] for the policy's own samples, with its score term
     (P - 1/2) * log pi(y) and its KL estimate sum_t (log pi - log pi_ref) (detached).
 

@@ -20,8 +20,16 @@ GRPO_LOSS_TYPES = LOSS_TYPES + ("cispo", "sapo", "luspo", "vespo")
 # Losses whose per-token term is the PPO clipped surrogate (the others replace the clip).
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # How each loss type reduces its per-token loss (aggregate_loss): the surrogates borrow an aggregation.
-_AGGREGATION = {"grpo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo", "dapo": "dapo", "luspo": "luspo",
-                "sapo": "grpo", "cispo": "dapo", "vespo": "dapo"}
+_AGGREGATION = {
+    "grpo": "grpo",
+    "bnpo": "bnpo",
+    "dr_grpo": "dr_grpo",
+    "dapo": "dapo",
+    "luspo": "luspo",
+    "sapo": "grpo",
+    "cispo": "dapo",
+    "vespo": "dapo",
+}
 
 
 @dataclass(frozen=True)
@@ -58,12 +66,18 @@ def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """torch.where of two numbers in `like`'s dtype (python floats would round through float32)."""
-    return torch.where(condition, torch.tensor(if_true, dtype=like.dtype, device=like.device),
-                       torch.tensor(if_false, dtype=like.dtype, device=like.device))
+    return torch.where(
+        condition,
+        torch.tensor(if_true, dtype=like.dtype, device=like.device),
+        torch.tensor(if_false, dtype=like.dtype, device=like.device),
+    )
 
 
 def vespo_weights(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: VespoParams = VespoParams(),
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    params: VespoParams = VespoParams(),
     sampler_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VESPO's per-sequence weight phi(w) [B, 1], detached (VESPO, 2026).
@@ -212,9 +226,13 @@ def _clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) ->
             return flags.squeeze(1)
         return (flags * weights).sum(dim=1) / weights.sum(dim=1)  # NaN for a row without tokens, as TRL
 
-    return {"clip_ratio_low": _fraction(low, weights), "clip_ratio_high": _fraction(high, weights),
-            "clip_ratio": _fraction(low | high, weights),
-            "clip_ratio_low_per_sequence": per_sequence(low), "clip_ratio_high_per_sequence": per_sequence(high)}
+    return {
+        "clip_ratio_low": _fraction(low, weights),
+        "clip_ratio_high": _fraction(high, weights),
+        "clip_ratio": _fraction(low | high, weights),
+        "clip_ratio_low_per_sequence": per_sequence(low),
+        "clip_ratio_high_per_sequence": per_sequence(high),
+    }
 
 
 def objective_metrics(stats: dict[str, torch.Tensor], gather=lambda values: values) -> dict[str, torch.Tensor]:
@@ -224,9 +242,15 @@ def objective_metrics(stats: dict[str, torch.Tensor], gather=lambda values: valu
     metrics = {}
     if "clip_ratio" in stats:
         low, high = gather(stats["clip_ratio_low_per_sequence"]), gather(stats["clip_ratio_high_per_sequence"])
-        metrics.update({"clip_ratio/low_mean": stats["clip_ratio_low"],
-                        "clip_ratio/high_mean": stats["clip_ratio_high"], "clip_ratio/region_mean": stats["clip_ratio"],
-                        "clip_ratio/low_min": low.nan_to_num(1.0).min(), "clip_ratio/high_max": high.nan_to_num(0.0).max()})
+        metrics.update(
+            {
+                "clip_ratio/low_mean": stats["clip_ratio_low"],
+                "clip_ratio/high_mean": stats["clip_ratio_high"],
+                "clip_ratio/region_mean": stats["clip_ratio"],
+                "clip_ratio/low_min": low.nan_to_num(1.0).min(),
+                "clip_ratio/high_max": high.nan_to_num(0.0).max(),
+            }
+        )
     if "cispo_clip_ratio" in stats:
         metrics["cispo_clip_ratio"] = stats["cispo_clip_ratio"]
     if "vespo_phi" in stats:
@@ -257,9 +281,19 @@ def clipped_policy_loss(
     "clip-higher").
     """
     return policy_objective(
-        logps, old_logps, advantages, mask, loss_type="grpo", epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        delta=delta, importance_sampling_level=importance_sampling_level, ref_logps=ref_logps, beta=beta,
-        kl_bias_correction=kl_bias_correction)
+        logps,
+        old_logps,
+        advantages,
+        mask,
+        loss_type="grpo",
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        importance_sampling_level=importance_sampling_level,
+        ref_logps=ref_logps,
+        beta=beta,
+        kl_bias_correction=kl_bias_correction,
+    )
 
 
 def aggregate_loss(
@@ -344,9 +378,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logps.exp() * finite_logps).sum(dim=-1)
 
 
-def truncated_importance_weights(
-    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float
-) -> torch.Tensor:
+def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float) -> torch.Tensor:
     """Per-token weights min(exp(trainer_logps - sampler_logps), cap), detached.
 
     They correct for the sampler (e.g. vLLM) and the trainer computing slightly different probabilities

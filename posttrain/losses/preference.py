@@ -18,8 +18,21 @@ from torch import Tensor
 from posttrain.errors import ConfigError, DataError
 
 DPO_LOSS_TYPES = (
-    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "robust",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
 )
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
@@ -28,7 +41,8 @@ LABEL_SMOOTHING_TYPES = frozenset({"sigmoid", "robust", "exo_pair", "aot", "aot_
 # The f-divergence generalisation (Wang et al. 2023) leaves a beta * log Z(x) term that cancels only in the
 # chosen-minus-rejected score difference, so only the losses built on that difference take it (as in TRL).
 F_DIVERGENCE_LOSS_TYPES = frozenset(
-    {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
+    {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+)
 # Loss types that compare length-normalised scores: they need the completion lengths.
 LENGTH_NORMALISED_TYPES = frozenset({"ipo", "sigmoid_norm"})
 # Losses that sort over the batch: a per-pair weight would land on the wrong quantile.
@@ -120,8 +134,10 @@ def validate_dpo_loss_settings(
             "another loss type."
         )
     if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
-        raise ConfigError(f"ld_alpha={ld_alpha} must lie in [0, 1] (1 = no down-weighting, 0 = ignore the tokens "
-                          "past the shorter completion's length), or be None.")
+        raise ConfigError(
+            f"ld_alpha={ld_alpha} must lie in [0, 1] (1 = no down-weighting, 0 = ignore the tokens "
+            "past the shorter completion's length), or be None."
+        )
     if "discopop" in loss_types and discopop_tau <= 0:
         raise ConfigError(f"discopop_tau={discopop_tau} must be positive (the paper uses 0.05).")
     return loss_types, weights
@@ -185,16 +201,23 @@ def dpo_loss(
     not to example i. The caller reduces the batch.
     """
     loss_types, weights = validate_dpo_loss_settings(
-        loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
-        f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
+        loss_type,
+        loss_weights,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
+        discopop_tau=discopop_tau,
     )
     if "sft" in loss_types and chosen_nll is None:
         raise ConfigError(
             "loss_type 'sft' needs chosen_nll, the per-example NLL of the chosen completion; pass it to dpo_loss."
         )
     if "sigmoid_norm" in loss_types and (chosen_lengths is None or rejected_lengths is None):
-        raise ConfigError("loss_type 'sigmoid_norm' needs chosen_lengths and rejected_lengths (completion token "
-                          "counts); pass both to dpo_loss.")
+        raise ConfigError(
+            "loss_type 'sigmoid_norm' needs chosen_lengths and rejected_lengths (completion token "
+            "counts); pass both to dpo_loss."
+        )
     if chosen_nll is not None and chosen_nll.shape != chosen_logps.shape:
         raise DataError(
             f"chosen_nll has shape {tuple(chosen_nll.shape)} but chosen_logps has {tuple(chosen_logps.shape)}; "
@@ -208,8 +231,9 @@ def dpo_loss(
     rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
     logits = chosen_scores - rejected_scores
     if chosen_lengths is not None and rejected_lengths is not None:
-        normalised = (chosen_scores / chosen_lengths.to(chosen_scores.dtype).clamp(min=1)
-                      - rejected_scores / rejected_lengths.to(rejected_scores.dtype).clamp(min=1))
+        normalised = chosen_scores / chosen_lengths.to(chosen_scores.dtype).clamp(
+            min=1
+        ) - rejected_scores / rejected_lengths.to(rejected_scores.dtype).clamp(min=1)
     else:
         normalised = logits
     eps = label_smoothing
@@ -226,14 +250,17 @@ def dpo_loss(
             losses = (-(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)
         elif name == "exo_pair":  # EXO-pref, Ji et al. 2024 Eq. 16: KL(softmax(b*logratios) || (1-e, e))
             p_chosen = torch.sigmoid(beta * logits)
-            losses = (p_chosen * (F.logsigmoid(beta * logits) - math.log(1 - eps))
-                      + (1 - p_chosen) * (F.logsigmoid(-beta * logits) - math.log(eps)))
+            losses = p_chosen * (F.logsigmoid(beta * logits) - math.log(1 - eps)) + (1 - p_chosen) * (
+                F.logsigmoid(-beta * logits) - math.log(eps)
+            )
         elif name == "nca_pair":  # NCA, Chen et al. 2024: -logsig(r_c) - 1/2 (logsig(-r_c) + logsig(-r_r))
-            losses = (-F.logsigmoid(beta * chosen_logratios)
-                      - 0.5 * (F.logsigmoid(-beta * chosen_logratios) + F.logsigmoid(-beta * rejected_logratios)))
+            losses = -F.logsigmoid(beta * chosen_logratios) - 0.5 * (
+                F.logsigmoid(-beta * chosen_logratios) + F.logsigmoid(-beta * rejected_logratios)
+            )
         elif name == "bco_pair":  # BCO, Jung et al. 2024: -logsig(r_c - delta) - logsig(-(r_r - delta))
-            losses = (-F.logsigmoid(beta * chosen_logratios - bco_delta)
-                      - F.logsigmoid(-(beta * rejected_logratios - bco_delta)))
+            losses = -F.logsigmoid(beta * chosen_logratios - bco_delta) - F.logsigmoid(
+                -(beta * rejected_logratios - bco_delta)
+            )
         elif name == "sppo_hard":  # SPPO, Wu et al. 2024 Eq. 4.7, hard labels P=1/0, eta = 1/beta
             losses = (chosen_logratios - 1 / (2 * beta)) ** 2 + (rejected_logratios + 1 / (2 * beta)) ** 2
         elif name == "aot":  # AOT paired, Melnyk et al. 2024: sorted policy margins dominate sorted ref margins

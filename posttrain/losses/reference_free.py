@@ -38,12 +38,18 @@ def orpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, beta: float = 0.1):
     log-prob, detached), log sigmoid(log-odds ratio) and the log-odds ratio itself (both detached, for logging).
     """
     # float32 at least: 1 - e^l cancels badly in half precision
-    chosen_logps, rejected_logps = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-                                    for x in (chosen_logps, rejected_logps))
+    chosen_logps, rejected_logps = (
+        x.float() if x.dtype in (torch.float16, torch.bfloat16) else x for x in (chosen_logps, rejected_logps)
+    )
     log_odds = (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))
     log_sigmoid_odds = F.logsigmoid(log_odds)
-    return (-beta * log_sigmoid_odds, beta * chosen_logps.detach(), beta * rejected_logps.detach(),
-            log_sigmoid_odds.detach(), log_odds.detach())
+    return (
+        -beta * log_sigmoid_odds,
+        beta * chosen_logps.detach(),
+        beta * rejected_logps.detach(),
+        log_sigmoid_odds.detach(),
+        log_odds.detach(),
+    )
 
 
 def alphapo_reward(logps: Tensor, alpha: float) -> Tensor:
@@ -58,20 +64,31 @@ def validate_cpo_settings(loss_type: str, beta: float, label_smoothing: float, c
     if loss_type not in CPO_LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not a CPO loss; choose from {list(CPO_LOSS_TYPES)}.")
     if beta <= 0:
-        raise ConfigError(f"beta={beta} must be positive (it scales the reward difference; simpo and ipo divide "
-                          "by it).")
+        raise ConfigError(
+            f"beta={beta} must be positive (it scales the reward difference; simpo and ipo divide by it)."
+        )
     if not 0.0 <= label_smoothing <= 0.5:
-        raise ConfigError(f"label_smoothing={label_smoothing} must lie in [0, 0.5] (it is the rate of flipped "
-                          "preference labels).")
+        raise ConfigError(
+            f"label_smoothing={label_smoothing} must lie in [0, 0.5] (it is the rate of flipped preference labels)."
+        )
     if label_smoothing > 0 and loss_type not in CPO_LABEL_SMOOTHING_TYPES | {"alphapo"}:
-        raise ConfigError(f"label_smoothing={label_smoothing} has no effect on loss_type={loss_type!r}; set it to 0 "
-                          f"or use one of {sorted(CPO_LABEL_SMOOTHING_TYPES)}.")
+        raise ConfigError(
+            f"label_smoothing={label_smoothing} has no effect on loss_type={loss_type!r}; set it to 0 "
+            f"or use one of {sorted(CPO_LABEL_SMOOTHING_TYPES)}."
+        )
     if cpo_alpha < 0:
         raise ConfigError(f"cpo_alpha={cpo_alpha} must be at least 0 (it weights the chosen completions' NLL).")
 
 
-def cpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, loss_type: str = "sigmoid", beta: float = 0.1,
-             label_smoothing: float = 0.0, simpo_gamma: float = 0.5, alpha: float = 0.0):
+def cpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    alpha: float = 0.0,
+):
     """CPO's preference term per pair (the NLL term is the trainer's), on sequence log-probs: sums for sigmoid and
     hinge, per-token averages for ipo and simpo (the caller passes the right ones, see CPO_AVERAGED_TYPES).
 

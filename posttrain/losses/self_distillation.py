@@ -54,16 +54,18 @@ def self_distillation_token_losses(
         valid = torch.ones_like(support, dtype=torch.bool)
         return support_divergence(student_logits, teacher_logits, support, valid, alpha, add_tail, temperature)
     if alpha != 1.0:
-        raise ConfigError(f"distillation_mode='sampled_token' estimates reverse KL only: distillation_alpha must be "
-                          f"1.0, got {alpha}.")
+        raise ConfigError(
+            f"distillation_mode='sampled_token' estimates reverse KL only: distillation_alpha must be 1.0, got {alpha}."
+        )
     student = selective_log_softmax(student_logits / temperature, tokens)
     with torch.no_grad():
         teacher = selective_log_softmax(teacher_logits / temperature, tokens)
     return sampled_token_distillation(student, teacher)
 
 
-def successful_demonstrations(rewards: list[float], num_generations: int, threshold: float,
-                              exclude_self: bool = True) -> list[int | None]:
+def successful_demonstrations(
+    rewards: list[float], num_generations: int, threshold: float, exclude_self: bool = True
+) -> list[int | None]:
     """SDPO's teacher context: for each rollout, the index of the first rollout of its group (consecutive blocks of
     `num_generations`) whose reward reaches `threshold` (itself excluded when `exclude_self`), or None."""
     if len(rewards) % num_generations:
@@ -71,11 +73,18 @@ def successful_demonstrations(rewards: list[float], num_generations: int, thresh
     sources: list[int | None] = []
     for i in range(len(rewards)):
         start = i - i % num_generations
-        found = [j for j in range(start, start + num_generations)
-                 if rewards[j] >= threshold and not (exclude_self and j == i)]
+        found = [
+            j
+            for j in range(start, start + num_generations)
+            if rewards[j] >= threshold and not (exclude_self and j == i)
+        ]
         sources.append(found[0] if found else None)
     return sources
 
 
-__all__ = ["DISTILLATION_MODES", "sampled_token_distillation", "self_distillation_token_losses",
-           "successful_demonstrations"]
+__all__ = [
+    "DISTILLATION_MODES",
+    "sampled_token_distillation",
+    "self_distillation_token_losses",
+    "successful_demonstrations",
+]

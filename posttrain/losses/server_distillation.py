@@ -20,15 +20,23 @@ import torch
 from .iw_opd import divergence_on_support
 
 
-def server_support(topk_ids: torch.Tensor, topk_logps: torch.Tensor, sampled_ids: torch.Tensor,
-                   sampled_logps: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def server_support(
+    topk_ids: torch.Tensor,
+    topk_logps: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(support ids [..., K'], the teacher's log-probs there, valid mask) from what the server reported: its top-k
     ids and log-probs [..., k] (-inf where it reported fewer) and its log-prob of the sampled tokens [...]."""
     if beta == 0:
         return topk_ids, topk_logps, torch.isfinite(topk_logps)
     if beta == 1:
-        return sampled_ids.unsqueeze(-1), sampled_logps.unsqueeze(-1), torch.ones_like(sampled_ids, dtype=torch.bool)[
-            ..., None]
+        return (
+            sampled_ids.unsqueeze(-1),
+            sampled_logps.unsqueeze(-1),
+            torch.ones_like(sampled_ids, dtype=torch.bool)[..., None],
+        )
     support = torch.stack([topk_ids[..., 0], sampled_ids], -1)
     valid = torch.ones_like(support, dtype=torch.bool)
     valid[..., 1] = support[..., 1] != support[..., 0]
@@ -36,9 +44,15 @@ def server_support(topk_ids: torch.Tensor, topk_logps: torch.Tensor, sampled_ids
     return torch.where(valid, support, 0), teacher, valid
 
 
-def sparse_teacher_divergence(student_logits: torch.Tensor, support: torch.Tensor, teacher_logps: torch.Tensor,
-                              valid: torch.Tensor, beta: float, add_tail: bool = True,
-                              temperature: float = 1.0) -> torch.Tensor:
+def sparse_teacher_divergence(
+    student_logits: torch.Tensor,
+    support: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    valid: torch.Tensor,
+    beta: float,
+    add_tail: bool = True,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per position [...]: the generalized JSD between the student's softmax(logits / temperature) [..., V] and
     the teacher's log-probs `teacher_logps` [..., K], both restricted to the ids `support` [..., K] where `valid`."""
     dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32

@@ -55,7 +55,10 @@ def _rows_sums(logits: torch.Tensor, targets: torch.Tensor, loss_type: str, labe
 
 
 def token_loss_sums(
-    logits: torch.Tensor, labels: torch.Tensor, loss_type: str = "nll", label_smoothing: float = 0.0,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_type: str = "nll",
+    label_smoothing: float = 0.0,
 ) -> TokenSums:
     """Loss, correct-prediction, token and entropy sums over trained targets.
 
@@ -124,8 +127,9 @@ class _FusedHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             piece = slice(start, start + chunk_size)
             rows = hidden[piece]
-            loss, right, chunk_entropy, grad = _chunk_forward_backward(rows, weight, bias, targets[piece], loss_type,
-                                                                       label_smoothing)
+            loss, right, chunk_entropy, grad = _chunk_forward_backward(
+                rows, weight, bias, targets[piece], loss_type, label_smoothing
+            )
             total += loss
             correct += right
             entropy += chunk_entropy
@@ -155,8 +159,14 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 
 def chunked_token_loss_sums(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
-    chunk_size: int = 1024, loss_type: str = "nll", label_smoothing: float = 0.0, on_weight_grad=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    loss_type: str = "nll",
+    label_smoothing: float = 0.0,
+    on_weight_grad=None,
 ) -> TokenSums:
     """`token_loss_sums` from final hidden states and the output projection, without the [tokens, vocab] logits.
 
@@ -170,13 +180,24 @@ def chunked_token_loss_sums(
         raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}.")
     targets = shift_for_next_token(labels)
     keep = targets != IGNORE_INDEX
-    total, correct, entropy = _FusedHeadLoss.apply(hidden[keep], weight, bias, targets[keep], chunk_size, loss_type,
-                                                   0.0 if loss_type == "dft" else label_smoothing, on_weight_grad)
+    total, correct, entropy = _FusedHeadLoss.apply(
+        hidden[keep],
+        weight,
+        bias,
+        targets[keep],
+        chunk_size,
+        loss_type,
+        0.0 if loss_type == "dft" else label_smoothing,
+        on_weight_grad,
+    )
     return TokenSums(total, correct, keep.sum(), entropy)
 
 
 def chunked_nll_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`nll_sum` from final hidden states and the output projection (see `chunked_token_loss_sums`)."""

@@ -37,7 +37,10 @@ def high_entropy_mask(
 
 
 def off_policy_sequence_mask(
-    logps: torch.Tensor, behaviour_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
     threshold: float,
 ) -> torch.Tensor:
     """1.0 / 0.0 [B, 1]: keep a sequence unless its advantage is negative and its mean per-token
@@ -54,8 +57,12 @@ def off_policy_sequence_mask(
 
 
 def sampler_importance_weights(
-    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str = "sequence_mask",
-    clip_min: float | None = None, clip_max: float | None = 3.0,
+    trainer_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
 ) -> torch.Tensor:
     """Importance weights pi_trainer / pi_sampler correcting for the sampler (e.g. vLLM) computing slightly
     different probabilities than the trainer for the tokens it sampled; detached.
@@ -80,8 +87,9 @@ def sampler_importance_weights(
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
-def sampler_ratio_metrics(ratio: torch.Tensor, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
-                          mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def sampler_ratio_metrics(
+    ratio: torch.Tensor, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """TRL's sampling/* metrics over valid tokens: |trainer - sampler| log-prob difference (mean, max; NaN
     tokens left out) and the importance ratio's min, mean and max (over tokens, or over sequences)."""
     valid = mask.bool()
@@ -93,8 +101,10 @@ def sampler_ratio_metrics(ratio: torch.Tensor, trainer_logps: torch.Tensor, samp
     def reduce(values, fn):
         return fn(values) if values.numel() else zero
 
-    return {"sampling/sampling_logp_difference/mean": reduce(difference, torch.mean),
-            "sampling/sampling_logp_difference/max": reduce(difference, torch.max),
-            "sampling/importance_sampling_ratio/min": reduce(flat, torch.min),
-            "sampling/importance_sampling_ratio/mean": reduce(flat, torch.mean),
-            "sampling/importance_sampling_ratio/max": reduce(flat, torch.max)}
+    return {
+        "sampling/sampling_logp_difference/mean": reduce(difference, torch.mean),
+        "sampling/sampling_logp_difference/max": reduce(difference, torch.max),
+        "sampling/importance_sampling_ratio/min": reduce(flat, torch.min),
+        "sampling/importance_sampling_ratio/mean": reduce(flat, torch.mean),
+        "sampling/importance_sampling_ratio/max": reduce(flat, torch.max),
+    }

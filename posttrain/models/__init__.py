@@ -3,5 +3,11 @@
 from .builtin import BUILTIN_MODEL_ID, builtin_model_path
 from .loading import load_causal_lm, load_sequence_classifier, load_tokenizer, resolve_model_path
 
-__all__ = ["BUILTIN_MODEL_ID", "builtin_model_path", "load_causal_lm", "load_sequence_classifier", "load_tokenizer",
-           "resolve_model_path"]
+__all__ = [
+    "BUILTIN_MODEL_ID",
+    "builtin_model_path",
+    "load_causal_lm",
+    "load_sequence_classifier",
+    "load_tokenizer",
+    "resolve_model_path",
+]

@@ -123,8 +123,11 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
     )
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     for key, value in ids.items():
         setattr(model.config, key, value)
     model.generation_config = GenerationConfig(**ids)
@@ -136,10 +139,12 @@ def _pin_smollm2_tokenizer(tokenizer) -> None:
     """Gives the GGUF-built tokenizer SmolLM2's own settings (see the module docstring)."""
     from tokenizers import pre_tokenizers
 
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     for name, token in SMOLLM2_SPECIAL_TOKENS.items():
         setattr(tokenizer, name, token)
     tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE

@@ -110,8 +110,10 @@ class _Recipe:
     def rebuild(self) -> torch.Tensor:
         if self.value is None:
             if [t._version for t in self.inputs] != self.versions:
-                raise RuntimeError("A tensor an activation is rebuilt from was modified in place after the forward "
-                                   "pass; run without fused_layers to modify it.")
+                raise RuntimeError(
+                    "A tensor an activation is rebuilt from was modified in place after the forward "
+                    "pass; run without fused_layers to modify it."
+                )
             with torch.no_grad():
                 self.value = self.make(*self.inputs)
         return self.value
@@ -208,8 +210,11 @@ def _fused_norm_forward(self, hidden_states):
 def same_code(function, reference) -> bool:
     """Same bytecode under the decorators: a class that reimplements the forward (another formula) is not."""
     code, ref = getattr(inspect.unwrap(function), "__code__", None), inspect.unwrap(reference).__code__
-    return code is not None and (code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names,
-                                                                                   ref.co_consts)
+    return code is not None and (code.co_code, code.co_names, code.co_consts) == (
+        ref.co_code,
+        ref.co_names,
+        ref.co_consts,
+    )
 
 
 def fuse_layers(model: nn.Module) -> int:

@@ -48,20 +48,30 @@ def _eligible(model) -> bool:
     if model.config._attn_implementation != "sdpa" or torch_module._has_any_global_hook():
         return False
     inner = model.model
-    if type(inner) is not llama.LlamaModel or type(inner.embed_tokens) is not nn.Embedding \
-            or not _plain_linear(model.lm_head) or type(inner.norm) is not llama.LlamaRMSNorm:
+    if (
+        type(inner) is not llama.LlamaModel
+        or type(inner.embed_tokens) is not nn.Embedding
+        or not _plain_linear(model.lm_head)
+        or type(inner.norm) is not llama.LlamaRMSNorm
+    ):
         return False
     if any(_hooked(m) or not _own_forward(m) for m in model.modules()):
         return False
     for layer in inner.layers[: model.config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not llama.LlamaDecoderLayer or type(attn) is not llama.LlamaAttention \
-                or type(mlp) is not llama.LlamaMLP or not isinstance(mlp.act_fn, (SiLUActivation, nn.SiLU)) \
-                or type(layer.input_layernorm) is not llama.LlamaRMSNorm \
-                or type(layer.post_attention_layernorm) is not llama.LlamaRMSNorm:
+        if (
+            type(layer) is not llama.LlamaDecoderLayer
+            or type(attn) is not llama.LlamaAttention
+            or type(mlp) is not llama.LlamaMLP
+            or not isinstance(mlp.act_fn, (SiLUActivation, nn.SiLU))
+            or type(layer.input_layernorm) is not llama.LlamaRMSNorm
+            or type(layer.post_attention_layernorm) is not llama.LlamaRMSNorm
+        ):
             return False
-        if not all(_plain_linear(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                                mlp.up_proj, mlp.down_proj)):
+        if not all(
+            _plain_linear(p)
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        ):
             return False
     return True
 
@@ -86,17 +96,36 @@ def llama_forward(model) -> Callable | None:
     layers = []
     for layer in inner.layers[: config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = tuple((p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                          mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        projections = tuple(
+            (p.weight, p.bias)
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        )
         dropout = attn.attention_dropout if attn.training else 0.0
-        layers.append((layer.input_layernorm, layer.post_attention_layernorm, attn, attn.head_dim, attn.layer_idx,
-                       attn.scaling, dropout, projections))
+        layers.append(
+            (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                attn,
+                attn.head_dim,
+                attn.layer_idx,
+                attn.scaling,
+                dropout,
+                projections,
+            )
+        )
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                logits_to_keep: int = 0, hidden: bool = False) -> torch.Tensor:
+    def forward(
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache=None,
+        logits_to_keep: int = 0,
+        hidden: bool = False,
+    ) -> torch.Tensor:
         states = nn.Embedding.forward(embedding, input_ids)
-        mask = create_causal_mask(config=config, inputs_embeds=states, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=states, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+        )
         cos, sin = rotary(states, position_ids)
         for norm_in, norm_post, attn, head_dim, layer_idx, scaling, dropout, weights in layers:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = weights

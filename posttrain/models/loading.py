@@ -42,8 +42,12 @@ def resolve_model_path(name_or_path: str) -> str:
         snapshot = _cached_hub_snapshot(HUB_MODEL_ID)
         if snapshot is not None:
             return snapshot
-        logger.info("%s is not in the local Hugging Face cache; using the built-in copy %s (Q4_1 weights, "
-                    "dequantized to float32).", HUB_MODEL_ID, BUILTIN_MODEL_ID)
+        logger.info(
+            "%s is not in the local Hugging Face cache; using the built-in copy %s (Q4_1 weights, "
+            "dequantized to float32).",
+            HUB_MODEL_ID,
+            BUILTIN_MODEL_ID,
+        )
         return builtin_model_path()
     return name_or_path
 
@@ -65,8 +69,10 @@ def _init_kwargs(model_init_kwargs: dict | None) -> dict:
     if isinstance(dtype, str) and dtype != "auto":
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
-            raise ConfigError(f"model_init_kwargs['dtype']={dtype!r} is not a torch dtype; use 'float32', "
-                              "'bfloat16', 'float16' or 'auto' (the checkpoint's own dtype).")
+            raise ConfigError(
+                f"model_init_kwargs['dtype']={dtype!r} is not a torch dtype; use 'float32', "
+                "'bfloat16', 'float16' or 'auto' (the checkpoint's own dtype)."
+            )
         dtype = resolved
     kwargs["dtype"] = dtype
     kwargs.setdefault("trust_remote_code", False)
@@ -75,8 +81,10 @@ def _init_kwargs(model_init_kwargs: dict | None) -> dict:
 
 def _reject_kwargs_for_object(model_init_kwargs: dict | None) -> None:
     if model_init_kwargs:
-        raise ConfigError("model_init_kwargs only applies when the model is given by name or path; the model you "
-                          "passed is already loaded. Drop model_init_kwargs or pass the model's name.")
+        raise ConfigError(
+            "model_init_kwargs only applies when the model is given by name or path; the model you "
+            "passed is already loaded. Drop model_init_kwargs or pass the model's name."
+        )
 
 
 def load_causal_lm(model: str | PreTrainedModel, model_init_kwargs: dict | None = None) -> PreTrainedModel:
@@ -104,11 +112,17 @@ def load_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ConfigError(f"The tokenizer of {tokenizer.name_or_path!r} has neither a pad token nor an eos "
-                              "token; set tokenizer.pad_token before training.")
+            raise ConfigError(
+                f"The tokenizer of {tokenizer.name_or_path!r} has neither a pad token nor an eos "
+                "token; set tokenizer.pad_token before training."
+            )
         tokenizer.pad_token = tokenizer.eos_token
-        logger.warning("The tokenizer of %r has no pad token; padding with its eos token %r (id %d).",
-                       tokenizer.name_or_path, tokenizer.eos_token, tokenizer.eos_token_id)
+        logger.warning(
+            "The tokenizer of %r has no pad token; padding with its eos token %r (id %d).",
+            tokenizer.name_or_path,
+            tokenizer.eos_token,
+            tokenizer.eos_token_id,
+        )
     return tokenizer
 
 
@@ -127,8 +141,10 @@ def load_sequence_classifier(
     if isinstance(model, PreTrainedModel):
         _reject_kwargs_for_object(model_init_kwargs)
         if not type(model).__name__.endswith("ForSequenceClassification"):
-            raise ConfigError(f"A {type(model).__name__} is not a sequence classifier; pass its name or path "
-                              "instead and it is loaded with a new classification head.")
+            raise ConfigError(
+                f"A {type(model).__name__} is not a sequence classifier; pass its name or path "
+                "instead and it is loaded with a new classification head."
+            )
         _check_num_labels(model.config, num_labels, model.name_or_path)
     else:
         path = resolve_model_path(model)
@@ -144,8 +160,10 @@ def load_sequence_classifier(
         eos = text_config.eos_token_id
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         if eos is None:
-            raise ConfigError(f"{model.name_or_path!r} has neither a pad nor an eos token id; pass the tokenizer "
-                              "(with pad_token set) so that padded batches can be scored.")
+            raise ConfigError(
+                f"{model.name_or_path!r} has neither a pad nor an eos token id; pass the tokenizer "
+                "(with pad_token set) so that padded batches can be scored."
+            )
         text_config.pad_token_id = eos
         logger.info("Set config.pad_token_id of %r to its eos token id %d.", model.name_or_path, eos)
     return model
@@ -153,6 +171,8 @@ def load_sequence_classifier(
 
 def _check_num_labels(config, num_labels: int, name: str) -> None:
     if config.num_labels != num_labels:
-        raise ConfigError(f"{name!r} is already a classifier with num_labels={config.num_labels}, but "
-                          f"num_labels={num_labels} is needed (a reward model has 1). Pass a checkpoint with "
-                          f"{num_labels} label(s), or its base causal LM to get a new head.")
+        raise ConfigError(
+            f"{name!r} is already a classifier with num_labels={config.num_labels}, but "
+            f"num_labels={num_labels} is needed (a reward model has 1). Pass a checkpoint with "
+            f"{num_labels} label(s), or its base causal LM to get a new head."
+        )

@@ -68,8 +68,10 @@ def create_reference_model(
     """The reference to use with `model`: `ref_model` (loaded with `model_init_kwargs` if a path or id) frozen;
     else None when `peft` (the adapter-disabled policy serves); else a frozen deep copy of `model`."""
     if ref_model is model:
-        raise ConfigError("ref_model is the policy itself, so freezing it would stop training. Omit ref_model "
-                          "to get a frozen copy of the policy, or pass a separately loaded model.")
+        raise ConfigError(
+            "ref_model is the policy itself, so freezing it would stop training. Omit ref_model "
+            "to get a frozen copy of the policy, or pass a separately loaded model."
+        )
     if ref_model is not None:
         return freeze(load_causal_lm(ref_model, model_init_kwargs) if isinstance(ref_model, str) else ref_model)
     if peft:
@@ -89,8 +91,10 @@ def copy_model(model: nn.Module) -> nn.Module:
     if not (partitioned or sharded) or not hasattr(model, "config"):
         return copy.deepcopy(model)
     if sharded:
-        state = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-                 for name, t in model.state_dict().items()}
+        state = {
+            name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for name, t in model.state_dict().items()
+        }
         return _fresh_copy(model, _unsharded_class(model), state)
     import deepspeed
     from transformers.integrations import deepspeed as hf_deepspeed
@@ -149,8 +153,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter in full, on the CPU (a collective under ZeRO-3 and FSDP2), by `named_weights`' names."""
     weights = named_weights(model)
     with gathered_weights(weights.values()):
-        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                for name, p in weights.items()}
+        return {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for name, p in weights.items()
+        }
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -215,13 +221,15 @@ def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator
 
     module = unwrap(model) if ref_model is None else ref_model
     if ref_model is None and not hasattr(module, "disable_adapter"):
-        raise TypeError("reference_forward needs a ref_model unless the policy is a PEFT model "
-                        "(whose adapter can be disabled); create one with create_reference_model.")
+        raise TypeError(
+            "reference_forward needs a ref_model unless the policy is a PEFT model "
+            "(whose adapter can be disabled); create one with create_reference_model."
+        )
     was_training = module.training
     module.eval()
     try:
         # an FSDP2-sharded reference keeps its head gathered: log-probs may be computed from it after the forward
-        with torch.no_grad(), (_reference_adapter(module) if ref_model is None else root_gathered(ref_model)):
+        with torch.no_grad(), _reference_adapter(module) if ref_model is None else root_gathered(ref_model):
             yield module
     finally:
         module.train(was_training)

@@ -53,8 +53,9 @@ class _Layout:
         for start, n in zip(edges, self.lengths):
             self.row_lengths[start // width].append(n)
         self.whole_rows = len(self.lengths) == rows
-        self.per_sequence = not self.whole_rows and (sum(n * n + _CALL_COST for n in self.lengths)
-                                                     < rows * (width * width + _CALL_COST))
+        self.per_sequence = not self.whole_rows and (
+            sum(n * n + _CALL_COST for n in self.lengths) < rows * (width * width + _CALL_COST)
+        )
         self.mask = None
         if not self.whole_rows and not self.per_sequence:
             ids = starts.cumsum(-1)
@@ -87,11 +88,16 @@ def _flash_inputs(module, query, key, value, dropout):
         query, key, value = (t if t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
     heads, kv_heads = query.shape[1], key.shape[1]
     tensors = (query, key, value)
-    if query.dtype not in _FLASH_DTYPES or any(t.dtype != query.dtype or t.stride(-1) != 1 for t in tensors) \
-            or value.shape[1] != kv_heads or not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+    if (
+        query.dtype not in _FLASH_DTYPES
+        or any(t.dtype != query.dtype or t.stride(-1) != 1 for t in tensors)
+        or value.shape[1] != kv_heads
+        or not query.shape[-1] == key.shape[-1] == value.shape[-1]
+    ):
         return None
-    if kv_heads != heads and (getattr(module, "num_key_value_groups", 1) * kv_heads != heads
-                              or not use_gqa_in_sdpa(None, key, value)):
+    if kv_heads != heads and (
+        getattr(module, "num_key_value_groups", 1) * kv_heads != heads or not use_gqa_in_sdpa(None, key, value)
+    ):
         return None  # SDPA would get the key and value repeated (or fail): left to it
     return tensors
 
@@ -99,7 +105,7 @@ def _flash_inputs(module, query, key, value, dropout):
 def _sequences(states: torch.Tensor, row_lengths) -> list[torch.Tensor]:
     """Each sequence of [batch, heads, tokens, dim] states as a [1, heads, its tokens, dim] view, as the kernel takes
     them (a split per row: fewer calls than slicing each)."""
-    return [part for row, lengths in enumerate(row_lengths) for part in states[row:row + 1].split(lengths, 2)]
+    return [part for row, lengths in enumerate(row_lengths) for part in states[row : row + 1].split(lengths, 2)]
 
 
 def _joined(parts, batch: int) -> torch.Tensor:
@@ -118,8 +124,9 @@ class _PerSequence(torch.autograd.Function):
     def forward(ctx, query, key, value, row_lengths, scale):
         outputs, logsumexps = [], []
         for q, k, v in zip(*(_sequences(states, row_lengths) for states in (query, key, value))):
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal=True,
-                                                                                        scale=scale)
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, is_causal=True, scale=scale
+            )
             outputs.append(out)
             logsumexps.append(logsumexp)
         out = _joined(outputs, query.shape[0]).transpose(1, 2)  # contiguous
@@ -132,24 +139,45 @@ class _PerSequence(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out, *logsumexps = ctx.saved_tensors
         states = (grad.transpose(1, 2), query, key, value, out.transpose(1, 2))
-        grads = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                     g, q, k, v, o, logsumexp, 0.0, True, scale=ctx.scale)
-                 for (g, q, k, v, o), logsumexp in zip(zip(*(_sequences(t, ctx.row_lengths) for t in states)),
-                                                       logsumexps)]
-        return *(_joined([g[i] for g in grads], grad.shape[0]) if needed else None
-                 for i, needed in enumerate(ctx.needs_input_grad[:3])), None, None
+        grads = [
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, q, k, v, o, logsumexp, 0.0, True, scale=ctx.scale
+            )
+            for (g, q, k, v, o), logsumexp in zip(zip(*(_sequences(t, ctx.row_lengths) for t in states)), logsumexps)
+        ]
+        return (
+            *(
+                _joined([g[i] for g in grads], grad.shape[0]) if needed else None
+                for i, needed in enumerate(ctx.needs_input_grad[:3])
+            ),
+            None,
+            None,
+        )
 
 
-def segment_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                              scaling: float | None = None, position_ids: torch.Tensor | None = None, **kwargs):
+def segment_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+):
     """transformers' attention-function interface; [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 
     batch, _, length, _ = query.shape
     layout = None
     causal = kwargs.get("is_causal")
-    if attention_mask is None and position_ids is not None and key.shape[2] == length \
-            and (getattr(module, "is_causal", True) if causal is None else causal):
+    if (
+        attention_mask is None
+        and position_ids is not None
+        and key.shape[2] == length
+        and (getattr(module, "is_causal", True) if causal is None else causal)
+    ):
         layout = _layout(position_ids, batch)
     if layout is None or not layout.per_sequence:
         mask = attention_mask if layout is None else layout.mask
@@ -163,23 +191,49 @@ def segment_attention_forward(module, query, key, value, attention_mask, dropout
         extra["enable_gqa"] = True
     elif groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    outputs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, **extra)
-               for q, k, v in zip(*(_sequences(states, layout.row_lengths) for states in (query, key, value)))]
+    outputs = [
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, **extra)
+        for q, k, v in zip(*(_sequences(states, layout.row_lengths) for states in (query, key, value)))
+    ]
     return _joined(outputs, batch).transpose(1, 2), None
 
 
-def segment_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
-                 use_vmap=False, **kwargs):
+def segment_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    attention_mask=None,
+    local_size=None,
+    use_vmap=False,
+    **kwargs,
+):
     """transformers' mask-function interface: None (no mask to build) for a full causal forward without attention
     mask, transformers' sdpa mask, always materialised, otherwise."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and local_size is None and not use_vmap and not q_offset and not kv_offset \
-            and q_length == kv_length:
+    if (
+        attention_mask is None
+        and local_size is None
+        and not use_vmap
+        and not q_offset
+        and not kv_offset
+        and q_length == kv_length
+    ):
         return None
     kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                     local_size=local_size, use_vmap=use_vmap, **kwargs)
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
 
 
 def _register() -> None:
@@ -199,18 +253,28 @@ def _attention_config(model):
     decoder = getattr(base, "get_decoder", lambda: None)()
     layers = getattr(decoder, "layers", None)
     config = getattr(decoder, "config", None)
-    if layers is None or not len(layers) or config is None or not same_code(type(decoder).forward,
-                                                                            llama.LlamaModel.forward):
+    if (
+        layers is None
+        or not len(layers)
+        or config is None
+        or not same_code(type(decoder).forward, llama.LlamaModel.forward)
+    ):
         return None
-    if config._attn_implementation != "sdpa" or not getattr(config, "is_causal", True) \
-            or getattr(config, "sliding_window", None) is not None \
-            or set(getattr(config, "layer_types", None) or ()) - {"full_attention"}:
+    if (
+        config._attn_implementation != "sdpa"
+        or not getattr(config, "is_causal", True)
+        or getattr(config, "sliding_window", None) is not None
+        or set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+    ):
         return None
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
-        if not same_code(type(layer).forward, llama.LlamaDecoderLayer.forward) or attention is None \
-                or not same_code(type(attention).forward, llama.LlamaAttention.forward) \
-                or attention.config is not config:
+        if (
+            not same_code(type(layer).forward, llama.LlamaDecoderLayer.forward)
+            or attention is None
+            or not same_code(type(attention).forward, llama.LlamaAttention.forward)
+            or attention.config is not config
+        ):
             return None
     return config
 

@@ -42,8 +42,10 @@ class HeadGradient:
     def _check_delivered(self) -> None:
         if self.grad is not None:  # the lookup's output did not reach the loss: the head's gradient would be lost
             self.grad = None
-            raise RuntimeError("The tied output layer's gradient was handed to the input embedding, whose backward "
-                               "did not run (its output does not reach the loss). Set fused_layers=False.")
+            raise RuntimeError(
+                "The tied output layer's gradient was handed to the input embedding, whose backward "
+                "did not run (its output does not reach the loss). Set fused_layers=False."
+            )
 
 
 class _Lookup(torch.autograd.Function):
@@ -90,10 +92,16 @@ def tied_embedding(model, head_weight: torch.Tensor | None):
     `nn.Embedding` tied to `head_weight`, delivers the head's gradient; yields the `HeadGradient` to pass to the head
     loss as `on_weight_grad` (None where it does not apply)."""
     embedding = _input_embedding(model)
-    applies = (type(embedding) is nn.Embedding and getattr(embedding, "_posttrain_tied_gradient", False)
-               and head_weight is not None and embedding.weight is head_weight
-               and embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
-               and "forward" not in vars(embedding))
+    applies = (
+        type(embedding) is nn.Embedding
+        and getattr(embedding, "_posttrain_tied_gradient", False)
+        and head_weight is not None
+        and embedding.weight is head_weight
+        and embedding.max_norm is None
+        and not embedding.scale_grad_by_freq
+        and not embedding.sparse
+        and "forward" not in vars(embedding)
+    )
     if not applies:
         return contextlib.nullcontext()
     return _swapped_forward(embedding)

@@ -92,10 +92,21 @@ def build_tiny_moe_model(tokenizer, seed: int = 0, num_experts: int = 4, router_
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=num_experts, num_experts_per_tok=2, router_aux_loss_coef=router_aux_loss_coef,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=router_aux_loss_coef,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
 

@@ -21,12 +21,17 @@ from .tiny import build_tiny_tokenizer
 
 # ChatML that also renders content given as typed blocks ({"type": "text" | "image"}); `image` is the text an
 # image block becomes (each processor expands it into the image's tokens).
-_BLOCK = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-          "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '__IMAGE__' }}"
-          "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}")
-_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}" + _BLOCK
-             + "{{ '<|im_end|>' + '\n' }}{% endfor %}"
-             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_BLOCK = (
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '__IMAGE__' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    + _BLOCK
+    + "{{ '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def multimodal_chat_template(image_text: str) -> str:
@@ -44,9 +49,17 @@ def _tokenizer(extra_tokens: list[str], special_attributes: dict[str, str] | Non
 
 def _text_config(config_class, tokenizer, hidden_size: int, **extra):
     return config_class(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **extra,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **extra,
     )
 
 
@@ -63,12 +76,25 @@ def _save(model, processor, path: str | os.PathLike, seed: int) -> str:
 def _siglip(image_size: int, patch_size: int, hidden_size: int):
     from transformers import SiglipVisionConfig
 
-    return SiglipVisionConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1,
-                              num_attention_heads=2, image_size=image_size, patch_size=patch_size)
+    return SiglipVisionConfig(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
 
 
-def build_tiny_llava(path, seed: int = 0, image_size: int = 32, patch_size: int = 8, hidden_size: int = 32,
-                     text_config=None, tokenizer=None) -> str:
+def build_tiny_llava(
+    path,
+    seed: int = 0,
+    image_size: int = 32,
+    patch_size: int = 8,
+    hidden_size: int = 32,
+    text_config=None,
+    tokenizer=None,
+) -> str:
     """A LLaVA model (SigLIP tower, 2-layer MLP projector, Llama LM) and its `LlavaProcessor` saved to `path`;
     (image_size / patch_size)^2 image tokens per image. Returns `path`."""
     import torch
@@ -81,14 +107,24 @@ def build_tiny_llava(path, seed: int = 0, image_size: int = 32, patch_size: int 
     template = multimodal_chat_template("<image>")
     tokenizer.chat_template = template
     image_processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
-                               chat_template=template)
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=0,
+        chat_template=template,
+    )
     text_config = text_config or _text_config(LlamaConfig, tokenizer, hidden_size, tie_word_embeddings=True)
-    config = LlavaConfig(vision_config=_siglip(image_size, patch_size, hidden_size), text_config=text_config,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
-                         vision_feature_select_strategy="full", projector_hidden_act="gelu",
-                         image_seq_length=(image_size // patch_size) ** 2)
+    config = LlavaConfig(
+        vision_config=_siglip(image_size, patch_size, hidden_size),
+        text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
@@ -108,15 +144,21 @@ def build_tiny_gemma3(path, seed: int = 0, image_size: int = 32, patch_size: int
     template = multimodal_chat_template("<start_of_image>")
     tokenizer.chat_template = template
     tokens_per_side = 2
-    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size},
-                                              do_pan_and_scan=False)
-    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
-                                image_seq_length=tokens_per_side ** 2)
-    text_config = _text_config(Gemma3TextConfig, tokenizer, hidden_size, head_dim=8, sliding_window=64,
-                               tie_word_embeddings=True)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}, do_pan_and_scan=False)
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=template,
+        image_seq_length=tokens_per_side**2,
+    )
+    text_config = _text_config(
+        Gemma3TextConfig, tokenizer, hidden_size, head_dim=8, sliding_window=64, tie_word_embeddings=True
+    )
     config = Gemma3Config(
-        text_config=text_config, vision_config=_siglip(image_size, patch_size, hidden_size).to_dict(),
-        mm_tokens_per_image=tokens_per_side ** 2, boi_token_index=tokenizer.convert_tokens_to_ids(tokens["boi_token"]),
+        text_config=text_config,
+        vision_config=_siglip(image_size, patch_size, hidden_size).to_dict(),
+        mm_tokens_per_image=tokens_per_side**2,
+        boi_token_index=tokenizer.convert_tokens_to_ids(tokens["boi_token"]),
         eoi_token_index=tokenizer.convert_tokens_to_ids(tokens["eoi_token"]),
         image_token_index=tokenizer.convert_tokens_to_ids(tokens["image_token"]),
     )
@@ -125,8 +167,9 @@ def build_tiny_gemma3(path, seed: int = 0, image_size: int = 32, patch_size: int
     return _save(model, processor, path, seed)
 
 
-def build_tiny_idefics3(path, seed: int = 0, image_size: int = 32, patch_size: int = 8, hidden_size: int = 32,
-                        scale_factor: int = 2) -> str:
+def build_tiny_idefics3(
+    path, seed: int = 0, image_size: int = 32, patch_size: int = 8, hidden_size: int = 32, scale_factor: int = 2
+) -> str:
     """An Idefics3 (SmolVLM's architecture) model and its `Idefics3Processor` saved to `path`; image splitting
     is off, so each image is one global image of ((image_size / patch_size) / scale_factor)^2 tokens."""
     import torch
@@ -137,17 +180,30 @@ def build_tiny_idefics3(path, seed: int = 0, image_size: int = 32, patch_size: i
     tokenizer = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *row_col])
     template = multimodal_chat_template("<image>")
     tokenizer.chat_template = template
-    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": image_size},
-                                                max_image_size={"longest_edge": image_size})
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}
+    )
     seq_len = ((image_size // patch_size) // scale_factor) ** 2
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len,
-                                  chat_template=template)
+    processor = Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len, chat_template=template
+    )
     text_config = _text_config(LlamaConfig, tokenizer, hidden_size, tie_word_embeddings=True)
-    vision = {"hidden_size": hidden_size, "intermediate_size": 2 * hidden_size, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size}
-    config = Idefics3Config(text_config=text_config.to_dict(), vision_config=vision, scale_factor=scale_factor,
-                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    vision = {
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    config = Idefics3Config(
+        text_config=text_config.to_dict(),
+        vision_config=vision,
+        scale_factor=scale_factor,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
     return _save(model, processor, path, seed)
@@ -162,15 +218,39 @@ def build_tiny_qwen2_vl_model(tokenizer=None, seed: int = 0, hidden_size: int = 
     tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer = tokenizer or _tokenizer(tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
-    text = {"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 512, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
-    vision = {"depth": 1, "embed_dim": hidden_size, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
-              "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+    vision = {
+        "depth": 1,
+        "embed_dim": hidden_size,
+        "hidden_size": hidden_size,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     return Qwen2VLForConditionalGeneration(config), tokenizer
 
@@ -183,19 +263,26 @@ def qwen2_vl_processor_parts(tokenizer, image_size: int = 32):
 
     tokenizer.chat_template = multimodal_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     pixels = image_size * image_size
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=4, merge_size=2,
-                                               temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=pixels, max_pixels=pixels, patch_size=4, merge_size=2, temporal_patch_size=2
+    )
     return image_processor, tokenizer
 
 
-def build_llava_from_causal_lm(lm_path: str, path, seed: int = 0, image_size: int = 32, patch_size: int = 8,
-                               vision_hidden_size: int = 64) -> str:
+def build_llava_from_causal_lm(
+    lm_path: str, path, seed: int = 0, image_size: int = 32, patch_size: int = 8, vision_hidden_size: int = 64
+) -> str:
     """A LLaVA model whose language model is the causal LM at `lm_path` (e.g. SmolLM2) and whose SigLIP tower
     and projector are fresh, with a `LlavaProcessor` (that LM's tokenizer plus an `<image>` token) saved to
     `path`. Returns `path`."""
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(lm_path)
@@ -203,14 +290,23 @@ def build_llava_from_causal_lm(lm_path: str, path, seed: int = 0, image_size: in
     template = multimodal_chat_template("<image>")
     tokenizer.chat_template = template
     lm = AutoModelForCausalLM.from_pretrained(lm_path)
-    processor = LlavaProcessor(image_processor=SiglipImageProcessorPil(size={"height": image_size,
-                                                                            "width": image_size}),
-                               tokenizer=tokenizer, patch_size=patch_size, vision_feature_select_strategy="full",
-                               num_additional_image_tokens=0, chat_template=template)
-    config = LlavaConfig(vision_config=_siglip(image_size, patch_size, vision_hidden_size), text_config=lm.config,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
-                         vision_feature_select_strategy="full", projector_hidden_act="gelu",
-                         image_seq_length=(image_size // patch_size) ** 2)
+    processor = LlavaProcessor(
+        image_processor=SiglipImageProcessorPil(size={"height": image_size, "width": image_size}),
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=0,
+        chat_template=template,
+    )
+    config = LlavaConfig(
+        vision_config=_siglip(image_size, patch_size, vision_hidden_size),
+        text_config=lm.config,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_hidden_act="gelu",
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     model.model.language_model.load_state_dict(lm.model.state_dict())

@@ -12,10 +12,11 @@ compute of a separate value model, at the price of the two objectives competing 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -76,8 +77,9 @@ class CausalLMWrapper(nn.Module):
     def disable_adapter(self) -> Iterator[None]:
         """The base LM without its PEFT adapter, for reference forwards (a PEFT model only)."""
         if not hasattr(self.pretrained_model, "disable_adapter"):
-            raise ConfigError("disable_adapter() needs a PEFT model; load with peft_config=... or keep a separate "
-                              "reference model.")
+            raise ConfigError(
+                "disable_adapter() needs a PEFT model; load with peft_config=... or keep a separate reference model."
+            )
         with self.pretrained_model.disable_adapter():
             yield
 
@@ -161,8 +163,10 @@ class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
         """The head's weights from `value_head.safetensors` in `directory` (a saved model or a checkpoint)."""
         head_file = Path(directory) / VALUE_HEAD_FILE
         if not head_file.is_file():
-            raise ConfigError(f"{directory} has no {VALUE_HEAD_FILE}, so the value head cannot be loaded from it; "
-                              "point to a folder saved from an AutoModelForCausalLMWithValueHead (or its trainer).")
+            raise ConfigError(
+                f"{directory} has no {VALUE_HEAD_FILE}, so the value head cannot be loaded from it; "
+                "point to a folder saved from an AutoModelForCausalLMWithValueHead (or its trainer)."
+            )
         weight = self.v_head.summary.weight
         self.v_head.load_state_dict(load_file(head_file, device=str(weight.device)))
 
@@ -176,9 +180,10 @@ class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
         head_state = {k: v.detach().contiguous().cpu() for k, v in self.v_head.state_dict().items()}
         if state_dict is not None:
             lm_prefix, head_prefix = "pretrained_model.", "v_head."
-            head_state = {k[len(head_prefix):]: v.contiguous().cpu() for k, v in state_dict.items()
-                          if k.startswith(head_prefix)}
-            kwargs["state_dict"] = {k[len(lm_prefix):]: v for k, v in state_dict.items() if k.startswith(lm_prefix)}
+            head_state = {
+                k[len(head_prefix) :]: v.contiguous().cpu() for k, v in state_dict.items() if k.startswith(head_prefix)
+            }
+            kwargs["state_dict"] = {k[len(lm_prefix) :]: v for k, v in state_dict.items() if k.startswith(lm_prefix)}
         self.pretrained_model.save_pretrained(save_directory, **kwargs)
         if kwargs.get("is_main_process", True):
             save_file(head_state, os.path.join(save_directory, VALUE_HEAD_FILE), metadata={"format": "pt"})
@@ -193,8 +198,9 @@ class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
         """Logits and one value per token from a single forward of the LM."""
         kwargs.pop("output_hidden_states", None)
         kwargs.pop("labels", None)  # the LM's own loss is never wanted here
-        outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
-                                        output_hidden_states=True, **kwargs)
+        outputs = self.pretrained_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+        )
         return CausalLMWithValueOutput(logits=outputs.logits, values=self.v_head(outputs.hidden_states[-1]))
 
 
@@ -211,13 +217,20 @@ class PolicyAndValueModel(CausalLMWrapper):
         self.pretrained_model = policy
         self.value_model = value_model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs: Any) -> CausalLMWithValueOutput:
-        logits = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       **kwargs).logits
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMWithValueOutput:
+        logits = self.pretrained_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        ).logits
         backbone = getattr(self.value_model, self.value_model.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return CausalLMWithValueOutput(logits=logits, values=self.value_model.score(hidden).squeeze(-1).float())
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
@@ -230,13 +243,19 @@ class PolicyAndValueModel(CausalLMWrapper):
 def check_value_model(value_model: PreTrainedModel, value_tokenizer, policy, tokenizer, source: str) -> None:
     """The value model reads the policy's token ids, so both must have the same vocabulary and a per-token head."""
     if not isinstance(getattr(value_model, "score", None), nn.Linear):
-        raise ConfigError(f"The value model ({source}, a {type(value_model).__name__}) has no per-token `score` "
-                          "head; use a causal-LM-based sequence classifier (e.g. a reward model trained with "
-                          "RewardTrainer) or set use_value_head=True.")
-    same = (value_tokenizer.get_vocab() == tokenizer.get_vocab() if value_tokenizer is not None else
-            value_model.get_input_embeddings().num_embeddings == policy.get_input_embeddings().num_embeddings)
+        raise ConfigError(
+            f"The value model ({source}, a {type(value_model).__name__}) has no per-token `score` "
+            "head; use a causal-LM-based sequence classifier (e.g. a reward model trained with "
+            "RewardTrainer) or set use_value_head=True."
+        )
+    same = (
+        value_tokenizer.get_vocab() == tokenizer.get_vocab()
+        if value_tokenizer is not None
+        else value_model.get_input_embeddings().num_embeddings == policy.get_input_embeddings().num_embeddings
+    )
     if not same:
         raise ConfigError(
             f"The value model ({source}) has a different vocabulary from the policy, and it must read the "
             "policy's token ids (no mapping between tokenizers is done). Pass a value_model built on the "
-            "policy's tokenizer (e.g. a reward model trained from the policy), or set use_value_head=True.")
+            "policy's tokenizer (e.g. a reward model trained from the policy), or set use_value_head=True."
+        )

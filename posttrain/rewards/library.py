@@ -466,12 +466,18 @@ def get_code_execution_reward(
                 todo[row] = unit_tests
                 payload = {"solution": extract_code(text), "tests": unit_tests, "marker_size": len(marker)}
                 jobs.append(json.dumps(payload) + "\n" + marker.decode() * len(unit_tests))
-        results = run_many([_HARNESS] * len(jobs), stdins=jobs, max_workers=max_workers, timeout_s=timeout_s,
-                           memory_mb=memory_mb, sandbox=sandbox)
+        results = run_many(
+            [_HARNESS] * len(jobs),
+            stdins=jobs,
+            max_workers=max_workers,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            sandbox=sandbox,
+        )
         scores: list[float | None] = [None] * len(completions)
         prefix = marker.decode() + " "
         for (row, unit_tests), result in zip(todo.items(), results):
-            passed = {line[len(prefix):] for line in result.stdout.splitlines() if line.startswith(prefix)}
+            passed = {line[len(prefix) :] for line in result.stdout.splitlines() if line.startswith(prefix)}
             scores[row] = len(passed & {str(index) for index in range(len(unit_tests))}) / len(unit_tests)
         return scores
 

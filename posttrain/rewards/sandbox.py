@@ -57,7 +57,7 @@ PROCESS_SANDBOX_WARNING = (
 # guard the network]. stdin holds `<length>\n<source><input>`: the prelude reads exactly the source, so whatever
 # follows stays on stdin for the snippet. It applies the limits, drops root, installs the network guard (process
 # sandbox only: bubblewrap has no network to guard) and runs the snippet as `__main__`.
-_PRELUDE = r'''
+_PRELUDE = r"""
 import sys
 
 
@@ -131,7 +131,7 @@ def _guard_network():
 _code = _enter_sandbox()
 del _enter_sandbox, _guard_network
 exec(_code)
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -199,8 +199,13 @@ def run_python(
     sandbox: "bubblewrap" (isolated; the default) or "process" (the weaker fallback; see the module docstring).
     stdin: text the snippet reads from its standard input.
     """
-    for name, value in [("timeout_s", timeout_s), ("memory_mb", memory_mb), ("file_size_mb", file_size_mb),
-                        ("disk_mb", disk_mb), ("max_processes", max_processes)]:
+    for name, value in [
+        ("timeout_s", timeout_s),
+        ("memory_mb", memory_mb),
+        ("file_size_mb", file_size_mb),
+        ("disk_mb", disk_mb),
+        ("max_processes", max_processes),
+    ]:
         if not value > 0:
             raise ConfigError(f"sandbox limits must be positive, got {name}={value}; pass a positive value.")
     check_sandbox(sandbox)
@@ -213,8 +218,12 @@ def run_python(
     else:
         processes = _tasks_of(NOBODY if isolated else os.getuid()) + max_processes
     limits = [
-        str(int(memory_mb * 2**20)), str(math.ceil(timeout_s) + 1), str(int(file_size_mb * 2**20)),
-        str(processes), str(int(isolated and root)), str(int(not isolated)),
+        str(int(memory_mb * 2**20)),
+        str(math.ceil(timeout_s) + 1),
+        str(int(file_size_mb * 2**20)),
+        str(processes),
+        str(int(isolated and root)),
+        str(int(not isolated)),
     ]
     source = code.encode()
     data = b"%d\n" % len(source) + source + stdin.encode()
@@ -311,7 +320,9 @@ def _bubblewrap() -> tuple[tuple[str, ...] | None, str]:
     command = tuple(_bubblewrap_command(path))
     probe = subprocess.run(
         [*_with_tmp_and_python(command, None), "--", sys.executable, "-I", "-c", "pass"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     if probe.returncode != 0:
         return None, f"{version or 'bubblewrap'} cannot create a sandbox here ({probe.stderr.strip()[-300:]})"
@@ -323,8 +334,19 @@ def _bubblewrap_command(bwrap: str) -> list[str]:
     if root:
         # A root trainer runs bubblewrap privileged, without a user namespace, keeping only CAP_SETUID/SETGID so
         # that the prelude can become `nobody` (a user namespace would map the snippet back to root).
-        unshare = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                   "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        unshare = [
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--cap-drop",
+            "ALL",
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+        ]
     else:
         unshare = ["--unshare-all", "--cap-drop", "ALL"]
     argv = [bwrap, *unshare, "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]

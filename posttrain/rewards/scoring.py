@@ -119,17 +119,23 @@ class _ModelReward:
     def __call__(self, prompts: list, completions: list) -> list[float]:
         conversational = isinstance(prompts[0], list)
         if conversational:
-            require_chat_template(self.tokenizer, f"scoring conversations with the reward model "
-                                                  f"{self.model.name_or_path!r}")
-            texts = [render(self.tokenizer, prompt + self._messages(completion))
-                     for prompt, completion in zip(prompts, completions)]
+            require_chat_template(
+                self.tokenizer, f"scoring conversations with the reward model {self.model.name_or_path!r}"
+            )
+            texts = [
+                render(self.tokenizer, prompt + self._messages(completion))
+                for prompt, completion in zip(prompts, completions)
+            ]
         else:
             texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
-        batch = self.tokenizer(texts, padding=True, padding_side="right", add_special_tokens=not conversational,
-                               return_tensors="pt")
+        batch = self.tokenizer(
+            texts, padding=True, padding_side="right", add_special_tokens=not conversational, return_tensors="pt"
+        )
         with torch.no_grad():
-            logits = self.model(input_ids=batch["input_ids"].to(self.model.device),
-                                attention_mask=batch["attention_mask"].to(self.model.device)).logits
+            logits = self.model(
+                input_ids=batch["input_ids"].to(self.model.device),
+                attention_mask=batch["attention_mask"].to(self.model.device),
+            ).logits
         return logits[:, 0].float().tolist()
 
     @staticmethod
@@ -185,13 +191,16 @@ class RewardScorer:
         failure_policy: str = "error",
     ) -> None:
         if failure_policy not in FAILURE_POLICIES:
-            raise ConfigError(f"reward_failure_policy={failure_policy!r} is not one of {FAILURE_POLICIES}: 'error' stops "
-                              "the run at a failing reward function, 'skip' scores the batch without it and counts it.")
+            raise ConfigError(
+                f"reward_failure_policy={failure_policy!r} is not one of {FAILURE_POLICIES}: 'error' stops "
+                "the run at a failing reward function, 'skip' scores the batch without it and counts it."
+            )
         self.failure_policy = failure_policy
         self.faults: dict[str, int] = {}  # failures per reward function since `pop_faults` (failure_policy='skip')
         if not reward_funcs:
-            raise ConfigError("No reward functions given; pass at least one function, model or model path in "
-                              "reward_funcs.")
+            raise ConfigError(
+                "No reward functions given; pass at least one function, model or model path in reward_funcs."
+            )
         count = len(reward_funcs)
         processing_classes = self._check_length(reward_processing_classes, count, "reward_processing_classes")
         weights = self._check_length(reward_weights, count, "reward_weights") or [1.0] * count
@@ -201,8 +210,12 @@ class RewardScorer:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s={timeout_s} must be positive (seconds an async reward function may take).")
         processing_classes = processing_classes or [None] * count
-        funcs, names = zip(*(self._load(entry, processing_class, i)
-                             for i, (entry, processing_class) in enumerate(zip(reward_funcs, processing_classes))))
+        funcs, names = zip(
+            *(
+                self._load(entry, processing_class, i)
+                for i, (entry, processing_class) in enumerate(zip(reward_funcs, processing_classes))
+            )
+        )
         self.names: list[str] = _unique(list(names))
         for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
             if getattr(func, "sandbox", None) is not None:
@@ -216,8 +229,10 @@ class RewardScorer:
     @staticmethod
     def _check_length(values: list | None, count: int, setting: str) -> list | None:
         if values is not None and len(values) != count:
-            raise ConfigError(f"{setting} has {len(values)} entries but there are {count} reward functions; "
-                              f"give one per reward function, in the same order.")
+            raise ConfigError(
+                f"{setting} has {len(values)} entries but there are {count} reward functions; "
+                f"give one per reward function, in the same order."
+            )
         return values
 
     @staticmethod
@@ -229,11 +244,15 @@ class RewardScorer:
             name = entry if isinstance(entry, str) else (model.name_or_path or type(model).__name__)
             return _ModelReward(model, tokenizer), name
         if not callable(entry):
-            raise ConfigError(f"reward_funcs[{index}] is a {type(entry).__name__}; give a function, a sequence "
-                              "classifier model, or a reward model's name or path.")
+            raise ConfigError(
+                f"reward_funcs[{index}] is a {type(entry).__name__}; give a function, a sequence "
+                "classifier model, or a reward model's name or path."
+            )
         if processing_class is not None:
-            raise ConfigError(f"reward_processing_classes[{index}] is set, but reward_funcs[{index}] "
-                              f"({_function_name(entry)}) is a function, not a model; set that entry to None.")
+            raise ConfigError(
+                f"reward_processing_classes[{index}] is set, but reward_funcs[{index}] "
+                f"({_function_name(entry)}) is a function, not a model; set that entry to None."
+            )
         return entry, _function_name(entry)
 
     def to(self, device: torch.device | str, accelerator: Any = None) -> RewardScorer:
@@ -251,8 +270,10 @@ class RewardScorer:
         """Fails early if a reward function needs an argument that neither the trainer nor the dataset gives."""
         shadowing = sorted(set(columns) & set(STANDARD_ARGUMENTS))
         if shadowing:
-            raise DataError(f"Dataset column(s) {shadowing} have the name of a standard reward function argument "
-                            f"({', '.join(STANDARD_ARGUMENTS)}); rename them (dataset.rename_column).")
+            raise DataError(
+                f"Dataset column(s) {shadowing} have the name of a standard reward function argument "
+                f"({', '.join(STANDARD_ARGUMENTS)}); rename them (dataset.rename_column)."
+            )
         available = set(STANDARD_ARGUMENTS) | set(columns)
         for reward in self._rewards:
             missing = [name for name in reward.required if name not in available]
@@ -261,7 +282,8 @@ class RewardScorer:
                     f"Reward function '{reward.name}' has a required parameter '{missing[0]}' that is neither a "
                     f"standard argument ({', '.join(STANDARD_ARGUMENTS)}) nor a dataset column (columns: "
                     f"{sorted(columns)}). Add a '{missing[0]}' column to the dataset or give the parameter a "
-                    "default value.")
+                    "default value."
+                )
 
     def __call__(
         self,
@@ -278,12 +300,20 @@ class RewardScorer:
         """
         self.check_columns(list(columns))
         self._check_lengths(prompts, completions, completion_ids, columns)
-        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns,
-                  "trainer_state": trainer_state}
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **columns,
+            "trainer_state": trainer_state,
+        }
         async_rewards = [reward for reward in self._rewards if reward.is_async]
         # The async functions start first so that they run while the sync functions run here.
-        pending = asyncio.run_coroutine_threadsafe(self._gather(async_rewards, kwargs), _event_loop()) \
-            if async_rewards else None
+        pending = (
+            asyncio.run_coroutine_threadsafe(self._gather(async_rewards, kwargs), _event_loop())
+            if async_rewards
+            else None
+        )
         outputs: dict[str, Any] = {}
         for reward in self._rewards:
             if not reward.is_async:
@@ -297,34 +327,40 @@ class RewardScorer:
             for reward, output in zip(async_rewards, pending.result()):
                 if isinstance(output, PosttrainError) and not isinstance(output, RewardTimeoutError):
                     raise output
-                outputs[reward.name] = self._fault(reward, kwargs, output) if isinstance(output, Exception) \
-                    else output
+                outputs[reward.name] = self._fault(reward, kwargs, output) if isinstance(output, Exception) else output
         columns = []
         for reward in self._rewards:
             try:
                 columns.append(self._check_output(reward, outputs[reward.name], prompts))
             except RewardFunctionError as error:
                 columns.append(self._fault(reward, kwargs, error))
-        rewards = torch.tensor([[math.nan if v is None else v for v in column] for column in columns],
-                               dtype=torch.float32).T
+        rewards = torch.tensor(
+            [[math.nan if v is None else v for v in column] for column in columns], dtype=torch.float32
+        ).T
         not_applicable = rewards.isnan()
         if not_applicable.all() and not any(self.faults.values()):
             raise DataError(
                 f"No reward function applies to this batch: {', '.join(self.names)} returned None for all "
                 f"{len(prompts)} samples. Check that the dataset has the columns these rewards read and that "
-                "they suit its task.")
+                "they suit its task."
+            )
         total = torch.nansum(rewards * self.weights, dim=1)
         total[not_applicable.all(dim=1)] = math.nan
         return rewards, total
 
     @staticmethod
     def _check_lengths(prompts: list, completions: list, completion_ids: list, columns: dict[str, list]) -> None:
-        lengths = {"completions": len(completions), "completion_ids": len(completion_ids),
-                   **{f"column '{name}'": len(values) for name, values in columns.items()}}
+        lengths = {
+            "completions": len(completions),
+            "completion_ids": len(completion_ids),
+            **{f"column '{name}'": len(values) for name, values in columns.items()},
+        }
         wrong = [f"{name} has {length}" for name, length in lengths.items() if length != len(prompts)]
         if wrong:
-            raise DataError(f"Reward inputs disagree in length: {len(prompts)} prompts, but {', '.join(wrong)}; "
-                            "give one row per completion (each prompt's row repeated once per generation).")
+            raise DataError(
+                f"Reward inputs disagree in length: {len(prompts)} prompts, but {', '.join(wrong)}; "
+                "give one row per completion (each prompt's row repeated once per generation)."
+            )
 
     async def _gather(self, rewards: list[_Reward], kwargs: dict[str, Any]) -> list[Any]:
         """Every function's output, or the exception it raised, in order."""
@@ -337,7 +373,8 @@ class RewardScorer:
             task.cancel()
             raise RewardTimeoutError(
                 f"Async reward function '{reward.name}' did not finish within timeout_s={self.timeout_s} s on a "
-                f"batch of {len(kwargs['prompts'])} samples; make it faster or raise the timeout.")
+                f"batch of {len(kwargs['prompts'])} samples; make it faster or raise the timeout."
+            )
         return task.result()
 
     def _call_one(self, reward: _Reward, kwargs: dict[str, Any]) -> Any:
@@ -352,8 +389,12 @@ class RewardScorer:
             if isinstance(error, (RewardTimeoutError, RewardFunctionError)):
                 raise error
             raise self._failure(reward, kwargs, error) from error
-        logger.warning("Reward function '%s' failed on this batch and is skipped for it (reward_failure_policy="
-                       "'skip'): %s: %s", reward.name, type(error).__name__, error)
+        logger.warning(
+            "Reward function '%s' failed on this batch and is skipped for it (reward_failure_policy='skip'): %s: %s",
+            reward.name,
+            type(error).__name__,
+            error,
+        )
         self.faults[reward.name] = self.faults.get(reward.name, 0) + 1
         return [None] * len(kwargs["prompts"])
 
@@ -368,16 +409,18 @@ class RewardScorer:
         The function is rerun one sample at a time to find it; training stops here anyway.
         """
         for i in range(len(kwargs["prompts"])):
-            sample = {key: value if key == "trainer_state" else value[i:i + 1] for key, value in kwargs.items()}
+            sample = {key: value if key == "trainer_state" else value[i : i + 1] for key, value in kwargs.items()}
             try:
                 self._call_one(reward, sample)
             except Exception as sample_error:  # noqa: BLE001 - any error is the one to report
                 return RewardFunctionError(
                     f"Reward function '{reward.name}' failed on sample {i} (prompt: "
-                    f"{_excerpt(kwargs['prompts'][i])}): {type(sample_error).__name__}: {sample_error}")
+                    f"{_excerpt(kwargs['prompts'][i])}): {type(sample_error).__name__}: {sample_error}"
+                )
         return RewardFunctionError(
             f"Reward function '{reward.name}' failed on a batch of {len(kwargs['prompts'])} samples (each sample "
-            f"alone succeeds): {type(error).__name__}: {error}")
+            f"alone succeeds): {type(error).__name__}: {error}"
+        )
 
     @staticmethod
     def _check_output(reward: _Reward, output: Any, prompts: list) -> list[float]:
@@ -386,7 +429,8 @@ class RewardScorer:
             got = f"{len(output)} values" if isinstance(output, (list, tuple)) else f"a {type(output).__name__}"
             raise RewardFunctionError(
                 f"Reward function '{reward.name}' returned {got} for {len(prompts)} samples; return a list with "
-                "one float (or None where it does not apply) per completion.")
+                "one float (or None where it does not apply) per completion."
+            )
         values = []
         for i, value in enumerate(output):
             if value is None:
@@ -396,6 +440,7 @@ class RewardScorer:
                 problem = "a non-finite reward" if isinstance(value, numbers.Real) else f"a {type(value).__name__}"
                 raise RewardFunctionError(
                     f"Reward function '{reward.name}' returned {problem} ({value!r:.80}) for sample {i} (prompt: "
-                    f"{_excerpt(prompts[i])}); return a finite float, or None when the reward does not apply.")
+                    f"{_excerpt(prompts[i])}); return a finite float, or None when the reward does not apply."
+                )
             values.append(float(value))
         return values

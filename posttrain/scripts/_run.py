@@ -20,8 +20,11 @@ class RewardScriptArguments(ScriptArguments):
         default=None, metadata={"help": "A reward model (hub id or local directory of a sequence classifier)."}
     )
     reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, "
-                                        "think_format_reward, get_soft_overlong_punishment, or a dotted import path."}
+        default=None,
+        metadata={
+            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, "
+            "think_format_reward, get_soft_overlong_punishment, or a dotted import path."
+        },
     )
 
 
@@ -62,18 +65,22 @@ def _datasets(script_args, training_args, dataset_args):
         splits = get_dataset(dataset_args, seed=training_args.seed)
         train = splits[script_args.dataset_train_split] if script_args.dataset_train_split in splits else None
         if train is None:
-            raise ConfigError(f"the mixture has splits {sorted(splits)}, not dataset_train_split="
-                              f"{script_args.dataset_train_split!r}.")
+            raise ConfigError(
+                f"the mixture has splits {sorted(splits)}, not dataset_train_split={script_args.dataset_train_split!r}."
+            )
         if evaluate and script_args.dataset_test_split not in splits:
-            raise ConfigError(f"eval_strategy is not 'no' but the mixture has no {script_args.dataset_test_split!r} "
-                              "split; set test_split_size.")
+            raise ConfigError(
+                f"eval_strategy is not 'no' but the mixture has no {script_args.dataset_test_split!r} "
+                "split; set test_split_size."
+            )
         return train, splits[script_args.dataset_test_split] if evaluate else None
     if not script_args.dataset_name:
         raise ConfigError("Either `datasets` (in the YAML config) or dataset_name must be given.")
 
     def split(name):
-        return load_source(script_args.dataset_name, script_args.dataset_config, name,
-                           streaming=script_args.dataset_streaming)
+        return load_source(
+            script_args.dataset_name, script_args.dataset_config, name, streaming=script_args.dataset_streaming
+        )
 
     return split(script_args.dataset_train_split), split(script_args.dataset_test_split) if evaluate else None
 
@@ -89,9 +96,15 @@ def run(name: str, script_args, training_args, model_args, dataset_args) -> None
     training_args.model_init_kwargs = init_kwargs
     train_dataset, eval_dataset = _datasets(script_args, training_args, dataset_args)
     extra = {"reward_funcs": _reward_funcs(script_args)} if METHODS[name].kind == "online" else {}
-    trainer = trainer_class(model=model_args.model_name_or_path, args=training_args, train_dataset=train_dataset,
-                            eval_dataset=eval_dataset, quantization_config=get_quantization_config(model_args),
-                            peft_config=get_peft_config(model_args), **extra)
+    trainer = trainer_class(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        **extra,
+    )
     if script_args.ignore_bias_buffers:
         ignore_bool_buffers(trainer.model)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -66,18 +66,47 @@ Where posttrain's pieces differ (for the engine to decide)
   are checked against the schema (missing / unexpected / wrong type) before the call; long results can be cut.
 """
 
-from .environment import EnvironmentSlot, EnvironmentPool, environment_methods, prompt_with_observation
+from .environment import EnvironmentPool, EnvironmentSlot, environment_methods, prompt_with_observation
 from .executor import ToolExecutor, ToolResult, ToolStats, check_arguments, error_text, result_text
-from .parsers import (ParsedTurn, ParseError, ToolCall, get_parser, parse_hermes, parse_llama3, parse_tool_calls,
-                      register_parser)
+from .parsers import (
+    ParsedTurn,
+    ParseError,
+    ToolCall,
+    get_parser,
+    parse_hermes,
+    parse_llama3,
+    parse_tool_calls,
+    register_parser,
+)
 from .schema import check_template_renders_tools, tool_name, tool_schema, tool_schemas
 from .templates import CHATML_TOOL_TEMPLATE, chatml_tool_template, use_chatml_tool_template
 from .tokens import tool_suffix_ids
 
 __all__ = [
-    "CHATML_TOOL_TEMPLATE", "EnvironmentSlot", "EnvironmentPool", "ParseError", "ParsedTurn", "ToolCall", "ToolExecutor",
-    "ToolResult", "ToolStats", "check_arguments", "check_template_renders_tools", "chatml_tool_template",
-    "environment_methods", "error_text", "get_parser", "parse_hermes", "parse_llama3", "parse_tool_calls",
-    "prompt_with_observation", "register_parser", "result_text", "tool_name", "tool_schema", "tool_schemas",
-    "tool_suffix_ids", "use_chatml_tool_template",
+    "CHATML_TOOL_TEMPLATE",
+    "EnvironmentSlot",
+    "EnvironmentPool",
+    "ParseError",
+    "ParsedTurn",
+    "ToolCall",
+    "ToolExecutor",
+    "ToolResult",
+    "ToolStats",
+    "check_arguments",
+    "check_template_renders_tools",
+    "chatml_tool_template",
+    "environment_methods",
+    "error_text",
+    "get_parser",
+    "parse_hermes",
+    "parse_llama3",
+    "parse_tool_calls",
+    "prompt_with_observation",
+    "register_parser",
+    "result_text",
+    "tool_name",
+    "tool_schema",
+    "tool_schemas",
+    "tool_suffix_ids",
+    "use_chatml_tool_template",
 ]

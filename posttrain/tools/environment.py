@@ -32,8 +32,11 @@ RESERVED = ("reset", "get_reward")
 
 def environment_methods(environment: Any) -> list[Callable]:
     """The environment's tools: its class's public functions (properties are not evaluated), bound to it."""
-    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
-            if not name.startswith("_") and name not in RESERVED]
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+        if not name.startswith("_") and name not in RESERVED
+    ]
 
 
 @dataclass
@@ -52,13 +55,19 @@ class EnvironmentPool:
     `standalone_tools` (the trainer's ``tools=``) are offered next to every environment's methods.
     """
 
-    def __init__(self, environment_factory: Callable[[], Any] | Mapping[Any, Callable[[], Any]],
-                 standalone_tools: Sequence[Callable] = (), done_attribute: str | None = None):
+    def __init__(
+        self,
+        environment_factory: Callable[[], Any] | Mapping[Any, Callable[[], Any]],
+        standalone_tools: Sequence[Callable] = (),
+        done_attribute: str | None = None,
+    ):
         self.multi = isinstance(environment_factory, Mapping)
         factories = dict(environment_factory) if self.multi else {None: environment_factory}
         if not factories:
-            raise ConfigError("environment_factory={} names no environment; give a callable, or a dict "
-                              "{name: callable} with at least one entry.")
+            raise ConfigError(
+                "environment_factory={} names no environment; give a callable, or a dict "
+                "{name: callable} with at least one entry."
+            )
         self.factories = factories
         self.standalone_tools = list(standalone_tools)
         self.done_attribute = done_attribute
@@ -67,8 +76,10 @@ class EnvironmentPool:
         self.reward_classes: list[type] = []
         for name, factory in factories.items():
             if not callable(factory):
-                raise ConfigError(f"environment_factory[{name!r}] is a {type(factory).__name__}, not a callable "
-                                  "that returns a new environment.")
+                raise ConfigError(
+                    f"environment_factory[{name!r}] is a {type(factory).__name__}, not a callable "
+                    "that returns a new environment."
+                )
             instance = self._build(name)
             self.pool[name] = [instance]
             methods = environment_methods(instance)
@@ -77,9 +88,10 @@ class EnvironmentPool:
                 try:
                     tool_schema(method)
                 except ConfigError as error:
-                    raise ConfigError(f"Environment {label}: public method {method.__name__} is offered to the model "
-                                      f"as a tool but {error} (Rename it with a leading _ if it is not a tool.)") \
-                        from error
+                    raise ConfigError(
+                        f"Environment {label}: public method {method.__name__} is offered to the model "
+                        f"as a tool but {error} (Rename it with a leading _ if it is not a tool.)"
+                    ) from error
             self.tool_schemas[name] = tool_schemas(self.standalone_tools + methods)
             if callable(getattr(instance, "get_reward", None)) and type(instance) not in self.reward_classes:
                 self.reward_classes.append(type(instance))
@@ -88,8 +100,10 @@ class EnvironmentPool:
         instance = self.factories[name]()
         if not callable(getattr(instance, "reset", None)):
             label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
-            raise ConfigError(f"{label} returned a {type(instance).__name__} without a callable `reset` method; every "
-                              "environment needs `reset(self, **kwargs) -> str | None`, called with the dataset row.")
+            raise ConfigError(
+                f"{label} returned a {type(instance).__name__} without a callable `reset` method; every "
+                "environment needs `reset(self, **kwargs) -> str | None`, called with the dataset row."
+            )
         return instance
 
     @property
@@ -104,11 +118,15 @@ class EnvironmentPool:
         if not self.multi:
             return None
         if "environment" not in row:
-            raise DataError("With a dict environment_factory every row needs an `environment` column naming its "
-                            f"environment (one of {list(self.factories)}); this row has {sorted(row)}.")
+            raise DataError(
+                "With a dict environment_factory every row needs an `environment` column naming its "
+                f"environment (one of {list(self.factories)}); this row has {sorted(row)}."
+            )
         if row["environment"] not in self.factories:
-            raise DataError(f"Row has environment={row['environment']!r}, which is not a key of environment_factory; "
-                            f"expected one of {list(self.factories)}.")
+            raise DataError(
+                f"Row has environment={row['environment']!r}, which is not a key of environment_factory; "
+                f"expected one of {list(self.factories)}."
+            )
         return row["environment"]
 
     def start(self, rows: Sequence[Mapping[str, Any]]) -> list[EnvironmentSlot]:
@@ -125,8 +143,11 @@ class EnvironmentPool:
             environment = instances[index]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
             observation = environment.reset(**kwargs)
-            episodes.append(EnvironmentSlot(name, environment, self.standalone_tools + environment_methods(environment),
-                                    observation))
+            episodes.append(
+                EnvironmentSlot(
+                    name, environment, self.standalone_tools + environment_methods(environment), observation
+                )
+            )
         return episodes
 
     def is_done(self, episode: EnvironmentSlot) -> bool:
@@ -140,11 +161,14 @@ class EnvironmentPool:
         functions = []
         for cls in self.reward_classes:
             if inspect.iscoroutinefunction(cls.get_reward):
+
                 async def reward(environments, _cls=cls, **kwargs):
                     return [await e.get_reward() if type(e) is _cls else None for e in environments]
             else:
+
                 def reward(environments, _cls=cls, **kwargs):
                     return [e.get_reward() if type(e) is _cls else None for e in environments]
+
             reward.__name__ = cls.__name__
             functions.append((cls.__name__, reward))
         return functions

@@ -69,21 +69,27 @@ class ToolStats:
     parse_errors: int = 0
 
     def __add__(self, other: ToolStats) -> ToolStats:
-        return ToolStats(self.calls + other.calls, self.failures + other.failures,
-                         self.parse_errors + other.parse_errors)
+        return ToolStats(
+            self.calls + other.calls, self.failures + other.failures, self.parse_errors + other.parse_errors
+        )
 
     @classmethod
     def of(cls, results: Sequence[ToolResult]) -> ToolStats:
-        return cls(sum(r.counts_as_call for r in results), sum(r.failed and r.counts_as_call for r in results),
-                   sum(r.status == PARSE_ERROR for r in results))
+        return cls(
+            sum(r.counts_as_call for r in results),
+            sum(r.failed and r.counts_as_call for r in results),
+            sum(r.status == PARSE_ERROR for r in results),
+        )
 
     def metrics(self, num_rollouts: int) -> dict[str, float]:
         """TRL's ``tools/call_frequency`` (calls per rollout) and ``tools/failure_frequency`` (failed / calls, 0
         without calls), plus posttrain's ``tools/parse_error_frequency`` (unreadable calls per rollout)."""
         rollouts = max(num_rollouts, 1)
-        return {"tools/call_frequency": self.calls / rollouts,
-                "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0,
-                "tools/parse_error_frequency": self.parse_errors / rollouts}
+        return {
+            "tools/call_frequency": self.calls / rollouts,
+            "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0,
+            "tools/parse_error_frequency": self.parse_errors / rollouts,
+        }
 
 
 def error_text(message: str) -> str:
@@ -92,8 +98,11 @@ def error_text(message: str) -> str:
 
 
 def _is_content_blocks(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(v, dict) and v.get("type") in ("text", "image") for v in value))
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, dict) and v.get("type") in ("text", "image") for v in value)
+    )
 
 
 def result_text(value: Any, max_chars: int | None = None) -> str | list:
@@ -114,8 +123,15 @@ def result_text(value: Any, max_chars: int | None = None) -> str | list:
     return text
 
 
-_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-               "object": (dict,), "null": (type(None),)}
+_JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
 
 
 def _type_ok(value: Any, schema: dict) -> bool:
@@ -138,9 +154,12 @@ def check_arguments(function: Callable, schema: dict, arguments: Any) -> str | N
     except TypeError as error:
         return f"bad arguments: {error}"
     properties = describe_arguments(schema)
-    wrong = [f"{key!r} must be {properties[key].get('type')}" + (f" in {properties[key]['enum']}"
-                                                                 if "enum" in properties[key] else "")
-             for key, value in arguments.items() if key in properties and not _type_ok(value, properties[key])]
+    wrong = [
+        f"{key!r} must be {properties[key].get('type')}"
+        + (f" in {properties[key]['enum']}" if "enum" in properties[key] else "")
+        for key, value in arguments.items()
+        if key in properties and not _type_ok(value, properties[key])
+    ]
     return f"bad arguments: {'; '.join(wrong)}" if wrong else None
 
 
@@ -184,13 +203,15 @@ class ToolExecutor:
         for index, attempt in enumerate(attempts):
             if isinstance(attempt, ParseError):
                 status = FAILED if attempt.kind == "unknown_tool" else PARSE_ERROR
-                results[index] = ToolResult(attempt.name or "unknown", status, error_text(attempt.message),
-                                            error=attempt.message)
+                results[index] = ToolResult(
+                    attempt.name or "unknown", status, error_text(attempt.message), error=attempt.message
+                )
                 continue
             problem = self._problem(attempt)
             if problem is not None:
-                results[index] = ToolResult(attempt.name, FAILED, error_text(problem), error=problem,
-                                            arguments=attempt.arguments)
+                results[index] = ToolResult(
+                    attempt.name, FAILED, error_text(problem), error=problem, arguments=attempt.arguments
+                )
             elif inspect.iscoroutinefunction(self.tools[attempt.name]):
                 pending.append((index, attempt))
             else:
@@ -206,8 +227,14 @@ class ToolExecutor:
             return f"there is no tool named {call.name!r}; available: {sorted(self.tools)}"
         return check_arguments(self.tools[call.name], self.schemas[call.name], call.arguments)
 
-    def _finish(self, call: ToolCall, started: float, value: Any = None, error: BaseException | None = None,
-                timed_out: bool = False) -> ToolResult:
+    def _finish(
+        self,
+        call: ToolCall,
+        started: float,
+        value: Any = None,
+        error: BaseException | None = None,
+        timed_out: bool = False,
+    ) -> ToolResult:
         seconds = time.perf_counter() - started
         if timed_out:
             message = f"tool {call.name!r} did not finish within {self.timeout:g} s"

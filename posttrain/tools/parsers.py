@@ -99,8 +99,9 @@ def _call_from(obj: Any, raw: str, argument_keys: Sequence[str]) -> ToolCall | P
         decoded, _, _ = _json_object(arguments)
         arguments = decoded if isinstance(decoded, dict) else arguments
     if not isinstance(arguments, dict):
-        return ParseError("bad_format", f'the "{argument_keys[0]}" of a tool call must be a JSON object',
-                          raw, obj["name"])
+        return ParseError(
+            "bad_format", f'the "{argument_keys[0]}" of a tool call must be a JSON object', raw, obj["name"]
+        )
     return ToolCall(obj["name"], arguments, raw)
 
 
@@ -118,8 +119,8 @@ def parse_hermes(text: str) -> ParsedTurn:
             attempts.append(ParseError("partial", "the <tool_call> block is not closed with </tool_call>", raw))
             position = len(text)
             break
-        raw = text[start:end + len(_HERMES_CLOSE)]
-        obj, kind, message = _json_object(text[start + len(_HERMES_OPEN):end].strip())
+        raw = text[start : end + len(_HERMES_CLOSE)]
+        obj, kind, message = _json_object(text[start + len(_HERMES_OPEN) : end].strip())
         if kind is not None:
             attempts.append(ParseError("invalid_json", f"the <tool_call> block is not valid JSON: {message}", raw))
         else:
@@ -149,8 +150,13 @@ def parse_llama3(text: str) -> ParsedTurn:
             kind = "partial" if truncated else "invalid_json"
             following = _LLAMA_START.search(text, start + 1)
             end = following.start() if following and not truncated else len(text)
-            attempts.append(ParseError(kind, f"the tool call is not valid JSON: {error.msg} at character "
-                                           f"{error.pos - start}", text[start:end]))
+            attempts.append(
+                ParseError(
+                    kind,
+                    f"the tool call is not valid JSON: {error.msg} at character {error.pos - start}",
+                    text[start:end],
+                )
+            )
             position = end
             continue
         attempts.append(_call_from(obj, text[start:end], ("parameters", "arguments")))
@@ -176,8 +182,10 @@ def get_parser(parser: str | Callable[[str], Any]) -> Callable[[str], Any]:
     if callable(parser):
         return parser
     if parser not in _PARSERS:
-        raise ConfigError(f"Unknown tool-call parser {parser!r}; registered: {sorted(_PARSERS)}. Pass a callable "
-                          "text -> calls, or register one with posttrain.tools.register_parser(name, fn).")
+        raise ConfigError(
+            f"Unknown tool-call parser {parser!r}; registered: {sorted(_PARSERS)}. Pass a callable "
+            "text -> calls, or register one with posttrain.tools.register_parser(name, fn)."
+        )
     return _PARSERS[parser]
 
 
@@ -187,8 +195,12 @@ def _normalize(output: Any, text: str) -> ParsedTurn:
         return output
     if not isinstance(output, (list, tuple)):
         raise TypeError(f"a tool-call parser must return a ParsedTurn or a list of calls, got {type(output).__name__}")
-    attempts = [item if isinstance(item, (ToolCall, ParseError))
-                else _call_from(item, json.dumps(item, default=str), ("arguments", "parameters")) for item in output]
+    attempts = [
+        item
+        if isinstance(item, (ToolCall, ParseError))
+        else _call_from(item, json.dumps(item, default=str), ("arguments", "parameters"))
+        for item in output
+    ]
     return ParsedTurn("" if attempts else text.strip(), attempts)
 
 
@@ -218,8 +230,9 @@ def _cast(value: str, types: list[str]) -> Any:
             elif kind == "number":
                 number = float(text)
                 if number == number and abs(number) != float("inf"):
-                    return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() \
-                        else number
+                    return (
+                        int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+                    )
             elif kind == "boolean" and text.lower() in ("true", "false", "1", "0"):
                 return text.lower() in ("true", "1")
             elif kind == "null" and text in ("null", "None"):
@@ -233,8 +246,9 @@ def _cast(value: str, types: list[str]) -> Any:
     return value
 
 
-def parse_tool_calls(text: str, parser: str | Callable[[str], Any] = "hermes",
-                     tools: Sequence[Callable | dict] | None = None) -> ParsedTurn:
+def parse_tool_calls(
+    text: str, parser: str | Callable[[str], Any] = "hermes", tools: Sequence[Callable | dict] | None = None
+) -> ParsedTurn:
     """Parses one assistant turn. With `tools`, calls to other names become ``unknown_tool`` errors and string
     arguments are cast to their declared types. Never raises on model output (a custom parser that raises gives a
     ``parser_error``); an unknown parser name raises ConfigError."""
@@ -243,8 +257,10 @@ def parse_tool_calls(text: str, parser: str | Callable[[str], Any] = "hermes",
         turn = _normalize(function(text), text)
     except Exception as error:  # noqa: BLE001 - the model's text must not crash the rollout
         name = getattr(function, "__name__", repr(function))
-        return ParsedTurn(text.strip(), [ParseError("parser_error", f"tool-call parser {name} failed: "
-                                                                        f"{type(error).__name__}: {error}", text)])
+        return ParsedTurn(
+            text.strip(),
+            [ParseError("parser_error", f"tool-call parser {name} failed: {type(error).__name__}: {error}", text)],
+        )
     if tools is None:
         return turn
     schemas = {s["function"]["name"]: describe_arguments(s) for s in tool_schemas(tools)}
@@ -253,11 +269,24 @@ def parse_tool_calls(text: str, parser: str | Callable[[str], Any] = "hermes",
         if isinstance(call, ParseError):
             attempts.append(call)
         elif call.name not in schemas:
-            attempts.append(ParseError("unknown_tool", f"there is no tool named {call.name!r}; available: "
-                                                       f"{sorted(schemas)}", call.raw, call.name))
+            attempts.append(
+                ParseError(
+                    "unknown_tool",
+                    f"there is no tool named {call.name!r}; available: {sorted(schemas)}",
+                    call.raw,
+                    call.name,
+                )
+            )
         else:
             props = schemas[call.name]
-            attempts.append(ToolCall(call.name, {
-                key: _cast(value, json_types(props[key])) if isinstance(value, str) and key in props else value
-                for key, value in call.arguments.items()}, call.raw))
+            attempts.append(
+                ToolCall(
+                    call.name,
+                    {
+                        key: _cast(value, json_types(props[key])) if isinstance(value, str) and key in props else value
+                        for key, value in call.arguments.items()
+                    },
+                    call.raw,
+                )
+            )
     return ParsedTurn(turn.content, attempts)

@@ -40,8 +40,10 @@ def tool_schema(tool: Callable | dict) -> dict:
     if isinstance(tool, dict):
         function = tool.get("function", tool)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ConfigError(f"Tool schema {tool!r} has no function name: give {{'type': 'function', 'function': "
-                              "{'name': ..., 'description': ..., 'parameters': {...}}}.")
+            raise ConfigError(
+                f"Tool schema {tool!r} has no function name: give {{'type': 'function', 'function': "
+                "{'name': ..., 'description': ..., 'parameters': {...}}}."
+            )
         return tool if "function" in tool else {"type": "function", "function": tool}
     name = getattr(tool, "__qualname__", None) or repr(tool)
     if not (inspect.isfunction(tool) or inspect.ismethod(tool)):
@@ -66,8 +68,10 @@ def tool_schemas(tools: Sequence[Callable | dict]) -> list[dict]:
     for index, schema in enumerate(schemas):
         name = schema["function"]["name"]
         if name in seen:
-            raise ConfigError(f"Tools {seen[name]} and {index} are both named {name!r}; the model calls tools by "
-                              "name, so give each a distinct function name.")
+            raise ConfigError(
+                f"Tools {seen[name]} and {index} are both named {name!r}; the model calls tools by "
+                "name, so give each a distinct function name."
+            )
         seen[name] = index
     return schemas
 
@@ -109,26 +113,35 @@ def check_template_renders_tools(tokenizer, tools: Sequence[Callable | dict], ch
         rendered = None
         for arguments in ({_ARG_KEY: _ARG_VALUE}, json.dumps({_ARG_KEY: _ARG_VALUE})):
             call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-            exchange = user + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                               {"role": "tool", "name": name, "content": _RESULT}]
+            exchange = user + [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": name, "content": _RESULT},
+            ]
             try:
                 rendered = _render(tokenizer, exchange, schemas, chat_template)
                 break
             except TypeError:  # some templates only take JSON-string arguments
                 continue
     except (TemplateError, TypeError, ValueError) as error:
-        raise ConfigError(f"{template_name} cannot render a tool-calling conversation "
-                          f"({type(error).__name__}: {error}). {_FIX}") from error
+        raise ConfigError(
+            f"{template_name} cannot render a tool-calling conversation ({type(error).__name__}: {error}). {_FIX}"
+        ) from error
     if rendered is None:
         raise ConfigError(f"{template_name} rejects tool-call arguments both as a dict and as a JSON string. {_FIX}")
-    missing = [what for what, present in (
-        ("the tool list (tools=...) in the prompt", all(s["function"]["name"] in prompt for s in schemas)),
-        ("the assistant's tool call", _ARG_KEY in rendered and _ARG_VALUE in rendered),
-        ("the tool result message", _RESULT in rendered),
-    ) if not present]
+    missing = [
+        what
+        for what, present in (
+            ("the tool list (tools=...) in the prompt", all(s["function"]["name"] in prompt for s in schemas)),
+            ("the assistant's tool call", _ARG_KEY in rendered and _ARG_VALUE in rendered),
+            ("the tool result message", _RESULT in rendered),
+        )
+        if not present
+    ]
     if missing:
-        raise ConfigError(f"{template_name} does not render {', '.join(missing)}, so the model could neither see its "
-                          f"tools nor learn from calling them. {_FIX}")
+        raise ConfigError(
+            f"{template_name} does not render {', '.join(missing)}, so the model could neither see its "
+            f"tools nor learn from calling them. {_FIX}"
+        )
 
 
 def describe_arguments(schema: dict) -> dict[str, Any]:

@@ -62,8 +62,10 @@ def use_chatml_tool_template(processing_class, default_system: str | None = SMOL
     if missing:
         from ..errors import ConfigError
 
-        raise ConfigError(f"The ChatML tool template needs the tokens {missing}, which this tokenizer lacks; use a "
-                          "template written for its own special tokens (or clone one with clone_chat_template).")
+        raise ConfigError(
+            f"The ChatML tool template needs the tokens {missing}, which this tokenizer lacks; use a "
+            "template written for its own special tokens (or clone one with clone_chat_template)."
+        )
     processing_class.chat_template = chatml_tool_template(default_system)
     if processing_class is not tokenizer:
         tokenizer.chat_template = processing_class.chat_template

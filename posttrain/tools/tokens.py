@@ -14,16 +14,23 @@ from collections.abc import Sequence
 from ..errors import ConfigError
 
 
-def _ids(processing_class, messages: list[dict], chat_template: str | None, generation_prompt: bool,
-         template_kwargs: dict) -> list[int]:
-    out = processing_class.apply_chat_template(messages, chat_template=chat_template, tokenize=True,
-                                               return_dict=False, add_generation_prompt=generation_prompt,
-                                               **template_kwargs)
+def _ids(
+    processing_class, messages: list[dict], chat_template: str | None, generation_prompt: bool, template_kwargs: dict
+) -> list[int]:
+    out = processing_class.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=generation_prompt,
+        **template_kwargs,
+    )
     return list(out[0]) if out and isinstance(out[0], list) else list(out)
 
 
-def tool_suffix_ids(processing_class, tool_messages: Sequence[dict], chat_template: str | None = None,
-                    **template_kwargs) -> list[int]:
+def tool_suffix_ids(
+    processing_class, tool_messages: Sequence[dict], chat_template: str | None = None, **template_kwargs
+) -> list[int]:
     """Ids of `tool_messages` (``{"role": "tool", "name", "content"}``) plus the next assistant header, as the
     template renders them after an assistant turn that ended with its EOS token."""
     if not tool_messages:
@@ -42,4 +49,4 @@ def tool_suffix_ids(processing_class, tool_messages: Sequence[dict], chat_templa
             "cannot be appended to the sampled ids. Use a prefix-preserving template: "
             "`posttrain.chat_template_utils.get_training_chat_template(tokenizer)` or posttrain.tools' ChatML one."
         )
-    return full[len(short):]
+    return full[len(short) :]

@@ -7,5 +7,6 @@ def __getattr__(name):
 
     if name in posttrain._EXPORTS:
         return getattr(posttrain, name)
-    raise AttributeError(f"module 'posttrain.trainer' has no attribute {name!r}; posttrain's trainers are in "
-                         "posttrain.trainers")
+    raise AttributeError(
+        f"module 'posttrain.trainer' has no attribute {name!r}; posttrain's trainers are in posttrain.trainers"
+    )

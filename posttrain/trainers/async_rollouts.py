@@ -49,27 +49,36 @@ def check_async_support(trainer) -> None:
     from .rloo import RLOOTrainer
 
     method = type(trainer)
-    corrected = (method.compute_loss in (OnlineTrainer.compute_loss, PPOTrainer.compute_loss) and
-                 method.policy_loss in (OnlineTrainer.policy_loss, GRPOTrainer.policy_loss, RLOOTrainer.policy_loss))
+    corrected = method.compute_loss in (OnlineTrainer.compute_loss, PPOTrainer.compute_loss) and method.policy_loss in (
+        OnlineTrainer.policy_loss,
+        GRPOTrainer.policy_loss,
+        RLOOTrainer.policy_loss,
+    )
     unsupported = {
         f"{method.__name__}'s loss, which does not read the sampler's log-probs (stale samples would train "
         "uncorrected)": not (corrected or getattr(trainer, "loss_ignores_the_sampler", False)),
         "tools, environment_factory or rollout_func (multi-turn episodes)": trainer.episode_source is not None,
         "image prompts": trainer.image_prompts is not None,
-        f"{method.__name__}'s own generation (generate_episodes)":
-            method.generate_episodes is not OnlineTrainer.generate_episodes,
-        "dynamic_sampling (it regenerates inside a round with the current policy)":
-            getattr(trainer.args, "dynamic_sampling", False),
-        "several processes (the generation thread would run collectives beside training's)":
-            trainer.accelerator.num_processes > 1,
+        f"{method.__name__}'s own generation (generate_episodes)": method.generate_episodes
+        is not OnlineTrainer.generate_episodes,
+        "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
+            trainer.args, "dynamic_sampling", False
+        ),
+        "several processes (the generation thread would run collectives beside training's)": trainer.accelerator.num_processes
+        > 1,
     }
     name = "max_staleness" if hasattr(trainer.args, "max_staleness") else "async_generation_rounds"
-    fix = ("use the synchronous trainer" if name == "max_staleness" else
-           "set async_generation_rounds=None (synchronous generation)")
+    fix = (
+        "use the synchronous trainer"
+        if name == "max_staleness"
+        else "set async_generation_rounds=None (synchronous generation)"
+    )
     for what, present in unsupported.items():
         if present:
-            raise ConfigError(f"{name}={getattr(trainer.args, name)} generates in a background thread, which does not "
-                              f"support {what} yet; {fix} or drop that setting.")
+            raise ConfigError(
+                f"{name}={getattr(trainer.args, name)} generates in a background thread, which does not "
+                f"support {what} yet; {fix} or drop that setting."
+            )
 
 
 class AsyncRolloutProducer:
@@ -80,8 +89,11 @@ class AsyncRolloutProducer:
         self.trainer, self.lookahead, self.sync_steps = trainer, lookahead, sync_steps
         self.sampler_model = freeze(copy_model(unwrap(trainer.model)))
         self.on_server = trainer.args.use_vllm  # colocated vLLM is refused by the config
-        self.backend = trainer.generation_backend if self.on_server else create_generation_backend(
-            self.sampler_model, tokenizer_of(trainer.processing_class), trainer.args)
+        self.backend = (
+            trainer.generation_backend
+            if self.on_server
+            else create_generation_backend(self.sampler_model, tokenizer_of(trainer.processing_class), trainer.args)
+        )
         self.rounds: dict[int, Future | tuple[list[Episode], float]] = {}
         self.version: int | None = None  # the optimizer step of the weights the last submitted round uses
         self._server_version: int | None = None  # the weights the vLLM server holds (None: unknown)
@@ -98,11 +110,14 @@ class AsyncRolloutProducer:
         episodes, seconds = entry.result() if isinstance(entry, Future) else entry
         prompts = [row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)]
         if len(episodes) != len(prompts) or any(e.prompt_ids != p for e, p in zip(episodes, prompts)):
-            raise RuntimeError(f"Round {round_index} was generated for other prompts than the ones it trains on "
-                               "(the prompt order changed after the rounds ahead were submitted).")
+            raise RuntimeError(
+                f"Round {round_index} was generated for other prompts than the ones it trains on "
+                "(the prompt order changed after the rounds ahead were submitted)."
+            )
         metrics = self.trainer._metrics["train"]
-        metrics["sample/staleness_mean"].append(float(self.trainer.state.global_step
-                                                      - episodes[0].info["policy_version"]))
+        metrics["sample/staleness_mean"].append(
+            float(self.trainer.state.global_step - episodes[0].info["policy_version"])
+        )
         metrics["perf/rollout_wait_s"].append(time.perf_counter() - start)
         metrics["time/async_generation"].append(seconds)
         return episodes
@@ -146,8 +161,9 @@ class AsyncRolloutProducer:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollouts")
         prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]
-        return self._executor.submit(self._generate, prompt_ids, self.trainer.args.num_generations, seeds,
-                                     self.version, weights)
+        return self._executor.submit(
+            self._generate, prompt_ids, self.trainer.args.num_generations, seeds, self.version, weights
+        )
 
     # -- the worker's side --------------------------------------------------------------------------------
     def _generate(self, prompt_ids, n, seeds, version, weights) -> tuple[list[Episode], float]:
@@ -176,21 +192,24 @@ class AsyncRolloutProducer:
         device = next(self.sampler_model.parameters()).device
         size = trainer.micro_batch_size
         for start in range(0, len(episodes), size):
-            chunk = episodes[start:start + size]
+            chunk = episodes[start : start + size]
             prompt_ids, prompt_mask = pad_rows([e.prompt_ids for e in chunk], pad_id, left=True, multiple=multiple)
             ids, mask = pad_rows([e.token_ids for e in chunk], pad_id, left=False, multiple=multiple)
-            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": ids,
-                     "completion_mask": mask}
+            batch = {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": ids,
+                "completion_mask": mask,
+            }
             logps, _ = trainer.completion_logps(self.sampler_model, {k: v.to(device) for k, v in batch.items()})
             for episode, row in zip(chunk, logps.float().cpu().tolist()):
-                episode.logprobs = row[:len(episode.token_ids)]
+                episode.logprobs = row[: len(episode.token_ids)]
 
     # -- checkpoints and shutdown -------------------------------------------------------------------------
     def state(self) -> dict:
         """The rounds submitted and not yet trained on (waiting for those in flight), the sampler's version and,
         when a later round may reuse them (vllm_sync_steps > 1), its weights."""
-        rounds = {index: entry.result() if isinstance(entry, Future) else entry
-                  for index, entry in self.rounds.items()}
+        rounds = {index: entry.result() if isinstance(entry, Future) else entry for index, entry in self.rounds.items()}
         self.rounds.update(rounds)
         weights = None
         if self.sync_steps > 1 and self.version is not None:

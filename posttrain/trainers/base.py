@@ -14,15 +14,21 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from ..callbacks.run_artifacts import RunArtifactsCallback
-from ..errors import ConfigError
 from ..data.report import DataReportCallback
+from ..errors import ConfigError
 from ..model_card import write_model_card
 from ..models.fused_layers import fuse_layers, rebuilt_activations
 from ..models.loading import load_causal_lm, load_tokenizer
 from ..models.tied_embedding import allow_tied_embedding
 from .checkpoints import CheckpointMixin
-from .distributed import (fsdp_on_cpu, refuse_unlaunched_multiprocess_config, save_full_model_under_fsdp,
-                          shard_frozen_models, unwrap_without_importing_deepspeed, use_gloo_on_cpu)
+from .distributed import (
+    fsdp_on_cpu,
+    refuse_unlaunched_multiprocess_config,
+    save_full_model_under_fsdp,
+    shard_frozen_models,
+    unwrap_without_importing_deepspeed,
+    use_gloo_on_cpu,
+)
 from .guards import NONFINITE_POLICIES, GuardMixin
 from .optimizer_state import allocate_adam_states_together
 
@@ -45,47 +51,83 @@ class PosttrainConfig(TrainingArguments):
 
     model_init_kwargs: dict | str | None = field(
         default=None,
-        metadata={"help": "Keyword arguments for from_pretrained when `model` is a string, e.g. "
-                          "{'dtype': 'bfloat16', 'attn_implementation': 'sdpa'}."},
+        metadata={
+            "help": "Keyword arguments for from_pretrained when `model` is a string, e.g. "
+            "{'dtype': 'bfloat16', 'attn_implementation': 'sdpa'}."
+        },
     )
     trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run the model's and tokenizer's own code from the hub or a local folder "
-                                         "when it is given by name (only for sources you trust)."})
+        default=False,
+        metadata={
+            "help": "Run the model's and tokenizer's own code from the hub or a local folder "
+            "when it is given by name (only for sources you trust)."
+        },
+    )
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
     # TRL turns both on; posttrain does where they pay off (an accelerator) and leaves them off on a CPU, where
     # bf16 autocast is slower than float32 and recomputing activations only costs time (docs/trl_parity.md).
     gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Recompute activations in the backward pass to save memory (default: on "
-                                        "with an accelerator, off on a CPU)."})
+        default=None,
+        metadata={
+            "help": "Recompute activations in the backward pass to save memory (default: on "
+            "with an accelerator, off on a CPU)."
+        },
+    )
     bf16: bool | None = field(
-        default=None, metadata={"help": "bfloat16 mixed precision (default: on with an accelerator unless fp16 is "
-                                        "set, off on a CPU)."})
+        default=None,
+        metadata={
+            "help": "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
+        },
+    )
     fused_layers: bool = field(
-        default=True, metadata={"help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
-                                        "functions that keep fewer activations for the backward pass (about 40% "
-                                        "fewer; same numbers to rounding), rebuild norm outputs (and a LoRA MLP's "
-                                        "elementwise outputs) in the backward instead of keeping them, and let a "
-                                        "tied input embedding add its gradient into the output layer's in place. "
-                                        "Off with use_liger_kernel, which replaces these layers itself."})
+        default=True,
+        metadata={
+            "help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
+            "functions that keep fewer activations for the backward pass (about 40% "
+            "fewer; same numbers to rounding), rebuild norm outputs (and a LoRA MLP's "
+            "elementwise outputs) in the backward instead of keeping them, and let a "
+            "tied input embedding add its gradient into the output layer's in place. "
+            "Off with use_liger_kernel, which replaces these layers itself."
+        },
+    )
     activation_offloading: bool = field(
-        default=False, metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs "
-                                         "an accelerator)."})
+        default=False,
+        metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."},
+    )
     nonfinite_policy: str = field(
-        default="error", metadata={"help": "When a step's loss or gradient norm is NaN or infinite: 'error' stops "
-                                           "before applying it, naming the step and the last checkpoint; 'skip' "
-                                           "drops that step's update and counts it."})
+        default="error",
+        metadata={
+            "help": "When a step's loss or gradient norm is NaN or infinite: 'error' stops "
+            "before applying it, naming the step and the last checkpoint; 'skip' "
+            "drops that step's update and counts it."
+        },
+    )
     max_nonfinite_steps: int = field(
-        default=3, metadata={"help": "With nonfinite_policy='skip': stop after this many non-finite steps in a row."})
+        default=3, metadata={"help": "With nonfinite_policy='skip': stop after this many non-finite steps in a row."}
+    )
     checkpoint_on_signal: bool = field(
-        default=True, metadata={"help": "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 "
-                                        "(a second signal exits at once)."})
+        default=True,
+        metadata={
+            "help": "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 "
+            "(a second signal exits at once)."
+        },
+    )
     # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Drop dataset columns the model's "
-                                        "forward does not accept (posttrain's collators need theirs: keep False)."})
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop dataset columns the model's "
+            "forward does not accept (posttrain's collators need theirs: keep False)."
+        },
+    )
     write_report: bool = field(
-        default=True, metadata={"help": "At the end of train(), write output_dir/report.html with PNG plots of the "
-                                        "logged metrics (needs matplotlib; metrics.jsonl is written either way)."})
+        default=True,
+        metadata={
+            "help": "At the end of train(), write output_dir/report.html with PNG plots of the "
+            "logged metrics (needs matplotlib; metrics.jsonl is written either way)."
+        },
+    )
 
     def __post_init__(self):
         self.reject_unsupported_options()
@@ -105,8 +147,10 @@ class PosttrainConfig(TrainingArguments):
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be at least 1.")
         if self.activation_offloading and not on_accelerator:
-            raise ConfigError("activation_offloading=True moves activations from accelerator memory to CPU memory, "
-                              "but this run trains on the CPU already; set activation_offloading=False.")
+            raise ConfigError(
+                "activation_offloading=True moves activations from accelerator memory to CPU memory, "
+                "but this run trains on the CPU already; set activation_offloading=False."
+            )
         check_trackers_installed(self.report_to)
         if self.push_to_hub:
             check_hub_reachable()
@@ -128,16 +172,28 @@ class PosttrainConfig(TrainingArguments):
         for name, reason in self.unsupported_options.items():
             value = getattr(self, name)
             if name in defaults and value != defaults[name]:
-                raise ConfigError(f"{type(self).__name__}.{name}={value!r} is not supported by posttrain: {reason} "
-                                  f"Leave {name} at its default ({defaults[name]!r}).")
+                raise ConfigError(
+                    f"{type(self).__name__}.{name}={value!r} is not supported by posttrain: {reason} "
+                    f"Leave {name} at its default ({defaults[name]!r})."
+                )
 
 
 # report_to name -> (package to import, what to pip install)
-TRACKERS = {"tensorboard": ("tensorboard", "'posttrain[tensorboard]'"), "wandb": ("wandb", "'posttrain[wandb]'"),
-            "mlflow": ("mlflow", "'posttrain[mlflow]'"), "trackio": ("trackio", "'posttrain[trackio]'"), "comet_ml": ("comet_ml", "comet-ml"), "clearml": ("clearml", "clearml"),
-            "dvclive": ("dvclive", "dvclive"), "neptune": ("neptune", "neptune"), "swanlab": ("swanlab", "swanlab"),
-            "codecarbon": ("codecarbon", "codecarbon"), "azure_ml": ("azureml.core", "azureml-core"),
-            "dagshub": ("dagshub", "dagshub"), "flyte": ("flytekit", "flytekit")}
+TRACKERS = {
+    "tensorboard": ("tensorboard", "'posttrain[tensorboard]'"),
+    "wandb": ("wandb", "'posttrain[wandb]'"),
+    "mlflow": ("mlflow", "'posttrain[mlflow]'"),
+    "trackio": ("trackio", "'posttrain[trackio]'"),
+    "comet_ml": ("comet_ml", "comet-ml"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+    "neptune": ("neptune", "neptune"),
+    "swanlab": ("swanlab", "swanlab"),
+    "codecarbon": ("codecarbon", "codecarbon"),
+    "azure_ml": ("azureml.core", "azureml-core"),
+    "dagshub": ("dagshub", "dagshub"),
+    "flyte": ("flytekit", "flytekit"),
+}
 
 
 def check_trackers_installed(report_to) -> None:
@@ -150,8 +206,10 @@ def check_trackers_installed(report_to) -> None:
             continue
         module, package = TRACKERS[name]
         if importlib.util.find_spec(module.split(".")[0]) is None:
-            raise ConfigError(f"report_to includes {name!r}, but {module} is not installed: pip install {package} "
-                              f"(or drop {name!r} from report_to).")
+            raise ConfigError(
+                f"report_to includes {name!r}, but {module} is not installed: pip install {package} "
+                f"(or drop {name!r} from report_to)."
+            )
 
 
 def check_hub_reachable() -> None:
@@ -159,11 +217,15 @@ def check_hub_reachable() -> None:
     from huggingface_hub import constants, get_token
 
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError("push_to_hub=True, but the Hugging Face Hub is switched off here (HF_HUB_OFFLINE=1). "
-                          "Set push_to_hub=False and upload the saved output_dir later.")
+        raise ConfigError(
+            "push_to_hub=True, but the Hugging Face Hub is switched off here (HF_HUB_OFFLINE=1). "
+            "Set push_to_hub=False and upload the saved output_dir later."
+        )
     if get_token() is None:
-        raise ConfigError("push_to_hub=True needs a Hugging Face token: run `hf auth login` or set HF_TOKEN; or set "
-                          "push_to_hub=False.")
+        raise ConfigError(
+            "push_to_hub=True needs a Hugging Face token: run `hf auth login` or set HF_TOKEN; or set "
+            "push_to_hub=False."
+        )
 
 
 def _launched_distributed() -> bool:
@@ -175,7 +237,10 @@ def _launched_distributed() -> bool:
 
 
 def prepare_model(
-    model: str | PreTrainedModel, args: PosttrainConfig, peft_config=None, load=load_causal_lm,
+    model: str | PreTrainedModel,
+    args: PosttrainConfig,
+    peft_config=None,
+    load=load_causal_lm,
     quantization_config=None,
 ) -> PreTrainedModel:
     """Loads `model` with `load(name, model_init_kwargs)` if given by name or path (quantized with
@@ -188,11 +253,15 @@ def prepare_model(
             init_kwargs["quantization_config"] = quantization_config
         model = load(model, init_kwargs)
     elif quantization_config is not None:
-        raise ConfigError("quantization_config only applies when `model` is a name or path; the model you passed "
-                          "is already loaded. Quantize it when loading, or pass its name.")
+        raise ConfigError(
+            "quantization_config only applies when `model` is a name or path; the model you passed "
+            "is already loaded. Quantize it when loading, or pass its name."
+        )
     elif args.model_init_kwargs:
-        raise ConfigError("model_init_kwargs only applies when `model` is a name or path; the model you passed "
-                          "is already loaded. Drop model_init_kwargs or pass the model's name.")
+        raise ConfigError(
+            "model_init_kwargs only applies when `model` is a name or path; the model you passed "
+            "is already loaded. Drop model_init_kwargs or pass the model's name."
+        )
     if getattr(args, "disable_dropout", False):
         disable_dropout_in_model(model)
     if args.fused_layers and not args.use_liger_kernel:
@@ -221,9 +290,11 @@ def setup_router_aux_loss(model, coef: float | None) -> float:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     is_moe = hasattr(config, "output_router_logits")
     if coef and not is_moe:
-        raise ConfigError(f"router_aux_loss_coef={coef} weights the load-balancing loss of a Mixture-of-Experts "
-                          f"model, but {type(model).__name__} has no experts (no router logits). Leave "
-                          "router_aux_loss_coef unset (None) or at 0.")
+        raise ConfigError(
+            f"router_aux_loss_coef={coef} weights the load-balancing loss of a Mixture-of-Experts "
+            f"model, but {type(model).__name__} has no experts (no router logits). Leave "
+            "router_aux_loss_coef unset (None) or at 0."
+        )
     weight = float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef) if is_moe else 0.0
     if hasattr(config, "router_aux_loss_coef"):
         config.output_router_logits = weight != 0.0
@@ -281,15 +352,23 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         if train_dataset is not None:
             train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train_dataset")
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self.prepare_dataset(v, processing_class, args, f"eval_dataset[{k!r}]")
-                            for k, v in eval_dataset.items()}
+            eval_dataset = {
+                k: self.prepare_dataset(v, processing_class, args, f"eval_dataset[{k!r}]")
+                for k, v in eval_dataset.items()
+            }
         elif eval_dataset is not None:
             eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval_dataset")
         self.uses_default_collator = data_collator is None
         super().__init__(
-            model=model, args=args, data_collator=data_collator or self.default_collator(processing_class, args),
-            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            callbacks=callbacks, optimizers=optimizers, **kwargs,
+            model=model,
+            args=args,
+            data_collator=data_collator or self.default_collator(processing_class, args),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            **kwargs,
         )
         # Our trainers compute and normalise their own losses (see `effective_batch_mean`): transformers
         # must neither divide by the accumulation steps again nor skip counting the effective batch.
@@ -309,8 +388,12 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         DeepSpeed) or activations are offloaded (other saved-tensor hooks)."""
         stack = contextlib.ExitStack()
         stack.enter_context(super().compute_loss_context_manager())
-        recompute = (self.args.fused_layers and not self.args.activation_offloading
-                     and not self.is_fsdp_enabled and not self.is_deepspeed_enabled)
+        recompute = (
+            self.args.fused_layers
+            and not self.args.activation_offloading
+            and not self.is_fsdp_enabled
+            and not self.is_deepspeed_enabled
+        )
         stack.enter_context(rebuilt_activations(recompute))
         return stack
 
@@ -373,13 +456,16 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self.last_complete_checkpoint()
             if resume_from_checkpoint is None:
-                logger.warning("resume_from_checkpoint=True but %s holds no complete checkpoint: starting fresh.",
-                               self.args.output_dir)
+                logger.warning(
+                    "resume_from_checkpoint=True but %s holds no complete checkpoint: starting fresh.",
+                    self.args.output_dir,
+                )
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- saving ----------------------------------------------------------------------------------
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None) -> None:
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
         """TRL's method: writes the README.md model card (posttrain/model_card.py) into output_dir."""
         if self.is_world_process_zero():
             write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags)

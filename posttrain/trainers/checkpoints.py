@@ -26,8 +26,9 @@ def checkpoint_steps(root: str) -> list[int]:
     """Steps of the checkpoint-N folders in `root`, newest first."""
     if not os.path.isdir(root):
         return []
-    return sorted((int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", name))),
-                  reverse=True)
+    return sorted(
+        (int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", name))), reverse=True
+    )
 
 
 def is_complete(folder: str) -> bool:
@@ -43,7 +44,7 @@ def rotate(root: str, keep: int | None, protected: set[str]) -> None:
     newest_complete = next((f for f in folders if is_complete(f)), None)
     protected = {os.path.normpath(p) for p in protected} | {newest_complete}
     candidates = sorted((f for f in folders if f not in protected), key=lambda f: (is_complete(f), -folders.index(f)))
-    for folder in candidates[:max(len(folders) - max(keep, len(protected & set(folders))), 0)]:
+    for folder in candidates[: max(len(folders) - max(keep, len(protected & set(folders))), 0)]:
         marker = os.path.join(folder, CHECKPOINT_MARKER)
         if os.path.exists(marker):
             os.remove(marker)  # a kill during the deletion must not leave a "complete" half-deleted folder
@@ -116,8 +117,11 @@ class CheckpointMixin(Trainer):
         if last_logged == self.state.global_step and not any(buffers.values()):
             return None
         loss = getattr(self, "_tr_loss", None)
-        return {"loss_sum": None if loss is None else loss.detach().clone(), "last_logged": last_logged,
-                "metrics": buffers}
+        return {
+            "loss_sum": None if loss is None else loss.detach().clone(),
+            "last_logged": last_logged,
+            "metrics": buffers,
+        }
 
     def restore_log_window(self) -> None:
         """Puts a checkpoint's logging window back (called when training begins, after transformers has reset its

@@ -44,9 +44,15 @@ logger = logging.getLogger("posttrain")
 
 # generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
 # SamplingParams field each sets; other keys go to transformers' GenerationConfig.
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-                  "max_tokens": "max_tokens"}
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+}
 
 
 @dataclass
@@ -54,87 +60,134 @@ class DistillationConfig(SFTConfig):
     unsupported_options: ClassVar[dict[str, str]] = {
         **SFTConfig.unsupported_options,
         "use_vllm": "on-policy completions are sampled with transformers' generate on the student; vLLM sampling "
-                    "for distillation needs vLLM and a GPU and is not wired here.",
+        "for distillation needs vLLM and a GPU and is not wired here.",
         "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; generation "
-                                     "always uses the full student weights.",
+        "always uses the full student weights.",
         "max_tool_calling_iterations": "tool calling runs on the online engine (GRPOTrainer, RLOOTrainer, "
-                                       "PPOTrainer); distillation samples single-turn completions; drop it",
+        "PPOTrainer); distillation samples single-turn completions; drop it",
     }
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
     # -- student and teacher
     teacher_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "The teacher (hub id, path or built-in name), used when no teacher_model "
-                                        "is passed to the trainer."})
+        default=None,
+        metadata={
+            "help": "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
+        },
+    )
     teacher_model_revision: str | None = field(
-        default=None, metadata={"help": "Revision (branch, tag or commit) of a teacher given by name."})
+        default=None, metadata={"help": "Revision (branch, tag or commit) of a teacher given by name."}
+    )
     teacher_model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when the teacher is given by name "
-                                        "or path, e.g. {'dtype': 'bfloat16'}."})
+        default=None,
+        metadata={
+            "help": "Keyword arguments for from_pretrained when the teacher is given by name "
+            "or path, e.g. {'dtype': 'bfloat16'}."
+        },
+    )
     disable_dropout: bool = field(default=False, metadata={"help": "Switch off dropout in the student."})
     # -- data and on-policy generation
     max_completion_length: int | None = field(
-        default=512, metadata={"help": "Most tokens the student samples per on-policy completion."})
+        default=512, metadata={"help": "Most tokens the student samples per on-policy completion."}
+    )
     ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."})
+        default=True, metadata={"help": "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."}
+    )
     shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training data every epoch."})
     pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad batches to a multiple of this many tokens; 'auto' pads only on "
-                                          "Neuron devices (to 128), None never."})
+        default="auto",
+        metadata={
+            "help": "Pad batches to a multiple of this many tokens; 'auto' pads only on "
+            "Neuron devices (to 128), None never."
+        },
+    )
     temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature of on-policy completions, and the temperature of both "
-                                       "distributions in the loss (softmax(logits / temperature))."})
+        default=1.0,
+        metadata={
+            "help": "Sampling temperature of on-policy completions, and the temperature of both "
+            "distributions in the loss (softmax(logits / temperature))."
+        },
+    )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling of on-policy completions (0: off)."})
     min_p: float | None = field(
-        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None: off)."})
+        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None: off)."}
+    )
     generation_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "More GenerationConfig settings for on-policy sampling; its temperature, "
-                                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens override the fields."})
+        default=None,
+        metadata={
+            "help": "More GenerationConfig settings for on-policy sampling; its temperature, "
+            "top_p, top_k, min_p, repetition_penalty, max_new_tokens override the fields."
+        },
+    )
     chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for the chat template when rendering prompts."})
+        default=None, metadata={"help": "Extra keyword arguments for the chat template when rendering prompts."}
+    )
     repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Repetition penalty of on-policy sampling (1.0: none)."})
+        default=1.0, metadata={"help": "Repetition penalty of on-policy sampling (1.0: none)."}
+    )
     cache_implementation: str | None = field(
-        default=None, metadata={"help": "KV cache implementation of transformers' generate (e.g. 'static')."})
+        default=None, metadata={"help": "KV cache implementation of transformers' generate (e.g. 'static')."}
+    )
     use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (not supported for distillation)."})
     vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (only with use_vllm)."})
     vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (only with use_vllm)."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (only with use_vllm)."})
     vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "vLLM structured-output regex (only with use_vllm)."})
+        default=None, metadata={"help": "vLLM structured-output regex (only with use_vllm)."}
+    )
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (only with use_vllm)."})
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (only with use_vllm)."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (only with use_vllm)."})
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (only with use_vllm)."})
     vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-sync port (only with use_vllm)."})
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."})
+        default=0.3, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."}
+    )
     vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocated vLLM context length (only with use_vllm)."})
+        default=None, metadata={"help": "Colocated vLLM context length (only with use_vllm)."}
+    )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocated vLLM tensor parallelism (only with use_vllm)."})
+        default=1, metadata={"help": "Colocated vLLM tensor parallelism (only with use_vllm)."}
+    )
     # -- the loss
     beta: float = field(
-        default=1.0, metadata={"help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-                                       "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."})
+        default=1.0,
+        metadata={
+            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
+            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
+        },
+    )
     lmbda: float = field(
-        default=1.0, metadata={"help": "Probability that a micro-batch's completions are sampled by the student "
-                                       "(1: always on-policy, as TRL; 0: the data's completions only)."})
+        default=1.0,
+        metadata={
+            "help": "Probability that a micro-batch's completions are sampled by the student "
+            "(1: always on-policy, as TRL; 0: the data's completions only)."
+        },
+    )
     alpha: float = field(
-        default=1.0, metadata={"help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
-                                       "completions (1 = pure distillation, 0 = plain SFT)."})
+        default=1.0,
+        metadata={
+            "help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
+            "completions (1 = pure distillation, 0 = plain SFT)."
+        },
+    )
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep "
-                                        "None."})
+        default=None,
+        metadata={"help": "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."},
+    )
     # -- logging
     log_completions: bool = field(
-        default=False, metadata={"help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
-                                         "to output_dir/completions/ and print a sample."})
+        default=False,
+        metadata={
+            "help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
+            "to output_dir/completions/ and print a sample."
+        },
+    )
     num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "How many logged completions to print (None: all)."})
-    log_unique_prompts: bool = field(
-        default=False, metadata={"help": "Print each prompt's completion only once."})
+        default=None, metadata={"help": "How many logged completions to print (None: all)."}
+    )
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt's completion only once."})
 
     def __post_init__(self):
         for name in ("teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
@@ -147,21 +200,29 @@ class DistillationConfig(SFTConfig):
             raise ConfigError(f"temperature={self.temperature} must be > 0 (1.0 leaves the distributions as they are).")
         for name in ("beta", "alpha", "lmbda"):
             if not 0 <= getattr(self, name) <= 1:
-                meaning = {"beta": "0: forward KL, 0.5: JSD, 1: reverse KL", "alpha": "1: pure distillation, 0: plain "
-                           "NLL", "lmbda": "the fraction of on-policy micro-batches"}[name]
+                meaning = {
+                    "beta": "0: forward KL, 0.5: JSD, 1: reverse KL",
+                    "alpha": "1: pure distillation, 0: plain NLL",
+                    "lmbda": "the fraction of on-policy micro-batches",
+                }[name]
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1] ({meaning}).")
         if self.chunked_loss:
-            raise ConfigError("chunked_loss=True is not available for distillation: the divergence needs the full "
-                              "logits of student and teacher. Set chunked_loss=False.")
+            raise ConfigError(
+                "chunked_loss=True is not available for distillation: the divergence needs the full "
+                "logits of student and teacher. Set chunked_loss=False."
+            )
         if self.lmbda > 0 and (self.padding_free or self.packing):
-            raise ConfigError(f"lmbda={self.lmbda}: on-policy distillation samples completions per row of a padded "
-                              "batch; set padding_free=False and packing=False (or lmbda=0 for offline distillation).")
+            raise ConfigError(
+                f"lmbda={self.lmbda}: on-policy distillation samples completions per row of a padded "
+                "batch; set padding_free=False and packing=False (or lmbda=0 for offline distillation)."
+            )
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
         fixed = sorted(set(self.generation_kwargs or {}) & set(GENERATION_KWARGS_FIXED))
         if fixed:
-            raise ConfigError(f"generation_kwargs[{fixed[0]!r}] cannot be changed: "
-                              f"{GENERATION_KWARGS_FIXED[fixed[0]]}. Drop it.")
+            raise ConfigError(
+                f"generation_kwargs[{fixed[0]!r}] cannot be changed: {GENERATION_KWARGS_FIXED[fixed[0]]}. Drop it."
+            )
         super().__post_init__()
         if self.pad_to_multiple_of == "auto":  # TRL pads only for Neuron, which compiles once per shape
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
@@ -170,9 +231,15 @@ class DistillationConfig(SFTConfig):
     def sampling_params(self) -> SamplingParams:
         """How on-policy completions are sampled: the config's settings, overridden by generation_kwargs."""
         kwargs = self.generation_kwargs or {}
-        values = dict(max_tokens=self.max_completion_length or 512, temperature=self.temperature, top_p=self.top_p,
-                      top_k=self.top_k, min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty,
-                      extra={k: v for k, v in kwargs.items() if k not in _SAMPLING_KEYS})
+        values = dict(
+            max_tokens=self.max_completion_length or 512,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            extra={k: v for k, v in kwargs.items() if k not in _SAMPLING_KEYS},
+        )
         values.update({_SAMPLING_KEYS[k]: v for k, v in kwargs.items() if k in _SAMPLING_KEYS})
         return SamplingParams(**values)
 
@@ -190,8 +257,9 @@ def _teacher_tokenizer(teacher: str | PreTrainedModel, given):
     return None
 
 
-def check_teacher_compatible(student: PreTrainedModel, student_tokenizer, teacher: PreTrainedModel,
-                             teacher_tokenizer) -> None:
+def check_teacher_compatible(
+    student: PreTrainedModel, student_tokenizer, teacher: PreTrainedModel, teacher_tokenizer
+) -> None:
     """Raises ConfigError unless every student id means the same token to the teacher and has a teacher logit.
 
     The tokenizers must agree on the ids the student can predict (the teacher may have more ids beyond the
@@ -202,8 +270,11 @@ def check_teacher_compatible(student: PreTrainedModel, student_tokenizer, teache
     teacher_vocab = teacher.config.get_text_config().vocab_size
     check_vocab_sizes(student_vocab, teacher_vocab)
     if teacher_tokenizer is None:
-        logger.warning("The teacher %r comes without a tokenizer (pass teacher_processing_class): only its "
-                       "vocabulary size was checked against the student's.", _name(teacher))
+        logger.warning(
+            "The teacher %r comes without a tokenizer (pass teacher_processing_class): only its "
+            "vocabulary size was checked against the student's.",
+            _name(teacher),
+        )
         return
     student_ids = student_tokenizer.get_vocab()
     teacher_ids = {token: i for token, i in teacher_tokenizer.get_vocab().items() if i < student_vocab}
@@ -224,16 +295,19 @@ def tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, te
     prompt = example["prompt"]
     if conversational != is_message_list(prompt) or not (conversational or isinstance(prompt, str)):
         expected = "a non-empty list of {'role', 'content'} messages" if conversational else "a string"
-        raise DataError(f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. "
-                        "Fix or drop that row.")
+        raise DataError(
+            f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. Fix or drop that row."
+        )
     if conversational:
         text = apply_chat_template({"prompt": prompt}, tokenizer, **template_kwargs)["prompt"]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]
     if not ids:
-        raise DataError(f"Row {row}: the prompt is empty after tokenization; sampling needs at least one prompt "
-                        "token. Remove the row or give it a prompt.")
+        raise DataError(
+            f"Row {row}: the prompt is empty after tokenization; sampling needs at least one prompt "
+            "token. Remove the row or give it a prompt."
+        )
     return {"input_ids": ids, "completion_mask": [0] * len(ids)}
 
 
@@ -242,9 +316,17 @@ def _completion_stats(completions) -> list[float]:
     lengths = [len(c.token_ids) for c in completions]
     ended = [len(c.token_ids) for c in completions if c.finished_with_eos]
     inf = float("inf")
-    return [float(len(lengths)), float(sum(lengths)), float(min(lengths, default=inf)),
-            float(max(lengths, default=-inf)), float(len(lengths) - len(ended)), float(len(ended)),
-            float(sum(ended)), float(min(ended, default=inf)), float(max(ended, default=-inf))]
+    return [
+        float(len(lengths)),
+        float(sum(lengths)),
+        float(min(lengths, default=inf)),
+        float(max(lengths, default=-inf)),
+        float(len(lengths) - len(ended)),
+        float(len(ended)),
+        float(sum(ended)),
+        float(min(ended, default=inf)),
+        float(max(ended, default=-inf)),
+    ]
 
 
 class DistillationTrainer(SFTTrainer):
@@ -258,6 +340,7 @@ class DistillationTrainer(SFTTrainer):
     completion tokens: TRL's entropy and completions/* keys, and posttrain's distill_loss, nll,
     teacher_agreement (student and teacher top-1 tokens equal), on_policy, mean_token_accuracy.
     """
+
     _name = "Distillation"  # the method the model card names and cites (posttrain/model_card.py)
 
     def __init__(
@@ -280,14 +363,25 @@ class DistillationTrainer(SFTTrainer):
     ):
         args = args or DistillationConfig(output_dir="outputs/distillation")
         if tools:
-            raise ConfigError(f"tools={[getattr(t, '__name__', t) for t in tools]}: tool-calling rollouts run on "
-                              "GRPOTrainer, RLOOTrainer and PPOTrainer; DistillationTrainer samples single-turn "
-                              "completions. Pass tools=None.")
+            raise ConfigError(
+                f"tools={[getattr(t, '__name__', t) for t in tools]}: tool-calling rollouts run on "
+                "GRPOTrainer, RLOOTrainer and PPOTrainer; DistillationTrainer samples single-turn "
+                "completions. Pass tools=None."
+            )
         teacher_model = self._resolve_teacher(model, teacher_model, args)
-        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, peft_config=peft_config, data_collator=data_collator,
-                         callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-                         **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+            data_collator=data_collator,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            **kwargs,
+        )
         init_kwargs = None
         if isinstance(teacher_model, str):
             init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.teacher_model_init_kwargs or {})}
@@ -297,12 +391,14 @@ class DistillationTrainer(SFTTrainer):
         if teacher_model is not None:
             teacher = load_causal_lm(teacher_model, init_kwargs)
             self._check_teacher(teacher, _teacher_tokenizer(teacher_model, teacher_processing_class))
-        self.teacher_model = None if teacher is None else \
-            self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
+        self.teacher_model = (
+            None if teacher is None else self.accelerator.prepare_model(freeze(teacher), evaluation_mode=True)
+        )
         if self.data_collator is self._own_collator:
             # The teacher reads the same batches: a flash-attention teacher needs them in one row too.
             self.data_collator.one_row = uses_flash_attention(self.model) or (
-                teacher is not None and uses_flash_attention(teacher))
+                teacher is not None and uses_flash_attention(teacher)
+            )
             self.data_collator.pad_to_multiple_of = args.pad_to_multiple_of
         self._sampler = create_generation_backend(self.model, self.processing_class, args)
         self._sampling = args.sampling_params()
@@ -320,20 +416,28 @@ class DistillationTrainer(SFTTrainer):
     def _resolve_teacher(model, teacher_model, args: DistillationConfig):
         named = args.teacher_model_name_or_path
         if teacher_model is not None and named is not None and teacher_model != named:  # TRL's script passes both
-            raise ConfigError(f"Two teachers: teacher_model={_name(teacher_model)!r} and "
-                              f"teacher_model_name_or_path={args.teacher_model_name_or_path!r}; give only one.")
+            raise ConfigError(
+                f"Two teachers: teacher_model={_name(teacher_model)!r} and "
+                f"teacher_model_name_or_path={args.teacher_model_name_or_path!r}; give only one."
+            )
         teacher_model = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if teacher_model is None:
-            raise ConfigError("DistillationTrainer needs a teacher: pass teacher_model (a model, hub id or path) or "
-                              "set teacher_model_name_or_path in the config.")
+            raise ConfigError(
+                "DistillationTrainer needs a teacher: pass teacher_model (a model, hub id or path) or "
+                "set teacher_model_name_or_path in the config."
+            )
         if teacher_model is model and not isinstance(model, str):  # a name loads a separate copy
-            raise ConfigError("teacher_model is the student itself, so freezing it would stop training. Pass a "
-                              "separately loaded teacher.")
+            raise ConfigError(
+                "teacher_model is the student itself, so freezing it would stop training. Pass a "
+                "separately loaded teacher."
+            )
         if not isinstance(teacher_model, str):
             for name in ("teacher_model_init_kwargs", "teacher_model_revision"):
                 if getattr(args, name):
-                    raise ConfigError(f"{name} only applies when the teacher is given by name or path; the teacher "
-                                      f"you passed is already loaded. Drop {name}.")
+                    raise ConfigError(
+                        f"{name} only applies when the teacher is given by name or path; the teacher "
+                        f"you passed is already loaded. Drop {name}."
+                    )
         return teacher_model
 
     # -- data --------------------------------------------------------------------------------------
@@ -343,24 +447,36 @@ class DistillationTrainer(SFTTrainer):
         fmt = detect_format(dataset.column_names, dataset[0] if len(dataset) else None)
         if fmt.kind == "prompt_only" or (args.lmbda == 1 and fmt.kind == "prompt_completion"):
             if fmt.kind == "prompt_only" and args.lmbda < 1 and name == "train_dataset":
-                raise ConfigError(f"lmbda={args.lmbda}: some micro-batches train on the data's completions, but "
-                                  f"{name} has only prompts. Set lmbda=1.0 (always on-policy) or give completions.")
+                raise ConfigError(
+                    f"lmbda={args.lmbda}: some micro-batches train on the data's completions, but "
+                    f"{name} has only prompts. Set lmbda=1.0 (always on-policy) or give completions."
+                )
             if fmt.conversational:
                 require_chat_template(tokenizer, "conversational prompts")
             return dataset.map(
-                tokenize_prompt, with_indices=True, remove_columns=dataset.column_names,
+                tokenize_prompt,
+                with_indices=True,
+                remove_columns=dataset.column_names,
                 num_proc=args.dataset_num_proc,
-                fn_kwargs=dict(tokenizer=tokenizer, conversational=fmt.conversational,
-                               template_kwargs=args.chat_template_kwargs or {}),
-                desc=f"Tokenizing the prompts of {name}")
+                fn_kwargs=dict(
+                    tokenizer=tokenizer,
+                    conversational=fmt.conversational,
+                    template_kwargs=args.chat_template_kwargs or {},
+                ),
+                desc=f"Tokenizing the prompts of {name}",
+            )
         if fmt.kind == "language_modeling" and args.lmbda > 0:
-            raise ConfigError(f"lmbda={args.lmbda}: on-policy distillation samples completions for prompts, but "
-                              f"{name} is language-modeling data ({', '.join(fmt.columns)}) without prompts. Give "
-                              "'prompt' (+ 'completion') columns, or set lmbda=0 to distil on the text as it is.")
+            raise ConfigError(
+                f"lmbda={args.lmbda}: on-policy distillation samples completions for prompts, but "
+                f"{name} is language-modeling data ({', '.join(fmt.columns)}) without prompts. Give "
+                "'prompt' (+ 'completion') columns, or set lmbda=0 to distil on the text as it is."
+            )
         if args.chat_template_kwargs and fmt.conversational:
-            raise ConfigError("chat_template_kwargs is only applied to prompts that the student completes; with "
-                              f"lmbda={args.lmbda} {name}'s conversations are rendered as for SFT. Set lmbda=1 or drop "
-                              "chat_template_kwargs.")
+            raise ConfigError(
+                "chat_template_kwargs is only applied to prompts that the student completes; with "
+                f"lmbda={args.lmbda} {name}'s conversations are rendered as for SFT. Set lmbda=1 or drop "
+                "chat_template_kwargs."
+            )
         return super().prepare_dataset(dataset, tokenizer, args, name)
 
     def _get_train_sampler(self, train_dataset=None):
@@ -374,18 +490,23 @@ class DistillationTrainer(SFTTrainer):
         completion tokens are counted, so the loss is normalised by the tokens actually trained."""
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         flags = [self._coin.random() < self.args.lmbda for _ in batches]
-        seeds = [derive_seed(self.args.seed, self.state.global_step, i, self.accelerator.process_index)
-                 for i in range(len(batches))]
-        batches = [self._student_batch(b, seed, "train") if on else self._off_policy_batch(b, seed)
-                   for b, on, seed in zip(batches, flags, seeds)]
+        seeds = [
+            derive_seed(self.args.seed, self.state.global_step, i, self.accelerator.process_index)
+            for i in range(len(batches))
+        ]
+        batches = [
+            self._student_batch(b, seed, "train") if on else self._off_policy_batch(b, seed)
+            for b, on, seed in zip(batches, flags, seeds)
+        ]
         self._metrics["train"]["on_policy"].extend(float(on) for on in flags)
         return batches, self._get_num_items_in_batch(batches, device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if "labels" in inputs and bool((inputs["labels"] == IGNORE_INDEX).all()):  # prompts only: sample
             self._eval_samples += 1
-            seed = derive_seed(self.args.seed, self.state.global_step, self._eval_samples, 1 << 20,
-                               self.accelerator.process_index)
+            seed = derive_seed(
+                self.args.seed, self.state.global_step, self._eval_samples, 1 << 20, self.accelerator.process_index
+            )
             inputs = self._student_batch(inputs, seed, "eval")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
@@ -404,17 +525,21 @@ class DistillationTrainer(SFTTrainer):
         for row, labels in enumerate(batch["labels"]):
             trained = (labels != IGNORE_INDEX).nonzero()
             if len(trained) and int(trained[0]) == 0:
-                raise DataError(f"A row of the batch (number {row}) is trained from its first token, so it has no "
-                                "prompt to sample a completion for. On-policy distillation needs prompt-completion "
-                                "or conversational data.")
+                raise DataError(
+                    f"A row of the batch (number {row}) is trained from its first token, so it has no "
+                    "prompt to sample a completion for. On-policy distillation needs prompt-completion "
+                    "or conversational data."
+                )
             start = int(trained[0]) if len(trained) else int(batch["attention_mask"][row].sum())
             prompts.append(batch["input_ids"][row, :start].tolist())
         completions = (sampler or self._sampler).generate(prompts, 1, self._sampling, seed=seed)
         self._record_completions(prompts, completions, mode)
-        collated = self.data_collator([
-            {"input_ids": prompt + c.token_ids, "completion_mask": [0] * len(prompt) + [1] * len(c.token_ids)}
-            for prompt, c in zip(prompts, completions)
-        ])
+        collated = self.data_collator(
+            [
+                {"input_ids": prompt + c.token_ids, "completion_mask": [0] * len(prompt) + [1] * len(c.token_ids)}
+                for prompt, c in zip(prompts, completions)
+            ]
+        )
         return {k: v.to(batch["input_ids"].device) for k, v in collated.items()}
 
     def _record_completions(self, prompts, completions, mode: str) -> None:
@@ -435,7 +560,8 @@ class DistillationTrainer(SFTTrainer):
             decode = self.processing_class.decode
             self._completion_log.extend(
                 (decode(p, skip_special_tokens=True), decode(c.token_ids, skip_special_tokens=True))
-                for p, c in zip(prompts, completions))
+                for p, c in zip(prompts, completions)
+            )
 
     # -- the loss ----------------------------------------------------------------------------------
     def _forward_nll(self, model, inputs, labels):
@@ -448,8 +574,9 @@ class DistillationTrainer(SFTTrainer):
         with torch.no_grad():
             entropy = entropy_from_logits(student_logits[mask].float() / temperature).sum()
             agree = (student_logits[mask].argmax(-1) == teacher_top1).sum()
-        totals = self.accelerator.gather(torch.stack([divergence.detach(), nll.detach(), agree.float(), entropy,
-                                                      count.float()]).reshape(1, 5)).sum(0)
+        totals = self.accelerator.gather(
+            torch.stack([divergence.detach(), nll.detach(), agree.float(), entropy, count.float()]).reshape(1, 5)
+        ).sum(0)
         means = (totals[:4] / totals[4].clamp(min=1)).tolist()
         metrics = self._metrics["train" if model.training else "eval"]
         for key, value in zip(("distill_loss", "nll", "teacher_agreement", "entropy"), means):
@@ -487,8 +614,13 @@ class DistillationTrainer(SFTTrainer):
         import pandas as pd
 
         rows = list(self._completion_log)
-        table = pd.DataFrame({"step": [self.state.global_step] * len(rows), "prompt": [p for p, _ in rows],
-                              "completion": [c for _, c in rows]})
+        table = pd.DataFrame(
+            {
+                "step": [self.state.global_step] * len(rows),
+                "prompt": [p for p, _ in rows],
+                "completion": [c for _, c in rows],
+            }
+        )
         folder = os.path.join(self.args.output_dir, "completions")
         os.makedirs(folder, exist_ok=True)
         table.to_parquet(os.path.join(folder, f"completions_{self.state.global_step:05d}.parquet"))

@@ -74,7 +74,8 @@ def refuse_unlaunched_multiprocess_config() -> None:
             f"accelerate's default config ({default_config_file}) asks for {processes} processes, but this process "
             "was not started by a launcher, so it would train alone. Start it with `accelerate launch your_script.py "
             "...` (or `accelerate launch --config_file examples/accelerate_configs/ddp.yaml ...`, or `posttrain "
-            f"<method> --num_processes {processes} ...`); to train in one process anyway, set {SINGLE_PROCESS_ENV}=1.")
+            f"<method> --num_processes {processes} ...`); to train in one process anyway, set {SINGLE_PROCESS_ENV}=1."
+        )
 
 
 def frozen_model_sharding(accelerator) -> str | None:
@@ -105,8 +106,9 @@ def shard_frozen_models(accelerator) -> None:
         if not evaluation_mode or _engine_held(model):
             return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if sharding == "zero3":
-            return _zero3_inference_engine(model, accelerator.state.deepspeed_plugin.deepspeed_config,
-                                           accelerator.num_processes)
+            return _zero3_inference_engine(
+                model, accelerator.state.deepspeed_plugin.deepspeed_config, accelerator.num_processes
+            )
         return _fsdp2_frozen(model, accelerator)
 
     accelerator.prepare_model = prepare_model
@@ -148,10 +150,16 @@ def _zero3_inference_engine(model, training_config: dict, num_processes: int):
     zero = {"stage": 3}
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden:
-        zero.update(stage3_param_persistence_threshold=10 * hidden,  # and prefetch about one weight matrix ahead
-                    stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "train_batch_size": num_processes, "zero_optimization": zero}
+        zero.update(
+            stage3_param_persistence_threshold=10 * hidden,  # and prefetch about one weight matrix ahead
+            stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+        )
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": num_processes,
+        "zero_optimization": zero,
+    }
     for precision in ("bf16", "fp16"):  # compute in the policy's precision ("auto" was resolved by the Trainer)
         section = training_config.get(precision) or {}
         if section.get("enabled") is True:
@@ -171,9 +179,12 @@ def _fsdp2_frozen(model, accelerator):
 
     plugin = accelerator.state.fsdp_plugin
     mesh = getattr(accelerator, "torch_device_mesh", None)
-    kwargs = {"reshard_after_forward": True, "offload_policy": plugin.cpu_offload,
-              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-              "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    kwargs = {
+        "reshard_after_forward": True,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
     layer_names = set(getattr(model, "_no_split_modules", None) or ())
     if plugin.transformer_cls_names_to_wrap:
         named = set(plugin.transformer_cls_names_to_wrap)

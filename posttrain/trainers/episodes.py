@@ -22,11 +22,20 @@ from typing import Any
 
 from ..errors import ConfigError, DataError
 from ..generation import derive_seed
-from ..tools import (EnvironmentPool, ToolExecutor, ToolStats, check_template_renders_tools, parse_tool_calls,
-                     prompt_with_observation, tool_schemas, tool_suffix_ids)
+from ..tools import (
+    EnvironmentPool,
+    ToolExecutor,
+    ToolStats,
+    check_template_renders_tools,
+    parse_tool_calls,
+    prompt_with_observation,
+    tool_schemas,
+    tool_suffix_ids,
+)
 from .rollout import Episode
 
 __all__ = ["CustomRollouts", "ToolRollouts", "make_episode_source"]
+
 
 @dataclasses.dataclass
 class _Running:
@@ -45,9 +54,18 @@ class ToolRollouts:
     """Samples tool-calling episodes with a generation backend. `tools` are offered to every episode;
     `environments` (an EnvironmentPool) give each episode its own environment and its methods as more tools."""
 
-    def __init__(self, backend, tokenizer, tools: Sequence[Callable], environments: EnvironmentPool | None,
-                 max_completion_length: int, max_iterations: int | None, parser: str | Callable = "hermes",
-                 timeout: float | None = 30.0, template_kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        backend,
+        tokenizer,
+        tools: Sequence[Callable],
+        environments: EnvironmentPool | None,
+        max_completion_length: int,
+        max_iterations: int | None,
+        parser: str | Callable = "hermes",
+        timeout: float | None = 30.0,
+        template_kwargs: dict | None = None,
+    ) -> None:
         self.backend, self.tokenizer, self.tools, self.environments = backend, tokenizer, list(tools), environments
         self.max_completion_length = max_completion_length
         self.max_iterations = max_iterations
@@ -57,16 +75,26 @@ class ToolRollouts:
         self.stats = ToolStats()
 
     def render_prompt(self, prompt: list[dict], schemas: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(prompt, tools=schemas or None, add_generation_prompt=True,
-                                                  tokenize=False, **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            prompt, tools=schemas or None, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, rows: list[dict], prompt_ids: list[list[int]], n: int, sampling, seeds: list[int],
-                 prompt_column: str) -> list[Episode]:
+    def generate(
+        self, rows: list[dict], prompt_ids: list[list[int]], n: int, sampling, seeds: list[int], prompt_column: str
+    ) -> list[Episode]:
         if self.environments is None:
             first = self.backend.generate(prompt_ids, n, sampling, seed=seeds)
-            running = [_Running(prompt_ids[i // n], derive_seed(seeds[i // n], i % n), self.executor, self.schemas,
-                                Episode.single_turn(c)) for i, c in enumerate(first)]
+            running = [
+                _Running(
+                    prompt_ids[i // n],
+                    derive_seed(seeds[i // n], i % n),
+                    self.executor,
+                    self.schemas,
+                    Episode.single_turn(c),
+                )
+                for i, c in enumerate(first)
+            ]
         else:
             running = self._start_environments(rows, n, sampling, seeds, prompt_column)
         for episode in (r.episode for r in running):
@@ -84,18 +112,29 @@ class ToolRollouts:
 
     def _start_environments(self, rows, n, sampling, seeds, prompt_column) -> list[_Running]:
         rollout_rows = [row for row in rows for _ in range(n)]
-        started = self.environments.start([{k: v for k, v in row.items() if not k.startswith("prompt_ids")}
-                                           for row in rollout_rows])
+        started = self.environments.start(
+            [{k: v for k, v in row.items() if not k.startswith("prompt_ids")} for row in rollout_rows]
+        )
         running = []
         for i, (row, env) in enumerate(zip(rollout_rows, started)):
             prompt = row.get(prompt_column)
             if prompt is not None and not isinstance(prompt, list):
-                raise DataError(f"environment_factory needs conversational prompts (lists of messages); row "
-                                f"{i // n} has {type(prompt).__name__} in column {prompt_column!r}.")
+                raise DataError(
+                    f"environment_factory needs conversational prompts (lists of messages); row "
+                    f"{i // n} has {type(prompt).__name__} in column {prompt_column!r}."
+                )
             schemas = tool_schemas(env.tools)
             ids = self.render_prompt(prompt_with_observation(prompt, env.observation), schemas)
-            running.append(_Running(ids, derive_seed(seeds[i // n], i % n), ToolExecutor(env.tools, self.timeout),
-                                    schemas, Episode([], [], None, False), environment=env))
+            running.append(
+                _Running(
+                    ids,
+                    derive_seed(seeds[i // n], i % n),
+                    ToolExecutor(env.tools, self.timeout),
+                    schemas,
+                    Episode([], [], None, False),
+                    environment=env,
+                )
+            )
         first = self.backend.generate([r.prompt_ids for r in running], 1, sampling, seed=[r.seed for r in running])
         for r, completion in zip(running, first):
             r.episode = dataclasses.replace(Episode.single_turn(completion), prompt_ids=r.prompt_ids)
@@ -103,7 +142,7 @@ class ToolRollouts:
         return running
 
     def _last_turn_text(self, r: _Running) -> str:
-        return self.tokenizer.decode(r.episode.token_ids[r.turn_start:], skip_special_tokens=True)
+        return self.tokenizer.decode(r.episode.token_ids[r.turn_start :], skip_special_tokens=True)
 
     def _answer_calls(self, r: _Running) -> bool:
         """Runs the calls of the episode's last turn and appends the tool turn's ids; False when the episode
@@ -122,8 +161,10 @@ class ToolRollouts:
         suffix = tool_suffix_ids(self.tokenizer, tool_messages, tools=r.schemas or None, **self.template_kwargs)
         if len(episode.token_ids) + len(suffix) >= self.max_completion_length:
             return False  # as in TRL: the tool turn does not fit, the episode ends as it was
-        episode.messages += [{"role": "assistant", "content": turn.content,
-                              "tool_calls": [c.as_message_call() for c in turn.calls]}, *tool_messages]
+        episode.messages += [
+            {"role": "assistant", "content": turn.content, "tool_calls": [c.as_message_call() for c in turn.calls]},
+            *tool_messages,
+        ]
         episode.token_ids += suffix
         episode.model_mask += [0] * len(suffix)
         if episode.logprobs is not None:
@@ -135,8 +176,11 @@ class ToolRollouts:
         """Samples the next model turn of every active episode from its ids so far, in one batch."""
         budgets = [self.max_completion_length - len(r.episode.token_ids) for r in active]
         continued = self.backend.generate(
-            [r.prompt_ids + r.episode.token_ids for r in active], 1,
-            dataclasses.replace(sampling, max_tokens=max(budgets)), seed=[derive_seed(r.seed, turn) for r in active])
+            [r.prompt_ids + r.episode.token_ids for r in active],
+            1,
+            dataclasses.replace(sampling, max_tokens=max(budgets)),
+            seed=[derive_seed(r.seed, turn) for r in active],
+        )
         for r, completion, budget in zip(active, continued, budgets):
             ids = list(completion.token_ids)[:budget]
             episode = r.episode
@@ -180,19 +224,31 @@ class CustomRollouts:
         prompt_ids, completion_ids, logprobs = (output.pop(key) for key in self.REQUIRED)
         for key, values in {"prompt_ids": prompt_ids, "completion_ids": completion_ids, **output}.items():
             if len(values) != len(prompts):
-                raise DataError(f"rollout_func returned {len(values)} entries under {key!r} for {len(prompts)} "
-                                f"episodes ({len(rows)} prompts x num_generations {n}); return one per episode.")
+                raise DataError(
+                    f"rollout_func returned {len(values)} entries under {key!r} for {len(prompts)} "
+                    f"episodes ({len(rows)} prompts x num_generations {n}); return one per episode."
+                )
         episodes = []
         for i, ids in enumerate(completion_ids):
             ids = list(ids)
             mask = [1] * len(ids) if masks is None else [int(m) for m in masks[i]]
-            if len(mask) != len(ids) or (logprobs is not None and logprobs[i] is not None
-                                         and len(logprobs[i]) != len(ids)):
-                raise DataError(f"rollout_func episode {i}: env_mask / logprobs must have one entry per completion "
-                                f"token ({len(ids)}).")
-            episodes.append(Episode(ids, mask, None if logprobs is None or logprobs[i] is None else list(logprobs[i]),
-                                    bool(ids) and ids[-1] in self.stop_ids, prompt_ids=list(prompt_ids[i]),
-                                    reward_kwargs={key: values[i] for key, values in output.items()}))
+            if len(mask) != len(ids) or (
+                logprobs is not None and logprobs[i] is not None and len(logprobs[i]) != len(ids)
+            ):
+                raise DataError(
+                    f"rollout_func episode {i}: env_mask / logprobs must have one entry per completion "
+                    f"token ({len(ids)})."
+                )
+            episodes.append(
+                Episode(
+                    ids,
+                    mask,
+                    None if logprobs is None or logprobs[i] is None else list(logprobs[i]),
+                    bool(ids) and ids[-1] in self.stop_ids,
+                    prompt_ids=list(prompt_ids[i]),
+                    reward_kwargs={key: values[i] for key, values in output.items()},
+                )
+            )
         return episodes
 
 
@@ -203,15 +259,28 @@ def make_episode_source(trainer, tools, environments: EnvironmentPool | None, ro
     args = trainer.args
     if rollout_func is not None:
         if tools or environments is not None:
-            raise ConfigError("rollout_func samples the episodes itself; it cannot be combined with tools= or "
-                              "environment_factory= here. Call the tools inside rollout_func, or drop it.")
+            raise ConfigError(
+                "rollout_func samples the episodes itself; it cannot be combined with tools= or "
+                "environment_factory= here. Call the tools inside rollout_func, or drop it."
+            )
         from ..generation import stop_token_ids
+
         return CustomRollouts(rollout_func, trainer, stop_token_ids(trainer.processing_class, trainer.model))
     if not trainer.conversational:
-        raise DataError("tools= and environment_factory= need conversational prompts (a 'prompt' column of message "
-                        "lists) so that the chat template can show the tools; convert the prompts to messages.")
+        raise DataError(
+            "tools= and environment_factory= need conversational prompts (a 'prompt' column of message "
+            "lists) so that the chat template can show the tools; convert the prompts to messages."
+        )
     offered = list(tools or ()) if environments is None else environments.tools
     check_template_renders_tools(trainer.processing_class, offered)
-    return ToolRollouts(trainer.generation_backend, trainer.processing_class, tools or (), environments,
-                        args.max_completion_length, args.max_tool_calling_iterations, args.tool_call_parser,
-                        args.tool_timeout_s, args.chat_template_kwargs)
+    return ToolRollouts(
+        trainer.generation_backend,
+        trainer.processing_class,
+        tools or (),
+        environments,
+        args.max_completion_length,
+        args.max_tool_calling_iterations,
+        args.tool_call_parser,
+        args.tool_timeout_s,
+        args.chat_template_kwargs,
+    )

@@ -73,17 +73,26 @@ class GuardMixin(Trainer):
         if self.args.nonfinite_policy == "skip" and self._nonfinite_in_a_row <= self.args.max_nonfinite_steps:
             model.zero_grad(set_to_none=True)
             self._nonfinite_skipped += 1
-            logger.warning("Step %d: %s is not finite; skipped the update (%d in a row, at most %d).", step, what,
-                           self._nonfinite_in_a_row, self.args.max_nonfinite_steps)
+            logger.warning(
+                "Step %d: %s is not finite; skipped the update (%d in a row, at most %d).",
+                step,
+                what,
+                self._nonfinite_in_a_row,
+                self.args.max_nonfinite_steps,
+            )
             return grad_norm
         last = self.last_complete_checkpoint()
         in_a_row = f" ({self._nonfinite_in_a_row} steps in a row)" if self.args.nonfinite_policy == "skip" else ""
         raise NonFiniteError(
             f"Step {step}: {what} is not finite{in_a_row}; the update was not applied and training stopped. "
-            + (f"The last complete checkpoint is {last}: resume from it with a lower learning_rate or "
-               "max_grad_norm, or check the data of this step." if last else
-               "No checkpoint was saved yet. Lower learning_rate or max_grad_norm, or check the data.")
-            + " To skip such steps instead, set nonfinite_policy='skip'.")
+            + (
+                f"The last complete checkpoint is {last}: resume from it with a lower learning_rate or "
+                "max_grad_norm, or check the data of this step."
+                if last
+                else "No checkpoint was saved yet. Lower learning_rate or max_grad_norm, or check the data."
+            )
+            + " To skip such steps instead, set nonfinite_policy='skip'."
+        )
 
     def log(self, logs, start_time=None):
         if self.args.nonfinite_policy == "skip" and "loss" in logs:
@@ -103,8 +112,10 @@ class GuardMixin(Trainer):
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self._signal = signum
-        logger.warning("Received %s: finishing this step, then saving a checkpoint and exiting (send it again to "
-                       "stop at once).", signal.Signals(signum).name)
+        logger.warning(
+            "Received %s: finishing this step, then saving a checkpoint and exiting (send it again to stop at once).",
+            signal.Signals(signum).name,
+        )
 
     def train(self, *args, **kwargs):
         if not self.args.checkpoint_on_signal or threading.current_thread() is not threading.main_thread():
@@ -117,7 +128,10 @@ class GuardMixin(Trainer):
                 signal.signal(s, handler)
         if self._signal is not None:
             where = self.last_complete_checkpoint()
-            print(f"posttrain: stopped by {signal.Signals(self._signal).name} after step {self.state.global_step}; "
-                  f"checkpoint {where} (resume with resume_from_checkpoint=True).", flush=True)
+            print(
+                f"posttrain: stopped by {signal.Signals(self._signal).name} after step {self.state.global_step}; "
+                f"checkpoint {where} (resume with resume_from_checkpoint=True).",
+                flush=True,
+            )
             raise SystemExit(0)
         return output

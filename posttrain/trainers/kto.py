@@ -41,18 +41,31 @@ RECOMMENDED_WEIGHTED_RATIO = (1.0, 4 / 3)
 @dataclass
 class KTOConfig(ReferenceConfig):
     train_sampling_strategy: str = field(
-        default="sequential", metadata={"help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
-                                                "(its mismatched KL pairs are fixed per batch in the dataset)."})
+        default="sequential",
+        metadata={
+            "help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
+            "(its mismatched KL pairs are fixed per batch in the dataset)."
+        },
+    )
     max_length: int | None = field(
-        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."})
-    beta: float = field(default=0.1, metadata={"help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-                                                       "keeps the policy closer to the reference."})
+        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."}
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={
+            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
+            "keeps the policy closer to the reference."
+        },
+    )
     desirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."})
+        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."}
+    )
     undesirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."})
+        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."}
+    )
     loss_type: str = field(
-        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."})
+        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."}
+    )
 
     def __post_init__(self):
         if self.loss_type not in KTO_LOSS_TYPES:
@@ -60,19 +73,23 @@ class KTOConfig(ReferenceConfig):
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
-            raise ConfigError(f"desirable_weight={self.desirable_weight} and undesirable_weight="
-                              f"{self.undesirable_weight} must both be positive.")
+            raise ConfigError(
+                f"desirable_weight={self.desirable_weight} and undesirable_weight="
+                f"{self.undesirable_weight} must both be positive."
+            )
         strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
         if self.loss_type == "kto" and strategy != "sequential":
             raise ConfigError(
                 f"train_sampling_strategy={strategy!r}: loss_type 'kto' pairs each prompt with a neighbour's "
                 "completion inside its batch, fixed in the dataset, so the rows must come in order; set "
-                "train_sampling_strategy='sequential' (the default) or use loss_type='apo_zero_unpaired'.")
+                "train_sampling_strategy='sequential' (the default) or use loss_type='apo_zero_unpaired'."
+            )
         if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
             raise ConfigError(
                 f"per_device_train_batch_size={self.per_device_train_batch_size}: the KL reference point pairs each "
                 "prompt with another example's completion from the same batch, and a batch of one has none; set "
-                "per_device_train_batch_size to 2 or more.")
+                "per_device_train_batch_size to 2 or more."
+            )
         super().__post_init__()
 
 
@@ -127,8 +144,18 @@ def check_class_balance(labels: list[bool], args: KTOConfig, name: str = "train_
             "%s has %d desirable and %d undesirable examples: with desirable_weight=%g and undesirable_weight=%g "
             "the weighted ratio (desirable_weight * %d) / (undesirable_weight * %d) is %.3g, outside [1, 4/3] "
             "that the KTO paper recommends. Keeping undesirable_weight=%g, set desirable_weight between %.3g and "
-            "%.3g.", name, n_desirable, n_undesirable, args.desirable_weight, args.undesirable_weight, n_desirable,
-            n_undesirable, ratio, args.undesirable_weight, base * low, base * high,
+            "%.3g.",
+            name,
+            n_desirable,
+            n_undesirable,
+            args.desirable_weight,
+            args.undesirable_weight,
+            n_desirable,
+            n_undesirable,
+            ratio,
+            args.undesirable_weight,
+            base * low,
+            base * high,
         )
 
 
@@ -162,9 +189,13 @@ class KTOCollator:
 
 def first_sequences(scores: SequenceLogps, n: int) -> SequenceLogps:
     """The first `n` sequences' part of `scores` (the aux loss, a batch total, unchanged)."""
-    return scores._replace(logps=scores.logps[:n], token_counts=scores.token_counts[:n],
-                           token_logps=scores.token_logps[:n], mask=scores.mask[:n],
-                           stats={k: v[:n] for k, v in scores.stats.items()})
+    return scores._replace(
+        logps=scores.logps[:n],
+        token_counts=scores.token_counts[:n],
+        token_logps=scores.token_logps[:n],
+        mask=scores.mask[:n],
+        stats={k: v[:n] for k, v in scores.stats.items()},
+    )
 
 
 def kto_rows(batch: dict, part: slice) -> dict:
@@ -182,31 +213,61 @@ class KTOTrainer(ReferenceTrainer):
     undesirable row per pair. The reference is `ref_model`, else a frozen copy of the policy, else (with
     `peft_config`) the policy with its adapter disabled, or log-probs precomputed once (`precompute_ref_log_probs`).
     """
+
     _name = "KTO"  # the method the model card names and cites (posttrain/model_card.py)
 
     ALL_REF_COLUMNS = ("ref_logps", "ref_kl_logps")
     PREPARED_COLUMN = "input_ids"
 
-    def __init__(self, model, ref_model=None, args: KTOConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), quantization_config=None, peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args: KTOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        **kwargs,
+    ):
         args = args or KTOConfig(output_dir="outputs/kto")
         kl = args.loss_type == "kto"
         self.REF_COLUMNS = self.ALL_REF_COLUMNS if kl else self.ALL_REF_COLUMNS[:1]
-        self.ID_COLUMNS = ("input_ids", "completion_mask", "label") + (("kl_input_ids", "kl_completion_mask")
-                                                                       if kl else ())
+        self.ID_COLUMNS = ("input_ids", "completion_mask", "label") + (
+            ("kl_input_ids", "kl_completion_mask") if kl else ()
+        )
         self._total_train_tokens = 0
         processing_class = load_processing_class(model, processing_class, args)
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics, **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            **kwargs,
+        )
         self.setup_reference(ref_model, pretrained_adapter=peft_config is None and is_peft_model(model))
 
     def prepare_dataset(self, dataset, tokenizer, args: KTOConfig, name: str):
         fmt: DatasetFormat = validate_dataset(dataset, ("unpaired_preference", "preference"), "KTOTrainer", name)
         paired = fmt.kind == "preference"
         if paired:
-            logger.info("%s holds paired preference data: unpairing it into a desirable (chosen) and an undesirable "
-                        "(rejected) example per pair.", name)
+            logger.info(
+                "%s holds paired preference data: unpairing it into a desirable (chosen) and an undesirable "
+                "(rejected) example per pair.",
+                name,
+            )
             dataset = unpair_preference_dataset(dataset, num_proc=args.dataset_num_proc)
             fmt = validate_dataset(dataset, ("unpaired_preference",), "KTOTrainer", name)
         if fmt.conversational:
@@ -215,7 +276,9 @@ class KTOTrainer(ReferenceTrainer):
         report = DataReport.of(self).start(name, len(dataset))
         report.note(len(dataset) // 2 if paired else 0, "pairs unpaired into two rows each (counted as rows)")
         dataset = dataset.map(
-            tokenize_kto_row, with_indices=True, num_proc=args.dataset_num_proc,
+            tokenize_kto_row,
+            with_indices=True,
+            num_proc=args.dataset_num_proc,
             remove_columns=[c for c in dataset.column_names if c not in ("label", *self.ALL_REF_COLUMNS)],
             fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, completion_fmt=completion_fmt, max_length=args.max_length),
             desc=f"Tokenizing {name}",
@@ -224,10 +287,17 @@ class KTOTrainer(ReferenceTrainer):
         report.dropped(len(empty), f"prompt alone fills max_length={args.max_length}")
         if empty:  # as TRL does, drop rows whose prompt alone fills max_length
             if len(empty) == len(dataset):
-                raise DataError(f"Every row of {name} has a prompt that fills max_length={args.max_length}, leaving "
-                                "no completion token; raise max_length (or set it to None).")
-            logger.warning("Dropping %d of %d rows of %s: their prompt alone fills max_length=%s. Raise max_length "
-                           "to keep them.", len(empty), len(dataset), name, args.max_length)
+                raise DataError(
+                    f"Every row of {name} has a prompt that fills max_length={args.max_length}, leaving "
+                    "no completion token; raise max_length (or set it to None)."
+                )
+            logger.warning(
+                "Dropping %d of %d rows of %s: their prompt alone fills max_length=%s. Raise max_length to keep them.",
+                len(empty),
+                len(dataset),
+                name,
+                args.max_length,
+            )
             dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
         dataset = report.take_cuts(dataset)  # the truncation of the rows kept
         if name == "train_dataset":
@@ -261,14 +331,24 @@ class KTOTrainer(ReferenceTrainer):
             policy_kl = self.accelerator.gather(kl_logps)
             ref_kl = self.accelerator.gather(ref["ref_kl_logps"])
         losses, rewards, kl = kto_loss(
-            policy.logps, ref["ref_logps"], labels, policy_kl, ref_kl, beta=self.args.beta,
-            desirable_weight=self.args.desirable_weight, undesirable_weight=self.args.undesirable_weight,
+            policy.logps,
+            ref["ref_logps"],
+            labels,
+            policy_kl,
+            ref_kl,
+            beta=self.args.beta,
+            desirable_weight=self.args.desirable_weight,
+            undesirable_weight=self.args.undesirable_weight,
             loss_type=self.args.loss_type,
         )
         loss = self.effective_batch_mean(losses.sum(), num_items_in_batch, n, model.training)
         loss = self.add_aux_loss(loss, policy.aux_loss)
-        self.record_token_metrics(policy.stats, policy.token_counts, inputs["attention_mask"][:n].sum(),
-                                  {"chosen": labels, "rejected": ~labels})
+        self.record_token_metrics(
+            policy.stats,
+            policy.token_counts,
+            inputs["attention_mask"][:n].sum(),
+            {"chosen": labels, "rejected": ~labels},
+        )
         self._record_class_metrics(labels, rewards, policy.logps.detach(), kl if policy_kl is not None else None)
         return (loss, {"rewards": rewards}) if return_outputs else loss
 
@@ -295,8 +375,16 @@ class KTOTrainer(ReferenceTrainer):
         and the KL reference point z0 when there is one."""
         desirable = labels.float()
         undesirable = 1 - desirable
-        stats = torch.stack([desirable.sum(), undesirable.sum(), (rewards * desirable).sum(),
-                             (rewards * undesirable).sum(), (logps * desirable).sum(), (logps * undesirable).sum()])
+        stats = torch.stack(
+            [
+                desirable.sum(),
+                undesirable.sum(),
+                (rewards * desirable).sum(),
+                (rewards * undesirable).sum(),
+                (logps * desirable).sum(),
+                (logps * undesirable).sum(),
+            ]
+        )
         n_d, n_u, reward_d, reward_u, logp_d, logp_u = self.accelerator.gather(stats[None]).sum(0).tolist()
         metrics = {"kl": kl if kl is not None else 0.0}
         if n_d:

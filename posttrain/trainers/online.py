@@ -42,11 +42,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch.utils.data import DataLoader
 
+from ..callbacks import SyncRefModelCallback
+from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
 from ..data.report import DataReport, cut_column
@@ -61,50 +63,78 @@ from ..losses.policy import (
 from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
 from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
 from ..rewards.scoring import RewardScorer
-from ..callbacks import SyncRefModelCallback
-from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 from ..tools import EnvironmentPool, tool_schemas
 from .async_rollouts import AsyncRolloutProducer
 from .base import BaseTrainer, setup_router_aux_loss
 from .distributed import root_gathered
 from .episodes import make_episode_source
 from .online_config import OnlineConfig
-from .online_logps import completion_logps
-from .online_vision import setup_online_vision, tokenizer_of
+
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
-from .rollout import (Advantages, Episode, Rollout, RolloutLoader, RolloutSampler, TaggedPrompts, collate_tagged,
-                      groupwise_advantages, pad_rows)
+from .online_logps import completion_logps
+from .online_vision import setup_online_vision, tokenizer_of
+from .rollout import (
+    Advantages,
+    Episode,
+    Rollout,
+    RolloutLoader,
+    RolloutSampler,
+    TaggedPrompts,
+    collate_tagged,
+    groupwise_advantages,
+    pad_rows,
+)
 
-__all__ = ["COMPLETIONS_LOG", "Advantages", "Episode", "OnlineConfig", "OnlineTrainer", "Rollout", "RolloutSampler",
-           "groupwise_advantages", "nanstd"]
+__all__ = [
+    "COMPLETIONS_LOG",
+    "Advantages",
+    "Episode",
+    "OnlineConfig",
+    "OnlineTrainer",
+    "Rollout",
+    "RolloutSampler",
+    "groupwise_advantages",
+    "nanstd",
+]
 
 
 # -- prompts -----------------------------------------------------------------------------------------------
-def _tokenize_prompt(example: dict, row: int, tokenizer, conversational: bool, max_prompt_length: int | None,
-                     chat_template_kwargs: dict | None = None):
+def _tokenize_prompt(
+    example: dict,
+    row: int,
+    tokenizer,
+    conversational: bool,
+    max_prompt_length: int | None,
+    chat_template_kwargs: dict | None = None,
+):
     prompt = example[PROMPT_COLUMN]
     if conversational != is_message_list(prompt) or not (conversational or isinstance(prompt, str)):
         expected = "a non-empty list of {'role', 'content'} messages" if conversational else "a string"
-        raise DataError(f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. "
-                        "Fix or drop that row.")
+        raise DataError(
+            f"Row {row}, column 'prompt': expected {expected} like row 0, got {prompt!r:.80}. Fix or drop that row."
+        )
     if conversational:
         text = apply_chat_template({PROMPT_COLUMN: prompt}, tokenizer, **(chat_template_kwargs or {}))[PROMPT_COLUMN]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]
     if not ids:
-        raise DataError(f"Row {row}: the prompt is empty after tokenization; generation needs at least one prompt "
-                        "token. Remove the row or give it a prompt.")
+        raise DataError(
+            f"Row {row}: the prompt is empty after tokenization; generation needs at least one prompt "
+            "token. Remove the row or give it a prompt."
+        )
     cut = 0 if max_prompt_length is None else max(len(ids) - max_prompt_length, 0)
     return {PROMPT_IDS_COLUMN: ids[cut:], cut_column("max_prompt_length"): cut}
 
 
 def _require_prompt_column(dataset, name: str) -> None:
     if PROMPT_COLUMN not in dataset.column_names:
-        raise DataError(f"{name} needs a 'prompt' column (strings or lists of messages) but has the columns "
-                        f"{dataset.column_names}; rename the column holding the prompts, e.g. "
-                        "dataset.rename_column('question', 'prompt').")
+        raise DataError(
+            f"{name} needs a 'prompt' column (strings or lists of messages) but has the columns "
+            f"{dataset.column_names}; rename the column holding the prompts, e.g. "
+            "dataset.rename_column('question', 'prompt')."
+        )
     if len(dataset) == 0:
         raise DataError(f"{name} is empty; pass at least one prompt.")
 
@@ -126,9 +156,15 @@ class ScoredGroups:
         n = len(self.episodes) // max(len(self.rows), 1)
         items = [g * n + k for g in indices for k in range(n)]
         rows = torch.tensor(items, dtype=torch.long)
-        return ScoredGroups([self.rows[g] for g in indices], [self.episodes[i] for i in items],
-                            [self.prompts[i] for i in items], [self.texts[i] for i in items],
-                            self.rewards[rows], self.per_function[rows], dict(self.timings))
+        return ScoredGroups(
+            [self.rows[g] for g in indices],
+            [self.episodes[i] for i in items],
+            [self.prompts[i] for i in items],
+            [self.texts[i] for i in items],
+            self.rewards[rows],
+            self.per_function[rows],
+            dict(self.timings),
+        )
 
     @staticmethod
     def concat(parts: list[ScoredGroups]) -> ScoredGroups:
@@ -136,9 +172,15 @@ class ScoredGroups:
         for part in parts:
             for key, value in part.timings.items():
                 timings[key] = timings.get(key, 0.0) + value
-        return ScoredGroups(sum((p.rows for p in parts), []), sum((p.episodes for p in parts), []),
-                            sum((p.prompts for p in parts), []), sum((p.texts for p in parts), []),
-                            torch.cat([p.rewards for p in parts]), torch.cat([p.per_function for p in parts]), timings)
+        return ScoredGroups(
+            sum((p.rows for p in parts), []),
+            sum((p.episodes for p in parts), []),
+            sum((p.prompts for p in parts), []),
+            sum((p.texts for p in parts), []),
+            torch.cat([p.rewards for p in parts]),
+            torch.cat([p.per_function for p in parts]),
+            timings,
+        )
 
 
 # -- the engine --------------------------------------------------------------------------------------------
@@ -183,38 +225,67 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if environment_factory is not None and reward_funcs == [None]:
             reward_funcs = []  # the environment gives the reward
         if (not reward_funcs and environment_factory is None) or any(f is None for f in reward_funcs):
-            raise ConfigError("No reward functions given: pass reward_funcs, e.g. a function "
-                              "f(prompts, completions, **columns) -> list[float], a reward model, or a list of them.")
+            raise ConfigError(
+                "No reward functions given: pass reward_funcs, e.g. a function "
+                "f(prompts, completions, **columns) -> list[float], a reward model, or a list of them."
+            )
         self.reward_columns = [c for c in train_dataset.column_names if c not in (PROMPT_COLUMN, PROMPT_IDS_COLUMN)]
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory, tools or ())
         if self.environments is not None:  # an environment with get_reward() is a reward source
             reward_funcs += [function for _, function in self.environments.reward_functions()]
-        self.reward_scorer = RewardScorer(reward_funcs, args.reward_weights, reward_processing_classes,
-                                          args.reward_timeout_s, args.reward_failure_policy)
+        self.reward_scorer = RewardScorer(
+            reward_funcs,
+            args.reward_weights,
+            reward_processing_classes,
+            args.reward_timeout_s,
+            args.reward_failure_policy,
+        )
         if rollout_func is None:  # its extra fields reach the reward functions; they are checked on the first round
             self.reward_scorer.check_columns(self.reward_columns + (["environments"] if environment_factory else []))
         self._tool_schemas = tool_schemas(tools) if tools and environment_factory is None else None
         self._check_eval_setup(eval_dataset, args)
         if args.sync_ref_model and (peft_config is not None or is_peft_model(model)):
-            raise ConfigError("sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
-                                  "reference is the adapter-disabled base; set sync_ref_model=False.")
+            raise ConfigError(
+                "sync_ref_model=True needs a separate reference model, but with a PEFT policy the "
+                "reference is the adapter-disabled base; set sync_ref_model=False."
+            )
         processing_class, self.image_prompts, peft_config = setup_online_vision(  # processor, image prompts, LoRA
-            self, model, args, train_dataset, eval_dataset, processing_class, tools, rollout_func, environment_factory,
-            peft_config)
+            self,
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            tools,
+            rollout_func,
+            environment_factory,
+            peft_config,
+        )
         if tokenizer_of(processing_class).eos_token_id is None:
-            raise ConfigError("The tokenizer has no EOS token, so a completion could never end before "
-                              "max_completion_length; set tokenizer.eos_token (for a chat model, its end-of-turn "
-                              "token).")
+            raise ConfigError(
+                "The tokenizer has no EOS token, so a completion could never end before "
+                "max_completion_length; set tokenizer.eos_token (for a chat model, its end-of-turn "
+                "token)."
+            )
         prompts_per_round = args.generation_batch_size // args.num_generations
         if len(train_dataset) < prompts_per_round:
             raise DataError(
                 f"train_dataset has {len(train_dataset)} prompts but one generation round uses {prompts_per_round} "
                 f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}); "
                 "add prompts or lower per_device_train_batch_size, gradient_accumulation_steps or "
-                "steps_per_generation.")
-        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
-                         optimizers=optimizers, quantization_config=quantization_config)
+                "steps_per_generation."
+            )
+        super().__init__(
+            model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+        )
         self.sampling = args.sampling_params()
         self.generation_backend = create_generation_backend(self.model, tokenizer_of(self.processing_class), args)
         self.reward_scorer.to(self.accelerator.device, self.accelerator)
@@ -224,12 +295,16 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
             if reference is not None:
                 self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
         if args.sync_ref_model:
-            self.add_callback(SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha,
-                                                   args.ref_model_sync_steps))
+            self.add_callback(
+                SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
+            )
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
-        self.async_rollouts = None if args.async_generation_rounds is None else AsyncRolloutProducer(
-            self, args.async_generation_rounds, args.vllm_sync_steps)  # async_rollouts.py
+        self.async_rollouts = (
+            None
+            if args.async_generation_rounds is None
+            else AsyncRolloutProducer(self, args.async_generation_rounds, args.vllm_sync_steps)
+        )  # async_rollouts.py
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []
@@ -239,8 +314,9 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         _require_prompt_column(dataset, name)
         missing = [c for c in self.reward_columns if c not in dataset.column_names]
         if missing:
-            raise DataError(f"{name} lacks the columns {missing} that train_dataset passes to the reward functions; "
-                            "add them to it.")
+            raise DataError(
+                f"{name} lacks the columns {missing} that train_dataset passes to the reward functions; add them to it."
+            )
 
     def _check_eval_setup(self, eval_dataset, args: OnlineConfig) -> None:
         datasets = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
@@ -249,9 +325,11 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                 self.check_prompt_dataset(dataset, name if name == "eval_dataset" else f"eval_dataset[{name!r}]")
         n = args.num_generations_eval or args.num_generations
         if eval_dataset is not None and args.per_device_eval_batch_size % n:
-            raise ConfigError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} counts completions and "
-                              f"must be a multiple of num_generations_eval={n} (all completions of an eval prompt "
-                              "are generated together); change one of them.")
+            raise ConfigError(
+                f"per_device_eval_batch_size={args.per_device_eval_batch_size} counts completions and "
+                f"must be a multiple of num_generations_eval={n} (all completions of an eval prompt "
+                "are generated together); change one of them."
+            )
 
     # -- data ------------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: OnlineConfig, name: str):
@@ -265,14 +343,23 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if self.conversational:
             require_chat_template(tokenizer, "conversational prompts")
         report = DataReport.of(self).start(name, len(dataset))  # prompts cut by max_prompt_length
-        return report.take_cuts(dataset.map(
-            _tokenize_prompt, with_indices=True, num_proc=args.dataset_num_proc,
-            fn_kwargs=dict(tokenizer=tokenizer, conversational=self.conversational,
-                           max_prompt_length=args.max_prompt_length,
-                           chat_template_kwargs={**(args.chat_template_kwargs or {}),
-                                                 **({"tools": self._tool_schemas} if self._tool_schemas else {})}),
-            desc=f"Tokenizing the prompts of {name}",
-        ))
+        return report.take_cuts(
+            dataset.map(
+                _tokenize_prompt,
+                with_indices=True,
+                num_proc=args.dataset_num_proc,
+                fn_kwargs=dict(
+                    tokenizer=tokenizer,
+                    conversational=self.conversational,
+                    max_prompt_length=args.max_prompt_length,
+                    chat_template_kwargs={
+                        **(args.chat_template_kwargs or {}),
+                        **({"tools": self._tool_schemas} if self._tool_schemas else {}),
+                    },
+                ),
+                desc=f"Tokenizing the prompts of {name}",
+            )
+        )
 
     def default_collator(self, tokenizer, args):
         return collate_tagged
@@ -298,10 +385,13 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def get_train_dataloader(self) -> DataLoader:
         args = self.args
         self.rollout_sampler = sampler = RolloutSampler(
-            num_prompts=len(self.train_dataset), prompts_per_round=args.generation_batch_size // args.num_generations,
-            num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
+            num_prompts=len(self.train_dataset),
+            prompts_per_round=args.generation_batch_size // args.num_generations,
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
             micro_steps_per_round=self.micro_steps_per_round,
-            seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=args.shuffle_dataset,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            shuffle=args.shuffle_dataset,
         )
         return RolloutLoader(TaggedPrompts(self.train_dataset), batch_sampler=sampler, collate_fn=collate_tagged)
 
@@ -356,9 +446,13 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The entropy keeps its gradient only where a method trains on it (GRPO's entropy bonus); the model's
         # outputs are needed only for a Mixture-of-Experts balancing loss.
-        logps, entropy, *outputs = self.completion_logps(model, inputs, with_entropy=True,
-                                                         return_outputs=bool(self.router_aux_loss_coef),
-                                                         entropy_grad=getattr(self, "trains_entropy", False))
+        logps, entropy, *outputs = self.completion_logps(
+            model,
+            inputs,
+            with_entropy=True,
+            return_outputs=bool(self.router_aux_loss_coef),
+            entropy_grad=getattr(self, "trains_entropy", False),
+        )
         loss, metrics = self.policy_loss(inputs, logps, entropy)
         loss = self.add_router_aux_loss(loss, outputs[0] if outputs else None, metrics)
         mask = inputs["loss_mask"].to(entropy.dtype)
@@ -375,8 +469,13 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         metrics["aux_loss"] = aux_loss.detach()
         return loss + self.router_aux_loss_coef * aux_loss / self.args.gradient_accumulation_steps
 
-    def policy_loss(self, inputs: dict[str, torch.Tensor], logps: torch.Tensor, entropy: torch.Tensor | None = None,
-                    keep: torch.Tensor | None = None):
+    def policy_loss(
+        self,
+        inputs: dict[str, torch.Tensor],
+        logps: torch.Tensor,
+        entropy: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ):
         """This micro-batch's share of the optimizer step's policy loss, and its metrics.
 
         The per-token objective is `policy_objective` with `self.objective_options()` (GRPO's loss types), the
@@ -392,11 +491,27 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         if sampler_logps is not None and args.vllm_importance_sampling_correction:
             ratio = self.sampler_ratio(old_logps, sampler_logps, mask)
         per_token, stats = policy_objective(
-            logps, old_logps, inputs["advantages"], mask, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-            importance_sampling_level=args.importance_sampling_level, keep=keep, sampler_ratio=ratio,
-            ref_logps=inputs.get("ref_logps"), beta=args.beta if self.kl_in_loss else 0.0, **self.objective_options())
-        loss = aggregate_loss(per_token, mask, args.loss_type, total_sequences=inputs["total_sequences"],
-                              total_tokens=inputs["total_tokens"], max_completion_length=args.max_completion_length)
+            logps,
+            old_logps,
+            inputs["advantages"],
+            mask,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            importance_sampling_level=args.importance_sampling_level,
+            keep=keep,
+            sampler_ratio=ratio,
+            ref_logps=inputs.get("ref_logps"),
+            beta=args.beta if self.kl_in_loss else 0.0,
+            **self.objective_options(),
+        )
+        loss = aggregate_loss(
+            per_token,
+            mask,
+            args.loss_type,
+            total_sequences=inputs["total_sequences"],
+            total_tokens=inputs["total_tokens"],
+            max_completion_length=args.max_completion_length,
+        )
         metrics = objective_metrics(stats, self.accelerator.gather)
         if sampler_logps is not None:
             metrics.update(sampler_mismatch_metrics(old_logps, sampler_logps, mask))
@@ -408,18 +523,32 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         """Extra keyword arguments of `policy_objective` (GRPO: its loss type and the options that shape it)."""
         return {}
 
-    def sampler_ratio(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
+    def sampler_ratio(
+        self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Per-token importance weights min(pi_trainer / pi_sampler, vllm_importance_sampling_cap) (GRPO: its
         vllm_importance_sampling_mode)."""
-        return sampler_importance_weights(trainer_logps, sampler_logps, mask, "token_truncate",
-                                          clip_max=self.args.vllm_importance_sampling_cap)
+        return sampler_importance_weights(
+            trainer_logps, sampler_logps, mask, "token_truncate", clip_max=self.args.vllm_importance_sampling_cap
+        )
 
-    def completion_logps(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False,
-                         return_outputs: bool = False, entropy_grad: bool = False):
+    def completion_logps(
+        self,
+        model,
+        batch: dict[str, torch.Tensor],
+        with_entropy: bool = False,
+        return_outputs: bool = False,
+        entropy_grad: bool = False,
+    ):
         """`online_logps.completion_logps` at the sampling temperature."""
-        return completion_logps(model, batch, self.logps_temperature, with_entropy=with_entropy,
-                                return_outputs=return_outputs, entropy_grad=entropy_grad)
+        return completion_logps(
+            model,
+            batch,
+            self.logps_temperature,
+            with_entropy=with_entropy,
+            return_outputs=return_outputs,
+            entropy_grad=entropy_grad,
+        )
 
     # -- generation rounds: generate -> score -> policy tensors -> advantages ---------------------------------
     @property
@@ -441,17 +570,26 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         rollout = dataclasses.replace(rollout, **self.policy_tensors(rollout))
         estimate = self.compute_advantages(self.accelerator.gather(rollout.rewards), rollout)
         rollout = dataclasses.replace(
-            rollout, advantages=estimate.advantages, returns=estimate.returns,
-            loss_mask=rollout.loss_mask if estimate.loss_mask is None else estimate.loss_mask)
+            rollout,
+            advantages=estimate.advantages,
+            returns=estimate.returns,
+            loss_mask=rollout.loss_mask if estimate.loss_mask is None else estimate.loss_mask,
+        )
         if mode == "train":
             rollout.step_tokens = self._step_token_totals(rollout)
         for key, value in estimate.metrics.items():
             self._metrics[mode][key].append(float(value))
-        self.record_round(rollout, self.accelerator.gather(rollout.rewards),
-                          self.accelerator.gather(rollout.per_function_rewards), mode, scored.timings)
+        self.record_round(
+            rollout,
+            self.accelerator.gather(rollout.rewards),
+            self.accelerator.gather(rollout.per_function_rewards),
+            mode,
+            scored.timings,
+        )
         if args.log_completions and mode == "train":
-            self.log_completions(prompts, texts, rewards.tolist(), per_function.tolist(),
-                                 [e.messages for e in episodes])
+            self.log_completions(
+                prompts, texts, rewards.tolist(), per_function.tolist(), [e.messages for e in episodes]
+            )
         return rollout
 
     def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
@@ -459,20 +597,34 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         whose rewards are all equal by generating for more prompts."""
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
-            episodes = (self.async_rollouts.episodes(round_index, rows, n, seeds)
-                        if self.async_rollouts is not None and self.rollout_mode == "train"
-                        else self.generate_episodes(rows, n, seeds))
+            episodes = (
+                self.async_rollouts.episodes(round_index, rows, n, seeds)
+                if self.async_rollouts is not None and self.rollout_mode == "train"
+                else self.generate_episodes(rows, n, seeds)
+            )
         generation_seconds = time.perf_counter() - start
         start = time.perf_counter()
         prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
         texts, completions = self.completion_texts(prompts, episodes)
         per_function, rewards = self.reward_scorer(
-            prompts=prompts, completions=completions, completion_ids=[e.token_ids for e in episodes],
-            columns={**{c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
-                     **self.episode_columns(episodes)},
-            trainer_state=self.state)
-        return ScoredGroups(rows, episodes, prompts, texts, rewards, per_function,
-                            {"time/generation": generation_seconds, "time/scoring": time.perf_counter() - start})
+            prompts=prompts,
+            completions=completions,
+            completion_ids=[e.token_ids for e in episodes],
+            columns={
+                **{c: [row[c] for row in rows for _ in range(n)] for c in self.reward_columns},
+                **self.episode_columns(episodes),
+            },
+            trainer_state=self.state,
+        )
+        return ScoredGroups(
+            rows,
+            episodes,
+            prompts,
+            texts,
+            rewards,
+            per_function,
+            {"time/generation": generation_seconds, "time/scoring": time.perf_counter() - start},
+        )
 
     def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
         """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""
@@ -501,34 +653,62 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def record_tool_use(self, episodes: list[Episode], mode: str) -> None:
         """TRL's tool metrics over all processes: calls per episode, failed calls per call; and model turns per
         episode."""
-        local = torch.tensor([[sum(e.info["tool_calls"] for e in episodes), sum(e.info["tool_failures"] for e in episodes),
-                               sum(e.info["turns"] for e in episodes), len(episodes)]], dtype=torch.float64,
-                             device=self.accelerator.device)
+        local = torch.tensor(
+            [
+                [
+                    sum(e.info["tool_calls"] for e in episodes),
+                    sum(e.info["tool_failures"] for e in episodes),
+                    sum(e.info["turns"] for e in episodes),
+                    len(episodes),
+                ]
+            ],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
         calls, failures, turns, count = self.accelerator.gather(local).sum(0).tolist()
         self._metrics[mode]["tools/call_frequency"].append(calls / count)
         self._metrics[mode]["tools/failure_frequency"].append(failures / calls if calls else 0.0)
         self._metrics[mode]["tools/mean_turns"].append(turns / count)
 
-    def build_rollout(self, round_index: int, rows: list[dict], n: int, episodes: list[Episode],
-                      rewards: torch.Tensor, per_function: torch.Tensor) -> Rollout:
+    def build_rollout(
+        self,
+        round_index: int,
+        rows: list[dict],
+        n: int,
+        episodes: list[Episode],
+        rewards: torch.Tensor,
+        per_function: torch.Tensor,
+    ) -> Rollout:
         """Phase 2's result as padded tensors on the device."""
         device, multiple = self.accelerator.device, self.pad_multiple
         pad_id = tokenizer_of(self.processing_class).pad_token_id
         prompt_rows = [e.prompt_ids or rows[i // n][PROMPT_IDS_COLUMN] for i, e in enumerate(episodes)]
         prompt_ids, prompt_mask = pad_rows(prompt_rows, pad_id, left=True, multiple=multiple)
-        completion_ids, completion_mask = pad_rows([e.token_ids for e in episodes], pad_id, left=False,
-                                                   multiple=multiple)
+        completion_ids, completion_mask = pad_rows(
+            [e.token_ids for e in episodes], pad_id, left=False, multiple=multiple
+        )
         model_mask = pad_rows([e.model_mask for e in episodes], 0, left=False, multiple=multiple)[0]
         sampler_logps = sampler_logps_tensor(episodes, completion_ids.shape[1])
         finished = torch.tensor([e.finished for e in episodes])
         loss_mask = model_mask * finished.unsqueeze(1) if self.args.mask_truncated_completions else model_mask
-        return Rollout(round_index, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                       completion_mask.to(device), model_mask.to(device), loss_mask.to(device), finished.to(device),
-                       rewards.to(device), per_function.to(device), num_generations=n,
-                       sampler_logps=None if sampler_logps is None else sampler_logps.to(device),
-                       episodes=[e.info for e in episodes], pad_to_multiple_of=multiple,
-                       policy_version=episodes[0].info.get("policy_version", self.state.global_step),
-                       vision=None if episodes[0].vision is None else [e.vision for e in episodes])
+        return Rollout(
+            round_index,
+            prompt_ids.to(device),
+            prompt_mask.to(device),
+            completion_ids.to(device),
+            completion_mask.to(device),
+            model_mask.to(device),
+            loss_mask.to(device),
+            finished.to(device),
+            rewards.to(device),
+            per_function.to(device),
+            num_generations=n,
+            sampler_logps=None if sampler_logps is None else sampler_logps.to(device),
+            episodes=[e.info for e in episodes],
+            pad_to_multiple_of=multiple,
+            policy_version=episodes[0].info.get("policy_version", self.state.global_step),
+            vision=None if episodes[0].vision is None else [e.vision for e in episodes],
+        )
 
     @property
     def pad_multiple(self) -> int | None:
@@ -556,7 +736,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         size = self.args.per_device_train_batch_size
         for start in range(0, len(rollout), size):
             chunk, _ = self.completion_logps(model, rollout.batch(start, start + size))
-            logps[start:start + size, :chunk.shape[1]] = chunk
+            logps[start : start + size, : chunk.shape[1]] = chunk
         return logps
 
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
@@ -570,7 +750,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def local_share(self, values: torch.Tensor) -> torch.Tensor:
         """This process's rows of a tensor gathered over processes (in process order)."""
         size = values.shape[0] // self.accelerator.num_processes
-        return values[self.accelerator.process_index * size:][:size]
+        return values[self.accelerator.process_index * size :][:size]
 
     def _step_token_totals(self, rollout: Rollout) -> list[float]:
         """Loss tokens of each optimizer step of the round, summed over processes (aggregate_loss's totals)."""

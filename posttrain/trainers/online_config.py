@@ -22,10 +22,17 @@ VLLM_MODEL_IMPLS = ("vllm", "transformers")
 # generation_kwargs keys that have a config field of their own (the trainer reads the field too: the
 # temperature scales the training log-probs, max_completion_length normalises dr_grpo, ...).
 GENERATION_KWARGS_FIELDS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
-    "max_tokens": "max_completion_length", "n": "num_generations", "num_return_sequences": "num_generations",
-    "seed": "seed", "cache_implementation": "cache_implementation",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_completion_length",
+    "max_tokens": "max_completion_length",
+    "n": "num_generations",
+    "num_return_sequences": "num_generations",
+    "seed": "seed",
+    "cache_implementation": "cache_implementation",
 }
 # generation_kwargs keys the engine sets itself, with the reason.
 GENERATION_KWARGS_FIXED = {
@@ -47,15 +54,14 @@ class OnlineConfig(PosttrainConfig):
     min_num_generations: ClassVar[int] = 1
     unsupported_options: ClassVar[dict[str, str]] = {
         **PosttrainConfig.unsupported_options,
-        "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; keep it "
-                                     "True",
+        "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; keep it True",
         "vllm_group_port": "posttrain sends weights to a vLLM server through files, not an NCCL group; drop it",
         "vllm_tensor_parallel_size": "colocated vLLM runs on the trainer's one device in posttrain (tensor "
-                                     "parallelism needs several GPUs); keep 1, or serve a tensor-parallel model "
-                                     "with `posttrain vllm-serve MODEL -- --tensor-parallel-size N` and "
-                                     "vllm_mode='server'",
+        "parallelism needs several GPUs); keep 1, or serve a tensor-parallel model "
+        "with `posttrain vllm-serve MODEL -- --tensor-parallel-size N` and "
+        "vllm_mode='server'",
         "log_completions_hub_repo": "pushing completions needs the Hugging Face Hub, which posttrain does not "
-                                    "reach; log_completions=True writes them to output_dir/completions.jsonl",
+        "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
     loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES  # the loss_type values the method implements
@@ -64,177 +70,320 @@ class OnlineConfig(PosttrainConfig):
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."})
+        default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."}
+    )
     max_completion_length: int = field(default=512, metadata={"help": "Most tokens generated per completion."})
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
     num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions sampled per eval prompt (None: num_generations)."})
+        default=None, metadata={"help": "Completions sampled per eval prompt (None: num_generations)."}
+    )
     shuffle_dataset: bool = field(
-        default=True, metadata={"help": "Take the training prompts in a new random order each epoch (seeded by "
-                                        "data_seed or seed); False keeps the dataset's order."})
+        default=True,
+        metadata={
+            "help": "Take the training prompts in a new random order each epoch (seeded by "
+            "data_seed or seed); False keeps the dataset's order."
+        },
+    )
     pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad the prompt and completion widths of the training batches to a "
-                                          "multiple of this; 'auto' is 128 on Neuron (Trainium) and no padding "
-                                          "elsewhere, None is no padding."})
+        default="auto",
+        metadata={
+            "help": "Pad the prompt and completion widths of the training batches to a "
+            "multiple of this; 'auto' is 128 on Neuron (Trainium) and no padding "
+            "elsewhere, None is no padding."
+        },
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the most likely tokens whose "
-                                                        "probabilities add up to top_p (1.0: off)."})
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
+        },
+    )
     top_k: int = field(default=0, metadata={"help": "Keep only the top_k most likely tokens (0: off)."})
     min_p: float | None = field(
-        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None or "
-                                        "0: off)."})
+        default=None,
+        metadata={"help": "Drop tokens less likely than min_p times the most likely one (None or 0: off)."},
+    )
     generation_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "More sampling settings (a JSON object): GenerationConfig fields for "
-                                        "transformers' generate (e.g. suppress_tokens, no_repeat_ngram_size), "
-                                        "vLLM SamplingParams fields with use_vllm (e.g. presence_penalty)."})
+        default=None,
+        metadata={
+            "help": "More sampling settings (a JSON object): GenerationConfig fields for "
+            "transformers' generate (e.g. suppress_tokens, no_repeat_ngram_size), "
+            "vLLM SamplingParams fields with use_vllm (e.g. presence_penalty)."
+        },
+    )
     chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for the chat template when rendering conversational "
-                                        "prompts (a JSON object, e.g. {\"enable_thinking\": false})."})
+        default=None,
+        metadata={
+            "help": "Keyword arguments for the chat template when rendering conversational "
+            'prompts (a JSON object, e.g. {"enable_thinking": false}).'
+        },
+    )
     repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty on tokens already in the prompt or completion (1.0: off)."})
+        default=1.0, metadata={"help": "Penalty on tokens already in the prompt or completion (1.0: off)."}
+    )
     cache_implementation: str | None = field(
-        default=None, metadata={"help": "KV cache of transformers' generate, e.g. 'static' or 'offloaded' "
-                                        "(None: the model's default); not used with use_vllm."})
+        default=None,
+        metadata={
+            "help": "KV cache of transformers' generate, e.g. 'static' or 'offloaded' "
+            "(None: the model's default); not used with use_vllm."
+        },
+    )
     use_transformers_continuous_batching: bool = field(
-        default=False, metadata={"help": "Generate with transformers' continuous batching engine (generate_batch) "
-                                         "instead of generate."})
+        default=False,
+        metadata={
+            "help": "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
+        },
+    )
     transformers_continuous_batching_config: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON "
-                                        "object)."})
+        default=None, metadata={"help": "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."}
+    )
     use_transformers_paged: bool = field(
-        default=False, metadata={"help": "Deprecated name of use_transformers_continuous_batching."})
+        default=False, metadata={"help": "Deprecated name of use_transformers_continuous_batching."}
+    )
     ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the sharded weights for generation."})
+        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the sharded weights for generation."}
+    )
     steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Optimizer steps trained on each generated batch before the next one is "
-                                        "generated (default 1, or derived from generation_batch_size)."})
+        default=None,
+        metadata={
+            "help": "Optimizer steps trained on each generated batch before the next one is "
+            "generated (default 1, or derived from generation_batch_size)."
+        },
+    )
     generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions generated per round over all processes: "
-                                        "per_device_train_batch_size x gradient_accumulation_steps x "
-                                        "steps_per_generation x processes. Set this or steps_per_generation."})
+        default=None,
+        metadata={
+            "help": "Completions generated per round over all processes: "
+            "per_device_train_batch_size x gradient_accumulation_steps x "
+            "steps_per_generation x processes. Set this or steps_per_generation."
+        },
+    )
     async_generation_rounds: int | None = field(
-        default=None, metadata={"help": "Generate the training rounds in a background thread, up to this many "
-                                        "rounds ahead of the one training (k: a round is sampled with weights at "
-                                        "most k rounds old, corrected with vllm_importance_sampling_*; 0: each "
-                                        "round with its own weights). None: generate in the training loop."})
+        default=None,
+        metadata={
+            "help": "Generate the training rounds in a background thread, up to this many "
+            "rounds ahead of the one training (k: a round is sampled with weights at "
+            "most k rounds old, corrected with vllm_importance_sampling_*; 0: each "
+            "round with its own weights). None: generate in the training loop."
+        },
+    )
     num_iterations: int = field(
-        default=1, metadata={"help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
-                                     "completions with importance ratios to the generating policy."})
+        default=1,
+        metadata={
+            "help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
+            "completions with importance ratios to the generating policy."
+        },
+    )
     # Rewards
     reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (default: all 1.0)."})
+        default=None, metadata={"help": "One weight per reward function (default: all 1.0)."}
+    )
     reward_timeout_s: float = field(
-        default=60.0, metadata={"help": "Seconds an async reward function may take per batch."})
+        default=60.0, metadata={"help": "Seconds an async reward function may take per batch."}
+    )
     # Loss
     loss_type: str = field(
-        default="dapo", metadata={"help": f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
-                                          "over completions), bnpo/dapo (mean over all tokens of the optimizer "
-                                          "step), dr_grpo (token sum / (completions x max_completion_length))."})
+        default="dapo",
+        metadata={
+            "help": f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
+            "over completions), bnpo/dapo (mean over all tokens of the optimizer "
+            "step), dr_grpo (token sum / (completions x max_completion_length))."
+        },
+    )
     router_aux_loss_coef: float | None = field(
-        default=None, metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the "
-                                        "policy loss (None: the model's own router_aux_loss_coef)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference model (0: no reference "
-                                                       "model is loaded)."})
+        default=None,
+        metadata={
+            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the "
+            "policy loss (None: the model's own router_aux_loss_coef)."
+        },
+    )
+    beta: float = field(
+        default=0.0, metadata={"help": "KL coefficient to the reference model (0: no reference model is loaded)."}
+    )
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
     epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."})
+        default=None, metadata={"help": "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."}
+    )
     importance_sampling_level: str = field(
-        default="token", metadata={"help": "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per "
-                                           "completion)."})
+        default="token",
+        metadata={"help": "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion)."},
+    )
     mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss (DAPO)."})
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss (DAPO)."}
+    )
     disable_dropout: bool = field(
-        default=False, metadata={"help": "Switch dropout off in the policy (and so in its reference copy): the "
-                                         "log-probs of a completion then do not depend on the forward pass."})
+        default=False,
+        metadata={
+            "help": "Switch dropout off in the policy (and so in its reference copy): the "
+            "log-probs of a completion then do not depend on the forward pass."
+        },
+    )
     sync_ref_model: bool = field(
-        default=False, metadata={"help": "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference "
-                                         "towards the policy (needs beta > 0)."})
+        default=False,
+        metadata={
+            "help": "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference "
+            "towards the policy (needs beta > 0)."
+        },
+    )
     ref_model_mixup_alpha: float = field(
-        default=0.6, metadata={"help": "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."})
+        default=0.6, metadata={"help": "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."}
+    )
     ref_model_sync_steps: int = field(
-        default=512, metadata={"help": "With sync_ref_model: optimizer steps between two reference updates."})
+        default=512, metadata={"help": "With sync_ref_model: optimizer steps between two reference updates."}
+    )
     max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "With tools= or environment_factory=: most tool turns per completion (None: "
-                                        "until the model stops calling tools or max_completion_length is reached)."})
+        default=None,
+        metadata={
+            "help": "With tools= or environment_factory=: most tool turns per completion (None: "
+            "until the model stops calling tools or max_completion_length is reached)."
+        },
+    )
     reward_failure_policy: str = field(
-        default="error", metadata={"help": "What a reward function that raises, times out or returns a non-finite "
-                                           "value does: 'error' stops the run naming it and the sample; 'skip' "
-                                           "gives no reward from it for that batch and counts it in "
-                                           "rewards/<name>/failures."})
+        default="error",
+        metadata={
+            "help": "What a reward function that raises, times out or returns a non-finite "
+            "value does: 'error' stops the run naming it and the sample; 'skip' "
+            "gives no reward from it for that batch and counts it in "
+            "rewards/<name>/failures."
+        },
+    )
     tool_call_parser: str = field(
-        default="hermes", metadata={"help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
-                                            "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "
-                                            "posttrain.tools.register_parser."})
+        default="hermes",
+        metadata={
+            "help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
+            "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "
+            "posttrain.tools.register_parser."
+        },
+    )
     tool_timeout_s: float | None = field(
-        default=30.0, metadata={"help": "Seconds a tool call may take before the model is told it timed out "
-                                        "(None: no limit)."})
+        default=30.0,
+        metadata={"help": "Seconds a tool call may take before the model is told it timed out (None: no limit)."},
+    )
     # Logging
     log_completions: bool = field(
-        default=False, metadata={"help": "Append {step, prompt, completion, reward} lines to "
-                                         "output_dir/completions.jsonl at every generation round, and print the "
-                                         "completions of the window at every log."})
+        default=False,
+        metadata={
+            "help": "Append {step, prompt, completion, reward} lines to "
+            "output_dir/completions.jsonl at every generation round, and print the "
+            "completions of the window at every log."
+        },
+    )
     log_multimodal: bool = field(
-        default=True, metadata={"help": "Log images with the completions (the online trainers take text prompts "
-                                        "only, so there are none to log)."})
+        default=True,
+        metadata={
+            "help": "Log images with the completions (the online trainers take text prompts "
+            "only, so there are none to log)."
+        },
+    )
     num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "With log_completions: completions printed at each log, drawn at random "
-                                        "(None: all of the window's)."})
+        default=None,
+        metadata={
+            "help": "With log_completions: completions printed at each log, drawn at random "
+            "(None: all of the window's)."
+        },
+    )
     log_unique_prompts: bool = field(
-        default=False, metadata={"help": "With log_completions: print each prompt once (its first completion)."})
+        default=False, metadata={"help": "With log_completions: print each prompt once (its first completion)."}
+    )
     log_completions_hub_repo: str | None = field(
-        default=None, metadata={"help": "Hub dataset repository to push the completions to (not supported: no "
-                                        "Hub access)."})
+        default=None,
+        metadata={"help": "Hub dataset repository to push the completions to (not supported: no Hub access)."},
+    )
     # vLLM generation (docs/vllm.md)
     use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of transformers' generate."})
     vllm_mode: str = field(
-        default="colocate", metadata={"help": "'colocate': vLLM inside the training process; 'server': a vLLM "
-                                              "server started with `posttrain vllm-serve`."})
+        default="colocate",
+        metadata={
+            "help": "'colocate': vLLM inside the training process; 'server': a vLLM "
+            "server started with `posttrain vllm-serve`."
+        },
+    )
     vllm_model_impl: str = field(
-        default="vllm", metadata={"help": "Colocate mode: vLLM's own model code ('vllm') or transformers' "
-                                          "('transformers')."})
+        default="vllm",
+        metadata={"help": "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."},
+    )
     vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "Constrain every completion to match this regex (vLLM structured "
-                                        "outputs; None: off)."})
+        default=None,
+        metadata={"help": "Constrain every completion to match this regex (vLLM structured outputs; None: off)."},
+    )
     vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default "
-                                        "http://vllm_server_host:vllm_server_port)."})
+        default=None,
+        metadata={
+            "help": "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default "
+            "http://vllm_server_host:vllm_server_port)."
+        },
+    )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
     vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up, or to come back "
-                                         "after it went away mid-run, and for any one request (a generation round "
-                                         "included)."})
+        default=240.0,
+        metadata={
+            "help": "Server mode: seconds to wait for the server to come up, or to come back "
+            "after it went away mid-run, and for any one request (a generation round "
+            "included)."
+        },
+    )
     vllm_group_port: int = field(
-        default=51216, metadata={"help": "Port of the NCCL group that sends weights to a vLLM server on GPUs "
-                                         "(posttrain syncs weights through files: not supported)."})
+        default=51216,
+        metadata={
+            "help": "Port of the NCCL group that sends weights to a vLLM server on GPUs "
+            "(posttrain syncs weights through files: not supported)."
+        },
+    )
     vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocate mode: vLLM's context length (None: max_prompt_length + "
-                                        "max_completion_length, at most the model's)."})
+        default=None,
+        metadata={
+            "help": "Colocate mode: vLLM's context length (None: max_prompt_length + "
+            "max_completion_length, at most the model's)."
+        },
+    )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."})
+        default=1, metadata={"help": "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."}
+    )
     vllm_sync_dir: str | None = field(
-        default=None, metadata={"help": "Server mode: directory for the weights synced to the server, readable by "
-                                        "it under the same path (default: a temporary directory, right when both "
-                                        "run on one machine)."})
+        default=None,
+        metadata={
+            "help": "Server mode: directory for the weights synced to the server, readable by "
+            "it under the same path (default: a temporary directory, right when both "
+            "run on one machine)."
+        },
+    )
     vllm_sync_steps: int = field(
-        default=1, metadata={"help": "Push the policy's weights to vLLM every this many optimizer steps (with "
-                                     "async_generation_rounds: refresh the background sampler's weights, with "
-                                     "either backend)."})
+        default=1,
+        metadata={
+            "help": "Push the policy's weights to vLLM every this many optimizer steps (with "
+            "async_generation_rounds: refresh the background sampler's weights, with "
+            "either backend)."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
-        default=True, metadata={"help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
-                                        "corrects for vLLM sampling from slightly different probabilities (and, "
-                                        "with async_generation_rounds, for sampling with older weights)."})
+        default=True,
+        metadata={
+            "help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
+            "corrects for vLLM sampling from slightly different probabilities (and, "
+            "with async_generation_rounds, for sampling with older weights)."
+        },
+    )
     vllm_importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."})
+        default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."}
+    )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory "
-                                       "vLLM may take."})
+        default=0.3,
+        metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."},
+    )
     vllm_kv_cache_gb: float | None = field(
-        default=1.0, metadata={"help": "Colocate mode: vLLM's KV cache in GiB (None: sized from "
-                                       "vllm_gpu_memory_utilization on a GPU)."})
+        default=1.0,
+        metadata={
+            "help": "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
+        },
+    )
     vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU "
-                                         "between generation rounds."})
+        default=False,
+        metadata={
+            "help": "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -242,8 +391,11 @@ class OnlineConfig(PosttrainConfig):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, json.loads(getattr(self, name)))
         if self.use_transformers_paged:
-            warnings.warn("use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
-                          FutureWarning, stacklevel=3)
+            warnings.warn(
+                "use_transformers_paged is deprecated; use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=3,
+            )
             self.use_transformers_continuous_batching = True
         self._check_generation_options()
         self.sampling_params()  # validates the sampling settings
@@ -251,89 +403,119 @@ class OnlineConfig(PosttrainConfig):
         self._check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         self._check_choice("vllm_mode", self.vllm_mode, VLLM_MODES)
         if self.vllm_importance_sampling_cap is not None and self.vllm_importance_sampling_cap <= 0:
-            raise ConfigError(f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0 "
-                              "(typical: 2.0).")
+            raise ConfigError(
+                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0 (typical: 2.0)."
+            )
         if self.vllm_sync_steps < 1:
             raise ConfigError(f"vllm_sync_steps={self.vllm_sync_steps} must be at least 1 (1: before every round).")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
-            raise ConfigError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
-                              "or None for no limit.")
+            raise ConfigError(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
+                "or None for no limit."
+            )
         self._check_async_generation()
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (a negative weight "
-                              "would reward unbalanced experts).")
+            raise ConfigError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (a negative weight "
+                "would reward unbalanced experts)."
+            )
         if self.beta < 0:
             raise ConfigError(f"beta={self.beta} must be >= 0 (0 switches the KL term off).")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 (or None: no limit).")
         if self.num_generations < self.min_num_generations:
-            reason = ("; its advantages compare each completion with the others of the same prompt"
-                      if self.min_num_generations > 1 else "")
+            reason = (
+                "; its advantages compare each completion with the others of the same prompt"
+                if self.min_num_generations > 1
+                else ""
+            )
             raise ConfigError(
                 f"num_generations={self.num_generations}, but {self.method} needs at least "
                 f"{self.min_num_generations} completions per prompt{reason}. Set num_generations >= "
-                f"{self.min_num_generations} (typical: 4 to 16).")
+                f"{self.min_num_generations} (typical: 4 to 16)."
+            )
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            raise ConfigError(f"num_generations_eval={self.num_generations_eval} must be at least 1 (None: "
-                              "num_generations).")
+            raise ConfigError(
+                f"num_generations_eval={self.num_generations_eval} must be at least 1 (None: num_generations)."
+            )
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
-            raise ConfigError(f"num_completions_to_print={self.num_completions_to_print} must be at least 1 (None: "
-                              "all).")
+            raise ConfigError(
+                f"num_completions_to_print={self.num_completions_to_print} must be at least 1 (None: all)."
+            )
         self._check_reference_sync()
         self._resolve_generation_batch()
 
     def _check_generation_options(self) -> None:
         """Options that only mean something with one generation backend, and generation_kwargs' keys."""
-        if not (self.pad_to_multiple_of in (None, "auto") or
-                (isinstance(self.pad_to_multiple_of, int) and self.pad_to_multiple_of >= 1)):
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int, 'auto' or "
-                              "None (no padding).")
+        if not (
+            self.pad_to_multiple_of in (None, "auto")
+            or (isinstance(self.pad_to_multiple_of, int) and self.pad_to_multiple_of >= 1)
+        ):
+            raise ConfigError(
+                f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int, 'auto' or None (no padding)."
+            )
         self._check_choice("vllm_model_impl", self.vllm_model_impl, VLLM_MODEL_IMPLS)
         if self.use_vllm:
             for name in ("cache_implementation", "use_transformers_continuous_batching"):
                 if getattr(self, name):
-                    raise ConfigError(f"{name}={getattr(self, name)!r} sets up transformers' generation, but "
-                                      "use_vllm=True generates with vLLM; drop one of them.")
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)!r} sets up transformers' generation, but "
+                        "use_vllm=True generates with vLLM; drop one of them."
+                    )
             if self.vllm_mode == "server":
                 for name, flag in (("vllm_model_impl", "--model-impl"), ("vllm_max_model_length", "--max-model-len")):
                     if getattr(self, name) != _DEFAULTS[name]:
-                        raise ConfigError(f"{name}={getattr(self, name)!r} applies to colocated vLLM; a vLLM server "
-                                          f"has its own: start it with `posttrain vllm-serve MODEL -- {flag} ...` "
-                                          f"and drop {name}.")
+                        raise ConfigError(
+                            f"{name}={getattr(self, name)!r} applies to colocated vLLM; a vLLM server "
+                            f"has its own: start it with `posttrain vllm-serve MODEL -- {flag} ...` "
+                            f"and drop {name}."
+                        )
         elif self.vllm_structured_outputs_regex is not None:
-            raise ConfigError("vllm_structured_outputs_regex constrains vLLM's sampling, but use_vllm=False; set "
-                              "use_vllm=True or drop the regex.")
+            raise ConfigError(
+                "vllm_structured_outputs_regex constrains vLLM's sampling, but use_vllm=False; set "
+                "use_vllm=True or drop the regex."
+            )
         if self.transformers_continuous_batching_config and not self.use_transformers_continuous_batching:
-            raise ConfigError("transformers_continuous_batching_config is set but use_transformers_continuous_"
-                              "batching=False; set it to True or drop the config.")
+            raise ConfigError(
+                "transformers_continuous_batching_config is set but use_transformers_continuous_"
+                "batching=False; set it to True or drop the config."
+            )
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < 1:
-            raise ConfigError(f"vllm_max_model_length={self.vllm_max_model_length} must be at least 1 (None: "
-                              "derived from the prompt and completion lengths).")
+            raise ConfigError(
+                f"vllm_max_model_length={self.vllm_max_model_length} must be at least 1 (None: "
+                "derived from the prompt and completion lengths)."
+            )
         if self.generation_kwargs is None:
             return
         if not isinstance(self.generation_kwargs, dict):
             raise ConfigError(f"generation_kwargs={self.generation_kwargs!r} must be a dict (a JSON object).")
         for key in self.generation_kwargs:
             if key in GENERATION_KWARGS_FIELDS:
-                raise ConfigError(f"generation_kwargs[{key!r}] is the config's {GENERATION_KWARGS_FIELDS[key]}; set "
-                                  f"{GENERATION_KWARGS_FIELDS[key]}=... instead (the trainer reads it too).")
+                raise ConfigError(
+                    f"generation_kwargs[{key!r}] is the config's {GENERATION_KWARGS_FIELDS[key]}; set "
+                    f"{GENERATION_KWARGS_FIELDS[key]}=... instead (the trainer reads it too)."
+                )
             if key in GENERATION_KWARGS_FIXED:
-                raise ConfigError(f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. "
-                                  "Drop it.")
+                raise ConfigError(
+                    f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. Drop it."
+                )
 
     def _check_async_generation(self) -> None:
         k = self.async_generation_rounds
         if k is None:
             return
         if k < 0:
-            raise ConfigError(f"async_generation_rounds={k} must be >= 0 (rounds generated ahead), or None "
-                              "(synchronous generation).")
+            raise ConfigError(
+                f"async_generation_rounds={k} must be >= 0 (rounds generated ahead), or None (synchronous generation)."
+            )
         if self.use_vllm and self.vllm_mode == "colocate":
-            raise ConfigError(f"async_generation_rounds={k} generates beside training, but colocated vLLM runs "
-                              "inside the training process on its device; use vllm_mode='server' (`posttrain "
-                              "vllm-serve MODEL`), or the transformers backend (use_vllm=False).")
+            raise ConfigError(
+                f"async_generation_rounds={k} generates beside training, but colocated vLLM runs "
+                "inside the training process on its device; use vllm_mode='server' (`posttrain "
+                "vllm-serve MODEL`), or the transformers backend (use_vllm=False)."
+            )
 
     def _check_reference_sync(self) -> None:
         if not 0 < self.ref_model_mixup_alpha <= 1:
@@ -341,8 +523,10 @@ class OnlineConfig(PosttrainConfig):
         if self.ref_model_sync_steps < 1:
             raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
         if self.sync_ref_model and self.beta == 0:
-            raise ConfigError("sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
-                              "set beta > 0 or sync_ref_model=False.")
+            raise ConfigError(
+                "sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
+                "set beta > 0 or sync_ref_model=False."
+            )
 
     @staticmethod
     def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -354,8 +538,10 @@ class OnlineConfig(PosttrainConfig):
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps  # per process
         processes = self.world_size
         step_batch = per_step * processes
-        spelled = (f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
-                   f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}")
+        spelled = (
+            f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
+            f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}"
+        )
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
             raise ConfigError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
         if self.generation_batch_size is not None:
@@ -364,13 +550,15 @@ class OnlineConfig(PosttrainConfig):
                 raise ConfigError(
                     f"generation_batch_size={self.generation_batch_size} must be a multiple of the completions of "
                     f"one optimizer step, {spelled}. Valid values: {valid}, ... (steps_per_generation is "
-                    f"generation_batch_size / {step_batch}).")
+                    f"generation_batch_size / {step_batch})."
+                )
             derived = self.generation_batch_size // step_batch
             if self.steps_per_generation not in (None, derived):
                 raise ConfigError(
                     f"generation_batch_size={self.generation_batch_size} means steps_per_generation={derived} "
                     f"({self.generation_batch_size} / {step_batch}), but steps_per_generation="
-                    f"{self.steps_per_generation} was set too. Set only one of them.")
+                    f"{self.steps_per_generation} was set too. Set only one of them."
+                )
             self.steps_per_generation = derived
         self.steps_per_generation = self.steps_per_generation or 1
         self.generation_batch_size = step_batch * self.steps_per_generation
@@ -385,13 +573,20 @@ class OnlineConfig(PosttrainConfig):
                 f"{self.gradient_accumulation_steps} x steps_per_generation {self.steps_per_generation}), because "
                 f"all completions of a prompt are generated on one process. Valid num_generations here: {divisors}; "
                 f"or keep num_generations={n} and make that product a multiple of {n} (e.g. "
-                f"steps_per_generation={steps}).")
+                f"steps_per_generation={steps})."
+            )
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty,
-            extra=dict(self.generation_kwargs or {}), regex=self.vllm_structured_outputs_regex)
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            extra=dict(self.generation_kwargs or {}),
+            regex=self.vllm_structured_outputs_regex,
+        )
 
 
 _DEFAULTS = {f.name: f.default for f in fields(OnlineConfig)}

@@ -76,16 +76,23 @@ class OnlineEvaluation:
         self.model.eval()
         self.rollout_mode = "eval"
         try:
-            rounds = eval_rounds(len(dataset), args.per_device_eval_batch_size // n, self.accelerator.num_processes,
-                                 self.accelerator.process_index)
+            rounds = eval_rounds(
+                len(dataset),
+                args.per_device_eval_batch_size // n,
+                self.accelerator.num_processes,
+                self.accelerator.process_index,
+            )
             for round_index, (indices, slots) in enumerate(rounds):
                 rollout = self.make_rollout([dataset[i] for i in indices], slots, round_index)
                 losses.append(self._eval_loss(rollout))
         finally:
             self.model.train(was_training)
             self.rollout_mode = "train"
-        metrics = {f"{metric_key_prefix}_{key}": sum(values) / len(values)
-                   for key, values in self._metrics["eval"].items() if values}
+        metrics = {
+            f"{metric_key_prefix}_{key}": sum(values) / len(values)
+            for key, values in self._metrics["eval"].items()
+            if values
+        }
         self._metrics["eval"].clear()
         metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataset) * n))
@@ -105,8 +112,9 @@ class OnlineEvaluation:
         return float(self.accelerator.gather((loss / self.accelerator.num_processes).detach().reshape(1)).sum())
 
     # -- metrics -----------------------------------------------------------------------------------------
-    def record_round(self, rollout, rewards: torch.Tensor, per_function: torch.Tensor, mode: str,
-                     timings: dict[str, float]) -> None:
+    def record_round(
+        self, rollout, rewards: torch.Tensor, per_function: torch.Tensor, mode: str, timings: dict[str, float]
+    ) -> None:
         """A round's metrics over all processes under TRL's names (the gathered tensors are the same on every
         process), plus posttrain's own (reward function timings, advantages)."""
         gather = self.accelerator.gather
@@ -123,8 +131,10 @@ class OnlineEvaluation:
         clipped = ~gather(rollout.finished)
         terminated = lengths[~clipped] if bool((~clipped).any()) else torch.zeros(1)
         metrics = {
-            "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(), "completions/clipped_ratio": clipped.float().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": clipped.float().mean(),
             "completions/mean_terminated_length": terminated.mean(),
             "completions/min_terminated_length": terminated.min(),
             "completions/max_terminated_length": terminated.max(),
@@ -141,18 +151,29 @@ class OnlineEvaluation:
         if events:  # max over processes: one outage seen by every process counts once
             counts = gather(torch.tensor([list(events.values())], dtype=torch.float32, device=rewards.device))
             metrics.update(zip(events, counts.max(0).values.tolist()))
-        metrics.update({
-            "reward": rewards.nanmean(), "reward_std": nanstd(rewards),
-            "frac_reward_zero_std": sum(zero_std) / len(zero_std), "frac_reward_none": rewards.isnan().float().mean(),
-            "advantages/mean": advantages.mean(), "advantages/std": nanstd(advantages), **timings,
-        })
+        metrics.update(
+            {
+                "reward": rewards.nanmean(),
+                "reward_std": nanstd(rewards),
+                "frac_reward_zero_std": sum(zero_std) / len(zero_std),
+                "frac_reward_none": rewards.isnan().float().mean(),
+                "advantages/mean": advantages.mean(),
+                "advantages/std": nanstd(advantages),
+                **timings,
+            }
+        )
         for key, value in metrics.items():
             self._metrics[mode][key].append(float(value))
 
     # -- completions ---------------------------------------------------------------------------------------
-    def log_completions(self, prompts: list, texts: list[str], rewards: list[float],
-                        per_function: list[list[float]] | None = None,
-                        transcripts: list[list[dict] | None] | None = None) -> None:
+    def log_completions(
+        self,
+        prompts: list,
+        texts: list[str],
+        rewards: list[float],
+        per_function: list[list[float]] | None = None,
+        transcripts: list[list[dict] | None] | None = None,
+    ) -> None:
         """Appends the round's completions (all processes) to output_dir/completions.jsonl, with the total reward
         and each reward function's, and keeps them for the console print at the next log. An episode with tool
         turns also keeps its `transcript` (its messages: the tool calls and results), which the table and the
@@ -160,8 +181,12 @@ class OnlineEvaluation:
         names = self.reward_scorer.names
         records = []
         for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards)):
-            record = {"step": self.state.global_step, "prompt": prompt, "completion": text,
-                      "reward": None if math.isnan(reward) else reward}
+            record = {
+                "step": self.state.global_step,
+                "prompt": prompt,
+                "completion": text,
+                "reward": None if math.isnan(reward) else reward,
+            }
             if per_function is not None:
                 record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, per_function[i])}
             if transcripts is not None and transcripts[i]:

@@ -22,12 +22,25 @@ from ..losses.policy import entropy_from_logits
 from ..models.llama_forward import llama_forward
 from ..models.reference import unwrap
 from .online_vision import forward_vision_inputs, uses_own_positions
-from .preference_common import (SequenceView, can_repack, common_prefix, forward_hidden, layout_settings, output_head,
-                                prefix_layout)
+from .preference_common import (
+    SequenceView,
+    can_repack,
+    common_prefix,
+    forward_hidden,
+    layout_settings,
+    output_head,
+    prefix_layout,
+)
 
 
-def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False,
-                     return_outputs: bool = False, entropy_grad: bool = False):
+def completion_logps(
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    with_entropy: bool = False,
+    return_outputs: bool = False,
+    entropy_grad: bool = False,
+):
     """Per-token log-probs [B, T] of the completion tokens under `model` (logits divided by the sampling
     `temperature`, as they were sampled), and their entropies when `with_entropy` (with a gradient only if
     `entropy_grad`). With `return_outputs` the model's outputs (every completion position's logits, PPO's values)
@@ -44,11 +57,21 @@ def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float, 
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
     width = batch["completion_ids"].shape[1]
     fast = None if images or return_outputs else llama_forward(model)  # no gradient: the same logits, faster
-    outputs = None if fast is not None else model(
-        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1, use_cache=False,
-        position_ids=None if uses_own_positions(images) else position_ids, **images)
-    logits = (outputs.logits if fast is None else fast(input_ids, attention_mask, position_ids,
-                                                       logits_to_keep=width + 1))[:, :-1] / temperature
+    outputs = (
+        None
+        if fast is not None
+        else model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=width + 1,
+            use_cache=False,
+            position_ids=None if uses_own_positions(images) else position_ids,
+            **images,
+        )
+    )
+    logits = (
+        outputs.logits if fast is None else fast(input_ids, attention_mask, position_ids, logits_to_keep=width + 1)
+    )[:, :-1] / temperature
     logps = selective_log_softmax(logits, batch["completion_ids"]).masked_fill(~mask, 0.0)
     entropy = None
     if with_entropy:
@@ -76,7 +99,7 @@ def shared_prompt_layout(model, batch: dict[str, torch.Tensor]):
     view = SequenceView(ids.gather(1, order), None, None, prompt_lengths + completion_lengths)
     groups: dict[tuple, list[int]] = {}
     for row, (prompt, length) in enumerate(zip(batch["prompt_ids"].tolist(), prompt_lengths.tolist())):
-        groups.setdefault(tuple(prompt[prompt_width - length:]), []).append(row)
+        groups.setdefault(tuple(prompt[prompt_width - length :]), []).append(row)
     units = list(groups.values())
     firsts, others = [m[0] for m in units for _ in m[1:]], [s for m in units for s in m[1:]]
     common = iter(common_prefix(view, firsts, others) if others else [])
@@ -97,13 +120,21 @@ def shared_prompt_logps(model, batch: dict[str, torch.Tensor], temperature: floa
     before = (prompt_lengths[:, None] + columns[None, :] - 1).clamp(max=where.shape[1] - 1)
     predictors = where.gather(1, before)[mask]
     fast = llama_forward(model)  # no gradient: the same hidden states without the module wrappers
-    hidden = (fast(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], hidden=True)
-              if fast is not None else forward_hidden(model, inputs)[0])
+    hidden = (
+        fast(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], hidden=True)
+        if fast is not None
+        else forward_hidden(model, inputs)[0]
+    )
     head = output_head(model)
     # (A float32 head on a lower-precision model, cast_lm_head_to_fp32, takes float32 inputs, as its forward does.)
     rows = hidden.reshape(-1, hidden.shape[-1])[predictors].to(head.weight.dtype) / temperature
-    scores = linear_logps(rows, head.weight, completion_ids[mask],
-                          None if head.bias is None else head.bias / temperature, stats=with_entropy)
+    scores = linear_logps(
+        rows,
+        head.weight,
+        completion_ids[mask],
+        None if head.bias is None else head.bias / temperature,
+        stats=with_entropy,
+    )
     zeros = torch.zeros(mask.shape, dtype=scores.logps.dtype, device=mask.device)
     logps = zeros.masked_scatter(mask, scores.logps)
     entropy = zeros.masked_scatter(mask, scores.entropy) if with_entropy else None

@@ -16,20 +16,44 @@ import copy
 from ..data.chat import apply_chat_template, require_chat_template
 from ..data.formats import is_message_list
 from ..data.transforms import prepare_multimodal_messages
-from ..data.vision import (TOKEN_INPUTS, VISION_INPUTS, adapt_vision_model, check_vision_inputs, image_token_ids,
-                           is_processor, is_vision_checkpoint, is_vision_dataset, is_vision_model, load_processor,
-                           load_vision_model, open_image, row_images, split_vision_inputs, tokenizer_of,
-                           validate_vision_dataset)
+from ..data.vision import (
+    TOKEN_INPUTS,
+    VISION_INPUTS,
+    adapt_vision_model,
+    check_vision_inputs,
+    image_token_ids,
+    is_processor,
+    is_vision_checkpoint,
+    is_vision_dataset,
+    is_vision_model,
+    load_processor,
+    load_vision_model,
+    open_image,
+    row_images,
+    split_vision_inputs,
+    tokenizer_of,
+    validate_vision_dataset,
+)
 from ..errors import ConfigError, DataError
 from ..models.loading import load_tokenizer
-from .rollout import Episode
 from .online_eval import PROMPT_COLUMN
+from .rollout import Episode
 
 __all__ = ["ImagePrompts", "forward_vision_inputs", "setup_online_vision", "tokenizer_of", "uses_own_positions"]
 
 
-def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, processing_class, tools=None,
-                        rollout_func=None, environment_factory=None, peft_config=None):
+def setup_online_vision(
+    trainer,
+    model,
+    args,
+    train_dataset,
+    eval_dataset,
+    processing_class,
+    tools=None,
+    rollout_func=None,
+    environment_factory=None,
+    peft_config=None,
+):
     """Returns (processing_class, ImagePrompts or None, peft_config). A vision-language model gets its processor
     by default, its tower frozen (`freeze_vision_tower`) and, with LoRA, a copy of `peft_config` that trains the
     projector in full, as in SFT and DPO (`adapt_vision_model`). Datasets with images need a trainer that takes
@@ -38,41 +62,60 @@ def setup_online_vision(trainer, model, args, train_dataset, eval_dataset, proce
     name = type(trainer).__name__
     evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
     with_images = [d for d in [train_dataset, *evals] if d is not None and is_vision_dataset(d)]
-    vision_model = (is_vision_checkpoint(model, args.trust_remote_code) if isinstance(model, str)
-                    else is_vision_model(model))
+    vision_model = (
+        is_vision_checkpoint(model, args.trust_remote_code) if isinstance(model, str) else is_vision_model(model)
+    )
     if processing_class is None:
-        processing_class = (load_processor(model, args.trust_remote_code) if vision_model and with_images
-                            else load_tokenizer(model))
+        processing_class = (
+            load_processor(model, args.trust_remote_code) if vision_model and with_images else load_tokenizer(model)
+        )
     if vision_model:
         peft_config = None if peft_config is None else copy.copy(peft_config)  # completed for this model only
         freeze = args.freeze_vision_tower
         if isinstance(model, str):  # loaded as a vision-language model, not a causal LM
-            trainer.load_model = lambda path, init_kwargs: adapt_vision_model(load_vision_model(path, init_kwargs),
-                                                                              peft_config, freeze)
+            trainer.load_model = lambda path, init_kwargs: adapt_vision_model(
+                load_vision_model(path, init_kwargs), peft_config, freeze
+            )
         else:
             adapt_vision_model(model, peft_config, freeze)
     if not with_images:
         return processing_class, None, peft_config
     if not getattr(trainer, "accepts_images", False):
-        raise ConfigError(f"{name} does not train on image prompts (GRPOTrainer and RLOOTrainer do); drop the "
-                          "image column or use one of those trainers.")
+        raise ConfigError(
+            f"{name} does not train on image prompts (GRPOTrainer and RLOOTrainer do); drop the "
+            "image column or use one of those trainers."
+        )
     if isinstance(model, str) and not vision_model:
-        raise ConfigError(f"{name}: the dataset has images, but {model!r} is a text-only model (its config has no "
-                          "vision_config). Train a vision-language model, or drop the image column.")
+        raise ConfigError(
+            f"{name}: the dataset has images, but {model!r} is a text-only model (its config has no "
+            "vision_config). Train a vision-language model, or drop the image column."
+        )
     check_vision_inputs(None if isinstance(model, str) else model, processing_class, with_images[0])
-    refused = {"use_vllm": "vLLM's multimodal inputs are not wired into posttrain's vLLM backend",
-               "use_transformers_continuous_batching": "continuous batching takes no image inputs"}
+    refused = {
+        "use_vllm": "vLLM's multimodal inputs are not wired into posttrain's vLLM backend",
+        "use_transformers_continuous_batching": "continuous batching takes no image inputs",
+    }
     for option, why in refused.items():
         if getattr(args, option, False):
-            raise ConfigError(f"{name}: {option}=True cannot generate from image prompts ({why}). Set "
-                              f"{option}=False to generate with the transformers backend.")
-    for option, value in (("tools", tools), ("rollout_func", rollout_func),
-                          ("environment_factory", environment_factory)):
+            raise ConfigError(
+                f"{name}: {option}=True cannot generate from image prompts ({why}). Set "
+                f"{option}=False to generate with the transformers backend."
+            )
+    for option, value in (
+        ("tools", tools),
+        ("rollout_func", rollout_func),
+        ("environment_factory", environment_factory),
+    ):
         if value:
-            raise ConfigError(f"{name}: {option} is not supported with image prompts (multi-turn episodes would "
-                              f"have to carry the images through every turn); drop {option} or the image column.")
-    return (processing_class, ImagePrompts(processing_class, args.max_prompt_length, args.chat_template_kwargs),
-            peft_config)
+            raise ConfigError(
+                f"{name}: {option} is not supported with image prompts (multi-turn episodes would "
+                f"have to carry the images through every turn); drop {option} or the image column."
+            )
+    return (
+        processing_class,
+        ImagePrompts(processing_class, args.max_prompt_length, args.chat_template_kwargs),
+        peft_config,
+    )
 
 
 class ImagePrompts:
@@ -103,9 +146,14 @@ class ImagePrompts:
         unpadded per-token inputs such as token_type_ids)."""
         images = [[open_image(image) for image in row_images(row)] for row in rows]
         conversational = is_message_list(rows[0][PROMPT_COLUMN])
-        out = self.processor(text=[self.render(row) for row in rows], images=images if any(images) else None,
-                             padding=True, padding_side="left", add_special_tokens=not conversational,
-                             return_tensors="pt")
+        out = self.processor(
+            text=[self.render(row) for row in rows],
+            images=images if any(images) else None,
+            padding=True,
+            padding_side="left",
+            add_special_tokens=not conversational,
+            return_tensors="pt",
+        )
         parts = split_vision_inputs(out, [len(i) for i in images])
         prompt_ids = []
         for r, part in enumerate(parts):
@@ -115,9 +163,11 @@ class ImagePrompts:
             if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
                 cut = len(ids) - self.max_prompt_length
                 if set(ids[:cut]) & set(self.image_ids):
-                    raise DataError(f"max_prompt_length={self.max_prompt_length} would cut image tokens off a prompt "
-                                    f"of {len(ids)} tokens while its image stays; raise max_prompt_length or set it "
-                                    "to None.")
+                    raise DataError(
+                        f"max_prompt_length={self.max_prompt_length} would cut image tokens off a prompt "
+                        f"of {len(ids)} tokens while its image stays; raise max_prompt_length or set it "
+                        "to None."
+                    )
                 ids, tokens = ids[cut:], {k: v[cut:] for k, v in tokens.items()}
             if not ids:
                 raise DataError("A prompt is empty after processing; generation needs at least one prompt token.")
@@ -151,4 +201,3 @@ def forward_vision_inputs(batch: dict, model) -> dict:
 def uses_own_positions(inputs: dict) -> bool:
     """Qwen2-VL-style models compute their multimodal rope positions themselves: no position_ids for them."""
     return "image_grid_thw" in inputs or "video_grid_thw" in inputs
-

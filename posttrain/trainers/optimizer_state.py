@@ -66,7 +66,7 @@ def _allocate(optimizer: torch.optim.Optimizer) -> None:
         for n, (group, param) in zip(moments, entries):
             views = []
             for _ in range(n):
-                views.append(buffer[offset:offset + param.numel()].view_as(param))
+                views.append(buffer[offset : offset + param.numel()].view_as(param))
                 offset += param.numel()
             state = {"step": _step_counter(group, param), "exp_avg": views[0], "exp_avg_sq": views[1]}
             if group["amsgrad"]:

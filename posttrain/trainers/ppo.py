@@ -36,8 +36,13 @@ from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_log
 from ..models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
 from ..models.reference import copy_model, freeze, reference_forward, unwrap
 from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
-    VALUE_MODEL_DIR, AutoModelForCausalLMWithValueHead, CausalLMWithValueOutput, CausalLMWrapper, PolicyAndValueModel,
-    check_value_model)
+    VALUE_MODEL_DIR,
+    AutoModelForCausalLMWithValueHead,
+    CausalLMWithValueOutput,
+    CausalLMWrapper,
+    PolicyAndValueModel,
+    check_value_model,
+)
 from .distributed import root_gathered
 from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout
 from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
@@ -47,8 +52,12 @@ logger = logging.getLogger(__name__)
 
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
 # response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
-_PPO_NAMES = {"num_ppo_epochs": "num_iterations", "cliprange": "epsilon", "kl_coef": "beta",
-              "response_length": "max_completion_length"}
+_PPO_NAMES = {
+    "num_ppo_epochs": "num_iterations",
+    "cliprange": "epsilon",
+    "kl_coef": "beta",
+    "response_length": "max_completion_length",
+}
 
 
 @dataclass
@@ -62,83 +71,145 @@ class PPOConfig(OnlineConfig):
     unsupported_options: ClassVar[dict[str, str]] = {
         **OnlineConfig.unsupported_options,
         "router_aux_loss_coef": "the policy-and-value forward does not return a Mixture-of-Experts model's "
-                                "load-balancing loss yet, so it cannot be added to PPO's loss.",
+        "load-balancing loss yet, so it cannot be added to PPO's loss.",
     }
 
     num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout (num_iterations in the "
-                                                             "engine's terms)."})
+    num_ppo_epochs: int = field(
+        default=4, metadata={"help": "Passes over each rollout (num_iterations in the engine's terms)."}
+    )
     num_mini_batches: int | None = field(
-        default=None, metadata={"help": "Optimizer steps (mini-batches) per rollout, each of per_device_train_"
-                                        "batch_size x gradient_accumulation_steps x processes completions "
-                                        "(steps_per_generation in the engine's terms; default 1, or derived from "
-                                        "generation_batch_size)."})
+        default=None,
+        metadata={
+            "help": "Optimizer steps (mini-batches) per rollout, each of per_device_train_"
+            "batch_size x gradient_accumulation_steps x processes completions "
+            "(steps_per_generation in the engine's terms; default 1, or derived from "
+            "generation_batch_size)."
+        },
+    )
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio (epsilon)."})
     cliprange_value: float = field(
-        default=0.2, metadata={"help": "A new value may move at most this far from the rollout's value before "
-                                       "its loss stops improving."})
+        default=0.2,
+        metadata={
+            "help": "A new value may move at most this far from the rollout's value before its loss stops improving."
+        },
+    )
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (0: none)."})
     kl_coef: float = field(
-        default=0.05, metadata={"help": "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted "
-                                        "from every token's reward (beta in the engine's terms; 0: no reference "
-                                        "model)."})
+        default=0.05,
+        metadata={
+            "help": "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted "
+            "from every token's reward (beta in the engine's terms; 0: no reference "
+            "model)."
+        },
+    )
     target_kl: float | None = field(
-        default=None, metadata={"help": "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves "
-                                        "towards keeping a completion's summed KL at target_kl. None: kl_coef "
-                                        "stays fixed."})
+        default=None,
+        metadata={
+            "help": "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves "
+            "towards keeping a completion's summed KL at target_kl. None: kl_coef "
+            "stays fixed."
+        },
+    )
     kl_horizon: float = field(
-        default=10000, metadata={"help": "Adaptive KL horizon: kl_coef changes by at most 20% per horizon "
-                                         "completions."})
+        default=10000, metadata={"help": "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions."}
+    )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE, in (0, 1]."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower "
-                                                       "trusts the critic more."})
+    lam: float = field(
+        default=0.95,
+        metadata={"help": "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more."},
+    )
     whiten_advantages: bool = field(
-        default=True, metadata={"help": "Scale the advantages of each rollout to mean 0 and std 1."})
+        default=True, metadata={"help": "Scale the advantages of each rollout to mean 0 and std 1."}
+    )
     missing_eos_penalty: float | None = field(
-        default=None, metadata={"help": "Subtract this from the score of a completion cut at "
-                                        "max_completion_length (without an EOS token)."})
+        default=None,
+        metadata={
+            "help": "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
+        },
+    )
     use_value_head: bool = field(
-        default=False, metadata={"help": "Put a value head on the policy instead of training a separate value "
-                                         "model (less memory; the two losses share the network)."})
+        default=False,
+        metadata={
+            "help": "Put a value head on the policy instead of training a separate value "
+            "model (less memory; the two losses share the network)."
+        },
+    )
     # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
     temperature: float = field(
-        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."})
+        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."}
+    )
     response_length: int = field(default=53, metadata={"help": "Same as max_completion_length."})
     max_completion_length: int = field(default=53, metadata={"help": "Most tokens generated per completion."})
     whiten_rewards: bool = field(
-        default=False, metadata={"help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
-                                         "variance, keeping their mean, before GAE."})
+        default=False,
+        metadata={
+            "help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
+            "variance, keeping their mean, before GAE."
+        },
+    )
     kl_estimator: str = field(
-        default="k1", metadata={"help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
-                                        "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."})
+        default="k1",
+        metadata={
+            "help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
+            "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."
+        },
+    )
     total_episodes: int | None = field(
-        default=None, metadata={"help": "Completions to train on in all; sets max_steps to the rollouts needed x "
-                                        "optimizer steps per rollout (None: num_train_epochs over the prompts)."})
+        default=None,
+        metadata={
+            "help": "Completions to train on in all; sets max_steps to the rollouts needed x "
+            "optimizer steps per rollout (None: num_train_epochs over the prompts)."
+        },
+    )
     local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Completions per no-gradient forward pass when the rollout's log-probs and "
-                                      "values are computed (memory only; the results are the same)."})
+        default=64,
+        metadata={
+            "help": "Completions per no-gradient forward pass when the rollout's log-probs and "
+            "values are computed (memory only; the results are the same)."
+        },
+    )
     num_sample_generations: int = field(
-        default=10, metadata={"help": "How many times in training to log near-greedy completions of one eval "
-                                      "batch with their scores (needs eval_dataset; 0: never)."})
+        default=10,
+        metadata={
+            "help": "How many times in training to log near-greedy completions of one eval "
+            "batch with their scores (needs eval_dataset; 0: never)."
+        },
+    )
     stop_token: str | None = field(
-        default=None, metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops "
-                                        "there)."})
+        default=None,
+        metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."},
+    )
     stop_token_id: int | None = field(
-        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."})
+        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."}
+    )
     exp_name: str = field(
-        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."})
+        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."}
+    )
     reward_model_path: str = field(
-        default="EleutherAI/pythia-160m", metadata={"help": "For scripts: where to load the reward model from (the "
-                                                            "trainer takes the model itself, reward_model=...)."})
+        default="EleutherAI/pythia-160m",
+        metadata={
+            "help": "For scripts: where to load the reward model from (the "
+            "trainer takes the model itself, reward_model=...)."
+        },
+    )
     sft_model_path: str = field(
-        default="EleutherAI/pythia-160m", metadata={"help": "For scripts: where to load the policy from (the trainer "
-                                                            "takes the model itself, model=...)."})
+        default="EleutherAI/pythia-160m",
+        metadata={
+            "help": "For scripts: where to load the policy from (the trainer takes the model itself, model=...)."
+        },
+    )
     model_adapter_name: str | None = field(
-        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."})
+        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."}
+    )
     ref_adapter_name: str | None = field(
-        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one that is the reference "
-                                        "(default: the base model with adapters disabled)."})
+        default=None,
+        metadata={
+            "help": "With a PEFT policy holding several adapters: the one that is the reference "
+            "(default: the base model with adapters disabled)."
+        },
+    )
     # The engine's names for three of the settings above, with PPO's defaults; set either name.
     num_iterations: int = field(default=4, metadata={"help": "Same as num_ppo_epochs."})
     epsilon: float = field(default=0.2, metadata={"help": "Same as cliprange."})
@@ -147,16 +218,22 @@ class PPOConfig(OnlineConfig):
     def __post_init__(self):
         self._merge_ppo_names()
         if self.kl_estimator not in ("k1", "k3"):
-            raise ConfigError(f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
-                              "((r - 1) - log r, lower variance).")
+            raise ConfigError(
+                f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
+                "((r - 1) - log r, lower variance)."
+            )
         if self.stop_token not in (None, "eos"):
-            raise ConfigError(f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
-                              "token as stop_token_id.")
+            raise ConfigError(
+                f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
+                "token as stop_token_id."
+            )
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ConfigError("stop_token and stop_token_id are the same setting; set only one.")
         if self.local_rollout_forward_batch_size < 1 or self.num_sample_generations < 0:
-            raise ConfigError(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
-                              f"and num_sample_generations={self.num_sample_generations} >= 0.")
+            raise ConfigError(
+                f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
+                f"and num_sample_generations={self.num_sample_generations} >= 0."
+            )
         if self.run_name is None:
             self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         super().__post_init__()
@@ -173,16 +250,20 @@ class PPOConfig(OnlineConfig):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 switches the term off).")
         if self.target_kl is not None and (self.target_kl <= 0 or self.kl_coef == 0):
-            raise ConfigError(f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
-                              "and kl_coef > 0 (or target_kl=None for a fixed coefficient).")
+            raise ConfigError(
+                f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
+                "and kl_coef > 0 (or target_kl=None for a fixed coefficient)."
+            )
 
     def _steps_from_episodes(self) -> None:
         """max_steps for total_episodes completions: whole rollouts, each num_ppo_epochs x num_mini_batches steps."""
         if self.total_episodes < 1:
             raise ConfigError(f"total_episodes={self.total_episodes} must be at least 1.")
         if self.max_steps > 0:
-            raise ConfigError(f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
-                              "length of training; set only one.")
+            raise ConfigError(
+                f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
+                "length of training; set only one."
+            )
         rollouts = math.ceil(self.total_episodes / self.generation_batch_size)
         self.max_steps = rollouts * self.num_iterations * self.steps_per_generation
 
@@ -194,8 +275,10 @@ class PPOConfig(OnlineConfig):
             ppo_value, engine_value = getattr(self, ppo_name), getattr(self, engine_name)
             engine_changed = engine_value != defaults[engine_name]
             if engine_changed and ppo_value != defaults[ppo_name] and engine_value != ppo_value:
-                raise ConfigError(f"{ppo_name}={ppo_value} and {engine_name}={engine_value} are the same setting "
-                                  f"(PPO calls {engine_name} {ppo_name}); set only {ppo_name}.")
+                raise ConfigError(
+                    f"{ppo_name}={ppo_value} and {engine_name}={engine_value} are the same setting "
+                    f"(PPO calls {engine_name} {ppo_name}); set only {ppo_name}."
+                )
             value = engine_value if engine_changed else ppo_value
             setattr(self, ppo_name, value)
             setattr(self, engine_name, value)
@@ -206,18 +289,27 @@ class PPOConfig(OnlineConfig):
             if self.num_mini_batches < 1:
                 raise ConfigError(f"num_mini_batches={self.num_mini_batches} must be at least 1.")
             if self.steps_per_generation not in (None, self.num_mini_batches):
-                raise ConfigError(f"num_mini_batches={self.num_mini_batches} and steps_per_generation="
-                                  f"{self.steps_per_generation} are the same setting; set only num_mini_batches.")
+                raise ConfigError(
+                    f"num_mini_batches={self.num_mini_batches} and steps_per_generation="
+                    f"{self.steps_per_generation} are the same setting; set only num_mini_batches."
+                )
             mini_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
-            if self.generation_batch_size is not None and self.generation_batch_size != self.num_mini_batches * mini_batch:
-                fits = (f" or num_mini_batches={self.generation_batch_size // mini_batch}"
-                        if self.generation_batch_size % mini_batch == 0 else "")
+            if (
+                self.generation_batch_size is not None
+                and self.generation_batch_size != self.num_mini_batches * mini_batch
+            ):
+                fits = (
+                    f" or num_mini_batches={self.generation_batch_size // mini_batch}"
+                    if self.generation_batch_size % mini_batch == 0
+                    else ""
+                )
                 raise ConfigError(
                     f"generation_batch_size={self.generation_batch_size} (the rollout) does not split into "
                     f"num_mini_batches={self.num_mini_batches} mini-batches of per_device_train_batch_size "
                     f"({self.per_device_train_batch_size}) x gradient_accumulation_steps "
                     f"({self.gradient_accumulation_steps}) x processes ({self.world_size}) = {mini_batch} "
-                    f"completions. Set generation_batch_size={self.num_mini_batches * mini_batch}{fits}.")
+                    f"completions. Set generation_batch_size={self.num_mini_batches * mini_batch}{fits}."
+                )
             self.steps_per_generation = self.num_mini_batches
         super()._resolve_generation_batch()
         self.num_mini_batches = self.steps_per_generation
@@ -237,16 +329,34 @@ class PPOTrainer(OnlineTrainer):
     its adapter disabled (no second copy). `train_dataset` has a 'prompt' column, or (TRL's PPO format) token ids
     in 'input_ids', used as they are.
     """
+
     _name = "PPO"  # the method the model card names and cites (posttrain/model_card.py)
 
     config_class = PPOConfig
     kl_in_loss = False
 
-    def __init__(self, model=None, reward_funcs=None, args: PPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, reward_processing_classes: list | None = None,
-                 peft_config=None, callbacks=None, optimizers=(None, None), value_model=None,
-                 value_processing_class=None, *, ref_model=None, reward_model=None, data_collator=None, tools=None,
-                 rollout_func=None, environment_factory=None):
+    def __init__(
+        self,
+        model=None,
+        reward_funcs=None,
+        args: PPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes: list | None = None,
+        peft_config=None,
+        callbacks=None,
+        optimizers=(None, None),
+        value_model=None,
+        value_processing_class=None,
+        *,
+        ref_model=None,
+        reward_model=None,
+        data_collator=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
         args = args or PPOConfig(output_dir="outputs/ppo")
         reward_funcs = trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator)
         head_model = model if isinstance(model, AutoModelForCausalLMWithValueHead) else None
@@ -254,25 +364,42 @@ class PPOTrainer(OnlineTrainer):
             tokenizer = processing_class or load_tokenizer(model if head_model is None else head_model.pretrained_model)
             train_dataset, eval_dataset = (with_prompt_text(d, tokenizer) for d in (train_dataset, eval_dataset))
         if (head_model is not None or args.use_value_head) and value_model is not None:
-            raise ConfigError("The policy has a value head (use_value_head=True or an "
-                              "AutoModelForCausalLMWithValueHead), so value_model must not be given too.")
+            raise ConfigError(
+                "The policy has a value head (use_value_head=True or an "
+                "AutoModelForCausalLMWithValueHead), so value_model must not be given too."
+            )
         if head_model is not None:
             model = head_model.pretrained_model
         reward_funcs, reward_processing_classes = _load_reward_models(reward_funcs, reward_processing_classes)
-        super().__init__(model, reward_funcs, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                         peft_config=peft_config, callbacks=callbacks, optimizers=optimizers, tools=tools,
-                         rollout_func=rollout_func, environment_factory=environment_factory)
+        super().__init__(
+            model,
+            reward_funcs,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         self._use_adapters(args)
         self._apply_stop_token(args)
         if ref_model is not None and args.beta > 0:
             self._use_ref_model(load_causal_lm(ref_model))
-        self.model = self.model_wrapped = self._with_critic(head_model, value_model, value_processing_class,
-                                                            reward_funcs, reward_processing_classes)
+        self.model = self.model_wrapped = self._with_critic(
+            head_model, value_model, value_processing_class, reward_funcs, reward_processing_classes
+        )
         self.model.to(self.args.device)
         self.callback_handler.model = self.model
-        self.kl_controller = (AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
-                              if args.target_kl is not None else FixedKLController(args.kl_coef))
+        self.kl_controller = (
+            AdaptiveKLController(args.kl_coef, args.target_kl, args.kl_horizon)
+            if args.target_kl is not None
+            else FixedKLController(args.kl_coef)
+        )
         self._rollouts = 0
 
     def prepare_dataset(self, dataset, tokenizer, args, name: str):
@@ -291,20 +418,26 @@ class PPOTrainer(OnlineTrainer):
         available = set(getattr(policy, "peft_config", {}) or {})
         missing = [n for n in names if n not in available]
         if missing:
-            raise ConfigError(f"Adapters {missing} (model_adapter_name / ref_adapter_name) are not in the policy, "
-                              f"which has {sorted(available) or 'no PEFT adapters'}. Load them into the PeftModel "
-                              "(model.load_adapter(path, adapter_name=...)) or drop the setting.")
+            raise ConfigError(
+                f"Adapters {missing} (model_adapter_name / ref_adapter_name) are not in the policy, "
+                f"which has {sorted(available) or 'no PEFT adapters'}. Load them into the PeftModel "
+                "(model.load_adapter(path, adapter_name=...)) or drop the setting."
+            )
         if args.ref_adapter_name is not None and args.sync_ref_model:
-            raise ConfigError("ref_adapter_name makes an adapter of the policy the reference; sync_ref_model=True "
-                              "needs a separate reference model. Set one of them off.")
+            raise ConfigError(
+                "ref_adapter_name makes an adapter of the policy the reference; sync_ref_model=True "
+                "needs a separate reference model. Set one of them off."
+            )
         policy.set_adapter(args.model_adapter_name or policy.active_adapter)
 
     def _use_ref_model(self, ref_model: PreTrainedModel) -> None:
         """TRL's ref_model: the given model, frozen, is the reference (also for sync_ref_model)."""
         vocab, ref_vocab = (m.get_input_embeddings().num_embeddings for m in (unwrap(self.model), ref_model))
         if vocab != ref_vocab:
-            raise ConfigError(f"ref_model has {ref_vocab} token embeddings but the policy {vocab}: the reference must "
-                              "read the policy's token ids. Pass a reference with the policy's tokenizer.")
+            raise ConfigError(
+                f"ref_model has {ref_vocab} token embeddings but the policy {vocab}: the reference must "
+                "read the policy's token ids. Pass a reference with the policy's tokenizer."
+            )
         old, self.ref_model = self.ref_model, self.accelerator.prepare_model(freeze(ref_model), evaluation_mode=True)
         for callback in self.callback_handler.callbacks:
             if getattr(callback, "ref_model", None) is old and old is not None:
@@ -315,9 +448,11 @@ class PPOTrainer(OnlineTrainer):
         if args.stop_token_id is None or args.stop_token_id in stop_token_ids(self.processing_class, self.model):
             return
         if args.use_vllm:
-            raise ConfigError(f"stop_token_id={args.stop_token_id} is not among the stop tokens of the tokenizer and "
-                              "model, and the vLLM backend reads those when it starts; set "
-                              "model.generation_config.eos_token_id instead.")
+            raise ConfigError(
+                f"stop_token_id={args.stop_token_id} is not among the stop tokens of the tokenizer and "
+                "model, and the vLLM backend reads those when it starts; set "
+                "model.generation_config.eos_token_id instead."
+            )
         config = unwrap(self.model).generation_config
         config.eos_token_id = [*stop_token_ids(self.processing_class, self.model), args.stop_token_id]
         self.generation_backend = create_generation_backend(self.model, self.processing_class, args)
@@ -360,8 +495,8 @@ class PPOTrainer(OnlineTrainer):
             for start in range(0, len(rollout), size):
                 batch = rollout.batch(start, start + size)
                 chunk, _, outputs = self.completion_logps(model, batch, return_outputs=True)
-                logps[start:start + size, :chunk.shape[1]] = chunk
-                values[start:start + size, :chunk.shape[1]] = _completion_values(outputs, chunk.shape[1])
+                logps[start : start + size, : chunk.shape[1]] = chunk
+                values[start : start + size, : chunk.shape[1]] = _completion_values(outputs, chunk.shape[1])
         mask = rollout.model_mask.bool()
         out = {"old_logps": torch.where(mask, logps, 0.0), "old_values": torch.where(mask, values, 0.0)}
         if self.args.beta > 0:
@@ -369,7 +504,7 @@ class PPOTrainer(OnlineTrainer):
                 ref_logps = torch.zeros_like(logps)
                 for start in range(0, len(rollout), size):
                     chunk, _ = self.completion_logps(lm, rollout.batch(start, start + size))
-                    ref_logps[start:start + size, :chunk.shape[1]] = chunk
+                    ref_logps[start : start + size, : chunk.shape[1]] = chunk
                 out["ref_logps"] = ref_logps
         if unwrap(self.model).training:  # not an evaluation rollout
             self._rollouts += 1
@@ -401,24 +536,35 @@ class PPOTrainer(OnlineTrainer):
         of the first eval batch are scored, logged and appended to output_dir/sample_generations.jsonl."""
         args, data = self.args, self.eval_dataset
         rollouts = max(1, math.ceil(self.state.max_steps / (args.num_iterations * args.steps_per_generation)))
-        if (args.num_sample_generations == 0 or data is None or isinstance(data, dict)
-                or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)):
+        if (
+            args.num_sample_generations == 0
+            or data is None
+            or isinstance(data, dict)
+            or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)
+        ):
             return
         rows = [data[i] for i in range(min(len(data), args.per_device_eval_batch_size))]
         with root_gathered(self.model):  # FSDP2: the wrapper's root weights are sharded otherwise
-            completions = self.generation_backend.generate([r[PROMPT_IDS_COLUMN] for r in rows], 1,
-                                                           dataclasses.replace(self.sampling, temperature=0.01),
-                                                           seed=args.seed)
+            completions = self.generation_backend.generate(
+                [r[PROMPT_IDS_COLUMN] for r in rows],
+                1,
+                dataclasses.replace(self.sampling, temperature=0.01),
+                seed=args.seed,
+            )
         texts = [self.processing_class.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         _, scores = self.reward_scorer(
             [r[PROMPT_COLUMN] for r in rows],
             [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts,
-            [c.token_ids for c in completions], {c: [r[c] for r in rows] for c in self.reward_columns},
-            trainer_state=self.state)
+            [c.token_ids for c in completions],
+            {c: [r[c] for r in rows] for c in self.reward_columns},
+            trainer_state=self.state,
+        )
         if self.is_world_process_zero():
             os.makedirs(args.output_dir, exist_ok=True)
-            records = [{"step": self.state.global_step, "prompt": r[PROMPT_COLUMN], "completion": t, "score": float(x)}
-                       for r, t, x in zip(rows, texts, scores.tolist())]
+            records = [
+                {"step": self.state.global_step, "prompt": r[PROMPT_COLUMN], "completion": t, "score": float(x)}
+                for r, t, x in zip(rows, texts, scores.tolist())
+            ]
             with open(os.path.join(args.output_dir, "sample_generations.jsonl"), "a") as f:
                 f.writelines(json.dumps(record) + "\n" for record in records)
             logger.info("Sample generations at step %d: %s", self.state.global_step, records)
@@ -439,8 +585,7 @@ class PPOTrainer(OnlineTrainer):
 
         kl = torch.zeros_like(rollout.old_logps)
         if args.beta > 0:
-            kl = torch.where(mask, kl_estimate(rollout.old_logps, rollout.ref_logps,
-                                               args.kl_estimator), 0.0)
+            kl = torch.where(mask, kl_estimate(rollout.old_logps, rollout.ref_logps, args.kl_estimator), 0.0)
         kl_coef = self.kl_controller.value
         token_rewards = -kl_coef * kl
         last = mask.long().cumsum(1).argmax(1)  # the last token the policy sampled
@@ -460,9 +605,12 @@ class PPOTrainer(OnlineTrainer):
         all_scores = gather(scores)[scored]
         flat_returns, flat_values = self._gather_tokens(returns, trained), self._gather_tokens(old_values, trained)
         metrics = {
-            "objective/scores": all_scores.mean(), "objective/kl": sequence_kl.mean(),
-            "objective/non_score_reward": non_score.mean(), "objective/rlhf_reward": (all_scores + non_score).mean(),
-            "kl_coef": kl_coef, "value/explained_variance": _explained_variance(flat_values, flat_returns),
+            "objective/scores": all_scores.mean(),
+            "objective/kl": sequence_kl.mean(),
+            "objective/non_score_reward": non_score.mean(),
+            "objective/rlhf_reward": (all_scores + non_score).mean(),
+            "kl_coef": kl_coef,
+            "value/explained_variance": _explained_variance(flat_values, flat_returns),
         }
         self.kl_controller.update(float(sequence_kl.mean()), args.generation_batch_size)
         return Advantages(advantages, returns=returns, loss_mask=loss_mask, metrics=metrics)
@@ -477,7 +625,7 @@ class PPOTrainer(OnlineTrainer):
         """`whiten` with the mean and variance of the masked tokens of all processes."""
         pad = self.accelerator.pad_across_processes
         all_values, all_mask = self.accelerator.gather((pad(values, dim=1), pad(mask, dim=1)))
-        return self.local_share(whiten(all_values, all_mask, shift_mean=shift_mean))[:, :values.shape[1]]
+        return self.local_share(whiten(all_values, all_mask, shift_mean=shift_mean))[:, : values.shape[1]]
 
     # -- update ----------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -489,7 +637,9 @@ class PPOTrainer(OnlineTrainer):
         policy_loss, policy_metrics = self.policy_loss(inputs, logps)
         values = _completion_values(outputs, width)
         old_values, returns = inputs["old_values"], inputs["returns"]
-        value_loss = self._aggregate(clipped_value_loss(values, old_values, returns, mask, args.cliprange_value), inputs)
+        value_loss = self._aggregate(
+            clipped_value_loss(values, old_values, returns, mask, args.cliprange_value), inputs
+        )
         loss = policy_loss + args.vf_coef * value_loss
         if args.entropy_coef > 0:  # the bonus needs the entropy's gradient
             entropy = entropy_from_logits(outputs.logits[:, :-1] / args.temperature)
@@ -503,20 +653,28 @@ class PPOTrainer(OnlineTrainer):
             # A micro-batch's loss is its share of the optimizer step's: x accumulation steps, the window's mean
             # is the mean optimizer-step loss.
             steps = args.gradient_accumulation_steps
-            self.record_metrics({
-                **policy_metrics,
-                "loss/policy": policy_loss * steps, "loss/value": value_loss * steps,
-                "value/clipfrac": _masked_mean(value_clipped.to(weights.dtype), weights),
-                "policy/approxkl": _masked_mean(0.5 * log_ratio ** 2, weights),
-                "entropy": _masked_mean(entropy.detach(), weights),
-            })
+            self.record_metrics(
+                {
+                    **policy_metrics,
+                    "loss/policy": policy_loss * steps,
+                    "loss/value": value_loss * steps,
+                    "value/clipfrac": _masked_mean(value_clipped.to(weights.dtype), weights),
+                    "policy/approxkl": _masked_mean(0.5 * log_ratio**2, weights),
+                    "entropy": _masked_mean(entropy.detach(), weights),
+                }
+            )
         return (loss, None) if return_outputs else loss
 
     def _aggregate(self, per_token: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A per-token loss reduced like the policy loss: this micro-batch's share of the optimizer step."""
-        loss = aggregate_loss(per_token, inputs["loss_mask"], self.args.loss_type,
-                              total_sequences=inputs["total_sequences"], total_tokens=inputs["total_tokens"],
-                              max_completion_length=self.args.max_completion_length)
+        loss = aggregate_loss(
+            per_token,
+            inputs["loss_mask"],
+            self.args.loss_type,
+            total_sequences=inputs["total_sequences"],
+            total_tokens=inputs["total_tokens"],
+            max_completion_length=self.args.max_completion_length,
+        )
         return loss * self.accelerator.num_processes
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -565,8 +723,10 @@ def _load_reward_models(reward_funcs, reward_processing_classes: list | None) ->
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     classes = list(reward_processing_classes) if reward_processing_classes is not None else [None] * len(funcs)
     if len(classes) != len(funcs):
-        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
-                          "functions; give one per reward function, in the same order.")
+        raise ConfigError(
+            f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
+            "functions; give one per reward function, in the same order."
+        )
     for i, func in enumerate(funcs):
         if isinstance(func, (str, PreTrainedModel)):
             classes[i] = load_tokenizer(func, classes[i])
@@ -576,7 +736,7 @@ def _load_reward_models(reward_funcs, reward_processing_classes: list | None) ->
 
 def _completion_values(outputs: CausalLMWithValueOutput, width: int) -> torch.Tensor:
     """The values [B, width] of the positions that predict the completion tokens (as the kept logits are)."""
-    return outputs.values[:, -(width + 1):-1]
+    return outputs.values[:, -(width + 1) : -1]
 
 
 def _masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

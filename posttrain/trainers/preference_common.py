@@ -60,16 +60,21 @@ def is_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bo
     """Each row's tokens are its first `attention_mask.sum()` columns (posttrain's collators pad right; a user's
     may not)."""
     columns = torch.arange(input_ids.shape[-1], device=input_ids.device)
-    return input_ids.dim() == 2 and torch.equal(attention_mask.bool(),
-                                                columns[None, :] < attention_mask.sum(-1)[:, None])
+    return input_ids.dim() == 2 and torch.equal(
+        attention_mask.bool(), columns[None, :] < attention_mask.sum(-1)[:, None]
+    )
 
 
 def right_padded_view(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SequenceView | None:
     """The rows as a `SequenceView` (no scored mask) when the batch is right-padded, else None."""
     if not is_right_padded(input_ids, attention_mask):
         return None
-    return SequenceView(input_ids, None, torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids),
-                        attention_mask.sum(-1))
+    return SequenceView(
+        input_ids,
+        None,
+        torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids),
+        attention_mask.sum(-1),
+    )
 
 
 def sequence_view(batch: dict) -> SequenceView:
@@ -77,8 +82,11 @@ def sequence_view(batch: dict) -> SequenceView:
     if "attention_mask" in batch or "position_ids" not in batch:
         rows, width = ids.shape
         where = torch.arange(rows * width, device=ids.device).view(rows, width)
-        lengths = (batch["attention_mask"].sum(-1) if "attention_mask" in batch
-                   else torch.full((rows,), width, device=ids.device))
+        lengths = (
+            batch["attention_mask"].sum(-1)
+            if "attention_mask" in batch
+            else torch.full((rows,), width, device=ids.device)
+        )
     else:  # padding-free: one row, split at each position-id restart
         lengths = torch.bincount(sequence_index(batch)[0])
         split = lengths.tolist()
@@ -124,10 +132,13 @@ def can_repack(model, width: int | None = None) -> bool:
     kinds = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in kinds if kinds else window is not None
-    return (getattr(inner.config, "_attn_implementation", None) in ("sdpa", "eager")
-            and module is not None and hasattr(module, "create_causal_mask")
-            and kinds <= {"full_attention", "sliding_attention"}
-            and not (width is not None and sliding and width > (window or 0)))
+    return (
+        getattr(inner.config, "_attn_implementation", None) in ("sdpa", "eager")
+        and module is not None
+        and hasattr(module, "create_causal_mask")
+        and kinds <= {"full_attention", "sliding_attention"}
+        and not (width is not None and sliding and width > (window or 0))
+    )
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -152,8 +163,10 @@ def _cost(rows: int, width: int, hidden_size: int | None) -> float:
 def _packing(units: list[int], hidden_size: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """First-fit decreasing with the row width (from the longest unit to twice it) that costs least."""
     capacities = {max(units) * (4 + k) // 4 for k in range(5 if hidden_size else 1)}
-    return min((_first_fit_decreasing(units, c) for c in sorted(capacities)),
-               key=lambda layout: _cost(len(layout[0]), max(layout[0]), hidden_size))
+    return min(
+        (_first_fit_decreasing(units, c) for c in sorted(capacities)),
+        key=lambda layout: _cost(len(layout[0]), max(layout[0]), hidden_size),
+    )
 
 
 def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, torch.Tensor] | None:
@@ -172,7 +185,7 @@ def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, 
     columns = torch.arange(width, device=device)
     real = columns[None, :] < view.lengths[:, None]
     where = starts[:, None] + columns[None, :]
-    positions = (torch.arange(packed_width, device=device)[None, :] - torch.tensor(fills, device=device)[:, None])
+    positions = torch.arange(packed_width, device=device)[None, :] - torch.tensor(fills, device=device)[:, None]
     positions = positions.clamp(min=0).flatten()
     positions[where[real]] = columns.expand_as(where)[real]
     ids = torch.zeros(rows * packed_width, dtype=view.ids.dtype, device=device)
@@ -181,16 +194,22 @@ def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, 
     return inputs, torch.where(real, where, 0)
 
 
-def shared_layout(view: SequenceView, hidden_size: int,
-                  mask_dtype: torch.dtype | None) -> tuple[dict, torch.Tensor] | None:
+def shared_layout(
+    view: SequenceView, hidden_size: int, mask_dtype: torch.dtype | None
+) -> tuple[dict, torch.Tensor] | None:
     """`prefix_layout` of a right-padded batch of 2B sequences (chosen i and rejected i = sequence B + i): each
     pair is one unit sharing the prompt and any common start of its two completions. (An odd count: no pairs.)"""
     count = view.ids.shape[0]
     if count % 2:
         return prefix_layout(view, [[i] for i in range(count)], [0] * count, hidden_size, mask_dtype)
     pairs = count // 2
-    return prefix_layout(view, [[i, pairs + i] for i in range(pairs)],
-                         common_prefix(view, list(range(pairs)), list(range(pairs, count))), hidden_size, mask_dtype)
+    return prefix_layout(
+        view,
+        [[i, pairs + i] for i in range(pairs)],
+        common_prefix(view, list(range(pairs)), list(range(pairs, count))),
+        hidden_size,
+        mask_dtype,
+    )
 
 
 def common_prefix(view: SequenceView, firsts: list[int], others: list[int]) -> list[int]:
@@ -202,9 +221,14 @@ def common_prefix(view: SequenceView, firsts: list[int], others: list[int]) -> l
     return same.int().cumprod(-1).sum(-1).tolist()
 
 
-def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int], hidden_size: int,
-                  mask_dtype: torch.dtype | None,
-                  min_saving: float = MIN_PACKING_SAVING) -> tuple[dict, torch.Tensor] | None:
+def prefix_layout(
+    view: SequenceView,
+    units: list[list[int]],
+    shared: list[int],
+    hidden_size: int,
+    mask_dtype: torch.dtype | None,
+    min_saving: float = MIN_PACKING_SAVING,
+) -> tuple[dict, torch.Tensor] | None:
     """A cheaper layout of a right-padded batch whose sequences come in groups ("units", lists of sequence
     indices) that start alike: the first sequence of unit u is laid out whole, and the others read its first
     `shared[u]` tokens (which they must equal: the prompt of DPO's pair, or of an online group's completions)
@@ -254,13 +278,20 @@ def prefix_layout(view: SequenceView, units: list[list[int]], shared: list[int],
     segment[where[past]] = tensor(branch).expand_as(where)[past]
     unit, segment = unit.view(rows, 1, packed_width), segment.view(rows, 1, packed_width)
     column = torch.arange(packed_width, device=device)
-    allowed = ((unit.transpose(1, 2) == unit) & (column[None, None, :] <= column[None, :, None])
-               & ((segment == 0) | (segment == segment.transpose(1, 2))))[:, None]
+    allowed = (
+        (unit.transpose(1, 2) == unit)
+        & (column[None, None, :] <= column[None, :, None])
+        & ((segment == 0) | (segment == segment.transpose(1, 2)))
+    )[:, None]
     if mask_dtype is not None:
         allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill_(
-            ~allowed, torch.finfo(mask_dtype).min)
-    inputs = {"input_ids": ids.view(rows, packed_width), "position_ids": positions.view(rows, packed_width),
-              "attention_mask": allowed}
+            ~allowed, torch.finfo(mask_dtype).min
+        )
+    inputs = {
+        "input_ids": ids.view(rows, packed_width),
+        "position_ids": positions.view(rows, packed_width),
+        "attention_mask": allowed,
+    }
     return inputs, torch.where(real, where, 0)
 
 
@@ -314,8 +345,14 @@ def _logits_stats(logits: torch.Tensor, index: torch.Tensor, log_sum_sq: bool, c
     return out
 
 
-def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool = False,
-                   router_logits: bool = False, stats: bool = True) -> SequenceLogps:
+def sequence_logps(
+    model,
+    batch: dict,
+    ld_alpha: float | None = None,
+    wpo: bool = False,
+    router_logits: bool = False,
+    stats: bool = True,
+) -> SequenceLogps:
     """One forward of a `PreferenceCollator` batch (2B sequences, chosen first; or any batch of sequences with a
     `completion_mask`): per-sequence completion log-probs, token counts and, with `stats`, the detached
     per-sequence sums behind the metrics (and WPO's per-token log sum p^2 with `wpo`).
@@ -328,8 +365,13 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
     where = view.where
     config = unwrap(model).config if head is not None else None
     # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
-    if head is not None and not router_logits and not getattr(config, "output_router_logits", False) \
-            and "attention_mask" in batch and is_right_padded(view.ids, batch["attention_mask"]):
+    if (
+        head is not None
+        and not router_logits
+        and not getattr(config, "output_router_logits", False)
+        and "attention_mask" in batch
+        and is_right_padded(view.ids, batch["attention_mask"])
+    ):
         packed = model_shared_layout(model, view)
         if packed is not None:
             inputs, where = packed
@@ -343,8 +385,9 @@ def sequence_logps(model, batch: dict, ld_alpha: float | None = None, wpo: bool 
         with tied_embedding(unwrap(model), head.weight) as head_gradient:  # no second [vocab, hidden] gradient
             hidden, outputs = forward_hidden(model, inputs)
         rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
-        scores = linear_logps(rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo,
-                              on_weight_grad=head_gradient)
+        scores = linear_logps(
+            rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo, on_weight_grad=head_gradient
+        )
     else:
         outputs = model(**inputs, use_cache=False)
         logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]
@@ -362,8 +405,11 @@ def assemble_scores(scored: torch.Tensor, scores: TokenScores, ld_alpha: float |
 
     token_logps = per_token(scores.logps)
     counts = mask.sum(-1)
-    sums = {name: per_token(getattr(scores, field)).sum(-1)
-            for field, name in STAT_NAMES.items() if getattr(scores, field) is not None}
+    sums = {
+        name: per_token(getattr(scores, field)).sum(-1)
+        for field, name in STAT_NAMES.items()
+        if getattr(scores, field) is not None
+    }
     if scores.log_sum_sq is not None:
         sums["log_sum_sq"] = per_token(scores.log_sum_sq)
     if ld_alpha is None:

@@ -15,23 +15,43 @@ from transformers import DynamicCache
 
 from ..losses.logprobs import linear_logps
 from ..models.reference import unwrap
-from .preference_common import (SequenceLogps, SequenceView, assemble_scores, can_repack, common_prefix,
-                                forward_hidden, is_right_padded, layout_settings, output_head, prefix_layout,
-                                sequence_view)
+from .preference_common import (
+    SequenceLogps,
+    SequenceView,
+    assemble_scores,
+    can_repack,
+    common_prefix,
+    forward_hidden,
+    is_right_padded,
+    layout_settings,
+    output_head,
+    prefix_layout,
+    sequence_view,
+)
 
 
 def applicable(model, batch: dict) -> bool:
     """Masks built by `masking_utils` (sdpa/eager), a right-padded batch, no MoE router loss, no gradient
     checkpointing (which turns the cache off). (The caller also needs a linear output layer, `output_head`.)"""
     inner = unwrap(model)
-    return (can_repack(model, batch["input_ids"].shape[1]) and "attention_mask" in batch
-            and is_right_padded(batch["input_ids"], batch["attention_mask"])
-            and not getattr(inner.config, "output_router_logits", False)
-            and not getattr(inner, "is_activation_checkpointing", False))
+    return (
+        can_repack(model, batch["input_ids"].shape[1])
+        and "attention_mask" in batch
+        and is_right_padded(batch["input_ids"], batch["attention_mask"])
+        and not getattr(inner.config, "output_router_logits", False)
+        and not getattr(inner, "is_activation_checkpointing", False)
+    )
 
 
-def _continuation_layout(starts: list[tuple[int, int]], shared: list[int], tails: list[int], rows: int, width: int,
-                         ids: torch.Tensor, mask_dtype: torch.dtype | None):
+def _continuation_layout(
+    starts: list[tuple[int, int]],
+    shared: list[int],
+    tails: list[int],
+    rows: int,
+    width: int,
+    ids: torch.Tensor,
+    mask_dtype: torch.dtype | None,
+):
     """Inputs for the continuations: tail i (its tokens past `shared[i]`) goes in the row of trained sequence i,
     after the tails before it; it sees the first `shared[i]` cached positions of sequence i and its own tail.
     Returns (model inputs, [n, max tail] flat slot of each tail token)."""
@@ -49,25 +69,28 @@ def _continuation_layout(starts: list[tuple[int, int]], shared: list[int], tails
     span = torch.arange(tail_width, device=device)
     slots = torch.zeros((len(tails), max(max(tails), 1)), dtype=torch.long, device=device)
     for i, ((row, start), cut, tail, offset) in enumerate(zip(starts, shared, tails, offsets)):
-        cached_owner[row, start:start + cut] = i
-        owner[row, offset:offset + tail] = i
-        new_ids[row, offset:offset + tail] = ids[i, cut:cut + tail]
-        positions[row, offset:offset + tail] = span[:tail] + cut
+        cached_owner[row, start : start + cut] = i
+        owner[row, offset : offset + tail] = i
+        new_ids[row, offset : offset + tail] = ids[i, cut : cut + tail]
+        positions[row, offset : offset + tail] = span[:tail] + cut
         slots[i, :tail] = row * tail_width + offset + span[:tail]
     query = owner[:, :, None]
     sees_cache = (query == cached_owner[:, None, :]) & (query >= 0)
     column = torch.arange(tail_width, device=device)
     sees_tail = ((query == owner[:, None, :]) & (query >= 0) & (column[None, :] <= column[:, None])) | (
-        (query < 0) & (column[None, :] == column[:, None]))  # a filler slot sees itself (no empty row)
+        (query < 0) & (column[None, :] == column[:, None])
+    )  # a filler slot sees itself (no empty row)
     allowed = torch.cat([sees_cache, sees_tail], dim=-1)[:, None]
     if mask_dtype is not None:
         allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill_(
-            ~allowed, torch.finfo(mask_dtype).min)
+            ~allowed, torch.finfo(mask_dtype).min
+        )
     return {"input_ids": new_ids, "position_ids": positions, "attention_mask": allowed}, slots
 
 
-def trained_and_continuation_logps(model, batch: dict, n: int,
-                                   stats: bool = True) -> tuple[SequenceLogps, torch.Tensor] | None:
+def trained_and_continuation_logps(
+    model, batch: dict, n: int, stats: bool = True
+) -> tuple[SequenceLogps, torch.Tensor] | None:
     """For a right-padded batch of 2n sequences, where sequence n + i continues a prefix of sequence i: the first n
     scored with gradient (as `sequence_logps` scores them) and the summed completion log-probs of the other n,
     detached. None without a linear output layer or where `applicable` says no."""
@@ -89,8 +112,13 @@ def trained_and_continuation_logps(model, batch: dict, n: int,
     cache = DynamicCache(config=unwrap(model).config)
     hidden, outputs = forward_hidden(model, inputs, cache=cache, use_cache=True)
     predictors = where[:, :-1][trained.scored[:, 1:]]
-    scores = linear_logps(hidden.reshape(-1, hidden.shape[-1])[predictors], head.weight, trained.ids[trained.scored],
-                          head.bias, stats=stats)
+    scores = linear_logps(
+        hidden.reshape(-1, hidden.shape[-1])[predictors],
+        head.weight,
+        trained.ids[trained.scored],
+        head.bias,
+        stats=stats,
+    )
     with torch.no_grad():
         cached = hidden.detach().reshape(-1, hidden.shape[-1])
         # Position t of continuation i is predicted by position t - 1: inside the shared prefix that is trained
@@ -107,6 +135,7 @@ def trained_and_continuation_logps(model, batch: dict, n: int,
             cached = torch.cat([cached, tail_hidden.reshape(-1, hidden.shape[-1])])
         scored = view.scored[n:]
         kl = linear_logps(cached[source[scored]], head.weight, ids[scored], head.bias).logps
-        continuation = torch.zeros(scored.shape, dtype=torch.float32, device=ids.device).masked_scatter(
-            scored, kl.float()).sum(-1)
+        continuation = (
+            torch.zeros(scored.shape, dtype=torch.float32, device=ids.device).masked_scatter(scored, kl.float()).sum(-1)
+        )
     return assemble_scores(trained.scored, scores, None, getattr(outputs, "aux_loss", None)), continuation

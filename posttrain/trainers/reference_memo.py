@@ -12,8 +12,9 @@ The digests are made in the collator, from the rows' id columns, so the trainer 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -26,22 +26,37 @@ class RewardConfig(PosttrainConfig):
     learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
     eos_token: str | None = field(
-        default=None, metadata={"help": "Token to use as EOS (appended to standard-format completions); must be in "
-                                        "the vocabulary (default: the tokenizer's)."})
+        default=None,
+        metadata={
+            "help": "Token to use as EOS (appended to standard-format completions); must be in "
+            "the vocabulary (default: the tokenizer's)."
+        },
+    )
     pad_token: str | None = field(
-        default=None, metadata={"help": "Token to pad with (default: the tokenizer's pad token, else its EOS)."})
+        default=None, metadata={"help": "Token to pad with (default: the tokenizer's pad token, else its EOS)."}
+    )
     chat_template_path: str | None = field(
-        default=None, metadata={"help": "A .jinja chat template file, or a tokenizer (directory or id) whose chat "
-                                        "template (and added tokens) to clone."})
+        default=None,
+        metadata={
+            "help": "A .jinja chat template file, or a tokenizer (directory or id) whose chat "
+            "template (and added tokens) to clone."
+        },
+    )
     max_length: int | None = field(
-        default=1024, metadata={"help": "Rows where prompt + chosen or prompt + rejected is longer are dropped "
-                                        "(None keeps all)."})
+        default=1024,
+        metadata={"help": "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."},
+    )
     pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding "
-                                          "off Neuron)."})
+        default="auto",
+        metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."},
+    )
     center_rewards_coefficient: float | None = field(
-        default=None, metadata={"help": "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards "
-                                        "centred on zero (Eisenstein et al. 2023 use 0.01)."})
+        default=None,
+        metadata={
+            "help": "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards "
+            "centred on zero (Eisenstein et al. 2023 use 0.01)."
+        },
+    )
 
     def __post_init__(self):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
@@ -60,8 +75,13 @@ def _score_parts(model):
     decoder = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
     head = getattr(inner, "score", None)
     linear = getattr(head, "original_module", head)  # PEFT's ModulesToSaveWrapper calls its trained copy
-    if (decoder is None or not isinstance(linear, torch.nn.Linear) or getattr(config, "vision_config", None)
-            or config.get_text_config().pad_token_id is None or not can_repack(model)):
+    if (
+        decoder is None
+        or not isinstance(linear, torch.nn.Linear)
+        or getattr(config, "vision_config", None)
+        or config.get_text_config().pad_token_id is None
+        or not can_repack(model)
+    ):
         return None
     return decoder, head, config.get_text_config().pad_token_id
 
@@ -79,14 +99,28 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     checkpoint. Each pair is scored in one forward of 2B sequences; a sequence's reward is the classifier's
     output at its last non-padding token.
     """
+
     _name = "Reward"  # the method the model card names and cites (posttrain/model_card.py)
 
     load_model = staticmethod(_load_reward_model)
 
-    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
-                 quantization_config=None, peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: RewardConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        quantization_config=None,
+        peft_config=None,
+        **kwargs,
+    ):
         args = args or RewardConfig(output_dir="outputs/reward")
         set_seed(args.seed)  # a checkpoint without a score head gets a new one: make its initialisation follow the seed
         if not isinstance(model, str):
@@ -102,18 +136,40 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         self._total_train_tokens = 0
         if optimizer_cls_and_kwargs is not None:
             kwargs["optimizer_cls_and_kwargs"] = optimizer_cls_and_kwargs
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator,
-                         callbacks, optimizers, quantization_config, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs)
+        super().__init__(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            peft_config,
+            data_collator,
+            callbacks,
+            optimizers,
+            quantization_config,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            **kwargs,
+        )
         # The classifier finds each sequence's last real token through the pad id: it must be the collator's.
-        sync_model_with_tokenizer(self.accelerator.unwrap_model(self.model), self.processing_class, added,
-                                  eos_changed=args.eos_token is not None)
+        sync_model_with_tokenizer(
+            self.accelerator.unwrap_model(self.model),
+            self.processing_class,
+            added,
+            eos_changed=args.eos_token is not None,
+        )
 
     def prepare_dataset(self, dataset, tokenizer, args: RewardConfig, name: str):
-        return prepare_preference_dataset(dataset, tokenizer, trainer="RewardTrainer", name=name,
-                                          max_length=args.max_length, truncation_mode="drop",
-                                          num_proc=args.dataset_num_proc,
-                                          report=DataReport.of(self).start(name, len(dataset)))
+        return prepare_preference_dataset(
+            dataset,
+            tokenizer,
+            trainer="RewardTrainer",
+            name=name,
+            max_length=args.max_length,
+            truncation_mode="drop",
+            num_proc=args.dataset_num_proc,
+            report=DataReport.of(self).start(name, len(dataset)),
+        )
 
     def default_collator(self, tokenizer, args: RewardConfig):
         # Padded, not padding-free: the classifier reads one position per row.
@@ -132,7 +188,8 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         packed = None
         if view is not None:
             packed = model_shared_layout(model, view) or repacked(
-                view, unwrap(model).config.get_text_config().hidden_size)
+                view, unwrap(model).config.get_text_config().hidden_size
+            )
         if packed is None:
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
         decoder, head, pad_id = parts
@@ -190,5 +247,10 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         rewards = self.accelerator.gather(torch.cat([chosen, rejected]))
         self._metrics[mode]["min_reward"].append(rewards.min().item())
         self._metrics[mode]["max_reward"].append(rewards.max().item())
-        self.record_metrics({"mean_reward": torch.cat([chosen, rejected]).mean(),
-                             "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean()})
+        self.record_metrics(
+            {
+                "mean_reward": torch.cat([chosen, rejected]).mean(),
+                "accuracy": (chosen > rejected).float().mean(),
+                "margin": (chosen - rejected).mean(),
+            }
+        )

@@ -31,8 +31,16 @@ class RolloutSampler:
     (also after resuming).
     """
 
-    def __init__(self, num_prompts: int, prompts_per_round: int, num_processes: int, process_index: int,
-                 micro_steps_per_round: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_round: int,
+        num_processes: int,
+        process_index: int,
+        micro_steps_per_round: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
         self.num_prompts, self.prompts_per_round, self.shuffle = num_prompts, prompts_per_round, shuffle
         self.num_processes, self.process_index = num_processes, process_index
         self.micro_steps_per_round, self.seed = micro_steps_per_round, seed
@@ -56,11 +64,14 @@ class RolloutSampler:
         """This process's (slot, dataset index) pairs of round `round_index`, counted over all epochs (the
         asynchronous producer looks rounds up before the loader reaches them)."""
         epoch, r = divmod(round_index, self.rounds_per_epoch)
-        order = (torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
-                 if self.shuffle else torch.arange(self.num_prompts))
+        order = (
+            torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
+            if self.shuffle
+            else torch.arange(self.num_prompts)
+        )
         local = self.prompts_per_round // self.num_processes
         slots = range(self.process_index * local, (self.process_index + 1) * local)
-        return list(zip(slots, order[r * self.prompts_per_round + slots.start:][:local].tolist()))
+        return list(zip(slots, order[r * self.prompts_per_round + slots.start :][:local].tolist()))
 
 
 class TaggedPrompts(torch.utils.data.Dataset):
@@ -113,8 +124,12 @@ class Episode:
     @classmethod
     def single_turn(cls, completion) -> Episode:
         """A backend's `Completion` as a one-turn episode."""
-        return cls(list(completion.token_ids), [1] * len(completion.token_ids), completion.logprobs,
-                   completion.finished_with_eos)
+        return cls(
+            list(completion.token_ids),
+            [1] * len(completion.token_ids),
+            completion.logprobs,
+            completion.finished_with_eos,
+        )
 
 
 # -- the generated batch -----------------------------------------------------------------------------------
@@ -151,8 +166,18 @@ class Rollout:
     vision: list[dict] | None = None  # per completion, its prompt's image inputs (`Episode.vision`)
     policy_version: int | None = None  # the optimizer step whose weights sampled the round
 
-    PER_COMPLETION = ("completion_ids", "completion_mask", "model_mask", "loss_mask", "sampler_logps", "old_logps",
-                      "ref_logps", "old_values", "advantages", "returns")
+    PER_COMPLETION = (
+        "completion_ids",
+        "completion_mask",
+        "model_mask",
+        "loss_mask",
+        "sampler_logps",
+        "old_logps",
+        "ref_logps",
+        "old_values",
+        "advantages",
+        "returns",
+    )
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -162,8 +187,10 @@ class Rollout:
         rows = slice(start, stop)
         prompt_width = self._width(self.prompt_mask[rows].sum(1).max(), self.prompt_mask.shape[1])
         width = self._width(self.completion_mask[rows].sum(1).max(), self.completion_mask.shape[1])
-        out = {"prompt_ids": self.prompt_ids[rows, -prompt_width:],
-               "prompt_mask": self.prompt_mask[rows, -prompt_width:]}
+        out = {
+            "prompt_ids": self.prompt_ids[rows, -prompt_width:],
+            "prompt_mask": self.prompt_mask[rows, -prompt_width:],
+        }
         for name in self.PER_COMPLETION:
             value = getattr(self, name)
             if value is not None:
@@ -215,8 +242,8 @@ def groupwise_advantages(
     """
     advantages = torch.zeros_like(rewards)
     for start in range(0, rewards.numel(), num_generations):
-        group = rewards[start:start + num_generations]
+        group = rewards[start : start + num_generations]
         scored = ~group.isnan()
         if int(scored.sum()) >= 2:
-            advantages[start:start + num_generations][scored] = advantage_fn(group[scored])
+            advantages[start : start + num_generations][scored] = advantage_fn(group[scored])
     return advantages

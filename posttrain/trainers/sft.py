@@ -6,8 +6,9 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -19,8 +20,14 @@ from ..data.packing import pack_dataset
 from ..data.report import DataReport, cut_column, note_packing
 from ..data.tokenize import tokenize_example, truncate
 from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
-from ..data.vision import (VisionSetup, VisionSFTCollator, freeze_vision_tower_field, is_vision_dataset, tokenizer_of,
-                           validate_vision_dataset)
+from ..data.vision import (
+    VisionSetup,
+    VisionSFTCollator,
+    freeze_vision_tower_field,
+    is_vision_dataset,
+    tokenizer_of,
+    validate_vision_dataset,
+)
 from ..errors import ConfigError, DataError
 from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
 from ..models.loading import load_tokenizer
@@ -37,61 +44,106 @@ DATASET_KWARGS = ("skip_prepare_dataset",)
 class SFTConfig(PosttrainConfig):
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
     router_aux_loss_coef: float | None = field(
-        default=None, metadata={"help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-                                        "training loss (default: the model config's own; 0 turns it off). Only "
-                                        "for MoE models."})
+        default=None,
+        metadata={
+            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
+            "training loss (default: the model config's own; 0 turns it off). Only "
+            "for MoE models."
+        },
+    )
     chat_template_path: str | None = field(
-        default=None, metadata={"help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
-                                        "hub id whose chat template, added tokens and EOS token are cloned (the "
-                                        "embeddings grow to hold the new tokens)."})
+        default=None,
+        metadata={
+            "help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
+            "hub id whose chat template, added tokens and EOS token are cloned (the "
+            "embeddings grow to hold the new tokens)."
+        },
+    )
     dataset_text_field: str = field(
-        default="text", metadata={"help": "Column holding the text of standard language-modeling data."})
+        default="text", metadata={"help": "Column holding the text of standard language-modeling data."}
+    )
     dataset_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
-                                        "the dataset as it is: rows of input_ids [+ labels] for the collator)."})
+        default=None,
+        metadata={
+            "help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
+            "the dataset as it is: rows of input_ids [+ labels] for the collator)."
+        },
+    )
     eos_token: str | None = field(
-        default=None, metadata={"help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
-                                        "standard text and set in the model's (generation) config."})
+        default=None,
+        metadata={
+            "help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
+            "standard text and set in the model's (generation) config."
+        },
+    )
     max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
     truncation_mode: str = field(
-        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."})
+        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."}
+    )
     shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."})
+        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."}
+    )
     packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
     packing_strategy: str = field(
-        default="bfd", metadata={"help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
-                                         "ones split) or 'wrapped' (concatenated and cut every max_length)."})
+        default="bfd",
+        metadata={
+            "help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
+            "ones split) or 'wrapped' (concatenated and cut every max_length)."
+        },
+    )
     padding_free: bool = field(
-        default=False, metadata={"help": "Collate without an attention mask, positions restarting per sequence (always "
-                                         "on with packing): the batch in one row with flash attention, else one row "
-                                         "per example."})
+        default=False,
+        metadata={
+            "help": "Collate without an attention mask, positions restarting per sequence (always "
+            "on with packing): the batch in one row with flash attention, else one row "
+            "per example."
+        },
+    )
     pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
-                                          "on Neuron devices, which posttrain does not run on)."})
-    eval_packing: bool | None = field(
-        default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
+        default="auto",
+        metadata={
+            "help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
+            "on Neuron devices, which posttrain does not run on)."
+        },
+    )
+    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
     completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."})
+        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."}
+    )
     assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."})
+        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."}
+    )
     freeze_vision_tower: bool = freeze_vision_tower_field()
     loss_type: str = field(
-        default="nll", metadata={"help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
-                                         "token's NLL weighted by its detached probability)."})
+        default="nll",
+        metadata={
+            "help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
+            "token's NLL weighted by its detached probability)."
+        },
+    )
     pad_token: str | None = field(
-        default=None, metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, "
-                                        "else its EOS)."})
+        default=None,
+        metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."},
+    )
     # posttrain's own options
     add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
     packing_split_long: bool = field(
-        default=False, metadata={"help": "With bfd packing, split sequences longer than max_length instead of "
-                                         "truncating them (as packing_strategy='bfd_split')."})
+        default=False,
+        metadata={
+            "help": "With bfd packing, split sequences longer than max_length instead of "
+            "truncating them (as packing_strategy='bfd_split')."
+        },
+    )
     chunked_loss: bool | None = field(
-        default=None, metadata={"help": "Compute the loss in chunks of trained tokens without materialising "
-                                        "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
-                                        "wherever it gives the same result (a plain linear output layer, no "
-                                        "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
-                                        "insists, False computes the full logits."})
+        default=None,
+        metadata={
+            "help": "Compute the loss in chunks of trained tokens without materialising "
+            "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
+            "wherever it gives the same result (a plain linear output layer, no "
+            "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
+            "insists, False computes the full logits."
+        },
+    )
     loss_chunk_size: int = field(default=256, metadata={"help": "Tokens per chunk with chunked_loss."})
 
     unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
@@ -101,18 +153,25 @@ class SFTConfig(PosttrainConfig):
             self.dataset_kwargs = json.loads(self.dataset_kwargs)
         unknown = sorted(set(self.dataset_kwargs or {}) - set(DATASET_KWARGS))
         if unknown:
-            raise ConfigError(f"dataset_kwargs has unknown keys {unknown}; the only key is 'skip_prepare_dataset'. "
-                              "Remove the others.")
+            raise ConfigError(
+                f"dataset_kwargs has unknown keys {unknown}; the only key is 'skip_prepare_dataset'. Remove the others."
+            )
         self.pad_to_multiple_of = _parse_pad_to_multiple_of(self.pad_to_multiple_of)
         if self.loss_type == "chunked_nll":
-            warnings.warn("loss_type='chunked_nll' is an old name of 'nll'; use loss_type='nll' (set chunked_loss=True "
-                          "for posttrain's chunked computation).", FutureWarning, stacklevel=3)
+            warnings.warn(
+                "loss_type='chunked_nll' is an old name of 'nll'; use loss_type='nll' (set chunked_loss=True "
+                "for posttrain's chunked computation).",
+                FutureWarning,
+                stacklevel=3,
+            )
             self.loss_type = "nll"
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}; pick one of them.")
         if self.loss_type == "dft" and self.label_smoothing_factor:
-            raise ConfigError(f"label_smoothing_factor={self.label_smoothing_factor} smooths the NLL loss and has no "
-                              "meaning for loss_type='dft'; set label_smoothing_factor=0 or loss_type='nll'.")
+            raise ConfigError(
+                f"label_smoothing_factor={self.label_smoothing_factor} smooths the NLL loss and has no "
+                "meaning for loss_type='dft'; set label_smoothing_factor=0 or loss_type='nll'."
+            )
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not one of {TRUNCATION_MODES}.")
         if self.packing_strategy == "bfd-requeue":
@@ -120,13 +179,17 @@ class SFTConfig(PosttrainConfig):
         if self.packing_strategy not in PACKING_STRATEGIES:
             raise ConfigError(f"packing_strategy={self.packing_strategy!r} is not one of {PACKING_STRATEGIES}.")
         if (self.packing or self.eval_packing) and self.max_length is None:
-            raise ConfigError("Packing needs max_length (the length of a packed row); set max_length or turn "
-                              "packing / eval_packing off.")
+            raise ConfigError(
+                "Packing needs max_length (the length of a packed row); set max_length or turn "
+                "packing / eval_packing off."
+            )
         if self.loss_chunk_size < 1:
             raise ConfigError(f"loss_chunk_size={self.loss_chunk_size} must be a positive number of tokens.")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
-                              "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off).")
+            raise ConfigError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
+                "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off)."
+            )
         super().__post_init__()
 
 
@@ -152,12 +215,19 @@ def _sft_args(args, model) -> SFTConfig:
     return args
 
 
-def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos,
-                  truncation_mode):
+def _tokenize_row(
+    example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos, truncation_mode
+):
     check_example(example, fmt, row)
     out = tokenize_example(
-        example, tokenizer, fmt, row=row, completion_only_loss=completion_only_loss,
-        assistant_only_loss=assistant_only_loss, add_eos=add_eos, truncation_mode=truncation_mode,
+        example,
+        tokenizer,
+        fmt,
+        row=row,
+        completion_only_loss=completion_only_loss,
+        assistant_only_loss=assistant_only_loss,
+        add_eos=add_eos,
+        truncation_mode=truncation_mode,
     )
     ids, mask = truncate(out["input_ids"], out["completion_mask"], max_length, truncation_mode, row)
     return {"input_ids": ids, "completion_mask": mask, cut_column("max_length"): len(out["input_ids"]) - len(ids)}
@@ -166,8 +236,10 @@ def _tokenize_row(example, row, tokenizer, fmt, max_length, completion_only_loss
 def _format_row(example, row, formatting_func):
     text = formatting_func(example)
     if not isinstance(text, str):
-        raise DataError(f"Row {row}: formatting_func returned {type(text).__name__}, not a string. It is called on "
-                        "one example at a time and must return that example's text.")
+        raise DataError(
+            f"Row {row}: formatting_func returned {type(text).__name__}, not a string. It is called on "
+            "one example at a time and must return that example's text."
+        )
     return {"text": text}
 
 
@@ -177,8 +249,11 @@ def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
     ids = example["input_ids"]
     labels = example.get("labels")
     if labels is None:
-        masks = [example[c] for c in ("completion_mask", "assistant_masks")
-                 if example.get(c) is not None and (c != "completion_mask" or use_completion_mask)]
+        masks = [
+            example[c]
+            for c in ("completion_mask", "assistant_masks")
+            if example.get(c) is not None and (c != "completion_mask" or use_completion_mask)
+        ]
         labels = [t if all(bits) else IGNORE_INDEX for t, *bits in zip(ids, *masks)]
     n = len(ids)
     ids, labels = truncate(list(ids), list(labels), max_length, truncation_mode, row, untrained=IGNORE_INDEX)
@@ -192,18 +267,24 @@ def chunked_loss_unsupported(model) -> str | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, attribute, None) not in (None, 1, 1.0):
-            return (f"chunked_loss=True does not support models whose logits are transformed "
-                    f"({attribute}={getattr(config, attribute)}); set chunked_loss=False.")
+            return (
+                f"chunked_loss=True does not support models whose logits are transformed "
+                f"({attribute}={getattr(config, attribute)}); set chunked_loss=False."
+            )
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
-        return ("chunked_loss=True needs a plain linear output layer; this one is "
-                f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
-                "leave lm_head out of the adapter's target modules.")
+        return (
+            "chunked_loss=True needs a plain linear output layer; this one is "
+            f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
+            "leave lm_head out of the adapter's target modules."
+        )
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "get_decoder", lambda: None)()
     if decoder is None or decoder is base or "logits_to_keep" not in inspect.signature(base.forward).parameters:
-        return (f"chunked_loss=True needs a model with a separate decoder and a `logits_to_keep` argument; "
-                f"{type(base).__name__} has not. Set chunked_loss=False.")
+        return (
+            f"chunked_loss=True needs a model with a separate decoder and a `logits_to_keep` argument; "
+            f"{type(base).__name__} has not. Set chunked_loss=False."
+        )
     return None
 
 
@@ -227,8 +308,9 @@ def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) ->
         return None
     real = inputs["attention_mask"].bool()
     packed_inputs, where = packed
-    packed_labels = torch.full((packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype,
-                               device=labels.device)
+    packed_labels = torch.full(
+        (packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype, device=labels.device
+    )
     packed_labels[where[real]] = labels[real]
     packed_labels[where[:, 0]] = IGNORE_INDEX
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
@@ -255,6 +337,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
     """
+
     _name = "SFT"  # the method the model card names and cites (posttrain/model_card.py)
 
     def __init__(
@@ -277,21 +360,28 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     ):
         args = _sft_args(args, model)
         if compute_loss_func is not None and (args.loss_type != "nll" or args.chunked_loss):
-            raise ConfigError(f"compute_loss_func replaces the loss, so loss_type={args.loss_type!r} / chunked_loss="
-                              f"{args.chunked_loss} would not apply; pass one or the other (loss_type='nll', "
-                              "chunked_loss=False).")
+            raise ConfigError(
+                f"compute_loss_func replaces the loss, so loss_type={args.loss_type!r} / chunked_loss="
+                f"{args.chunked_loss} would not apply; pass one or the other (loss_type='nll', "
+                "chunked_loss=False)."
+            )
         if formatting_func is not None and _completion_only(args, train_dataset):
-            raise ConfigError("formatting_func turns each example into plain text, so there is no completion to "
-                              "train on alone, but completion_only_loss is on (explicitly, or by default for "
-                              "prompt-completion data). Set completion_only_loss=False, or format the dataset "
-                              "into prompt/completion columns yourself and drop formatting_func.")
+            raise ConfigError(
+                "formatting_func turns each example into plain text, so there is no completion to "
+                "train on alone, but completion_only_loss is on (explicitly, or by default for "
+                "prompt-completion data). Set completion_only_loss=False, or format the dataset "
+                "into prompt/completion columns yourself and drop formatting_func."
+            )
         self._formatting_func = formatting_func
         self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
-        processing_class, peft_config = self.setup_vision(model, args, train_dataset, eval_dataset, processing_class,
-                                                          peft_config, load_tokenizer)
+        processing_class, peft_config = self.setup_vision(
+            model, args, train_dataset, eval_dataset, processing_class, peft_config, load_tokenizer
+        )
         if self._vision and formatting_func is not None:
-            raise ConfigError("formatting_func turns rows into plain text, which would drop the images of this "
-                              "dataset; format the dataset with map() instead and drop formatting_func.")
+            raise ConfigError(
+                "formatting_func turns rows into plain text, which would drop the images of this "
+                "dataset; format the dataset with map() instead and drop formatting_func."
+            )
         self._vision_completion_only = _completion_only(args, train_dataset)
         tokenizer = tokenizer_of(processing_class)
         added_tokens = configure_tokenizer(tokenizer, args)
@@ -302,8 +392,9 @@ class SFTTrainer(VisionSetup, BaseTrainer):
 
         def adapt(loaded):
             """Before PEFT wrapping and data preparation: the model agrees with the tokenizer; MoE loss set up."""
-            sync_model_with_tokenizer(loaded, tokenizer, added_tokens,
-                                      eos_changed=args.eos_token is not None or bool(added_tokens))
+            sync_model_with_tokenizer(
+                loaded, tokenizer, added_tokens, eos_changed=args.eos_token is not None or bool(added_tokens)
+            )
             self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
             self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
             return loaded
@@ -315,8 +406,18 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             adapt(model)
         with self.processor_pad_token(processing_class):
             super().__init__(
-                model, args, train_dataset, eval_dataset, processing_class, peft_config, data_collator, callbacks,
-                optimizers, quantization_config, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
+                model,
+                args,
+                train_dataset,
+                eval_dataset,
+                processing_class,
+                peft_config,
+                data_collator,
+                callbacks,
+                optimizers,
+                quantization_config,
+                compute_loss_func=compute_loss_func,
+                compute_metrics=compute_metrics,
                 optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                 preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             )
@@ -330,14 +431,22 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         # teacher model that would need to keep packed sequences apart too).
         from .preference_common import can_repack
 
-        self._repack_padded = (type(self)._forward_nll is SFTTrainer._forward_nll
-                               and not self._vision and self.compute_loss_func is None
-                               and not getattr(self, "router_aux_loss_coef", 0.0) and can_repack(self.model))
+        self._repack_padded = (
+            type(self)._forward_nll is SFTTrainer._forward_nll
+            and not self._vision
+            and self.compute_loss_func is None
+            and not getattr(self, "router_aux_loss_coef", 0.0)
+            and can_repack(self.model)
+        )
         # Padding-free rows attend one sequence at a time on the CPU, where that was measured to be faster; not under
         # torch_compile, FSDP or DeepSpeed (left as they were).
-        self._segment_attention = (self.args.device.type == "cpu" and not args.torch_compile
-                                   and not self.is_fsdp_enabled and not self.is_deepspeed_enabled
-                                   and supports_segment_attention(self.model))
+        self._segment_attention = (
+            self.args.device.type == "cpu"
+            and not args.torch_compile
+            and not self.is_fsdp_enabled
+            and not self.is_deepspeed_enabled
+            and supports_segment_attention(self.model)
+        )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with segment_attention(self.model, self._segment_attention):  # the backward's recomputations included
@@ -362,18 +471,28 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         if self._skip_prepare:
             return dataset
         if is_vision_dataset(dataset):  # validated here; images are processed in the collator
-            fmt = validate_vision_dataset(dataset, tokenizer, ("language_modeling", "prompt_completion"),
-                                          "SFTTrainer", name, args.dataset_text_field)
+            fmt = validate_vision_dataset(
+                dataset,
+                tokenizer,
+                ("language_modeling", "prompt_completion"),
+                "SFTTrainer",
+                name,
+                args.dataset_text_field,
+            )
             if args.assistant_only_loss and not (fmt.conversational and fmt.kind == "language_modeling"):
-                raise ConfigError("assistant_only_loss=True needs conversations in a 'messages' column; "
-                                  f"{name} is {fmt.kind.replace('_', '-')} data. Set assistant_only_loss=False.")
+                raise ConfigError(
+                    "assistant_only_loss=True needs conversations in a 'messages' column; "
+                    f"{name} is {fmt.kind.replace('_', '-')} data. Set assistant_only_loss=False."
+                )
             return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
         tokenizer = tokenizer_of(tokenizer)
         packing = args.packing if name == "train_dataset" or args.eval_packing is None else args.eval_packing
         if getattr(dataset, "format", {}).get("type") == "custom":
-            raise ConfigError(f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
-                              "would bake in. Apply deterministic transforms with map() first, or pass "
-                              "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator.")
+            raise ConfigError(
+                f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
+                "would bake in. Apply deterministic transforms with map() first, or pass "
+                "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator."
+            )
         max_length = None if packing else args.max_length  # packing cuts to max_length itself
         report = DataReport.of(self).start(name, len(dataset))
         if "input_ids" in dataset.column_names:
@@ -395,17 +514,25 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     def _tokenize(self, dataset, tokenizer, args: SFTConfig, max_length, name: str):
         columns = dataset.column_names
         if self._formatting_func is not None:
-            dataset = dataset.map(_format_row, with_indices=True, remove_columns=columns,
-                                  fn_kwargs={"formatting_func": self._formatting_func}, num_proc=args.dataset_num_proc,
-                                  desc=f"Formatting {name}")
+            dataset = dataset.map(
+                _format_row,
+                with_indices=True,
+                remove_columns=columns,
+                fn_kwargs={"formatting_func": self._formatting_func},
+                num_proc=args.dataset_num_proc,
+                desc=f"Formatting {name}",
+            )
         elif args.dataset_text_field != "text":
             text_field = args.dataset_text_field
             if text_field in columns:
-                dataset = dataset.remove_columns([c for c in ("text",) if c in columns]).rename_column(text_field,
-                                                                                                       "text")
+                dataset = dataset.remove_columns([c for c in ("text",) if c in columns]).rename_column(
+                    text_field, "text"
+                )
             elif not any(c in columns for c in ("messages", "prompt", "completion", "text")):
-                raise ConfigError(f"dataset_text_field={text_field!r} is not a column of {name} (columns: "
-                                  f"{columns}). Set dataset_text_field to the column that holds the text.")
+                raise ConfigError(
+                    f"dataset_text_field={text_field!r} is not a column of {name} (columns: "
+                    f"{columns}). Set dataset_text_field to the column that holds the text."
+                )
         first = dataset[0] if len(dataset) else {}
         if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
             dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
@@ -419,11 +546,19 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         if fmt.conversational:
             require_chat_template(tokenizer)
         return dataset.map(
-            _tokenize_row, with_indices=True, remove_columns=dataset.column_names, num_proc=args.dataset_num_proc,
-            fn_kwargs=dict(tokenizer=tokenizer, fmt=fmt, max_length=max_length,
-                           completion_only_loss=args.completion_only_loss is not False,
-                           assistant_only_loss=args.assistant_only_loss, add_eos=args.add_eos,
-                           truncation_mode=args.truncation_mode),
+            _tokenize_row,
+            with_indices=True,
+            remove_columns=dataset.column_names,
+            num_proc=args.dataset_num_proc,
+            fn_kwargs=dict(
+                tokenizer=tokenizer,
+                fmt=fmt,
+                max_length=max_length,
+                completion_only_loss=args.completion_only_loss is not False,
+                assistant_only_loss=args.assistant_only_loss,
+                add_eos=args.add_eos,
+                truncation_mode=args.truncation_mode,
+            ),
             desc=f"Tokenizing {name}",
         )
 
@@ -432,31 +567,46 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         completion-only loss, which defaults to off without prompt/completion columns), truncated."""
         columns = dataset.column_names
         if self._formatting_func is not None:
-            warnings.warn(f"{name} is already tokenized (it has input_ids): formatting_func is not applied to it.",
-                          stacklevel=3)
+            warnings.warn(
+                f"{name} is already tokenized (it has input_ids): formatting_func is not applied to it.", stacklevel=3
+            )
         if "seq_lengths" in columns:  # packed already
             return dataset
         return dataset.map(
-            _labels_row, with_indices=True, num_proc=args.dataset_num_proc,
+            _labels_row,
+            with_indices=True,
+            num_proc=args.dataset_num_proc,
             remove_columns=[c for c in columns if c not in ("input_ids", "labels")],
-            fn_kwargs=dict(use_completion_mask=_completion_only(args, dataset), max_length=max_length,
-                           truncation_mode=args.truncation_mode),
+            fn_kwargs=dict(
+                use_completion_mask=_completion_only(args, dataset),
+                max_length=max_length,
+                truncation_mode=args.truncation_mode,
+            ),
             desc=f"Building labels for {name}",
         )
 
     def default_collator(self, tokenizer, args: SFTConfig):
         if self._vision:
-            return VisionSFTCollator(tokenizer, args.max_length, self._vision_completion_only,
-                                     args.assistant_only_loss, args.dataset_text_field, args.pad_to_multiple_of)
+            return VisionSFTCollator(
+                tokenizer,
+                args.max_length,
+                self._vision_completion_only,
+                args.assistant_only_loss,
+                args.dataset_text_field,
+                args.pad_to_multiple_of,
+            )
         tokenizer = tokenizer_of(tokenizer)
         # The model is not known yet: `__init__` picks the padding-free layout once it is.
-        self._own_collator = LanguageModelingCollator(tokenizer.pad_token_id,
-                                                      padding_free=args.padding_free or args.packing,
-                                                      pad_to_multiple_of=args.pad_to_multiple_of)
+        self._own_collator = LanguageModelingCollator(
+            tokenizer.pad_token_id,
+            padding_free=args.padding_free or args.packing,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+        )
         return self._own_collator
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """A raw dataset passed here is prepared as the eval_dataset given to the constructor would be."""
+
         def prepared(dataset, name):
             if self._skip_prepare or "input_ids" in dataset.column_names:
                 return dataset
@@ -490,8 +640,16 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                 outputs = model(**inputs, logits_to_keep=1)
         finally:
             handle.remove()
-        sums = chunked_token_loss_sums(captured["hidden"], head.weight, labels, head.bias, self.args.loss_chunk_size,
-                                       loss_type, smoothing, on_weight_grad=head_gradient)
+        sums = chunked_token_loss_sums(
+            captured["hidden"],
+            head.weight,
+            labels,
+            head.bias,
+            self.args.loss_chunk_size,
+            loss_type,
+            smoothing,
+            on_weight_grad=head_gradient,
+        )
         return (*sums, getattr(outputs, "aux_loss", None))
 
     def count_loss_items(self, batch):
@@ -570,8 +728,11 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             with segment_attention(self.model, self._segment_attention):
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager(), \
-                segment_attention(self.model, self._segment_attention):
+        with (
+            torch.no_grad(),
+            self.compute_loss_context_manager(),
+            segment_attention(self.model, self._segment_attention),
+        ):
             loss = self.compute_loss(model, inputs)
             forward = {k: v for k, v in inputs.items() if k not in ("labels", "num_input_tokens")}
             logits = model(**forward).logits

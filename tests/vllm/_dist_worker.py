@@ -25,10 +25,26 @@ def main() -> None:
     # SGD at a constant rate: equal gradients give equal weights without Adam magnifying rounding. Without the
     # importance-sampling correction the loss does not read the sampler's log-probs, which are compared apart.
     config = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=int(per_device), num_generations=4, max_completion_length=8,
-        max_steps=3, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-        logging_steps=1, seed=0, report_to="none", save_strategy="no", disable_tqdm=True, write_report=False,
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_importance_sampling_correction=False)
+        output_dir=out_dir,
+        per_device_train_batch_size=int(per_device),
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        seed=0,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_importance_sampling_correction=False,
+    )
     dataset = Dataset.from_list([{"prompt": f"cat {i} and dog {2 * i}"} for i in range(16)])
     trainer = GRPOTrainer(model, low_id_fraction, args=config, train_dataset=dataset)
     backend, rounds = trainer.generation_backend, []
@@ -43,9 +59,15 @@ def main() -> None:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = {
-        "world_size": trainer.accelerator.num_processes, "loss": [h["loss"] for h in logs], "logs": logs,
-        "rounds": rounds, "pushes": backend.pushes, "sync_dir": str(backend.sync_dir),
-        "params": {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()},
+        "world_size": trainer.accelerator.num_processes,
+        "loss": [h["loss"] for h in logs],
+        "logs": logs,
+        "rounds": rounds,
+        "pushes": backend.pushes,
+        "sync_dir": str(backend.sync_dir),
+        "params": {
+            n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+        },
     }
     torch.save(result, os.path.join(out_dir, f"rank{trainer.accelerator.process_index}.pt"))
 

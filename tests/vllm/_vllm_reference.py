@@ -30,7 +30,7 @@ def perturbed_model(path: str, seed: int):
 @torch.no_grad()
 def reference_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """The trainer's log-probs of `completion` after `prompt`, log-softmax in float64."""
-    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -43,7 +43,7 @@ def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], f
         top = model(torch.tensor([ids])).logits[0, -1].double().topk(2)
         gap = min(gap, float(top.values[0] - top.values[1]))
         ids.append(int(top.indices[0]))
-    return ids[len(prompt):], gap
+    return ids[len(prompt) :], gap
 
 
 def low_id_fraction(completion_ids, **kwargs) -> list[float]:
@@ -59,9 +59,21 @@ def grpo_with_vllm(model_path: str, output_dir, reward=low_id_fraction, **vllm_s
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(
-        output_dir=str(output_dir), per_device_train_batch_size=16, num_generations=4, max_completion_length=8,
-        max_steps=3, learning_rate=3e-2, logging_steps=1, seed=0, use_cpu=True, report_to="none",
-        save_strategy="no", disable_tqdm=True, use_vllm=True, **vllm_settings)
+        output_dir=str(output_dir),
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=3e-2,
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_vllm=True,
+        **vllm_settings,
+    )
     dataset = Dataset.from_list([{"prompt": f"cat {i} and dog {2 * i}"} for i in range(16)])
     return GRPOTrainer(model_path, reward, args=config, train_dataset=dataset)
 
@@ -85,11 +97,19 @@ def every_turn_calls_echo(text: str) -> ParsedTurn:
 
 def tool_episodes(backend, tokenizer, max_tokens: int = 48):
     """Greedy two-call episodes of PROMPTS where every finished turn calls `echo` (a random model writes no call)."""
-    rollouts = ToolRollouts(backend, tokenizer, [echo], None, max_completion_length=max_tokens, max_iterations=2,
-                            parser=every_turn_calls_echo)
+    rollouts = ToolRollouts(
+        backend,
+        tokenizer,
+        [echo],
+        None,
+        max_completion_length=max_tokens,
+        max_iterations=2,
+        parser=every_turn_calls_echo,
+    )
     rows = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in PROMPTS]
-    return rollouts.generate(rows, PROMPTS, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seeds=[0, 1, 2],
-                             prompt_column="prompt"), rollouts
+    return rollouts.generate(
+        rows, PROMPTS, 1, SamplingParams(max_tokens=max_tokens, top_k=1), seeds=[0, 1, 2], prompt_column="prompt"
+    ), rollouts
 
 
 def transformers_tool_episodes(model_path: str, seed: int):
@@ -115,4 +135,8 @@ def transformers_tool_episodes(model_path: str, seed: int):
 def assert_same_episodes(expected, actual) -> None:
     for mine, theirs in zip(expected, actual, strict=True):
         assert (theirs.token_ids, theirs.model_mask, theirs.info, theirs.finished) == (
-            mine.token_ids, mine.model_mask, mine.info, mine.finished)
+            mine.token_ids,
+            mine.model_mask,
+            mine.info,
+            mine.finished,
+        )

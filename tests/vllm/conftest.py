@@ -66,19 +66,31 @@ class ServerProcess:
         from posttrain.generation.vllm_client import VLLMClient
 
         self.port = port
-        command, env = build_server_command([
-            self.model_path, "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
-            "--kv-cache-gb", "0.25", "--cache-dir", str(self.workdir / "cache")])
+        command, env = build_server_command(
+            [
+                self.model_path,
+                "--port",
+                str(port),
+                "--max-model-len",
+                "512",
+                "--dtype",
+                "float32",
+                "--kv-cache-gb",
+                "0.25",
+                "--cache-dir",
+                str(self.workdir / "cache"),
+            ]
+        )
         log = open(self.workdir / f"server-{port}.log", "a")  # a restart on the same port appends
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
         try:
             VLLMClient(self.url).wait_until_ready(SERVER_START_TIMEOUT_S)
         except Exception:
             self.stop()
-            raise RuntimeError(f"the test vLLM server did not start; see {log.name}:\n"
-                               + Path(log.name).read_text()[-3000:]) from None
+            raise RuntimeError(
+                f"the test vLLM server did not start; see {log.name}:\n" + Path(log.name).read_text()[-3000:]
+            ) from None
         return self.url
 
     def kill(self) -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
-
 from _vllm_reference import LOGP_ATOL, grpo_with_vllm, logged_per_step, low_id_fraction, reference_logps
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 pytestmark = pytest.mark.vllm
 
@@ -21,10 +20,10 @@ class WeightsAtStepBegin(TrainerCallback):
         self.weights[state.global_step] = {n: v.detach().clone() for n, v in model.state_dict().items()}
 
 
-def test_one_round_ahead_on_the_server_samples_with_the_previous_steps_weights(vllm_server, vllm_tiny_path,
-                                                                               tmp_path):
-    trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_base_url=vllm_server,
-                             async_generation_rounds=1)
+def test_one_round_ahead_on_the_server_samples_with_the_previous_steps_weights(vllm_server, vllm_tiny_path, tmp_path):
+    trainer = grpo_with_vllm(
+        vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_base_url=vllm_server, async_generation_rounds=1
+    )
     weights = WeightsAtStepBegin()
     trainer.add_callback(weights)
     rollouts, make = [], trainer.make_rollout
@@ -51,9 +50,20 @@ def test_async_grpo_trains_through_the_server_with_trls_defaults(vllm_server, vl
 
     from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=vllm_server, per_device_train_batch_size=16,
-                           num_generations=4, max_completion_length=8, max_steps=3, learning_rate=3e-2, seed=0,
-                           use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        vllm_server_base_url=vllm_server,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=3e-2,
+        seed=0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     assert args.use_vllm and args.vllm_mode == "server" and args.max_staleness == 4
     dataset = Dataset.from_list([{"prompt": f"cat {i} and dog {2 * i}"} for i in range(16)])
     trainer = AsyncGRPOTrainer(vllm_tiny_path, low_id_fraction, args=args, train_dataset=dataset)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _vllm_reference import LOGP_ATOL, PROMPTS, grpo_with_vllm, logged_per_step, perturbed_model
 
 from posttrain.generation import SamplingParams
-
-from _vllm_reference import LOGP_ATOL, PROMPTS, grpo_with_vllm, logged_per_step, perturbed_model
 
 pytestmark = pytest.mark.vllm
 
@@ -37,8 +36,9 @@ def assert_engine_matches(backend, model) -> None:
         start = len(PROMPTS[completion.prompt_index]) - 1
         scaled = torch.log_softmax(logits[0, start:-1].double() / 0.7, -1)
         expected = scaled.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected,
-                                   atol=LOGP_ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(completion.logprobs, dtype=torch.float64), expected, atol=LOGP_ATOL, rtol=0
+        )
 
 
 def test_colocated_engine_starts_from_the_policy_and_follows_its_updates(colocated):

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _vllm_reference import LOGP_ATOL
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation.vllm_client import VLLMClient
-
-from _vllm_reference import LOGP_ATOL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dist]
 
@@ -31,10 +30,18 @@ TOLERANCE = 1e-5
 
 def _run(command: list[str], out: Path, url: str, world_size: int) -> tuple[list[dict], int]:
     """The worker's results per process, and how many weight reloads the server did meanwhile."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
     client = VLLMClient(url, timeout_s=60)
     before = client.weights_version()["reloads"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
@@ -43,14 +50,35 @@ def _run(command: list[str], out: Path, url: str, world_size: int) -> tuple[list
     return results, client.weights_version()["reloads"] - before
 
 
-def test_two_processes_share_one_server_and_match_one_process_with_twice_the_batch(vllm_server, vllm_tiny_path,
-                                                                                    tmp_path):
-    single, single_reloads = _run([sys.executable, str(WORKER), str(tmp_path / "one"), "16", vllm_tiny_path,
-                                   vllm_server], tmp_path / "one", vllm_server, 1)
+def test_two_processes_share_one_server_and_match_one_process_with_twice_the_batch(
+    vllm_server, vllm_tiny_path, tmp_path
+):
+    single, single_reloads = _run(
+        [sys.executable, str(WORKER), str(tmp_path / "one"), "16", vllm_tiny_path, vllm_server],
+        tmp_path / "one",
+        vllm_server,
+        1,
+    )
     config = ROOT / "examples" / "accelerate_configs" / "ddp.yaml"
-    ranks, reloads = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                           "--main_process_port", "0", str(WORKER), str(tmp_path / "two"), "8", vllm_tiny_path,
-                           vllm_server], tmp_path / "two", vllm_server, 2)
+    ranks, reloads = _run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            "0",
+            str(WORKER),
+            str(tmp_path / "two"),
+            "8",
+            vllm_tiny_path,
+            vllm_server,
+        ],
+        tmp_path / "two",
+        vllm_server,
+        2,
+    )
     (reference,) = single
     assert reference["world_size"] == 1 and [r["world_size"] for r in ranks] == [2, 2]
     # one push per round (3 rounds), by the main process only; every process counted them and shares its directory

@@ -107,16 +107,24 @@ class _RestartableServer:
         if path == "/v1/models":
             return {"data": [{"id": self.model}]}
         if path == "/v1/completions":
-            return {"choices": [{"index": i, "token_ids": [self.w], "logprobs": {"token_logprobs": [-0.5]}}
-                                for i in range(body["n"])]}
+            return {
+                "choices": [
+                    {"index": i, "token_ids": [self.w], "logprobs": {"token_logprobs": [-0.5]}}
+                    for i in range(body["n"])
+                ]
+            }
         if path == "/collective_rpc":
             return {"results": [self._rpc(body["method"], body["args"])]}
         return None
 
     def _rpc(self, method: str, args: list):
         if method == "posttrain_handshake":
-            return {"protocol": PROTOCOL_VERSION, "max_model_len": 64, "dtype": "float32",
-                    "vocab_size": self.vocab_size}
+            return {
+                "protocol": PROTOCOL_VERSION,
+                "max_model_len": 64,
+                "dtype": "float32",
+                "vocab_size": self.vocab_size,
+            }
         if method == "posttrain_weights_version":
             return {"version": self.version, "reloads": len(self.reloads)}
         if method == "posttrain_reload_from_path":
@@ -137,8 +145,9 @@ def server():
 
 
 def _backend(url: str, tmp_path, **kwargs) -> VLLMServerBackend:
-    return VLLMServerBackend(VLLMClient(url, timeout_s=10, connect_timeout_s=10), [99], sync_dir=tmp_path,
-                             vocab_size=64, **kwargs)
+    return VLLMServerBackend(
+        VLLMClient(url, timeout_s=10, connect_timeout_s=10), [99], sync_dir=tmp_path, vocab_size=64, **kwargs
+    )
 
 
 def _sampled(backend: VLLMServerBackend) -> list[int]:
@@ -150,8 +159,7 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
-def test_a_server_that_crashes_mid_round_is_waited_for_and_gets_the_last_pushed_weights_again(server, tmp_path,
-                                                                                              caplog):
+def test_a_server_that_crashes_mid_round_is_waited_for_and_gets_the_last_pushed_weights_again(server, tmp_path, caplog):
     backend = _backend(server.url, tmp_path)
     policy = _Policy(5.0)
     backend.sync_weights(policy)

@@ -12,11 +12,6 @@ import time
 
 import pytest
 import torch
-
-from posttrain.generation import SamplingParams
-from posttrain.generation.vllm_backend import VLLMServerBackend
-from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
-
 from _vllm_reference import (
     EOS,
     LOGP_ATOL,
@@ -32,7 +27,12 @@ from _vllm_reference import (
     transformers_tool_episodes,
 )
 
+from posttrain.generation import SamplingParams
+from posttrain.generation.vllm_backend import VLLMServerBackend
+from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
+
 pytestmark = pytest.mark.vllm
+
 
 def assert_server_matches(backend: VLLMServerBackend, model) -> None:
     sampling = SamplingParams(max_tokens=12)
@@ -40,8 +40,9 @@ def assert_server_matches(backend: VLLMServerBackend, model) -> None:
     assert len(completions) == 9 and [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for completion in completions:
         expected = reference_logps(model, PROMPTS[completion.prompt_index], completion.token_ids)
-        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), expected,
-                                   atol=LOGP_ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(completion.logprobs, dtype=torch.float64), expected, atol=LOGP_ATOL, rtol=0
+        )
     for prompt in PROMPTS:
         greedy = backend.client.complete(prompt, 1, sampling, None, [], temperature=0.0)[0]
         expected, gap = reference_greedy(model, prompt, 12)
@@ -53,8 +54,11 @@ def test_synced_server_samples_and_scores_like_the_trainer_model(vllm_server, vl
     model = perturbed_model(vllm_tiny_path, seed=1)
     backend = VLLMServerBackend(VLLMClient(vllm_server, timeout_s=120), [EOS], vocab_size=model.config.vocab_size)
     before = backend.generate(PROMPTS[:1], 1, SamplingParams(max_tokens=12), seed=3)[0]
-    off = (torch.tensor(before.logprobs, dtype=torch.float64)
-           - reference_logps(model, PROMPTS[0], before.token_ids)).abs().max()
+    off = (
+        (torch.tensor(before.logprobs, dtype=torch.float64) - reference_logps(model, PROMPTS[0], before.token_ids))
+        .abs()
+        .max()
+    )
     assert off > 0.1  # not synced yet: the server still has the saved weights
 
     started = time.perf_counter()
@@ -89,9 +93,10 @@ def test_seeded_generation_is_reproducible_and_independent_of_the_batch(vllm_ser
 def test_peft_adapter_reaches_the_server_merged(vllm_server, vllm_tiny_path):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(perturbed_model(vllm_tiny_path, seed=2),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                      init_lora_weights=False))
+    model = get_peft_model(
+        perturbed_model(vllm_tiny_path, seed=2),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     backend = VLLMServerBackend(VLLMClient(vllm_server, timeout_s=120), [EOS])
     backend.sync_weights(model)
@@ -113,8 +118,9 @@ def test_a_failing_worker_call_is_reported_and_leaves_the_server_serving(vllm_se
 def test_grpo_in_server_mode_samples_from_the_current_policy(vllm_server, vllm_tiny_path, tmp_path):
     """Weights are synced every 2 steps: the sampler's log-probs agree with the trainer's at steps 1 and 3
     (just synced) and not at step 2 (generated with step 1's weights, one update behind)."""
-    trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_base_url=vllm_server,
-                             vllm_sync_steps=2)
+    trainer = grpo_with_vllm(
+        vllm_tiny_path, tmp_path, vllm_mode="server", vllm_server_base_url=vllm_server, vllm_sync_steps=2
+    )
     trainer.train()
     diffs = logged_per_step(trainer, "sampler/logp_diff_max")
     assert len(diffs) == 3
@@ -125,7 +131,8 @@ def test_grpo_in_server_mode_samples_from_the_current_policy(vllm_server, vllm_t
 
 
 def test_server_killed_and_restarted_mid_run_is_reconnected_to_and_gets_the_last_pushed_weights(
-        vllm_server, vllm_server_process, vllm_tiny_path, tmp_path, caplog):
+    vllm_server, vllm_server_process, vllm_tiny_path, tmp_path, caplog
+):
     """Weights are pushed every 2 steps (rounds at steps 0, 1, 2: pushes at 0 and 2). The server is killed during
     round 1's scoring and restarted on its port: round 2 has no push of its own, so only the reconnect's re-push
     of step 0's weights keeps it from sampling with the server's start-up weights. Every completion's sampler
@@ -144,9 +151,15 @@ def test_server_killed_and_restarted_mid_run_is_reconnected_to_and_gets_the_last
             restarts[0].start()
         return low_id_fraction(completion_ids)
 
-    trainer = grpo_with_vllm(str(policy_path), tmp_path / "run", reward=reward_and_kill_after_first_round,
-                             vllm_mode="server", vllm_server_base_url=vllm_server, vllm_sync_steps=2,
-                             vllm_server_timeout=600)  # a server start may take minutes here
+    trainer = grpo_with_vllm(
+        str(policy_path),
+        tmp_path / "run",
+        reward=reward_and_kill_after_first_round,
+        vllm_mode="server",
+        vllm_server_base_url=vllm_server,
+        vllm_sync_steps=2,
+        vllm_server_timeout=600,
+    )  # a server start may take minutes here
     backend, pushed, rounds = trainer.generation_backend, [], []
     sync_weights, generate = backend.sync_weights, backend.generate
 
@@ -184,7 +197,8 @@ def test_server_killed_and_restarted_mid_run_is_reconnected_to_and_gets_the_last
 
 
 def test_server_killed_mid_run_and_not_restarted_stops_training_with_a_clear_error(
-        vllm_server, vllm_server_process, vllm_tiny_path, tmp_path):
+    vllm_server, vllm_server_process, vllm_tiny_path, tmp_path
+):
     rounds = []
 
     def reward_and_kill_after_first_round(completion_ids, **kwargs):
@@ -193,8 +207,14 @@ def test_server_killed_mid_run_and_not_restarted_stops_training_with_a_clear_err
             vllm_server_process.kill()
         return [float(len(ids)) for ids in completion_ids]
 
-    trainer = grpo_with_vllm(vllm_tiny_path, tmp_path, reward=reward_and_kill_after_first_round,
-                             vllm_mode="server", vllm_server_base_url=vllm_server, vllm_server_timeout=20)
+    trainer = grpo_with_vllm(
+        vllm_tiny_path,
+        tmp_path,
+        reward=reward_and_kill_after_first_round,
+        vllm_mode="server",
+        vllm_server_base_url=vllm_server,
+        vllm_server_timeout=20,
+    )
     started = time.monotonic()
     with pytest.raises(VLLMServerError) as error:
         trainer.train()

@@ -8,10 +8,9 @@ import random
 
 import pytest
 import torch
+from conftest import ServerProcess
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -28,18 +27,35 @@ def teacher_server(vllm_tiny_untied_path, tmp_path_factory):
 
 @pytest.mark.parametrize("beta,k", [(0.0, 3), (0.5, 1)])
 def test_loss_against_a_vllm_teacher(tmp_path, vllm_tiny_path, vllm_tiny_untied_path, teacher_server, beta, k):
-    from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
     from test_server_distillation import _reference
 
+    from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
     rng = random.Random(0)
-    data = Dataset.from_list([{"prompt": " ".join(rng.choices(WORDS, k=3)),
-                               "completion": " " + " ".join(rng.choices(WORDS, k=1 + i % 3))} for i in range(4)])
+    data = Dataset.from_list(
+        [
+            {"prompt": " ".join(rng.choices(WORDS, k=3)), "completion": " " + " ".join(rng.choices(WORDS, k=1 + i % 3))}
+            for i in range(4)
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(vllm_tiny_path)
     trainer = ServerDistillationTrainer(
-        AutoModelForCausalLM.from_pretrained(vllm_tiny_path), train_dataset=data, processing_class=tokenizer,
-        args=ServerDistillationConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, lmbda=0.0,
-                                      beta=beta, loss_top_k=k, teacher_model_server_url=teacher_server,
-                                      use_cpu=True, report_to="none", save_strategy="no", max_steps=1))
+        AutoModelForCausalLM.from_pretrained(vllm_tiny_path),
+        train_dataset=data,
+        processing_class=tokenizer,
+        args=ServerDistillationConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            lmbda=0.0,
+            beta=beta,
+            loss_top_k=k,
+            teacher_model_server_url=teacher_server,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            max_steps=1,
+        ),
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.model.eval()
     with torch.no_grad():

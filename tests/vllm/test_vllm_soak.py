@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-
 from _faults import flaky_reward
 from _vllm_reference import LOGP_ATOL, logged_per_step
 
@@ -27,8 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 BUDGET = float(os.environ.get("POSTTRAIN_SOAK_SECONDS", "180"))
 
 
-def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_server_process, vllm_tiny_path,
-                                                            tmp_path):
+def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_server_process, vllm_tiny_path, tmp_path):
     from datasets import Dataset
 
     from posttrain import GRPOConfig, GRPOTrainer
@@ -48,13 +46,32 @@ def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_se
         killed.append(len(injected))
         vllm_server_process.restart()
 
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to="none",
-                      save_strategy="no", disable_tqdm=True, write_report=False, reward_failure_policy="skip",
-                      reward_timeout_s=0.5, use_vllm=True, vllm_mode="server", vllm_server_base_url=vllm_server,
-                      vllm_server_timeout=600)  # a server start may take minutes on a loaded machine
-    trainer = GRPOTrainer(vllm_tiny_path, flaky, args=args,
-                          train_dataset=Dataset.from_list([{"prompt": f"count {i} and {i + 1}"} for i in range(64)]))
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        logging_steps=1,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        write_report=False,
+        reward_failure_policy="skip",
+        reward_timeout_s=0.5,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=vllm_server,
+        vllm_server_timeout=600,
+    )  # a server start may take minutes on a loaded machine
+    trainer = GRPOTrainer(
+        vllm_tiny_path,
+        flaky,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": f"count {i} and {i + 1}"} for i in range(64)]),
+    )
     killer = threading.Thread(target=kill_and_restart)
     killer.start()
     started = time.monotonic()
@@ -72,5 +89,7 @@ def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_se
     assert injected[:3] == ["raise", "nan", "timeout"]
     diffs = logged_per_step(trainer, "sampler/logp_diff_max")  # weights are pushed before every round
     assert len(diffs) == steps and max(diffs) < LOGP_ATOL, diffs
-    print(f"{steps} steps in {time.monotonic() - started:.0f} s; server killed after round {killed[0]}; "
-          f"{sum(f is not None for f in injected)} reward faults")
+    print(
+        f"{steps} steps in {time.monotonic() - started:.0f} s; server killed after round {killed[0]}; "
+        f"{sum(f is not None for f in injected)} reward faults"
+    )

@@ -10,7 +10,6 @@ greedily early on serves as an extra stop id (on both backends alike).
 from __future__ import annotations
 
 import pytest
-
 from _vllm_reference import assert_same_episodes, tool_episodes, transformers_tool_episodes
 
 pytestmark = pytest.mark.vllm

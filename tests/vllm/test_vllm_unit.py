@@ -44,8 +44,10 @@ def test_tied_weights_are_sent_once_under_the_checkpoint_names(tiny_model_path):
 def test_peft_weights_are_merged_for_the_sync_and_the_trainer_keeps_its_own(tiny_model_path):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     base_names = list(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())
     with policy_weights(model) as weights:
@@ -88,11 +90,14 @@ def test_save_weights_writes_one_file_cast_to_the_server_dtype(tmp_path):
 
 
 # -- when weights are synced -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("sync_steps, steps_per_round, expected", [
-    (1, 1, [True, True, True, True]),
-    (2, 1, [True, False, True, False]),
-    (3, 2, [True, False, True, False, True]),  # rounds at steps 0, 2, 4, 6, 8: synced at 0, 4, 8
-])
+@pytest.mark.parametrize(
+    "sync_steps, steps_per_round, expected",
+    [
+        (1, 1, [True, True, True, True]),
+        (2, 1, [True, False, True, False]),
+        (3, 2, [True, False, True, False, True]),  # rounds at steps 0, 2, 4, 6, 8: synced at 0, 4, 8
+    ],
+)
 def test_sync_schedule(sync_steps, steps_per_round, expected):
     schedule = _SyncSchedule(sync_steps, steps_per_round)
     assert [schedule.due() for _ in expected] == expected
@@ -121,8 +126,9 @@ def test_sampler_mismatch_metrics_by_hand():
 def test_serve_command_enables_what_training_needs(tmp_path):
     from posttrain.cli.vllm_serve import build_server_command
 
-    command, env = build_server_command([str(tmp_path), "--port", "9001", "--kv-cache-gb", "0.5", "--",
-                                         "--max-num-seqs", "16"])
+    command, env = build_server_command(
+        [str(tmp_path), "--port", "9001", "--kv-cache-gb", "0.5", "--", "--max-num-seqs", "16"]
+    )
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(command[3::2], command[4::2]))
     assert flags["--model"] == str(tmp_path) and flags["--port"] == "9001" and flags["--host"] == "127.0.0.1"
@@ -152,12 +158,18 @@ class _FakeServer:
     """An HTTP server on 127.0.0.1 answering the client's handshake with chosen answers."""
 
     def __init__(self, version="0.32.0", protocol=PROTOCOL_VERSION, rpc_status=200, delay_s=0.0):
-        answers = {"/health": (200, {}), "/version": (200, {"version": version}),
-                   "/v1/models": (200, {"data": [{"id": "m"}]}),
-                   "/collective_rpc": (rpc_status, {"results": [{"protocol": protocol, "max_model_len": 64,
-                                                                  "dtype": "float32"}]}
-                                       if rpc_status == 200 else {"detail": "Not Found"}),
-                   "/v1/completions": (500, {"error": {"message": "EngineCore encountered an issue"}})}
+        answers = {
+            "/health": (200, {}),
+            "/version": (200, {"version": version}),
+            "/v1/models": (200, {"data": [{"id": "m"}]}),
+            "/collective_rpc": (
+                rpc_status,
+                {"results": [{"protocol": protocol, "max_model_len": 64, "dtype": "float32"}]}
+                if rpc_status == 200
+                else {"detail": "Not Found"},
+            ),
+            "/v1/completions": (500, {"error": {"message": "EngineCore encountered an issue"}}),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
@@ -195,12 +207,15 @@ class _FakeServer:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("server, message", [
-    (dict(version="0.11.2"), "needs vLLM >= 0.32"),
-    (dict(protocol=PROTOCOL_VERSION + 1), "Version mismatch"),
-    (dict(rpc_status=404), "VLLM_SERVER_DEV_MODE=1"),
-    (dict(rpc_status=500), "worker-extension-cls"),
-])
+@pytest.mark.parametrize(
+    "server, message",
+    [
+        (dict(version="0.11.2"), "needs vLLM >= 0.32"),
+        (dict(protocol=PROTOCOL_VERSION + 1), "Version mismatch"),
+        (dict(rpc_status=404), "VLLM_SERVER_DEV_MODE=1"),
+        (dict(rpc_status=500), "worker-extension-cls"),
+    ],
+)
 def test_handshake_names_what_to_fix(server, message):
     with _FakeServer(**server) as url:
         with pytest.raises(VLLMServerError, match=message) as error:
