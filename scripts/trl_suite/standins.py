@@ -348,6 +348,24 @@ MODELS: dict[str, tuple[str, str, dict]] = {
     "trl-internal-testing/tiny-BartModel": ("BartModel", "bart", {}),
 }
 
+# Custom-code models (trust_remote_code): id -> (base stand-in whose weights and tokenizer it takes, class name)
+REMOTE_MODELS = {"trl-internal-testing/tiny-RemoteForCausalLM": ("trl-internal-testing/tiny-Qwen2ForCausalLM-2.5",
+                                                                 "RemoteForCausalLM")}
+_REMOTE_CONFIG_CODE = """from transformers import Qwen2Config
+
+
+class RemoteConfig(Qwen2Config):
+    model_type = "remote"
+"""
+_REMOTE_MODELING_CODE = """from transformers import Qwen2ForCausalLM
+
+from .configuration_remote import RemoteConfig
+
+
+class {name}(Qwen2ForCausalLM):
+    config_class = RemoteConfig
+"""
+
 # PEFT adapters: id -> (base model id, LoRA seed)
 ADAPTERS = {
     "trl-internal-testing/tiny-PeftModel": ("trl-internal-testing/tiny-Qwen2ForCausalLM-2.5", 1),
@@ -412,6 +430,25 @@ def build_model(hub: Path, repo_id: str, architecture: str, family: str, extra: 
     model.save_pretrained(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+
+
+def build_remote(hub: Path, repo_id: str, base_id: str, class_name: str) -> None:
+    """A model whose classes live in the repository (configuration_remote.py, modeling_remote.py)."""
+    target = _snapshot_dir(hub, repo_id)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(_snapshot_dir(hub, base_id), target)
+    (target / "configuration_remote.py").write_text(_REMOTE_CONFIG_CODE)
+    (target / "modeling_remote.py").write_text(_REMOTE_MODELING_CODE.format(name=class_name))
+    config = json.loads((target / "config.json").read_text())
+    config.update(
+        model_type="remote",
+        architectures=[class_name],
+        auto_map={
+            "AutoConfig": "configuration_remote.RemoteConfig",
+            "AutoModelForCausalLM": f"modeling_remote.{class_name}",
+        },
+    )
+    (target / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def build_adapter(hub: Path, repo_id: str, base_id: str, seed: int) -> None:
@@ -539,7 +576,11 @@ def build_all(cache: Path, force: bool = False) -> None:
 
     from transformers.utils import logging as hf_logging
 
+    import datasets
+
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     warnings.filterwarnings("ignore")
     stamp = cache / "standins.stamp"
     want = recipe_hash()
@@ -552,6 +593,11 @@ def build_all(cache: Path, force: bool = False) -> None:
         try:
             build_model(hub, repo_id, architecture, family, extra, seed)
         except Exception as error:  # an architecture this transformers cannot build small: its tests fail on both
+            failures[repo_id] = f"{type(error).__name__}: {error}"
+    for repo_id, (base_id, class_name) in REMOTE_MODELS.items():
+        try:
+            build_remote(hub, repo_id, base_id, class_name)
+        except Exception as error:
             failures[repo_id] = f"{type(error).__name__}: {error}"
     for repo_id, (base_id, seed) in ADAPTERS.items():
         try:
