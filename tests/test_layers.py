@@ -192,3 +192,19 @@ def test_file_and_function_sizes(module):
         assert found, f"{module} fits the limits now: take it off NOT_YET_SPLIT"
     else:
         assert not found, f"{module} is over a size limit, split it: {found}"
+
+
+def test_architecture_doc_names_real_files_and_every_layer():
+    """docs/architecture.md is the map of this tree: each file it names exists, and each layer is on it."""
+    import re
+
+    root = PACKAGE.parent
+    text = (root / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"(?<![\w/.])((?:tests|posttrain|[a-z_]+)/[\w/]*\.py)", text))
+    assert len(named) > 30, "the file pattern no longer finds the paths the document names"
+    missing = sorted(p for p in named if not (root / p).exists() and not (PACKAGE / p).exists())
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+    absent = sorted(
+        p for packages in LAYERS for p in packages if p not in {"errors", "version"} and f"{p}/" not in text
+    )
+    assert not absent, f"layers missing from docs/architecture.md: {absent}"

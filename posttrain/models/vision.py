@@ -6,8 +6,6 @@ from __future__ import annotations
 from posttrain.data.vision import is_vision_model
 
 VISION_TOWERS = ("vision_tower", "vision_model", "visual")
-
-
 PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
 
 
