@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import importlib.util
 import json
 import math
@@ -27,10 +28,11 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import posttrain
-from posttrain.cli import main as cli
 from posttrain.cli.args import ModelArguments, build_parser, parse_settings
 from posttrain.cli.data import DataArguments, load_training_data
 from posttrain.trainers.sft import SFTConfig
+
+cli = importlib.import_module("posttrain.cli.main")  # the module (posttrain.cli.main is the function)
 
 SCRIPT = Path(sys.executable).parent / "posttrain"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "posttrain.cli.main"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import json
 import os
 import subprocess
@@ -18,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import environment
-from posttrain.cli import main as cli
 from posttrain.cli import spec as cli_spec
 from posttrain.cli.args import build_parser, field_hints
+
+cli = importlib.import_module("posttrain.cli.main")  # the module (posttrain.cli.main is the function)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -1,6 +1,8 @@
 """The ready-made reward functions, on hand-made completions (standard and conversational)."""
 
+import importlib.util
 import json
+import math
 import threading
 import time
 
@@ -12,6 +14,7 @@ from posttrain.rewards import (
     accuracy_reward,
     completion_text,
     extract_code,
+    get_cosine_scaled_reward,
     get_json_schema_reward,
     get_repetition_penalty_reward,
     get_soft_overlong_punishment,
@@ -169,6 +172,7 @@ def test_soft_overlong_punishment_values_at_the_boundaries():
     expected = [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0]  # (6 - L) / 4 inside the cache
     ids = [[0] * length for length in lengths]
     assert reward(completions=["x"] * len(ids), completion_ids=ids, prompts=["p"] * len(ids)) == expected
+    assert reward(ids) == expected  # TRL's call: the token ids positionally
 
     hard = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=0)
     assert hard(completions=["x"] * 2, completion_ids=[[0] * 10, [0] * 11]) == [0.0, -1.0]
@@ -182,22 +186,22 @@ def test_soft_overlong_punishment_errors():
         get_soft_overlong_punishment(10, 4)(completions=["x"])
 
 
-def test_repetition_penalty_reward_fraction_by_hand():
+def test_repetition_penalty_reward_counts_token_ngrams():
     reward = get_repetition_penalty_reward(ngram_size=3, max_penalty=-1.0)
-    completions = [
-        "a b c a b c",  # trigrams abc bca cab abc: 3 distinct of 4 -> 1/4
-        "a b c d e f",  # all distinct -> 0
-        "a b",  # shorter than n -> 0
-        "",
-        "go go go go go",  # go go go three times: 1 distinct of 3 -> 2/3
-        "The cat the CAT the cat",  # case-insensitive: (the cat the) (cat the cat) x2 -> 2 of 4 -> 1/2
+    completion_ids = [
+        [1, 2, 3, 1, 2, 3],  # trigrams 123 231 312 123: 3 distinct of 4 -> 1/4
+        [1, 2, 3, 4, 5, 6],  # all distinct -> 0
+        [1, 2],  # shorter than n -> 0
+        [],
+        [7, 7, 7, 7, 7],  # 777 three times: 1 distinct of 3 -> 2/3
     ]
-    expected = [-0.25, 0.0, 0.0, 0.0, -2 / 3, -0.5]
-    assert reward(completions=completions, **PROTOCOL_EXTRAS) == pytest.approx(expected, abs=1e-12)
-    assert reward(completions=[_chat(text) for text in completions]) == pytest.approx(expected, abs=1e-12)
+    expected = [-0.25, 0.0, 0.0, 0.0, -2 / 3]
+    extras = {**PROTOCOL_EXTRAS, "completion_ids": completion_ids, "completions": ["text"] * len(completion_ids)}
+    assert reward(**extras) == pytest.approx(expected, abs=1e-12)
+    assert reward(completion_ids) == pytest.approx(expected, abs=1e-12)
 
     half = get_repetition_penalty_reward(ngram_size=1, max_penalty=-0.5)
-    assert half(completions=["x y x y"]) == [pytest.approx(-0.5 * 0.5)]  # 2 distinct words of 4
+    assert half([[4, 5, 4, 5]]) == [pytest.approx(-0.5 * 0.5)]  # 2 distinct tokens of 4
 
 
 def test_repetition_penalty_reward_errors():
@@ -205,6 +209,37 @@ def test_repetition_penalty_reward_errors():
         get_repetition_penalty_reward(ngram_size=0)
     with pytest.raises(ConfigError, match="max_penalty"):
         get_repetition_penalty_reward(max_penalty=0.5)
+
+
+def test_shaping_rewards_pickle_with_their_names():
+    """A rollout worker in another process receives the reward functions pickled; the metric takes __name__."""
+    import pickle
+
+    for reward, name in [
+        (get_repetition_penalty_reward(ngram_size=2), "repetition_penalty_reward"),
+        (get_soft_overlong_punishment(10, 4), "soft_overlong_punishment_reward"),
+        (get_cosine_scaled_reward(max_len=10), "cosine_scaled_reward"),
+    ]:
+        copy = pickle.loads(pickle.dumps(reward))
+        assert copy.__name__ == name
+        assert vars(copy) == vars(reward)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="needs math-verify")
+def test_cosine_scaled_reward_by_hand():
+    reward = get_cosine_scaled_reward(max_len=100)
+    completions = [r"\boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}", r"\boxed{42}"]
+    solution = [r"\frac{1}{3}", r"\frac{1}{3}", r"\frac{1}{3}", "forty two"]
+    ids = [[1] * 25, [1] * 25, [1] * 300, [1] * 5]
+    # correct at 25 tokens: 0.5 + 0.25 * (1 + cos(pi / 4)); wrong at 25: -0.5 - 0.25 * (1 + cos(pi / 4));
+    # past max_len it stays at the long-length bound; an unparsable gold solution gives None
+    high = 0.25 * (1 + math.cos(math.pi / 4))
+    assert reward(completions, solution, ids) == [
+        pytest.approx(0.5 + high),
+        pytest.approx(-0.5 - high),
+        pytest.approx(0.5),
+        None,
+    ]
 
 
 # ---- JSON -----------------------------------------------------------------------------------------------------

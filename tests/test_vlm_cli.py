@@ -3,6 +3,7 @@ of examples/vlm_digits_configs/, a JSON Lines dataset whose `images` column hold
 exact-match reward by import path. SFT trains the fresh tower (freeze_vision_tower: false in the config); GRPO
 scores every completion with the demo's reward."""
 
+import importlib
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 from _vlm import image, vlm_paths  # noqa: F401
 from transformers import AutoModelForImageTextToText
 
-from posttrain.cli import main as cli
+cli = importlib.import_module("posttrain.cli.main")  # the module (posttrain.cli.main is the function)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "vlm_digits_configs"

@@ -220,58 +220,6 @@ def _is_think_then_answer(text: str) -> bool:
     return "<think>" not in thought + answer and "</think>" not in answer and bool(answer.strip())
 
 
-def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> RewardFunction:
-    """Length penalty of DAPO (Yu et al., 2025), computed from `completion_ids`: 0 up to
-    `max_completion_len - soft_punish_cache` tokens, then falling linearly to -1 at `max_completion_len`,
-    and -1 beyond. It tells the model that it is about to be truncated before truncation happens."""
-    if max_completion_len <= 0 or not 0 <= soft_punish_cache <= max_completion_len:
-        raise ConfigError(
-            f"soft overlong punishment needs 0 <= soft_punish_cache <= max_completion_len and "
-            f"max_completion_len > 0, got soft_punish_cache={soft_punish_cache}, "
-            f"max_completion_len={max_completion_len}."
-        )
-    safe_len = max_completion_len - soft_punish_cache
-
-    def soft_overlong_punishment(
-        completions: Sequence[Completion], completion_ids: Sequence[Sequence[int]] | None = None, **kwargs: Any
-    ) -> list[float | None]:
-        ids = _column("soft_overlong_punishment", "completion_ids", completion_ids, len(completions))
-        return [_overlong_penalty(len(tokens), safe_len, max_completion_len) for tokens in ids]
-
-    return soft_overlong_punishment
-
-
-def _overlong_penalty(length: int, safe_len: int, max_len: int) -> float:
-    if length <= safe_len:
-        return 0.0
-    if length <= max_len:  # only reachable when the cache is > 0
-        return (safe_len - length) / (max_len - safe_len)
-    return -1.0
-
-
-def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) -> RewardFunction:
-    """Penalty for repetitive text: the fraction of word n-grams that repeat an earlier one
-    (1 - distinct / total, words lower-cased and split on whitespace) times `max_penalty`.
-    Range [max_penalty, 0]; 0 for texts shorter than `ngram_size` words."""
-    if ngram_size < 1:
-        raise ConfigError(f"repetition penalty ngram_size must be at least 1, got {ngram_size}.")
-    if max_penalty > 0:
-        raise ConfigError(f"repetition penalty max_penalty must be <= 0 (it is a penalty), got {max_penalty}.")
-
-    def repetition_penalty_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float | None]:
-        return [max_penalty * _repeated_ngram_fraction(text, ngram_size) for text in _texts(completions)]
-
-    return repetition_penalty_reward
-
-
-def _repeated_ngram_fraction(text: str, n: int) -> float:
-    words = text.lower().split()
-    if len(words) < n:
-        return 0.0
-    ngrams = [tuple(words[start : start + n]) for start in range(len(words) - n + 1)]
-    return 1.0 - len(set(ngrams)) / len(ngrams)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # JSON
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,6 @@
+"""TRL's `trl.trainer.dpo_trainer` import path; the trainer lives in `posttrain.trainers.dpo`."""
+
+from posttrain.trainers.dpo import DPOTrainer
+from posttrain.trainers.dpo_config import DPOConfig
+
+__all__ = ["DPOConfig", "DPOTrainer"]

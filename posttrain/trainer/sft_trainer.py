@@ -1,0 +1,6 @@
+"""TRL's `trl.trainer.sft_trainer` import path; the trainer lives in `posttrain.trainers.sft`."""
+
+from posttrain.trainers.sft import SFTTrainer
+from posttrain.trainers.sft_config import SFTConfig
+
+__all__ = ["SFTConfig", "SFTTrainer"]
