@@ -141,6 +141,15 @@ def test_reasoning_accuracy_reward(completion, gold, expected):
     assert reasoning_accuracy_reward(completions=[_chat(completion)], solution=[gold]) == [expected]
 
 
+def test_reasoning_accuracy_reward_custom_delimiters():
+    """TRL's `reasoning_delimiters`: the answer follows the last occurrence of any of them."""
+    completions = ["<R> 6 * 7 </R_END> 42", "<R> 42 </R_END> 41", "[done] 40 [end] 42", "no delimiter 42"]
+    rewards = reasoning_accuracy_reward(
+        completions, ["42"] * 4, reasoning_delimiters=["</R_END>", "[end]", "[done]"], **PROTOCOL_EXTRAS
+    )
+    assert rewards == [1.0, 0.0, 1.0, 0.0]
+
+
 @pytest.mark.parametrize(
     "completion, expected",
     [

@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if command == "report":
             return report_command(argv[1:])
         if command == "vllm-serve":
-            from posttrain.cli import vllm_serve
+            from posttrain.cli.vllm_serve import main as vllm_serve_main
 
-            return vllm_serve.main(argv[1:])
+            return vllm_serve_main(argv[1:])
         return top_level(argv)
     except PosttrainError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -76,6 +76,31 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def gather_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, row_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log_softmax(logits / temperature) at `index`, in the logits' dtype (TRL's `selective_log_softmax`). `index` has
+    the logits' leading shape ([...] -> result [...]) or one more trailing dimension of k indices ([..., k] ->
+    [..., k]). With `row_mask` (the logits' leading shape), rows where it is False are not computed and read 0.
+
+    float32/float64 subtract one logsumexp per row from the picked logits; half precision takes the log-softmax row
+    by row in its own dtype, so the values are exactly what `logits.log_softmax(-1).gather(...)` gives."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    if row_mask is not None:
+        out = torch.zeros(index.shape, dtype=logits.dtype, device=logits.device)
+        out[row_mask] = gather_log_softmax(logits[row_mask], index[row_mask])
+        return out
+    squeeze = index.dim() == logits.dim() - 1
+    index = index.unsqueeze(-1) if squeeze else index
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = torch.gather(logits, -1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    else:
+        rows = [torch.gather(row.log_softmax(-1), -1, row_index) for row, row_index in zip(logits, index)]
+        picked = torch.stack(rows)
+    return picked.squeeze(-1) if squeeze else picked
+
+
 def next_token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token log-probs of `input_ids` under `logits` ([B, T, V]), aligned with input_ids: entry t is
     log p(input_ids[t] | input_ids[:t]); entry 0 has no prediction and is 0."""

@@ -367,12 +367,17 @@ def clipped_value_loss(
     return torch.where(mask.bool(), loss, 0.0)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of the softmax over the last dimension, [..., V] -> [...], in the logits' dtype.
 
     Computed from log_softmax, so large logits do not overflow; logits of -inf (banned tokens) contribute
-    0 and keep the gradient finite.
+    0 and keep the gradient finite. `chunk_size` rows at a time (of the flattened leading dimensions) bounds the
+    [rows, V] temporaries; the values are the same.
     """
+    if chunk_size is not None and logits.dim() > 1:
+        flat = logits.reshape(-1, logits.shape[-1])
+        parts = [entropy_from_logits(part) for part in flat.split(chunk_size)]
+        return torch.cat(parts).reshape(logits.shape[:-1])
     logps = torch.log_softmax(logits, dim=-1)
     finite_logps = logps.masked_fill(torch.isneginf(logps), 0.0)
     return -(logps.exp() * finite_logps).sum(dim=-1)

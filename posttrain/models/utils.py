@@ -1,11 +1,14 @@
 """Model helpers at TRL's `trl.models.utils` import path: a context that turns gradient checkpointing off for a while,
-the unwrapped model for generation (parameters gathered under ZeRO-3), and the reference-model constructor."""
+the unwrapped model for generation (parameters gathered under ZeRO-3), and the reference-model constructor; and a
+fingerprint of a module's weights and a context that switches PEFT adapters (TRL's `trl.trainer.utils` names)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
+import torch
 from torch import nn
 
 from posttrain.models.reference import create_reference_model
@@ -55,8 +58,37 @@ def unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params: bo
         yield unwrapped
 
 
+def hash_module(module: nn.Module) -> str:
+    """A SHA-256 of the module's state: every tensor's name, dtype, shape and bytes, in name order (so the order in
+    which submodules were registered does not matter)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+@contextmanager
+def use_adapter(model, adapter_name: str | None) -> Iterator:
+    """Runs the block with the PEFT adapter `adapter_name` active, or with adapters off (None); the adapter that was
+    active before is active again afterwards."""
+    if adapter_name is None:
+        with model.disable_adapter():
+            yield
+        return
+    previous = model.active_adapter
+    model.set_adapter(adapter_name)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+
+
 __all__ = [
     "create_reference_model",
+    "hash_module",
+    "use_adapter",
     "disable_gradient_checkpointing",
     "get_all_parameters",
     "iter_params",

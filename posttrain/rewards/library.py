@@ -190,13 +190,27 @@ def accuracy_reward(
 
 
 def reasoning_accuracy_reward(
-    completions: Sequence[Completion], solution: Sequence[Any] | None = None, **kwargs: Any
+    completions: Sequence[Completion],
+    solution: Sequence[Any] | None = None,
+    reasoning_delimiters: Sequence[str] | None = None,
+    **kwargs: Any,
 ) -> list[float | None]:
-    """Like accuracy_reward, but only the text after the last `</think>` is the answer (numbers in the reasoning
-    do not count); 0.0 when the reasoning is never closed. Range {0.0, 1.0}, None for unparsable gold."""
+    """Like accuracy_reward, but only the text after the last reasoning delimiter (any of `reasoning_delimiters`,
+    default `</think>`) is the answer, so numbers in the reasoning do not count; 0.0 when no delimiter closes the
+    reasoning. Range {0.0, 1.0}, None for unparsable gold."""
     solution = _column("reasoning_accuracy_reward", "solution", solution, len(completions))
-    answers = [text.rpartition("</think>") for text in _texts(completions)]
-    return [_math_score(answer if closed else None, gold) for (_, closed, answer), gold in zip(answers, solution)]
+    delimiters = list(reasoning_delimiters) if reasoning_delimiters else ["</think>"]
+    answers = [_after_last(text, delimiters) for text in _texts(completions)]
+    return [_math_score(answer, gold) for answer, gold in zip(answers, solution)]
+
+
+def _after_last(text: str, delimiters: list[str]) -> str | None:
+    """The text after the last occurrence of any delimiter, or None if none occurs."""
+    ends = [(text.rfind(d), d) for d in delimiters if d and d in text]
+    if not ends:
+        return None
+    position, delimiter = max(ends)
+    return text[position + len(delimiter) :]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,7 +80,9 @@ def _is_async(func: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
 
-def _function_name(func: Callable[..., Any]) -> str:
+def get_callable_name(func: Callable[..., Any]) -> str:
+    """The name a reward's metrics take: a function's `__name__` (through `functools.partial` wrappers), else the
+    callable object's class name."""
     while isinstance(func, functools.partial):
         func = func.func
     return getattr(func, "__name__", type(func).__name__)
@@ -251,9 +253,9 @@ class RewardScorer:
         if processing_class is not None:
             raise ConfigError(
                 f"reward_processing_classes[{index}] is set, but reward_funcs[{index}] "
-                f"({_function_name(entry)}) is a function, not a model; set that entry to None."
+                f"({get_callable_name(entry)}) is a function, not a model; set that entry to None."
             )
-        return entry, _function_name(entry)
+        return entry, get_callable_name(entry)
 
     def to(self, device: torch.device | str, accelerator: Any = None) -> RewardScorer:
         """Moves the reward models to `device` (the policy's, usually); functions are unaffected. With the

@@ -362,3 +362,68 @@ def write_model_card(trainer, output_dir: str | os.PathLike | None = None, **kwa
     path = directory / CARD_NAME
     path.write_text(render_model_card(trainer, **kwargs), encoding="utf-8")
     return path
+
+
+def generate_model_card(
+    base_model: str | None,
+    model_name: str,
+    hub_model_id: str,
+    dataset_name: str | None,
+    tags: list[str],
+    wandb_url: str | None,
+    trackio_url: str | None,
+    trainer_name: str,
+    trainer_citation: str | None = None,
+    template_file: str | None = None,
+    paper_title: str | None = None,
+    paper_id: str | None = None,
+    comet_url: str | None = None,
+):
+    """A Hub model card (`huggingface_hub.ModelCard`) for a model pushed as `hub_model_id` (TRL's helper of the same
+    name): metadata (base model, dataset, tags), a quick-start snippet, where the run was tracked, the trainer and
+    the paper to cite. `template_file` is a Jinja card template to fill instead (it receives every argument).
+    Trainers' own cards are `render_model_card`'s."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(
+        base_model=base_model,
+        datasets=dataset_name,
+        library_name="transformers",
+        model_name=model_name,
+        tags=list(tags),
+    )
+    if template_file is not None:
+        fields = dict(base_model=base_model, model_name=model_name, hub_model_id=hub_model_id)
+        fields.update(dataset_name=dataset_name, tags=tags, wandb_url=wandb_url, trackio_url=trackio_url)
+        fields.update(trainer_name=trainer_name, trainer_citation=trainer_citation, paper_title=paper_title)
+        fields.update(paper_id=paper_id, comet_url=comet_url)
+        return ModelCard.from_template(data, template_path=template_file, **fields)
+    lines = [f"# Model Card for {model_name}", ""]
+    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a base model"
+    lines += [f"This model is a fine-tuned version of {source}", ""]
+    if dataset_name:
+        lines[-2] += f" on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset."
+    else:
+        lines[-2] += "."
+    lines += ["## Quick start", "", "```python", "from transformers import pipeline", ""]
+    lines += [
+        'question = "If you had a time machine, but could only go to the past or the future once, which would it be?"',
+        f'generator = pipeline("text-generation", model="{hub_model_id}", device="cuda")',
+        'output = generator([{"role": "user", "content": question}], max_new_tokens=128, return_full_text=False)[0]',
+        'print(output["generated_text"])',
+        "```",
+        "",
+        "## Training procedure",
+        "",
+    ]
+    for name, url in (("Weights & Biases", wandb_url), ("Trackio", trackio_url), ("Comet", comet_url)):
+        if url:
+            lines += [f"[Visualize this run in {name}]({url})", ""]
+    lines += [f"This model was trained with {trainer_name}.", ""]
+    if paper_title and paper_id:
+        lines[-2] = lines[-2][:-1] + f", the method of [{paper_title}](https://huggingface.co/papers/{paper_id})."
+    lines += ["### Framework versions", ""]
+    lines += [f"- {package}: {version}" for package, version in versions().items()]
+    if trainer_citation:
+        lines += ["", "## Citations", "", f"Cite {trainer_name} as:", "", "```bibtex", trainer_citation, "```"]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")

@@ -392,6 +392,10 @@ def tiny_config(architecture: str, tokenizer, extra: dict):
     config = config_cls(**kwargs)
     if "pad_token_id" not in params:
         config.pad_token_id = kwargs["pad_token_id"]
+    if getattr(config, "head_dim", None) is None and getattr(config, "num_attention_heads", None):
+        # real checkpoints of these families state it in config.json (Qwen3-MoE does, its config class takes no
+        # argument for it); the value the model computes anyway
+        config.head_dim = config.hidden_size // config.num_attention_heads
     return model_cls, config
 
 

@@ -1,0 +1,60 @@
+"""TRL's `trl.trainer.utils` import path: the helpers TRL's trainers share, each living in posttrain's core
+(batches and samplers in `data/`, log-probs and reductions in `losses/`, adapters and fingerprints in `models/`,
+MFU, the model card and the sample table in `training/`)."""
+
+from posttrain.cli.model import get_peft_config, get_quantization_config
+from posttrain.data.batches import (
+    flush_left,
+    identity,
+    pad,
+    shuffle_sequence_dict,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+from posttrain.data.samplers import RepeatSampler, repeat_iterable_dataset
+from posttrain.losses.logprobs import gather_log_softmax as selective_log_softmax
+from posttrain.losses.policy import entropy_from_logits
+from posttrain.losses.reductions import nanmax, nanmin, nanstd
+from posttrain.models.utils import hash_module, use_adapter
+from posttrain.rewards.scoring import get_callable_name
+from posttrain.training.base import disable_dropout_in_model
+from posttrain.training.model_card import generate_model_card
+from posttrain.training.sample_table import print_prompt_completions_sample
+from posttrain.training.throughput import (
+    adjusted_mfu,
+    compute_flops_per_token,
+    compute_mfu,
+    get_peak_flops,
+    get_peak_flops_per_device,
+)
+
+__all__ = [
+    "RepeatSampler",
+    "adjusted_mfu",
+    "compute_flops_per_token",
+    "compute_mfu",
+    "disable_dropout_in_model",
+    "entropy_from_logits",
+    "flush_left",
+    "generate_model_card",
+    "get_callable_name",
+    "get_peak_flops",
+    "get_peak_flops_per_device",
+    "get_peft_config",
+    "get_quantization_config",
+    "hash_module",
+    "identity",
+    "nanmax",
+    "nanmin",
+    "nanstd",
+    "pad",
+    "print_prompt_completions_sample",
+    "repeat_iterable_dataset",
+    "selective_log_softmax",
+    "shuffle_sequence_dict",
+    "split_pixel_values_by_grid",
+    "split_tensor_dict",
+    "unsplit_pixel_values_by_grid",
+    "use_adapter",
+]
