@@ -3,7 +3,7 @@
 # TRL as installed (--lib trl) or against posttrain through a `trl` -> `posttrain` import alias (--lib posttrain).
 #
 #   scripts/trl_testsuite.sh --lib trl|posttrain [--out DIR] [--sample FILE=K,...] [--select NODEIDS_FILE]
-#                            [--timeout S] [--] [test files or node ids, relative to tests/ ...]
+#                            [--timeout S] [-k EXPR] [--] [test files or node ids, relative to tests/ ...]
 #   scripts/trl_testsuite.sh --ci      (CI: posttrain on every $TRL_SUITE_CI_EVERY-th test of the committed list of
 #                                       tests that pass on TRL 1.16, scripts/trl_suite/trl_passing.txt; fails if one
 #                                       outside scripts/trl_suite/known_differences.txt does not pass)
@@ -32,6 +32,7 @@ main() {
   TIMEOUT=300
   FILES=()
   CI=0
+  KEXPR=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --ci) CI=1; shift ;;
@@ -40,6 +41,7 @@ main() {
       --sample) SAMPLE=$2; shift 2 ;;
       --select) SELECT=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
       --timeout) TIMEOUT=$2; shift 2 ;;
+    -k) KEXPR=$2; shift 2 ;;
       --) shift; FILES+=("$@"); break ;;
       *) FILES+=("$1"); shift ;;
     esac
@@ -86,6 +88,7 @@ main() {
   for f in "${FILES[@]}"; do ARGS+=("tests/$f"); done
   SEL=()
   [ -n "$SELECT" ] && SEL=(--trl-select "$SELECT")
+  [ -n "$KEXPR" ] && SEL+=(-k "$KEXPR")
   cd "$WORK"
   set +e
   "$PY" -m pytest -p trl_suite_plugin -p no:cacheprovider --rootdir "$WORK" --continue-on-collection-errors -q -rN --color=no -o addopts="" \

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from posttrain.data.chat import require_chat_template
 from posttrain.data.formats import is_message_list
 from posttrain.errors import DataError
 from posttrain.generation import create_generation_backend
+from posttrain.losses.distillation import generalized_jsd_loss
 from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.trainers.sft import SFTTrainer
@@ -99,6 +102,32 @@ def _tokenize_messages(example: dict, row: int, tokenizer, max_length: int | Non
     return {"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]}
 
 
+def generate_on_policy_outputs(model, inputs: dict, generation_config) -> tuple[torch.Tensor, ...]:
+    """Completions of `inputs["prompts"]` (left-padded ids, `prompt_attention_mask`) from `model.generate`, as
+    (ids, attention mask, labels) of the whole sequences: each completion is kept up to and including its first
+    stop token (any of `generation_config.eos_token_id`; all of it without one), the prompt's mask is its own (a
+    pad-id token inside the prompt stays attended), and labels are -100 on the prompt and after the stop."""
+    sequences = model.generate(
+        input_ids=inputs["prompts"],
+        attention_mask=inputs["prompt_attention_mask"],
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+    ).sequences
+    prompt_width = inputs["prompts"].shape[1]
+    completion = sequences[:, prompt_width:]
+    stop_ids = generation_config.eos_token_id
+    if stop_ids is None:
+        keep = torch.ones_like(completion)
+    else:
+        stops = torch.isin(completion, torch.as_tensor(stop_ids, device=completion.device))
+        first_stop = torch.where(stops.any(1), stops.int().argmax(1), completion.shape[1])
+        keep = (torch.arange(completion.shape[1], device=completion.device) <= first_stop[:, None]).to(completion)
+    attention_mask = torch.cat([inputs["prompt_attention_mask"].to(completion), keep], dim=1)
+    labels = sequences.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    labels[:, :prompt_width] = IGNORE_INDEX
+    return sequences, attention_mask, labels
+
+
 class GKDTrainer(DistillationTrainer):
     """`GKDTrainer(model, teacher_model, args=GKDConfig(...), train_dataset=...)`, with TRL's keyword arguments
     in TRL's order; posttrain's extras (teacher_processing_class, quantization_config, compute_loss_func, ...)
@@ -106,6 +135,9 @@ class GKDTrainer(DistillationTrainer):
     """
 
     _name = "GKD"
+    # TRL's static helpers: the loss with TRL's reductions, and one on-policy sampling step through `model.generate`
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
+    generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)
 
     def __init__(
         self,
@@ -146,6 +178,25 @@ class GKDTrainer(DistillationTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             formatting_func=formatting_func,
             **kwargs,
+        )
+        self.generation_config = self._sampling_generation_config()
+
+    def _sampling_generation_config(self):
+        """The student's sampling settings as a transformers GenerationConfig (TRL's `trainer.generation_config`):
+        max_new_tokens and temperature from the config, no top-k/top-p filter, the model's stop ids, padding with
+        the tokenizer's pad token."""
+        from transformers import GenerationConfig
+
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        model_config = getattr(self.model, "generation_config", None)
+        return GenerationConfig(
+            max_new_tokens=self.args.max_new_tokens,
+            temperature=self.args.temperature,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=getattr(model_config, "eos_token_id", None) or tokenizer.eos_token_id,
         )
 
     def prepare_dataset(self, dataset, tokenizer, args, name: str):

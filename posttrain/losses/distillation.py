@@ -100,6 +100,53 @@ def generalized_jsd(
     return _per_token(jsd, student_logits, teacher_logits, mask, temperature)
 
 
+def generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`generalized_jsd` with TRL's GKD interface: the divergence's terms per vocabulary entry ([B, T, V], in the
+    logits' dtype), positions whose label is -100 dropped, then reduced: "batchmean" divides the sum by the number of
+    labelled positions (by the batch size without labels), "sum", "mean" (over the remaining terms), "none" (the
+    terms, [B, T, V] without labels); `num_items_in_batch` divides the sum by that count instead."""
+    if not 0.0 <= beta <= 1.0:
+        raise ConfigError(f"beta={beta} must lie in [0, 1] (0: forward KL, 0.5: Jensen-Shannon, 1: reverse KL).")
+    student = (student_logits / temperature).log_softmax(-1)
+    teacher = (teacher_logits / temperature).log_softmax(-1)
+
+    def kl_terms(log_p, log_q):  # p (log p - log q) per entry, 0 where p = 0
+        p = log_p.exp()
+        return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+
+    if beta == 0.0:
+        terms = kl_terms(teacher, student)
+    elif beta == 1.0:
+        terms = kl_terms(student, teacher)
+    else:
+        mixture = torch.logaddexp(teacher + math.log(beta), student + math.log1p(-beta))
+        terms = beta * kl_terms(teacher, mixture) + (1 - beta) * kl_terms(student, mixture)
+    mask = None
+    if labels is not None:
+        mask = labels != -100
+        terms = terms[mask]
+    if num_items_in_batch is not None:
+        return terms.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        count = mask.sum().clamp_min(1) if mask is not None else max(terms.shape[0], 1)
+        return terms.sum() / count
+    if reduction == "sum":
+        return terms.sum()
+    if reduction == "mean":
+        return terms.mean()
+    if reduction == "none":
+        return terms
+    raise ConfigError(f"reduction={reduction!r} is not one of 'batchmean', 'sum', 'mean', 'none'.")
+
+
 def shared_vocab(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """The teacher's logits over the student's vocabulary ids.
 

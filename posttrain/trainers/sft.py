@@ -30,6 +30,7 @@ from posttrain.models.segment_attention import segment_attention, supports_segme
 from posttrain.models.tied_embedding import tied_embedding
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
+from posttrain.training.streaming import is_prepared, prepare_any
 from posttrain.training.vision import VisionSetup
 
 
@@ -376,9 +377,9 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         """A raw dataset passed here is prepared as the eval_dataset given to the constructor would be."""
 
         def prepared(dataset, name):
-            if self._skip_prepare or "input_ids" in dataset.column_names:
+            if self._skip_prepare or is_prepared(dataset, "input_ids"):
                 return dataset
-            return self.prepare_dataset(dataset, self.processing_class, self.args, name)
+            return prepare_any(self, dataset, self.processing_class, self.args, name)
 
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepared(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}

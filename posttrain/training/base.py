@@ -31,6 +31,7 @@ from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.model_card import write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
+from posttrain.training.streaming import prepare_datasets
 
 logger = logging.getLogger("posttrain")
 
@@ -349,15 +350,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         ensure_pad_token(getattr(processing_class, "tokenizer", processing_class))  # a processor's tokenizer
         model = prepare_model(model, args, peft_config, load=self.load_model, quantization_config=quantization_config)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        if train_dataset is not None:
-            train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train_dataset")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {
-                k: self.prepare_dataset(v, processing_class, args, f"eval_dataset[{k!r}]")
-                for k, v in eval_dataset.items()
-            }
-        elif eval_dataset is not None:
-            eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval_dataset")
+        # map-style datasets prepared whole, streams chunk by chunk as they are read (training/streaming.py)
+        train_dataset, eval_dataset = prepare_datasets(self, train_dataset, eval_dataset, processing_class, args)
         self.uses_default_collator = data_collator is None
         super().__init__(
             model=model,

@@ -33,6 +33,7 @@ from posttrain.models.reference import (
 from posttrain.training.base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
 from posttrain.training.preference import PreferenceMetricsMixin
 from posttrain.training.reference_memo import DIGESTS, DigestingCollator, ReferenceMemo
+from posttrain.training.streaming import is_prepared, is_streaming, prepare_any
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 logger = logging.getLogger("posttrain")
@@ -166,6 +167,22 @@ def load_processing_class(model, processing_class, args):
     return processing_class
 
 
+def _named_eval_sets(eval_dataset) -> list[tuple[str, object]]:
+    if isinstance(eval_dataset, dict):
+        return [(f"eval_dataset[{k!r}]", v) for k, v in eval_dataset.items()]
+    return [] if eval_dataset is None else [("eval_dataset", eval_dataset)]
+
+
+def refuse_streaming_precompute(dataset, name: str) -> None:
+    """precompute_ref_log_probs stores one value per row index, which a stream does not have."""
+    if is_streaming(dataset):
+        raise ConfigError(
+            f"precompute_ref_log_probs=True is not supported with IterableDataset ({name} is a stream): the "
+            "reference log-probs are stored per row index. Set precompute_ref_log_probs=False (the reference model "
+            "then scores each batch), or load the dataset without streaming."
+        )
+
+
 class PreparesEvalDatasets:
     """`evaluate(raw_dataset)` tokenizes the dataset first, as TRL does (a dataset already prepared, i.e. holding
     `PREPARED_COLUMN`, or a name of an eval split, passes through)."""
@@ -180,9 +197,9 @@ class PreparesEvalDatasets:
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def prepare_eval_dataset(self, dataset, name: str):
-        if self.PREPARED_COLUMN in dataset.column_names:
+        if is_prepared(dataset, self.PREPARED_COLUMN):
             return dataset
-        return self.prepare_dataset(dataset, self.processing_class, self.args, name)
+        return prepare_any(self, dataset, self.processing_class, self.args, name)
 
 
 class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer):
@@ -208,6 +225,9 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
         self._setup_router_aux_loss()
         peft = is_peft_model(self.model)
         if args.precompute_ref_log_probs:
+            refuse_streaming_precompute(self.train_dataset, "train_dataset")
+            for name, dataset in _named_eval_sets(self.eval_dataset):
+                refuse_streaming_precompute(dataset, name)
             self.ref_model = None
             self._precompute(ref_model, peft)
             return
@@ -337,6 +357,8 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
 
     def prepare_eval_dataset(self, dataset, name: str):
         dataset = super().prepare_eval_dataset(dataset, name)
+        if self.args.precompute_ref_log_probs:
+            refuse_streaming_precompute(dataset, name)
         if not self.args.precompute_ref_log_probs or set(self.REF_COLUMNS) <= set(dataset.column_names):
             return dataset
         identity, reference, reference_kept = self._precompute_source
