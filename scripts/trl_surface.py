@@ -3,7 +3,9 @@ posttrain to. Run it with `bash scripts/trl_surface.sh` (a throwaway venv with t
 
 Recorded: top-level names (and which are modules), the functions of `trl.data_utils`, each trainer's
 constructor parameters in order, and each config's fields with their defaults: every field TRL adds to
-`transformers.TrainingArguments`, and the TrainingArguments fields whose default TRL changes.
+`transformers.TrainingArguments`, and the TrainingArguments fields whose default TRL changes. `trainer_signatures`
+holds every trainer's constructor (the stable ones and `trl.experimental`'s) as [name, default] pairs in order,
+the default as its repr ("<required>" for none; "*args"/"**kwargs" for the catch-alls).
 """
 
 import dataclasses
@@ -58,6 +60,46 @@ def config_fields(cls) -> dict:
     return out
 
 
+# trl.experimental trainers: import path -> class name
+EXPERIMENTAL_TRAINERS = {
+    "trl.experimental.a2po": "A2POTrainer",
+    "trl.experimental.cpo": "CPOTrainer",
+    "trl.experimental.gkd": "GKDTrainer",
+    "trl.experimental.gmpo": "GMPOTrainer",
+    "trl.experimental.gold": "GOLDTrainer",
+    "trl.experimental.iw_opd": "IWOPDTrainer",
+    "trl.experimental.online_dpo": "OnlineDPOTrainer",
+    "trl.experimental.orpo": "ORPOTrainer",
+    "trl.experimental.sdft": "SDFTTrainer",
+    "trl.experimental.sdpo": "SDPOTrainer",
+    "trl.experimental.server_distillation": "ServerDistillationTrainer",
+    "trl.experimental.tpo": "TPOTrainer",
+}
+
+
+def signature_of(cls) -> list[list[str]]:
+    out = []
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if name == "self":
+            continue
+        if param.kind is param.VAR_POSITIONAL:
+            out.append(["*" + name, "<varargs>"])
+        elif param.kind is param.VAR_KEYWORD:
+            out.append(["**" + name, "<varkw>"])
+        else:
+            out.append([name, "<required>" if param.default is param.empty else repr(param.default)])
+    return out
+
+
+def trainer_signatures() -> dict:
+    import importlib
+
+    out = {t: signature_of(getattr(trl, t)) for t in TRAINERS}
+    for module, name in EXPERIMENTAL_TRAINERS.items():
+        out[f"{module}.{name}"] = signature_of(getattr(importlib.import_module(module), name))
+    return out
+
+
 def main(path: str) -> None:
     names = sorted(n for n in dir(trl) if not n.startswith("_"))
     surface = {
@@ -73,6 +115,7 @@ def main(path: str) -> None:
             t: [p for p in inspect.signature(getattr(trl, t).__init__).parameters if p != "self"] for t in TRAINERS
         },
         "configs": {c: config_fields(getattr(trl, c)) for c in CONFIGS},
+        "trainer_signatures": trainer_signatures(),
     }
     with open(path, "w") as f:
         json.dump(surface, f, indent=1, sort_keys=False)

@@ -358,6 +358,41 @@ def test_environment_factory_tools_observation_and_reward(tmp_path, tiny_model_p
     assert trainer.reward_scorer.names == ["GuessEnv"]
 
 
+def test_reward_funcs_may_be_left_out_with_an_environment(tmp_path, tiny_model_path, tool_tokenizer):
+    """TRL's signature: GRPOTrainer(model, args=..., train_dataset=..., environment_factory=Env), no reward_funcs,
+    when the environment's get_reward() is the reward; without a get_reward() there is no reward source."""
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        args=args,
+        train_dataset=conversations(),
+        processing_class=tool_tokenizer,
+        environment_factory=GuessEnv,
+    )
+    assert trainer.reward_scorer.names == ["GuessEnv"]
+
+    class NoReward(GuessEnv):
+        get_reward = None
+
+    with pytest.raises(ConfigError, match="No reward source"):
+        GRPOTrainer(
+            tiny_model_path,
+            args=args,
+            train_dataset=conversations(),
+            processing_class=tool_tokenizer,
+            environment_factory=NoReward,
+        )
+
+
 def test_rollout_func_contract(tmp_path, tiny_model_path, tool_tokenizer):
     eos = tool_tokenizer.eos_token_id
     received = {}

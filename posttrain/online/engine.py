@@ -250,6 +250,11 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory, tools or ())
         if self.environments is not None:  # an environment with get_reward() is a reward source
             reward_funcs += [function for _, function in self.environments.reward_functions()]
+        if not reward_funcs:
+            raise ConfigError(
+                "No reward source: pass reward_funcs, or an environment_factory whose environment defines a "
+                "get_reward() method (its return value is the episode's reward)."
+            )
         self.reward_scorer = RewardScorer(
             reward_funcs,
             args.reward_weights,

@@ -111,6 +111,42 @@ class GRPOTrainer(OnlineTrainer):
     loss_reads_sampler_logps = True  # its policy_loss weighs each token by the sampler's log-prob
     accepts_images = True  # image prompts (posttrain/online/vision.py)
 
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        """TRL's signature: `reward_funcs` may be left out when `environment_factory`'s environments give the reward
+        (their `get_reward()`)."""
+        super().__init__(
+            model,
+            reward_funcs,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            tools,
+            rollout_func,
+            environment_factory,
+        )
+
     # -- advantages ----------------------------------------------------------------------------------------
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:
         args = self.args
