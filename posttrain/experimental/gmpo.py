@@ -77,6 +77,10 @@ class GMPOTrainer(GRPOTrainer):
     _name = "GMPO"
     config_class = GMPOConfig
 
+    def __init__(self, model, reward_funcs, args: GMPOConfig | None = None, **kwargs):
+        """TRL's signature: reward_funcs is required here (GRPOTrainer's other arguments by keyword)."""
+        super().__init__(model, reward_funcs, args, **kwargs)
+
     def policy_loss(self, inputs, logps, entropy=None, keep=None):
         """This micro-batch's share of the step's mean over completions of GMPO's per-completion loss."""
         args, mask = self.args, inputs["loss_mask"]
