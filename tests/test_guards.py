@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from posttrain import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from posttrain import DPOConfig, DPOTrainer, GRPOConfig, SFTConfig, SFTTrainer
 from posttrain.errors import ConfigError, NonFiniteError
 from posttrain.training.checkpoints import CHECKPOINT_MARKER, rotate
 
@@ -122,6 +122,15 @@ def test_bad_nonfinite_settings_are_refused(tmp_path):
         SFTConfig(output_dir=str(tmp_path), nonfinite_policy="ignore")
     with pytest.raises(ConfigError, match="max_nonfinite_steps"):
         SFTConfig(output_dir=str(tmp_path), max_nonfinite_steps=0)
+
+
+@pytest.mark.parametrize("config_class", [SFTConfig, GRPOConfig, DPOConfig])
+@pytest.mark.parametrize("learning_rate", [float("inf"), float("-inf"), float("nan"), -1e-3])
+def test_a_learning_rate_that_is_not_finite_is_refused_before_training(tmp_path, config_class, learning_rate):
+    """inf passes torch's optimizer check and would be applied at step 1 (the guard only sees the next step's
+    non-finite gradients); nan was refused only when the optimizer was made. Both stop when the config is built."""
+    with pytest.raises(ConfigError, match=r"learning_rate=.* must be a finite number >= 0"):
+        config_class(output_dir=str(tmp_path), learning_rate=learning_rate, report_to="none")
 
 
 class _SignalAt(TrainerCallback):

@@ -160,11 +160,11 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
         (dict(ref_model_sync_steps=0), r"ref_model_sync_steps=0 must be at least 1"),
         (dict(pad_to_multiple_of=0), r"pad_to_multiple_of=0 must be a positive int, 'auto' or None"),
         (
-            dict(generation_kwargs={"temperature": 0.5}),
-            r"generation_kwargs\['temperature'\] is the config's "
-            r"temperature; set temperature=\.\.\. instead",
+            dict(temperature=0.7, generation_kwargs={"temperature": 0.5}),
+            r"generation_kwargs\['temperature'\]=0.5 disagrees with temperature=0.7",
         ),
-        (dict(generation_kwargs={"max_new_tokens": 5}), r"set max_completion_length=\.\.\. instead"),
+        (dict(generation_kwargs={"max_new_tokens": 5}), r"disagrees with max_completion_length=8"),
+        (dict(generation_kwargs={"seed": 3}), r"generation_kwargs\['seed'\] cannot be changed: each completion"),
         (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\] cannot be changed: beam search"),
         (dict(use_vllm=True, cache_implementation="static"), r"cache_implementation='static' sets up transformers'"),
         (dict(vllm_structured_outputs_regex="[ab]+"), r"vllm_structured_outputs_regex .* but use_vllm=False"),
@@ -184,6 +184,22 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_config(tmp_path, **overrides)
+
+
+def test_generation_kwargs_keys_with_a_field_become_the_field(tmp_path, caplog):
+    """TRL samples with generation_kwargs={"top_k": 5}: a key that is a config field of its own is taken as the
+    field's value when the field is at its default (one info line), and is no longer a generation_kwargs key."""
+    given = {"top_k": 5, "temperature": 0.5, "no_repeat_ngram_size": 3}
+    with caplog.at_level("INFO", logger="posttrain"):
+        config = make_config(tmp_path, generation_kwargs=given)
+    assert (config.top_k, config.temperature) == (5, 0.5)
+    assert config.generation_kwargs == {"no_repeat_ngram_size": 3} and config.sampling_params().top_k == 5
+    assert given == {"top_k": 5, "temperature": 0.5, "no_repeat_ngram_size": 3}  # the caller's dict is untouched
+    assert [r.getMessage() for r in caplog.records if "generation_kwargs" in r.getMessage()] == [
+        "generation_kwargs keys with a config field of their own taken as top_k=5, temperature=0.5."
+    ]
+    same = make_config(tmp_path, max_completion_length=8, generation_kwargs={"max_new_tokens": 8})
+    assert same.max_completion_length == 8 and same.generation_kwargs == {}
 
 
 def test_rloo_needs_two_generations(tmp_path):

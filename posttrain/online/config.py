@@ -6,6 +6,7 @@ How the batch sizes relate is described in posttrain/online/engine.py's module d
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field, fields
@@ -18,9 +19,11 @@ from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from posttrain.training.base import PosttrainConfig
 from posttrain.training.vision import freeze_vision_tower_field
 
+logger = logging.getLogger("posttrain")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 # generation_kwargs keys that have a config field of their own (the trainer reads the field too: the
-# temperature scales the training log-probs, max_completion_length normalises dr_grpo, ...).
+# temperature scales the training log-probs, max_completion_length normalises dr_grpo, ...); such a key becomes the
+# field's value when the field is left at its default.
 GENERATION_KWARGS_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -31,7 +34,6 @@ GENERATION_KWARGS_FIELDS = {
     "max_tokens": "max_completion_length",
     "n": "num_generations",
     "num_return_sequences": "num_generations",
-    "seed": "seed",
     "cache_implementation": "cache_implementation",
 }
 # generation_kwargs keys the engine sets itself, with the reason.
@@ -44,6 +46,7 @@ GENERATION_KWARGS_FIXED = {
     "max_length": "the length limit is max_completion_length",
     "logprobs": "the engine asks vLLM for the sampled tokens' log-probs itself",
     "detokenize": "completions stay token ids",
+    "seed": "each completion is seeded from the config's seed (per round, process and completion); set seed=...",
 }
 
 
@@ -492,15 +495,32 @@ class OnlineConfig(PosttrainConfig):
         if not isinstance(self.generation_kwargs, dict):
             raise ConfigError(f"generation_kwargs={self.generation_kwargs!r} must be a dict (a JSON object).")
         for key in self.generation_kwargs:
-            if key in GENERATION_KWARGS_FIELDS:
-                raise ConfigError(
-                    f"generation_kwargs[{key!r}] is the config's {GENERATION_KWARGS_FIELDS[key]}; set "
-                    f"{GENERATION_KWARGS_FIELDS[key]}=... instead (the trainer reads it too)."
-                )
             if key in GENERATION_KWARGS_FIXED:
                 raise ConfigError(
                     f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. Drop it."
                 )
+        self._take_generation_kwargs_fields()
+
+    def _take_generation_kwargs_fields(self) -> None:
+        """A generation_kwargs key that is a config field of its own (top_k, temperature, ...) becomes that field's
+        value when the field is left at its default (one info line says so), since the trainer reads the field too
+        (the temperature scales the training log-probs, ...); both set to different values is refused."""
+        defaults = {f.name: f.default for f in fields(self)}
+        self.generation_kwargs = dict(self.generation_kwargs)  # the caller's dict is left as it was
+        taken = []
+        for key in [k for k in self.generation_kwargs if k in GENERATION_KWARGS_FIELDS]:
+            name, value = GENERATION_KWARGS_FIELDS[key], self.generation_kwargs[key]
+            current = getattr(self, name)
+            if current != value and current != defaults.get(name):
+                raise ConfigError(
+                    f"generation_kwargs[{key!r}]={value!r} disagrees with {name}={current!r}; set one of them "
+                    f"(generation_kwargs[{key!r}] is the config's {name})."
+                )
+            setattr(self, name, value)
+            del self.generation_kwargs[key]
+            taken.append(f"{name}={value!r}")
+        if taken:
+            logger.info("generation_kwargs keys with a config field of their own taken as %s.", ", ".join(taken))
 
     def _check_async_generation(self) -> None:
         k = self.async_generation_rounds

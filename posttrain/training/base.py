@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import defaultdict
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
@@ -145,6 +146,8 @@ class PosttrainConfig(TrainingArguments):
             self.bf16 = on_accelerator and not self.fp16
         if self.nonfinite_policy not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite_policy={self.nonfinite_policy!r} is not one of {NONFINITE_POLICIES}.")
+        if not math.isfinite(self.learning_rate) or self.learning_rate < 0:  # torch takes inf, and steps once with it
+            raise ConfigError(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 2e-5).")
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be at least 1.")
         if self.activation_offloading and not on_accelerator:
