@@ -215,6 +215,26 @@ def test_errors_before_training(tmp_path, tiny_model_path, fresh_tokenizer):
         )
 
 
+def test_a_tokenizer_without_eos_stops_before_training(tmp_path, tiny_model_path, fresh_tokenizer):
+    """Without an EOS token no training sequence would end with one, and the model would never learn to stop:
+    standard text is refused naming the fix (eos_token), conversations warn; eos_token= fixes it."""
+    fresh_tokenizer.pad_token = "<|endoftext|>"
+    fresh_tokenizer.eos_token = None
+    with pytest.raises(ConfigError, match=r"no EOS token.*never learn to stop.*Set eos_token="):
+        SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2), processing_class=fresh_tokenizer)
+    with pytest.warns(UserWarning, match=r"no EOS token.*Set eos_token="):
+        SFTTrainer(
+            tiny_model_path, args=_args(tmp_path), train_dataset=_chat_data(4), processing_class=fresh_tokenizer
+        )
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, eos_token="<|im_end|>"),
+        train_dataset=_pc_data(2),
+        processing_class=fresh_tokenizer,
+    )
+    assert trainer.train_dataset[0]["input_ids"][-1] == fresh_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
 def test_missing_pad_token_is_set_and_announced(tmp_path, tiny_model_path, fresh_tokenizer, caplog):
     fresh_tokenizer.pad_token = None
     with caplog.at_level("WARNING", logger="posttrain"):

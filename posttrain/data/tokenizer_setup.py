@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 from posttrain.errors import ConfigError
 
@@ -112,6 +113,30 @@ def configure_tokenizer(processing_class, args) -> list[int]:
     _require_in_vocab(tokenizer, pad_token, "pad_token")
     tokenizer.pad_token = pad_token
     return added
+
+
+def check_eos_for_training(tokenizer, fmt, add_eos: bool) -> None:
+    """A tokenizer without an EOS token leaves every trained sequence without an end, so the model never learns to
+    stop: standard text (where the EOS is appended) is refused; conversations, which end turns with the template's
+    own marker, get a warning (generation stops on the EOS id)."""
+    if tokenizer.eos_token_id is not None:
+        return
+    fix = (
+        "Set eos_token='...' in the config (a token of the vocabulary that ends a sequence, e.g. the chat "
+        "template's end-of-turn token), or tokenizer.eos_token before building the trainer"
+    )
+    if not fmt.conversational and add_eos:
+        raise ConfigError(
+            f"The tokenizer has no EOS token, so the training sequences would end without one and the model would "
+            f"never learn to stop. {fix}; or add_eos=False to train on the text as it is."
+        )
+    if fmt.conversational:
+        warnings.warn(
+            f"The tokenizer has no EOS token: generation stops on the EOS id, so the model may not stop after its "
+            f"turn. {fix}.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def sync_model_with_tokenizer(model, processing_class, added_token_ids=(), eos_changed: bool = True) -> None:

@@ -15,7 +15,12 @@ from posttrain.data.formats import DatasetFormat, check_example, is_message_list
 from posttrain.data.packing import pack_dataset
 from posttrain.data.report import DataReport, cut_column, note_packing
 from posttrain.data.tokenize import tokenize_example, truncate
-from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from posttrain.data.tokenizer_setup import (
+    check_eos_for_training,
+    configure_tokenizer,
+    make_added_tokens_trainable,
+    sync_model_with_tokenizer,
+)
 from posttrain.data.vision import VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.sft import chunked_token_loss_sums, token_loss_sums
@@ -314,6 +319,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             )
         if fmt.conversational:
             require_chat_template(tokenizer)
+        check_eos_for_training(tokenizer, fmt, args.add_eos)
         return dataset.map(
             _tokenize_row,
             with_indices=True,
