@@ -75,6 +75,7 @@ from posttrain.online.rollout import (
     Rollout,
     RolloutLoader,
     RolloutSampler,
+    StreamingRolloutLoader,
     TaggedPrompts,
     collate_tagged,
     groupwise_advantages,
@@ -86,6 +87,7 @@ from posttrain.rewards.scoring import RewardScorer
 from posttrain.runtime.distributed import root_gathered
 from posttrain.tools import EnvironmentPool, tool_schemas
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
+from posttrain.training.streaming import is_streaming
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 __all__ = [
@@ -130,15 +132,37 @@ def _tokenize_prompt(
     return {PROMPT_IDS_COLUMN: ids[cut:], cut_column("max_prompt_length"): cut}
 
 
+def _column_names(dataset) -> list[str]:
+    """The dataset's columns (a stream without declared features shows them in its first row)."""
+    if dataset.column_names is not None:
+        return list(dataset.column_names)
+    return list(next(iter(dataset), {}))
+
+
 def _require_prompt_column(dataset, name: str) -> None:
-    if PROMPT_COLUMN not in dataset.column_names:
+    columns = _column_names(dataset)
+    if PROMPT_COLUMN not in columns:
         raise DataError(
             f"{name} needs a 'prompt' column (strings or lists of messages) but has the columns "
-            f"{dataset.column_names}; rename the column holding the prompts, e.g. "
+            f"{columns}; rename the column holding the prompts, e.g. "
             "dataset.rename_column('question', 'prompt')."
         )
-    if len(dataset) == 0:
+    if (next(iter(dataset), None) is None) if is_streaming(dataset) else len(dataset) == 0:
         raise DataError(f"{name} is empty; pass at least one prompt.")
+
+
+def _refuse_stream_lookahead(args) -> None:
+    """Settings that read prompts out of order, which a stream cannot give."""
+    reasons = {
+        "async_generation_rounds": "rounds generated ahead look their prompts up by index",
+        "dynamic_sampling": "extra batches are drawn at random from the training set",
+    }
+    for name, reason in reasons.items():
+        if getattr(args, name, None):
+            raise ConfigError(
+                f"{name}={getattr(args, name)!r} does not work with a streaming train_dataset (IterableDataset): "
+                f"{reason}. Turn it off, or load the dataset without streaming."
+            )
 
 
 @dataclasses.dataclass
@@ -246,7 +270,10 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                 "No reward functions given: pass reward_funcs, e.g. a function "
                 "f(prompts, completions, **columns) -> list[float], a reward model, or a list of them."
             )
-        self.reward_columns = [c for c in train_dataset.column_names if c not in (PROMPT_COLUMN, PROMPT_IDS_COLUMN)]
+        if is_streaming(train_dataset):
+            _refuse_stream_lookahead(args)
+        columns = _column_names(train_dataset)
+        self.reward_columns = [c for c in columns if c not in (PROMPT_COLUMN, PROMPT_IDS_COLUMN)]
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory, tools or ())
         if self.environments is not None:  # an environment with get_reward() is a reward source
             reward_funcs += [function for _, function in self.environments.reward_functions()]
@@ -290,7 +317,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
                 "token)."
             )
         prompts_per_round = args.generation_batch_size // args.num_generations
-        if len(train_dataset) < prompts_per_round:
+        if not is_streaming(train_dataset) and len(train_dataset) < prompts_per_round:
             raise DataError(
                 f"train_dataset has {len(train_dataset)} prompts but one generation round uses {prompts_per_round} "
                 f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}); "
@@ -334,7 +361,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def check_prompt_dataset(self, dataset, name: str) -> None:
         """A prompt column, and every column the reward functions read from the training set."""
         _require_prompt_column(dataset, name)
-        missing = [c for c in self.reward_columns if c not in dataset.column_names]
+        missing = [c for c in self.reward_columns if c not in _column_names(dataset)]
         if missing:
             raise DataError(
                 f"{name} lacks the columns {missing} that train_dataset passes to the reward functions; add them to it."
@@ -406,6 +433,17 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
 
     def get_train_dataloader(self) -> DataLoader:
         args = self.args
+        if is_streaming(self.train_dataset):
+            stream = self.train_dataset
+            if args.shuffle_dataset:
+                stream = stream.shuffle(seed=args.data_seed if args.data_seed is not None else args.seed)
+            return StreamingRolloutLoader(
+                stream,
+                args.generation_batch_size // args.num_generations,
+                self.accelerator.num_processes,
+                self.accelerator.process_index,
+                self.micro_steps_per_round,
+            )
         self.rollout_sampler = sampler = RolloutSampler(
             num_prompts=len(self.train_dataset),
             prompts_per_round=args.generation_batch_size // args.num_generations,

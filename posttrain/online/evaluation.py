@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
+from datasets import Dataset
 from transformers import Trainer
 from transformers.trainer_utils import speed_metrics
 
 from posttrain.callbacks.completion_table import log_completion_table, print_completion_table
 from posttrain.online.rollout import PROMPT_IDS_COLUMN
+from posttrain.training.streaming import is_prepared, is_streaming
 
 COMPLETIONS_LOG = "completions.jsonl"
 
@@ -57,7 +59,13 @@ class OnlineEvaluation:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
-        if PROMPT_IDS_COLUMN not in dataset.column_names:  # a dataset handed to evaluate() directly
+        if is_streaming(dataset):  # rounds index the eval prompts: a stream is read whole for each evaluation
+            prepared = is_prepared(dataset, PROMPT_IDS_COLUMN)
+            dataset = Dataset.from_list(list(dataset))
+            if not prepared:
+                self.check_prompt_dataset(dataset, "eval_dataset")
+                dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
+        elif PROMPT_IDS_COLUMN not in dataset.column_names:  # a dataset handed to evaluate() directly
             self.check_prompt_dataset(dataset, "eval_dataset")
             dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
         args, start = self.args, time.time()

@@ -31,7 +31,15 @@ def round_seeds(seed: int, round_index: int, slots: list[int], mode: str) -> lis
     return [derive_seed(seed, round_index, slot, *tag) for slot in slots]
 
 
-__all__ = ["Advantages", "Episode", "Rollout", "RolloutSampler", "groupwise_advantages", "pad_rows"]
+__all__ = [
+    "Advantages",
+    "Episode",
+    "Rollout",
+    "RolloutSampler",
+    "StreamingRolloutLoader",
+    "groupwise_advantages",
+    "pad_rows",
+]
 
 
 # -- the order in which prompts are used -------------------------------------------------------------------
@@ -111,6 +119,46 @@ class RolloutLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
+
+
+class _StreamRounds(torch.utils.data.IterableDataset):
+    """RolloutSampler's batches for a stream (a `datasets.IterableDataset` of prepared prompts): each round takes the
+    next prompts_per_round prompts in the stream's order, every process reading the stream and taking its own
+    contiguous block; round indices keep counting across epochs (they seed the round's completions)."""
+
+    def __init__(self, stream, prompts_per_round: int, num_processes: int, process_index: int, micro_steps: int):
+        self.stream, self.prompts_per_round, self.micro_steps = stream, prompts_per_round, micro_steps
+        local = prompts_per_round // num_processes
+        self.slots = list(range(process_index * local, (process_index + 1) * local))
+        self.next_round = 0
+
+    def __iter__(self):
+        rows = []
+        for row in self.stream:
+            rows.append(row)
+            if len(rows) < self.prompts_per_round:
+                continue
+            mine = [rows[slot] for slot in self.slots]
+            round_index, self.next_round, rows = self.next_round, self.next_round + 1, []
+            for micro_step in range(self.micro_steps):
+                yield {"round": round_index, "micro_step": micro_step, "slots": list(self.slots), "rows": mine}
+
+
+class StreamingRolloutLoader(DataLoader):
+    """The online engine's loader over a stream: no length (training needs max_steps), one batch per micro-step as
+    RolloutLoader gives; a new epoch reads the stream again (a shuffled stream reshuffles with its epoch)."""
+
+    def __init__(self, stream, prompts_per_round: int, num_processes: int, process_index: int, micro_steps: int):
+        rounds = _StreamRounds(stream, prompts_per_round, num_processes, process_index, micro_steps)
+        super().__init__(rounds, batch_size=None, collate_fn=_as_is)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset.stream, "set_epoch"):
+            self.dataset.stream.set_epoch(epoch)
+
+
+def _as_is(batch):
+    return batch
 
 
 # -- one sampled completion --------------------------------------------------------------------------------

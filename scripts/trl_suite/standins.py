@@ -578,9 +578,8 @@ def recipe_hash() -> str:
 def build_all(cache: Path, force: bool = False) -> None:
     import warnings
 
-    from transformers.utils import logging as hf_logging
-
     import datasets
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
