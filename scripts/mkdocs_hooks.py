@@ -44,8 +44,15 @@ def _defining_path(path: str, obj) -> str:
 
 
 def _cell(text: str) -> str:
+    """Prose for a table cell: one line, HTML-escaped, pipes escaped."""
     text = " ".join(str(text).split())
     return html.escape(text, quote=False).replace("|", "\\|")
+
+
+def _code_cell(text: str) -> str:
+    """A code span for a table cell (Python-Markdown's tables do not split at a pipe inside backticks)."""
+    text = " ".join(str(text).split()).replace("`", "'")
+    return f"`{text}`"
 
 
 def _type_name(annotation) -> str:
@@ -73,7 +80,7 @@ def _rows(fields) -> list[str]:
     rows = ["| field | type | default | what it does |", "|---|---|---|---|"]
     for field in fields:
         rows.append(
-            f"| `{field.name}` | `{_cell(_type_name(field.type))}` | `{_cell(_default(field))}` "
+            f"| `{field.name}` | {_code_cell(_type_name(field.type))} | {_code_cell(_default(field))} "
             f"| {_cell(field.metadata.get('help', ''))} |"
         )
     return rows

@@ -82,7 +82,7 @@ def images_load(page: dict) -> bool:
     "path, title",
     [
         ("", "posttrain"),
-        ("trainers/grpo/", "GRPO trainer"),
+        ("trainers/grpo/", "GRPO - posttrain"),
         ("reference/trainers/", "Trainers and configs"),
         ("results/time_to_accuracy/", "GRPO time to accuracy"),
     ],
