@@ -6,9 +6,9 @@ How (also described for readers in docs/docs_tests.md):
 - The pages show real calls. Under test, `"builtin:SmolLM2-135M-Instruct"` is a tiny Llama with a ChatML tokenizer:
   `POSTTRAIN_CACHE` points at a folder where that tiny model sits under the built-in model's name, so the library's
   own loading code finds it there (its context is widened to 4,096 positions, since the tiny tokenizer spells
-  text in about three times as many tokens as SmolLM2's). Every training config built during a block is capped (`DOCS_TEST_CAPS`: 2
-  optimizer steps, short generations) before its own checks run. The blocks run in a scratch folder that links the
-  repository's `examples/`, so relative paths on the pages work and outputs land in the scratch folder.
+  text in about three times as many tokens as SmolLM2's). Every training config built during a block is capped
+  (`DOCS_TEST_CAPS`: 2 optimizer steps, short generations) before its own checks run. The blocks run in a scratch
+  folder that links the repository's `examples/`, so relative paths on the pages work and outputs land there.
 - A block that cannot run here carries `<!-- docs-test: skip <reason> -->` on the line before its fence; the reason
   is the skip message. A block that imports `trl` is skipped when TRL is not installed.
 """
