@@ -163,3 +163,13 @@ def test_docs_block(block, docs_environment):
     _run(block, state["namespace"])
     state["done"].add(block.line)
     assert time.perf_counter() - started < 30, f"{block.id} took over 30 s: keep documentation examples small"
+
+
+def test_the_api_reference_documents_every_top_level_name():
+    """Every name of `posttrain.__all__` has its own `::: posttrain.<name>` entry in docs/reference/."""
+    import posttrain
+
+    reference = "\n".join(page.read_text() for page in sorted((ROOT / "docs" / "reference").glob("*.md")))
+    entries = set(re.findall(r"^::: posttrain\.(\w+)\s*$", reference, re.M))
+    missing = sorted(name for name in posttrain.__all__ if not name.startswith("_") and name not in entries)
+    assert not missing, f"add these to a page of docs/reference/: {missing}"
