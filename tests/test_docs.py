@@ -173,3 +173,11 @@ def test_the_api_reference_documents_every_top_level_name():
     entries = set(re.findall(r"^::: posttrain\.(\w+)\s*$", reference, re.M))
     missing = sorted(name for name in posttrain.__all__ if not name.startswith("_") and name not in entries)
     assert not missing, f"add these to a page of docs/reference/: {missing}"
+
+
+def test_the_readme_links_resolve():
+    """README.md is read on GitHub, outside the site's strict build: its relative links must name files that exist."""
+    text = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if "://" not in t]
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert targets and not missing, missing
