@@ -47,7 +47,7 @@ def worker(out_dir: str, model: str, trainer_name: str, steps: int) -> None:
     from datasets import Dataset
 
     import posttrain as pt
-    from posttrain.trainers.distributed import held_parameter_count
+    from posttrain.runtime.distributed import held_parameter_count
 
     runtime_mb = _rss_mb()
     common = dict(

@@ -137,7 +137,7 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
             trainer.generation_backend.share_prefill = not levers["no_shared_prefill"]
             trainer.generation_backend.drop_finished = not levers["no_drop_finished"]
             if levers["no_shared_prompt_forward"]:
-                from posttrain.trainers import online_logps
+                from posttrain.online import logps as online_logps
 
                 online_logps.shared_prompt_logps = lambda *args: None
         torch.manual_seed(settings["seed"])

@@ -25,8 +25,8 @@ from datasets import Dataset
 
 from posttrain import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from posttrain.generation import SamplingParams, TransformersBackend, stop_token_ids
+from posttrain.online.episodes import ToolRollouts
 from posttrain.tools import EnvironmentPool, tool_schemas, use_chatml_tool_template
-from posttrain.trainers.episodes import ToolRollouts
 
 MODEL = "builtin:SmolLM2-135M-Instruct"
 NUMBER = re.compile(r"-?\d+")

@@ -6,7 +6,7 @@
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+from posttrain.version import __version__
 
 _EXPORTS = {
     "SFTTrainer": "posttrain.trainers.sft",
@@ -20,10 +20,10 @@ _EXPORTS = {
     "LogCompletionsCallback": "posttrain.callbacks",
     "RichProgressCallback": "posttrain.callbacks",
     "WeaveCallback": "posttrain.callbacks",
-    "add_response_schema": "posttrain.chat_template_utils",
-    "clone_chat_template": "posttrain.chat_template_utils",
-    "get_training_chat_template": "posttrain.chat_template_utils",
-    "supports_tool_calling": "posttrain.chat_template_utils",
+    "add_response_schema": "posttrain.data.chat_templates",
+    "clone_chat_template": "posttrain.data.chat_templates",
+    "get_training_chat_template": "posttrain.data.chat_templates",
+    "supports_tool_calling": "posttrain.data.chat_templates",
     "is_conversational_from_value": "posttrain.data_utils",
     "maybe_convert_to_chatml": "posttrain.data_utils",
     "maybe_extract_prompt": "posttrain.data_utils",

@@ -1,10 +1,10 @@
 """TRL's `trl.data_utils` functions, same names, signatures and behaviour; the code lives in posttrain's
 data layer (`posttrain/data/`)."""
 
-from .data.chat import apply_chat_template, maybe_apply_chat_template
-from .data.formats import is_conversational
-from .data.packing import pack_dataset
-from .data.transforms import (
+from posttrain.data.chat import apply_chat_template, maybe_apply_chat_template
+from posttrain.data.formats import is_conversational
+from posttrain.data.packing import pack_dataset
+from posttrain.data.transforms import (
     common_prefix_length,
     extract_prompt,
     get_dataset_column_names,

@@ -62,7 +62,7 @@ REPORT_TEST_MODULES = {"test_report", "test_report_run", "test_report_browser", 
 @pytest.fixture(autouse=True)
 def _skip_end_of_run_report(request, monkeypatch):
     if request.module.__name__.rsplit(".", 1)[-1] not in REPORT_TEST_MODULES:
-        from posttrain.callbacks.run_artifacts import RunArtifactsCallback
+        from posttrain.training.run_artifacts import RunArtifactsCallback
 
         monkeypatch.setattr(RunArtifactsCallback, "_write_report", lambda self, args, state: None)
 

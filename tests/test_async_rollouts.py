@@ -1,4 +1,4 @@
-"""Asynchronous generation in the online engine (posttrain/trainers/async_rollouts.py): k = 0 is the synchronous
+"""Asynchronous generation in the online engine (posttrain/online/async_rollouts.py): k = 0 is the synchronous
 run, with k = 1 the round trained at step t was sampled with the weights of step t - 1 (its completions, its
 recorded version and its sampler log-probs), resuming with rounds in flight is exact, and the settings the
 background thread cannot serve stop before training."""
@@ -12,10 +12,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from posttrain.errors import ConfigError
 from posttrain.generation import TransformersBackend, stop_token_ids
-from posttrain.trainers.checkpoints import TRAINER_STATE_FILE
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, RolloutSampler, round_seeds
 from posttrain.trainers.grpo import GRPOTrainer
-from posttrain.trainers.online_eval import PROMPT_IDS_COLUMN
-from posttrain.trainers.rollout import RolloutSampler
+from posttrain.training.checkpoints import TRAINER_STATE_FILE
 
 # Wall-clock measurements differ between two runs of the same computation.
 UNTIMED = ("time/", "perf/", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
@@ -105,7 +104,7 @@ def test_one_round_ahead_trains_step_t_on_samples_of_step_t_minus_1(tmp_path, ti
         # Its completions are the samples of the weights of `version`, with the round's seeds ...
         tags = trainer.rollout_sampler.round_tags(round_index)
         rows = [trainer.train_dataset[index] for _, index in tags]
-        seeds = trainer.round_seeds(round_index, [slot for slot, _ in tags], "train")
+        seeds = round_seeds(trainer.args.seed, round_index, [slot for slot, _ in tags], "train")
         completions = backend.generate([row[PROMPT_IDS_COLUMN] for row in rows], 4, trainer.sampling, seeds)
         for row, completion in enumerate(completions):
             length = len(completion.token_ids)

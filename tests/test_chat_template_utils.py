@@ -129,7 +129,7 @@ def _trl_template(name):
 
 @pytest.mark.skipif(trl_ctu is None, reason="TRL's copy of the Qwen 2.5 template is the test input")
 def test_training_template_for_qwen2_5_with_tools(fresh_tokenizer):
-    from posttrain.chat_template_utils import _PROBE_TOOLS, _PROBES, _TOOL_PROBES
+    from posttrain.data.chat_templates import _PROBE_TOOLS, _PROBES, _TOOL_PROBES
 
     original = _with(fresh_tokenizer, _trl_template("qwen2_5")).chat_template
     training = get_training_chat_template(fresh_tokenizer)

@@ -416,7 +416,7 @@ def test_a_mixture_entry_without_path_is_a_config_error():
 
 
 def test_python_m_posttrain_scripts_is_the_posttrain_command(monkeypatch, capsys):
-    from posttrain.scripts import _run
+    from posttrain.cli import trl_scripts as _run
 
     monkeypatch.setattr("sys.argv", ["posttrain/scripts/dpo.py", "--lerning_rate", "1e-5"])
     assert _run.command_line("dpo") == 2

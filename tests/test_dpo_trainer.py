@@ -345,7 +345,8 @@ def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(ti
     """Rows of very different lengths: the padded batch runs as fewer rows, each prompt once for its chosen and
     rejected completions, through the hidden-state path (no [tokens x vocab] logits); each sequence's log-prob,
     metric sums and gradient equal float64 computed on it alone. A left-padded batch (left as it is) agrees."""
-    from posttrain.trainers import preference_common
+    from posttrain.models import layouts as sequence_layouts
+    from posttrain.training import preference as preference_common
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention)
     rows = [
@@ -359,9 +360,9 @@ def test_sequence_logps_shares_prompts_packs_and_matches_float64_per_sequence(ti
     batch = PreferenceCollator(0)(rows)
     layouts = []
     monkeypatch.setattr(
-        preference_common,
+        sequence_layouts,
         "shared_layout",
-        lambda *args, f=preference_common.shared_layout: layouts.append(f(*args)) or layouts[-1],
+        lambda *args, f=sequence_layouts.shared_layout: layouts.append(f(*args)) or layouts[-1],
     )
     got = preference_common.sequence_logps(model, batch)
     # Fewer positions than the prompts and completions hold when each is computed once per sequence.

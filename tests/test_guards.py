@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from posttrain import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from posttrain.errors import ConfigError, NonFiniteError
-from posttrain.trainers.checkpoints import CHECKPOINT_MARKER, rotate
+from posttrain.training.checkpoints import CHECKPOINT_MARKER, rotate
 
 
 def _sft_data():

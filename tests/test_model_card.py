@@ -9,7 +9,13 @@ from datasets import Dataset, load_from_disk
 
 import posttrain
 from posttrain import SFTConfig
-from posttrain.model_card import PAPERS, dataset_names, non_default_settings, render_model_card, write_model_card
+from posttrain.training.model_card import (
+    PAPERS,
+    dataset_names,
+    non_default_settings,
+    render_model_card,
+    write_model_card,
+)
 
 HISTORY = [
     {"loss": 2.0, "step": 1},

@@ -16,7 +16,7 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.judges import BasePairwiseJudge
 from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from posttrain.losses.online_preference import online_dpo_loss, pair_preferences
-from posttrain.trainers.online import Episode
+from posttrain.online.engine import Episode
 
 
 def config(tmp_path, cls=OnlineDPOConfig, **overrides):

@@ -1,4 +1,4 @@
-"""The online RL engine (posttrain/trainers/online.py), exercised through GRPOTrainer: batch arithmetic,
+"""The online RL engine (posttrain/online/engine.py), exercised through GRPOTrainer: batch arithmetic,
 errors before training, prompt preparation, what reward functions receive, metrics, reproducibility, and
 the invariance of the first update's gradient to how the batch is split (micro-batches, steps per
 generation, processes).
@@ -23,8 +23,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from posttrain.errors import ConfigError, DataError
+from posttrain.online.engine import Rollout, RolloutSampler, groupwise_advantages
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.trainers.online import Rollout, RolloutSampler, groupwise_advantages
 from posttrain.trainers.rloo import RLOOConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -650,7 +650,7 @@ def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_pa
 
 
 def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, capsys, monkeypatch):
-    import posttrain.trainers.online_eval as online_eval
+    import posttrain.online.evaluation as online_eval
 
     printed_records = []
     real = online_eval.print_completion_table

@@ -1,4 +1,4 @@
-"""The online trainers' shared-prompt forward (posttrain/trainers/online_logps.py): each group's prompt computed
+"""The online trainers' shared-prompt forward (posttrain/online/logps.py): each group's prompt computed
 once with its completions after it under a 4D mask. The reference is the model on each sequence alone, unpadded,
 in float64: log-probs, entropies and the parameters' gradients must agree to rounding, with sdpa and eager attention,
 groups of unequal size (one of them split across the batch), completions that begin alike, a prompt of its own,
@@ -7,8 +7,8 @@ and completions of every length down to one token."""
 import pytest
 import torch
 
-from posttrain.trainers import online_logps
-from posttrain.trainers.online_logps import completion_logps, shared_prompt_layout
+from posttrain.online import logps as online_logps
+from posttrain.online.logps import completion_logps, shared_prompt_layout
 
 PROMPTS = [[5, 9, 13, 20, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48], [77, 78, 79]]
 # (prompt, completion) rows: prompt 0 has four completions (two beginning alike, one placed after prompt 1's), both

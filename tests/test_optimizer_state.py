@@ -1,4 +1,4 @@
-"""Adam's moment buffers from one allocation (posttrain/trainers/optimizer_state.py): the same training as torch's lazy
+"""Adam's moment buffers from one allocation (posttrain/training/optimizer_state.py): the same training as torch's lazy
 initialisation bit for bit (parameters and optimizer state, step after step), one storage for the buffers made
 before the first step, and Adam's own path for what it leaves alone."""
 
@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
-from posttrain.trainers.optimizer_state import allocate_adam_states_together
+from posttrain.training.optimizer_state import allocate_adam_states_together
 
 
 class _Net(torch.nn.Module):

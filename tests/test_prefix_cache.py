@@ -1,5 +1,5 @@
 """Trained sequences with gradient and their no-gradient continuations read from the attention cache
-(posttrain/trainers/prefix_cache.py, KTO's KL pairs). The reference is the model on each sequence alone, unpadded,
+(posttrain/training/prefix_cache.py, KTO's KL pairs). The reference is the model on each sequence alone, unpadded,
 in float64: log-probs and the parameters' gradients must agree to rounding, with sdpa and eager attention, for
 continuations that share the whole prompt, more than the prompt, nothing at all, and whose completion is one
 token long."""
@@ -10,7 +10,7 @@ import torch
 from posttrain import KTOConfig, KTOTrainer
 from posttrain.models.tiny import build_tiny_model
 from posttrain.trainers import kto as kto_module
-from posttrain.trainers.prefix_cache import trained_and_continuation_logps
+from posttrain.training.prefix_cache import trained_and_continuation_logps
 
 # (prompt, completion) of the trained sequences, then of their continuations: continuation i is prompt i with
 # another completion: 0 takes 3's, 1 one beginning like its own (shares prompt + 2 tokens), 2 a one-token one,

@@ -7,7 +7,7 @@ from datasets import Dataset
 
 from posttrain import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from posttrain.data.preference import PreferenceCollator
-from posttrain.trainers.reference_memo import DIGESTS, ReferenceMemo, row_digests
+from posttrain.training.reference_memo import DIGESTS, ReferenceMemo, row_digests
 
 WORDS = "cat dog sun moon tree fish bird sky red green blue one two three".split()
 

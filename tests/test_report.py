@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import posttrain.cli.report as report_module
-from posttrain.cli.report import (
+import posttrain.training.report as report_module
+from posttrain.errors import DataError
+from posttrain.training.report import (
     Series,
     display_name,
     load_log_history,
@@ -22,7 +23,6 @@ from posttrain.cli.report import (
     save_plots,
     write_report,
 )
-from posttrain.errors import DataError
 
 NAN = float("nan")
 
@@ -397,6 +397,6 @@ def test_missing_matplotlib_names_the_install(monkeypatch):
 
 
 def test_import_does_not_load_matplotlib():
-    code = "import sys, posttrain.cli.report; print('matplotlib' in sys.modules)"
+    code = "import sys, posttrain.training.report; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -13,7 +13,7 @@ import pytest
 from datasets import Dataset
 
 from posttrain import SFTConfig, SFTTrainer
-from posttrain.cli.report import load_log_history, write_report
+from posttrain.training.report import load_log_history, write_report
 
 
 def _run(tmp_path, tiny_model_path, **kw):

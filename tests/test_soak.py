@@ -32,7 +32,7 @@ import pytest
 import torch
 from _faults import flaky_reward
 
-from posttrain.trainers.checkpoints import CHECKPOINT_MARKER
+from posttrain.training.checkpoints import CHECKPOINT_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUDGET = float(os.environ.get("POSTTRAIN_SOAK_SECONDS", "180"))

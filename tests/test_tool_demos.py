@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.cli.report import write_report
 from posttrain.tools import parse_tool_calls, tool_schemas, tool_suffix_ids, use_chatml_tool_template
+from posttrain.training.report import write_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import grpo_environment as env_demo  # noqa: E402

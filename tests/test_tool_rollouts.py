@@ -1,4 +1,4 @@
-"""Multi-turn episodes in the online engine (posttrain/trainers/episodes.py): tool calls run and their results are
+"""Multi-turn episodes in the online engine (posttrain/online/episodes.py): tool calls run and their results are
 appended as tokens the model does not train on, the sampled ids pass through untouched, the loss is over the
 model's tokens only, environments and rollout_func follow TRL's contracts, and GRPO, RLOO and PPO each train on a
 tool episode.
@@ -17,13 +17,13 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.callbacks.completion_table import completion_table, completion_text
-from posttrain.cli.report import write_report
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation.base import Completion, GenerationBackend
 from posttrain.losses.logprobs import selective_log_softmax
 from posttrain.tools import use_chatml_tool_template
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.rloo import RLOOConfig, RLOOTrainer
+from posttrain.training.report import write_report
 
 
 def add(a: int, b: int) -> int:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import pytest
 
-from posttrain import chat_template_utils as ctu
+from posttrain.data import chat_templates as ctu
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.builtin import SMOLLM2_CHAT_TEMPLATE
 from posttrain.tools import (

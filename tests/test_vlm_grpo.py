@@ -13,7 +13,7 @@ from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from posttrain.data.transforms import prepare_multimodal_messages
 from posttrain.data.vision import open_image
 from posttrain.errors import ConfigError, DataError
-from posttrain.trainers.rollout import Rollout
+from posttrain.online.rollout import Rollout
 
 TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
 
@@ -73,7 +73,7 @@ def _trainer(tmp_path, vlm_paths, arch, **kw):
 
 def _hand_built_rollout(trainer, rows, completions: list[list[int]]) -> Rollout:
     """Each row's prompt once per completion (n = len(completions) // len(rows)), processed by the trainer."""
-    from posttrain.trainers.rollout import pad_rows
+    from posttrain.online.rollout import pad_rows
 
     n = len(completions) // len(rows)
     prompt_ids, parts = trainer.image_prompts.process(rows)

@@ -152,8 +152,8 @@ def test_qwen2_vl_batch_goes_through_the_loss(tmp_path):
     the trainer hands the model its image inputs, and the loss against the float64 reference."""
     from datasets import Dataset
 
-    from posttrain.data.vision import freeze_vision_tower
     from posttrain.models.tiny_vlm import build_tiny_qwen2_vl_model
+    from posttrain.models.vision import freeze_vision_tower
 
     model, tokenizer = build_tiny_qwen2_vl_model()
     text = Dataset.from_list([{"prompt": "what", "completion": " one"}] * 2)

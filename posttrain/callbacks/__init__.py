@@ -2,13 +2,13 @@
 (local JSONL / wandb, Weave), a rich progress display, win rate against the reference (a judge), and merging the
 policy with its base checkpoint."""
 
-from .bema import BEMACallback
-from .log_completions import LogCompletionsCallback
-from .merge_model import MergeConfig, MergeModelCallback
-from .rich_progress import RichProgressCallback
-from .sync_ref import SyncRefModelCallback, mix_into_reference
-from .weave import WeaveCallback
-from .win_rate import WinRateCallback
+from posttrain.callbacks.bema import BEMACallback
+from posttrain.callbacks.log_completions import LogCompletionsCallback
+from posttrain.callbacks.merge_model import MergeConfig, MergeModelCallback
+from posttrain.callbacks.rich_progress import RichProgressCallback
+from posttrain.callbacks.weave import WeaveCallback
+from posttrain.callbacks.win_rate import WinRateCallback
+from posttrain.training.sync_ref import SyncRefModelCallback, mix_into_reference
 
 __all__ = [
     "BEMACallback",

@@ -10,7 +10,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from ..models.reference import unwrap
+from posttrain.models.reference import unwrap
 
 logger = logging.getLogger("posttrain")
 

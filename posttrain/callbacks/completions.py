@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import gather_object
 
-from ..data.chat import maybe_apply_chat_template
+from posttrain.data.chat import maybe_apply_chat_template
 
 
 def eval_prompts(trainer, num_prompts: int | None, who: str):

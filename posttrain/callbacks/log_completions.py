@@ -8,7 +8,7 @@ import os
 
 from transformers import TrainerCallback
 
-from .completions import eval_prompts, generate_completions, raw_prompts
+from posttrain.callbacks.completions import eval_prompts, generate_completions, raw_prompts
 
 logger = logging.getLogger("posttrain")
 

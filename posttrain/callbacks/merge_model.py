@@ -15,8 +15,8 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from ..errors import ConfigError
-from ..models.reference import is_peft_model, unwrap
+from posttrain.errors import ConfigError
+from posttrain.models.reference import is_peft_model, unwrap
 
 logger = logging.getLogger("posttrain")
 
@@ -136,7 +136,7 @@ def _full_weights_model(model):
 def merge_model_weights(config: MergeConfig, model, out_path: str, processing_class=None) -> str:
     """Merges the in-memory policy `model` with `config.target_model_path` and saves the result (and the tokenizer)
     to `out_path`, in `config.dtype`."""
-    from ..models.loading import load_causal_lm
+    from posttrain.models.loading import load_causal_lm
 
     if config.target_model_path is None:
         raise ConfigError(

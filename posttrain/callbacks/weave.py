@@ -7,7 +7,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from .completions import eval_prompts, generate_completions, raw_prompts
+from posttrain.callbacks.completions import eval_prompts, generate_completions, raw_prompts
 
 logger = logging.getLogger("posttrain")
 

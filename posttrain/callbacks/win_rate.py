@@ -7,8 +7,8 @@ from contextlib import nullcontext
 
 from transformers import TrainerCallback
 
-from ..models.reference import is_peft_model, reference_forward
-from .completions import eval_prompts, generate_completions, raw_prompts
+from posttrain.callbacks.completions import eval_prompts, generate_completions, raw_prompts
+from posttrain.models.reference import is_peft_model, reference_forward
 
 
 def _prompts(trainer, dataset) -> list:

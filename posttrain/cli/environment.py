@@ -12,8 +12,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from posttrain import __version__
 from posttrain.cli.runtime import allocator_report, threads_report
+from posttrain.version import __version__
 
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
 OPTIONAL_PACKAGES = {

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain import __version__
 from posttrain.cli.args import (
     CommandParser,
     FlagGroup,
@@ -43,6 +42,7 @@ from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_q
 from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
 from posttrain.errors import ConfigError, PosttrainError
+from posttrain.version import __version__
 
 USAGE_ERROR = 2
 # Set in the processes that `accelerate launch` starts for us, so that they train instead of launching again.
@@ -491,7 +491,7 @@ def _show_live_metrics(trainer) -> None:
 
 def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path | None:
     """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
-    from posttrain.cli.report import write_report
+    from posttrain.training.report import write_report
 
     if importlib.util.find_spec("matplotlib") is None:
         print(
@@ -509,7 +509,7 @@ def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path
 
 def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str:
     """One screen: steps, processes, final metrics, where the model and report are, and the wall time."""
-    from posttrain.cli.report import RUN_STATISTICS
+    from posttrain.training.report import RUN_STATISTICS
 
     state = trainer.state
     final: dict[str, float] = {}
@@ -564,7 +564,7 @@ def env_command(argv: list[str]) -> int:
 
 
 def report_command(argv: list[str]) -> int:
-    from posttrain.cli.report import write_report
+    from posttrain.training.report import write_report
 
     parser = CommandParser(prog="posttrain report", description=TOOLS["report"])
     parser.add_argument("output_dir", help="A training run's output_dir (with trainer_state.json or checkpoints).")

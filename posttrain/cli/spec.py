@@ -21,8 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain import __version__
 from posttrain.cli.args import FlagGroup, field_hints, flag_spec
+from posttrain.version import __version__
 
 FORMAT = 1
 PACKAGE_DIR = Path(__file__).resolve().parent.parent

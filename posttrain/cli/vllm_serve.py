@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
-from .args import CommandParser
+from posttrain.cli.args import CommandParser
+from posttrain.errors import ConfigError
 
 DESCRIPTION = "start a vLLM server that the online trainers use with use_vllm=True, vllm_mode='server'"
 
@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start the server described by `argv` (vllm-serve's arguments,
     then optionally `--` and arguments for vLLM itself)."""
-    from ..generation.vllm_client import WORKER_EXTENSION  # imports torch: only when a server starts
-    from ..models.loading import resolve_model_path
+    from posttrain.generation.vllm_client import WORKER_EXTENSION  # imports torch: only when a server starts
+    from posttrain.models.loading import resolve_model_path
 
     ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = build_parser().parse_args(ours)

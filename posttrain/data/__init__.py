@@ -1,13 +1,13 @@
 """The offline data path: formats -> chat rendering -> tokenization with masks -> packing -> collation."""
 
-from .chat import apply_chat_template, convert_sharegpt, maybe_apply_chat_template
-from .collators import IGNORE_INDEX, LanguageModelingCollator
-from .formats import DatasetFormat, detect_format, is_conversational, validate_dataset
-from .packing import pack_dataset
-from .tokenize import tokenize_example
+from posttrain.data.chat import apply_chat_template, convert_sharegpt, maybe_apply_chat_template
+from posttrain.data.collators import IGNORE_INDEX, LanguageModelingCollator
+from posttrain.data.formats import DatasetFormat, detect_format, is_conversational, validate_dataset
+from posttrain.data.packing import pack_dataset
+from posttrain.data.tokenize import tokenize_example
 
 # TRL's versions; the trainers' own (same names) are in .chat
-from .transforms import extract_prompt, unpair_preference_dataset
+from posttrain.data.transforms import extract_prompt, unpair_preference_dataset
 
 __all__ = [
     "IGNORE_INDEX",

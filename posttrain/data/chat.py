@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DataError
-from .formats import TEXT_COLUMNS, is_conversational, is_message_list
+from posttrain.data.formats import TEXT_COLUMNS, is_conversational, is_message_list
+from posttrain.errors import DataError
 
 SHAREGPT_ROLES = {
     "human": "user",

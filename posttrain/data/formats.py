@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DataError
+from posttrain.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 

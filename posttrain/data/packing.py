@@ -21,7 +21,7 @@ import bisect
 from collections import deque
 from typing import Any
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 STRATEGIES = ("bfd", "bfd_split", "wrapped")
 

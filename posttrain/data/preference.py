@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DataError
-from .chat import extract_prompt, normalize_example, render, require_chat_template
-from .collators import pad
-from .formats import DatasetFormat, check_example, is_message_list, validate_dataset
-from .report import DatasetReport, cut_column
+from posttrain.data.chat import extract_prompt, normalize_example, render, require_chat_template
+from posttrain.data.collators import pad
+from posttrain.data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
+from posttrain.data.report import DatasetReport, cut_column
+from posttrain.errors import DataError
 
 logger = logging.getLogger("posttrain")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from ..errors import DataError
-from .chat import render, require_chat_template
-from .formats import DatasetFormat
+from posttrain.data.chat import render, require_chat_template
+from posttrain.data.formats import DatasetFormat
+from posttrain.errors import DataError
 
 Span = tuple[int, int]
 

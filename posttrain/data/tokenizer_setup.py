@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 logger = logging.getLogger("posttrain")
 

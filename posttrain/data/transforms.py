@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DataError
-from .formats import is_conversational
+from posttrain.data.formats import is_conversational
+from posttrain.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -15,18 +15,17 @@ aligning the two token sequences (the expansion only inserts tokens).
 from __future__ import annotations
 
 import contextlib
-import copy
 import difflib
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, DataError
-from .chat import apply_chat_template, render
-from .tokenize import assistant_spans, tokenize_with_spans
-from .transforms import prepare_multimodal_messages
+from posttrain.data.chat import apply_chat_template, render
+from posttrain.data.tokenize import assistant_spans, tokenize_with_spans
+from posttrain.data.transforms import prepare_multimodal_messages
+from posttrain.errors import ConfigError, DataError
 
 IMAGE_COLUMNS = ("images", "image")
 # Per-token inputs some architectures take beside input_ids (Gemma 3, Qwen2-VL); padded with 0.
@@ -54,8 +53,6 @@ _IMAGE_TOKEN_ATTRIBUTES = (
     "vision_start_token",
     "vision_end_token",
 )
-VISION_TOWERS = ("vision_tower", "vision_model", "visual")
-PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
 IGNORE_INDEX = -100
 
 
@@ -79,36 +76,6 @@ def is_vision_dataset(dataset) -> bool:
 def is_vision_model(model) -> bool:
     config = getattr(model, "config", None)
     return config is not None and getattr(config, "vision_config", None) is not None
-
-
-def is_vision_checkpoint(name: str, trust_remote_code: bool = False) -> bool:
-    from transformers import AutoConfig
-
-    from ..models.loading import resolve_model_path
-
-    try:
-        config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        return False
-    return getattr(config, "vision_config", None) is not None
-
-
-def load_vision_model(name: str, init_kwargs: dict | None = None):
-    """A vision-language model by name or path (`AutoModelForImageTextToText`)."""
-    from transformers import AutoModelForImageTextToText
-
-    from ..models.loading import resolve_model_path
-
-    return AutoModelForImageTextToText.from_pretrained(resolve_model_path(name), **(init_kwargs or {}))
-
-
-def load_processor(model, trust_remote_code: bool = False):
-    from transformers import AutoProcessor
-
-    from ..models.loading import resolve_model_path
-
-    name = model if isinstance(model, str) else model.config._name_or_path
-    return AutoProcessor.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
 
 
 def check_vision_inputs(model, processing_class, dataset, name: str = "train_dataset") -> None:
@@ -139,38 +106,6 @@ def pad_token_view(processing_class):
         yield
     finally:
         vars(processing_class).pop("pad_token", None)
-
-
-def check_vision_config(args, trainer: str) -> None:
-    """Options the image path cannot honour are refused before training."""
-    if getattr(args, "packing", False):
-        raise ConfigError(
-            f"{trainer}: packing=True is not supported with images (an image's tokens and its pixel "
-            "values would have to be split across packed rows). Set packing=False."
-        )
-    if getattr(args, "padding_free", False):
-        raise ConfigError(
-            f"{trainer}: padding_free=True is not supported with images (the vision-language models' "
-            "forward builds image features per padded row). Set padding_free=False."
-        )
-    if args.max_length is not None and getattr(args, "truncation_mode", "keep_start") == "keep_end":
-        raise ConfigError(
-            f"{trainer}: truncation_mode='keep_end' would cut image tokens at the start of the prompt "
-            "while keeping their pixel values. Use truncation_mode='keep_start' or max_length=None."
-        )
-    if getattr(args, "precompute_ref_log_probs", False):
-        raise ConfigError(
-            f"{trainer}: precompute_ref_log_probs=True is not supported with images (rows are "
-            "processed in the collator, not tokenized ahead). Set precompute_ref_log_probs=False."
-        )
-    for name in ("max_prompt_length", "max_completion_length"):
-        if getattr(args, name, None) is not None:
-            raise ConfigError(
-                f"{trainer}: {name} is not applied to image rows (they are processed whole in the "
-                f"collator); bound them with max_length, or set {name}=None."
-            )
-    if getattr(args, "chunked_loss", False):
-        raise ConfigError(f"{trainer}: chunked_loss=True is not supported with images; set chunked_loss=False.")
 
 
 # -- images ----------------------------------------------------------------------------------------------
@@ -244,7 +179,7 @@ def validate_vision_dataset(
 ):
     """Checks every row before training: the format, one image placeholder per image, and every image readable.
     Returns the dataset format."""
-    from .formats import validate_dataset
+    from posttrain.data.formats import validate_dataset
 
     text_only = dataset.select_columns([c for c in dataset.column_names if c not in IMAGE_COLUMNS])
     if text_field != "text" and text_field in text_only.column_names:
@@ -279,58 +214,6 @@ def validate_vision_dataset(
         for image in images:
             open_image(image, row, verify=True)
     return fmt
-
-
-# -- model set-up ----------------------------------------------------------------------------------------
-def _module_names(model, names) -> list[str]:
-    found = [n for n, _ in model.named_modules() if n.split(".")[-1] in names]
-    return [n for n in found if not any(n.startswith(other + ".") for other in found if other != n)]
-
-
-def freeze_vision_tower(model) -> list[str]:
-    """Stops gradients into the vision tower (its projector / connector stays trainable). Returns the towers."""
-    towers, projectors = _module_names(model, VISION_TOWERS), _module_names(model, PROJECTORS)
-    for name, parameter in model.named_parameters():
-        in_tower = any(f".{t}." in f".{name}" for t in towers)
-        if in_tower and not any(f".{p}." in f".{name}" for p in projectors):
-            parameter.requires_grad_(False)
-    return towers
-
-
-def configure_vision_peft(peft_config, model, freeze_tower: bool) -> None:
-    """LoRA on the language model with the projector fully trained: `peft_config` (a copy the trainer owns) gets
-    the projector in `modules_to_save` and, with a frozen tower, the tower in `exclude_modules` (a setting the
-    user gave is kept)."""
-    projectors = sorted({n.split(".")[-1] for n in _module_names(model, PROJECTORS)})
-    if projectors and hasattr(peft_config, "modules_to_save"):
-        peft_config.modules_to_save = list(dict.fromkeys([*(peft_config.modules_to_save or []), *projectors]))
-    if freeze_tower and hasattr(peft_config, "exclude_modules") and peft_config.exclude_modules is None:
-        peft_config.exclude_modules = r".*\b(" + "|".join(VISION_TOWERS) + r")\b.*"
-
-
-def adapt_vision_model(model, peft_config, freeze_tower: bool):
-    """Before PEFT wrapping (every trainer, offline and online): with LoRA, the projector trained in full and no
-    adapter in a frozen tower (`configure_vision_peft`); the tower frozen when `freeze_tower`. A text-only model is
-    left as it is. Returns `model`."""
-    if is_vision_model(model):
-        if peft_config is not None:
-            configure_vision_peft(peft_config, model, freeze_tower)
-        if freeze_tower:
-            freeze_vision_tower(model)
-    return model
-
-
-def freeze_vision_tower_field():
-    """The `freeze_vision_tower` config field the vision-capable trainers share."""
-    return field(
-        default=True,
-        metadata={
-            "help": "posttrain extra: with a vision-language model, keep the vision "
-            "tower's weights fixed (the projector and the language model train; "
-            "with LoRA, the tower gets no adapter and the projector is trained "
-            "in full). TRL trains every weight."
-        },
-    )
 
 
 def vision_inputs(batch: dict) -> dict:
@@ -388,7 +271,7 @@ def encode_rows(
     """Each row's first segment (with the row's images) through the processor, the others through its tokenizer,
     concatenated, cut to `max_length` (keep_start) and right padded. Returns the model inputs and the
     trained-token mask [rows, T] (0 on image tokens, always)."""
-    from .collators import pad
+    from posttrain.data.collators import pad
 
     tokenizer = processor.tokenizer
     loaded = [[open_image(image) for image in row] for row in images]
@@ -523,63 +406,6 @@ class VisionPreferenceCollator:
         batch, mask = encode_rows(self.processor, rows, images, self.max_length, self.pad_to_multiple_of)
         batch["completion_mask"] = mask
         return batch
-
-
-class VisionSetup:
-    """Trainer glue for images (SFT, DPO): which processing class and loader a vision-language model needs, the
-    checks that refuse what the image path cannot do, LoRA / freezing of the tower."""
-
-    _vision = False  # the train dataset has images
-    _vision_model = False  # the model is a vision-language model
-
-    def setup_vision(self, model, args, train_dataset, eval_dataset, processing_class, peft_config, load_tokenizer):
-        """Returns the processing class (the model's processor for a vision-language model) and the peft config
-        to use (a copy, completed once the model is loaded)."""
-        trainer = type(self).__name__
-        evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
-        with_images = [d for d in [train_dataset, *evals] if d is not None and is_vision_dataset(d)]
-        self._vision = bool(with_images)
-        self._vision_model = (
-            is_vision_checkpoint(model, args.trust_remote_code) if isinstance(model, str) else is_vision_model(model)
-        )
-        if processing_class is None:
-            if self._vision_model:
-                processing_class = load_processor(model, args.trust_remote_code)
-            else:
-                model_id = model if isinstance(model, str) else model.config._name_or_path
-                processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
-        if self._vision:
-            check_vision_config(args, trainer)
-            if isinstance(model, str) and not self._vision_model:
-                raise ConfigError(
-                    f"{trainer}: the dataset has images, but {model!r} is a text-only model (its "
-                    "config has no vision_config). Train a vision-language model, or drop the image "
-                    "column."
-                )
-            check_vision_inputs(None if isinstance(model, str) else model, processing_class, with_images[0])
-        if peft_config is not None and self._vision_model:
-            peft_config = copy.copy(peft_config)
-        if (
-            self._vision_model
-            and args.ddp_find_unused_parameters is None
-            and not (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
-        ):
-            # A batch without images leaves the projector without gradients, which DDP must be told about (as TRL).
-            args.ddp_find_unused_parameters = True
-        return processing_class, peft_config
-
-    def vision_loader(self, model, args):
-        """How a vision-language model given by name is loaded (None: the trainer's own loader)."""
-        return load_vision_model if self._vision_model else None
-
-    def adapt_vision_model(self, loaded, peft_config, freeze_tower: bool) -> None:
-        adapt_vision_model(loaded, peft_config, freeze_tower)
-
-    processor_pad_token = staticmethod(pad_token_view)
-
-    def finish_vision_setup(self, freeze_tower: bool) -> None:
-        if freeze_tower and is_vision_model(self.accelerator.unwrap_model(self.model)):
-            freeze_vision_tower(self.model)
 
 
 # -- per-row image inputs (for the online engine: one prompt's images travel with each of its completions) ----

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 
 @dataclass

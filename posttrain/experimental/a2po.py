@@ -16,13 +16,12 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ConfigError, DataError
-from ..generation.base import derive_seed
-from ..losses.grpo_family import a2po_loss, a2po_optimal_values
-from ..trainers.grpo import GRPOConfig, GRPOTrainer
-from ..trainers.online import OnlineTrainer
-from ..trainers.online_eval import PROMPT_IDS_COLUMN
-from ..trainers.rollout import Advantages
+from posttrain.errors import ConfigError, DataError
+from posttrain.generation.base import derive_seed
+from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values
+from posttrain.online.engine import OnlineTrainer
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, Advantages
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 __all__ = ["A2POConfig", "A2POTrainer"]
 

@@ -1,5 +1,5 @@
 """Asynchronous on-policy distillation with TRL's `trl.experimental.async_distillation` API, on the online engine's
-asynchronous producer (posttrain/trainers/async_rollouts.py): a background thread samples the student's completions
+asynchronous producer (posttrain/online/async_rollouts.py): a background thread samples the student's completions
 up to `max_staleness` rounds ahead of the one training, and the student is trained towards the teacher on them.
 
 The teacher is a vLLM server (`teacher_server_urls`, TRL's protocol: `prompt_logprobs` of the student's tokens) or,
@@ -21,14 +21,18 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ConfigError
-from ..losses.policy import aggregate_loss
-from ..losses.server_distillation import server_support, sparse_teacher_divergence
-from ..models.reference import freeze
-from ..trainers.online import Advantages, OnlineConfig, OnlineTrainer, Rollout
-from ..trainers.online_eval import PROMPT_IDS_COLUMN
-from ..trainers.rollout import pad_rows
-from ._async_pipeline import PIPELINE_UNSUPPORTED, AsyncPipelineFields, apply_dtype, refuse_trl_workers
+from posttrain.errors import ConfigError
+from posttrain.experimental._async_pipeline import (
+    PIPELINE_UNSUPPORTED,
+    AsyncPipelineFields,
+    apply_dtype,
+    refuse_trl_workers,
+)
+from posttrain.losses.policy import aggregate_loss
+from posttrain.losses.server_distillation import server_support, sparse_teacher_divergence
+from posttrain.models.reference import freeze
+from posttrain.online.engine import Advantages, OnlineConfig, OnlineTrainer, Rollout
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, pad_rows
 
 __all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "LocalTeacher"]
 
@@ -176,7 +180,7 @@ class AsyncDistillationTrainer(OnlineTrainer):
                 "Both teacher_model and teacher_server_urls are set; keep the one teacher to distil from."
             )
         if teacher_model is None:
-            from .server_distillation import TeacherServer
+            from posttrain.experimental.server_distillation import TeacherServer
 
             self.teacher = TeacherServer(
                 next(iter((args.teacher_server_urls or {"default": DEFAULT_TEACHER_URL}).values()))

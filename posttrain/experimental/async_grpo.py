@@ -1,5 +1,5 @@
 """Asynchronous GRPO with TRL's `trl.experimental.async_grpo` API, on the online engine's asynchronous producer
-(posttrain/trainers/async_rollouts.py): a background thread samples the rounds up to `max_staleness` rounds ahead
+(posttrain/online/async_rollouts.py): a background thread samples the rounds up to `max_staleness` rounds ahead
 of the one training, with weights refreshed every `weight_sync_steps` optimizer steps, by default on a vLLM server
 (`posttrain vllm-serve MODEL`; use_vllm=False samples with a copy of the policy through transformers instead).
 
@@ -17,9 +17,14 @@ from typing import ClassVar
 
 import torch
 
-from ..trainers.grpo import GRPOConfig, GRPOTrainer
-from ..trainers.rollout import Advantages, Rollout, groupwise_advantages
-from ._async_pipeline import PIPELINE_UNSUPPORTED, AsyncPipelineFields, apply_dtype, refuse_trl_workers
+from posttrain.experimental._async_pipeline import (
+    PIPELINE_UNSUPPORTED,
+    AsyncPipelineFields,
+    apply_dtype,
+    refuse_trl_workers,
+)
+from posttrain.online.rollout import Advantages, Rollout, groupwise_advantages
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "population_group_advantages"]
 

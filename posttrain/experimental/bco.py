@@ -18,28 +18,23 @@ from typing import ClassVar
 
 import torch
 
-from ..data.chat import render, require_chat_template, unpair_preference_dataset
-from ..data.collators import pad
-from ..data.formats import DatasetFormat, validate_dataset
-from ..data.report import DataReport, cut_column
-from ..errors import ConfigError, DataError
-from ..losses.bco import (
+from posttrain.data.chat import render, require_chat_template, unpair_preference_dataset
+from posttrain.data.collators import pad
+from posttrain.data.formats import DatasetFormat, validate_dataset
+from posttrain.data.report import DataReport, cut_column
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.bco import (
     bco_loss,
     density_ratio_weights,
     fit_density_ratio_classifier,
     prob_desirable,
     update_running_mean,
 )
-from ..models.loading import load_causal_lm
-from ..models.reference import is_peft_model, reference_forward, unwrap
-from ..trainers.dpo import (
-    ReferenceConfig,
-    ReferenceTrainer,
-    check_length_settings,
-    load_processing_class,
-    sequence_logps,
-)
-from ..trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
+from posttrain.models.loading import load_causal_lm
+from posttrain.models.reference import is_peft_model, reference_forward, unwrap
+from posttrain.trainers.dpo import ReferenceTrainer, sequence_logps
+from posttrain.trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
+from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings, load_processing_class
 
 logger = logging.getLogger("posttrain")
 

@@ -14,10 +14,10 @@ import logging
 import torch
 from transformers.trainer_callback import CallbackHandler
 
-from ..callbacks.bema import BEMACallback as _BEMACallback
-from ..errors import ConfigError
-from ..models.reference import REFERENCE_ADAPTER, add_reference_adapter, is_peft_model, unwrap
-from ..trainers.dpo import DPOTrainer as _DPOTrainer
+from posttrain.callbacks.bema import BEMACallback as _BEMACallback
+from posttrain.errors import ConfigError
+from posttrain.models.reference import REFERENCE_ADAPTER, add_reference_adapter, is_peft_model, unwrap
+from posttrain.trainers.dpo import DPOTrainer as _DPOTrainer
 
 logger = logging.getLogger("posttrain")
 

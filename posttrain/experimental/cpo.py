@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..losses.reference_free import CPO_AVERAGED_TYPES, cpo_loss, validate_cpo_settings
-from .orpo import ReferenceFreeConfig, ReferenceFreeTrainer
+from posttrain.losses.reference_free import CPO_AVERAGED_TYPES, cpo_loss, validate_cpo_settings
+from posttrain.training.reference_free import ReferenceFreeConfig, ReferenceFreeTrainer
 
 
 @dataclass

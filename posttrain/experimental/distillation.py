@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..trainers.distillation import DistillationConfig as _DistillationConfig
-from ..trainers.distillation import DistillationTrainer as _DistillationTrainer
-from ._moved import moved_trainer_init, warn_moved
+from posttrain.experimental._moved import moved_trainer_init, warn_moved
+from posttrain.trainers.distillation import DistillationConfig as _DistillationConfig
+from posttrain.trainers.distillation import DistillationTrainer as _DistillationTrainer
 
 
 @dataclass

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..data.chat import require_chat_template
-from ..data.formats import is_message_list
-from ..errors import DataError
-from ..generation import create_generation_backend
-from ..losses.sft import IGNORE_INDEX
-from ..trainers.distillation import DistillationConfig, DistillationTrainer
-from ..trainers.sft import SFTTrainer
+from posttrain.data.chat import require_chat_template
+from posttrain.data.formats import is_message_list
+from posttrain.errors import DataError
+from posttrain.generation import create_generation_backend
+from posttrain.losses.sft import IGNORE_INDEX
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.trainers.sft import SFTTrainer
 
 
 @dataclass

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
-from ..losses.grpo_family import gmpo_objective
-from ..losses.policy import objective_metrics
-from ..trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.errors import ConfigError
+from posttrain.losses.grpo_family import gmpo_objective
+from posttrain.losses.policy import objective_metrics
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
 __all__ = ["GMPOConfig", "GMPOTrainer"]
 

@@ -21,12 +21,12 @@ from functools import lru_cache
 
 import torch
 
-from ..errors import ConfigError
-from ..losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequence_parts
-from ..losses.sft import IGNORE_INDEX, nll_sum
-from ..models.loading import load_tokenizer
-from ..trainers.distillation import DistillationConfig
-from .gkd import GKDTrainer
+from posttrain.errors import ConfigError
+from posttrain.experimental.gkd import GKDTrainer
+from posttrain.losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequence_parts
+from posttrain.losses.sft import IGNORE_INDEX, nll_sum
+from posttrain.models.loading import load_tokenizer
+from posttrain.trainers.distillation import DistillationConfig
 
 
 @dataclass

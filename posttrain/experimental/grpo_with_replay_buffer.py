@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError
-from ..generation.base import derive_seed
-from ..trainers.grpo import GRPOConfig, GRPOTrainer, group_has_variance
-from ..trainers.rollout import Rollout
+from posttrain.errors import ConfigError
+from posttrain.generation.base import derive_seed
+from posttrain.online.rollout import Rollout
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, group_has_variance
 
 __all__ = ["GRPOWithReplayBufferConfig", "GRPOWithReplayBufferTrainer", "ReplayBuffer"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import tomllib
 
-from ..errors import ConfigError, DataError
+from posttrain.errors import ConfigError, DataError
 
 LIFECYCLE_HOOKS = ("_start", "_run", "_verify", "_stop")
 INSTALL_HINT = (

@@ -16,11 +16,11 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ConfigError
-from ..losses.distillation import generalized_jsd, shared_vocab
-from ..losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
-from ..losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
-from ..trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.errors import ConfigError
+from posttrain.losses.distillation import generalized_jsd, shared_vocab
+from posttrain.losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
+from posttrain.losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 OBJECTIVES = ("iw_opd", "jsd")
 

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 logger = logging.getLogger("posttrain")
 
@@ -165,7 +165,7 @@ class RewardModelPairwiseJudge(ScoringPairwiseJudge):
         max_length: int | None = None,
         model_init_kwargs: dict | None = None,
     ):
-        from ..models.loading import load_sequence_classifier, load_tokenizer, resolve_model_path
+        from posttrain.models.loading import load_sequence_classifier, load_tokenizer, resolve_model_path
 
         if isinstance(reward_model, str):  # a causal LM checkpoint would get a random head: a coin-flip judge
             from transformers import AutoConfig
@@ -226,7 +226,7 @@ class CausalLMPairwiseJudge(ScoringPairwiseJudge):
         batch_size: int = 8,
         model_init_kwargs: dict | None = None,
     ):
-        from ..models.loading import load_causal_lm, load_tokenizer
+        from posttrain.models.loading import load_causal_lm, load_tokenizer
 
         self.tokenizer = load_tokenizer(model, tokenizer)
         self.model = load_causal_lm(model, model_init_kwargs).eval()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..trainers.kto import KTOConfig as _KTOConfig
-from ..trainers.kto import KTOTrainer as _KTOTrainer
-from ._moved import moved_trainer_init, warn_moved
+from posttrain.experimental._moved import moved_trainer_init, warn_moved
+from posttrain.trainers.kto import KTOConfig as _KTOConfig
+from posttrain.trainers.kto import KTOTrainer as _KTOTrainer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """TRL's import path `trl.experimental.merge_model_callback`; the callback lives in posttrain.callbacks.merge_model."""
 
-from ..callbacks.merge_model import (
+from posttrain.callbacks.merge_model import (
     MergeConfig,
     MergeModelCallback,
     linear_merge,

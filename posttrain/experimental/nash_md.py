@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import torch
 
-from ..losses.online_preference import geometric_mixture_logps, nash_md_loss
-from ..models.reference import reference_forward, unwrap
-from ..trainers.online import Advantages, Episode, Rollout
-from ..trainers.online_eval import PROMPT_IDS_COLUMN
-from .online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.losses.online_preference import geometric_mixture_logps, nash_md_loss
+from posttrain.models.reference import reference_forward, unwrap
+from posttrain.online.engine import Advantages, Episode, Rollout
+from posttrain.online.rollout import PROMPT_IDS_COLUMN
 
 __all__ = ["NashMDConfig", "NashMDTrainer", "sample_completions"]
 

@@ -2,7 +2,7 @@
 
 Each prompt gets two completions sampled from the current policy; reward functions, a reward model or a pairwise
 judge pick the chosen one, and the DPO loss (sigmoid or IPO) against the reference model trains on the pair. It
-runs on the shared online engine (posttrain/trainers/online.py): generate 2 per prompt -> score -> reference
+runs on the shared online engine (posttrain/online/engine.py): generate 2 per prompt -> score -> reference
 log-probs (policy_tensors) -> "advantages" +1 chosen / -1 rejected / 0 no preference -> the pairwise loss.
 
 XPO and Nash-MD (xpo.py, nash_md.py) reuse this trainer: they change where the second completion comes from
@@ -21,10 +21,10 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ConfigError
-from ..losses.online_preference import online_dpo_loss, pair_preferences
-from ..trainers.online import Advantages, OnlineConfig, OnlineTrainer, Rollout
-from .judges import BasePairwiseJudge
+from posttrain.errors import ConfigError
+from posttrain.experimental.judges import BasePairwiseJudge
+from posttrain.losses.online_preference import online_dpo_loss, pair_preferences
+from posttrain.online.engine import Advantages, OnlineConfig, OnlineTrainer, Rollout
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
 
@@ -234,7 +234,7 @@ class OnlineDPOTrainer(OnlineTrainer):
             peft_config=peft_config,
         )
         if ref_model is not None:
-            from ..models.loading import load_causal_lm
+            from posttrain.models.loading import load_causal_lm
 
             if isinstance(ref_model, str):
                 ref_model = load_causal_lm(ref_model, args.model_init_kwargs)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from functools import cached_property, partial
 from typing import Any
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 logger = logging.getLogger("posttrain")
 

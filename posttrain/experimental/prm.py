@@ -16,11 +16,11 @@ import torch
 from datasets import Features, Sequence, Value
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, PreTrainedModel
 
-from ..data.formats import is_message_list
-from ..errors import ConfigError, DataError
-from ..losses.prm import AGGREGATES, IGNORE_INDEX, aggregate_steps, step_label_sums, step_probabilities
-from ..models.loading import _init_kwargs, load_tokenizer, resolve_model_path
-from ..trainers.base import BaseTrainer, PosttrainConfig
+from posttrain.data.formats import is_message_list
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.prm import AGGREGATES, IGNORE_INDEX, aggregate_steps, step_label_sums, step_probabilities
+from posttrain.models.loading import _init_kwargs, load_tokenizer, resolve_model_path
+from posttrain.training.base import BaseTrainer, PosttrainConfig
 
 _TOKENIZED = Features({"input_ids": Sequence(Value("int64")), "labels": Sequence(Value("int64"))})
 

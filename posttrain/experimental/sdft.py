@@ -19,17 +19,17 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import Sampler, SequentialSampler
 
-from ..callbacks.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
-from ..data.chat import require_chat_template
-from ..data.collators import LanguageModelingCollator, pad
-from ..data.formats import is_message_list
-from ..data.report import DataReport, cut_column
-from ..data.vision import tokenizer_of
-from ..errors import ConfigError, DataError
-from ..losses.policy import aggregate_loss
-from ..losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
-from ..losses.sft import IGNORE_INDEX, shift_for_next_token
-from ..trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
+from posttrain.data.chat import require_chat_template
+from posttrain.data.collators import LanguageModelingCollator, pad
+from posttrain.data.formats import is_message_list
+from posttrain.data.report import DataReport, cut_column
+from posttrain.data.vision import tokenizer_of
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.policy import aggregate_loss
+from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
+from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
+from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
 _NOT_SELF_DISTILLATION = (

@@ -18,12 +18,12 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import ConfigError
-from ..losses.advantages import SCALE_REWARDS, group_advantages
-from ..losses.policy import aggregate_loss, clipped_policy_loss
-from ..losses.self_distillation import successful_demonstrations
-from ..rewards.scoring import RewardScorer
-from .sdft import SelfDistillationConfig, SelfDistillationTrainer, with_user_text
+from posttrain.errors import ConfigError
+from posttrain.experimental.sdft import SelfDistillationConfig, SelfDistillationTrainer, with_user_text
+from posttrain.losses.advantages import SCALE_REWARDS, group_advantages
+from posttrain.losses.policy import aggregate_loss, clipped_policy_loss
+from posttrain.losses.self_distillation import successful_demonstrations
+from posttrain.rewards.scoring import RewardScorer
 
 logger = logging.getLogger("posttrain")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

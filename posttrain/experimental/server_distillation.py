@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError, DataError
-from ..generation.vllm_client import VLLMClient, VLLMServerError
-from ..losses.server_distillation import server_support, sparse_teacher_divergence
-from ..trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.errors import ConfigError, DataError
+from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
+from posttrain.losses.server_distillation import server_support, sparse_teacher_divergence
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 
 CONNECT_TIMEOUT_S = 60.0  # how long the trainer waits for the teacher server to answer when it is built (as TRL)
 START_HINT = (

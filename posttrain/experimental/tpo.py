@@ -13,26 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data.chat import extract_prompt
-from ..data.collators import pad
-from ..data.formats import DatasetFormat, check_example, validate_dataset
-from ..data.preference import (
+from posttrain.data.chat import extract_prompt
+from posttrain.data.collators import pad
+from posttrain.data.formats import DatasetFormat, check_example, validate_dataset
+from posttrain.data.preference import (
     PreferenceCollator,
     drop_overlong_rows,
     tokenize_preference,
     warn_identical_pairs,
 )
-from ..data.report import DataReport, DatasetReport
-from ..errors import ConfigError, DataError
-from ..losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
-from ..trainers.base import BaseTrainer, PosttrainConfig
-from ..trainers.dpo import (
-    PreparesEvalDatasets,
-    check_length_settings,
-    load_processing_class,
-    sequence_logps,
-)
-from ..trainers.preference_common import PreferenceMetricsMixin
+from posttrain.data.report import DataReport, DatasetReport
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
+from posttrain.trainers.dpo import sequence_logps
+from posttrain.training.base import BaseTrainer, PosttrainConfig
+from posttrain.training.preference import PreferenceMetricsMixin
+from posttrain.training.reference_trainer import PreparesEvalDatasets, check_length_settings, load_processing_class
 
 
 @dataclass

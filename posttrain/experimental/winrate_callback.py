@@ -1,5 +1,5 @@
 """TRL's import path `trl.experimental.winrate_callback`; the callback lives in posttrain.callbacks.win_rate."""
 
-from ..callbacks.win_rate import WinRateCallback
+from posttrain.callbacks.win_rate import WinRateCallback
 
 __all__ = ["WinRateCallback"]

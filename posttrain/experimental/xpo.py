@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from ..losses.online_preference import xpo_loss
-from ..models.reference import reference_forward
-from ..trainers.online import Advantages, Rollout
-from .nash_md import PairedSamplerMixin
-from .online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.nash_md import PairedSamplerMixin
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.losses.online_preference import xpo_loss
+from posttrain.models.reference import reference_forward
+from posttrain.online.engine import Advantages, Rollout
 
 __all__ = ["XPOConfig", "XPOTrainer"]
 

@@ -3,8 +3,15 @@ place that decides which backend a trainer uses."""
 
 from __future__ import annotations
 
-from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed, stop_token_ids
-from .transformers_backend import TransformersBackend
+from posttrain.generation.base import (
+    Completion,
+    GenerationBackend,
+    SamplingParams,
+    completion_seeds,
+    derive_seed,
+    stop_token_ids,
+)
+from posttrain.generation.transformers_backend import TransformersBackend
 
 
 def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
@@ -12,11 +19,11 @@ def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
     `generate` on the training model."""
     stop_ids = stop_token_ids(tokenizer, model)
     if getattr(args, "use_vllm", False):
-        from .vllm_backend import create_vllm_backend
+        from posttrain.generation.vllm_backend import create_vllm_backend
 
         return create_vllm_backend(model, tokenizer, args, stop_ids)
     if getattr(args, "use_transformers_continuous_batching", False):
-        from .continuous_batching import ContinuousBatchingBackend
+        from posttrain.generation.continuous_batching import ContinuousBatchingBackend
 
         return ContinuousBatchingBackend(
             model, tokenizer.pad_token_id, stop_ids, getattr(args, "transformers_continuous_batching_config", None)

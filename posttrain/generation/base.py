@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from transformers import GenerationConfig
 
-from ..errors import ConfigError
-from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
-from .transformers_backend import completion_from_tokens
+from posttrain.errors import ConfigError
+from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+from posttrain.generation.transformers_backend import completion_from_tokens
 
 
 def request_order(request_ids: Sequence[str], num_prompts: int, n: int) -> list[str]:

@@ -35,9 +35,9 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from ..errors import ConfigError
-from ..models.llama_forward import llama_forward
-from .base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+from posttrain.errors import ConfigError
+from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+from posttrain.models.llama_forward import llama_forward
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -366,7 +366,7 @@ class TransformersBackend(GenerationBackend):
         )
         images = {}
         if vision is not None:
-            from ..data.vision import vision_batch
+            from posttrain.data.vision import vision_batch
 
             dtype = next(model.parameters()).dtype
             images = {

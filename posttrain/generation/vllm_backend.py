@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from accelerate.utils import extract_model_from_parallel
 
-from ..errors import ConfigError
-from ..models.reference import is_peft_model, unwrap
-from .base import Completion, GenerationBackend, SamplingParams, completion_seeds
-from .vllm_client import (
+from posttrain.errors import ConfigError
+from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds
+from posttrain.generation.vllm_client import (
     WORKER_EXTENSION,
     VLLMClient,
     VLLMServerError,
     VLLMServerUnreachable,
     completion_from_output,
 )
+from posttrain.models.reference import is_peft_model, unwrap
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .base import Completion, SamplingParams
-from .vllm_worker import PROTOCOL_VERSION
+from posttrain.generation.base import Completion, SamplingParams
+from posttrain.generation.vllm_worker import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 

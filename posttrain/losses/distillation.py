@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 MERGE_STRATEGIES = ("observed", "bayesian")
 _EPS = 1e-8

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .policy import _clip_stats, _masked_mean, kl_k3
+from posttrain.losses.policy import _clip_stats, _masked_mean, kl_k3
 
 
 def gmpo_objective(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .preference import dpo_loss
+from posttrain.losses.preference import dpo_loss
 
 __all__ = ["geometric_mixture_logps", "nash_md_loss", "online_dpo_loss", "pair_preferences", "xpo_loss"]
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 IGNORE_INDEX = -100
 AGGREGATES = ("min", "prod", "mean", "last")

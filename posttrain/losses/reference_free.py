@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 # Loss types that compare per-token average log-probs (length-normalised); the others take the sums.

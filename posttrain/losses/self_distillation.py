@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from .distillation import generalized_jsd
-from .iw_opd import support_divergence
-from .logprobs import selective_log_softmax
+from posttrain.errors import ConfigError
+from posttrain.losses.distillation import generalized_jsd
+from posttrain.losses.iw_opd import support_divergence
+from posttrain.losses.logprobs import selective_log_softmax
 
 DISTILLATION_MODES = ("sampled_token", "full_logits", "topk_logits")
 

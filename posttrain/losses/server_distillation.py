@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .iw_opd import divergence_on_support
+from posttrain.losses.iw_opd import divergence_on_support
 
 
 def server_support(

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .logprobs import softmax_by_rows
+from posttrain.losses.logprobs import softmax_by_rows
 
 IGNORE_INDEX = -100
 LOSS_TYPES = ("nll", "dft")

@@ -21,8 +21,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..errors import ConfigError
-from .builtin import BUILTIN_MODEL_ID, HUB_MODEL_ID, builtin_model_path
+from posttrain.errors import ConfigError
+from posttrain.models.builtin import BUILTIN_MODEL_ID, HUB_MODEL_ID, builtin_model_path
 
 logger = logging.getLogger(__name__)
 

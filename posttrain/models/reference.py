@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from .loading import load_causal_lm, resolve_model_path
+from posttrain.errors import ConfigError
+from posttrain.models.loading import load_causal_lm, resolve_model_path
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -217,7 +217,7 @@ def reference_forward(model: nn.Module, ref_model: nn.Module | None) -> Iterator
     training) or, when it is None, the PEFT policy `model` with its "ref" adapter (see `add_reference_adapter`)
     or else with its adapter disabled. The module's training mode is restored afterwards.
     """
-    from ..trainers.distributed import root_gathered  # lazily: the trainers import this module
+    from posttrain.runtime.distributed import root_gathered  # lazily: the trainers import this module
 
     module = unwrap(model) if ref_model is None else ref_model
     if ref_model is None and not hasattr(module, "disable_adapter"):

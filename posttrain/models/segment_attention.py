@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .fused_layers import same_code
+from posttrain.models.fused_layers import same_code
 
 NAME = "posttrain_segments"
 # The fixed cost of one SDPA call (forward and backward, its Python included) on the CPU in query-key pairs of

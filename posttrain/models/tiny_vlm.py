@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from .tiny import build_tiny_tokenizer
+from posttrain.models.tiny import build_tiny_tokenizer
 
 # ChatML that also renders content given as typed blocks ({"type": "text" | "image"}); `image` is the text an
 # image block becomes (each processor expands it into the image's tokens).

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..errors import ConfigError
-from .loading import load_causal_lm, resolve_model_path
+from posttrain.errors import ConfigError
+from posttrain.models.loading import load_causal_lm, resolve_model_path
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 VALUE_MODEL_DIR = "value_model"  # where PolicyAndValueModel saves the value model, beside the policy

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..data.chat import render, require_chat_template
-from ..errors import ConfigError, DataError, PosttrainError
-from ..models.loading import load_sequence_classifier, load_tokenizer
+from posttrain.data.chat import render, require_chat_template
+from posttrain.errors import ConfigError, DataError, PosttrainError
+from posttrain.models.loading import load_sequence_classifier, load_tokenizer
 
 logger = logging.getLogger("posttrain")
 FAILURE_POLICIES = ("error", "skip")  # what a failing reward function does to the run
@@ -144,7 +144,7 @@ class _ModelReward:
 
 
 def _shards_frozen_models(accelerator: Any) -> bool:
-    from ..trainers.distributed import frozen_model_sharding  # lazily: the trainers import this module
+    from posttrain.runtime.distributed import frozen_model_sharding  # lazily: the trainers import this module
 
     return frozen_model_sharding(accelerator) is not None
 
@@ -219,7 +219,7 @@ class RewardScorer:
         self.names: list[str] = _unique(list(names))
         for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
             if getattr(func, "sandbox", None) is not None:
-                from .sandbox import check_sandbox
+                from posttrain.rewards.sandbox import check_sandbox
 
                 check_sandbox(func.sandbox)
         self._rewards = [_make_reward(name, func) for name, func in zip(self.names, funcs)]
@@ -258,7 +258,7 @@ class RewardScorer:
     def to(self, device: torch.device | str, accelerator: Any = None) -> RewardScorer:
         """Moves the reward models to `device` (the policy's, usually); functions are unaffected. With the
         trainer's `accelerator`, each is placed as a frozen model (`prepare_model(..., evaluation_mode=True)`):
-        under DeepSpeed ZeRO-3 and FSDP2 it is sharded like the policy (posttrain/trainers/distributed.py)."""
+        under DeepSpeed ZeRO-3 and FSDP2 it is sharded like the policy (posttrain/runtime/distributed.py)."""
         for reward in self._rewards:
             if isinstance(reward.func, _ModelReward):
                 reward.func.model.to(device)

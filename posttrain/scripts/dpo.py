@@ -2,16 +2,9 @@
 (the flags and YAML keys of `trl dpo`); `make_parser` and `main` drive the script from Python as in TRL."""
 
 from posttrain.cli.data import ScriptArguments
-from posttrain.scripts import _run
+from posttrain.cli.trl_scripts import command_line, script_entry_points
 
-
-def make_parser(subparsers=None, prog: str | None = None):
-    return _run.make_parser("dpo", ScriptArguments, subparsers, prog)
-
-
-def main(script_args, training_args, model_args, dataset_args):
-    _run.run("dpo", script_args, training_args, model_args, dataset_args)
-
+make_parser, main = script_entry_points("dpo", ScriptArguments)
 
 if __name__ == "__main__":
-    raise SystemExit(_run.command_line("dpo"))
+    raise SystemExit(command_line("dpo"))

@@ -1,20 +1,11 @@
 """`python -m posttrain.scripts.grpo`: TRL's `trl/scripts/grpo.py` on posttrain. The command line is `posttrain grpo`
 (the flags and YAML keys of `trl grpo`); `make_parser` and `main` drive the script from Python as in TRL."""
 
-from posttrain.scripts import _run
+from posttrain.cli.trl_scripts import GRPOScriptArguments, command_line, script_entry_points
 
+make_parser, main = script_entry_points("grpo", GRPOScriptArguments)
 
-class GRPOScriptArguments(_run.RewardScriptArguments):
-    """ScriptArguments plus the reward model and reward functions of the GRPO script."""
-
-
-def make_parser(subparsers=None, prog: str | None = None):
-    return _run.make_parser("grpo", GRPOScriptArguments, subparsers, prog)
-
-
-def main(script_args, training_args, model_args, dataset_args):
-    _run.run("grpo", script_args, training_args, model_args, dataset_args)
-
+__all__ = ["GRPOScriptArguments", "main", "make_parser"]
 
 if __name__ == "__main__":
-    raise SystemExit(_run.command_line("grpo"))
+    raise SystemExit(command_line("grpo"))

@@ -2,16 +2,9 @@
 (the flags and YAML keys of `trl kto`); `make_parser` and `main` drive the script from Python as in TRL."""
 
 from posttrain.cli.data import ScriptArguments
-from posttrain.scripts import _run
+from posttrain.cli.trl_scripts import command_line, script_entry_points
 
-
-def make_parser(subparsers=None, prog: str | None = None):
-    return _run.make_parser("kto", ScriptArguments, subparsers, prog)
-
-
-def main(script_args, training_args, model_args, dataset_args):
-    _run.run("kto", script_args, training_args, model_args, dataset_args)
-
+make_parser, main = script_entry_points("kto", ScriptArguments)
 
 if __name__ == "__main__":
-    raise SystemExit(_run.command_line("kto"))
+    raise SystemExit(command_line("kto"))

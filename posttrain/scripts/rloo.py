@@ -1,20 +1,11 @@
 """`python -m posttrain.scripts.rloo`: TRL's `trl/scripts/rloo.py` on posttrain. The command line is `posttrain rloo`
 (the flags and YAML keys of `trl rloo`); `make_parser` and `main` drive the script from Python as in TRL."""
 
-from posttrain.scripts import _run
+from posttrain.cli.trl_scripts import RLOOScriptArguments, command_line, script_entry_points
 
+make_parser, main = script_entry_points("rloo", RLOOScriptArguments)
 
-class RLOOScriptArguments(_run.RewardScriptArguments):
-    """ScriptArguments plus the reward model and reward functions of the RLOO script."""
-
-
-def make_parser(subparsers=None, prog: str | None = None):
-    return _run.make_parser("rloo", RLOOScriptArguments, subparsers, prog)
-
-
-def main(script_args, training_args, model_args, dataset_args):
-    _run.run("rloo", script_args, training_args, model_args, dataset_args)
-
+__all__ = ["RLOOScriptArguments", "main", "make_parser"]
 
 if __name__ == "__main__":
-    raise SystemExit(_run.command_line("rloo"))
+    raise SystemExit(command_line("rloo"))

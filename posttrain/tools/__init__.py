@@ -66,9 +66,9 @@ Where posttrain's pieces differ (for the engine to decide)
   are checked against the schema (missing / unexpected / wrong type) before the call; long results can be cut.
 """
 
-from .environment import EnvironmentPool, EnvironmentSlot, environment_methods, prompt_with_observation
-from .executor import ToolExecutor, ToolResult, ToolStats, check_arguments, error_text, result_text
-from .parsers import (
+from posttrain.tools.environment import EnvironmentPool, EnvironmentSlot, environment_methods, prompt_with_observation
+from posttrain.tools.executor import ToolExecutor, ToolResult, ToolStats, check_arguments, error_text, result_text
+from posttrain.tools.parsers import (
     ParsedTurn,
     ParseError,
     ToolCall,
@@ -78,9 +78,9 @@ from .parsers import (
     parse_tool_calls,
     register_parser,
 )
-from .schema import check_template_renders_tools, tool_name, tool_schema, tool_schemas
-from .templates import CHATML_TOOL_TEMPLATE, chatml_tool_template, use_chatml_tool_template
-from .tokens import tool_suffix_ids
+from posttrain.tools.schema import check_template_renders_tools, tool_name, tool_schema, tool_schemas
+from posttrain.tools.templates import CHATML_TOOL_TEMPLATE, chatml_tool_template, use_chatml_tool_template
+from posttrain.tools.tokens import tool_suffix_ids
 
 __all__ = [
     "CHATML_TOOL_TEMPLATE",

@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, DataError
-from .schema import tool_schema, tool_schemas
+from posttrain.errors import ConfigError, DataError
+from posttrain.tools.schema import tool_schema, tool_schemas
 
 RESERVED = ("reset", "get_reward")
 

@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from .parsers import ParsedTurn, ParseError, ToolCall, json_types
-from .schema import describe_arguments, tool_schemas
+from posttrain.errors import ConfigError
+from posttrain.tools.parsers import ParsedTurn, ParseError, ToolCall, json_types
+from posttrain.tools.schema import describe_arguments, tool_schemas
 
 OK, FAILED, TIMED_OUT, PARSE_ERROR = "ok", "failed", "timed_out", "parse_error"
 TRUNCATION_MARKER = "\n[... {n} more characters cut]"

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from .schema import describe_arguments, tool_schemas
+from posttrain.errors import ConfigError
+from posttrain.tools.schema import describe_arguments, tool_schemas
 
 
 @dataclass

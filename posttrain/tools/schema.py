@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 _DOCSTRING_EXAMPLE = (
     'def add(a: int, b: int) -> int:\n    """Adds two integers.\n\n    Args:\n        a: The first integer.\n'
@@ -84,7 +84,7 @@ _FIX = (
     "<|im_start|>/<|im_end|> tokens as SmolLM2 and Qwen2.5): `tokenizer.chat_template = "
     "posttrain.tools.chatml_tool_template()` (or `posttrain.tools.use_chatml_tool_template(tokenizer)`), or save it "
     "to a .jinja file and pass `chat_template_path=...`, or copy a tool-calling model's template with "
-    "`posttrain.chat_template_utils.clone_chat_template`."
+    "`posttrain.data.chat_templates.clone_chat_template`."
 )
 
 

@@ -3,7 +3,7 @@
 It uses only ChatML's two special tokens (``<|im_start|>``, ``<|im_end|>``), so it fits SmolLM2's and Qwen's
 tokenizers without new embeddings. Tools are listed in the system turn as JSON inside ``<tools>``; the assistant
 calls them with Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (what the
-"hermes" parser reads, and what `posttrain.chat_template_utils.add_response_schema` recognises); tool results come
+"hermes" parser reads, and what `posttrain.data.chat_templates.add_response_schema` recognises); tool results come
 back as ``<tool_response>`` blocks in one user turn, as in Qwen 2.5. Without tools it renders exactly like plain
 ChatML with the given default system prompt (SmolLM2's by default), so switching to it changes no other prompt.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ..chat_template_utils import add_response_schema, chatml_turns
+from posttrain.data.chat_templates import add_response_schema, chatml_turns
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -60,7 +60,7 @@ def use_chatml_tool_template(processing_class, default_system: str | None = SMOL
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in tokenizer.get_vocab()]
     if missing:
-        from ..errors import ConfigError
+        from posttrain.errors import ConfigError
 
         raise ConfigError(
             f"The ChatML tool template needs the tokens {missing}, which this tokenizer lacks; use a "

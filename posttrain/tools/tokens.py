@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import ConfigError
+from posttrain.errors import ConfigError
 
 
 def _ids(
@@ -47,6 +47,6 @@ def tool_suffix_ids(
         raise ConfigError(
             "The chat template renders an assistant turn differently once tool results follow it, so tool results "
             "cannot be appended to the sampled ids. Use a prefix-preserving template: "
-            "`posttrain.chat_template_utils.get_training_chat_template(tokenizer)` or posttrain.tools' ChatML one."
+            "`posttrain.data.chat_templates.get_training_chat_template(tokenizer)` or posttrain.tools' ChatML one."
         )
     return full[len(short) :]

@@ -15,233 +15,28 @@ read, as in TRL.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 from collections import deque
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from torch.utils.data import SequentialSampler
 from transformers import PreTrainedModel
 
-from ..data.chat import apply_chat_template, require_chat_template
-from ..data.formats import detect_format, is_message_list
-from ..errors import ConfigError, DataError
-from ..generation import SamplingParams, create_generation_backend, derive_seed, stop_token_ids
-from ..generation.transformers_backend import generation_config
-from ..losses.distillation import check_vocab_sizes, generalized_jsd, shared_vocab
-from ..losses.policy import entropy_from_logits
-from ..losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
-from ..models.loading import load_causal_lm, load_tokenizer
-from ..models.reference import freeze
-from .online_config import GENERATION_KWARGS_FIXED
-from .sft import SFTConfig, SFTTrainer, uses_flash_attention
+from posttrain.data.chat import apply_chat_template, require_chat_template
+from posttrain.data.formats import detect_format, is_message_list
+from posttrain.errors import ConfigError, DataError
+from posttrain.generation import create_generation_backend, derive_seed, stop_token_ids
+from posttrain.losses.distillation import check_vocab_sizes, generalized_jsd, shared_vocab
+from posttrain.losses.policy import entropy_from_logits
+from posttrain.losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
+from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.models.reference import freeze
+from posttrain.trainers.distillation_config import DistillationConfig
+from posttrain.trainers.sft import SFTTrainer, uses_flash_attention
 
 logger = logging.getLogger("posttrain")
-
-# generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
-# SamplingParams field each sets; other keys go to transformers' GenerationConfig.
-_SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-    "max_tokens": "max_tokens",
-}
-
-
-@dataclass
-class DistillationConfig(SFTConfig):
-    unsupported_options: ClassVar[dict[str, str]] = {
-        **SFTConfig.unsupported_options,
-        "use_vllm": "on-policy completions are sampled with transformers' generate on the student; vLLM sampling "
-        "for distillation needs vLLM and a GPU and is not wired here.",
-        "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; generation "
-        "always uses the full student weights.",
-        "max_tool_calling_iterations": "tool calling runs on the online engine (GRPOTrainer, RLOOTrainer, "
-        "PPOTrainer); distillation samples single-turn completions; drop it",
-    }
-
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    # -- student and teacher
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
-        },
-    )
-    teacher_model_revision: str | None = field(
-        default=None, metadata={"help": "Revision (branch, tag or commit) of a teacher given by name."}
-    )
-    teacher_model_init_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for from_pretrained when the teacher is given by name "
-            "or path, e.g. {'dtype': 'bfloat16'}."
-        },
-    )
-    disable_dropout: bool = field(default=False, metadata={"help": "Switch off dropout in the student."})
-    # -- data and on-policy generation
-    max_completion_length: int | None = field(
-        default=512, metadata={"help": "Most tokens the student samples per on-policy completion."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."}
-    )
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training data every epoch."})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad batches to a multiple of this many tokens; 'auto' pads only on "
-            "Neuron devices (to 128), None never."
-        },
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={
-            "help": "Sampling temperature of on-policy completions, and the temperature of both "
-            "distributions in the loss (softmax(logits / temperature))."
-        },
-    )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling of on-policy completions (0: off)."})
-    min_p: float | None = field(
-        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None: off)."}
-    )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "More GenerationConfig settings for on-policy sampling; its temperature, "
-            "top_p, top_k, min_p, repetition_penalty, max_new_tokens override the fields."
-        },
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for the chat template when rendering prompts."}
-    )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Repetition penalty of on-policy sampling (1.0: none)."}
-    )
-    cache_implementation: str | None = field(
-        default=None, metadata={"help": "KV cache implementation of transformers' generate (e.g. 'static')."}
-    )
-    use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (not supported for distillation)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (only with use_vllm)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (only with use_vllm)."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (only with use_vllm)."})
-    vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "vLLM structured-output regex (only with use_vllm)."}
-    )
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (only with use_vllm)."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (only with use_vllm)."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (only with use_vllm)."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (only with use_vllm)."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-sync port (only with use_vllm)."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."}
-    )
-    vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocated vLLM context length (only with use_vllm)."}
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocated vLLM tensor parallelism (only with use_vllm)."}
-    )
-    # -- the loss
-    beta: float = field(
-        default=1.0,
-        metadata={
-            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
-        },
-    )
-    lmbda: float = field(
-        default=1.0,
-        metadata={
-            "help": "Probability that a micro-batch's completions are sampled by the student "
-            "(1: always on-policy, as TRL; 0: the data's completions only)."
-        },
-    )
-    alpha: float = field(
-        default=1.0,
-        metadata={
-            "help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
-            "completions (1 = pure distillation, 0 = plain SFT)."
-        },
-    )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={"help": "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."},
-    )
-    # -- logging
-    log_completions: bool = field(
-        default=False,
-        metadata={
-            "help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
-            "to output_dir/completions/ and print a sample."
-        },
-    )
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "How many logged completions to print (None: all)."}
-    )
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt's completion only once."})
-
-    def __post_init__(self):
-        for name in ("teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
-            if isinstance(getattr(self, name), str):
-                setattr(self, name, json.loads(getattr(self, name)))
-        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
-            text = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0 (1.0 leaves the distributions as they are).")
-        for name in ("beta", "alpha", "lmbda"):
-            if not 0 <= getattr(self, name) <= 1:
-                meaning = {
-                    "beta": "0: forward KL, 0.5: JSD, 1: reverse KL",
-                    "alpha": "1: pure distillation, 0: plain NLL",
-                    "lmbda": "the fraction of on-policy micro-batches",
-                }[name]
-                raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1] ({meaning}).")
-        if self.chunked_loss:
-            raise ConfigError(
-                "chunked_loss=True is not available for distillation: the divergence needs the full "
-                "logits of student and teacher. Set chunked_loss=False."
-            )
-        if self.lmbda > 0 and (self.padding_free or self.packing):
-            raise ConfigError(
-                f"lmbda={self.lmbda}: on-policy distillation samples completions per row of a padded "
-                "batch; set padding_free=False and packing=False (or lmbda=0 for offline distillation)."
-            )
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
-        fixed = sorted(set(self.generation_kwargs or {}) & set(GENERATION_KWARGS_FIXED))
-        if fixed:
-            raise ConfigError(
-                f"generation_kwargs[{fixed[0]!r}] cannot be changed: {GENERATION_KWARGS_FIXED[fixed[0]]}. Drop it."
-            )
-        super().__post_init__()
-        if self.pad_to_multiple_of == "auto":  # TRL pads only for Neuron, which compiles once per shape
-            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
-        generation_config(self.sampling_params(), [], 0)  # checks the sampling settings before training
-
-    def sampling_params(self) -> SamplingParams:
-        """How on-policy completions are sampled: the config's settings, overridden by generation_kwargs."""
-        kwargs = self.generation_kwargs or {}
-        values = dict(
-            max_tokens=self.max_completion_length or 512,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty,
-            extra={k: v for k, v in kwargs.items() if k not in _SAMPLING_KEYS},
-        )
-        values.update({_SAMPLING_KEYS[k]: v for k, v in kwargs.items() if k in _SAMPLING_KEYS})
-        return SamplingParams(**values)
 
 
 def _name(model: str | PreTrainedModel) -> str:
@@ -341,7 +136,7 @@ class DistillationTrainer(SFTTrainer):
     teacher_agreement (student and teacher top-1 tokens equal), on_policy, mean_token_accuracy.
     """
 
-    _name = "Distillation"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "Distillation"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     def __init__(
         self,

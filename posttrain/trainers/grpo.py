@@ -15,290 +15,35 @@ OnlineTrainer's hooks.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..errors import ConfigError
-from ..generation.base import derive_seed
-from ..losses.advantages import (
-    MULTI_OBJECTIVE_AGGREGATIONS,
-    SCALE_REWARDS,
+from posttrain.errors import ConfigError
+from posttrain.generation.base import derive_seed
+from posttrain.losses.advantages import (
     AdaptiveEntropyController,
     decoupled_advantages,
     group_advantages,
 )
-from ..losses.policy import GRPO_LOSS_TYPES, VespoParams
-from ..losses.token_weights import (
-    IMPORTANCE_SAMPLING_MODES,
+from posttrain.losses.policy import VespoParams
+from posttrain.losses.token_weights import (
     high_entropy_mask,
     off_policy_sequence_mask,
     sampler_importance_weights,
 )
-from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, ScoredGroups, groupwise_advantages, nanstd
+from posttrain.online.engine import (
+    Advantages,
+    OnlineTrainer,
+    Rollout,
+    ScoredGroups,
+    groupwise_advantages,
+    nanstd,
+)
+from posttrain.trainers.grpo_config import GRPOConfig
 
 # group_advantages' own epsilon, used the same way when the batch std is taken over scored rewards only.
 _STD_EPS = 1e-4
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
-@dataclass
-class GRPOConfig(OnlineConfig):
-    """OnlineConfig with GRPO's defaults: 8 generations per prompt, rewards scaled by their group's std,
-    loss_type "dapo" (mean over all completion tokens of the optimizer step), no KL (beta=0)."""
-
-    min_num_generations: ClassVar[int] = 2
-    method: ClassVar[str] = "GRPO"
-    loss_types: ClassVar[tuple[str, ...]] = GRPO_LOSS_TYPES
-
-    cast_lm_head_to_fp32: bool = field(
-        default=False,
-        metadata=_help(
-            "Keep the output layer of the policy and the reference in float32 and compute their logits in float32 "
-            "(steadier log-probs when the model trains in bf16). A tied input embedding still outputs its dtype."
-        ),
-    )
-    delta: float | None = field(
-        default=None,
-        metadata=_help(
-            "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta, so negative advantages cannot "
-            "push very large ratios further. None: off; else > 1 + epsilon."
-        ),
-    )
-    sapo_temperature_neg: float = field(
-        default=1.05, metadata=_help("loss_type='sapo': temperature of the soft gate for tokens with advantage <= 0.")
-    )
-    sapo_temperature_pos: float = field(
-        default=1.0, metadata=_help("loss_type='sapo': temperature of the soft gate for tokens with advantage > 0.")
-    )
-    vespo_k_pos: float = field(
-        default=2.0,
-        metadata=_help(
-            "loss_type='vespo', advantage >= 0: power k of the gamma weight w^k exp(-lambda w) (damps w < 1)."
-        ),
-    )
-    vespo_lambda_pos: float = field(
-        default=3.0,
-        metadata=_help("loss_type='vespo', advantage >= 0: decay lambda of the gamma weight (damps w > 1)."),
-    )
-    vespo_k_neg: float = field(
-        default=3.0, metadata=_help("loss_type='vespo', advantage < 0: power k of the gamma weight.")
-    )
-    vespo_lambda_neg: float = field(
-        default=2.0, metadata=_help("loss_type='vespo', advantage < 0: decay lambda of the gamma weight.")
-    )
-    multi_objective_aggregation: str = field(
-        default="sum_then_normalize",
-        metadata=_help(
-            f"With several reward functions, one of {MULTI_OBJECTIVE_AGGREGATIONS}: sum the weighted rewards then "
-            "normalise as scale_rewards says, or (GDPO) normalise each function within its group, sum with the "
-            "weights, then normalise over the batch (scale_rewards is not used then)."
-        ),
-    )
-    scale_rewards: str = field(
-        default="group",
-        metadata=_help(
-            f"Divide centred rewards by a std, one of {SCALE_REWARDS}: 'group' (the prompt's group; also True), "
-            "'batch' (the whole generation batch), 'none' (Dr. GRPO; also False)."
-        ),
-    )
-    loss_type: str = field(
-        default="dapo",
-        metadata=_help(
-            f"One of {GRPO_LOSS_TYPES}. Clipped surrogate with an aggregation: grpo (mean per completion, then over "
-            "completions), bnpo (token mean of the micro-batch), dapo (token mean of the optimizer step), dr_grpo "
-            "(token sum / (completions x max_completion_length)), luspo (token sum / completions; use "
-            "importance_sampling_level='sequence'). Other surrogates: cispo (clipped, detached ratio times log-prob; "
-            "epsilon_high is its cap, ~5), sapo (soft sigmoid gate, grpo aggregation), vespo (smooth gamma weight of "
-            "the sequence ratio, dapo aggregation)."
-        ),
-    )
-    top_entropy_quantile: float = field(
-        default=1.0,
-        metadata=_help(
-            "Train only on the top fraction of completion tokens by entropy (rho in 'Beyond the 80/20 rule'; the "
-            "paper uses 0.2). 1.0 keeps every token, 0.0 only the highest."
-        ),
-    )
-    entropy_coef: float = field(
-        default=0.0,
-        metadata=_help(
-            "Entropy bonus: subtract entropy_coef x the mean token entropy (over the trained tokens) from the loss, "
-            "whatever the loss_type. With use_adaptive_entropy it is the starting coefficient."
-        ),
-    )
-    use_adaptive_entropy: bool = field(
-        default=False,
-        metadata=_help(
-            "Skywork-OR1's adaptive entropy control: after each optimizer step raise entropy_coef by "
-            "entropy_coef_delta if the entropy was <= entropy_target, else lower it; the bonus applies only while "
-            "the entropy is <= entropy_target. The coefficient is saved in checkpoints."
-        ),
-    )
-    entropy_coef_min: float = field(default=0.0, metadata=_help("Adaptive entropy control: lowest coefficient."))
-    entropy_coef_max: float = field(default=1.0, metadata=_help("Adaptive entropy control: highest coefficient."))
-    entropy_coef_delta: float = field(
-        default=0.005, metadata=_help("Adaptive entropy control: change of the coefficient per optimizer step.")
-    )
-    entropy_target: float = field(
-        default=0.2,
-        metadata=_help(
-            "Adaptive entropy control: target mean token entropy in nats, over the trained tokens. Language models "
-            "usually sit at 2-10 nats; set it near the entropy seen early in training."
-        ),
-    )
-    vllm_importance_sampling_mode: str = field(
-        default="sequence_mask",
-        metadata=_help(
-            f"How vLLM's sampling mismatch is corrected, one of {IMPORTANCE_SAMPLING_MODES}: a ratio per token or per "
-            "sequence (product of token ratios); ratios outside [clip_min, clip_max] truncated to the range or set to "
-            "0."
-        ),
-    )
-    vllm_importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata=_help("Upper bound of the vLLM importance ratio (None: open).")
-    )
-    vllm_importance_sampling_clip_min: float | None = field(
-        default=None, metadata=_help("Lower bound of the vLLM importance ratio (None: open).")
-    )
-    off_policy_mask_threshold: float | None = field(
-        default=None,
-        metadata=_help(
-            "DeepSeek-V3.2's off-policy sequence masking: drop completions with a negative advantage whose mean "
-            "log(pi_sampler / pi) exceeds this (e.g. 0.5). None: off."
-        ),
-    )
-    use_bias_correction_kl: bool = field(
-        default=True,
-        metadata=_help(
-            "Multiply the k3 KL term (beta > 0) by the importance ratio, which makes its gradient the unbiased "
-            "reverse-KL gradient (DeepSeek-V3.2); changes the gradient even on-policy."
-        ),
-    )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata=_help(
-            "DAPO's dynamic sampling (verl: filter_groups): drop the groups whose rewards are all equal (zero "
-            "advantage, nothing to learn) and generate for more prompts until the round holds only groups with "
-            "reward variance, at most max_num_gen_batches generation batches per round; if still short, the round "
-            "is completed with zero-variance groups. Logs dynamic_sampling/fill_rate and /num_gen_batches."
-        ),
-    )
-    max_num_gen_batches: int = field(
-        default=3,
-        metadata=_help(
-            "dynamic_sampling: the most generation batches (the round's own plus extra ones of the same size, for "
-            "other prompts of the training set) generated for one round."
-        ),
-    )
-    vllm_importance_sampling_cap: float | None = field(
-        default=None, metadata=_help("Deprecated alias of vllm_importance_sampling_clip_max (overrides it when set).")
-    )
-
-    def __post_init__(self):
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        super().__post_init__()
-        self._check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        self._check_choice(
-            "multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS
-        )
-        self._check_choice(
-            "vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, IMPORTANCE_SAMPLING_MODES
-        )
-        cap = self.vllm_importance_sampling_cap
-        if cap is not None:
-            warnings.warn(
-                "vllm_importance_sampling_cap is deprecated: use vllm_importance_sampling_clip_max.",
-                FutureWarning,
-                stacklevel=3,
-            )
-            self.vllm_importance_sampling_clip_max = cap
-        self._check_loss_options()
-
-    def _check_loss_options(self) -> None:
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            raise ConfigError(
-                f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}."
-            )
-        if (
-            self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode.endswith("truncate")
-            and low is None
-            and high is None
-        ):
-            raise ConfigError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the "
-                "ratio to [clip_min, clip_max], but both are None: set "
-                "vllm_importance_sampling_clip_max (e.g. 3.0)."
-            )
-        if (
-            self.loss_type == "vespo"
-            and self.use_vllm
-            and self.vllm_importance_sampling_correction
-            and not self.vllm_importance_sampling_mode.startswith("token")
-        ):
-            raise ConfigError(
-                "loss_type='vespo' folds the vLLM correction into its per-token weights: set "
-                "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' (it is "
-                f"{self.vllm_importance_sampling_mode!r})."
-            )
-        level = self.importance_sampling_level
-        if self.loss_type == "luspo" and level != "sequence":
-            warnings.warn(
-                "loss_type='luspo' is defined with importance_sampling_level='sequence' (the paper's setup).",
-                stacklevel=4,
-            )
-        if self.loss_type == "vespo" and level != "token":
-            warnings.warn(
-                "loss_type='vespo' builds its own sequence weight from token ratios: keep "
-                "importance_sampling_level='token'.",
-                stacklevel=4,
-            )
-        if level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            warnings.warn(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums token terms, "
-                "which weights each completion by its length; GSPO uses loss_type='grpo'.",
-                stacklevel=4,
-            )
-        if self.delta is not None and self.delta <= 1 + self.epsilon:
-            raise ConfigError(
-                f"delta={self.delta} caps the ratio for negative advantages and must exceed 1 + "
-                f"epsilon = {1 + self.epsilon} (INTELLECT-2 uses 4), or be None (off)."
-            )
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ConfigError(
-                f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every "
-                "token; the paper uses 0.2)."
-            )
-        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
-            raise ConfigError(
-                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or None (off)."
-            )
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ConfigError(
-                f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg="
-                f"{self.sapo_temperature_neg} must be > 0."
-            )
-        if self.dynamic_sampling and (self.max_num_gen_batches < 1 or self.num_generations < 2):
-            raise ConfigError(
-                f"dynamic_sampling=True needs max_num_gen_batches >= 1 (it is "
-                f"{self.max_num_gen_batches}) and num_generations >= 2 (it is {self.num_generations})."
-            )
-        if self.use_adaptive_entropy and not (
-            self.entropy_coef_min <= self.entropy_coef_max and self.entropy_coef_delta >= 0
-        ):
-            raise ConfigError(
-                f"Adaptive entropy control needs entropy_coef_min ({self.entropy_coef_min}) <= "
-                f"entropy_coef_max ({self.entropy_coef_max}) and entropy_coef_delta >= 0."
-            )
 
 
 def group_has_variance(group: torch.Tensor) -> bool:
@@ -360,10 +105,11 @@ class _EntropyControlState(TrainerCallback):
 class GRPOTrainer(OnlineTrainer):
     """`GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=..., peft_config=...)`."""
 
-    _name = "GRPO"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "GRPO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     config_class = GRPOConfig
-    accepts_images = True  # image prompts (posttrain/trainers/online_vision.py)
+    loss_reads_sampler_logps = True  # its policy_loss weighs each token by the sampler's log-prob
+    accepts_images = True  # image prompts (posttrain/online/vision.py)
 
     # -- advantages ----------------------------------------------------------------------------------------
     def compute_advantages(self, rewards: torch.Tensor, rollout: Rollout) -> Advantages:

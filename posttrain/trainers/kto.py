@@ -14,83 +14,29 @@ prompt i gets the completion of row i - 1 (the first gets the last's). With the 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
 
-from ..data.chat import require_chat_template, unpair_preference_dataset
-from ..data.collators import pad
-from ..data.formats import DatasetFormat, check_example, validate_dataset
-from ..data.report import DataReport, cut_column
-from ..data.tokenize import tokenize_example
-from ..errors import ConfigError, DataError
-from ..losses.preference import KTO_LOSS_TYPES, kto_loss
-from ..models.reference import is_peft_model
-from .dpo import ReferenceConfig, ReferenceTrainer, load_processing_class, sequence_logps
-from .preference_common import SequenceLogps
-from .prefix_cache import trained_and_continuation_logps
+from posttrain.data.chat import require_chat_template, unpair_preference_dataset
+from posttrain.data.collators import pad
+from posttrain.data.formats import DatasetFormat, check_example, validate_dataset
+from posttrain.data.report import DataReport, cut_column
+from posttrain.data.tokenize import tokenize_example
+from posttrain.errors import DataError
+from posttrain.losses.preference import kto_loss
+from posttrain.models.reference import is_peft_model
+from posttrain.trainers.dpo import ReferenceTrainer, sequence_logps
+from posttrain.trainers.kto_config import KTOConfig
+from posttrain.training.preference import SequenceLogps
+from posttrain.training.prefix_cache import trained_and_continuation_logps
+from posttrain.training.reference_trainer import load_processing_class
 
 logger = logging.getLogger("posttrain")
 
 # The KTO paper recommends weights with desirable_weight * n_desirable / (undesirable_weight * n_undesirable)
 # in [1, 4/3].
 RECOMMENDED_WEIGHTED_RATIO = (1.0, 4 / 3)
-
-
-@dataclass
-class KTOConfig(ReferenceConfig):
-    train_sampling_strategy: str = field(
-        default="sequential",
-        metadata={
-            "help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
-            "(its mismatched KL pairs are fixed per batch in the dataset)."
-        },
-    )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."}
-    )
-    beta: float = field(
-        default=0.1,
-        metadata={
-            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-            "keeps the policy closer to the reference."
-        },
-    )
-    desirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."}
-    )
-    undesirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."}
-    )
-    loss_type: str = field(
-        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."}
-    )
-
-    def __post_init__(self):
-        if self.loss_type not in KTO_LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(KTO_LOSS_TYPES)}.")
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
-        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
-            raise ConfigError(
-                f"desirable_weight={self.desirable_weight} and undesirable_weight="
-                f"{self.undesirable_weight} must both be positive."
-            )
-        strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
-        if self.loss_type == "kto" and strategy != "sequential":
-            raise ConfigError(
-                f"train_sampling_strategy={strategy!r}: loss_type 'kto' pairs each prompt with a neighbour's "
-                "completion inside its batch, fixed in the dataset, so the rows must come in order; set "
-                "train_sampling_strategy='sequential' (the default) or use loss_type='apo_zero_unpaired'."
-            )
-        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
-            raise ConfigError(
-                f"per_device_train_batch_size={self.per_device_train_batch_size}: the KL reference point pairs each "
-                "prompt with another example's completion from the same batch, and a batch of one has none; set "
-                "per_device_train_batch_size to 2 or more."
-            )
-        super().__post_init__()
 
 
 def tokenize_kto_row(example, row, tokenizer, fmt, completion_fmt, max_length):
@@ -214,7 +160,7 @@ class KTOTrainer(ReferenceTrainer):
     `peft_config`) the policy with its adapter disabled, or log-probs precomputed once (`precompute_ref_log_probs`).
     """
 
-    _name = "KTO"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "KTO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     ALL_REF_COLUMNS = ("ref_logps", "ref_kl_logps")
     PREPARED_COLUMN = "input_ids"

@@ -22,20 +22,17 @@ import json
 import logging
 import math
 import os
-import time
-from dataclasses import dataclass, field, fields
-from typing import ClassVar
 
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import ConfigError
-from ..generation import create_generation_backend, stop_token_ids
-from ..losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
-from ..losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
-from ..models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
-from ..models.reference import copy_model, freeze, reference_forward, unwrap
-from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
+from posttrain.errors import ConfigError
+from posttrain.generation import create_generation_backend, stop_token_ids
+from posttrain.losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
+from posttrain.losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
+from posttrain.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
+from posttrain.models.reference import copy_model, freeze, reference_forward, unwrap
+from posttrain.models.value_head import (  # VALUE_MODEL_DIR is re-exported
     VALUE_MODEL_DIR,
     AutoModelForCausalLMWithValueHead,
     CausalLMWithValueOutput,
@@ -43,276 +40,13 @@ from ..models.value_head import (  # VALUE_MODEL_DIR is re-exported
     PolicyAndValueModel,
     check_value_model,
 )
-from .distributed import root_gathered
-from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout
-from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
-from .ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
+from posttrain.online.engine import Advantages, OnlineTrainer, Rollout
+from posttrain.online.rollout import PROMPT_COLUMN, PROMPT_IDS_COLUMN
+from posttrain.runtime.distributed import root_gathered
+from posttrain.trainers.ppo_config import PPOConfig
+from posttrain.trainers.ppo_trl import is_token_id_format, trl_reward_model, with_prompt_text
 
 logger = logging.getLogger(__name__)
-
-# PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
-# response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
-_PPO_NAMES = {
-    "num_ppo_epochs": "num_iterations",
-    "cliprange": "epsilon",
-    "kl_coef": "beta",
-    "response_length": "max_completion_length",
-}
-
-
-@dataclass
-class PPOConfig(OnlineConfig):
-    """OnlineConfig with PPO's settings. One rollout is generation_batch_size completions (one per prompt
-    by default); it is split into num_mini_batches mini-batches of per_device_train_batch_size x
-    gradient_accumulation_steps x processes completions, one optimizer step each, and passed over
-    num_ppo_epochs times."""
-
-    method: ClassVar[str] = "PPO"
-    unsupported_options: ClassVar[dict[str, str]] = {
-        **OnlineConfig.unsupported_options,
-        "router_aux_loss_coef": "the policy-and-value forward does not return a Mixture-of-Experts model's "
-        "load-balancing loss yet, so it cannot be added to PPO's loss.",
-    }
-
-    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
-    num_ppo_epochs: int = field(
-        default=4, metadata={"help": "Passes over each rollout (num_iterations in the engine's terms)."}
-    )
-    num_mini_batches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps (mini-batches) per rollout, each of per_device_train_"
-            "batch_size x gradient_accumulation_steps x processes completions "
-            "(steps_per_generation in the engine's terms; default 1, or derived from "
-            "generation_batch_size)."
-        },
-    )
-    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio (epsilon)."})
-    cliprange_value: float = field(
-        default=0.2,
-        metadata={
-            "help": "A new value may move at most this far from the rollout's value before its loss stops improving."
-        },
-    )
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (0: none)."})
-    kl_coef: float = field(
-        default=0.05,
-        metadata={
-            "help": "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted "
-            "from every token's reward (beta in the engine's terms; 0: no reference "
-            "model)."
-        },
-    )
-    target_kl: float | None = field(
-        default=None,
-        metadata={
-            "help": "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves "
-            "towards keeping a completion's summed KL at target_kl. None: kl_coef "
-            "stays fixed."
-        },
-    )
-    kl_horizon: float = field(
-        default=10000, metadata={"help": "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions."}
-    )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE, in (0, 1]."})
-    lam: float = field(
-        default=0.95,
-        metadata={"help": "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more."},
-    )
-    whiten_advantages: bool = field(
-        default=True, metadata={"help": "Scale the advantages of each rollout to mean 0 and std 1."}
-    )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
-        },
-    )
-    use_value_head: bool = field(
-        default=False,
-        metadata={
-            "help": "Put a value head on the policy instead of training a separate value "
-            "model (less memory; the two losses share the network)."
-        },
-    )
-    # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
-    temperature: float = field(
-        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."}
-    )
-    response_length: int = field(default=53, metadata={"help": "Same as max_completion_length."})
-    max_completion_length: int = field(default=53, metadata={"help": "Most tokens generated per completion."})
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={
-            "help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
-            "variance, keeping their mean, before GAE."
-        },
-    )
-    kl_estimator: str = field(
-        default="k1",
-        metadata={
-            "help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
-            "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."
-        },
-    )
-    total_episodes: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions to train on in all; sets max_steps to the rollouts needed x "
-            "optimizer steps per rollout (None: num_train_epochs over the prompts)."
-        },
-    )
-    local_rollout_forward_batch_size: int = field(
-        default=64,
-        metadata={
-            "help": "Completions per no-gradient forward pass when the rollout's log-probs and "
-            "values are computed (memory only; the results are the same)."
-        },
-    )
-    num_sample_generations: int = field(
-        default=10,
-        metadata={
-            "help": "How many times in training to log near-greedy completions of one eval "
-            "batch with their scores (needs eval_dataset; 0: never)."
-        },
-    )
-    stop_token: str | None = field(
-        default=None,
-        metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."},
-    )
-    stop_token_id: int | None = field(
-        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."}
-    )
-    exp_name: str = field(
-        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."}
-    )
-    reward_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the reward model from (the "
-            "trainer takes the model itself, reward_model=...)."
-        },
-    )
-    sft_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the policy from (the trainer takes the model itself, model=...)."
-        },
-    )
-    model_adapter_name: str | None = field(
-        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."}
-    )
-    ref_adapter_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "With a PEFT policy holding several adapters: the one that is the reference "
-            "(default: the base model with adapters disabled)."
-        },
-    )
-    # The engine's names for three of the settings above, with PPO's defaults; set either name.
-    num_iterations: int = field(default=4, metadata={"help": "Same as num_ppo_epochs."})
-    epsilon: float = field(default=0.2, metadata={"help": "Same as cliprange."})
-    beta: float = field(default=0.05, metadata={"help": "Same as kl_coef."})
-
-    def __post_init__(self):
-        self._merge_ppo_names()
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ConfigError(
-                f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
-                "((r - 1) - log r, lower variance)."
-            )
-        if self.stop_token not in (None, "eos"):
-            raise ConfigError(
-                f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
-                "token as stop_token_id."
-            )
-        if self.stop_token is not None and self.stop_token_id is not None:
-            raise ConfigError("stop_token and stop_token_id are the same setting; set only one.")
-        if self.local_rollout_forward_batch_size < 1 or self.num_sample_generations < 0:
-            raise ConfigError(
-                f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
-                f"and num_sample_generations={self.num_sample_generations} >= 0."
-            )
-        if self.run_name is None:
-            self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
-        super().__post_init__()
-        if self.total_episodes is not None:
-            self._steps_from_episodes()
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ConfigError(f"{name}={value} must be in (0, 1] (typical: gamma=1.0, lam=0.95).")
-        for name in ("cliprange_value", "kl_horizon"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
-        for name in ("vf_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 switches the term off).")
-        if self.target_kl is not None and (self.target_kl <= 0 or self.kl_coef == 0):
-            raise ConfigError(
-                f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
-                "and kl_coef > 0 (or target_kl=None for a fixed coefficient)."
-            )
-
-    def _steps_from_episodes(self) -> None:
-        """max_steps for total_episodes completions: whole rollouts, each num_ppo_epochs x num_mini_batches steps."""
-        if self.total_episodes < 1:
-            raise ConfigError(f"total_episodes={self.total_episodes} must be at least 1.")
-        if self.max_steps > 0:
-            raise ConfigError(
-                f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
-                "length of training; set only one."
-            )
-        rollouts = math.ceil(self.total_episodes / self.generation_batch_size)
-        self.max_steps = rollouts * self.num_iterations * self.steps_per_generation
-
-    def _merge_ppo_names(self) -> None:
-        """Either name of a setting may be changed from the default (`cliprange` or `epsilon`, ...); changing both
-        to different values fails."""
-        defaults = {f.name: f.default for f in fields(self)}
-        for ppo_name, engine_name in _PPO_NAMES.items():
-            ppo_value, engine_value = getattr(self, ppo_name), getattr(self, engine_name)
-            engine_changed = engine_value != defaults[engine_name]
-            if engine_changed and ppo_value != defaults[ppo_name] and engine_value != ppo_value:
-                raise ConfigError(
-                    f"{ppo_name}={ppo_value} and {engine_name}={engine_value} are the same setting "
-                    f"(PPO calls {engine_name} {ppo_name}); set only {ppo_name}."
-                )
-            value = engine_value if engine_changed else ppo_value
-            setattr(self, ppo_name, value)
-            setattr(self, engine_name, value)
-
-    def _resolve_generation_batch(self) -> None:
-        """num_mini_batches is steps_per_generation; checks it against generation_batch_size in PPO's terms."""
-        if self.num_mini_batches is not None:
-            if self.num_mini_batches < 1:
-                raise ConfigError(f"num_mini_batches={self.num_mini_batches} must be at least 1.")
-            if self.steps_per_generation not in (None, self.num_mini_batches):
-                raise ConfigError(
-                    f"num_mini_batches={self.num_mini_batches} and steps_per_generation="
-                    f"{self.steps_per_generation} are the same setting; set only num_mini_batches."
-                )
-            mini_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
-            if (
-                self.generation_batch_size is not None
-                and self.generation_batch_size != self.num_mini_batches * mini_batch
-            ):
-                fits = (
-                    f" or num_mini_batches={self.generation_batch_size // mini_batch}"
-                    if self.generation_batch_size % mini_batch == 0
-                    else ""
-                )
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} (the rollout) does not split into "
-                    f"num_mini_batches={self.num_mini_batches} mini-batches of per_device_train_batch_size "
-                    f"({self.per_device_train_batch_size}) x gradient_accumulation_steps "
-                    f"({self.gradient_accumulation_steps}) x processes ({self.world_size}) = {mini_batch} "
-                    f"completions. Set generation_batch_size={self.num_mini_batches * mini_batch}{fits}."
-                )
-            self.steps_per_generation = self.num_mini_batches
-        super()._resolve_generation_batch()
-        self.num_mini_batches = self.steps_per_generation
 
 
 # -- the trainer -------------------------------------------------------------------------------------------------
@@ -330,8 +64,9 @@ class PPOTrainer(OnlineTrainer):
     in 'input_ids', used as they are.
     """
 
-    _name = "PPO"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "PPO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
+    loss_reads_sampler_logps = True  # its compute_loss weighs each token by the sampler's log-prob
     config_class = PPOConfig
     kl_in_loss = False
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datasets import Dataset
 from transformers import DataCollatorWithPadding, TrainingArguments
 
-from ..errors import ConfigError
-from .online_eval import PROMPT_COLUMN, PROMPT_IDS_COLUMN
+from posttrain.errors import ConfigError
+from posttrain.online.rollout import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 
 
 def trl_reward_model(model, reward_funcs, reward_model, ref_model, data_collator):

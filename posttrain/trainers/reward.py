@@ -4,65 +4,21 @@ reward model of the online trainers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import set_seed
 
-from ..data.preference import PreferenceCollator, prepare_preference_dataset
-from ..data.report import DataReport
-from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
-from ..errors import ConfigError
-from ..losses.preference import bradley_terry_loss
-from ..models.loading import load_sequence_classifier
-from ..models.reference import unwrap
-from .base import BaseTrainer, PosttrainConfig
-from .dpo import PreparesEvalDatasets, load_processing_class, resolve_pad_to_multiple_of
-from .preference_common import can_repack, model_shared_layout, repacked, right_padded_view
-
-
-@dataclass
-class RewardConfig(PosttrainConfig):
-    learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "Token to use as EOS (appended to standard-format completions); must be in "
-            "the vocabulary (default: the tokenizer's)."
-        },
-    )
-    pad_token: str | None = field(
-        default=None, metadata={"help": "Token to pad with (default: the tokenizer's pad token, else its EOS)."}
-    )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A .jinja chat template file, or a tokenizer (directory or id) whose chat "
-            "template (and added tokens) to clone."
-        },
-    )
-    max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."},
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."},
-    )
-    center_rewards_coefficient: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards "
-            "centred on zero (Eisenstein et al. 2023 use 0.01)."
-        },
-    )
-
-    def __post_init__(self):
-        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
-        super().__post_init__()
+from posttrain.data.preference import PreferenceCollator, prepare_preference_dataset
+from posttrain.data.report import DataReport
+from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from posttrain.errors import ConfigError
+from posttrain.losses.preference import bradley_terry_loss
+from posttrain.models.layouts import can_repack, repacked, right_padded_view
+from posttrain.models.loading import load_sequence_classifier
+from posttrain.models.reference import unwrap
+from posttrain.trainers.reward_config import RewardConfig
+from posttrain.training.base import BaseTrainer
+from posttrain.training.preference import model_shared_layout
+from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
 
 
 def _score_parts(model):
@@ -100,7 +56,7 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     output at its last non-padding token.
     """
 
-    _name = "Reward"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "Reward"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     load_model = staticmethod(_load_reward_model)
 

@@ -11,67 +11,22 @@ steps_per_generation > 1 the same clipped ratio as GRPO applies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 
-from ..errors import ConfigError
-from ..losses.advantages import leave_one_out_advantages, whiten
-from .online import Advantages, OnlineConfig, OnlineTrainer, Rollout, groupwise_advantages
-
-
-@dataclass
-class RLOOConfig(OnlineConfig):
-    """OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
-    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised."""
-
-    min_num_generations: ClassVar[int] = 2
-    method: ClassVar[str] = "RLOO"
-
-    num_generations: int = field(default=2, metadata={"help": "Completions sampled per prompt (k in the paper)."})
-    beta: float = field(
-        default=0.05,
-        metadata={
-            "help": "KL coefficient: beta times the completion's summed log "
-            "ratio to the reference is subtracted from its reward."
-        },
-    )
-    loss_type: str = field(
-        default="dr_grpo",
-        metadata={"help": "Loss aggregation (see OnlineConfig); dr_grpo is the paper's sequence-level estimator."},
-    )
-    normalize_advantages: bool = field(
-        default=False, metadata={"help": "Scale the advantages of each generation batch to mean 0 and std 1."}
-    )
-    reward_clip_range: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "[min, max]: clip each completion's (weighted) reward to this range "
-            "before the KL penalty and the baseline (None: no clipping)."
-        },
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.reward_clip_range is not None:
-            low_high = list(self.reward_clip_range)
-            if len(low_high) != 2 or not low_high[0] <= low_high[1]:
-                raise ConfigError(
-                    f"reward_clip_range={self.reward_clip_range!r} must be two numbers [min, max] with "
-                    "min <= max (None: no clipping)."
-                )
-            self.reward_clip_range = tuple(float(v) for v in low_high)
+from posttrain.losses.advantages import leave_one_out_advantages, whiten
+from posttrain.online.engine import Advantages, OnlineTrainer, Rollout, groupwise_advantages
+from posttrain.trainers.rloo_config import RLOOConfig
 
 
 class RLOOTrainer(OnlineTrainer):
     """`RLOOTrainer(model, reward_funcs, args=RLOOConfig(...), train_dataset=..., peft_config=...)`."""
 
-    _name = "RLOO"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "RLOO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     config_class = RLOOConfig
+    loss_reads_sampler_logps = True  # its policy_loss weighs each token by the sampler's log-prob
     kl_in_loss = False
-    accepts_images = True  # image prompts (posttrain/trainers/online_vision.py)
+    accepts_images = True  # image prompts (posttrain/online/vision.py)
 
     def __init__(
         self,

@@ -3,203 +3,34 @@ prompt-completion pairs or pre-tokenized rows."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
 
 import torch
 from transformers import TrainingArguments
 
-from ..data.chat import normalize_example, require_chat_template
-from ..data.collators import IGNORE_INDEX, LanguageModelingCollator
-from ..data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
-from ..data.packing import pack_dataset
-from ..data.report import DataReport, cut_column, note_packing
-from ..data.tokenize import tokenize_example, truncate
-from ..data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
-from ..data.vision import (
-    VisionSetup,
-    VisionSFTCollator,
-    freeze_vision_tower_field,
-    is_vision_dataset,
-    tokenizer_of,
-    validate_vision_dataset,
+from posttrain.data.chat import normalize_example, require_chat_template
+from posttrain.data.collators import IGNORE_INDEX, LanguageModelingCollator
+from posttrain.data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
+from posttrain.data.packing import pack_dataset
+from posttrain.data.report import DataReport, cut_column, note_packing
+from posttrain.data.tokenize import tokenize_example, truncate
+from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from posttrain.data.vision import VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
+from posttrain.errors import ConfigError, DataError
+from posttrain.losses.sft import chunked_token_loss_sums, token_loss_sums
+from posttrain.models.layouts import (
+    check_chunked_loss_supported,
+    chunked_loss_unsupported,
+    repack_padded_batch,
+    uses_flash_attention,
 )
-from ..errors import ConfigError, DataError
-from ..losses.sft import LOSS_TYPES, chunked_token_loss_sums, token_loss_sums
-from ..models.loading import load_tokenizer
-from ..models.segment_attention import segment_attention, supports_segment_attention
-from ..models.tied_embedding import tied_embedding
-from .base import BaseTrainer, PosttrainConfig, setup_router_aux_loss
-
-PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
-TRUNCATION_MODES = ("keep_start", "keep_end")
-DATASET_KWARGS = ("skip_prepare_dataset",)
-
-
-@dataclass
-class SFTConfig(PosttrainConfig):
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-            "training loss (default: the model config's own; 0 turns it off). Only "
-            "for MoE models."
-        },
-    )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
-            "hub id whose chat template, added tokens and EOS token are cloned (the "
-            "embeddings grow to hold the new tokens)."
-        },
-    )
-    dataset_text_field: str = field(
-        default="text", metadata={"help": "Column holding the text of standard language-modeling data."}
-    )
-    dataset_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
-            "the dataset as it is: rows of input_ids [+ labels] for the collator)."
-        },
-    )
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
-            "standard text and set in the model's (generation) config."
-        },
-    )
-    max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."}
-    )
-    shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."}
-    )
-    packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
-    packing_strategy: str = field(
-        default="bfd",
-        metadata={
-            "help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
-            "ones split) or 'wrapped' (concatenated and cut every max_length)."
-        },
-    )
-    padding_free: bool = field(
-        default=False,
-        metadata={
-            "help": "Collate without an attention mask, positions restarting per sequence (always "
-            "on with packing): the batch in one row with flash attention, else one row "
-            "per example."
-        },
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
-            "on Neuron devices, which posttrain does not run on)."
-        },
-    )
-    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."}
-    )
-    assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."}
-    )
-    freeze_vision_tower: bool = freeze_vision_tower_field()
-    loss_type: str = field(
-        default="nll",
-        metadata={
-            "help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
-            "token's NLL weighted by its detached probability)."
-        },
-    )
-    pad_token: str | None = field(
-        default=None,
-        metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."},
-    )
-    # posttrain's own options
-    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
-    packing_split_long: bool = field(
-        default=False,
-        metadata={
-            "help": "With bfd packing, split sequences longer than max_length instead of "
-            "truncating them (as packing_strategy='bfd_split')."
-        },
-    )
-    chunked_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Compute the loss in chunks of trained tokens without materialising "
-            "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
-            "wherever it gives the same result (a plain linear output layer, no "
-            "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
-            "insists, False computes the full logits."
-        },
-    )
-    loss_chunk_size: int = field(default=256, metadata={"help": "Tokens per chunk with chunked_loss."})
-
-    unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
-
-    def __post_init__(self):
-        if isinstance(self.dataset_kwargs, str):
-            self.dataset_kwargs = json.loads(self.dataset_kwargs)
-        unknown = sorted(set(self.dataset_kwargs or {}) - set(DATASET_KWARGS))
-        if unknown:
-            raise ConfigError(
-                f"dataset_kwargs has unknown keys {unknown}; the only key is 'skip_prepare_dataset'. Remove the others."
-            )
-        self.pad_to_multiple_of = _parse_pad_to_multiple_of(self.pad_to_multiple_of)
-        if self.loss_type == "chunked_nll":
-            warnings.warn(
-                "loss_type='chunked_nll' is an old name of 'nll'; use loss_type='nll' (set chunked_loss=True "
-                "for posttrain's chunked computation).",
-                FutureWarning,
-                stacklevel=3,
-            )
-            self.loss_type = "nll"
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}; pick one of them.")
-        if self.loss_type == "dft" and self.label_smoothing_factor:
-            raise ConfigError(
-                f"label_smoothing_factor={self.label_smoothing_factor} smooths the NLL loss and has no "
-                "meaning for loss_type='dft'; set label_smoothing_factor=0 or loss_type='nll'."
-            )
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not one of {TRUNCATION_MODES}.")
-        if self.packing_strategy == "bfd-requeue":
-            self.packing_strategy = "bfd_split"  # the old name
-        if self.packing_strategy not in PACKING_STRATEGIES:
-            raise ConfigError(f"packing_strategy={self.packing_strategy!r} is not one of {PACKING_STRATEGIES}.")
-        if (self.packing or self.eval_packing) and self.max_length is None:
-            raise ConfigError(
-                "Packing needs max_length (the length of a packed row); set max_length or turn "
-                "packing / eval_packing off."
-            )
-        if self.loss_chunk_size < 1:
-            raise ConfigError(f"loss_chunk_size={self.loss_chunk_size} must be a positive number of tokens.")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            raise ConfigError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
-                "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off)."
-            )
-        super().__post_init__()
-
-
-def _parse_pad_to_multiple_of(value):
-    """'auto' means no padding off Neuron devices (posttrain runs on none); the CLI passes numbers as strings."""
-    if isinstance(value, str):
-        value = None if value.lower() in ("auto", "none", "null") else int(value)
-    if value is not None and value <= 0:
-        raise ConfigError(f"pad_to_multiple_of={value} must be a positive number of tokens, or None.")
-    return value
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.segment_attention import segment_attention, supports_segment_attention
+from posttrain.models.tied_embedding import tied_embedding
+from posttrain.trainers.sft_config import SFTConfig
+from posttrain.training.base import BaseTrainer, setup_router_aux_loss
+from posttrain.training.vision import VisionSetup
 
 
 def _sft_args(args, model) -> SFTConfig:
@@ -260,69 +91,6 @@ def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
     return {"input_ids": ids, "labels": labels, cut_column("max_length"): n - len(ids)}
 
 
-def chunked_loss_unsupported(model) -> str | None:
-    """Why the chunked loss would compute this model's loss wrongly, or None. It computes logits as
-    hidden @ W^T + b from the decoder's output and the output layer's own weight: models that transform their
-    logits further, an adapter on the output layer, or a model without `get_decoder` / `logits_to_keep` break that."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, attribute, None) not in (None, 1, 1.0):
-            return (
-                f"chunked_loss=True does not support models whose logits are transformed "
-                f"({attribute}={getattr(config, attribute)}); set chunked_loss=False."
-            )
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
-        return (
-            "chunked_loss=True needs a plain linear output layer; this one is "
-            f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
-            "leave lm_head out of the adapter's target modules."
-        )
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = getattr(base, "get_decoder", lambda: None)()
-    if decoder is None or decoder is base or "logits_to_keep" not in inspect.signature(base.forward).parameters:
-        return (
-            f"chunked_loss=True needs a model with a separate decoder and a `logits_to_keep` argument; "
-            f"{type(base).__name__} has not. Set chunked_loss=False."
-        )
-    return None
-
-
-def check_chunked_loss_supported(model) -> None:
-    """Raises ConfigError when `chunked_loss=True` cannot compute this model's loss (see `chunked_loss_unsupported`)."""
-    reason = chunked_loss_unsupported(model)
-    if reason is not None:
-        raise ConfigError(reason)
-
-
-def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) -> tuple[dict, torch.Tensor] | None:
-    """A right-padded batch laid out on fewer, fuller rows (`preference_common.repacked`: sequences side by side,
-    position ids restarting at 0, which keeps attention within each), with its labels moved along and -100 on each
-    sequence's first token (the previous sequence's last token must not predict it); None when the batch is not
-    right-padded or repacking would not save enough. Every token then gets the loss it gets in the padded batch."""
-    from .preference_common import repacked, right_padded_view  # (it imports this module)
-
-    view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
-    packed = None if view is None else repacked(view, hidden_size)
-    if packed is None:
-        return None
-    real = inputs["attention_mask"].bool()
-    packed_inputs, where = packed
-    packed_labels = torch.full(
-        (packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype, device=labels.device
-    )
-    packed_labels[where[real]] = labels[real]
-    packed_labels[where[:, 0]] = IGNORE_INDEX
-    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-    return {**extra, **packed_inputs}, packed_labels.view_as(packed_inputs["input_ids"])
-
-
-def uses_flash_attention(model) -> bool:
-    """Whether the model attends with a flash-attention kernel (e.g. "flash_attention_2",
-    "kernels-community/flash-attn3"), which sees packed sequence boundaries only in a one-row batch."""
-    return "flash" in (model.config._attn_implementation or "")
-
-
 class SFTTrainer(VisionSetup, BaseTrainer):
     """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
     formatting_func=...)`, with TRL's keyword arguments in TRL's order.
@@ -338,7 +106,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
     """
 
-    _name = "SFT"  # the method the model card names and cites (posttrain/model_card.py)
+    _name = "SFT"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     def __init__(
         self,
@@ -429,7 +197,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         # sequences apart; not with compute_loss_func (it gets the padded batch's logits) or an MoE auxiliary loss
         # (the router statistics would count the filler tokens), nor in a subclass with its own forward (e.g. a
         # teacher model that would need to keep packed sequences apart too).
-        from .preference_common import can_repack
+        from posttrain.models.layouts import can_repack
 
         self._repack_padded = (
             type(self)._forward_nll is SFTTrainer._forward_nll

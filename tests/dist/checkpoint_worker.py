@@ -47,7 +47,7 @@ def check(name: str, out_dir: str, model: str) -> dict:
     result = {"distributed_type": str(full.accelerator.distributed_type), "loss": losses,
               "params": full_parameters(full.model_wrapped), "checkpoint_files": files}
     full.save_model(os.path.join(out_dir, "export", name))  # the test loads it in a plain process
-    from posttrain.trainers.distributed import save_full_model_under_fsdp
+    from posttrain.runtime.distributed import save_full_model_under_fsdp
 
     save_full_model_under_fsdp(full, os.path.join(out_dir, "export_fsdp", name))
     full.accelerator.wait_for_everyone()

@@ -40,7 +40,7 @@ def test_single_process_or_no_default_config_is_accepted(tmp_path, default_confi
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback applies only without an accelerator")
 def test_a_launched_process_on_a_cpu_trains_over_gloo(monkeypatch):
-    from posttrain.trainers.distributed import use_gloo_on_cpu
+    from posttrain.runtime.distributed import use_gloo_on_cpu
 
     class Args:
         use_cpu, ddp_backend = False, None

@@ -130,7 +130,7 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def record(name: str, trainer) -> dict:
-    from posttrain.trainers.distributed import held_parameter_count
+    from posttrain.runtime.distributed import held_parameter_count
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     rollout = getattr(trainer, "rollout", None)

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.generation import SamplingParams
+from posttrain.online.episodes import ToolRollouts
 from posttrain.tools import ParsedTurn, ToolCall
-from posttrain.trainers.episodes import ToolRollouts
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 9]]
 EOS = 2

@@ -28,6 +28,29 @@ class RewardScriptArguments(ScriptArguments):
     )
 
 
+@dataclass
+class GRPOScriptArguments(RewardScriptArguments):
+    """ScriptArguments plus the reward model and reward functions of the GRPO script."""
+
+
+@dataclass
+class RLOOScriptArguments(RewardScriptArguments):
+    """ScriptArguments plus the reward model and reward functions of the RLOO script."""
+
+
+def script_entry_points(name: str, script_arguments: type = ScriptArguments):
+    """The `make_parser(subparsers=None, prog=None)` and `main(script_args, training_args, model_args,
+    dataset_args)` of TRL's `trl/scripts/<name>.py`, for `posttrain.scripts.<name>`."""
+
+    def make(subparsers=None, prog: str | None = None):
+        return make_parser(name, script_arguments, subparsers, prog)
+
+    def main(script_args, training_args, model_args, dataset_args):
+        run(name, script_args, training_args, model_args, dataset_args)
+
+    return make, main
+
+
 def make_parser(name: str, script_arguments: type = ScriptArguments, subparsers=None, prog: str | None = None):
     """TRL's parser of the `name` script: (script arguments, the method's config, ModelConfig, mixture)."""
     from posttrain.cli.main import ALIASES, METHODS

@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ..losses.logprobs import linear_logps, selective_log_softmax
-from ..losses.policy import entropy_from_logits
-from ..models.llama_forward import llama_forward
-from ..models.reference import unwrap
-from .online_vision import forward_vision_inputs, uses_own_positions
-from .preference_common import (
-    SequenceView,
-    can_repack,
-    common_prefix,
-    forward_hidden,
-    layout_settings,
-    output_head,
-    prefix_layout,
-)
+from posttrain.losses.logprobs import linear_logps, selective_log_softmax
+from posttrain.losses.policy import entropy_from_logits
+from posttrain.models.layouts import SequenceView, can_repack, common_prefix, layout_settings, prefix_layout
+from posttrain.models.llama_forward import llama_forward
+from posttrain.models.reference import unwrap
+from posttrain.online.vision import forward_vision_inputs, uses_own_positions
+from posttrain.training.preference import forward_hidden, output_head
 
 
 def completion_logps(

@@ -31,36 +31,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from transformers import TrainerCallback
 
-from ..errors import ConfigError
-from ..generation import create_generation_backend
-from ..models.reference import copy_model, freeze, unwrap
-from .online_eval import PROMPT_IDS_COLUMN
-from .online_vision import tokenizer_of
-from .rollout import Episode, pad_rows
+from posttrain.errors import ConfigError
+from posttrain.generation import create_generation_backend
+from posttrain.models.reference import copy_model, freeze, unwrap
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode, pad_rows, round_seeds
+from posttrain.online.vision import tokenizer_of
 
 __all__ = ["AsyncRolloutProducer", "check_async_support"]
 
 
 def check_async_support(trainer) -> None:
     """Stops before training when a setting of `trainer` generates in a way the producer cannot take over."""
-    from .grpo import GRPOTrainer  # the engine imports this module
-    from .online import OnlineTrainer
-    from .ppo import PPOTrainer
-    from .rloo import RLOOTrainer
-
     method = type(trainer)
-    corrected = method.compute_loss in (OnlineTrainer.compute_loss, PPOTrainer.compute_loss) and method.policy_loss in (
-        OnlineTrainer.policy_loss,
-        GRPOTrainer.policy_loss,
-        RLOOTrainer.policy_loss,
-    )
     unsupported = {
         f"{method.__name__}'s loss, which does not read the sampler's log-probs (stale samples would train "
-        "uncorrected)": not (corrected or getattr(trainer, "loss_ignores_the_sampler", False)),
+        "uncorrected)": not (method.loss_reads_sampler_logps or method.loss_ignores_the_sampler),
         "tools, environment_factory or rollout_func (multi-turn episodes)": trainer.episode_source is not None,
         "image prompts": trainer.image_prompts is not None,
-        f"{method.__name__}'s own generation (generate_episodes)": method.generate_episodes
-        is not OnlineTrainer.generate_episodes,
+        f"{method.__name__}'s own generation (generate_episodes)": method.own_generation,
         "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
             trainer.args, "dynamic_sampling", False
         ),
@@ -147,7 +135,7 @@ class AsyncRolloutProducer:
             else:
                 tags = trainer.rollout_sampler.round_tags(ahead)
                 ahead_rows = [trainer.train_dataset[index] for _, index in tags]
-                ahead_seeds = trainer.round_seeds(ahead, [slot for slot, _ in tags], "train")
+                ahead_seeds = round_seeds(trainer.args.seed, ahead, [slot for slot, _ in tags], "train")
             self.rounds[ahead] = self._submit(ahead_rows, ahead_seeds)
         if round_index not in self.rounds:  # the round after the last one (a shorter max_steps on resume)
             self.rounds[round_index] = self._submit(rows, seeds)

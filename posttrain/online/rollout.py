@@ -17,6 +17,20 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from posttrain.generation import derive_seed
+
+# The columns of a prepared prompt dataset: the prompt as given, and its token ids.
+PROMPT_COLUMN, PROMPT_IDS_COLUMN = "prompt", "prompt_ids"
+EVAL_SEED_TAG = 1  # mixed into the eval seeds so that they differ from the training rounds'
+
+
+def round_seeds(seed: int, round_index: int, slots: list[int], mode: str) -> list[int]:
+    """One sampling seed per prompt of a round, from (seed, round, slot): the same round samples the same
+    completions on every run and after a resume. Eval rounds ("eval" mode) have seeds of their own."""
+    tag = (EVAL_SEED_TAG,) if mode == "eval" else ()
+    return [derive_seed(seed, round_index, slot, *tag) for slot in slots]
+
+
 __all__ = ["Advantages", "Episode", "Rollout", "RolloutSampler", "groupwise_advantages", "pad_rows"]
 
 
@@ -196,7 +210,7 @@ class Rollout:
             if value is not None:
                 out[name] = value[rows, :width] if value.dim() == 2 else value[rows]
         if self.vision is not None:  # pixel values etc., and per-token inputs over prompt + completion
-            from ..data.vision import vision_batch
+            from posttrain.data.vision import vision_batch
 
             out.update(vision_batch(self.vision[rows], out["prompt_ids"].shape[1], out["completion_ids"].shape[1]))
         return out

@@ -68,7 +68,7 @@ def refuse_unlaunched_multiprocess_config() -> None:
         return  # not ours to validate; accelerate reports a broken file when it is launched with it
     processes = settings.get("num_processes") if isinstance(settings, dict) else None
     if isinstance(processes, int) and processes > 1:
-        from ..errors import ConfigError
+        from posttrain.errors import ConfigError
 
         raise ConfigError(
             f"accelerate's default config ({default_config_file}) asks for {processes} processes, but this process "

@@ -20,9 +20,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConfigError, DataError
-from ..generation import derive_seed
-from ..tools import (
+from posttrain.errors import ConfigError, DataError
+from posttrain.generation import derive_seed
+from posttrain.online.rollout import Episode
+from posttrain.tools import (
     EnvironmentPool,
     ToolExecutor,
     ToolStats,
@@ -32,7 +33,6 @@ from ..tools import (
     tool_schemas,
     tool_suffix_ids,
 )
-from .rollout import Episode
 
 __all__ = ["CustomRollouts", "ToolRollouts", "make_episode_source"]
 
@@ -263,7 +263,7 @@ def make_episode_source(trainer, tools, environments: EnvironmentPool | None, ro
                 "rollout_func samples the episodes itself; it cannot be combined with tools= or "
                 "environment_factory= here. Call the tools inside rollout_func, or drop it."
             )
-        from ..generation import stop_token_ids
+        from posttrain.generation import stop_token_ids
 
         return CustomRollouts(rollout_func, trainer, stop_token_ids(trainer.processing_class, trainer.model))
     if not trainer.conversational:

@@ -1,7 +1,7 @@
 """The model card (README.md) a run writes into its output_dir: what was trained from what, how, on which data,
 with which non-default settings, how it ended, with which library versions, and the method's paper to cite.
 
-Every trainer gets it through BaseTrainer (see posttrain/callbacks/run_artifacts.py); a trainer names its method
+Every trainer gets it through BaseTrainer (see posttrain/training/run_artifacts.py); a trainer names its method
 with the class attribute ``_name`` (as TRL's trainers do), which keys ``PAPERS`` below.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from posttrain.version import __version__
 
 CARD_NAME = "README.md"
 
@@ -280,9 +282,7 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     if "posttrain" not in found:
-        import posttrain
-
-        found["posttrain"] = posttrain.__version__
+        found["posttrain"] = __version__
     return found
 
 

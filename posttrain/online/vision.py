@@ -13,31 +13,27 @@ from __future__ import annotations
 
 import copy
 
-from ..data.chat import apply_chat_template, require_chat_template
-from ..data.formats import is_message_list
-from ..data.transforms import prepare_multimodal_messages
-from ..data.vision import (
+from posttrain.data.chat import apply_chat_template, require_chat_template
+from posttrain.data.formats import is_message_list
+from posttrain.data.transforms import prepare_multimodal_messages
+from posttrain.data.vision import (
     TOKEN_INPUTS,
     VISION_INPUTS,
-    adapt_vision_model,
     check_vision_inputs,
     image_token_ids,
     is_processor,
-    is_vision_checkpoint,
     is_vision_dataset,
     is_vision_model,
-    load_processor,
-    load_vision_model,
     open_image,
     row_images,
     split_vision_inputs,
     tokenizer_of,
     validate_vision_dataset,
 )
-from ..errors import ConfigError, DataError
-from ..models.loading import load_tokenizer
-from .online_eval import PROMPT_COLUMN
-from .rollout import Episode
+from posttrain.errors import ConfigError, DataError
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.vision import adapt_vision_model, is_vision_checkpoint, load_processor, load_vision_model
+from posttrain.online.rollout import PROMPT_COLUMN, Episode
 
 __all__ = ["ImagePrompts", "forward_vision_inputs", "setup_online_vision", "tokenizer_of", "uses_own_positions"]
 

@@ -1,6 +1,6 @@
 """OnlineConfig: the settings shared by the online trainers (GRPO, RLOO, PPO), with their checks.
 
-How the batch sizes relate is described in posttrain/trainers/online.py's module docstring.
+How the batch sizes relate is described in posttrain/online/engine.py's module docstring.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from ..data.vision import freeze_vision_tower_field
-from ..errors import ConfigError
-from ..generation import SamplingParams
-from ..generation.vllm_backend import VLLM_MODES
-from ..losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
-from .base import PosttrainConfig
+from posttrain.errors import ConfigError
+from posttrain.generation import SamplingParams
+from posttrain.generation.vllm_backend import VLLM_MODES
+from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from posttrain.training.base import PosttrainConfig
+from posttrain.training.vision import freeze_vision_tower_field
 
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 # generation_kwargs keys that have a config field of their own (the trainer reads the field too: the

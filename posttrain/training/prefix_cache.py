@@ -13,12 +13,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..losses.logprobs import linear_logps
-from ..models.reference import unwrap
-from .preference_common import (
-    SequenceLogps,
+from posttrain.losses.logprobs import linear_logps
+from posttrain.models.layouts import (
     SequenceView,
-    assemble_scores,
     can_repack,
     common_prefix,
     forward_hidden,
@@ -28,6 +25,8 @@ from .preference_common import (
     prefix_layout,
     sequence_view,
 )
+from posttrain.models.reference import unwrap
+from posttrain.training.preference import SequenceLogps, assemble_scores
 
 
 def applicable(model, batch: dict) -> bool:

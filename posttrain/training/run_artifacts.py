@@ -87,8 +87,8 @@ class RunArtifactsCallback(TrainerCallback):
 
     def _write_report(self, args, state) -> None:
         """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
-        from posttrain.cli.report import write_report
         from posttrain.errors import DataError
+        from posttrain.training.report import write_report
 
         title = f"{getattr(self.trainer, '_name', 'posttrain')} run: {Path(args.output_dir).resolve().name}"
         try:
@@ -105,7 +105,7 @@ class RunArtifactsCallback(TrainerCallback):
             logger.info("Training report: %s", path)
 
     def _write_model_card(self, args) -> None:
-        from posttrain.model_card import write_model_card
+        from posttrain.training.model_card import write_model_card
 
         try:
             write_model_card(self.trainer, args.output_dir)

@@ -1,41 +1,27 @@
-"""What the preference trainers share (DPO, KTO, ORPO, CPO, BCO, TPO): one forward of a batch of sequences to
-per-sequence completion log-probs, and the token metrics / MoE auxiliary loss they log the way TRL does.
+"""Sequence layouts: how a batch of sequences is laid out for one forward, and the output head's conditions.
 
-`sequence_logps` scores only the completion tokens. When the model's output layer is a plain linear layer it
-never builds the [tokens x vocab] logits: the decoder's hidden states at the positions that predict a completion
-token go through `posttrain.losses.logprobs.linear_logps`, chunk by chunk. A right-padded batch is also laid out
-anew when that saves enough work (`shared_layout`): the prompt a chosen and a rejected sequence share is computed
-once, and pairs are packed into rows without padding; a 4D attention mask keeps each sequence to itself, so every
-sequence gets the log-probs it would get alone.
+A right-padded batch can be viewed as its sequences (`sequence_view`), repacked onto fewer, fuller rows with
+position ids restarting at each sequence (`repacked`), or laid out so that the prompt a chosen and a rejected
+sequence share is computed once (`shared_layout`, `prefix_layout`: a 4D mask keeps each sequence to itself, so
+every sequence gets the log-probs it would get alone). `output_head` and `chunked_loss_unsupported` say when
+log-probs may be computed from the decoder's hidden states and the output layer's weight, chunk by chunk.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..data.vision import vision_inputs
-from ..errors import ConfigError
-from ..losses.logprobs import TokenScores, linear_logps, selective_log_softmax
-from ..losses.preference import length_desensitized_logps
-from ..models.reference import unwrap
-from ..models.tied_embedding import tied_embedding
+from posttrain.data.collators import IGNORE_INDEX
+from posttrain.errors import ConfigError
+from posttrain.models.reference import unwrap
 
 # Lay a padded batch out anew only if that saves at least this share of its cost (see `_cost`).
 MIN_PACKING_SAVING = 0.1
-STAT_NAMES = {"mean_logits": "logits", "entropy": "entropy", "top1": "top1"}
-
-
-class SequenceLogps(NamedTuple):
-    logps: torch.Tensor  # [N] log-prob of each sequence's completion (sum over its tokens; LD-DPO weighted)
-    token_counts: torch.Tensor  # [N] completion tokens per sequence
-    token_logps: torch.Tensor  # [N, L] per completion-token log-probs (0 elsewhere), for the 'sft' term
-    mask: torch.Tensor  # [N, L] 1 on completion tokens
-    stats: dict  # detached per-sequence sums [N] for the metrics (logits, entropy, top1); [N, L] log_sum_sq for WPO
-    aux_loss: torch.Tensor | None  # a Mixture-of-Experts model's load-balancing loss
 
 
 def sequence_index(batch: dict) -> torch.Tensor:
@@ -104,8 +90,6 @@ def sequence_view(batch: dict) -> SequenceView:
 def output_head(model) -> nn.Linear | None:
     """The output layer when log-probs may be computed from the decoder's hidden states (a plain linear layer whose
     logits the model does not transform further, on a text model that exposes its decoder), else None."""
-    from .sft import check_chunked_loss_supported  # here: sft.py imports this module
-
     if not isinstance(model, nn.Module):
         return None
     inner = unwrap(model)
@@ -237,7 +221,8 @@ def prefix_layout(
     branch, so every sequence gets exactly the hidden states it gets alone.
 
     Returns (model inputs, new `where`), or None when it would not save `min_saving` of the padded batch's cost
-    (see `_cost`; the layout never costs more). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
+    (see `_cost`; the layout never costs more). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an
+    additive one (eager)."""
     count, width = view.ids.shape
     device = view.ids.device
     columns = torch.arange(width, device=device)
@@ -328,124 +313,62 @@ def forward_hidden(model, inputs: dict, **options):
     return captured["hidden"], outputs
 
 
-@torch.no_grad()
-def _logits_stats(logits: torch.Tensor, index: torch.Tensor, log_sum_sq: bool, chunk: int = 256) -> dict:
-    """The statistics of `linear_logps` from given logits rows [n, V], `chunk` rows at a time."""
-    names = ("mean_logits", "entropy", "top1") + (("log_sum_sq",) if log_sum_sq else ())
-    out = {name: logits.new_empty(index.shape, dtype=torch.float32) for name in names}
-    for start in range(0, logits.shape[0], chunk):
-        part = slice(start, start + chunk)
-        z = logits[part].float()
-        logp = z.log_softmax(-1)
-        out["mean_logits"][part] = z.mean(-1)
-        out["entropy"][part] = -(logp.exp() * logp).sum(-1)
-        out["top1"][part] = (z.argmax(-1) == index[part]).float()
-        if log_sum_sq:
-            out["log_sum_sq"][part] = torch.logsumexp(2 * logp, -1)
-    return out
-
-
-def sequence_logps(
-    model,
-    batch: dict,
-    ld_alpha: float | None = None,
-    wpo: bool = False,
-    router_logits: bool = False,
-    stats: bool = True,
-) -> SequenceLogps:
-    """One forward of a `PreferenceCollator` batch (2B sequences, chosen first; or any batch of sequences with a
-    `completion_mask`): per-sequence completion log-probs, token counts and, with `stats`, the detached
-    per-sequence sums behind the metrics (and WPO's per-token log sum p^2 with `wpo`).
-
-    `model` is a module or any callable returning `.logits` (then the full logits are computed)."""
-    view = sequence_view(batch)
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    vision = vision_inputs(batch)  # pixel values etc. of a vision-language batch
-    head = None if vision else output_head(model)
-    where = view.where
-    config = unwrap(model).config if head is not None else None
-    # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
-    if (
-        head is not None
-        and not router_logits
-        and not getattr(config, "output_router_logits", False)
-        and "attention_mask" in batch
-        and is_right_padded(view.ids, batch["attention_mask"])
-    ):
-        packed = model_shared_layout(model, view)
-        if packed is not None:
-            inputs, where = packed
-    inputs.update(vision)
-    if router_logits:
-        inputs["output_router_logits"] = True
-    # Position t of a sequence is predicted by its position t - 1.
-    predictors = where[:, :-1][view.scored[:, 1:]]
-    targets = view.ids[view.scored]
-    if head is not None:
-        with tied_embedding(unwrap(model), head.weight) as head_gradient:  # no second [vocab, hidden] gradient
-            hidden, outputs = forward_hidden(model, inputs)
-        rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
-        scores = linear_logps(
-            rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo, on_weight_grad=head_gradient
+def chunked_loss_unsupported(model) -> str | None:
+    """Why the chunked loss would compute this model's loss wrongly, or None. It computes logits as
+    hidden @ W^T + b from the decoder's output and the output layer's own weight: models that transform their
+    logits further, an adapter on the output layer, or a model without `get_decoder` / `logits_to_keep` break that."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attribute, None) not in (None, 1, 1.0):
+            return (
+                f"chunked_loss=True does not support models whose logits are transformed "
+                f"({attribute}={getattr(config, attribute)}); set chunked_loss=False."
+            )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
+        return (
+            "chunked_loss=True needs a plain linear output layer; this one is "
+            f"{type(head).__name__} (e.g. a LoRA adapter on lm_head). Set chunked_loss=False or "
+            "leave lm_head out of the adapter's target modules."
         )
-    else:
-        outputs = model(**inputs, use_cache=False)
-        logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]
-        extra = _logits_stats(logits.detach(), targets, wpo) if stats or wpo else {}
-        scores = TokenScores(selective_log_softmax(logits, targets), **extra)
-    return assemble_scores(view.scored, scores, ld_alpha, getattr(outputs, "aux_loss", None))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "get_decoder", lambda: None)()
+    if decoder is None or decoder is base or "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return (
+            f"chunked_loss=True needs a model with a separate decoder and a `logits_to_keep` argument; "
+            f"{type(base).__name__} has not. Set chunked_loss=False."
+        )
+    return None
 
 
-def assemble_scores(scored: torch.Tensor, scores: TokenScores, ld_alpha: float | None, aux_loss) -> SequenceLogps:
-    """`SequenceLogps` from the scores of the `scored` [N, L] tokens, in their row-major order."""
-    mask = scored.to(torch.float32)
-
-    def per_token(values: torch.Tensor) -> torch.Tensor:
-        return mask.new_zeros(mask.shape).masked_scatter(scored, values.to(mask.dtype))
-
-    token_logps = per_token(scores.logps)
-    counts = mask.sum(-1)
-    sums = {
-        name: per_token(getattr(scores, field)).sum(-1)
-        for field, name in STAT_NAMES.items()
-        if getattr(scores, field) is not None
-    }
-    if scores.log_sum_sq is not None:
-        sums["log_sum_sq"] = per_token(scores.log_sum_sq)
-    if ld_alpha is None:
-        logps = token_logps.sum(-1)
-    else:
-        half = counts.shape[0] // 2
-        shared = torch.minimum(counts[:half], counts[half:]).repeat(2)
-        logps = length_desensitized_logps(token_logps, mask, shared, ld_alpha)
-    return SequenceLogps(logps, counts, token_logps, mask, sums, aux_loss)
+def check_chunked_loss_supported(model) -> None:
+    """Raises ConfigError when `chunked_loss=True` cannot compute this model's loss (see `chunked_loss_unsupported`)."""
+    reason = chunked_loss_unsupported(model)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
-class PreferenceMetricsMixin:
-    """The metrics and MoE auxiliary loss of the trainers that score chosen/rejected (or desirable/undesirable)
-    completions: entropy, num_tokens and token-weighted logits/<part> means as TRL logs them, and the router
-    load-balancing loss joined with `router_aux_loss_coef` when `aux_loss_enabled`. Needs `_total_train_tokens`."""
+def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) -> tuple[dict, torch.Tensor] | None:
+    """A right-padded batch laid out on fewer, fuller rows (`preference_common.repacked`: sequences side by side,
+    position ids restarting at 0, which keeps attention within each), with its labels moved along and -100 on each
+    sequence's first token (the previous sequence's last token must not predict it); None when the batch is not
+    right-padded or repacking would not save enough. Every token then gets the loss it gets in the padded batch."""
+    view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
+    packed = None if view is None else repacked(view, hidden_size)
+    if packed is None:
+        return None
+    real = inputs["attention_mask"].bool()
+    packed_inputs, where = packed
+    packed_labels = torch.full(
+        (packed_inputs["input_ids"].numel(),), IGNORE_INDEX, dtype=labels.dtype, device=labels.device
+    )
+    packed_labels[where[real]] = labels[real]
+    packed_labels[where[:, 0]] = IGNORE_INDEX
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    return {**extra, **packed_inputs}, packed_labels.view_as(packed_inputs["input_ids"])
 
-    def add_aux_loss(self, loss: torch.Tensor, aux_loss) -> torch.Tensor:
-        if not self.aux_loss_enabled or aux_loss is None:
-            return loss
-        self.record_metrics({"aux_loss": aux_loss.detach()})
-        return loss + self.router_aux_loss_coef * aux_loss
 
-    def record_token_metrics(self, stats: dict, counts: torch.Tensor, attention_tokens, parts: dict) -> None:
-        """entropy, num_tokens and the token-weighted logits/<part> means, as TRL logs them."""
-        totals = {"entropy": stats["entropy"].sum(), "tokens": counts.sum()}
-        for name, part in parts.items():
-            totals[f"logits/{name}"] = stats["logits"][part].sum()
-            totals[f"tokens/{name}"] = counts[part].sum()
-        summed = self.accelerator.gather(torch.stack(list(totals.values()))[None].float()).sum(0).tolist()
-        totals = dict(zip(totals, summed))
-        metrics = {"entropy": totals["entropy"] / max(totals["tokens"], 1)}
-        for name in parts:
-            if totals[f"tokens/{name}"]:
-                metrics[f"logits/{name}"] = totals[f"logits/{name}"] / totals[f"tokens/{name}"]
-        if self.model.training:
-            tokens = self.accelerator.gather(attention_tokens.reshape(1)).sum().item()
-            self._total_train_tokens += int(tokens)
-        self._metrics["train" if self.model.training else "eval"]["num_tokens"] = [float(self._total_train_tokens)]
-        self.record_metrics(metrics)
+def uses_flash_attention(model) -> bool:
+    """Whether the model attends with a flash-attention kernel (e.g. "flash_attention_2",
+    "kernels-community/flash-attn3"), which sees packed sequence boundaries only in a one-row batch."""
+    return "flash" in (model.config._attn_implementation or "")

@@ -21,12 +21,10 @@ from accelerate.utils import gather_object
 from transformers import Trainer
 from transformers.trainer_utils import speed_metrics
 
-from ..callbacks.completion_table import log_completion_table, print_completion_table
-from ..generation import derive_seed
+from posttrain.callbacks.completion_table import log_completion_table, print_completion_table
+from posttrain.online.rollout import PROMPT_IDS_COLUMN
 
-PROMPT_COLUMN, PROMPT_IDS_COLUMN = "prompt", "prompt_ids"
 COMPLETIONS_LOG = "completions.jsonl"
-EVAL_SEED_TAG = 1  # mixed into the eval seeds so that they differ from the training rounds'
 
 
 def nanstd(values: torch.Tensor) -> torch.Tensor:
@@ -51,11 +49,6 @@ class OnlineEvaluation:
     """Mixed into OnlineTrainer: `evaluate`, round metrics and completion logging."""
 
     rollout_mode = "train"  # "eval" while evaluate() generates
-
-    def round_seeds(self, round_index: int, slots: list[int], mode: str) -> list[int]:
-        """One seed per prompt of a round, from (seed, round, slot); eval rounds have their own."""
-        tag = (EVAL_SEED_TAG,) if mode == "eval" else ()
-        return [derive_seed(self.args.seed, round_index, slot, *tag) for slot in slots]
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

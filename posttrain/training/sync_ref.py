@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..errors import ConfigError
-from ..models.reference import full_state_dict, gathered_weights, load_full_state_dict, named_weights
+from posttrain.errors import ConfigError
+from posttrain.models.reference import full_state_dict, gathered_weights, load_full_state_dict, named_weights
 
 
 def mix_into_reference(policy: nn.Module, ref_model: nn.Module, alpha: float) -> None:

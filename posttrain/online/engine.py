@@ -47,34 +47,29 @@ from typing import ClassVar
 import torch
 from torch.utils.data import DataLoader
 
-from ..callbacks import SyncRefModelCallback
-from ..callbacks.sync_ref import load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
-from ..data.chat import apply_chat_template, require_chat_template
-from ..data.formats import is_message_list
-from ..data.report import DataReport, cut_column
-from ..errors import ConfigError, DataError
-from ..generation import create_generation_backend
-from ..generation.vllm_backend import sampler_logps_tensor, sampler_mismatch_metrics
-from ..losses.policy import (
+from posttrain.data.chat import apply_chat_template, require_chat_template
+from posttrain.data.formats import is_message_list
+from posttrain.data.report import DataReport, cut_column
+from posttrain.errors import ConfigError, DataError
+from posttrain.generation import create_generation_backend
+from posttrain.generation.vllm_backend import sampler_logps_tensor, sampler_mismatch_metrics
+from posttrain.losses.policy import (
     aggregate_loss,
     objective_metrics,
     policy_objective,
 )
-from ..losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
-from ..models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
-from ..rewards.scoring import RewardScorer
-from ..tools import EnvironmentPool, tool_schemas
-from .async_rollouts import AsyncRolloutProducer
-from .base import BaseTrainer, setup_router_aux_loss
-from .distributed import root_gathered
-from .episodes import make_episode_source
-from .online_config import OnlineConfig
+from posttrain.losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
+from posttrain.models.reference import create_reference_model, is_peft_model, reference_forward, unwrap
+from posttrain.online.async_rollouts import AsyncRolloutProducer
+from posttrain.online.config import OnlineConfig
+from posttrain.online.episodes import make_episode_source
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
-from .online_eval import COMPLETIONS_LOG, PROMPT_COLUMN, PROMPT_IDS_COLUMN, OnlineEvaluation, nanstd
-from .online_logps import completion_logps
-from .online_vision import setup_online_vision, tokenizer_of
-from .rollout import (
+from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
+from posttrain.online.logps import completion_logps
+from posttrain.online.rollout import (
+    PROMPT_COLUMN,
+    PROMPT_IDS_COLUMN,
     Advantages,
     Episode,
     Rollout,
@@ -84,7 +79,14 @@ from .rollout import (
     collate_tagged,
     groupwise_advantages,
     pad_rows,
+    round_seeds,
 )
+from posttrain.online.vision import setup_online_vision, tokenizer_of
+from posttrain.rewards.scoring import RewardScorer
+from posttrain.runtime.distributed import root_gathered
+from posttrain.tools import EnvironmentPool, tool_schemas
+from posttrain.training.base import BaseTrainer, setup_router_aux_loss
+from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 __all__ = [
     "COMPLETIONS_LOG",
@@ -195,6 +197,21 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     """
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
+    # What the asynchronous producer (async_rollouts.py) needs to know of a method, declared on its class. A class
+    # that defines its own loss is taken not to correct stale samples with the sampler's log-probs unless it says
+    # so; one that defines its own generate_episodes generates in a way the producer cannot take over.
+    loss_reads_sampler_logps: ClassVar[bool] = True
+    loss_ignores_the_sampler: ClassVar[bool] = False
+    own_generation: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if ("compute_loss" in own or "policy_loss" in own) and "loss_reads_sampler_logps" not in own:
+            cls.loss_reads_sampler_logps = False
+        if "generate_episodes" in own:
+            cls.own_generation = True
+
     # The loss returned by compute_loss is already this micro-batch's share of the optimizer step's loss.
     loss_is_scaled_for_ga = True
     # Whether beta's KL term goes into the loss (GRPO) rather than into the rewards (RLOO, PPO).
@@ -561,7 +578,7 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
         `rollout_mode` is "eval" (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
         args, mode = self.args, self.rollout_mode
         n = args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
-        scored = self.sample_groups(rows, n, self.round_seeds(round_index, slots, mode), round_index)
+        scored = self.sample_groups(rows, n, round_seeds(self.args.seed, round_index, slots, mode), round_index)
         rows, episodes, prompts, texts = scored.rows, scored.episodes, scored.prompts, scored.texts
         rewards, per_function = scored.rewards, scored.per_function
         if self.episode_source is not None and hasattr(self.episode_source, "tools"):

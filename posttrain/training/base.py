@@ -13,15 +13,12 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from ..callbacks.run_artifacts import RunArtifactsCallback
-from ..data.report import DataReportCallback
-from ..errors import ConfigError
-from ..model_card import write_model_card
-from ..models.fused_layers import fuse_layers, rebuilt_activations
-from ..models.loading import load_causal_lm, load_tokenizer
-from ..models.tied_embedding import allow_tied_embedding
-from .checkpoints import CheckpointMixin
-from .distributed import (
+from posttrain.data.report import DataReportCallback
+from posttrain.errors import ConfigError
+from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
+from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.models.tied_embedding import allow_tied_embedding
+from posttrain.runtime.distributed import (
     fsdp_on_cpu,
     refuse_unlaunched_multiprocess_config,
     save_full_model_under_fsdp,
@@ -29,8 +26,11 @@ from .distributed import (
     unwrap_without_importing_deepspeed,
     use_gloo_on_cpu,
 )
-from .guards import NONFINITE_POLICIES, GuardMixin
-from .optimizer_state import allocate_adam_states_together
+from posttrain.training.checkpoints import CheckpointMixin
+from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
+from posttrain.training.model_card import write_model_card
+from posttrain.training.optimizer_state import allocate_adam_states_together
+from posttrain.training.run_artifacts import RunArtifactsCallback
 
 logger = logging.getLogger("posttrain")
 
@@ -378,7 +378,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
 
     def create_accelerator_and_postprocess(self):
-        with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/trainers/distributed.py)
+        with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/runtime/distributed.py)
             super().create_accelerator_and_postprocess()
         shard_frozen_models(self.accelerator)
 
@@ -466,7 +466,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
     ) -> None:
-        """TRL's method: writes the README.md model card (posttrain/model_card.py) into output_dir."""
+        """TRL's method: writes the README.md model card (posttrain/training/model_card.py) into output_dir."""
         if self.is_world_process_zero():
             write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags)
 

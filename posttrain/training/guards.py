@@ -19,7 +19,7 @@ import threading
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..errors import NonFiniteError
+from posttrain.errors import NonFiniteError
 
 logger = logging.getLogger("posttrain")
 

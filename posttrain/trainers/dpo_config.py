@@ -1,0 +1,96 @@
+"""`DPOConfig`: the settings of DPO and its loss family, with TRL's field names, order, defaults and help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.losses.preference import validate_dpo_loss_settings
+from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings
+from posttrain.training.vision import freeze_vision_tower_field
+
+
+@dataclass
+class DPOConfig(ReferenceConfig):
+    beta: float = field(
+        default=0.1,
+        metadata={"help": "Strength of the pull towards the reference: rewards are beta * log(pi / pi_ref)."},
+    )
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={
+            "help": "DPO loss, or several to sum (a list, or comma-separated names): sigmoid, hinge, ipo, "
+            "robust, exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
+            "discopop, sft, sigmoid_norm."
+        },
+    )
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per loss_type entry (default: 1 each)."}
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "LD-DPO: weight in [0, 1] of the completion tokens past the shorter "
+            "completion's length (None or 1: plain sums)."
+        },
+    )
+    use_weighting: bool = field(
+        default=False,
+        metadata={
+            "help": "WPO: weight each pair by the policy's length-normalised probabilities of its two completions."
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Assumed rate of flipped preference labels (cDPO / robust / EXO), in [0, 0.5]."}
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={
+            "help": "Divergence to the reference: reverse_kl (DPO), forward_kl, js_divergence or alpha_divergence."
+        },
+    )
+    f_alpha_divergence_coef: float = field(
+        default=0.5, metadata={"help": "alpha of the alpha divergence, f'(u) = (u^(alpha-1) - 1) / (alpha - 1)."}
+    )
+    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Bound on each prompt + completion sequence, cut as truncation_mode says."}
+    )
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={
+            "help": "How a sequence over max_length is cut: keep_start (drop its end) "
+            "or keep_end (drop the start of the prompt).",
+            "choices": ["keep_start", "keep_end"],
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "posttrain extra: keep at most the last this-many prompt tokens."}
+    )
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "posttrain extra: keep at most the first this-many tokens of each completion."}
+    )
+    padding_free: bool = field(
+        default=False, metadata={"help": "Concatenate each batch's 2B sequences into one row without padding."}
+    )
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Deprecated in TRL: the padding token (default: the tokenizer's, else EOS)."}
+    )
+    freeze_vision_tower: bool = freeze_vision_tower_field()
+
+    def __post_init__(self):
+        # Comma-separated names (the command line's form) -> a list.
+        entries = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        self.loss_type = [name.strip() for entry in entries for name in entry.split(",")]
+        validate_dpo_loss_settings(
+            self.loss_type,
+            self.loss_weights,
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+            discopop_tau=self.discopop_tau,
+            use_weighting=self.use_weighting,
+            ld_alpha=self.ld_alpha,
+        )
+        check_length_settings(self)
+        super().__post_init__()

@@ -1,0 +1,64 @@
+"""`KTOConfig`: the settings of KTO, with TRL's field names, order, defaults and help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from posttrain.errors import ConfigError
+from posttrain.losses.preference import KTO_LOSS_TYPES
+from posttrain.training.reference_trainer import ReferenceConfig
+
+
+@dataclass
+class KTOConfig(ReferenceConfig):
+    train_sampling_strategy: str = field(
+        default="sequential",
+        metadata={
+            "help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
+            "(its mismatched KL pairs are fixed per batch in the dataset)."
+        },
+    )
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."}
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={
+            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
+            "keeps the policy closer to the reference."
+        },
+    )
+    desirable_weight: float = field(
+        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."}
+    )
+    undesirable_weight: float = field(
+        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."}
+    )
+    loss_type: str = field(
+        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."}
+    )
+
+    def __post_init__(self):
+        if self.loss_type not in KTO_LOSS_TYPES:
+            raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(KTO_LOSS_TYPES)}.")
+        if self.beta <= 0:
+            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
+        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
+            raise ConfigError(
+                f"desirable_weight={self.desirable_weight} and undesirable_weight="
+                f"{self.undesirable_weight} must both be positive."
+            )
+        strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
+        if self.loss_type == "kto" and strategy != "sequential":
+            raise ConfigError(
+                f"train_sampling_strategy={strategy!r}: loss_type 'kto' pairs each prompt with a neighbour's "
+                "completion inside its batch, fixed in the dataset, so the rows must come in order; set "
+                "train_sampling_strategy='sequential' (the default) or use loss_type='apo_zero_unpaired'."
+            )
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise ConfigError(
+                f"per_device_train_batch_size={self.per_device_train_batch_size}: the KL reference point pairs each "
+                "prompt with another example's completion from the same batch, and a batch of one has none; set "
+                "per_device_train_batch_size to 2 or more."
+            )
+        super().__post_init__()

@@ -1,0 +1,52 @@
+"""`RLOOConfig`: the settings of RLOO, with TRL's field names, order, defaults and help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from posttrain.errors import ConfigError
+from posttrain.online.engine import OnlineConfig
+
+
+@dataclass
+class RLOOConfig(OnlineConfig):
+    """OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
+    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised."""
+
+    min_num_generations: ClassVar[int] = 2
+    method: ClassVar[str] = "RLOO"
+
+    num_generations: int = field(default=2, metadata={"help": "Completions sampled per prompt (k in the paper)."})
+    beta: float = field(
+        default=0.05,
+        metadata={
+            "help": "KL coefficient: beta times the completion's summed log "
+            "ratio to the reference is subtracted from its reward."
+        },
+    )
+    loss_type: str = field(
+        default="dr_grpo",
+        metadata={"help": "Loss aggregation (see OnlineConfig); dr_grpo is the paper's sequence-level estimator."},
+    )
+    normalize_advantages: bool = field(
+        default=False, metadata={"help": "Scale the advantages of each generation batch to mean 0 and std 1."}
+    )
+    reward_clip_range: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "[min, max]: clip each completion's (weighted) reward to this range "
+            "before the KL penalty and the baseline (None: no clipping)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reward_clip_range is not None:
+            low_high = list(self.reward_clip_range)
+            if len(low_high) != 2 or not low_high[0] <= low_high[1]:
+                raise ConfigError(
+                    f"reward_clip_range={self.reward_clip_range!r} must be two numbers [min, max] with "
+                    "min <= max (None: no clipping)."
+                )
+            self.reward_clip_range = tuple(float(v) for v in low_high)
