@@ -181,3 +181,26 @@ def test_the_readme_links_resolve():
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if "://" not in t]
     missing = [t for t in targets if t and not (ROOT / t).exists()]
     assert targets and not missing, missing
+
+
+def test_every_top_level_name_says_what_it_is_for_and_links_its_page():
+    """Each name of `posttrain.__all__` has its own docstring, opening with what it is for (not a call signature),
+    that names its documentation page (`docs/<page>.md`, which must exist)."""
+    import posttrain
+
+    problems = []
+    for name in posttrain.__all__:
+        if name.startswith("_"):
+            continue
+        doc = (getattr(posttrain, name).__doc__ or "").strip()
+        if not doc:
+            problems.append(f"{name}: no docstring")
+            continue
+        first = doc.splitlines()[0]
+        if re.match(rf"`?{name}\(", first) or len(first.split()) < 5:
+            problems.append(f"{name}: the first line should say what it is for, not {first[:60]!r}")
+        pages = re.findall(r"\bdocs/[\w/]+\.md\b", doc)
+        if not pages:
+            problems.append(f"{name}: no link to its page (docs/<page>.md)")
+        problems += [f"{name}: {page} does not exist" for page in pages if not (ROOT / page).is_file()]
+    assert not problems, "\n".join(problems)

@@ -125,7 +125,10 @@ def _completion_stats(completions) -> list[float]:
 
 
 class DistillationTrainer(SFTTrainer):
-    """`DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...)`, TRL's
+    """On-policy distillation: a student samples completions and learns to match a teacher's next-token distributions
+    on them (generalized JSD).
+
+    `DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...)`, TRL's
     signature; posttrain's extras `teacher_processing_class` (checks the tokenizers agree) and `data_collator`.
 
     `teacher_model` is a model, hub id, path or built-in name (default: args.teacher_model_name_or_path); it
@@ -134,6 +137,8 @@ class DistillationTrainer(SFTTrainer):
     prompt. Evaluation batches without completions (prompt-only data) are sampled too. Logged as means over
     completion tokens: TRL's entropy and completions/* keys, and posttrain's distill_loss, nll,
     teacher_agreement (student and teacher top-1 tokens equal), on_policy, mean_token_accuracy.
+
+    See docs/trainers/distillation.md.
     """
 
     _name = "Distillation"  # the method the model card names and cites (posttrain/training/model_card.py)

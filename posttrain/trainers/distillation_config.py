@@ -28,6 +28,12 @@ _SAMPLING_KEYS = {
 
 @dataclass
 class DistillationConfig(SFTConfig):
+    """Settings of `DistillationTrainer`: the SFT options plus the teacher, sampling and the divergence (beta, lmbda,
+    alpha).
+
+    See docs/trainers/distillation.md.
+    """
+
     unsupported_options: ClassVar[dict[str, str]] = {
         **SFTConfig.unsupported_options,
         "use_vllm": "on-policy completions are sampled with transformers' generate on the student; vLLM sampling "

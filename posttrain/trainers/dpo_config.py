@@ -11,6 +11,12 @@ from posttrain.training.vision import freeze_vision_tower_field
 
 @dataclass
 class DPOConfig(ReferenceConfig):
+    """Settings of `DPOTrainer`: TRL's DPO fields and defaults (loss types, beta, reference handling, lengths) on top
+    of transformers' `TrainingArguments`.
+
+    See docs/trainers/dpo.md.
+    """
+
     beta: float = field(
         default=0.1,
         metadata={"help": "Strength of the pull towards the reference: rewards are beta * log(pi / pi_ref)."},

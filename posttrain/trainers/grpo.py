@@ -103,7 +103,13 @@ class _EntropyControlState(TrainerCallback):
 
 
 class GRPOTrainer(OnlineTrainer):
-    """`GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=..., peft_config=...)`."""
+    """Group Relative Policy Optimization: samples a group of completions per prompt, scores them with reward functions
+    or models, and reinforces those above their group's mean.
+
+    `GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=..., peft_config=...)`.
+
+    See docs/trainers/grpo.md.
+    """
 
     _name = "GRPO"  # the method the model card names and cites (posttrain/training/model_card.py)
 

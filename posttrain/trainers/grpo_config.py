@@ -27,8 +27,13 @@ def _help(text: str) -> dict:
 
 @dataclass
 class GRPOConfig(OnlineConfig):
-    """OnlineConfig with GRPO's defaults: 8 generations per prompt, rewards scaled by their group's std,
-    loss_type "dapo" (mean over all completion tokens of the optimizer step), no KL (beta=0)."""
+    """Settings of `GRPOTrainer`: generation, rewards, loss and vLLM options with TRL's names and defaults.
+
+    OnlineConfig with GRPO's defaults: 8 generations per prompt, rewards scaled by their group's std,
+    loss_type "dapo" (mean over all completion tokens of the optimizer step), no KL (beta=0).
+
+    See docs/trainers/grpo.md.
+    """
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "GRPO"

@@ -151,13 +151,18 @@ def kto_rows(batch: dict, part: slice) -> dict:
 
 
 class KTOTrainer(ReferenceTrainer):
-    """`KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=..., processing_class=...,
+    """Kahneman-Tversky Optimization: trains a policy on completions labelled desirable or undesirable one at a time,
+    no pairs needed.
+
+    `KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=..., processing_class=...,
     peft_config=...)`, TRL's keyword arguments in TRL's order.
 
     Data: unpaired rows (`prompt`, `completion`, boolean `label`, True = desirable), standard or
     conversational; paired preference data (`chosen`/`rejected`) is unpaired into one desirable and one
     undesirable row per pair. The reference is `ref_model`, else a frozen copy of the policy, else (with
     `peft_config`) the policy with its adapter disabled, or log-probs precomputed once (`precompute_ref_log_probs`).
+
+    See docs/trainers/kto.md.
     """
 
     _name = "KTO"  # the method the model card names and cites (posttrain/training/model_card.py)

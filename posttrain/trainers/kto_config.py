@@ -11,6 +11,12 @@ from posttrain.training.reference_trainer import ReferenceConfig
 
 @dataclass
 class KTOConfig(ReferenceConfig):
+    """Settings of `KTOTrainer`: TRL's KTO fields and defaults (beta, class weights, loss type) on top of transformers'
+    `TrainingArguments`.
+
+    See docs/trainers/kto.md.
+    """
+
     train_sampling_strategy: str = field(
         default="sequential",
         metadata={

@@ -22,10 +22,16 @@ _PPO_NAMES = {
 
 @dataclass
 class PPOConfig(OnlineConfig):
-    """OnlineConfig with PPO's settings. One rollout is generation_batch_size completions (one per prompt
+    """Settings of `PPOTrainer`: the online options plus PPO's epochs, clip ranges, value loss, GAE and KL control,
+    with the last TRL PPOConfig's names.
+
+    OnlineConfig with PPO's settings. One rollout is generation_batch_size completions (one per prompt
     by default); it is split into num_mini_batches mini-batches of per_device_train_batch_size x
     gradient_accumulation_steps x processes completions, one optimizer step each, and passed over
-    num_ppo_epochs times."""
+    num_ppo_epochs times.
+
+    See docs/trainers/ppo.md.
+    """
 
     method: ClassVar[str] = "PPO"
     unsupported_options: ClassVar[dict[str, str]] = {

@@ -11,6 +11,12 @@ from posttrain.training.reference_trainer import resolve_pad_to_multiple_of
 
 @dataclass
 class RewardConfig(PosttrainConfig):
+    """Settings of `RewardTrainer`: TRL's reward-modelling fields and defaults on top of transformers'
+    `TrainingArguments`.
+
+    See docs/trainers/reward.md.
+    """
+
     learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
     eos_token: str | None = field(

@@ -11,8 +11,13 @@ from posttrain.online.engine import OnlineConfig
 
 @dataclass
 class RLOOConfig(OnlineConfig):
-    """OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
-    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised."""
+    """Settings of `RLOOTrainer`: GRPO's online options with RLOO's defaults and advantage options.
+
+    OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
+    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised.
+
+    See docs/trainers/rloo.md.
+    """
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "RLOO"

@@ -92,7 +92,10 @@ def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
 
 
 class SFTTrainer(VisionSetup, BaseTrainer):
-    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
+    """Supervised fine-tuning: trains a causal language model on text, conversations or prompt-completion pairs with
+    next-token cross-entropy.
+
+    `SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
     formatting_func=...)`, with TRL's keyword arguments in TRL's order.
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
@@ -104,6 +107,8 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     image tokens are never trained; the vision tower is frozen unless `freeze_vision_tower=False`.
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
+
+    See docs/trainers/sft.md.
     """
 
     _name = "SFT"  # the method the model card names and cites (posttrain/training/model_card.py)

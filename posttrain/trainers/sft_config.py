@@ -32,6 +32,12 @@ def _parse_pad_to_multiple_of(value):
 
 @dataclass
 class SFTConfig(PosttrainConfig):
+    """Settings of `SFTTrainer`: TRL's SFT fields and defaults on top of transformers' `TrainingArguments`, plus
+    posttrain's guards and memory options.
+
+    See docs/trainers/sft.md.
+    """
+
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
     router_aux_loss_coef: float | None = field(
         default=None,

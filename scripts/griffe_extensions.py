@@ -1,16 +1,23 @@
-"""A griffe extension for the documentation site (mkdocs.yml: mkdocstrings' `extensions:`).
+"""griffe extensions for the documentation site (mkdocs.yml: mkdocstrings' `extensions:`).
 
-griffe, which reads the source for mkdocstrings, does not descend into a folder without `__init__.py` inside a
-regular package. posttrain has such folders (implicit namespace packages that Python imports fine). This extension
-reads their modules statically, the way griffe reads every other module, and hangs them into the tree, so that an
-object defined there can be documented. Which folders these are is found on disk at build time.
+`NamespaceSubpackages`: griffe, which reads the source for mkdocstrings, does not descend into a folder without
+`__init__.py` inside a regular package. posttrain may have such folders (implicit namespace packages that Python
+imports fine). This extension reads their modules statically, the way griffe reads every other module, and hangs
+them into the tree, so that an object defined there can be documented. Which folders these are is found on disk at
+build time.
+
+`DocsPageLinks`: a docstring names its documentation page as `docs/<page>.md`; on the site that becomes a link.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import griffe
+
+# A docstring names its page as `docs/<page>.md` (readable in `help()` and on GitHub); on the site it becomes a link.
+DOCS_PAGE = re.compile(r"(?<![\w/(\[])docs/((?:[\w-]+/)*[\w-]+\.md)\b")
 
 
 class NamespaceSubpackages(griffe.Extension):
@@ -54,3 +61,12 @@ class NamespaceSubpackages(griffe.Extension):
                 )
                 namespace.set_member(source.stem, submodule)
             self._attach(namespace, child, loader)
+
+
+class DocsPageLinks(griffe.Extension):
+    """`DocsPageLinks`: turns the `docs/<page>.md` a docstring names into a link to that page. The API reference
+    pages live in docs/reference/, so the link is relative to that folder."""
+
+    def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = DOCS_PAGE.sub(r"[docs/\1](../\1)", obj.docstring.value)
