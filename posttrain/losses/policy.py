@@ -60,7 +60,8 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     return logps - ref_logps if estimator == "k1" else kl_k3(logps, ref_logps)
 
 
-def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` over the positions where `valid` is 1 (0 when there are none)."""
     return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
@@ -185,7 +186,7 @@ def policy_objective(
         with torch.no_grad():
             low = (capped_ratio < 1 - epsilon_low) & (advantages < 0)
             high = (capped_ratio > 1 + epsilon_high) & (advantages > 0)
-            stats.update(_clip_stats(low, high, weights))
+            stats.update(clip_stats(low, high, weights))
     elif loss_type == "cispo":
         loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
         with torch.no_grad():
@@ -209,17 +210,20 @@ def policy_objective(
             kl = kl * ratio
         if beta > 0:
             loss = loss + beta * kl
-        stats["kl"] = _masked_mean(kl.detach(), weights)
+        stats["kl"] = masked_mean(kl.detach(), weights)
     return torch.where(valid, loss, 0.0), stats
 
 
 def _fraction(flags: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Mean of 0/1 `flags` over valid tokens ([B, T]) or over sequences ([B, 1], sequence-level ratios)."""
     flags = flags.to(weights.dtype)
-    return flags.mean() if flags.shape[1] == 1 else _masked_mean(flags, weights)
+    return flags.mean() if flags.shape[1] == 1 else masked_mean(flags, weights)
 
 
-def _clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+def clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The clip statistics of a clipped objective, from the flags of the tokens (or sequences, [B, 1]) whose
+    gradient the clip removes below (`low`) and above (`high`): the fractions over the valid tokens, and per
+    sequence. `policy_objective`'s docstring lists the keys; GMPO reports the same."""
     def per_sequence(flags):
         flags = flags.to(weights.dtype)
         if flags.shape[1] == 1:
