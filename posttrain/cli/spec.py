@@ -77,7 +77,8 @@ def decode_hint(data: Any) -> Any:
     if isinstance(data, str):
         return _PRIMITIVES[data]
     if "union" in data:
-        return typing.Union[tuple(decode_hint(member) for member in data["union"])]
+        # A union of members known only at run time: typing.Union's subscript is the one spelling of it.
+        return typing.Union[tuple(decode_hint(member) for member in data["union"])]  # noqa: UP007
     if "literal" in data:
         return Literal[tuple(data["literal"])]
     if "list" in data:

@@ -435,7 +435,7 @@ class SelfDistillationTrainer(DistillationTrainer):
             batch["teacher_labels"] = pad(labels, IGNORE_INDEX).to(device)
             batch["sd_mask"] = torch.tensor([float(active[i]) for i, _ in mine], device=device)
             if skip:  # the student's first completion tokens leave the loss too
-                for r, row_labels in enumerate(batch["labels"]):
+                for row_labels in batch["labels"]:
                     trained = (row_labels != IGNORE_INDEX).nonzero().flatten()[:skip]
                     row_labels[trained] = IGNORE_INDEX
 

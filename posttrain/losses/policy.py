@@ -224,6 +224,7 @@ def clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> 
     """The clip statistics of a clipped objective, from the flags of the tokens (or sequences, [B, 1]) whose
     gradient the clip removes below (`low`) and above (`high`): the fractions over the valid tokens, and per
     sequence. `policy_objective`'s docstring lists the keys; GMPO reports the same."""
+
     def per_sequence(flags):
         flags = flags.to(weights.dtype)
         if flags.shape[1] == 1:

@@ -221,7 +221,8 @@ def prefix_layout(
     branch, so every sequence gets exactly the hidden states it gets alone.
 
     Returns (model inputs, new `where`), or None when it would not save `min_saving` of the padded batch's cost
-    (see `_cost`; the layout never costs more). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an additive one (eager)."""
+    (see `_cost`; the layout never costs more). `mask_dtype`: None for a boolean mask (sdpa), else the dtype of an
+    additive one (eager)."""
     count, width = view.ids.shape
     device = view.ids.device
     columns = torch.arange(width, device=device)
