@@ -44,7 +44,6 @@ NOT_YET_SPLIT = {
     "posttrain.generation.transformers_backend",
     "posttrain.generation.vllm_backend",
     "posttrain.losses.policy",
-    "posttrain.losses.preference",
     "posttrain.online.config",
     "posttrain.online.engine",
     "posttrain.trainers.sft",
