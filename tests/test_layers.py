@@ -43,7 +43,6 @@ NOT_YET_SPLIT = {
     "posttrain.experimental.sdft",
     "posttrain.generation.transformers_backend",
     "posttrain.generation.vllm_backend",
-    "posttrain.losses.policy",
     "posttrain.online.config",
     "posttrain.online.engine",
     "posttrain.trainers.sft",
