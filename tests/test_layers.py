@@ -39,13 +39,10 @@ MAX_FUNCTION_LINES = 80
 NOT_YET_SPLIT = {
     "posttrain.cli.args",
     "posttrain.cli.main",
-    "posttrain.experimental.bco",
     "posttrain.experimental.sdft",
-    "posttrain.generation.transformers_backend",
     "posttrain.generation.vllm_backend",
     "posttrain.online.config",
     "posttrain.online.engine",
-    "posttrain.trainers.sft",
     "posttrain.training.report",
 }
 

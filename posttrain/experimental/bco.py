@@ -212,6 +212,32 @@ class BCOCollator(KTOCollator):
         return batch
 
 
+def _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name):
+    """The model, UDM's embedding pair and the adapter to train: what BCOTrainer can use."""
+    if model_init is not None:
+        raise ConfigError(
+            "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
+            "data are prepared from the model when the trainer is built); pass `model` instead."
+        )
+    if model is None:
+        raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
+    if (embedding_func is None) != (embedding_tokenizer is None):
+        raise ConfigError(
+            "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
+            "the one and embedded with the other); pass both, or neither to train without UDM."
+        )
+    if model_adapter_name is not None:
+        _check_adapter_name("model_adapter_name", model_adapter_name, model, peft_config)
+
+
+def _check_adapter_name(option: str, name: str, model, peft_config) -> None:
+    if isinstance(model, str) or not is_peft_model(model) or peft_config is not None:
+        raise ConfigError(
+            f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
+            f"peft_config); pass such a model, or drop {option}."
+        )
+
+
 class BCOTrainer(ClassMetricsMixin, ReferenceTrainer):
     """`BCOTrainer(model, ref_model=None, args=BCOConfig(...), train_dataset=..., processing_class=...,
     embedding_func=..., embedding_tokenizer=...)`, the keyword arguments of TRL's BCOTrainer in its order.
@@ -250,29 +276,14 @@ class BCOTrainer(ClassMetricsMixin, ReferenceTrainer):
         **kwargs,
     ):
         args = args or BCOConfig(output_dir="outputs/bco")
-        if model_init is not None:
-            raise ConfigError(
-                "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
-                "data are prepared from the model when the trainer is built); pass `model` instead."
-            )
-        if model is None:
-            raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
-        if (embedding_func is None) != (embedding_tokenizer is None):
-            raise ConfigError(
-                "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
-                "the one and embedded with the other); pass both, or neither to train without UDM."
-            )
-        for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
-            if name is not None and (isinstance(model, str) or not is_peft_model(model) or peft_config is not None):
+        _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name)
+        if ref_adapter_name is not None:
+            _check_adapter_name("ref_adapter_name", ref_adapter_name, model, peft_config)
+            if args.precompute_ref_log_probs:
                 raise ConfigError(
-                    f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
-                    f"peft_config); pass such a model, or drop {option}."
+                    "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
+                    "precompute_ref_log_probs=False."
                 )
-        if ref_adapter_name is not None and args.precompute_ref_log_probs:
-            raise ConfigError(
-                "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
-                "precompute_ref_log_probs=False."
-            )
         if isinstance(ref_model, str) and args.ref_model_init_kwargs:
             ref_model = load_causal_lm(ref_model, dict(args.ref_model_init_kwargs))
         elif args.ref_model_init_kwargs and ref_model is not None:
