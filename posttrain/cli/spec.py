@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.cli.args import FlagGroup, field_hints, flag_spec
+from posttrain.cli.args import FlagGroup, flag_spec
+from posttrain.cli.values import field_hints
 from posttrain.version import __version__
 
 FORMAT = 1
