@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.cli.args import build_dataclass
+from posttrain.cli.values import build_dataclass
 from posttrain.errors import ConfigError, DataError
 
 # Data file suffix -> the datasets builder that reads it.

@@ -15,17 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from posttrain.cli.args import (
-    CommandParser,
-    add_flags,
-    convert_value,
-    export_env,
-    field_hints,
-    first_unknown,
-    flag_groups,
-    read_yaml_mapping,
-    unknown_name_message,
-)
+from posttrain.cli.args import CommandParser, add_flags, export_env, first_unknown, flag_groups, read_yaml_mapping
+from posttrain.cli.values import convert_value, field_hints, unknown_name_message
 from posttrain.errors import ConfigError, PosttrainError
 
 

@@ -31,8 +31,8 @@ class AsyncPipelineFields:
         default="float32",
         metadata={
             "help": (
-                f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs wins); "
-                "serve the vLLM server in the same one."
+                f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs "
+                "wins); serve the vLLM server in the same one."
             )
         },
     )
@@ -42,8 +42,8 @@ class AsyncPipelineFields:
         default=True,
         metadata={
             "help": (
-                "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a copy of "
-                "the policy through transformers."
+                "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a "
+                "copy of the policy through transformers."
             )
         },
     )
@@ -68,8 +68,8 @@ class AsyncPipelineFields:
         default=None,
         metadata={
             "help": (
-                "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size completions "
-                "per micro-batch (TRL's token_budget <= 0); a positive budget is refused."
+                "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size "
+                "completions per micro-batch (TRL's token_budget <= 0); a positive budget is refused."
             )
         },
     )
@@ -81,8 +81,8 @@ class AsyncPipelineFields:
         default=4,
         metadata={
             "help": (
-                "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many rounds "
-                "(optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights."
+                "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many "
+                "rounds (optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights."
             )
         },
     )

@@ -19,7 +19,6 @@ import torch
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation.base import derive_seed
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values
-from posttrain.online.engine import OnlineTrainer
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Advantages
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -148,7 +147,7 @@ class A2POTrainer(GRPOTrainer):
             for start in range(0, len(dataset), args.per_device_train_batch_size):
                 rows = [dataset[i] for i in range(start, min(start + args.per_device_train_batch_size, len(dataset)))]
                 seeds = [derive_seed(args.seed, _STAGE1_TAG, start + i) for i in range(len(rows))]
-                scored = OnlineTrainer.sample_groups(self, rows, n, seeds, -1)
+                scored = self.generate_and_score(rows, n, seeds, -1)
                 rewards = scored.rewards.nan_to_num(0.0).view(len(rows), n).double()
                 for row, value, group in zip(rows, a2po_optimal_values(rewards, args.beta1).tolist(), rewards):
                     key = tuple(row[PROMPT_IDS_COLUMN])

@@ -64,9 +64,9 @@ class AsyncDistillationConfig(AsyncPipelineFields, OnlineConfig):
         default=None,
         metadata={
             "help": (
-                "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with the "
-                f"student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One entry "
-                "only (several, TRL's multi-teacher MOPD, are not supported)."
+                "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with "
+                f"the student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One "
+                "entry only (several, TRL's multi-teacher MOPD, are not supported)."
             )
         },
     )

@@ -62,8 +62,8 @@ class AsyncGRPOConfig(AsyncPipelineFields, GRPOConfig):
         default=1024,
         metadata={
             "help": (
-                "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never re-tokenizes: "
-                "only the default)."
+                "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never "
+                "re-tokenizes: only the default)."
             )
         },
     )

@@ -32,9 +32,15 @@ from posttrain.losses.bco import (
 )
 from posttrain.models.loading import load_causal_lm
 from posttrain.models.reference import is_peft_model, reference_forward, unwrap
-from posttrain.trainers.dpo import ReferenceTrainer, sequence_logps
-from posttrain.trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
-from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings, load_processing_class
+from posttrain.trainers.kto import KTOCollator, tokenize_kto_row
+from posttrain.training.class_metrics import ClassMetricsMixin, labelled_rows
+from posttrain.training.preference import sequence_logps
+from posttrain.training.reference_trainer import (
+    ReferenceConfig,
+    ReferenceTrainer,
+    check_length_settings,
+    load_processing_class,
+)
 
 logger = logging.getLogger("posttrain")
 
@@ -206,7 +212,33 @@ class BCOCollator(KTOCollator):
         return batch
 
 
-class BCOTrainer(ReferenceTrainer):
+def _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name):
+    """The model, UDM's embedding pair and the adapter to train: what BCOTrainer can use."""
+    if model_init is not None:
+        raise ConfigError(
+            "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
+            "data are prepared from the model when the trainer is built); pass `model` instead."
+        )
+    if model is None:
+        raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
+    if (embedding_func is None) != (embedding_tokenizer is None):
+        raise ConfigError(
+            "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
+            "the one and embedded with the other); pass both, or neither to train without UDM."
+        )
+    if model_adapter_name is not None:
+        _check_adapter_name("model_adapter_name", model_adapter_name, model, peft_config)
+
+
+def _check_adapter_name(option: str, name: str, model, peft_config) -> None:
+    if isinstance(model, str) or not is_peft_model(model) or peft_config is not None:
+        raise ConfigError(
+            f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
+            f"peft_config); pass such a model, or drop {option}."
+        )
+
+
+class BCOTrainer(ClassMetricsMixin, ReferenceTrainer):
     """`BCOTrainer(model, ref_model=None, args=BCOConfig(...), train_dataset=..., processing_class=...,
     embedding_func=..., embedding_tokenizer=...)`, the keyword arguments of TRL's BCOTrainer in its order.
 
@@ -244,29 +276,14 @@ class BCOTrainer(ReferenceTrainer):
         **kwargs,
     ):
         args = args or BCOConfig(output_dir="outputs/bco")
-        if model_init is not None:
-            raise ConfigError(
-                "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
-                "data are prepared from the model when the trainer is built); pass `model` instead."
-            )
-        if model is None:
-            raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
-        if (embedding_func is None) != (embedding_tokenizer is None):
-            raise ConfigError(
-                "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
-                "the one and embedded with the other); pass both, or neither to train without UDM."
-            )
-        for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
-            if name is not None and (isinstance(model, str) or not is_peft_model(model) or peft_config is not None):
+        _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name)
+        if ref_adapter_name is not None:
+            _check_adapter_name("ref_adapter_name", ref_adapter_name, model, peft_config)
+            if args.precompute_ref_log_probs:
                 raise ConfigError(
-                    f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
-                    f"peft_config); pass such a model, or drop {option}."
+                    "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
+                    "precompute_ref_log_probs=False."
                 )
-        if ref_adapter_name is not None and args.precompute_ref_log_probs:
-            raise ConfigError(
-                "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
-                "precompute_ref_log_probs=False."
-            )
         if isinstance(ref_model, str) and args.ref_model_init_kwargs:
             ref_model = load_causal_lm(ref_model, dict(args.ref_model_init_kwargs))
         elif args.ref_model_init_kwargs and ref_model is not None:
@@ -353,9 +370,6 @@ class BCOTrainer(ReferenceTrainer):
         embedding_pad = getattr(self.embedding_tokenizer, "pad_token_id", None) or 0
         return BCOCollator(pad_id, pad_to_multiple_of=args.pad_to_multiple_of, embedding_pad_token_id=embedding_pad)
 
-    count_loss_items = KTOTrainer.count_loss_items
-    metric_inputs = KTOTrainer.metric_inputs
-
     # -- reference -------------------------------------------------------------------------------
     @contextmanager
     def reference_module(self, model):
@@ -377,7 +391,7 @@ class BCOTrainer(ReferenceTrainer):
             peft_model.train(was_training)
 
     def reference_columns(self, reference, batch):
-        return {"ref_logps": sequence_logps(reference, kto_rows(batch, slice(None))).logps}
+        return {"ref_logps": sequence_logps(reference, labelled_rows(batch, slice(None))).logps}
 
     # -- UDM -------------------------------------------------------------------------------------
     def _embed(self, batch: dict) -> torch.Tensor:
@@ -428,7 +442,7 @@ class BCOTrainer(ReferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        policy = sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
+        policy = sequence_logps(model, labelled_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
         ref_logps = self.reference_logps(model, inputs)["ref_logps"]
         if model.training:  # delta takes in this batch's rewards (of all processes) before it shifts them
             rewards = self.args.beta * (policy.logps.detach() - ref_logps)
@@ -442,8 +456,7 @@ class BCOTrainer(ReferenceTrainer):
         self.record_token_metrics(
             policy.stats, policy.token_counts, inputs["attention_mask"].sum(), {"chosen": labels, "rejected": ~labels}
         )
-        KTOTrainer._record_class_metrics(self, labels, rewards, policy.logps.detach())
-        self._metrics["train" if self.model.training else "eval"].pop("kl", None)  # BCO has no KL reference point
+        self.record_class_metrics(labels, rewards, policy.logps.detach())  # BCO has no KL reference point
         self.record_metrics({"delta": delta})
         return (loss, {"rewards": rewards}) if return_outputs else loss
 

@@ -24,7 +24,6 @@ from posttrain.errors import DataError
 from posttrain.generation import create_generation_backend
 from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
-from posttrain.trainers.sft import SFTTrainer
 
 
 @dataclass
@@ -106,6 +105,7 @@ class GKDTrainer(DistillationTrainer):
     """
 
     _name = "GKD"
+    ordered_when_unshuffled = False  # batches drawn at random, as TRL (shuffle_dataset: a one-off shuffle)
 
     def __init__(
         self,
@@ -160,12 +160,7 @@ class GKDTrainer(DistillationTrainer):
                 desc=f"Tokenizing {name}",
                 fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
             )
-            return SFTTrainer.prepare_dataset(self, dataset, tokenizer, args, name)  # tokenized rows as they are
         return super().prepare_dataset(dataset, tokenizer, args, name)
-
-    def _get_train_sampler(self, train_dataset=None):
-        # shuffle_dataset has SFT's meaning here (a one-off shuffle); batches are always drawn at random, as in TRL.
-        return super(DistillationTrainer, self)._get_train_sampler(train_dataset)
 
     def loss_temperature(self) -> float:
         return 1.0

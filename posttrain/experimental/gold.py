@@ -343,11 +343,10 @@ class GOLDTrainer(GKDTrainer):
         args, labels = self.args, inputs["labels"]
         forward = {k: v for k, v in inputs.items() if k not in ("labels", "num_input_tokens")}
         student_logits = model(**forward, use_cache=False).logits
-        decode = lambda ids: self.processing_class.decode(
-            ids,
-            skip_special_tokens=False,  # noqa: E731
-            clean_up_tokenization_spaces=False,
-        )
+
+        def decode(ids):
+            return self.processing_class.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
         prompts, completions, student_offsets = [], [], torch.zeros((*labels.shape, 2), dtype=torch.long)
         for i, row in enumerate(labels):
             trained = (row != IGNORE_INDEX).nonzero()

@@ -172,6 +172,7 @@ class IWOPDTrainer(DistillationTrainer):
     iw_opd/mean_weight, iw_opd/min_weight, iw_opd/max_weight, and DistillationTrainer's metrics."""
 
     _name = "IW-OPD"
+    ordered_when_unshuffled = False  # batches drawn at random, as TRL
 
     def __init__(
         self,
@@ -234,9 +235,6 @@ class IWOPDTrainer(DistillationTrainer):
                 keep_end=getattr(tokenizer, "truncation_side", "right") == "left",
             ),
         )
-
-    def _get_train_sampler(self, train_dataset=None):
-        return super(DistillationTrainer, self)._get_train_sampler(train_dataset)  # random order, as TRL
 
     def _forward_nll(self, model, inputs, labels):
         args = self.args

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, epoch_value
 from posttrain.losses.online_preference import geometric_mixture_logps, nash_md_loss
 from posttrain.models.reference import reference_forward, unwrap
 from posttrain.online.engine import Advantages, Episode, Rollout
@@ -126,7 +126,7 @@ class NashMDTrainer(PairedSamplerMixin, OnlineDPOTrainer):
 
     @property
     def mixture_coef(self) -> float:
-        return _schedule(self.args.mixture_coef, self.state.epoch)
+        return epoch_value(self.args.mixture_coef, self.state.epoch)
 
     def second_logits(self, ids, mask, position_ids) -> torch.Tensor:
         policy = self._next_logits(unwrap(self.model), ids, mask, position_ids)

@@ -29,8 +29,9 @@ from posttrain.online.engine import Advantages, OnlineConfig, OnlineTrainer, Rol
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
 
 
-def _schedule(values, epoch: float) -> float:
-    """A per-epoch value: a number, or a list whose i-th entry holds in epoch i and whose last holds after."""
+def epoch_value(values, epoch: float) -> float:
+    """The value in force in `epoch` of a per-epoch setting (Online DPO's beta, XPO's alpha, Nash-MD's mixture_coef):
+    a number, or a list whose i-th entry holds in epoch i and whose last holds after."""
     if not isinstance(values, (list, tuple)):
         return values
     index = int(epoch or 0)
@@ -120,7 +121,7 @@ class OnlineDPOConfig(OnlineConfig):
         schedules = {
             name: _check_schedule(name, getattr(self, name), *bounds) for name, bounds in self.schedules.items()
         }
-        self.beta = _schedule(schedules["beta"], 0)  # the engine's checks read one number
+        self.beta = epoch_value(schedules["beta"], 0)  # the engine's checks read one number
         super().__post_init__()
         for name, value in schedules.items():
             setattr(self, name, value)
@@ -288,7 +289,7 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     @property
     def beta(self) -> float:
-        return _schedule(self.args.beta, self.state.epoch)
+        return epoch_value(self.args.beta, self.state.epoch)
 
     def build_rollout(self, *args, **kwargs) -> Rollout:
         """The engine's rollout, with prompts cut from the left so that prompt + completion fit max_length."""

@@ -19,7 +19,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 from posttrain.data.formats import is_message_list
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.prm import AGGREGATES, IGNORE_INDEX, aggregate_steps, step_label_sums, step_probabilities
-from posttrain.models.loading import _init_kwargs, load_tokenizer, resolve_model_path
+from posttrain.models.loading import from_pretrained_kwargs, load_tokenizer, resolve_model_path
 from posttrain.training.base import BaseTrainer, PosttrainConfig
 
 _TOKENIZED = Features({"input_ids": Sequence(Value("int64")), "labels": Sequence(Value("int64"))})
@@ -113,7 +113,7 @@ def _load_token_classifier(model: str | PreTrainedModel, model_init_kwargs: dict
             )
         return model
     return AutoModelForTokenClassification.from_pretrained(
-        resolve_model_path(model), num_labels=2, **_init_kwargs(model_init_kwargs)
+        resolve_model_path(model), num_labels=2, **from_pretrained_kwargs(model_init_kwargs)
     )
 
 

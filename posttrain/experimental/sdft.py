@@ -14,21 +14,30 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from torch.utils.data import Sampler, SequentialSampler
+from torch.utils.data import SequentialSampler
 
 from posttrain.data.chat import require_chat_template
-from posttrain.data.collators import LanguageModelingCollator, pad
+from posttrain.data.collators import pad
 from posttrain.data.formats import is_message_list
-from posttrain.data.report import DataReport, cut_column
+from posttrain.data.report import DataReport
 from posttrain.data.vision import tokenizer_of
 from posttrain.errors import ConfigError, DataError
+from posttrain.experimental._self_distillation import (
+    PromptSwapSampler,
+    RepeatedSampler,
+    RowCollator,
+    privileged_text,
+    prompt_ids,
+    tokenize_prompt_row,
+    with_user_text,
+)
 from posttrain.losses.policy import aggregate_loss
 from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
-from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
@@ -187,96 +196,6 @@ class SDFTConfig(SelfDistillationConfig):
         super().__post_init__()
 
 
-# -- data --------------------------------------------------------------------------------------------------------
-@dataclass
-class _RowCollator(LanguageModelingCollator):
-    """The language-modeling collator, keeping each row's index into the trainer's raw rows (`sd_row`)."""
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        out = super().__call__(examples)
-        if examples and "sd_row" in examples[0]:
-            out["sd_row"] = torch.tensor([e["sd_row"] for e in examples], dtype=torch.long)
-        return out
-
-
-class _RepeatedSampler(Sampler):
-    """Each index of `base` `times` times in a row: a prompt's completions are consecutive rows (TRL's groups)."""
-
-    def __init__(self, base: Sampler, times: int):
-        self.base, self.times = base, times
-
-    def __len__(self) -> int:
-        return len(self.base) * self.times
-
-    def __iter__(self):
-        for index in self.base:
-            yield from [index] * self.times
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.base, "set_epoch"):
-            self.base.set_epoch(epoch)
-
-
-class _PromptSwapSampler:
-    """A generation backend that samples from other prompts (the teacher's) in place of the ones it is given."""
-
-    def __init__(self, backend, prompts: list[list[int]]):
-        self.backend, self.prompts = backend, prompts
-
-    def generate(self, prompt_ids, n, sampling, seed=None):
-        return self.backend.generate(self.prompts, n, sampling, seed=seed)
-
-
-def message_text(content: Any) -> str:
-    """A message's text: the string, or the text parts of a multimodal content list joined by spaces."""
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return str(content)
-
-
-def with_user_text(prompt: Any, template: str, **values: Any) -> Any:
-    """`template` filled with the prompt's text and `values`; for a conversation the last user message is replaced
-    by the filled template (earlier messages kept)."""
-    if not isinstance(prompt, list):
-        return template.format(prompt=prompt, **values)
-    if not prompt or prompt[-1].get("role") != "user":
-        raise DataError(
-            "Self-distillation builds the teacher's prompt from the last user message, but this prompt "
-            f"ends with a {prompt[-1].get('role') if prompt else 'missing'!r} message. End prompts with "
-            "a user turn."
-        )
-    text = template.format(prompt=message_text(prompt[-1].get("content", "")), **values)
-    return list(prompt[:-1]) + [{"role": "user", "content": text}]
-
-
-def privileged_text(context: Any) -> str:
-    """A privileged_context as text: a string, the non-empty contents of a message list joined by newlines, or
-    str() of anything else."""
-    if context is None:
-        raise DataError("A row has no 'privileged_context' (None); SDFT's teacher prompt needs one per row.")
-    if isinstance(context, list) and context and isinstance(context[0], dict):
-        return "\n".join(t for t in (message_text(m.get("content", "")) for m in context) if t)
-    return context if isinstance(context, str) else str(context)
-
-
-def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: dict) -> list[int]:
-    """A prompt's ids as TRL makes the student's (the chat template with the generation prompt for messages, the
-    tokenizer's special tokens for text), cut to the last `keep` tokens."""
-    ids = tokenize_prompt({"prompt": prompt}, row, tokenizer, is_message_list(prompt), template_kwargs)["input_ids"]
-    return ids[-keep:] if keep else ids
-
-
-def _tokenize_row(example: dict, row: int, tokenizer, keep: int | None, template_kwargs: dict, offset: int) -> dict:
-    full = prompt_ids(example["prompt"], row, tokenizer, None, template_kwargs)
-    ids = full[-keep:] if keep else full
-    return {
-        "input_ids": ids,
-        "completion_mask": [0] * len(ids),
-        "sd_row": offset + row,
-        cut_column("max_prompt_length"): len(full) - len(ids),
-    }
-
-
 class SelfDistillationTrainer(DistillationTrainer):
     """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
 
@@ -354,7 +273,7 @@ class SelfDistillationTrainer(DistillationTrainer):
         report = DataReport.of(self).start(name, len(dataset))  # prompts cut to max_prompt_length
         return report.take_cuts(
             dataset.map(
-                _tokenize_row,
+                tokenize_prompt_row,
                 with_indices=True,
                 remove_columns=dataset.column_names,
                 num_proc=args.dataset_num_proc,
@@ -373,14 +292,14 @@ class SelfDistillationTrainer(DistillationTrainer):
         return prompt_ids(prompt, row, tokenizer_of(self.processing_class), keep, self.args.chat_template_kwargs or {})
 
     def default_collator(self, tokenizer, args):
-        self._own_collator = _RowCollator(tokenizer_of(tokenizer).pad_token_id)
+        self._own_collator = RowCollator(tokenizer_of(tokenizer).pad_token_id)
         return self._own_collator
 
     def _get_train_sampler(self, train_dataset=None):
-        return _RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
+        return RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
 
     def _get_eval_sampler(self, eval_dataset):
-        return _RepeatedSampler(
+        return RepeatedSampler(
             SequentialSampler(eval_dataset), self.args.num_generations_eval or self.args.num_generations
         )
 
@@ -393,7 +312,7 @@ class SelfDistillationTrainer(DistillationTrainer):
         rows = batch["sd_row"]
         if sampler is None:
             swapped = self._generation_prompts([self._rows[i] for i in rows.tolist()])
-            sampler = _PromptSwapSampler(self._sampler, swapped) if swapped is not None else None
+            sampler = PromptSwapSampler(self._sampler, swapped) if swapped is not None else None
         out = super()._student_batch(batch, seed, mode, sampler)
         out["sd_row"] = rows.to(out["input_ids"].device)
         return out
@@ -435,7 +354,7 @@ class SelfDistillationTrainer(DistillationTrainer):
             batch["teacher_labels"] = pad(labels, IGNORE_INDEX).to(device)
             batch["sd_mask"] = torch.tensor([float(active[i]) for i, _ in mine], device=device)
             if skip:  # the student's first completion tokens leave the loss too
-                for r, row_labels in enumerate(batch["labels"]):
+                for row_labels in batch["labels"]:
                     trained = (row_labels != IGNORE_INDEX).nonzero().flatten()[:skip]
                     row_labels[trained] = IGNORE_INDEX
 

@@ -25,9 +25,8 @@ from posttrain.data.preference import (
 from posttrain.data.report import DataReport, DatasetReport
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
-from posttrain.trainers.dpo import sequence_logps
 from posttrain.training.base import BaseTrainer, PosttrainConfig
-from posttrain.training.preference import PreferenceMetricsMixin
+from posttrain.training.preference import PreferenceMetricsMixin, sequence_logps
 from posttrain.training.reference_trainer import PreparesEvalDatasets, check_length_settings, load_processing_class
 
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from posttrain.experimental.nash_md import PairedSamplerMixin
-from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, epoch_value
 from posttrain.losses.online_preference import xpo_loss
 from posttrain.models.reference import reference_forward
 from posttrain.online.engine import Advantages, Rollout
@@ -45,7 +45,7 @@ class XPOTrainer(PairedSamplerMixin, OnlineDPOTrainer):
 
     @property
     def alpha(self) -> float:
-        return _schedule(self.args.alpha, self.state.epoch)
+        return epoch_value(self.args.alpha, self.state.epoch)
 
     def second_logits(self, ids, mask, position_ids) -> torch.Tensor:
         with reference_forward(self.model, self.ref_model) as reference:

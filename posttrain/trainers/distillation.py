@@ -142,6 +142,9 @@ class DistillationTrainer(SFTTrainer):
     """
 
     _name = "Distillation"  # the method the model card names and cites (posttrain/training/model_card.py)
+    # shuffle_dataset=False also reads the batches in order here; TRL's GKD and IW-OPD draw them at random
+    # whatever it says (for them it is SFT's one-off shuffle of the data), so they set this to False.
+    ordered_when_unshuffled = True
 
     def __init__(
         self,
@@ -243,7 +246,10 @@ class DistillationTrainer(SFTTrainer):
     # -- data --------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: DistillationConfig, name: str):
         """Prompt-only rows when only prompts are read (prompt-only data, or lmbda=1: TRL reads only the
-        prompt column); otherwise SFT's preparation of the completions."""
+        prompt column); otherwise SFT's preparation of the completions, or of rows already tokenized (GKD tokenizes
+        its 'messages' rows its own way first)."""
+        if "input_ids" in dataset.column_names:
+            return super().prepare_dataset(dataset, tokenizer, args, name)
         fmt = detect_format(dataset.column_names, dataset[0] if len(dataset) else None)
         if fmt.kind == "prompt_only" or (args.lmbda == 1 and fmt.kind == "prompt_completion"):
             if fmt.kind == "prompt_only" and args.lmbda < 1 and name == "train_dataset":
@@ -280,7 +286,7 @@ class DistillationTrainer(SFTTrainer):
         return super().prepare_dataset(dataset, tokenizer, args, name)
 
     def _get_train_sampler(self, train_dataset=None):
-        if not self.args.shuffle_dataset:
+        if not self.args.shuffle_dataset and self.ordered_when_unshuffled:
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
         return super()._get_train_sampler(train_dataset)
 

@@ -163,9 +163,7 @@ class GRPOTrainer(OnlineTrainer):
             )
             indices = torch.randint(len(self.train_dataset), (need,), generator=generator).tolist()
             extra_seeds = [derive_seed(seed, batches) for seed in seeds]
-            scored = OnlineTrainer.sample_groups(
-                self, [self.train_dataset[i] for i in indices], n, extra_seeds, round_index
-            )
+            scored = self.generate_and_score([self.train_dataset[i] for i in indices], n, extra_seeds, round_index)
             first.timings = {k: v + scored.timings.get(k, 0.0) for k, v in first.timings.items()}
         pool = ScoredGroups.concat(kept + idle)
         result = pool.groups(list(range(need)))
