@@ -45,7 +45,6 @@ NOT_YET_SPLIT = {
     "posttrain.generation.vllm_backend",
     "posttrain.losses.policy",
     "posttrain.losses.preference",
-    "posttrain.online.config",
     "posttrain.online.engine",
     "posttrain.trainers.sft",
     "posttrain.training.report",

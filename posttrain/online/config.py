@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
@@ -16,6 +16,7 @@ from posttrain.generation import SamplingParams
 from posttrain.generation.vllm_backend import VLLM_MODES
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from posttrain.training.base import PosttrainConfig
+from posttrain.training.fields import option
 from posttrain.training.vision import freeze_vision_tower_field
 
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
@@ -66,323 +67,204 @@ class OnlineConfig(PosttrainConfig):
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
     loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES  # the loss_type values the method implements
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    learning_rate: float = option(1e-6, "Peak learning rate.")
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."}
+    max_prompt_length: int | None = option(512, "Keep only the last this-many prompt tokens (None: no limit).")
+    max_completion_length: int = option(512, "Most tokens generated per completion.")
+    num_generations: int = option(8, "Completions sampled per prompt (a group).")
+    num_generations_eval: int | None = option(None, "Completions sampled per eval prompt (None: num_generations).")
+    shuffle_dataset: bool = option(
+        True,
+        "Take the training prompts in a new random order each epoch (seeded by data_seed or seed); False "
+        "keeps the dataset's order.",
     )
-    max_completion_length: int = field(default=512, metadata={"help": "Most tokens generated per completion."})
-    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions sampled per eval prompt (None: num_generations)."}
+    pad_to_multiple_of: int | str | None = option(
+        "auto",
+        "Pad the prompt and completion widths of the training batches to a multiple of this; 'auto' is 128 on "
+        "Neuron (Trainium) and no padding elsewhere, None is no padding.",
     )
-    shuffle_dataset: bool = field(
-        default=True,
-        metadata={
-            "help": "Take the training prompts in a new random order each epoch (seeded by "
-            "data_seed or seed); False keeps the dataset's order."
-        },
+    temperature: float = option(1.0, "Sampling temperature (> 0).")
+    top_p: float = option(
+        1.0, "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
     )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad the prompt and completion widths of the training batches to a "
-            "multiple of this; 'auto' is 128 on Neuron (Trainium) and no padding "
-            "elsewhere, None is no padding."
-        },
+    top_k: int = option(0, "Keep only the top_k most likely tokens (0: off).")
+    min_p: float | None = option(None, "Drop tokens less likely than min_p times the most likely one (None or 0: off).")
+    generation_kwargs: dict | str | None = option(
+        None,
+        "More sampling settings (a JSON object): GenerationConfig fields for transformers' generate (e.g. "
+        "suppress_tokens, no_repeat_ngram_size), vLLM SamplingParams fields with use_vllm (e.g. "
+        "presence_penalty).",
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
-    top_p: float = field(
-        default=1.0,
-        metadata={
-            "help": "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
-        },
+    chat_template_kwargs: dict | str | None = option(
+        None,
+        "Keyword arguments for the chat template when rendering conversational prompts (a JSON object, e.g. "
+        '{"enable_thinking": false}).',
     )
-    top_k: int = field(default=0, metadata={"help": "Keep only the top_k most likely tokens (0: off)."})
-    min_p: float | None = field(
-        default=None,
-        metadata={"help": "Drop tokens less likely than min_p times the most likely one (None or 0: off)."},
+    repetition_penalty: float = option(1.0, "Penalty on tokens already in the prompt or completion (1.0: off).")
+    cache_implementation: str | None = option(
+        None,
+        "KV cache of transformers' generate, e.g. 'static' or 'offloaded' (None: the model's default); not "
+        "used with use_vllm.",
     )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "More sampling settings (a JSON object): GenerationConfig fields for "
-            "transformers' generate (e.g. suppress_tokens, no_repeat_ngram_size), "
-            "vLLM SamplingParams fields with use_vllm (e.g. presence_penalty)."
-        },
+    use_transformers_continuous_batching: bool = option(
+        False, "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
     )
-    chat_template_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for the chat template when rendering conversational "
-            'prompts (a JSON object, e.g. {"enable_thinking": false}).'
-        },
+    transformers_continuous_batching_config: dict | str | None = option(
+        None, "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."
     )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty on tokens already in the prompt or completion (1.0: off)."}
+    use_transformers_paged: bool = option(False, "Deprecated name of use_transformers_continuous_batching.")
+    ds3_gather_for_generation: bool = option(True, "DeepSpeed ZeRO-3: gather the sharded weights for generation.")
+    steps_per_generation: int | None = option(
+        None,
+        "Optimizer steps trained on each generated batch before the next one is generated (default 1, or "
+        "derived from generation_batch_size).",
     )
-    cache_implementation: str | None = field(
-        default=None,
-        metadata={
-            "help": "KV cache of transformers' generate, e.g. 'static' or 'offloaded' "
-            "(None: the model's default); not used with use_vllm."
-        },
+    generation_batch_size: int | None = option(
+        None,
+        "Completions generated per round over all processes: per_device_train_batch_size x "
+        "gradient_accumulation_steps x steps_per_generation x processes. Set this or steps_per_generation.",
     )
-    use_transformers_continuous_batching: bool = field(
-        default=False,
-        metadata={
-            "help": "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
-        },
+    async_generation_rounds: int | None = option(
+        None,
+        "Generate the training rounds in a background thread, up to this many rounds ahead of the one "
+        "training (k: a round is sampled with weights at most k rounds old, corrected with "
+        "vllm_importance_sampling_*; 0: each round with its own weights). None: generate in the training "
+        "loop.",
     )
-    transformers_continuous_batching_config: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."}
-    )
-    use_transformers_paged: bool = field(
-        default=False, metadata={"help": "Deprecated name of use_transformers_continuous_batching."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the sharded weights for generation."}
-    )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps trained on each generated batch before the next one is "
-            "generated (default 1, or derived from generation_batch_size)."
-        },
-    )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions generated per round over all processes: "
-            "per_device_train_batch_size x gradient_accumulation_steps x "
-            "steps_per_generation x processes. Set this or steps_per_generation."
-        },
-    )
-    async_generation_rounds: int | None = field(
-        default=None,
-        metadata={
-            "help": "Generate the training rounds in a background thread, up to this many "
-            "rounds ahead of the one training (k: a round is sampled with weights at "
-            "most k rounds old, corrected with vllm_importance_sampling_*; 0: each "
-            "round with its own weights). None: generate in the training loop."
-        },
-    )
-    num_iterations: int = field(
-        default=1,
-        metadata={
-            "help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
-            "completions with importance ratios to the generating policy."
-        },
+    num_iterations: int = option(
+        1,
+        "Passes over each generated batch (mu in the GRPO paper); > 1 reuses completions with importance "
+        "ratios to the generating policy.",
     )
     # Rewards
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (default: all 1.0)."}
-    )
-    reward_timeout_s: float = field(
-        default=60.0, metadata={"help": "Seconds an async reward function may take per batch."}
-    )
+    reward_weights: list[float] | None = option(None, "One weight per reward function (default: all 1.0).")
+    reward_timeout_s: float = option(60.0, "Seconds an async reward function may take per batch.")
     # Loss
-    loss_type: str = field(
-        default="dapo",
-        metadata={
-            "help": f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
-            "over completions), bnpo/dapo (mean over all tokens of the optimizer "
-            "step), dr_grpo (token sum / (completions x max_completion_length))."
-        },
+    loss_type: str = option(
+        "dapo",
+        f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
+        "over completions), bnpo/dapo (mean over all tokens of the optimizer "
+        "step), dr_grpo (token sum / (completions x max_completion_length)).",
     )
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the "
-            "policy loss (None: the model's own router_aux_loss_coef)."
-        },
+    router_aux_loss_coef: float | None = option(
+        None,
+        "Weight of a Mixture-of-Experts model's load-balancing loss, added to the policy loss (None: the "
+        "model's own router_aux_loss_coef).",
     )
-    beta: float = field(
-        default=0.0, metadata={"help": "KL coefficient to the reference model (0: no reference model is loaded)."}
+    beta: float = option(0.0, "KL coefficient to the reference model (0: no reference model is loaded).")
+    epsilon: float = option(0.2, "Lower clip range of the importance ratio.")
+    epsilon_high: float | None = option(None, "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28).")
+    importance_sampling_level: str = option(
+        "token", "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion)."
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."}
+    mask_truncated_completions: bool = option(
+        False, "Leave completions cut at max_completion_length out of the loss (DAPO)."
     )
-    importance_sampling_level: str = field(
-        default="token",
-        metadata={"help": "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion)."},
+    disable_dropout: bool = option(
+        False,
+        "Switch dropout off in the policy (and so in its reference copy): the log-probs of a completion then "
+        "do not depend on the forward pass.",
     )
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss (DAPO)."}
+    sync_ref_model: bool = option(
+        False,
+        "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference towards the policy (needs beta > 0).",
     )
-    disable_dropout: bool = field(
-        default=False,
-        metadata={
-            "help": "Switch dropout off in the policy (and so in its reference copy): the "
-            "log-probs of a completion then do not depend on the forward pass."
-        },
+    ref_model_mixup_alpha: float = option(0.6, "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref.")
+    ref_model_sync_steps: int = option(512, "With sync_ref_model: optimizer steps between two reference updates.")
+    max_tool_calling_iterations: int | None = option(
+        None,
+        "With tools= or environment_factory=: most tool turns per completion (None: until the model stops "
+        "calling tools or max_completion_length is reached).",
     )
-    sync_ref_model: bool = field(
-        default=False,
-        metadata={
-            "help": "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference "
-            "towards the policy (needs beta > 0)."
-        },
+    reward_failure_policy: str = option(
+        "error",
+        "What a reward function that raises, times out or returns a non-finite value does: 'error' stops the "
+        "run naming it and the sample; 'skip' gives no reward from it for that batch and counts it in "
+        "rewards/<name>/failures.",
     )
-    ref_model_mixup_alpha: float = field(
-        default=0.6, metadata={"help": "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."}
+    tool_call_parser: str = option(
+        "hermes",
+        "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes <tool_call>{json}</tool_call>), "
+        "'llama3', or a name registered with posttrain.tools.register_parser.",
     )
-    ref_model_sync_steps: int = field(
-        default=512, metadata={"help": "With sync_ref_model: optimizer steps between two reference updates."}
-    )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={
-            "help": "With tools= or environment_factory=: most tool turns per completion (None: "
-            "until the model stops calling tools or max_completion_length is reached)."
-        },
-    )
-    reward_failure_policy: str = field(
-        default="error",
-        metadata={
-            "help": "What a reward function that raises, times out or returns a non-finite "
-            "value does: 'error' stops the run naming it and the sample; 'skip' "
-            "gives no reward from it for that batch and counts it in "
-            "rewards/<name>/failures."
-        },
-    )
-    tool_call_parser: str = field(
-        default="hermes",
-        metadata={
-            "help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
-            "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "
-            "posttrain.tools.register_parser."
-        },
-    )
-    tool_timeout_s: float | None = field(
-        default=30.0,
-        metadata={"help": "Seconds a tool call may take before the model is told it timed out (None: no limit)."},
+    tool_timeout_s: float | None = option(
+        30.0, "Seconds a tool call may take before the model is told it timed out (None: no limit)."
     )
     # Logging
-    log_completions: bool = field(
-        default=False,
-        metadata={
-            "help": "Append {step, prompt, completion, reward} lines to "
-            "output_dir/completions.jsonl at every generation round, and print the "
-            "completions of the window at every log."
-        },
+    log_completions: bool = option(
+        False,
+        "Append {step, prompt, completion, reward} lines to output_dir/completions.jsonl at every generation "
+        "round, and print the completions of the window at every log.",
     )
-    log_multimodal: bool = field(
-        default=True,
-        metadata={
-            "help": "Log images with the completions (the online trainers take text prompts "
-            "only, so there are none to log)."
-        },
+    log_multimodal: bool = option(
+        True, "Log images with the completions (the online trainers take text prompts only, so there are none to log)."
     )
-    num_completions_to_print: int | None = field(
-        default=None,
-        metadata={
-            "help": "With log_completions: completions printed at each log, drawn at random "
-            "(None: all of the window's)."
-        },
+    num_completions_to_print: int | None = option(
+        None, "With log_completions: completions printed at each log, drawn at random (None: all of the window's)."
     )
-    log_unique_prompts: bool = field(
-        default=False, metadata={"help": "With log_completions: print each prompt once (its first completion)."}
-    )
-    log_completions_hub_repo: str | None = field(
-        default=None,
-        metadata={"help": "Hub dataset repository to push the completions to (not supported: no Hub access)."},
+    log_unique_prompts: bool = option(False, "With log_completions: print each prompt once (its first completion).")
+    log_completions_hub_repo: str | None = option(
+        None, "Hub dataset repository to push the completions to (not supported: no Hub access)."
     )
     # vLLM generation (docs/vllm.md)
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of transformers' generate."})
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={
-            "help": "'colocate': vLLM inside the training process; 'server': a vLLM "
-            "server started with `posttrain vllm-serve`."
-        },
+    use_vllm: bool = option(False, "Generate with vLLM instead of transformers' generate.")
+    vllm_mode: str = option(
+        "colocate",
+        "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`.",
     )
-    vllm_model_impl: str = field(
-        default="vllm",
-        metadata={"help": "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."},
+    vllm_model_impl: str = option(
+        "vllm", "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."
     )
-    vllm_structured_outputs_regex: str | None = field(
-        default=None,
-        metadata={"help": "Constrain every completion to match this regex (vLLM structured outputs; None: off)."},
+    vllm_structured_outputs_regex: str | None = option(
+        None, "Constrain every completion to match this regex (vLLM structured outputs; None: off)."
     )
-    vllm_server_base_url: str | None = field(
-        default=None,
-        metadata={
-            "help": "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default "
-            "http://vllm_server_host:vllm_server_port)."
-        },
+    vllm_server_base_url: str | None = option(
+        None,
+        "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default http://vllm_server_host:vllm_server_port).",
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
-    vllm_server_timeout: float = field(
-        default=240.0,
-        metadata={
-            "help": "Server mode: seconds to wait for the server to come up, or to come back "
-            "after it went away mid-run, and for any one request (a generation round "
-            "included)."
-        },
+    vllm_server_host: str = option("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_port: int = option(8000, "Server mode: the server's port.")
+    vllm_server_timeout: float = option(
+        240.0,
+        "Server mode: seconds to wait for the server to come up, or to come back after it went away mid-run, "
+        "and for any one request (a generation round included).",
     )
-    vllm_group_port: int = field(
-        default=51216,
-        metadata={
-            "help": "Port of the NCCL group that sends weights to a vLLM server on GPUs "
-            "(posttrain syncs weights through files: not supported)."
-        },
+    vllm_group_port: int = option(
+        51216,
+        "Port of the NCCL group that sends weights to a vLLM server on GPUs (posttrain syncs weights through "
+        "files: not supported).",
     )
-    vllm_max_model_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Colocate mode: vLLM's context length (None: max_prompt_length + "
-            "max_completion_length, at most the model's)."
-        },
+    vllm_max_model_length: int | None = option(
+        None,
+        "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's).",
     )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."}
+    vllm_tensor_parallel_size: int = option(1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported).")
+    vllm_sync_dir: str | None = option(
+        None,
+        "Server mode: directory for the weights synced to the server, readable by it under the same path "
+        "(default: a temporary directory, right when both run on one machine).",
     )
-    vllm_sync_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Server mode: directory for the weights synced to the server, readable by "
-            "it under the same path (default: a temporary directory, right when both "
-            "run on one machine)."
-        },
+    vllm_sync_steps: int = option(
+        1,
+        "Push the policy's weights to vLLM every this many optimizer steps (with async_generation_rounds: "
+        "refresh the background sampler's weights, with either backend).",
     )
-    vllm_sync_steps: int = field(
-        default=1,
-        metadata={
-            "help": "Push the policy's weights to vLLM every this many optimizer steps (with "
-            "async_generation_rounds: refresh the background sampler's weights, with "
-            "either backend)."
-        },
+    vllm_importance_sampling_correction: bool = option(
+        True,
+        "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): corrects for vLLM sampling from "
+        "slightly different probabilities (and, with async_generation_rounds, for sampling with older "
+        "weights).",
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=True,
-        metadata={
-            "help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
-            "corrects for vLLM sampling from slightly different probabilities (and, "
-            "with async_generation_rounds, for sampling with older weights)."
-        },
+    vllm_importance_sampling_cap: float = option(2.0, "Cap of the truncated importance weight (> 0).")
+    vllm_gpu_memory_utilization: float = option(
+        0.3, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."
     )
-    vllm_importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."}
+    vllm_kv_cache_gb: float | None = option(
+        1.0, "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
     )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3,
-        metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."},
-    )
-    vllm_kv_cache_gb: float | None = field(
-        default=1.0,
-        metadata={
-            "help": "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
-        },
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False,
-        metadata={
-            "help": "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
-        },
+    vllm_enable_sleep_mode: bool = option(
+        False, "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
     )
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ defaults and help."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
@@ -12,6 +12,7 @@ from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import generation_config
 from posttrain.online.config import GENERATION_KWARGS_FIXED
 from posttrain.trainers.sft import SFTConfig
+from posttrain.training.fields import option
 
 # generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
 # SamplingParams field each sets; other keys go to transformers' GenerationConfig.
@@ -38,127 +39,85 @@ class DistillationConfig(SFTConfig):
         "PPOTrainer); distillation samples single-turn completions; drop it",
     }
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    learning_rate: float = option(1e-6, "Peak learning rate.")
     # -- student and teacher
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
-        },
+    teacher_model_name_or_path: str | None = option(
+        None, "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
     )
-    teacher_model_revision: str | None = field(
-        default=None, metadata={"help": "Revision (branch, tag or commit) of a teacher given by name."}
+    teacher_model_revision: str | None = option(None, "Revision (branch, tag or commit) of a teacher given by name.")
+    teacher_model_init_kwargs: dict | str | None = option(
+        None,
+        "Keyword arguments for from_pretrained when the teacher is given by name or path, e.g. {'dtype': 'bfloat16'}.",
     )
-    teacher_model_init_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for from_pretrained when the teacher is given by name "
-            "or path, e.g. {'dtype': 'bfloat16'}."
-        },
-    )
-    disable_dropout: bool = field(default=False, metadata={"help": "Switch off dropout in the student."})
+    disable_dropout: bool = option(False, "Switch off dropout in the student.")
     # -- data and on-policy generation
-    max_completion_length: int | None = field(
-        default=512, metadata={"help": "Most tokens the student samples per on-policy completion."}
+    max_completion_length: int | None = option(512, "Most tokens the student samples per on-policy completion.")
+    ds3_gather_for_generation: bool = option(True, "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True.")
+    shuffle_dataset: bool = option(True, "Shuffle the training data every epoch.")
+    pad_to_multiple_of: int | str | None = option(
+        "auto",
+        "Pad batches to a multiple of this many tokens; 'auto' pads only on Neuron devices (to 128), None never.",
     )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."}
+    temperature: float = option(
+        1.0,
+        "Sampling temperature of on-policy completions, and the temperature of both distributions in the loss "
+        "(softmax(logits / temperature)).",
     )
-    shuffle_dataset: bool = field(default=True, metadata={"help": "Shuffle the training data every epoch."})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad batches to a multiple of this many tokens; 'auto' pads only on "
-            "Neuron devices (to 128), None never."
-        },
+    top_p: float = option(1.0, "Nucleus sampling of on-policy completions (1.0: off).")
+    top_k: int = option(0, "Top-k sampling of on-policy completions (0: off).")
+    min_p: float | None = option(None, "Drop tokens less likely than min_p times the most likely one (None: off).")
+    generation_kwargs: dict | str | None = option(
+        None,
+        "More GenerationConfig settings for on-policy sampling; its temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens override the fields.",
     )
-    temperature: float = field(
-        default=1.0,
-        metadata={
-            "help": "Sampling temperature of on-policy completions, and the temperature of both "
-            "distributions in the loss (softmax(logits / temperature))."
-        },
+    chat_template_kwargs: dict | str | None = option(
+        None, "Extra keyword arguments for the chat template when rendering prompts."
     )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling of on-policy completions (0: off)."})
-    min_p: float | None = field(
-        default=None, metadata={"help": "Drop tokens less likely than min_p times the most likely one (None: off)."}
+    repetition_penalty: float = option(1.0, "Repetition penalty of on-policy sampling (1.0: none).")
+    cache_implementation: str | None = option(
+        None, "KV cache implementation of transformers' generate (e.g. 'static')."
     )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "More GenerationConfig settings for on-policy sampling; its temperature, "
-            "top_p, top_k, min_p, repetition_penalty, max_new_tokens override the fields."
-        },
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for the chat template when rendering prompts."}
-    )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Repetition penalty of on-policy sampling (1.0: none)."}
-    )
-    cache_implementation: str | None = field(
-        default=None, metadata={"help": "KV cache implementation of transformers' generate (e.g. 'static')."}
-    )
-    use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (not supported for distillation)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (only with use_vllm)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (only with use_vllm)."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (only with use_vllm)."})
-    vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "vLLM structured-output regex (only with use_vllm)."}
-    )
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (only with use_vllm)."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (only with use_vllm)."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (only with use_vllm)."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (only with use_vllm)."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-sync port (only with use_vllm)."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."}
-    )
-    vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocated vLLM context length (only with use_vllm)."}
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocated vLLM tensor parallelism (only with use_vllm)."}
-    )
+    use_vllm: bool = option(False, "Sample with vLLM (not supported for distillation).")
+    vllm_mode: str = option("colocate", "vLLM mode (only with use_vllm).")
+    vllm_model_impl: str = option("vllm", "vLLM model implementation (only with use_vllm).")
+    vllm_enable_sleep_mode: bool = option(False, "vLLM sleep mode (only with use_vllm).")
+    vllm_structured_outputs_regex: str | None = option(None, "vLLM structured-output regex (only with use_vllm).")
+    vllm_server_base_url: str | None = option(None, "vLLM server URL (only with use_vllm).")
+    vllm_server_host: str = option("0.0.0.0", "vLLM server host (only with use_vllm).")
+    vllm_server_port: int = option(8000, "vLLM server port (only with use_vllm).")
+    vllm_server_timeout: float = option(240.0, "vLLM server timeout (only with use_vllm).")
+    vllm_group_port: int = option(51216, "vLLM weight-sync port (only with use_vllm).")
+    vllm_gpu_memory_utilization: float = option(0.3, "Colocated vLLM GPU memory share (only with use_vllm).")
+    vllm_max_model_length: int | None = option(None, "Colocated vLLM context length (only with use_vllm).")
+    vllm_tensor_parallel_size: int = option(1, "Colocated vLLM tensor parallelism (only with use_vllm).")
     # -- the loss
-    beta: float = field(
-        default=1.0,
-        metadata={
-            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
-        },
+    beta: float = option(
+        1.0,
+        "Generalized JSD interpolation: 0 = forward KL(teacher‖student), 0.5 = Jensen-Shannon, 1 = reverse "
+        "KL(student‖teacher).",
     )
-    lmbda: float = field(
-        default=1.0,
-        metadata={
-            "help": "Probability that a micro-batch's completions are sampled by the student "
-            "(1: always on-policy, as TRL; 0: the data's completions only)."
-        },
+    lmbda: float = option(
+        1.0,
+        "Probability that a micro-batch's completions are sampled by the student (1: always on-policy, as "
+        "TRL; 0: the data's completions only).",
     )
-    alpha: float = field(
-        default=1.0,
-        metadata={
-            "help": "Weight of the distillation loss; 1 - alpha weighs the NLL of the "
-            "completions (1 = pure distillation, 0 = plain SFT)."
-        },
+    alpha: float = option(
+        1.0,
+        "Weight of the distillation loss; 1 - alpha weighs the NLL of the completions (1 = pure distillation, "
+        "0 = plain SFT).",
     )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={"help": "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."},
+    max_tool_calling_iterations: int | None = option(
+        None, "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."
     )
     # -- logging
-    log_completions: bool = field(
-        default=False,
-        metadata={
-            "help": "Every logging step, save the latest on-policy (prompt, completion) pairs "
-            "to output_dir/completions/ and print a sample."
-        },
+    log_completions: bool = option(
+        False,
+        "Every logging step, save the latest on-policy (prompt, completion) pairs to output_dir/completions/ "
+        "and print a sample.",
     )
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "How many logged completions to print (None: all)."}
-    )
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt's completion only once."})
+    num_completions_to_print: int | None = option(None, "How many logged completions to print (None: all).")
+    log_unique_prompts: bool = option(False, "Print each prompt's completion only once.")
 
     def __post_init__(self):
         for name in ("teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):

@@ -2,41 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import KTO_LOSS_TYPES
+from posttrain.training.fields import option
 from posttrain.training.reference_trainer import ReferenceConfig
 
 
 @dataclass
 class KTOConfig(ReferenceConfig):
-    train_sampling_strategy: str = field(
-        default="sequential",
-        metadata={
-            "help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
-            "(its mismatched KL pairs are fixed per batch in the dataset)."
-        },
+    train_sampling_strategy: str = option(
+        "sequential",
+        "Order of the training rows; loss_type 'kto' needs 'sequential' (its mismatched KL pairs are fixed "
+        "per batch in the dataset).",
     )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."}
+    max_length: int | None = option(1024, "Truncate prompt + completion to this many tokens (the completion is cut).")
+    beta: float = option(
+        0.1, "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference."
     )
-    beta: float = field(
-        default=0.1,
-        metadata={
-            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-            "keeps the policy closer to the reference."
-        },
-    )
-    desirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."}
-    )
-    undesirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."}
-    )
-    loss_type: str = field(
-        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."}
-    )
+    desirable_weight: float = option(1.0, "Weight of desirable examples' losses (to balance unequal class counts).")
+    undesirable_weight: float = option(1.0, "Weight of undesirable examples' losses (to balance unequal class counts).")
+    loss_type: str = option("kto", "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one).")
 
     def __post_init__(self):
         if self.loss_type not in KTO_LOSS_TYPES:

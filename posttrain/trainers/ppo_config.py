@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
+from posttrain.training.fields import option
 
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
 # response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
@@ -34,146 +35,94 @@ class PPOConfig(OnlineConfig):
         "load-balancing loss yet, so it cannot be added to PPO's loss.",
     }
 
-    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
-    num_ppo_epochs: int = field(
-        default=4, metadata={"help": "Passes over each rollout (num_iterations in the engine's terms)."}
+    num_generations: int = option(1, "Completions sampled per prompt.")
+    num_ppo_epochs: int = option(4, "Passes over each rollout (num_iterations in the engine's terms).")
+    num_mini_batches: int | None = option(
+        None,
+        "Optimizer steps (mini-batches) per rollout, each of per_device_train_batch_size x "
+        "gradient_accumulation_steps x processes completions (steps_per_generation in the engine's terms; "
+        "default 1, or derived from generation_batch_size).",
     )
-    num_mini_batches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps (mini-batches) per rollout, each of per_device_train_"
-            "batch_size x gradient_accumulation_steps x processes completions "
-            "(steps_per_generation in the engine's terms; default 1, or derived from "
-            "generation_batch_size)."
-        },
+    cliprange: float = option(0.2, "Clip range of the policy ratio (epsilon).")
+    cliprange_value: float = option(
+        0.2, "A new value may move at most this far from the rollout's value before its loss stops improving."
     )
-    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio (epsilon)."})
-    cliprange_value: float = field(
-        default=0.2,
-        metadata={
-            "help": "A new value may move at most this far from the rollout's value before its loss stops improving."
-        },
+    vf_coef: float = option(0.1, "Weight of the value loss.")
+    entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: none).")
+    kl_coef: float = option(
+        0.05,
+        "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted from every token's reward "
+        "(beta in the engine's terms; 0: no reference model).",
     )
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (0: none)."})
-    kl_coef: float = field(
-        default=0.05,
-        metadata={
-            "help": "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted "
-            "from every token's reward (beta in the engine's terms; 0: no reference "
-            "model)."
-        },
+    target_kl: float | None = option(
+        None,
+        "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves towards keeping a completion's "
+        "summed KL at target_kl. None: kl_coef stays fixed.",
     )
-    target_kl: float | None = field(
-        default=None,
-        metadata={
-            "help": "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves "
-            "towards keeping a completion's summed KL at target_kl. None: kl_coef "
-            "stays fixed."
-        },
+    kl_horizon: float = option(10000, "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions.")
+    gamma: float = option(1.0, "Discount factor of GAE, in (0, 1].")
+    lam: float = option(0.95, "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more.")
+    whiten_advantages: bool = option(True, "Scale the advantages of each rollout to mean 0 and std 1.")
+    missing_eos_penalty: float | None = option(
+        None, "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
     )
-    kl_horizon: float = field(
-        default=10000, metadata={"help": "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions."}
-    )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE, in (0, 1]."})
-    lam: float = field(
-        default=0.95,
-        metadata={"help": "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more."},
-    )
-    whiten_advantages: bool = field(
-        default=True, metadata={"help": "Scale the advantages of each rollout to mean 0 and std 1."}
-    )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
-        },
-    )
-    use_value_head: bool = field(
-        default=False,
-        metadata={
-            "help": "Put a value head on the policy instead of training a separate value "
-            "model (less memory; the two losses share the network)."
-        },
+    use_value_head: bool = option(
+        False,
+        "Put a value head on the policy instead of training a separate value model (less memory; the two "
+        "losses share the network).",
     )
     # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
-    temperature: float = field(
-        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."}
+    temperature: float = option(0.7, "Sampling temperature; the log-probabilities are of logits / temperature.")
+    response_length: int = option(53, "Same as max_completion_length.")
+    max_completion_length: int = option(53, "Most tokens generated per completion.")
+    whiten_rewards: bool = option(
+        False,
+        "Scale the per-token rewards (KL penalty + score) of each rollout to unit variance, keeping their "
+        "mean, before GAE.",
     )
-    response_length: int = field(default=53, metadata={"help": "Same as max_completion_length."})
-    max_completion_length: int = field(default=53, metadata={"help": "Most tokens generated per completion."})
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={
-            "help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
-            "variance, keeping their mean, before GAE."
-        },
+    kl_estimator: str = option(
+        "k1",
+        "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' = log pi - log pi_ref, "
+        "'k3' = (r - 1) - log r with r = pi_ref / pi.",
     )
-    kl_estimator: str = field(
-        default="k1",
-        metadata={
-            "help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
-            "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."
-        },
+    total_episodes: int | None = option(
+        None,
+        "Completions to train on in all; sets max_steps to the rollouts needed x optimizer steps per rollout "
+        "(None: num_train_epochs over the prompts).",
     )
-    total_episodes: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions to train on in all; sets max_steps to the rollouts needed x "
-            "optimizer steps per rollout (None: num_train_epochs over the prompts)."
-        },
+    local_rollout_forward_batch_size: int = option(
+        64,
+        "Completions per no-gradient forward pass when the rollout's log-probs and values are computed "
+        "(memory only; the results are the same).",
     )
-    local_rollout_forward_batch_size: int = field(
-        default=64,
-        metadata={
-            "help": "Completions per no-gradient forward pass when the rollout's log-probs and "
-            "values are computed (memory only; the results are the same)."
-        },
+    num_sample_generations: int = option(
+        10,
+        "How many times in training to log near-greedy completions of one eval batch with their scores (needs "
+        "eval_dataset; 0: never).",
     )
-    num_sample_generations: int = field(
-        default=10,
-        metadata={
-            "help": "How many times in training to log near-greedy completions of one eval "
-            "batch with their scores (needs eval_dataset; 0: never)."
-        },
+    stop_token: str | None = option(
+        None, "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."
     )
-    stop_token: str | None = field(
-        default=None,
-        metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."},
+    stop_token_id: int | None = option(None, "A token id that also ends a completion (besides EOS).")
+    exp_name: str = option("ppo_config", "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'.")
+    reward_model_path: str = option(
+        "EleutherAI/pythia-160m",
+        "For scripts: where to load the reward model from (the trainer takes the model itself, reward_model=...).",
     )
-    stop_token_id: int | None = field(
-        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."}
+    sft_model_path: str = option(
+        "EleutherAI/pythia-160m",
+        "For scripts: where to load the policy from (the trainer takes the model itself, model=...).",
     )
-    exp_name: str = field(
-        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."}
-    )
-    reward_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the reward model from (the "
-            "trainer takes the model itself, reward_model=...)."
-        },
-    )
-    sft_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the policy from (the trainer takes the model itself, model=...)."
-        },
-    )
-    model_adapter_name: str | None = field(
-        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."}
-    )
-    ref_adapter_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "With a PEFT policy holding several adapters: the one that is the reference "
-            "(default: the base model with adapters disabled)."
-        },
+    model_adapter_name: str | None = option(None, "With a PEFT policy holding several adapters: the one to train.")
+    ref_adapter_name: str | None = option(
+        None,
+        "With a PEFT policy holding several adapters: the one that is the reference (default: the base model "
+        "with adapters disabled).",
     )
     # The engine's names for three of the settings above, with PPO's defaults; set either name.
-    num_iterations: int = field(default=4, metadata={"help": "Same as num_ppo_epochs."})
-    epsilon: float = field(default=0.2, metadata={"help": "Same as cliprange."})
-    beta: float = field(default=0.05, metadata={"help": "Same as kl_coef."})
+    num_iterations: int = option(4, "Same as num_ppo_epochs.")
+    epsilon: float = option(0.2, "Same as cliprange.")
+    beta: float = option(0.05, "Same as kl_coef.")
 
     def __post_init__(self):
         self._merge_ppo_names()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.losses.sft import LOSS_TYPES
 from posttrain.training.base import PosttrainConfig
+from posttrain.training.fields import option
 from posttrain.training.vision import freeze_vision_tower_field
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
@@ -32,109 +33,76 @@ def _parse_pad_to_multiple_of(value):
 
 @dataclass
 class SFTConfig(PosttrainConfig):
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-            "training loss (default: the model config's own; 0 turns it off). Only "
-            "for MoE models."
-        },
+    learning_rate: float = option(2e-5, "Peak learning rate.")
+    router_aux_loss_coef: float | None = option(
+        None,
+        "Weight of a Mixture-of-Experts model's load-balancing loss added to the training loss (default: the "
+        "model config's own; 0 turns it off). Only for MoE models.",
     )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
-            "hub id whose chat template, added tokens and EOS token are cloned (the "
-            "embeddings grow to hold the new tokens)."
-        },
+    chat_template_path: str | None = option(
+        None,
+        "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / hub id whose chat "
+        "template, added tokens and EOS token are cloned (the embeddings grow to hold the new tokens).",
     )
-    dataset_text_field: str = field(
-        default="text", metadata={"help": "Column holding the text of standard language-modeling data."}
+    dataset_text_field: str = option("text", "Column holding the text of standard language-modeling data.")
+    dataset_kwargs: dict[str, Any] | str | None = option(
+        None,
+        "Dataset preparation options; the one key is skip_prepare_dataset (use the dataset as it is: rows of "
+        "input_ids [+ labels] for the collator).",
     )
-    dataset_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
-            "the dataset as it is: rows of input_ids [+ labels] for the collator)."
-        },
+    eos_token: str | None = option(
+        None,
+        "Token (in the vocabulary) to use as the tokenizer's EOS: appended to standard text and set in the "
+        "model's (generation) config.",
     )
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
-            "standard text and set in the model's (generation) config."
-        },
+    max_length: int | None = option(1024, "Truncate (or pack) sequences to this many tokens.")
+    truncation_mode: str = option("keep_start", "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'.")
+    shuffle_dataset: bool = option(False, "Shuffle the prepared dataset (before packing too) with `seed`.")
+    packing: bool = option(False, "Pack several sequences into each row of max_length.")
+    packing_strategy: str = option(
+        "bfd",
+        "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer ones split) or 'wrapped' "
+        "(concatenated and cut every max_length).",
     )
-    max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."}
+    padding_free: bool = option(
+        False,
+        "Collate without an attention mask, positions restarting per sequence (always on with packing): the "
+        "batch in one row with flash attention, else one row per example.",
     )
-    shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."}
+    pad_to_multiple_of: int | str | None = option(
+        "auto",
+        "Pad batches to a multiple of this many tokens ('auto': no padding except on Neuron devices, which "
+        "posttrain does not run on).",
     )
-    packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
-    packing_strategy: str = field(
-        default="bfd",
-        metadata={
-            "help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
-            "ones split) or 'wrapped' (concatenated and cut every max_length)."
-        },
+    eval_packing: bool | None = option(None, "Pack the eval dataset (default: as `packing`).")
+    completion_only_loss: bool | None = option(
+        None, "Train only on completion tokens of prompt-completion data (default: on)."
     )
-    padding_free: bool = field(
-        default=False,
-        metadata={
-            "help": "Collate without an attention mask, positions restarting per sequence (always "
-            "on with packing): the batch in one row with flash attention, else one row "
-            "per example."
-        },
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
-            "on Neuron devices, which posttrain does not run on)."
-        },
-    )
-    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."}
-    )
-    assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."}
-    )
+    assistant_only_loss: bool = option(False, "Train only on assistant turns of conversations (any chat template).")
     freeze_vision_tower: bool = freeze_vision_tower_field()
-    loss_type: str = field(
-        default="nll",
-        metadata={
-            "help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
-            "token's NLL weighted by its detached probability)."
-        },
+    loss_type: str = option(
+        "nll",
+        "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each token's NLL weighted by its "
+        "detached probability).",
     )
-    pad_token: str | None = field(
-        default=None,
-        metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."},
+    pad_token: str | None = option(
+        None, "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."
     )
     # posttrain's own options
-    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
-    packing_split_long: bool = field(
-        default=False,
-        metadata={
-            "help": "With bfd packing, split sequences longer than max_length instead of "
-            "truncating them (as packing_strategy='bfd_split')."
-        },
+    add_eos: bool = option(True, "Append the EOS token to standard (non-chat) text.")
+    packing_split_long: bool = option(
+        False,
+        "With bfd packing, split sequences longer than max_length instead of truncating them (as "
+        "packing_strategy='bfd_split').",
     )
-    chunked_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Compute the loss in chunks of trained tokens without materialising "
-            "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
-            "wherever it gives the same result (a plain linear output layer, no "
-            "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
-            "insists, False computes the full logits."
-        },
+    chunked_loss: bool | None = option(
+        None,
+        "Compute the loss in chunks of trained tokens without materialising [tokens, vocab] logits (less "
+        "memory, same numbers). Default (None): on wherever it gives the same result (a plain linear output "
+        "layer, no compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True insists, False "
+        "computes the full logits.",
     )
-    loss_chunk_size: int = field(default=256, metadata={"help": "Tokens per chunk with chunked_loss."})
+    loss_chunk_size: int = option(256, "Tokens per chunk with chunked_loss.")
 
     unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +16,7 @@ from posttrain.errors import ConfigError
 from posttrain.losses.preference import dpo_metrics
 from posttrain.models.layouts import sequence_index
 from posttrain.training.base import BaseTrainer, PosttrainConfig
+from posttrain.training.fields import option
 from posttrain.training.preference import PreferenceMetricsMixin, SequenceLogps, sequence_logps
 from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
 
@@ -24,36 +25,25 @@ from posttrain.training.reference_trainer import PreparesEvalDatasets, load_proc
 class ReferenceFreeConfig(PosttrainConfig):
     """Options ORPO and CPO share (TRL's names and defaults)."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    max_length: int | None = field(
-        default=1024,
-        metadata={
-            "help": "Bound on each prompt + completion sequence; the end of the completion is "
-            "cut (rows whose prompt alone fills it are dropped, with a warning)."
-        },
+    learning_rate: float = option(1e-6, "Peak learning rate.")
+    max_length: int | None = option(
+        1024,
+        "Bound on each prompt + completion sequence; the end of the completion is cut (rows whose prompt "
+        "alone fills it are dropped, with a warning).",
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many tokens of each completion."}
+    max_completion_length: int | None = option(None, "Keep at most the first this-many tokens of each completion.")
+    beta: float = option(0.1, "Weight of the preference term.")
+    disable_dropout: bool = option(True, "Turn dropout off in the model.")
+    generate_during_eval: bool = option(
+        False,
+        "At each evaluation, sample completions for a random batch of eval prompts and log them "
+        "(output_dir/game_log.jsonl, and a W&B table with wandb).",
     )
-    beta: float = field(default=0.1, metadata={"help": "Weight of the preference term."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    generate_during_eval: bool = field(
-        default=False,
-        metadata={
-            "help": "At each evaluation, sample completions for a random batch of eval prompts "
-            "and log them (output_dir/game_log.jsonl, and a W&B table with wandb)."
-        },
+    is_encoder_decoder: bool | None = option(
+        None, "Whether the model is an encoder-decoder (posttrain trains decoder-only causal LMs: leave None or False)."
     )
-    is_encoder_decoder: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Whether the model is an encoder-decoder (posttrain trains decoder-only "
-            "causal LMs: leave None or False)."
-        },
-    )
-    padding_free: bool = field(
-        default=False,
-        metadata={"help": "posttrain extra: concatenate each batch's 2B sequences into one row without padding."},
+    padding_free: bool = option(
+        False, "posttrain extra: concatenate each batch's 2B sequences into one row without padding."
     )
 
     def __post_init__(self):

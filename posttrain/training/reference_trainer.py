@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
@@ -31,6 +31,7 @@ from posttrain.models.reference import (
     weights_fingerprint,
 )
 from posttrain.training.base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
+from posttrain.training.fields import option
 from posttrain.training.preference import PreferenceMetricsMixin
 from posttrain.training.reference_memo import DIGESTS, DigestingCollator, ReferenceMemo
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
@@ -71,63 +72,44 @@ def check_length_settings(config) -> None:
 class ReferenceConfig(PosttrainConfig):
     """Options shared by the trainers that compare the policy with a reference model (DPO, KTO)."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-            "training loss (default: the model config's value; 0 turns it off)."
-        },
+    learning_rate: float = option(1e-6, "Peak learning rate.")
+    router_aux_loss_coef: float | None = option(
+        None,
+        "Weight of a Mixture-of-Experts model's load-balancing loss added to the training loss (default: the "
+        "model config's value; 0 turns it off).",
     )
-    disable_dropout: bool = field(
-        default=True,
-        metadata={
-            "help": "Turn dropout off in the policy and the reference (log-probs of the same "
-            "sequences are compared across forwards)."
-        },
+    disable_dropout: bool = option(
+        True,
+        "Turn dropout off in the policy and the reference (log-probs of the same sequences are compared "
+        "across forwards).",
     )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."},
+    pad_to_multiple_of: int | str | None = option(
+        "auto", "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."
     )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the reference log-probs of the whole dataset once before training "
-            "(cached on disk) instead of a reference forward every step."
-        },
+    precompute_ref_log_probs: bool = option(
+        False,
+        "Compute the reference log-probs of the whole dataset once before training (cached on disk) instead "
+        "of a reference forward every step.",
     )
-    precompute_ref_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Batch size of that precomputation (default: per_device_train_batch_size "
-            "for the train set, per_device_eval_batch_size for eval sets)."
-        },
+    precompute_ref_batch_size: int | None = option(
+        None,
+        "Batch size of that precomputation (default: per_device_train_batch_size for the train set, "
+        "per_device_eval_batch_size for eval sets).",
     )
-    cache_ref_log_probs: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep each row's reference log-probs from their first forward and reuse them "
-            "when the row comes back (later epochs, evaluation), skipping the reference "
-            "forward of batches whose rows are all known. The reference is frozen, so "
-            "only float rounding can differ; not used with sync_ref_model, "
-            "precompute_ref_log_probs or a data_collator of your own."
-        },
+    cache_ref_log_probs: bool = option(
+        True,
+        "Keep each row's reference log-probs from their first forward and reuse them when the row comes back "
+        "(later epochs, evaluation), skipping the reference forward of batches whose rows are all known. The "
+        "reference is frozen, so only float rounding can differ; not used with sync_ref_model, "
+        "precompute_ref_log_probs or a data_collator of your own.",
     )
-    ref_cache_dir: str = field(
-        default=os.path.join("~", ".cache", "posttrain", "ref_logps"),
-        metadata={
-            "help": "Where precomputed reference log-probs are cached, keyed by reference weights, data and "
-            "tokenization."
-        },
+    ref_cache_dir: str = option(
+        os.path.join("~", ".cache", "posttrain", "ref_logps"),
+        "Where precomputed reference log-probs are cached, keyed by reference weights, data and tokenization.",
     )
-    sync_ref_model: bool = field(
-        default=False, metadata={"help": "TR-DPO: every ref_model_sync_steps, mix the policy into the reference."}
-    )
-    ref_model_mixup_alpha: float = field(
-        default=0.6, metadata={"help": "TR-DPO mixing weight: ref = alpha * policy + (1 - alpha) * ref."}
-    )
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: optimizer steps between syncs."})
+    sync_ref_model: bool = option(False, "TR-DPO: every ref_model_sync_steps, mix the policy into the reference.")
+    ref_model_mixup_alpha: float = option(0.6, "TR-DPO mixing weight: ref = alpha * policy + (1 - alpha) * ref.")
+    ref_model_sync_steps: int = option(512, "TR-DPO: optimizer steps between syncs.")
 
     def __post_init__(self):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
