@@ -15,8 +15,19 @@ from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
 from posttrain.generation.vllm_backend import VLLM_MODES
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
-from posttrain.training.fields import option
+from posttrain.training.fields import (
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+    option,
+    ref_model_mixup_alpha_field,
+    ref_model_sync_steps_field,
+    router_aux_loss_coef_field,
+    sync_ref_model_field,
+)
 from posttrain.training.vision import freeze_vision_tower_field
 
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
@@ -65,15 +76,18 @@ class OnlineConfig(PosttrainConfig):
         "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
-    loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES  # the loss_type values the method implements
 
-    learning_rate: float = option(1e-6, "Peak learning rate.")
+    learning_rate: float = learning_rate_field(1e-6)
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
-    max_prompt_length: int | None = option(512, "Keep only the last this-many prompt tokens (None: no limit).")
-    max_completion_length: int = option(512, "Most tokens generated per completion.")
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep only the last this-many prompt tokens (None: no limit)."
+    )
+    max_completion_length: int = max_completion_length_field(512)
     num_generations: int = option(8, "Completions sampled per prompt (a group).")
-    num_generations_eval: int | None = option(None, "Completions sampled per eval prompt (None: num_generations).")
+    num_generations_eval: int | None = option(
+        None, "Completions sampled per eval prompt (None: num_generations).", min=1
+    )
     shuffle_dataset: bool = option(
         True,
         "Take the training prompts in a new random order each epoch (seeded by data_seed or seed); False "
@@ -119,6 +133,7 @@ class OnlineConfig(PosttrainConfig):
         None,
         "Optimizer steps trained on each generated batch before the next one is generated (default 1, or "
         "derived from generation_batch_size).",
+        min=1,
     )
     generation_batch_size: int | None = option(
         None,
@@ -131,11 +146,13 @@ class OnlineConfig(PosttrainConfig):
         "training (k: a round is sampled with weights at most k rounds old, corrected with "
         "vllm_importance_sampling_*; 0: each round with its own weights). None: generate in the training "
         "loop.",
+        min=0,
     )
     num_iterations: int = option(
         1,
         "Passes over each generated batch (mu in the GRPO paper); > 1 reuses completions with importance "
         "ratios to the generating policy.",
+        min=1,
     )
     # Rewards
     reward_weights: list[float] | None = option(None, "One weight per reward function (default: all 1.0).")
@@ -146,32 +163,37 @@ class OnlineConfig(PosttrainConfig):
         f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
         "over completions), bnpo/dapo (mean over all tokens of the optimizer "
         "step), dr_grpo (token sum / (completions x max_completion_length)).",
+        choices=LOSS_TYPES,
     )
-    router_aux_loss_coef: float | None = option(
-        None,
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field(
         "Weight of a Mixture-of-Experts model's load-balancing loss, added to the policy loss (None: the "
         "model's own router_aux_loss_coef).",
     )
-    beta: float = option(0.0, "KL coefficient to the reference model (0: no reference model is loaded).")
+    beta: float = option(0.0, "KL coefficient to the reference model (0: no reference model is loaded).", min=0)
     epsilon: float = option(0.2, "Lower clip range of the importance ratio.")
     epsilon_high: float | None = option(None, "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28).")
     importance_sampling_level: str = option(
-        "token", "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion)."
+        "token",
+        "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion).",
+        choices=IMPORTANCE_SAMPLING_LEVELS,
     )
     mask_truncated_completions: bool = option(
         False, "Leave completions cut at max_completion_length out of the loss (DAPO)."
     )
-    disable_dropout: bool = option(
+    disable_dropout: bool = disable_dropout_field(
         False,
         "Switch dropout off in the policy (and so in its reference copy): the log-probs of a completion then "
         "do not depend on the forward pass.",
     )
-    sync_ref_model: bool = option(
-        False,
-        "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference towards the policy (needs beta > 0).",
+    sync_ref_model: bool = sync_ref_model_field(
+        "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference towards the policy (needs beta > 0)."
     )
-    ref_model_mixup_alpha: float = option(0.6, "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref.")
-    ref_model_sync_steps: int = option(512, "With sync_ref_model: optimizer steps between two reference updates.")
+    ref_model_mixup_alpha: float = ref_model_mixup_alpha_field(
+        "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."
+    )
+    ref_model_sync_steps: int = ref_model_sync_steps_field(
+        "With sync_ref_model: optimizer steps between two reference updates."
+    )
     max_tool_calling_iterations: int | None = option(
         None,
         "With tools= or environment_factory=: most tool turns per completion (None: until the model stops "
@@ -182,6 +204,7 @@ class OnlineConfig(PosttrainConfig):
         "What a reward function that raises, times out or returns a non-finite value does: 'error' stops the "
         "run naming it and the sample; 'skip' gives no reward from it for that batch and counts it in "
         "rewards/<name>/failures.",
+        choices=FAILURE_POLICIES,
     )
     tool_call_parser: str = option(
         "hermes",
@@ -201,7 +224,9 @@ class OnlineConfig(PosttrainConfig):
         True, "Log images with the completions (the online trainers take text prompts only, so there are none to log)."
     )
     num_completions_to_print: int | None = option(
-        None, "With log_completions: completions printed at each log, drawn at random (None: all of the window's)."
+        None,
+        "With log_completions: completions printed at each log, drawn at random (None: all of the window's).",
+        min=1,
     )
     log_unique_prompts: bool = option(False, "With log_completions: print each prompt once (its first completion).")
     log_completions_hub_repo: str | None = option(
@@ -212,9 +237,12 @@ class OnlineConfig(PosttrainConfig):
     vllm_mode: str = option(
         "colocate",
         "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`.",
+        choices=VLLM_MODES,
     )
     vllm_model_impl: str = option(
-        "vllm", "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."
+        "vllm",
+        "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers').",
+        choices=VLLM_MODEL_IMPLS,
     )
     vllm_structured_outputs_regex: str | None = option(
         None, "Constrain every completion to match this regex (vLLM structured outputs; None: off)."
@@ -238,6 +266,7 @@ class OnlineConfig(PosttrainConfig):
     vllm_max_model_length: int | None = option(
         None,
         "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's).",
+        min=1,
     )
     vllm_tensor_parallel_size: int = option(1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported).")
     vllm_sync_dir: str | None = option(
@@ -249,6 +278,7 @@ class OnlineConfig(PosttrainConfig):
         1,
         "Push the policy's weights to vLLM every this many optimizer steps (with async_generation_rounds: "
         "refresh the background sampler's weights, with either backend).",
+        min=1,
     )
     vllm_importance_sampling_correction: bool = option(
         True,
@@ -256,7 +286,7 @@ class OnlineConfig(PosttrainConfig):
         "slightly different probabilities (and, with async_generation_rounds, for sampling with older "
         "weights).",
     )
-    vllm_importance_sampling_cap: float = option(2.0, "Cap of the truncated importance weight (> 0).")
+    vllm_importance_sampling_cap: float = option(2.0, "Cap of the truncated importance weight (> 0).", gt=0)
     vllm_gpu_memory_utilization: float = option(
         0.3, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."
     )
@@ -281,32 +311,17 @@ class OnlineConfig(PosttrainConfig):
             self.use_transformers_continuous_batching = True
         self._check_generation_options()
         self.sampling_params()  # validates the sampling settings
-        self._check_choice("loss_type", self.loss_type, self.loss_types)
-        self._check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        self._check_choice("vllm_mode", self.vllm_mode, VLLM_MODES)
-        if self.vllm_importance_sampling_cap is not None and self.vllm_importance_sampling_cap <= 0:
-            raise ConfigError(
-                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0 (typical: 2.0)."
-            )
-        if self.vllm_sync_steps < 1:
-            raise ConfigError(f"vllm_sync_steps={self.vllm_sync_steps} must be at least 1 (1: before every round).")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             raise ConfigError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
                 "or None for no limit."
             )
-        self._check_async_generation()
-        if self.num_iterations < 1:
-            raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+        if self.async_generation_rounds is not None and self.use_vllm and self.vllm_mode == "colocate":
             raise ConfigError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (a negative weight "
-                "would reward unbalanced experts)."
+                f"async_generation_rounds={self.async_generation_rounds} generates beside training, but colocated "
+                "vLLM runs inside the training process on its device; use vllm_mode='server' (`posttrain "
+                "vllm-serve MODEL`), or the transformers backend (use_vllm=False)."
             )
-        if self.beta < 0:
-            raise ConfigError(f"beta={self.beta} must be >= 0 (0 switches the KL term off).")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 (or None: no limit).")
         if self.num_generations < self.min_num_generations:
             reason = (
                 "; its advantages compare each completion with the others of the same prompt"
@@ -318,15 +333,11 @@ class OnlineConfig(PosttrainConfig):
                 f"{self.min_num_generations} completions per prompt{reason}. Set num_generations >= "
                 f"{self.min_num_generations} (typical: 4 to 16)."
             )
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+        if self.sync_ref_model and self.beta == 0:
             raise ConfigError(
-                f"num_generations_eval={self.num_generations_eval} must be at least 1 (None: num_generations)."
+                "sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
+                "set beta > 0 or sync_ref_model=False."
             )
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
-            raise ConfigError(
-                f"num_completions_to_print={self.num_completions_to_print} must be at least 1 (None: all)."
-            )
-        self._check_reference_sync()
         self._resolve_generation_batch()
 
     def _check_generation_options(self) -> None:
@@ -338,7 +349,6 @@ class OnlineConfig(PosttrainConfig):
             raise ConfigError(
                 f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int, 'auto' or None (no padding)."
             )
-        self._check_choice("vllm_model_impl", self.vllm_model_impl, VLLM_MODEL_IMPLS)
         if self.use_vllm:
             for name in ("cache_implementation", "use_transformers_continuous_batching"):
                 if getattr(self, name):
@@ -364,11 +374,6 @@ class OnlineConfig(PosttrainConfig):
                 "transformers_continuous_batching_config is set but use_transformers_continuous_"
                 "batching=False; set it to True or drop the config."
             )
-        if self.vllm_max_model_length is not None and self.vllm_max_model_length < 1:
-            raise ConfigError(
-                f"vllm_max_model_length={self.vllm_max_model_length} must be at least 1 (None: "
-                "derived from the prompt and completion lengths)."
-            )
         if self.generation_kwargs is None:
             return
         if not isinstance(self.generation_kwargs, dict):
@@ -384,37 +389,6 @@ class OnlineConfig(PosttrainConfig):
                     f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. Drop it."
                 )
 
-    def _check_async_generation(self) -> None:
-        k = self.async_generation_rounds
-        if k is None:
-            return
-        if k < 0:
-            raise ConfigError(
-                f"async_generation_rounds={k} must be >= 0 (rounds generated ahead), or None (synchronous generation)."
-            )
-        if self.use_vllm and self.vllm_mode == "colocate":
-            raise ConfigError(
-                f"async_generation_rounds={k} generates beside training, but colocated vLLM runs "
-                "inside the training process on its device; use vllm_mode='server' (`posttrain "
-                "vllm-serve MODEL`), or the transformers backend (use_vllm=False)."
-            )
-
-    def _check_reference_sync(self) -> None:
-        if not 0 < self.ref_model_mixup_alpha <= 1:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in (0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
-        if self.sync_ref_model and self.beta == 0:
-            raise ConfigError(
-                "sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
-                "set beta > 0 or sync_ref_model=False."
-            )
-
-    @staticmethod
-    def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {choices}; pick one of them.")
-
     def _resolve_generation_batch(self) -> None:
         """Sets generation_batch_size and steps_per_generation from whichever the user gave (checked)."""
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps  # per process
@@ -424,8 +398,6 @@ class OnlineConfig(PosttrainConfig):
             f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
             f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}"
         )
-        if self.steps_per_generation is not None and self.steps_per_generation < 1:
-            raise ConfigError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
         if self.generation_batch_size is not None:
             if self.generation_batch_size < 1 or self.generation_batch_size % step_batch:
                 valid = ", ".join(str(step_batch * k) for k in range(1, 5))

@@ -12,7 +12,12 @@ from posttrain.generation import SamplingParams
 from posttrain.generation.transformers_backend import generation_config
 from posttrain.online.config import GENERATION_KWARGS_FIXED
 from posttrain.trainers.sft import SFTConfig
-from posttrain.training.fields import option
+from posttrain.training.fields import (
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    option,
+)
 
 # generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
 # SamplingParams field each sets; other keys go to transformers' GenerationConfig.
@@ -39,7 +44,7 @@ class DistillationConfig(SFTConfig):
         "PPOTrainer); distillation samples single-turn completions; drop it",
     }
 
-    learning_rate: float = option(1e-6, "Peak learning rate.")
+    learning_rate: float = learning_rate_field(1e-6)
     # -- student and teacher
     teacher_model_name_or_path: str | None = option(
         None, "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
@@ -49,9 +54,11 @@ class DistillationConfig(SFTConfig):
         None,
         "Keyword arguments for from_pretrained when the teacher is given by name or path, e.g. {'dtype': 'bfloat16'}.",
     )
-    disable_dropout: bool = option(False, "Switch off dropout in the student.")
+    disable_dropout: bool = disable_dropout_field(False, "Switch off dropout in the student.")
     # -- data and on-policy generation
-    max_completion_length: int | None = option(512, "Most tokens the student samples per on-policy completion.")
+    max_completion_length: int | None = max_completion_length_field(
+        512, "Most tokens the student samples per on-policy completion."
+    )
     ds3_gather_for_generation: bool = option(True, "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True.")
     shuffle_dataset: bool = option(True, "Shuffle the training data every epoch.")
     pad_to_multiple_of: int | str | None = option(
@@ -62,6 +69,7 @@ class DistillationConfig(SFTConfig):
         1.0,
         "Sampling temperature of on-policy completions, and the temperature of both distributions in the loss "
         "(softmax(logits / temperature)).",
+        gt=0,
     )
     top_p: float = option(1.0, "Nucleus sampling of on-policy completions (1.0: off).")
     top_k: int = option(0, "Top-k sampling of on-policy completions (0: off).")
@@ -96,16 +104,22 @@ class DistillationConfig(SFTConfig):
         1.0,
         "Generalized JSD interpolation: 0 = forward KL(teacher‖student), 0.5 = Jensen-Shannon, 1 = reverse "
         "KL(student‖teacher).",
+        min=0,
+        max=1,
     )
     lmbda: float = option(
         1.0,
         "Probability that a micro-batch's completions are sampled by the student (1: always on-policy, as "
         "TRL; 0: the data's completions only).",
+        min=0,
+        max=1,
     )
     alpha: float = option(
         1.0,
         "Weight of the distillation loss; 1 - alpha weighs the NLL of the completions (1 = pure distillation, "
         "0 = plain SFT).",
+        min=0,
+        max=1,
     )
     max_tool_calling_iterations: int | None = option(
         None, "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."
@@ -126,16 +140,6 @@ class DistillationConfig(SFTConfig):
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0 (1.0 leaves the distributions as they are).")
-        for name in ("beta", "alpha", "lmbda"):
-            if not 0 <= getattr(self, name) <= 1:
-                meaning = {
-                    "beta": "0: forward KL, 0.5: JSD, 1: reverse KL",
-                    "alpha": "1: pure distillation, 0: plain NLL",
-                    "lmbda": "the fraction of on-policy micro-batches",
-                }[name]
-                raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1] ({meaning}).")
         if self.chunked_loss:
             raise ConfigError(
                 "chunked_loss=True is not available for distillation: the divergence needs the full "
@@ -146,8 +150,6 @@ class DistillationConfig(SFTConfig):
                 f"lmbda={self.lmbda}: on-policy distillation samples completions per row of a padded "
                 "batch; set padding_free=False and packing=False (or lmbda=0 for offline distillation)."
             )
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length={self.max_completion_length} must be at least 1.")
         fixed = sorted(set(self.generation_kwargs or {}) & set(GENERATION_KWARGS_FIXED))
         if fixed:
             raise ConfigError(

@@ -4,48 +4,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.losses.preference import validate_dpo_loss_settings
-from posttrain.training.fields import option
+from posttrain.losses.preference import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES, validate_dpo_loss_settings
+from posttrain.training.fields import (
+    max_completion_length_field,
+    max_length_field,
+    max_prompt_length_field,
+    option,
+    truncation_mode_field,
+)
 from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings
 from posttrain.training.vision import freeze_vision_tower_field
 
 
 @dataclass
 class DPOConfig(ReferenceConfig):
-    beta: float = option(0.1, "Strength of the pull towards the reference: rewards are beta * log(pi / pi_ref).")
+    beta: float = option(0.1, "Strength of the pull towards the reference: rewards are beta * log(pi / pi_ref).", gt=0)
     loss_type: list[str] = option(
         help="DPO loss, or several to sum (a list, or comma-separated names): sigmoid, hinge, ipo, robust, "
         "exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, "
         "sigmoid_norm.",
         default_factory=lambda: ["sigmoid"],
+        choices=DPO_LOSS_TYPES,
     )
     loss_weights: list[float] | None = option(None, "One weight per loss_type entry (default: 1 each).")
     ld_alpha: float | None = option(
         None,
         "LD-DPO: weight in [0, 1] of the completion tokens past the shorter completion's length (None or 1: "
         "plain sums).",
+        min=0,
+        max=1,
     )
     use_weighting: bool = option(
         False, "WPO: weight each pair by the policy's length-normalised probabilities of its two completions."
     )
     label_smoothing: float = option(
-        0.0, "Assumed rate of flipped preference labels (cDPO / robust / EXO), in [0, 0.5]."
+        0.0, "Assumed rate of flipped preference labels (cDPO / robust / EXO), in [0, 0.5].", min=0, max=0.5
     )
     f_divergence_type: str = option(
-        "reverse_kl", "Divergence to the reference: reverse_kl (DPO), forward_kl, js_divergence or alpha_divergence."
+        "reverse_kl",
+        "Divergence to the reference: reverse_kl (DPO), forward_kl, js_divergence or alpha_divergence.",
+        choices=F_DIVERGENCE_TYPES,
     )
     f_alpha_divergence_coef: float = option(
         0.5, "alpha of the alpha divergence, f'(u) = (u^(alpha-1) - 1) / (alpha - 1)."
     )
     discopop_tau: float = option(0.05, "Temperature of the discopop loss.")
-    max_length: int | None = option(1024, "Bound on each prompt + completion sequence, cut as truncation_mode says.")
-    truncation_mode: str = option(
-        "keep_start",
-        "How a sequence over max_length is cut: keep_start (drop its end) or keep_end (drop the start of the prompt).",
-        choices=["keep_start", "keep_end"],
+    max_length: int | None = max_length_field(
+        1024, "Bound on each prompt + completion sequence, cut as truncation_mode says."
     )
-    max_prompt_length: int | None = option(None, "posttrain extra: keep at most the last this-many prompt tokens.")
-    max_completion_length: int | None = option(
+    truncation_mode: str = truncation_mode_field()
+    max_prompt_length: int | None = max_prompt_length_field(
+        None, "posttrain extra: keep at most the last this-many prompt tokens."
+    )
+    max_completion_length: int | None = max_completion_length_field(
         None, "posttrain extra: keep at most the first this-many tokens of each completion."
     )
     padding_free: bool = option(False, "Concatenate each batch's 2B sequences into one row without padding.")

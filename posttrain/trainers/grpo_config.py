@@ -27,7 +27,6 @@ class GRPOConfig(OnlineConfig):
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "GRPO"
-    loss_types: ClassVar[tuple[str, ...]] = GRPO_LOSS_TYPES
 
     cast_lm_head_to_fp32: bool = option(
         False,
@@ -40,10 +39,10 @@ class GRPOConfig(OnlineConfig):
         "cannot push very large ratios further. None: off; else > 1 + epsilon.",
     )
     sapo_temperature_neg: float = option(
-        1.05, "loss_type='sapo': temperature of the soft gate for tokens with advantage <= 0."
+        1.05, "loss_type='sapo': temperature of the soft gate for tokens with advantage <= 0.", gt=0
     )
     sapo_temperature_pos: float = option(
-        1.0, "loss_type='sapo': temperature of the soft gate for tokens with advantage > 0."
+        1.0, "loss_type='sapo': temperature of the soft gate for tokens with advantage > 0.", gt=0
     )
     vespo_k_pos: float = option(
         2.0, "loss_type='vespo', advantage >= 0: power k of the gamma weight w^k exp(-lambda w) (damps w < 1)."
@@ -58,11 +57,13 @@ class GRPOConfig(OnlineConfig):
         f"With several reward functions, one of {MULTI_OBJECTIVE_AGGREGATIONS}: sum the weighted rewards then "
         "normalise as scale_rewards says, or (GDPO) normalise each function within its group, sum with the "
         "weights, then normalise over the batch (scale_rewards is not used then).",
+        choices=MULTI_OBJECTIVE_AGGREGATIONS,
     )
     scale_rewards: str = option(
         "group",
         f"Divide centred rewards by a std, one of {SCALE_REWARDS}: 'group' (the prompt's group; also True), "
         "'batch' (the whole generation batch), 'none' (Dr. GRPO; also False).",
+        choices=SCALE_REWARDS,
     )
     loss_type: str = option(
         "dapo",
@@ -72,11 +73,14 @@ class GRPOConfig(OnlineConfig):
         "importance_sampling_level='sequence'). Other surrogates: cispo (clipped, detached ratio times log-prob; "
         "epsilon_high is its cap, ~5), sapo (soft sigmoid gate, grpo aggregation), vespo (smooth gamma weight of "
         "the sequence ratio, dapo aggregation).",
+        choices=GRPO_LOSS_TYPES,
     )
     top_entropy_quantile: float = option(
         1.0,
         "Train only on the top fraction of completion tokens by entropy (rho in 'Beyond the 80/20 rule'; the "
         "paper uses 0.2). 1.0 keeps every token, 0.0 only the highest.",
+        min=0,
+        max=1,
     )
     entropy_coef: float = option(
         0.0,
@@ -102,6 +106,7 @@ class GRPOConfig(OnlineConfig):
         f"How vLLM's sampling mismatch is corrected, one of {IMPORTANCE_SAMPLING_MODES}: a ratio per token or per "
         "sequence (product of token ratios); ratios outside [clip_min, clip_max] truncated to the range or set to "
         "0.",
+        choices=IMPORTANCE_SAMPLING_MODES,
     )
     vllm_importance_sampling_clip_max: float | None = option(
         3.0, "Upper bound of the vLLM importance ratio (None: open)."
@@ -113,6 +118,7 @@ class GRPOConfig(OnlineConfig):
         None,
         "DeepSeek-V3.2's off-policy sequence masking: drop completions with a negative advantage whose mean "
         "log(pi_sampler / pi) exceeds this (e.g. 0.5). None: off.",
+        gt=0,
     )
     use_bias_correction_kl: bool = option(
         True,
@@ -138,13 +144,6 @@ class GRPOConfig(OnlineConfig):
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
-        self._check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        self._check_choice(
-            "multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS
-        )
-        self._check_choice(
-            "vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, IMPORTANCE_SAMPLING_MODES
-        )
         cap = self.vllm_importance_sampling_cap
         if cap is not None:
             warnings.warn(
@@ -205,20 +204,6 @@ class GRPOConfig(OnlineConfig):
             raise ConfigError(
                 f"delta={self.delta} caps the ratio for negative advantages and must exceed 1 + "
                 f"epsilon = {1 + self.epsilon} (INTELLECT-2 uses 4), or be None (off)."
-            )
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ConfigError(
-                f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every "
-                "token; the paper uses 0.2)."
-            )
-        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
-            raise ConfigError(
-                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or None (off)."
-            )
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ConfigError(
-                f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg="
-                f"{self.sapo_temperature_neg} must be > 0."
             )
         if self.dynamic_sampling and (self.max_num_gen_batches < 1 or self.num_generations < 2):
             raise ConfigError(

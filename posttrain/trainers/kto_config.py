@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import KTO_LOSS_TYPES
-from posttrain.training.fields import option
+from posttrain.training.fields import max_length_field, option
 from posttrain.training.reference_trainer import ReferenceConfig
 
 
@@ -17,24 +17,25 @@ class KTOConfig(ReferenceConfig):
         "Order of the training rows; loss_type 'kto' needs 'sequential' (its mismatched KL pairs are fixed "
         "per batch in the dataset).",
     )
-    max_length: int | None = option(1024, "Truncate prompt + completion to this many tokens (the completion is cut).")
-    beta: float = option(
-        0.1, "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference."
+    max_length: int | None = max_length_field(
+        1024, "Truncate prompt + completion to this many tokens (the completion is cut)."
     )
-    desirable_weight: float = option(1.0, "Weight of desirable examples' losses (to balance unequal class counts).")
-    undesirable_weight: float = option(1.0, "Weight of undesirable examples' losses (to balance unequal class counts).")
+    beta: float = option(
+        0.1,
+        "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference.",
+        gt=0,
+    )
+    desirable_weight: float = option(
+        1.0, "Weight of desirable examples' losses (to balance unequal class counts).", gt=0
+    )
+    undesirable_weight: float = option(
+        1.0, "Weight of undesirable examples' losses (to balance unequal class counts).", gt=0
+    )
     loss_type: str = option("kto", "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one).")
 
     def __post_init__(self):
         if self.loss_type not in KTO_LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(KTO_LOSS_TYPES)}.")
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
-        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
-            raise ConfigError(
-                f"desirable_weight={self.desirable_weight} and undesirable_weight="
-                f"{self.undesirable_weight} must both be positive."
-            )
         strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
         if self.loss_type == "kto" and strategy != "sequential":
             raise ConfigError(

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
-from posttrain.training.fields import option
+from posttrain.training.fields import max_completion_length_field, option
 
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
 # response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
@@ -42,13 +42,16 @@ class PPOConfig(OnlineConfig):
         "Optimizer steps (mini-batches) per rollout, each of per_device_train_batch_size x "
         "gradient_accumulation_steps x processes completions (steps_per_generation in the engine's terms; "
         "default 1, or derived from generation_batch_size).",
+        min=1,
     )
     cliprange: float = option(0.2, "Clip range of the policy ratio (epsilon).")
     cliprange_value: float = option(
-        0.2, "A new value may move at most this far from the rollout's value before its loss stops improving."
+        0.2,
+        "A new value may move at most this far from the rollout's value before its loss stops improving.",
+        gt=0,
     )
-    vf_coef: float = option(0.1, "Weight of the value loss.")
-    entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: none).")
+    vf_coef: float = option(0.1, "Weight of the value loss.", min=0)
+    entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: none).", min=0)
     kl_coef: float = option(
         0.05,
         "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted from every token's reward "
@@ -59,7 +62,9 @@ class PPOConfig(OnlineConfig):
         "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves towards keeping a completion's "
         "summed KL at target_kl. None: kl_coef stays fixed.",
     )
-    kl_horizon: float = option(10000, "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions.")
+    kl_horizon: float = option(
+        10000, "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions.", gt=0
+    )
     gamma: float = option(1.0, "Discount factor of GAE, in (0, 1].")
     lam: float = option(0.95, "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more.")
     whiten_advantages: bool = option(True, "Scale the advantages of each rollout to mean 0 and std 1.")
@@ -74,7 +79,7 @@ class PPOConfig(OnlineConfig):
     # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
     temperature: float = option(0.7, "Sampling temperature; the log-probabilities are of logits / temperature.")
     response_length: int = option(53, "Same as max_completion_length.")
-    max_completion_length: int = option(53, "Most tokens generated per completion.")
+    max_completion_length: int = max_completion_length_field(53)
     whiten_rewards: bool = option(
         False,
         "Scale the per-token rewards (KL penalty + score) of each rollout to unit variance, keeping their "
@@ -84,24 +89,30 @@ class PPOConfig(OnlineConfig):
         "k1",
         "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' = log pi - log pi_ref, "
         "'k3' = (r - 1) - log r with r = pi_ref / pi.",
+        choices=("k1", "k3"),
     )
     total_episodes: int | None = option(
         None,
         "Completions to train on in all; sets max_steps to the rollouts needed x optimizer steps per rollout "
         "(None: num_train_epochs over the prompts).",
+        min=1,
     )
     local_rollout_forward_batch_size: int = option(
         64,
         "Completions per no-gradient forward pass when the rollout's log-probs and values are computed "
         "(memory only; the results are the same).",
+        min=1,
     )
     num_sample_generations: int = option(
         10,
         "How many times in training to log near-greedy completions of one eval batch with their scores (needs "
         "eval_dataset; 0: never).",
+        min=0,
     )
     stop_token: str | None = option(
-        None, "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."
+        None,
+        "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there).",
+        choices=("eos",),
     )
     stop_token_id: int | None = option(None, "A token id that also ends a completion (besides EOS).")
     exp_name: str = option("ppo_config", "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'.")
@@ -126,23 +137,8 @@ class PPOConfig(OnlineConfig):
 
     def __post_init__(self):
         self._merge_ppo_names()
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ConfigError(
-                f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
-                "((r - 1) - log r, lower variance)."
-            )
-        if self.stop_token not in (None, "eos"):
-            raise ConfigError(
-                f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
-                "token as stop_token_id."
-            )
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ConfigError("stop_token and stop_token_id are the same setting; set only one.")
-        if self.local_rollout_forward_batch_size < 1 or self.num_sample_generations < 0:
-            raise ConfigError(
-                f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
-                f"and num_sample_generations={self.num_sample_generations} >= 0."
-            )
         if self.run_name is None:
             self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         super().__post_init__()
@@ -152,12 +148,6 @@ class PPOConfig(OnlineConfig):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"{name}={value} must be in (0, 1] (typical: gamma=1.0, lam=0.95).")
-        for name in ("cliprange_value", "kl_horizon"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
-        for name in ("vf_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 switches the term off).")
         if self.target_kl is not None and (self.target_kl <= 0 or self.kl_coef == 0):
             raise ConfigError(
                 f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
@@ -166,8 +156,6 @@ class PPOConfig(OnlineConfig):
 
     def _steps_from_episodes(self) -> None:
         """max_steps for total_episodes completions: whole rollouts, each num_ppo_epochs x num_mini_batches steps."""
-        if self.total_episodes < 1:
-            raise ConfigError(f"total_episodes={self.total_episodes} must be at least 1.")
         if self.max_steps > 0:
             raise ConfigError(
                 f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
@@ -195,8 +183,6 @@ class PPOConfig(OnlineConfig):
     def _resolve_generation_batch(self) -> None:
         """num_mini_batches is steps_per_generation; checks it against generation_batch_size in PPO's terms."""
         if self.num_mini_batches is not None:
-            if self.num_mini_batches < 1:
-                raise ConfigError(f"num_mini_batches={self.num_mini_batches} must be at least 1.")
             if self.steps_per_generation not in (None, self.num_mini_batches):
                 raise ConfigError(
                     f"num_mini_batches={self.num_mini_batches} and steps_per_generation="

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.errors import ConfigError
 from posttrain.training.base import PosttrainConfig
-from posttrain.training.fields import option
-from posttrain.training.reference_trainer import resolve_pad_to_multiple_of
+from posttrain.training.fields import (
+    disable_dropout_field,
+    learning_rate_field,
+    max_length_field,
+    option,
+    pad_to_multiple_of_field,
+    parse_pad_to_multiple_of,
+)
 
 
 @dataclass
 class RewardConfig(PosttrainConfig):
-    learning_rate: float = option(1e-4, "Peak learning rate.")
-    disable_dropout: bool = option(True, "Turn dropout off in the model.")
+    learning_rate: float = learning_rate_field(1e-4)
+    disable_dropout: bool = disable_dropout_field(True)
     eos_token: str | None = option(
         None,
         "Token to use as EOS (appended to standard-format completions); must be in the vocabulary (default: "
@@ -25,12 +30,10 @@ class RewardConfig(PosttrainConfig):
         "A .jinja chat template file, or a tokenizer (directory or id) whose chat template (and added tokens) "
         "to clone.",
     )
-    max_length: int | None = option(
+    max_length: int | None = max_length_field(
         1024, "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."
     )
-    pad_to_multiple_of: int | str | None = option(
-        "auto", "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."
-    )
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
     center_rewards_coefficient: float | None = option(
         None,
         "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards centred on zero (Eisenstein "
@@ -38,7 +41,5 @@ class RewardConfig(PosttrainConfig):
     )
 
     def __post_init__(self):
-        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
+        self.pad_to_multiple_of = parse_pad_to_multiple_of(self.pad_to_multiple_of)
         super().__post_init__()

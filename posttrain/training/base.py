@@ -27,7 +27,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
-from posttrain.training.fields import option
+from posttrain.training.fields import check_options, option
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.model_card import write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
@@ -86,9 +86,10 @@ class PosttrainConfig(TrainingArguments):
         "error",
         "When a step's loss or gradient norm is NaN or infinite: 'error' stops before applying it, naming the "
         "step and the last checkpoint; 'skip' drops that step's update and counts it.",
+        choices=NONFINITE_POLICIES,
     )
     max_nonfinite_steps: int = option(
-        3, "With nonfinite_policy='skip': stop after this many non-finite steps in a row."
+        3, "With nonfinite_policy='skip': stop after this many non-finite steps in a row.", min=1
     )
     checkpoint_on_signal: bool = option(
         True,
@@ -107,6 +108,7 @@ class PosttrainConfig(TrainingArguments):
 
     def __post_init__(self):
         self.reject_unsupported_options()
+        check_options(self)  # every field's declared choices and bounds (posttrain/training/fields.py)
         if isinstance(self.model_init_kwargs, str):
             import json
 
@@ -118,10 +120,6 @@ class PosttrainConfig(TrainingArguments):
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
-        if self.nonfinite_policy not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite_policy={self.nonfinite_policy!r} is not one of {NONFINITE_POLICIES}.")
-        if self.max_nonfinite_steps < 1:
-            raise ConfigError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be at least 1.")
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
                 "activation_offloading=True moves activations from accelerator memory to CPU memory, "

@@ -120,6 +120,11 @@ def disable_dropout_field(default: bool, help: str = "Turn dropout off in the mo
     return option(default, help)
 
 
+def router_aux_loss_coef_field(help: str) -> Any:
+    """A negative weight would reward unbalanced experts; None takes the model's own coefficient."""
+    return option(None, help, min=0)
+
+
 def max_length_field(default: int | None, help: str) -> Any:
     return option(default, help, min=1)
 
@@ -132,11 +137,18 @@ def max_completion_length_field(default: int | None, help: str = "Most tokens ge
     return option(default, help, min=1)
 
 
-def truncation_mode_field(default: str, help: str) -> Any:
+def truncation_mode_field(
+    default: str = "keep_start",
+    help: str = "How a sequence over max_length is cut: keep_start (drop its end) or keep_end (drop the start of "
+    "the prompt).",
+) -> Any:
     return option(default, help, choices=TRUNCATION_MODES)
 
 
-def pad_to_multiple_of_field(default: int | str | None, help: str) -> Any:
+def pad_to_multiple_of_field(
+    default: int | str | None = "auto",
+    help: str = "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron).",
+) -> Any:
     """Checked once `parse_pad_to_multiple_of` has turned the text forms into a number or None."""
     return option(default, help, min=1)
 

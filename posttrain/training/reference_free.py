@@ -16,7 +16,13 @@ from posttrain.errors import ConfigError
 from posttrain.losses.preference import dpo_metrics
 from posttrain.models.layouts import sequence_index
 from posttrain.training.base import BaseTrainer, PosttrainConfig
-from posttrain.training.fields import option
+from posttrain.training.fields import (
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_length_field,
+    option,
+)
 from posttrain.training.preference import PreferenceMetricsMixin, SequenceLogps, sequence_logps
 from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
 
@@ -25,15 +31,17 @@ from posttrain.training.reference_trainer import PreparesEvalDatasets, load_proc
 class ReferenceFreeConfig(PosttrainConfig):
     """Options ORPO and CPO share (TRL's names and defaults)."""
 
-    learning_rate: float = option(1e-6, "Peak learning rate.")
-    max_length: int | None = option(
+    learning_rate: float = learning_rate_field(1e-6)
+    max_length: int | None = max_length_field(
         1024,
         "Bound on each prompt + completion sequence; the end of the completion is cut (rows whose prompt "
         "alone fills it are dropped, with a warning).",
     )
-    max_completion_length: int | None = option(None, "Keep at most the first this-many tokens of each completion.")
-    beta: float = option(0.1, "Weight of the preference term.")
-    disable_dropout: bool = option(True, "Turn dropout off in the model.")
+    max_completion_length: int | None = max_completion_length_field(
+        None, "Keep at most the first this-many tokens of each completion."
+    )
+    beta: float = option(0.1, "Weight of the preference term.", min=0)
+    disable_dropout: bool = disable_dropout_field(True)
     generate_during_eval: bool = option(
         False,
         "At each evaluation, sample completions for a random batch of eval prompts and log them "
@@ -52,9 +60,6 @@ class ReferenceFreeConfig(PosttrainConfig):
                 "is_encoder_decoder=True: posttrain trains decoder-only causal language models, not "
                 "encoder-decoders; use a causal LM and leave is_encoder_decoder unset."
             )
-        for name in ("max_length", "max_completion_length"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
         super().__post_init__()
 
 
