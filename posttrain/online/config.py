@@ -18,11 +18,11 @@ from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
 from posttrain.training.fields import (
+    config_field,
     disable_dropout_field,
     learning_rate_field,
     max_completion_length_field,
     max_prompt_length_field,
-    option,
     ref_model_mixup_alpha_field,
     ref_model_sync_steps_field,
     router_aux_loss_coef_field,
@@ -84,63 +84,65 @@ class OnlineConfig(PosttrainConfig):
         512, "Keep only the last this-many prompt tokens (None: no limit)."
     )
     max_completion_length: int = max_completion_length_field(512)
-    num_generations: int = option(8, "Completions sampled per prompt (a group).")
-    num_generations_eval: int | None = option(
+    num_generations: int = config_field(8, "Completions sampled per prompt (a group).")
+    num_generations_eval: int | None = config_field(
         None, "Completions sampled per eval prompt (None: num_generations).", min=1
     )
-    shuffle_dataset: bool = option(
+    shuffle_dataset: bool = config_field(
         True,
         "Take the training prompts in a new random order each epoch (seeded by data_seed or seed); False "
         "keeps the dataset's order.",
     )
-    pad_to_multiple_of: int | str | None = option(
+    pad_to_multiple_of: int | str | None = config_field(
         "auto",
         "Pad the prompt and completion widths of the training batches to a multiple of this; 'auto' is 128 on "
         "Neuron (Trainium) and no padding elsewhere, None is no padding.",
     )
-    temperature: float = option(1.0, "Sampling temperature (> 0).")
-    top_p: float = option(
+    temperature: float = config_field(1.0, "Sampling temperature (> 0).")
+    top_p: float = config_field(
         1.0, "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
     )
-    top_k: int = option(0, "Keep only the top_k most likely tokens (0: off).")
-    min_p: float | None = option(None, "Drop tokens less likely than min_p times the most likely one (None or 0: off).")
-    generation_kwargs: dict | str | None = option(
+    top_k: int = config_field(0, "Keep only the top_k most likely tokens (0: off).")
+    min_p: float | None = config_field(
+        None, "Drop tokens less likely than min_p times the most likely one (None or 0: off)."
+    )
+    generation_kwargs: dict | str | None = config_field(
         None,
         "More sampling settings (a JSON object): GenerationConfig fields for transformers' generate (e.g. "
         "suppress_tokens, no_repeat_ngram_size), vLLM SamplingParams fields with use_vllm (e.g. "
         "presence_penalty).",
     )
-    chat_template_kwargs: dict | str | None = option(
+    chat_template_kwargs: dict | str | None = config_field(
         None,
         "Keyword arguments for the chat template when rendering conversational prompts (a JSON object, e.g. "
         '{"enable_thinking": false}).',
     )
-    repetition_penalty: float = option(1.0, "Penalty on tokens already in the prompt or completion (1.0: off).")
-    cache_implementation: str | None = option(
+    repetition_penalty: float = config_field(1.0, "Penalty on tokens already in the prompt or completion (1.0: off).")
+    cache_implementation: str | None = config_field(
         None,
         "KV cache of transformers' generate, e.g. 'static' or 'offloaded' (None: the model's default); not "
         "used with use_vllm.",
     )
-    use_transformers_continuous_batching: bool = option(
+    use_transformers_continuous_batching: bool = config_field(
         False, "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
     )
-    transformers_continuous_batching_config: dict | str | None = option(
+    transformers_continuous_batching_config: dict | str | None = config_field(
         None, "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."
     )
-    use_transformers_paged: bool = option(False, "Deprecated name of use_transformers_continuous_batching.")
-    ds3_gather_for_generation: bool = option(True, "DeepSpeed ZeRO-3: gather the sharded weights for generation.")
-    steps_per_generation: int | None = option(
+    use_transformers_paged: bool = config_field(False, "Deprecated name of use_transformers_continuous_batching.")
+    ds3_gather_for_generation: bool = config_field(True, "DeepSpeed ZeRO-3: gather the sharded weights for generation.")
+    steps_per_generation: int | None = config_field(
         None,
         "Optimizer steps trained on each generated batch before the next one is generated (default 1, or "
         "derived from generation_batch_size).",
         min=1,
     )
-    generation_batch_size: int | None = option(
+    generation_batch_size: int | None = config_field(
         None,
         "Completions generated per round over all processes: per_device_train_batch_size x "
         "gradient_accumulation_steps x steps_per_generation x processes. Set this or steps_per_generation.",
     )
-    async_generation_rounds: int | None = option(
+    async_generation_rounds: int | None = config_field(
         None,
         "Generate the training rounds in a background thread, up to this many rounds ahead of the one "
         "training (k: a round is sampled with weights at most k rounds old, corrected with "
@@ -148,17 +150,17 @@ class OnlineConfig(PosttrainConfig):
         "loop.",
         min=0,
     )
-    num_iterations: int = option(
+    num_iterations: int = config_field(
         1,
         "Passes over each generated batch (mu in the GRPO paper); > 1 reuses completions with importance "
         "ratios to the generating policy.",
         min=1,
     )
     # Rewards
-    reward_weights: list[float] | None = option(None, "One weight per reward function (default: all 1.0).")
-    reward_timeout_s: float = option(60.0, "Seconds an async reward function may take per batch.")
+    reward_weights: list[float] | None = config_field(None, "One weight per reward function (default: all 1.0).")
+    reward_timeout_s: float = config_field(60.0, "Seconds an async reward function may take per batch.")
     # Loss
-    loss_type: str = option(
+    loss_type: str = config_field(
         "dapo",
         f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
         "over completions), bnpo/dapo (mean over all tokens of the optimizer "
@@ -169,15 +171,17 @@ class OnlineConfig(PosttrainConfig):
         "Weight of a Mixture-of-Experts model's load-balancing loss, added to the policy loss (None: the "
         "model's own router_aux_loss_coef).",
     )
-    beta: float = option(0.0, "KL coefficient to the reference model (0: no reference model is loaded).", min=0)
-    epsilon: float = option(0.2, "Lower clip range of the importance ratio.")
-    epsilon_high: float | None = option(None, "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28).")
-    importance_sampling_level: str = option(
+    beta: float = config_field(0.0, "KL coefficient to the reference model (0: no reference model is loaded).", min=0)
+    epsilon: float = config_field(0.2, "Lower clip range of the importance ratio.")
+    epsilon_high: float | None = config_field(
+        None, "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."
+    )
+    importance_sampling_level: str = config_field(
         "token",
         "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion).",
         choices=IMPORTANCE_SAMPLING_LEVELS,
     )
-    mask_truncated_completions: bool = option(
+    mask_truncated_completions: bool = config_field(
         False, "Leave completions cut at max_completion_length out of the loss (DAPO)."
     )
     disable_dropout: bool = disable_dropout_field(
@@ -194,106 +198,110 @@ class OnlineConfig(PosttrainConfig):
     ref_model_sync_steps: int = ref_model_sync_steps_field(
         "With sync_ref_model: optimizer steps between two reference updates."
     )
-    max_tool_calling_iterations: int | None = option(
+    max_tool_calling_iterations: int | None = config_field(
         None,
         "With tools= or environment_factory=: most tool turns per completion (None: until the model stops "
         "calling tools or max_completion_length is reached).",
     )
-    reward_failure_policy: str = option(
+    reward_failure_policy: str = config_field(
         "error",
         "What a reward function that raises, times out or returns a non-finite value does: 'error' stops the "
         "run naming it and the sample; 'skip' gives no reward from it for that batch and counts it in "
         "rewards/<name>/failures.",
         choices=FAILURE_POLICIES,
     )
-    tool_call_parser: str = option(
+    tool_call_parser: str = config_field(
         "hermes",
         "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes <tool_call>{json}</tool_call>), "
         "'llama3', or a name registered with posttrain.tools.register_parser.",
     )
-    tool_timeout_s: float | None = option(
+    tool_timeout_s: float | None = config_field(
         30.0, "Seconds a tool call may take before the model is told it timed out (None: no limit)."
     )
     # Logging
-    log_completions: bool = option(
+    log_completions: bool = config_field(
         False,
         "Append {step, prompt, completion, reward} lines to output_dir/completions.jsonl at every generation "
         "round, and print the completions of the window at every log.",
     )
-    log_multimodal: bool = option(
+    log_multimodal: bool = config_field(
         True, "Log images with the completions (the online trainers take text prompts only, so there are none to log)."
     )
-    num_completions_to_print: int | None = option(
+    num_completions_to_print: int | None = config_field(
         None,
         "With log_completions: completions printed at each log, drawn at random (None: all of the window's).",
         min=1,
     )
-    log_unique_prompts: bool = option(False, "With log_completions: print each prompt once (its first completion).")
-    log_completions_hub_repo: str | None = option(
+    log_unique_prompts: bool = config_field(
+        False, "With log_completions: print each prompt once (its first completion)."
+    )
+    log_completions_hub_repo: str | None = config_field(
         None, "Hub dataset repository to push the completions to (not supported: no Hub access)."
     )
     # vLLM generation (docs/vllm.md)
-    use_vllm: bool = option(False, "Generate with vLLM instead of transformers' generate.")
-    vllm_mode: str = option(
+    use_vllm: bool = config_field(False, "Generate with vLLM instead of transformers' generate.")
+    vllm_mode: str = config_field(
         "colocate",
         "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`.",
         choices=VLLM_MODES,
     )
-    vllm_model_impl: str = option(
+    vllm_model_impl: str = config_field(
         "vllm",
         "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers').",
         choices=VLLM_MODEL_IMPLS,
     )
-    vllm_structured_outputs_regex: str | None = option(
+    vllm_structured_outputs_regex: str | None = config_field(
         None, "Constrain every completion to match this regex (vLLM structured outputs; None: off)."
     )
-    vllm_server_base_url: str | None = option(
+    vllm_server_base_url: str | None = config_field(
         None,
         "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default http://vllm_server_host:vllm_server_port).",
     )
-    vllm_server_host: str = option("0.0.0.0", "Server mode: the server's host.")
-    vllm_server_port: int = option(8000, "Server mode: the server's port.")
-    vllm_server_timeout: float = option(
+    vllm_server_host: str = config_field("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_port: int = config_field(8000, "Server mode: the server's port.")
+    vllm_server_timeout: float = config_field(
         240.0,
         "Server mode: seconds to wait for the server to come up, or to come back after it went away mid-run, "
         "and for any one request (a generation round included).",
     )
-    vllm_group_port: int = option(
+    vllm_group_port: int = config_field(
         51216,
         "Port of the NCCL group that sends weights to a vLLM server on GPUs (posttrain syncs weights through "
         "files: not supported).",
     )
-    vllm_max_model_length: int | None = option(
+    vllm_max_model_length: int | None = config_field(
         None,
         "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's).",
         min=1,
     )
-    vllm_tensor_parallel_size: int = option(1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported).")
-    vllm_sync_dir: str | None = option(
+    vllm_tensor_parallel_size: int = config_field(
+        1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."
+    )
+    vllm_sync_dir: str | None = config_field(
         None,
         "Server mode: directory for the weights synced to the server, readable by it under the same path "
         "(default: a temporary directory, right when both run on one machine).",
     )
-    vllm_sync_steps: int = option(
+    vllm_sync_steps: int = config_field(
         1,
         "Push the policy's weights to vLLM every this many optimizer steps (with async_generation_rounds: "
         "refresh the background sampler's weights, with either backend).",
         min=1,
     )
-    vllm_importance_sampling_correction: bool = option(
+    vllm_importance_sampling_correction: bool = config_field(
         True,
         "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): corrects for vLLM sampling from "
         "slightly different probabilities (and, with async_generation_rounds, for sampling with older "
         "weights).",
     )
-    vllm_importance_sampling_cap: float = option(2.0, "Cap of the truncated importance weight (> 0).", gt=0)
-    vllm_gpu_memory_utilization: float = option(
+    vllm_importance_sampling_cap: float = config_field(2.0, "Cap of the truncated importance weight (> 0).", gt=0)
+    vllm_gpu_memory_utilization: float = config_field(
         0.3, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."
     )
-    vllm_kv_cache_gb: float | None = option(
+    vllm_kv_cache_gb: float | None = config_field(
         1.0, "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
     )
-    vllm_enable_sleep_mode: bool = option(
+    vllm_enable_sleep_mode: bool = config_field(
         False, "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
     )
 

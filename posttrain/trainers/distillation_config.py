@@ -13,10 +13,10 @@ from posttrain.generation.transformers_backend import generation_config
 from posttrain.online.config import GENERATION_KWARGS_FIXED
 from posttrain.trainers.sft import SFTConfig
 from posttrain.training.fields import (
+    config_field,
     disable_dropout_field,
     learning_rate_field,
     max_completion_length_field,
-    option,
 )
 
 # generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
@@ -46,11 +46,13 @@ class DistillationConfig(SFTConfig):
 
     learning_rate: float = learning_rate_field(1e-6)
     # -- student and teacher
-    teacher_model_name_or_path: str | None = option(
+    teacher_model_name_or_path: str | None = config_field(
         None, "The teacher (hub id, path or built-in name), used when no teacher_model is passed to the trainer."
     )
-    teacher_model_revision: str | None = option(None, "Revision (branch, tag or commit) of a teacher given by name.")
-    teacher_model_init_kwargs: dict | str | None = option(
+    teacher_model_revision: str | None = config_field(
+        None, "Revision (branch, tag or commit) of a teacher given by name."
+    )
+    teacher_model_init_kwargs: dict | str | None = config_field(
         None,
         "Keyword arguments for from_pretrained when the teacher is given by name or path, e.g. {'dtype': 'bfloat16'}.",
     )
@@ -59,79 +61,83 @@ class DistillationConfig(SFTConfig):
     max_completion_length: int | None = max_completion_length_field(
         512, "Most tokens the student samples per on-policy completion."
     )
-    ds3_gather_for_generation: bool = option(True, "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True.")
-    shuffle_dataset: bool = option(True, "Shuffle the training data every epoch.")
-    pad_to_multiple_of: int | str | None = option(
+    ds3_gather_for_generation: bool = config_field(
+        True, "DeepSpeed ZeRO-3 only (not run by posttrain): must stay True."
+    )
+    shuffle_dataset: bool = config_field(True, "Shuffle the training data every epoch.")
+    pad_to_multiple_of: int | str | None = config_field(
         "auto",
         "Pad batches to a multiple of this many tokens; 'auto' pads only on Neuron devices (to 128), None never.",
     )
-    temperature: float = option(
+    temperature: float = config_field(
         1.0,
         "Sampling temperature of on-policy completions, and the temperature of both distributions in the loss "
         "(softmax(logits / temperature)).",
         gt=0,
     )
-    top_p: float = option(1.0, "Nucleus sampling of on-policy completions (1.0: off).")
-    top_k: int = option(0, "Top-k sampling of on-policy completions (0: off).")
-    min_p: float | None = option(None, "Drop tokens less likely than min_p times the most likely one (None: off).")
-    generation_kwargs: dict | str | None = option(
+    top_p: float = config_field(1.0, "Nucleus sampling of on-policy completions (1.0: off).")
+    top_k: int = config_field(0, "Top-k sampling of on-policy completions (0: off).")
+    min_p: float | None = config_field(
+        None, "Drop tokens less likely than min_p times the most likely one (None: off)."
+    )
+    generation_kwargs: dict | str | None = config_field(
         None,
         "More GenerationConfig settings for on-policy sampling; its temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_new_tokens override the fields.",
     )
-    chat_template_kwargs: dict | str | None = option(
+    chat_template_kwargs: dict | str | None = config_field(
         None, "Extra keyword arguments for the chat template when rendering prompts."
     )
-    repetition_penalty: float = option(1.0, "Repetition penalty of on-policy sampling (1.0: none).")
-    cache_implementation: str | None = option(
+    repetition_penalty: float = config_field(1.0, "Repetition penalty of on-policy sampling (1.0: none).")
+    cache_implementation: str | None = config_field(
         None, "KV cache implementation of transformers' generate (e.g. 'static')."
     )
-    use_vllm: bool = option(False, "Sample with vLLM (not supported for distillation).")
-    vllm_mode: str = option("colocate", "vLLM mode (only with use_vllm).")
-    vllm_model_impl: str = option("vllm", "vLLM model implementation (only with use_vllm).")
-    vllm_enable_sleep_mode: bool = option(False, "vLLM sleep mode (only with use_vllm).")
-    vllm_structured_outputs_regex: str | None = option(None, "vLLM structured-output regex (only with use_vllm).")
-    vllm_server_base_url: str | None = option(None, "vLLM server URL (only with use_vllm).")
-    vllm_server_host: str = option("0.0.0.0", "vLLM server host (only with use_vllm).")
-    vllm_server_port: int = option(8000, "vLLM server port (only with use_vllm).")
-    vllm_server_timeout: float = option(240.0, "vLLM server timeout (only with use_vllm).")
-    vllm_group_port: int = option(51216, "vLLM weight-sync port (only with use_vllm).")
-    vllm_gpu_memory_utilization: float = option(0.3, "Colocated vLLM GPU memory share (only with use_vllm).")
-    vllm_max_model_length: int | None = option(None, "Colocated vLLM context length (only with use_vllm).")
-    vllm_tensor_parallel_size: int = option(1, "Colocated vLLM tensor parallelism (only with use_vllm).")
+    use_vllm: bool = config_field(False, "Sample with vLLM (not supported for distillation).")
+    vllm_mode: str = config_field("colocate", "vLLM mode (only with use_vllm).")
+    vllm_model_impl: str = config_field("vllm", "vLLM model implementation (only with use_vllm).")
+    vllm_enable_sleep_mode: bool = config_field(False, "vLLM sleep mode (only with use_vllm).")
+    vllm_structured_outputs_regex: str | None = config_field(None, "vLLM structured-output regex (only with use_vllm).")
+    vllm_server_base_url: str | None = config_field(None, "vLLM server URL (only with use_vllm).")
+    vllm_server_host: str = config_field("0.0.0.0", "vLLM server host (only with use_vllm).")
+    vllm_server_port: int = config_field(8000, "vLLM server port (only with use_vllm).")
+    vllm_server_timeout: float = config_field(240.0, "vLLM server timeout (only with use_vllm).")
+    vllm_group_port: int = config_field(51216, "vLLM weight-sync port (only with use_vllm).")
+    vllm_gpu_memory_utilization: float = config_field(0.3, "Colocated vLLM GPU memory share (only with use_vllm).")
+    vllm_max_model_length: int | None = config_field(None, "Colocated vLLM context length (only with use_vllm).")
+    vllm_tensor_parallel_size: int = config_field(1, "Colocated vLLM tensor parallelism (only with use_vllm).")
     # -- the loss
-    beta: float = option(
+    beta: float = config_field(
         1.0,
         "Generalized JSD interpolation: 0 = forward KL(teacher‖student), 0.5 = Jensen-Shannon, 1 = reverse "
         "KL(student‖teacher).",
         min=0,
         max=1,
     )
-    lmbda: float = option(
+    lmbda: float = config_field(
         1.0,
         "Probability that a micro-batch's completions are sampled by the student (1: always on-policy, as "
         "TRL; 0: the data's completions only).",
         min=0,
         max=1,
     )
-    alpha: float = option(
+    alpha: float = config_field(
         1.0,
         "Weight of the distillation loss; 1 - alpha weighs the NLL of the completions (1 = pure distillation, "
         "0 = plain SFT).",
         min=0,
         max=1,
     )
-    max_tool_calling_iterations: int | None = option(
+    max_tool_calling_iterations: int | None = config_field(
         None, "Not used by distillation (tool calling runs on GRPO, RLOO and PPO): keep None."
     )
     # -- logging
-    log_completions: bool = option(
+    log_completions: bool = config_field(
         False,
         "Every logging step, save the latest on-policy (prompt, completion) pairs to output_dir/completions/ "
         "and print a sample.",
     )
-    num_completions_to_print: int | None = option(None, "How many logged completions to print (None: all).")
-    log_unique_prompts: bool = option(False, "Print each prompt's completion only once.")
+    num_completions_to_print: int | None = config_field(None, "How many logged completions to print (None: all).")
+    log_unique_prompts: bool = config_field(False, "Print each prompt's completion only once.")
 
     def __post_init__(self):
         for name in ("teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):

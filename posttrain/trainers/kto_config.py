@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import KTO_LOSS_TYPES
-from posttrain.training.fields import max_length_field, option
+from posttrain.training.fields import config_field, max_length_field
 from posttrain.training.reference_trainer import ReferenceConfig
 
 
 @dataclass
 class KTOConfig(ReferenceConfig):
-    train_sampling_strategy: str = option(
+    train_sampling_strategy: str = config_field(
         "sequential",
         "Order of the training rows; loss_type 'kto' needs 'sequential' (its mismatched KL pairs are fixed "
         "per batch in the dataset).",
@@ -20,18 +20,18 @@ class KTOConfig(ReferenceConfig):
     max_length: int | None = max_length_field(
         1024, "Truncate prompt + completion to this many tokens (the completion is cut)."
     )
-    beta: float = option(
+    beta: float = config_field(
         0.1,
         "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference.",
         gt=0,
     )
-    desirable_weight: float = option(
+    desirable_weight: float = config_field(
         1.0, "Weight of desirable examples' losses (to balance unequal class counts).", gt=0
     )
-    undesirable_weight: float = option(
+    undesirable_weight: float = config_field(
         1.0, "Weight of undesirable examples' losses (to balance unequal class counts).", gt=0
     )
-    loss_type: str = option("kto", "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one).")
+    loss_type: str = config_field("kto", "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one).")
 
     def __post_init__(self):
         if self.loss_type not in KTO_LOSS_TYPES:

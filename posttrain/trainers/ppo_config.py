@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
-from posttrain.training.fields import max_completion_length_field, option
+from posttrain.training.fields import config_field, max_completion_length_field
 
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
 # response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
@@ -35,105 +35,107 @@ class PPOConfig(OnlineConfig):
         "load-balancing loss yet, so it cannot be added to PPO's loss.",
     }
 
-    num_generations: int = option(1, "Completions sampled per prompt.")
-    num_ppo_epochs: int = option(4, "Passes over each rollout (num_iterations in the engine's terms).")
-    num_mini_batches: int | None = option(
+    num_generations: int = config_field(1, "Completions sampled per prompt.")
+    num_ppo_epochs: int = config_field(4, "Passes over each rollout (num_iterations in the engine's terms).")
+    num_mini_batches: int | None = config_field(
         None,
         "Optimizer steps (mini-batches) per rollout, each of per_device_train_batch_size x "
         "gradient_accumulation_steps x processes completions (steps_per_generation in the engine's terms; "
         "default 1, or derived from generation_batch_size).",
         min=1,
     )
-    cliprange: float = option(0.2, "Clip range of the policy ratio (epsilon).")
-    cliprange_value: float = option(
+    cliprange: float = config_field(0.2, "Clip range of the policy ratio (epsilon).")
+    cliprange_value: float = config_field(
         0.2,
         "A new value may move at most this far from the rollout's value before its loss stops improving.",
         gt=0,
     )
-    vf_coef: float = option(0.1, "Weight of the value loss.", min=0)
-    entropy_coef: float = option(0.0, "Weight of the entropy bonus (0: none).", min=0)
-    kl_coef: float = option(
+    vf_coef: float = config_field(0.1, "Weight of the value loss.", min=0)
+    entropy_coef: float = config_field(0.0, "Weight of the entropy bonus (0: none).", min=0)
+    kl_coef: float = config_field(
         0.05,
         "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted from every token's reward "
         "(beta in the engine's terms; 0: no reference model).",
     )
-    target_kl: float | None = option(
+    target_kl: float | None = config_field(
         None,
         "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves towards keeping a completion's "
         "summed KL at target_kl. None: kl_coef stays fixed.",
     )
-    kl_horizon: float = option(
+    kl_horizon: float = config_field(
         10000, "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions.", gt=0
     )
-    gamma: float = option(1.0, "Discount factor of GAE, in (0, 1].")
-    lam: float = option(0.95, "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more.")
-    whiten_advantages: bool = option(True, "Scale the advantages of each rollout to mean 0 and std 1.")
-    missing_eos_penalty: float | None = option(
+    gamma: float = config_field(1.0, "Discount factor of GAE, in (0, 1].")
+    lam: float = config_field(0.95, "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more.")
+    whiten_advantages: bool = config_field(True, "Scale the advantages of each rollout to mean 0 and std 1.")
+    missing_eos_penalty: float | None = config_field(
         None, "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
     )
-    use_value_head: bool = option(
+    use_value_head: bool = config_field(
         False,
         "Put a value head on the policy instead of training a separate value model (less memory; the two "
         "losses share the network).",
     )
     # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
-    temperature: float = option(0.7, "Sampling temperature; the log-probabilities are of logits / temperature.")
-    response_length: int = option(53, "Same as max_completion_length.")
+    temperature: float = config_field(0.7, "Sampling temperature; the log-probabilities are of logits / temperature.")
+    response_length: int = config_field(53, "Same as max_completion_length.")
     max_completion_length: int = max_completion_length_field(53)
-    whiten_rewards: bool = option(
+    whiten_rewards: bool = config_field(
         False,
         "Scale the per-token rewards (KL penalty + score) of each rollout to unit variance, keeping their "
         "mean, before GAE.",
     )
-    kl_estimator: str = option(
+    kl_estimator: str = config_field(
         "k1",
         "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' = log pi - log pi_ref, "
         "'k3' = (r - 1) - log r with r = pi_ref / pi.",
         choices=("k1", "k3"),
     )
-    total_episodes: int | None = option(
+    total_episodes: int | None = config_field(
         None,
         "Completions to train on in all; sets max_steps to the rollouts needed x optimizer steps per rollout "
         "(None: num_train_epochs over the prompts).",
         min=1,
     )
-    local_rollout_forward_batch_size: int = option(
+    local_rollout_forward_batch_size: int = config_field(
         64,
         "Completions per no-gradient forward pass when the rollout's log-probs and values are computed "
         "(memory only; the results are the same).",
         min=1,
     )
-    num_sample_generations: int = option(
+    num_sample_generations: int = config_field(
         10,
         "How many times in training to log near-greedy completions of one eval batch with their scores (needs "
         "eval_dataset; 0: never).",
         min=0,
     )
-    stop_token: str | None = option(
+    stop_token: str | None = config_field(
         None,
         "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there).",
         choices=("eos",),
     )
-    stop_token_id: int | None = option(None, "A token id that also ends a completion (besides EOS).")
-    exp_name: str = option("ppo_config", "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'.")
-    reward_model_path: str = option(
+    stop_token_id: int | None = config_field(None, "A token id that also ends a completion (besides EOS).")
+    exp_name: str = config_field("ppo_config", "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'.")
+    reward_model_path: str = config_field(
         "EleutherAI/pythia-160m",
         "For scripts: where to load the reward model from (the trainer takes the model itself, reward_model=...).",
     )
-    sft_model_path: str = option(
+    sft_model_path: str = config_field(
         "EleutherAI/pythia-160m",
         "For scripts: where to load the policy from (the trainer takes the model itself, model=...).",
     )
-    model_adapter_name: str | None = option(None, "With a PEFT policy holding several adapters: the one to train.")
-    ref_adapter_name: str | None = option(
+    model_adapter_name: str | None = config_field(
+        None, "With a PEFT policy holding several adapters: the one to train."
+    )
+    ref_adapter_name: str | None = config_field(
         None,
         "With a PEFT policy holding several adapters: the one that is the reference (default: the base model "
         "with adapters disabled).",
     )
     # The engine's names for three of the settings above, with PPO's defaults; set either name.
-    num_iterations: int = option(4, "Same as num_ppo_epochs.")
-    epsilon: float = option(0.2, "Same as cliprange.")
-    beta: float = option(0.05, "Same as kl_coef.")
+    num_iterations: int = config_field(4, "Same as num_ppo_epochs.")
+    epsilon: float = config_field(0.2, "Same as cliprange.")
+    beta: float = config_field(0.05, "Same as kl_coef.")
 
     def __post_init__(self):
         self._merge_ppo_names()

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from posttrain.training.base import PosttrainConfig
 from posttrain.training.fields import (
+    config_field,
     disable_dropout_field,
     learning_rate_field,
     max_length_field,
-    option,
     pad_to_multiple_of_field,
     parse_pad_to_multiple_of,
 )
@@ -19,13 +19,13 @@ from posttrain.training.fields import (
 class RewardConfig(PosttrainConfig):
     learning_rate: float = learning_rate_field(1e-4)
     disable_dropout: bool = disable_dropout_field(True)
-    eos_token: str | None = option(
+    eos_token: str | None = config_field(
         None,
         "Token to use as EOS (appended to standard-format completions); must be in the vocabulary (default: "
         "the tokenizer's).",
     )
-    pad_token: str | None = option(None, "Token to pad with (default: the tokenizer's pad token, else its EOS).")
-    chat_template_path: str | None = option(
+    pad_token: str | None = config_field(None, "Token to pad with (default: the tokenizer's pad token, else its EOS).")
+    chat_template_path: str | None = config_field(
         None,
         "A .jinja chat template file, or a tokenizer (directory or id) whose chat template (and added tokens) "
         "to clone.",
@@ -34,7 +34,7 @@ class RewardConfig(PosttrainConfig):
         1024, "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."
     )
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
-    center_rewards_coefficient: float | None = option(
+    center_rewards_coefficient: float | None = config_field(
         None,
         "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards centred on zero (Eisenstein "
         "et al. 2023 use 0.01).",

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
-from posttrain.training.fields import option
+from posttrain.training.fields import config_field
 
 
 @dataclass
@@ -18,16 +18,18 @@ class RLOOConfig(OnlineConfig):
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "RLOO"
 
-    num_generations: int = option(2, "Completions sampled per prompt (k in the paper).")
-    beta: float = option(
+    num_generations: int = config_field(2, "Completions sampled per prompt (k in the paper).")
+    beta: float = config_field(
         0.05,
         "KL coefficient: beta times the completion's summed log ratio to the reference is subtracted from its reward.",
     )
-    loss_type: str = option(
+    loss_type: str = config_field(
         "dr_grpo", "Loss aggregation (see OnlineConfig); dr_grpo is the paper's sequence-level estimator."
     )
-    normalize_advantages: bool = option(False, "Scale the advantages of each generation batch to mean 0 and std 1.")
-    reward_clip_range: list[float] | None = option(
+    normalize_advantages: bool = config_field(
+        False, "Scale the advantages of each generation batch to mean 0 and std 1."
+    )
+    reward_clip_range: list[float] | None = config_field(
         None,
         "[min, max]: clip each completion's (weighted) reward to this range before the KL penalty and the "
         "baseline (None: no clipping).",

@@ -1,11 +1,11 @@
 """Config fields that state their own rules, the one check that enforces them, and the fields several configs share.
 
-A field is declared with `option(default, help, **rules)`. The rules are `choices=(...)` and the bounds `min` (>=),
-`gt` (>), `max` (<=) and `lt` (<). `PosttrainConfig.__post_init__` runs `check_options`, so every config refuses a
-value that breaks a rule before training, with one message naming the field, the value and what it may be. A list
-is checked entry by entry; None passes where the field's type allows it. A subclass that declares a field again (a
-new default or help) keeps its base's rules unless it states its own. Checks that relate several fields stay in the
-configs' `__post_init__`.
+A field is declared with `config_field(default, help, **rules)`. The rules are `choices=(...)` and the bounds `min`
+(>=), `gt` (>), `max` (<=) and `lt` (<). `PosttrainConfig.__post_init__` runs `check_options`, so every config
+refuses a value that breaks a rule before training, with one message naming the field, the value and what it may
+be. A list is checked entry by entry; None passes where the field's type allows it. A subclass that declares a
+field again (a new default or help) keeps its base's rules unless it states its own. Checks that relate several
+fields stay in the configs' `__post_init__`.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ class FieldMetadata(Mapping):
         return 1
 
 
-def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, **rules: Any) -> Any:
+def config_field(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING, **rules: Any) -> Any:
     """A config field with its default, its help text (the command line's --help) and its rules (see the module
     docstring)."""
     unknown = sorted(set(rules) - set(RULE_NAMES))
     if unknown:
-        raise TypeError(f"option() got unknown rules {unknown}; the rules are {RULE_NAMES}.")
+        raise TypeError(f"config_field() got unknown rules {unknown}; the rules are {RULE_NAMES}.")
     if "choices" in rules:
         rules["choices"] = tuple(rules["choices"])
     return field(default=default, default_factory=default_factory, metadata=FieldMetadata(help, rules))
@@ -54,10 +54,10 @@ def option(default: Any = MISSING, help: str = "", *, default_factory: Any = MIS
 
 @functools.cache
 def declared_rules(config_class: type) -> dict[str, tuple[dict[str, Any], bool]]:
-    """Each field of `config_class` that has rules: the rules of its nearest declaration that states any, and
-    whether its type allows None."""
+    """Each field of `config_class` that has rules, the field declared last first: the rules of its nearest
+    declaration that states any, and whether its type allows None."""
     found, hints = {}, None
-    for info in fields(config_class):
+    for info in reversed(fields(config_class)):
         rules = next(filter(None, (_own_rules(klass, info.name) for klass in config_class.__mro__)), None)
         if rules:
             hints = hints or typing.get_type_hints(config_class)
@@ -71,15 +71,22 @@ def _own_rules(klass: type, name: str) -> dict[str, Any] | None:
 
 
 def check_options(config: Any) -> None:
-    """Raises ConfigError for the first field (in field order) whose value breaks its rules."""
+    """Raises ConfigError for the first field whose value breaks its rules. The fields declared last are checked
+    first: a subclass's own field often feeds an inherited one (GKD's max_new_tokens sets max_completion_length),
+    and the message should name the one the user set."""
     for name, (rules, nullable) in declared_rules(type(config)).items():
-        value = getattr(config, name)
-        if value is None and nullable:
-            continue
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if not _obeys(item, rules):
-                shown = f"{name}={value!r}" + (f": {item!r}" if item is not value else "")
-                raise ConfigError(f"{shown} {_allowed(rules)}{' (or None)' if nullable else ''}.")
+        check_value(name, getattr(config, name), rules, nullable)
+
+
+def check_value(name: str, value: Any, rules: dict[str, Any], nullable: bool = False) -> None:
+    """Raises ConfigError naming `name`, `value` and what the rules allow if `value` (a list or tuple: any entry)
+    breaks `rules`."""
+    if value is None and nullable:
+        return
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if not _obeys(item, rules):
+            shown = f"{name}={value!r}" + (f": {item!r}" if item is not value else "")
+            raise ConfigError(f"{shown} {_allowed(rules)}{' (or None)' if nullable else ''}.")
 
 
 BOUNDS = {"min": (operator.ge, "["), "gt": (operator.gt, "("), "max": (operator.le, "]"), "lt": (operator.lt, ")")}
@@ -113,28 +120,28 @@ def _allowed(rules: dict[str, Any]) -> str:
 
 
 def learning_rate_field(default: float) -> Any:
-    return option(default, "Peak learning rate.")
+    return config_field(default, "Peak learning rate.")
 
 
 def disable_dropout_field(default: bool, help: str = "Turn dropout off in the model.") -> Any:
-    return option(default, help)
+    return config_field(default, help)
 
 
 def router_aux_loss_coef_field(help: str) -> Any:
     """A negative weight would reward unbalanced experts; None takes the model's own coefficient."""
-    return option(None, help, min=0)
+    return config_field(None, help, min=0)
 
 
 def max_length_field(default: int | None, help: str) -> Any:
-    return option(default, help, min=1)
+    return config_field(default, help, min=1)
 
 
 def max_prompt_length_field(default: int | None, help: str) -> Any:
-    return option(default, help, min=1)
+    return config_field(default, help, min=1)
 
 
 def max_completion_length_field(default: int | None, help: str = "Most tokens generated per completion.") -> Any:
-    return option(default, help, min=1)
+    return config_field(default, help, min=1)
 
 
 def truncation_mode_field(
@@ -142,7 +149,7 @@ def truncation_mode_field(
     help: str = "How a sequence over max_length is cut: keep_start (drop its end) or keep_end (drop the start of "
     "the prompt).",
 ) -> Any:
-    return option(default, help, choices=TRUNCATION_MODES)
+    return config_field(default, help, choices=TRUNCATION_MODES)
 
 
 def pad_to_multiple_of_field(
@@ -150,7 +157,7 @@ def pad_to_multiple_of_field(
     help: str = "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron).",
 ) -> Any:
     """Checked once `parse_pad_to_multiple_of` has turned the text forms into a number or None."""
-    return option(default, help, min=1)
+    return config_field(default, help, min=1)
 
 
 def parse_pad_to_multiple_of(value: int | str | None) -> int | None:
@@ -163,12 +170,12 @@ def parse_pad_to_multiple_of(value: int | str | None) -> int | None:
 
 # The reference model of the trainers that keep one (ReferenceConfig, OnlineConfig).
 def sync_ref_model_field(help: str) -> Any:
-    return option(False, help)
+    return config_field(False, help)
 
 
 def ref_model_mixup_alpha_field(help: str) -> Any:
-    return option(0.6, help, gt=0, max=1)
+    return config_field(0.6, help, gt=0, max=1)
 
 
 def ref_model_sync_steps_field(help: str) -> Any:
-    return option(512, help, min=1)
+    return config_field(512, help, min=1)

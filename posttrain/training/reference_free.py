@@ -17,11 +17,11 @@ from posttrain.losses.preference import dpo_metrics
 from posttrain.models.layouts import sequence_index
 from posttrain.training.base import BaseTrainer, PosttrainConfig
 from posttrain.training.fields import (
+    config_field,
     disable_dropout_field,
     learning_rate_field,
     max_completion_length_field,
     max_length_field,
-    option,
 )
 from posttrain.training.preference import PreferenceMetricsMixin, SequenceLogps, sequence_logps
 from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
@@ -40,17 +40,17 @@ class ReferenceFreeConfig(PosttrainConfig):
     max_completion_length: int | None = max_completion_length_field(
         None, "Keep at most the first this-many tokens of each completion."
     )
-    beta: float = option(0.1, "Weight of the preference term.", min=0)
+    beta: float = config_field(0.1, "Weight of the preference term.", min=0)
     disable_dropout: bool = disable_dropout_field(True)
-    generate_during_eval: bool = option(
+    generate_during_eval: bool = config_field(
         False,
         "At each evaluation, sample completions for a random batch of eval prompts and log them "
         "(output_dir/game_log.jsonl, and a W&B table with wandb).",
     )
-    is_encoder_decoder: bool | None = option(
+    is_encoder_decoder: bool | None = config_field(
         None, "Whether the model is an encoder-decoder (posttrain trains decoder-only causal LMs: leave None or False)."
     )
-    padding_free: bool = option(
+    padding_free: bool = config_field(
         False, "posttrain extra: concatenate each batch's 2B sequences into one row without padding."
     )
 

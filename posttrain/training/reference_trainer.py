@@ -31,9 +31,9 @@ from posttrain.models.reference import (
 )
 from posttrain.training.base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
 from posttrain.training.fields import (
+    config_field,
     disable_dropout_field,
     learning_rate_field,
-    option,
     pad_to_multiple_of_field,
     parse_pad_to_multiple_of,
     ref_model_mixup_alpha_field,
@@ -75,25 +75,25 @@ class ReferenceConfig(PosttrainConfig):
         "across forwards).",
     )
     pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
-    precompute_ref_log_probs: bool = option(
+    precompute_ref_log_probs: bool = config_field(
         False,
         "Compute the reference log-probs of the whole dataset once before training (cached on disk) instead "
         "of a reference forward every step.",
     )
-    precompute_ref_batch_size: int | None = option(
+    precompute_ref_batch_size: int | None = config_field(
         None,
         "Batch size of that precomputation (default: per_device_train_batch_size for the train set, "
         "per_device_eval_batch_size for eval sets).",
         min=1,
     )
-    cache_ref_log_probs: bool = option(
+    cache_ref_log_probs: bool = config_field(
         True,
         "Keep each row's reference log-probs from their first forward and reuse them when the row comes back "
         "(later epochs, evaluation), skipping the reference forward of batches whose rows are all known. The "
         "reference is frozen, so only float rounding can differ; not used with sync_ref_model, "
         "precompute_ref_log_probs or a data_collator of your own.",
     )
-    ref_cache_dir: str = option(
+    ref_cache_dir: str = config_field(
         os.path.join("~", ".cache", "posttrain", "ref_logps"),
         "Where precomputed reference log-probs are cached, keyed by reference weights, data and tokenization.",
     )
