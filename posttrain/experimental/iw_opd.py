@@ -90,11 +90,6 @@ class IWOPDConfig(DistillationConfig):
     )
 
     def __post_init__(self):
-        if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
-            raise ConfigError(
-                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
-                "and reverse_kl_top_1_mode='sampled'."
-            )
         if self.max_length is not None and self.max_completion_length >= self.max_length:
             raise ConfigError(
                 f"max_completion_length={self.max_completion_length} must be smaller than max_length="
@@ -115,6 +110,11 @@ class IWOPDConfig(DistillationConfig):
             )
         self.generation_batch_size = local
         super().__post_init__()
+        if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
+            raise ConfigError(
+                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
+                "and reverse_kl_top_1_mode='sampled'."
+            )
 
 
 def _messages_to_prompt(example: dict) -> dict:
