@@ -35,6 +35,7 @@ from posttrain.training.fields import (
     learning_rate_field,
     max_completion_length_field,
     max_prompt_length_field,
+    num_generations_eval_field,
 )
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
@@ -73,8 +74,8 @@ class SelfDistillationConfig(DistillationConfig):
         256, "Most tokens the student samples per completion."
     )
     num_generations: int = config_field(8, "Completions sampled per prompt (consecutive rows of a batch).", min=1)
-    num_generations_eval: int | None = config_field(
-        None, "Completions per prompt in evaluation (None: num_generations).", min=1
+    num_generations_eval: int | None = num_generations_eval_field(
+        "Completions per prompt in evaluation (None: num_generations)."
     )
     generation_batch_size: int | None = config_field(
         None, "Completions per generation round (only the default is supported)."

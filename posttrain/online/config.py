@@ -13,7 +13,6 @@ from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
-from posttrain.generation.vllm_backend import VLLM_MODES
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
@@ -23,14 +22,18 @@ from posttrain.training.fields import (
     learning_rate_field,
     max_completion_length_field,
     max_prompt_length_field,
+    num_completions_to_print_field,
+    num_generations_eval_field,
     ref_model_mixup_alpha_field,
     ref_model_sync_steps_field,
     router_aux_loss_coef_field,
     sync_ref_model_field,
+    vllm_max_model_length_field,
+    vllm_mode_field,
+    vllm_model_impl_field,
 )
 from posttrain.training.vision import freeze_vision_tower_field
 
-VLLM_MODEL_IMPLS = ("vllm", "transformers")
 # generation_kwargs keys that have a config field of their own (the trainer reads the field too: the
 # temperature scales the training log-probs, max_completion_length normalises dr_grpo, ...).
 GENERATION_KWARGS_FIELDS = {
@@ -85,8 +88,8 @@ class OnlineConfig(PosttrainConfig):
     )
     max_completion_length: int = max_completion_length_field(512)
     num_generations: int = config_field(8, "Completions sampled per prompt (a group).")
-    num_generations_eval: int | None = config_field(
-        None, "Completions sampled per eval prompt (None: num_generations).", min=1
+    num_generations_eval: int | None = num_generations_eval_field(
+        "Completions sampled per eval prompt (None: num_generations)."
     )
     shuffle_dataset: bool = config_field(
         True,
@@ -227,10 +230,8 @@ class OnlineConfig(PosttrainConfig):
     log_multimodal: bool = config_field(
         True, "Log images with the completions (the online trainers take text prompts only, so there are none to log)."
     )
-    num_completions_to_print: int | None = config_field(
-        None,
-        "With log_completions: completions printed at each log, drawn at random (None: all of the window's).",
-        min=1,
+    num_completions_to_print: int | None = num_completions_to_print_field(
+        "With log_completions: completions printed at each log, drawn at random (None: all of the window's)."
     )
     log_unique_prompts: bool = config_field(
         False, "With log_completions: print each prompt once (its first completion)."
@@ -240,15 +241,11 @@ class OnlineConfig(PosttrainConfig):
     )
     # vLLM generation (docs/vllm.md)
     use_vllm: bool = config_field(False, "Generate with vLLM instead of transformers' generate.")
-    vllm_mode: str = config_field(
-        "colocate",
-        "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`.",
-        choices=VLLM_MODES,
+    vllm_mode: str = vllm_mode_field(
+        "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`."
     )
-    vllm_model_impl: str = config_field(
-        "vllm",
-        "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers').",
-        choices=VLLM_MODEL_IMPLS,
+    vllm_model_impl: str = vllm_model_impl_field(
+        "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."
     )
     vllm_structured_outputs_regex: str | None = config_field(
         None, "Constrain every completion to match this regex (vLLM structured outputs; None: off)."
@@ -269,10 +266,8 @@ class OnlineConfig(PosttrainConfig):
         "Port of the NCCL group that sends weights to a vLLM server on GPUs (posttrain syncs weights through "
         "files: not supported).",
     )
-    vllm_max_model_length: int | None = config_field(
-        None,
-        "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's).",
-        min=1,
+    vllm_max_model_length: int | None = vllm_max_model_length_field(
+        "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's)."
     )
     vllm_tensor_parallel_size: int = config_field(
         1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."

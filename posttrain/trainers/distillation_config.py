@@ -17,6 +17,10 @@ from posttrain.training.fields import (
     disable_dropout_field,
     learning_rate_field,
     max_completion_length_field,
+    num_completions_to_print_field,
+    vllm_max_model_length_field,
+    vllm_mode_field,
+    vllm_model_impl_field,
 )
 
 # generation_kwargs keys that override a sampling setting (TRL: they win over the config's fields), and the
@@ -93,8 +97,8 @@ class DistillationConfig(SFTConfig):
         None, "KV cache implementation of transformers' generate (e.g. 'static')."
     )
     use_vllm: bool = config_field(False, "Sample with vLLM (not supported for distillation).")
-    vllm_mode: str = config_field("colocate", "vLLM mode (only with use_vllm).")
-    vllm_model_impl: str = config_field("vllm", "vLLM model implementation (only with use_vllm).")
+    vllm_mode: str = vllm_mode_field("vLLM mode (only with use_vllm).")
+    vllm_model_impl: str = vllm_model_impl_field("vLLM model implementation (only with use_vllm).")
     vllm_enable_sleep_mode: bool = config_field(False, "vLLM sleep mode (only with use_vllm).")
     vllm_structured_outputs_regex: str | None = config_field(None, "vLLM structured-output regex (only with use_vllm).")
     vllm_server_base_url: str | None = config_field(None, "vLLM server URL (only with use_vllm).")
@@ -103,7 +107,9 @@ class DistillationConfig(SFTConfig):
     vllm_server_timeout: float = config_field(240.0, "vLLM server timeout (only with use_vllm).")
     vllm_group_port: int = config_field(51216, "vLLM weight-sync port (only with use_vllm).")
     vllm_gpu_memory_utilization: float = config_field(0.3, "Colocated vLLM GPU memory share (only with use_vllm).")
-    vllm_max_model_length: int | None = config_field(None, "Colocated vLLM context length (only with use_vllm).")
+    vllm_max_model_length: int | None = vllm_max_model_length_field(
+        "Colocated vLLM context length (only with use_vllm)."
+    )
     vllm_tensor_parallel_size: int = config_field(1, "Colocated vLLM tensor parallelism (only with use_vllm).")
     # -- the loss
     beta: float = config_field(
@@ -136,7 +142,9 @@ class DistillationConfig(SFTConfig):
         "Every logging step, save the latest on-policy (prompt, completion) pairs to output_dir/completions/ "
         "and print a sample.",
     )
-    num_completions_to_print: int | None = config_field(None, "How many logged completions to print (None: all).")
+    num_completions_to_print: int | None = num_completions_to_print_field(
+        "How many logged completions to print (None: all)."
+    )
     log_unique_prompts: bool = config_field(False, "Print each prompt's completion only once.")
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ from typing import Any
 
 from posttrain.data.preference import TRUNCATION_MODES
 from posttrain.errors import ConfigError
+from posttrain.generation.vllm_backend import VLLM_MODES
 
 RULE_NAMES = ("choices", "min", "gt", "max", "lt")
 
@@ -166,6 +167,31 @@ def parse_pad_to_multiple_of(value: int | str | None) -> int | None:
     if isinstance(value, str):
         return None if value.lower() in ("auto", "none", "null") else int(value)
     return value
+
+
+# Generation, in the online engine and distillation (OnlineConfig, DistillationConfig, SelfDistillationConfig). The
+# sampling settings (temperature, top_p, ...) are checked where they are used: SamplingParams, built by both configs.
+VLLM_MODEL_IMPLS = ("vllm", "transformers")
+
+
+def num_generations_eval_field(help: str) -> Any:
+    return config_field(None, help, min=1)
+
+
+def num_completions_to_print_field(help: str) -> Any:
+    return config_field(None, help, min=1)
+
+
+def vllm_mode_field(help: str) -> Any:
+    return config_field("colocate", help, choices=VLLM_MODES)
+
+
+def vllm_model_impl_field(help: str) -> Any:
+    return config_field("vllm", help, choices=VLLM_MODEL_IMPLS)
+
+
+def vllm_max_model_length_field(help: str) -> Any:
+    return config_field(None, help, min=1)
 
 
 # The reference model of the trainers that keep one (ReferenceConfig, OnlineConfig).
