@@ -37,7 +37,6 @@ MAX_FUNCTION_LINES = 80
 # Over a limit when the limits were set, each to be split; a module leaves this list when it is. The list may
 # only shrink: a module that now fits but is still listed fails too.
 NOT_YET_SPLIT = {
-    "posttrain.online.config",
     "posttrain.online.engine",
 }
 

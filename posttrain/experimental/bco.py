@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -34,6 +34,13 @@ from posttrain.models.loading import load_causal_lm
 from posttrain.models.reference import is_peft_model, reference_forward, unwrap
 from posttrain.trainers.kto import KTOCollator, tokenize_kto_row
 from posttrain.training.class_metrics import ClassMetricsMixin, labelled_rows
+from posttrain.training.fields import (
+    config_field,
+    max_completion_length_field,
+    max_length_field,
+    max_prompt_length_field,
+    truncation_mode_field,
+)
 from posttrain.training.preference import sequence_logps
 from posttrain.training.reference_trainer import (
     ReferenceConfig,
@@ -47,68 +54,50 @@ logger = logging.getLogger("posttrain")
 
 @dataclass
 class BCOConfig(ReferenceConfig):
-    learning_rate: float = field(
-        default=5e-5, metadata={"help": "Peak learning rate (TRL's BCOConfig kept transformers' default)."}
+    learning_rate: float = config_field(5e-5, "Peak learning rate (TRL's BCOConfig kept transformers' default).")
+    train_sampling_strategy: str = config_field(
+        "sequential", "Order of the training rows (TRL's BCO reads them in order)."
     )
-    train_sampling_strategy: str = field(
-        default="sequential", metadata={"help": "Order of the training rows (TRL's BCO reads them in order)."}
+    max_length: int | None = max_length_field(
+        1024, "Bound on prompt + completion (None: no bound); see max_prompt_length."
     )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion (None: no bound); see max_prompt_length."}
+    max_prompt_length: int | None = max_prompt_length_field(
+        None,
+        "When prompt + completion exceeds max_length: first cut the prompt to this many tokens (as "
+        "truncation_mode says), then the completion to max_length - max_prompt_length. None: cut the whole "
+        "sequence as truncation_mode says.",
     )
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "When prompt + completion exceeds max_length: first cut the prompt to this "
-            "many tokens (as truncation_mode says), then the completion to max_length - "
-            "max_prompt_length. None: cut the whole sequence as truncation_mode says."
-        },
+    max_completion_length: int | None = max_completion_length_field(
+        None, "Keep at most the first this-many completion tokens."
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many completion tokens."}
+    beta: float = config_field(
+        0.1,
+        "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference.",
+        gt=0,
     )
-    beta: float = field(
-        default=0.1,
-        metadata={
-            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-            "keeps the policy closer to the reference."
-        },
+    label_pad_token_id: int = config_field(
+        -100,
+        "TRL's marker of untrained label positions; posttrain marks completion tokens with a mask instead, so "
+        "any value trains the same.",
     )
-    label_pad_token_id: int = field(
-        default=-100,
-        metadata={
-            "help": "TRL's marker of untrained label positions; posttrain marks completion tokens "
-            "with a mask instead, so any value trains the same."
-        },
+    padding_value: int | None = config_field(None, "Token id that pads input_ids (default: the tokenizer's pad token).")
+    truncation_mode: str = truncation_mode_field(
+        "keep_end", "Which end of an over-long prompt (or sequence) survives: keep_end or keep_start."
     )
-    padding_value: int | None = field(
-        default=None, metadata={"help": "Token id that pads input_ids (default: the tokenizer's pad token)."}
+    generate_during_eval: bool = config_field(
+        False, "Not supported (TRL logged sampled completions to W&B / Comet tables)."
     )
-    truncation_mode: str = field(
-        default="keep_end",
-        metadata={
-            "help": "Which end of an over-long prompt (or sequence) survives: keep_end or keep_start.",
-            "choices": ["keep_end", "keep_start"],
-        },
+    is_encoder_decoder: bool | None = config_field(
+        None, "Only decoder-only (causal) models are supported: leave unset or False."
     )
-    generate_during_eval: bool = field(
-        default=False, metadata={"help": "Not supported (TRL logged sampled completions to W&B / Comet tables)."}
+    ref_model_init_kwargs: dict | str | None = config_field(
+        None, "Keyword arguments for from_pretrained when `ref_model` is a name or path."
     )
-    is_encoder_decoder: bool | None = field(
-        default=None, metadata={"help": "Only decoder-only (causal) models are supported: leave unset or False."}
+    prompt_sample_size: int = config_field(
+        1024, "UDM: prompts of each class embedded to fit the density-ratio classifier.", min=1
     )
-    ref_model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a name or path."}
-    )
-    prompt_sample_size: int = field(
-        default=1024, metadata={"help": "UDM: prompts of each class embedded to fit the density-ratio classifier."}
-    )
-    min_density_ratio: float = field(
-        default=0.5, metadata={"help": "UDM: lower clamp of an undesirable example's density-ratio weight."}
-    )
-    max_density_ratio: float = field(
-        default=10.0, metadata={"help": "UDM: upper clamp of an undesirable example's density-ratio weight."}
-    )
+    min_density_ratio: float = config_field(0.5, "UDM: lower clamp of an undesirable example's density-ratio weight.")
+    max_density_ratio: float = config_field(10.0, "UDM: upper clamp of an undesirable example's density-ratio weight.")
 
     unsupported_options: ClassVar[dict[str, str]] = {
         **ReferenceConfig.unsupported_options,
@@ -126,11 +115,7 @@ class BCOConfig(ReferenceConfig):
                 "is_encoder_decoder=True: posttrain's BCOTrainer trains decoder-only (causal) models; "
                 "leave is_encoder_decoder unset."
             )
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
         check_length_settings(self)
-        if self.prompt_sample_size < 1:
-            raise ConfigError(f"prompt_sample_size={self.prompt_sample_size} must be at least 1.")
         if not 0 <= self.min_density_ratio <= self.max_density_ratio:
             raise ConfigError(
                 f"min_density_ratio={self.min_density_ratio} and max_density_ratio="

@@ -16,7 +16,7 @@ prompt-completion rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from posttrain.data.chat import require_chat_template
 from posttrain.data.formats import is_message_list
@@ -24,47 +24,34 @@ from posttrain.errors import DataError
 from posttrain.generation import create_generation_backend
 from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import config_field, disable_dropout_field, learning_rate_field
 
 
 @dataclass
 class GKDConfig(DistillationConfig):
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
-    temperature: float = field(
-        default=0.9,
-        metadata={
-            "help": "Sampling temperature of the student's (and with seq_kd the teacher's) "
-            "completions; the loss compares the untempered distributions."
-        },
+    learning_rate: float = learning_rate_field(2e-5)
+    temperature: float = config_field(
+        0.9,
+        "Sampling temperature of the student's (and with seq_kd the teacher's) completions; the loss compares "
+        "the untempered distributions.",
     )
-    lmbda: float = field(
-        default=0.5,
-        metadata={
-            "help": "Probability that a micro-batch's completions are sampled by the student (the on-policy fraction)."
-        },
+    lmbda: float = config_field(
+        0.5, "Probability that a micro-batch's completions are sampled by the student (the on-policy fraction)."
     )
-    beta: float = field(
-        default=0.5,
-        metadata={
-            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
-        },
+    beta: float = config_field(
+        0.5,
+        "Generalized JSD interpolation: 0 = forward KL(teacher‖student), 0.5 = Jensen-Shannon, 1 = reverse "
+        "KL(student‖teacher).",
     )
-    max_new_tokens: int = field(
-        default=128, metadata={"help": "Most tokens sampled per completion (sets max_completion_length)."}
+    max_new_tokens: int = config_field(128, "Most tokens sampled per completion (sets max_completion_length).", min=1)
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in the student.")
+    seq_kd: bool = config_field(
+        False,
+        "Sequence-level KD: micro-batches that are not on-policy train on completions the teacher samples "
+        "instead of the data's.",
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
-    seq_kd: bool = field(
-        default=False,
-        metadata={
-            "help": "Sequence-level KD: micro-batches that are not on-policy train on "
-            "completions the teacher samples instead of the data's."
-        },
-    )
-    shuffle_dataset: bool = field(
-        default=False,
-        metadata={
-            "help": "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
-        },
+    shuffle_dataset: bool = config_field(
+        False, "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
     )
 
     def __post_init__(self):

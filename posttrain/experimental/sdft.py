@@ -13,7 +13,7 @@ per-token losses become the loss (`_objective`) differ.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -38,6 +38,14 @@ from posttrain.losses.policy import aggregate_loss
 from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+    num_generations_eval_field,
+)
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
@@ -66,80 +74,56 @@ class SelfDistillationConfig(DistillationConfig):
         "alpha": _NOT_SELF_DISTILLATION.format("alpha"),
     }
 
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in student and teacher."})
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."}
+    learning_rate: float = learning_rate_field(5e-5)
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in student and teacher.")
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep at most this many prompt tokens (the last ones)."
     )
-    max_completion_length: int | None = field(
-        default=256, metadata={"help": "Most tokens the student samples per completion."}
+    max_completion_length: int | None = max_completion_length_field(
+        256, "Most tokens the student samples per completion."
     )
-    num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (consecutive rows of a batch)."}
+    num_generations: int = config_field(8, "Completions sampled per prompt (consecutive rows of a batch).", min=1)
+    num_generations_eval: int | None = num_generations_eval_field(
+        "Completions per prompt in evaluation (None: num_generations)."
     )
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt in evaluation (None: num_generations)."}
+    generation_batch_size: int | None = config_field(
+        None, "Completions per generation round (only the default is supported)."
     )
-    generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions per generation round (only the default is supported)."}
+    steps_per_generation: int | None = config_field(None, "Steps per generation round (only the default is supported).")
+    num_iterations: int = config_field(1, "Updates per generation batch (only 1).")
+    use_teacher_server: bool = config_field(False, "Teacher log-probs from the vLLM server (not supported).")
+    teacher_model_kind: str = config_field(
+        "base",
+        "The teacher: 'base' (the initial student, frozen), 'live' (the current student) or 'ema' (an "
+        "exponential moving average of the student).",
+        choices=TEACHER_KINDS,
     )
-    steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Steps per generation round (only the default is supported)."}
+    teacher_update_rate: float = config_field(
+        0.05, "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy).", gt=0, max=1
     )
-    num_iterations: int = field(default=1, metadata={"help": "Updates per generation batch (only 1)."})
-    use_teacher_server: bool = field(
-        default=False, metadata={"help": "Teacher log-probs from the vLLM server (not supported)."}
+    teacher_sync_steps: int = config_field(1, "EMA teacher: optimizer steps between updates.", min=1)
+    distillation_alpha: float = config_field(
+        0.5, "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the generalized JSD.", min=0, max=1
     )
-    teacher_model_kind: str = field(
-        default="base",
-        metadata={
-            "help": "The teacher: 'base' (the initial student, frozen), 'live' (the current "
-            "student) or 'ema' (an exponential moving average of the student)."
-        },
+    distillation_mode: str = config_field(
+        "topk_logits",
+        "'topk_logits' (the student's top-k tokens), 'full_logits' (the whole vocabulary) or 'sampled_token' "
+        "(reverse KL on the sample).",
+        choices=DISTILLATION_MODES,
     )
-    teacher_update_rate: float = field(
-        default=0.05, metadata={"help": "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy)."}
+    distillation_topk: int | None = config_field(
+        100, "topk_logits: how many of the student's most likely tokens to compare."
     )
-    teacher_sync_steps: int = field(default=1, metadata={"help": "EMA teacher: optimizer steps between updates."})
-    distillation_alpha: float = field(
-        default=0.5,
-        metadata={"help": "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the generalized JSD."},
+    distillation_is_clip: float | None = config_field(
+        2.0,
+        "Importance-weight clip for re-used rollouts; with fresh rollouts per step (the only mode here, and "
+        "TRL's default) TRL applies no weight either.",
     )
-    distillation_mode: str = field(
-        default="topk_logits",
-        metadata={
-            "help": "'topk_logits' (the student's top-k tokens), 'full_logits' (the "
-            "whole vocabulary) or 'sampled_token' (reverse KL on the sample)."
-        },
-    )
-    distillation_topk: int | None = field(
-        default=100, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."}
-    )
-    distillation_is_clip: float | None = field(
-        default=2.0,
-        metadata={
-            "help": "Importance-weight clip for re-used rollouts; with fresh rollouts per step "
-            "(the only mode here, and TRL's default) TRL applies no weight either."
-        },
-    )
-    distillation_add_tail: bool = field(
-        default=False,
-        metadata={
-            "help": "topk_logits: add the mass outside the top k as one more element (else renormalise over the top k)."
-        },
+    distillation_add_tail: bool = config_field(
+        False, "topk_logits: add the mass outside the top k as one more element (else renormalise over the top k)."
     )
 
     def __post_init__(self):
-        if self.teacher_model_kind not in TEACHER_KINDS:
-            raise ConfigError(f"teacher_model_kind={self.teacher_model_kind!r} is not one of {TEACHER_KINDS}.")
-        if not 0 < self.teacher_update_rate <= 1:
-            raise ConfigError(f"teacher_update_rate={self.teacher_update_rate} must lie in (0, 1].")
-        if self.teacher_sync_steps < 1:
-            raise ConfigError(f"teacher_sync_steps={self.teacher_sync_steps} must be at least 1.")
-        if self.distillation_mode not in DISTILLATION_MODES:
-            raise ConfigError(f"distillation_mode={self.distillation_mode!r} is not one of {DISTILLATION_MODES}.")
-        if not 0 <= self.distillation_alpha <= 1:
-            raise ConfigError(f"distillation_alpha={self.distillation_alpha} must lie in [0, 1].")
         if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
             raise ConfigError(
                 "distillation_mode='sampled_token' estimates reverse KL only: set distillation_alpha="
@@ -149,8 +133,9 @@ class SelfDistillationConfig(DistillationConfig):
             raise ConfigError(
                 f"distillation_mode='topk_logits' needs distillation_topk >= 1 (got {self.distillation_topk})."
             )
-        if self.num_generations < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
-            raise ConfigError("num_generations and num_generations_eval must be at least 1.")
+        if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
+            self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
+        super().__post_init__()
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if local % self.num_generations:
             raise ConfigError(
@@ -158,31 +143,23 @@ class SelfDistillationConfig(DistillationConfig):
                 f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
                 "in one optimizer step."
             )
-        if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
-            self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
-        super().__post_init__()
 
 
 @dataclass
 class SDFTConfig(SelfDistillationConfig):
     """TRL's SDFTConfig fields and defaults; posttrain's distillation and SFT settings around them."""
 
-    generate_from_teacher: bool = field(
-        default=False,
-        metadata={
-            "help": "Sample completions from the teacher's prompt (with the student's "
-            "weights) instead of the student's prompt."
-        },
+    generate_from_teacher: bool = config_field(
+        False,
+        "Sample completions from the teacher's prompt (with the student's weights) instead of the student's prompt.",
     )
-    teacher_prompt_template: str = field(
-        default="{prompt}\n\n{privileged_context}",
-        metadata={
-            "help": "How the teacher's prompt joins the prompt (the last user message's text for "
-            "conversations) and the privileged context; needs both placeholders."
-        },
+    teacher_prompt_template: str = config_field(
+        "{prompt}\n\n{privileged_context}",
+        "How the teacher's prompt joins the prompt (the last user message's text for conversations) and the "
+        "privileged context; needs both placeholders.",
     )
-    num_loss_tokens_to_skip: int = field(
-        default=0, metadata={"help": "Leave the first this many completion tokens out of the loss."}
+    num_loss_tokens_to_skip: int = config_field(
+        0, "Leave the first this many completion tokens out of the loss.", min=0
     )
 
     def __post_init__(self):
@@ -191,8 +168,6 @@ class SDFTConfig(SelfDistillationConfig):
                 f"teacher_prompt_template={self.teacher_prompt_template!r} needs both {{prompt}} and "
                 "{privileged_context} placeholders."
             )
-        if self.num_loss_tokens_to_skip < 0:
-            raise ConfigError(f"num_loss_tokens_to_skip={self.num_loss_tokens_to_skip} must be >= 0.")
         super().__post_init__()
 
 
