@@ -168,7 +168,7 @@ def main() -> None:
                 str(batch),
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"{impl} run failed:\n{out.stderr[-3000:]}")
             results[impl].append(json.loads(line[len("RESULT ") :]))

@@ -190,7 +190,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", impl, method, str(root), "--steps", str(args.steps)]
                 cmd += ["--rows", str(args.rows)] if args.rows else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+                line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{impl} {method} run failed:\n{out.stderr[-3000:]}")
                 results[impl].append(json.loads(line[len("RESULT ") :]))

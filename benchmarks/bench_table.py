@@ -4,9 +4,10 @@
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
 copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
---smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto (KTO also on 16 rows, epoch after epoch), DPO from bench_dpo
-(tiny Llama; with --smollm2 also SmolLM2-135M, `ref_model=None`), GRPO and RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain
-and TRL alternate, and each cell is the median of `--repeats` runs.
+--smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto (KTO also on 16 rows,
+epoch after epoch), DPO from bench_dpo (tiny Llama; with --smollm2 also SmolLM2-135M, `ref_model=None`), GRPO and
+RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain and TRL
+alternate, and each cell is the median of `--repeats` runs.
 
 Every trainer is timed in process CPU time between the first and the last optimizer step (GRPO/RLOO: generation
 included): with one thread that is the step time of an idle machine, and other jobs on a shared machine do not

@@ -8,10 +8,10 @@ transformers backend, top-k 1): the evaluation is the measuring instrument, and 
 training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
 the order alternates and repeat r trains with seed `--seed` + r (one run per side is mostly sampling luck: its
 completions decide the curve), and the table adds each library's mean curve over its runs (accuracy and clocks
-averaged step by step) with its first +10 points; with `--parallel` the two sides of a repeat run at once, one core each. The clock is reported twice:
-wall seconds, and the process's CPU seconds, which is what the code costs when other jobs share the machine (wall
-time then measures the neighbours too). Both sides run with tcmalloc preloaded, as the `posttrain` command runs
-(`--allocator system` for glibc malloc).
+averaged step by step) with its first +10 points; with `--parallel` the two sides of a repeat run at once, one core
+each. The clock is reported twice: wall seconds, and the process's CPU seconds, which is what the code costs when
+other jobs share the machine (wall time then measures the neighbours too). Both sides run with tcmalloc preloaded,
+as the `posttrain` command runs (`--allocator system` for glibc malloc).
 
 Levers (posttrain only; TRL has no equivalent) make an ablation one command per row, e.g.
 
@@ -255,7 +255,7 @@ def plot_curves(points: Path, image: Path) -> None:
         for (label, library, repeat), run in sorted(runs.items())
     ]
     for label, library in sorted({(label, library) for label, library, _ in runs}):
-        mine = [run for (l, lib, _), run in runs.items() if (l, lib) == (label, library)]
+        mine = [run for (name, lib, _), run in runs.items() if (name, lib) == (label, library)]
         if len(mine) > 1:
             curves.append(
                 (

@@ -109,7 +109,9 @@ def test_several_forwards_and_other_gradient_paths_are_summed(tokenizer):
         total = 0
         for ids in batches:
             captured = {}
-            handle = model.get_decoder().register_forward_hook(lambda m, a, out: captured.update(hidden=out[0]))
+            handle = model.get_decoder().register_forward_hook(
+                lambda m, a, out, captured=captured: captured.update(hidden=out[0])
+            )
             with tied_embedding(model, weight if tie else None) as head_gradient:
                 logits = model(input_ids=ids, logits_to_keep=2).logits
             handle.remove()
@@ -144,7 +146,9 @@ def test_no_second_vocabulary_sized_gradient_in_the_backward(tokenizer):
     for tie, expect_dense in ((False, True), (True, False)):
         model.zero_grad(set_to_none=True)
         captured = {}
-        handle = model.get_decoder().register_forward_hook(lambda m, a, out: captured.update(hidden=out[0]))
+        handle = model.get_decoder().register_forward_hook(
+            lambda m, a, out, captured=captured: captured.update(hidden=out[0])
+        )
         with tied_embedding(model, weight if tie else None) as head_gradient:
             model(input_ids=ids, logits_to_keep=1)
         handle.remove()

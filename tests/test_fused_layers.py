@@ -123,6 +123,8 @@ def test_cpu_autocast_runs_the_backward_in_bfloat16_like_the_module():
     assert f_out.dtype == out.dtype == torch.bfloat16
     assert all(g.dtype == torch.float32 for g in f_dw.values())
     torch.testing.assert_close(f_out, out, rtol=2e-2, atol=2e-2)
+    assert f_dx.dtype == dx.dtype
+    torch.testing.assert_close(f_dx, dx, rtol=5e-2, atol=5e-2)
     for name in dw:
         torch.testing.assert_close(f_dw[name], dw[name], rtol=5e-2, atol=5e-2)
 

@@ -2,8 +2,8 @@
 trainers' generation, so that sampling plays no part) give the same loss, gradient norm and logged metrics at every
 step: to 1e-5 at the first step, to 1e-3 after it (at lr 0.05 an update amplifies float rounding; TRL's own
 second-step gradient norm moves by 1e-4 between one and two threads, and the two posttrain routes land on either
-side of it). This is the path the time-to-accuracy benchmark trains on: posttrain computes each group's prompt once in its
-log-prob forwards (trainers/online_logps.py), TRL runs the padded batch with gradient checkpointing."""
+side of it). This is the path the time-to-accuracy benchmark trains on: posttrain computes each group's prompt once
+in its log-prob forwards (online/logps.py), TRL runs the padded batch with gradient checkpointing."""
 
 import pytest
 from _trl import import_trl

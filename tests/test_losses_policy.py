@@ -181,7 +181,7 @@ def test_aggregate_loss_types_by_hand():
 
 
 def reference_aggregate(loss, mask, loss_type, total_sequences, total_tokens, max_len):
-    sums = [sum(l for l, m in zip(row, ms) if m) for row, ms in zip(loss, mask)]
+    sums = [sum(x for x, m in zip(row, ms) if m) for row, ms in zip(loss, mask)]
     if loss_type == "grpo":
         return sum(s / sum(ms) for s, ms in zip(sums, mask)) / total_sequences
     if loss_type == "dr_grpo":
@@ -454,7 +454,7 @@ def test_vespo_weight_peaks_at_one_and_is_detached():
 def test_surrogate_aggregations(loss_type):
     loss, mask = random_batch(2)
     actual = aggregate_loss(loss, mask, loss_type, total_sequences=10, total_tokens=40, max_completion_length=6)
-    sums = [sum(l for l, m in zip(row, ms) if m) for row, ms in zip(loss.tolist(), mask.tolist())]
+    sums = [sum(x for x, m in zip(row, ms) if m) for row, ms in zip(loss.tolist(), mask.tolist())]
     expected = {
         "luspo": sum(sums) / 10,
         "sapo": sum(s / sum(ms) for s, ms in zip(sums, mask.tolist())) / 10,

@@ -55,7 +55,7 @@ def _unshared(model, batch, temperature):
     """Each sequence through the model alone, without padding: log-probs and entropies [B, T], 0 past the end."""
     width = batch["completion_ids"].shape[1]
     logps, entropy = [], []
-    for row, (p, completion) in enumerate(ROWS):
+    for p, completion in ROWS:
         ids = torch.tensor([PROMPTS[p] + completion])
         logits = model(input_ids=ids).logits[0, len(PROMPTS[p]) - 1 : -1] / temperature
         logp = logits.log_softmax(-1)

@@ -172,7 +172,7 @@ def test_rollouts_in_grpo(server, tmp_path, tiny_model_path, tool_tokenizer):  #
 
     def submit(answer):
         return tool_tokenizer(
-            '<tool_call>\n{"name": "submit", "arguments": {"answer": "%s"}}\n</tool_call>' % answer,
+            f'<tool_call>\n{{"name": "submit", "arguments": {{"answer": "{answer}"}}}}\n</tool_call>',
             add_special_tokens=False,
         )["input_ids"] + [eos]
 

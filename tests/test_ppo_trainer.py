@@ -387,7 +387,8 @@ def test_ppo_names_are_the_engine_settings(tmp_path):
                 generation_batch_size=16,
             ),
             r"generation_batch_size=16 \(the rollout\) does not split into num_mini_batches=3 mini-batches of "
-            r"per_device_train_batch_size \(4\) x gradient_accumulation_steps \(2\) x processes \(1\) = 8 completions\. "
+            r"per_device_train_batch_size \(4\) x gradient_accumulation_steps \(2\) x processes \(1\) = 8 "
+            r"completions\. "
             r"Set generation_batch_size=24 or num_mini_batches=2",
         ),
         (dict(num_mini_batches=2, steps_per_generation=3), r"num_mini_batches=2 and steps_per_generation=3"),

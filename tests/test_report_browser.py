@@ -41,6 +41,10 @@ class Browser:
                 "--disable-gpu",
                 "--no-first-run",
                 "--disable-extensions",
+                "--disable-background-networking",  # no update checks, safe browsing or other calls out
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-default-browser-check",
                 "--remote-debugging-pipe",
                 f"--user-data-dir={profile}",
                 "about:blank",
@@ -100,6 +104,7 @@ class Browser:
             self.send("Runtime.evaluate", session, expression=script, returnByValue=True)["result"]["value"]
         )
         self.send("Runtime.evaluate", session, expression="1")  # lets queued console events arrive first
+        page["session"] = session
         page["errors"] = [
             event
             for event in self.events

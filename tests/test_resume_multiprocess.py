@@ -114,7 +114,10 @@ def test_two_process_runs_resume_in_new_processes_to_the_same_weights(tmp_path, 
     for mode in ("straight", "interrupted", "resumed"):
         _launch(mode, model_path, tmp_path)
     for kind in KINDS:
-        load = lambda mode, rank: torch.load(tmp_path / f"{kind}.{mode}.rank{rank}.pt")  # noqa: E731
+
+        def load(mode, rank, kind=kind):
+            return torch.load(tmp_path / f"{kind}.{mode}.rank{rank}.pt")
+
         straight, stopped = load("straight", 0), load("interrupted", 0)
         assert straight["world_size"] == 2 and (straight["step"], stopped["step"]) == (STEPS, STOP)
         assert (tmp_path / kind / "run" / f"checkpoint-{STOP}").is_dir()

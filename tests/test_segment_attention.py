@@ -169,6 +169,16 @@ def test_lora_model(model):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+def _counting(calls: list, function):
+    """`function`, noting each call in `calls`."""
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
+
+
 @pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
 def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
     words = "the cat sat on a mat and then it ran far away from the big red dog".split()
@@ -195,7 +205,7 @@ def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
         seen = []
         forward = sa.segment_attention_forward
         with (
-            mock.patch.object(sa, "segment_attention_forward", lambda *a, **k: seen.append(1) or forward(*a, **k)),
+            mock.patch.object(sa, "segment_attention_forward", _counting(seen, forward)),
             mock.patch.object(sa, "_CALL_COST", 0),
         ):
             trainer.train()

@@ -143,7 +143,8 @@ def test_repacked_padded_batch_gives_the_padded_loss_gradients_and_metrics(tmp_p
         trainer._metrics["train"].clear()
         seen = []
         handle = trainer.model.model.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append((args[0] if args else kwargs["input_ids"]).shape), with_kwargs=True
+            lambda module, args, kwargs, seen=seen: seen.append((args[0] if args else kwargs["input_ids"]).shape),
+            with_kwargs=True,
         )
         loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=None)
         handle.remove()

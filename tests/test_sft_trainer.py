@@ -223,9 +223,7 @@ def test_a_tokenizer_without_eos_stops_before_training(tmp_path, tiny_model_path
     with pytest.raises(ConfigError, match=r"no EOS token.*never learn to stop.*Set eos_token="):
         SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2), processing_class=fresh_tokenizer)
     with pytest.warns(UserWarning, match=r"no EOS token.*Set eos_token="):
-        SFTTrainer(
-            tiny_model_path, args=_args(tmp_path), train_dataset=_chat_data(4), processing_class=fresh_tokenizer
-        )
+        SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_chat_data(4), processing_class=fresh_tokenizer)
     trainer = SFTTrainer(
         tiny_model_path,
         args=_args(tmp_path, eos_token="<|im_end|>"),

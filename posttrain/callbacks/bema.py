@@ -16,7 +16,9 @@ logger = logging.getLogger("posttrain")
 
 
 class BEMACallback(TrainerCallback):
-    r"""Keeps a BEMA copy of the model and saves it to ``<output_dir>/bema`` when training ends.
+    r"""Keeps a bias-corrected moving average (BEMA) of the weights during training, for a smoother final model.
+
+    Keeps a BEMA copy of the model and saves it to ``<output_dir>/bema`` when training ends.
 
     With :math:`\tau` = `update_after`, at step :math:`\tau` the trainable weights are snapshotted into
     :math:`\theta_0` and the EMA; then every `update_freq` steps :math:`t` (the global step):
@@ -32,6 +34,8 @@ class BEMACallback(TrainerCallback):
     has early in training while keeping most of its variance reduction. Buffers live on `device` (keep it off
     the training accelerator to spare its memory); `running_model` holds :math:`\theta'`. Frozen parameters
     (e.g. a LoRA base) are copied once and not averaged.
+
+    See docs/trackers.md.
     """
 
     def __init__(

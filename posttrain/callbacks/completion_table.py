@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from posttrain.training.report import transcript_lines
+from posttrain.training.report_html import transcript_lines
 
 __all__ = ["completion_table", "completion_text", "log_completion_table", "print_completion_table"]
 

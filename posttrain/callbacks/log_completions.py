@@ -14,7 +14,9 @@ logger = logging.getLogger("posttrain")
 
 
 class LogCompletionsCallback(TrainerCallback):
-    """Every `freq` steps (default: the trainer's ``eval_steps``, else ``logging_steps``) generates a completion
+    """Logs sample completions of the model while it trains, to see what it writes.
+
+    Every `freq` steps (default: the trainer's ``eval_steps``, else ``logging_steps``) generates a completion
     for each of the first `num_prompts` prompts of the trainer's eval dataset and records ``(step, prompt,
     completion)``.
 
@@ -22,6 +24,8 @@ class LogCompletionsCallback(TrainerCallback):
     appended as a JSON line to ``<output_dir>/completions.jsonl`` and the rows are kept in ``self.table``; a
     ``wandb.Table`` is logged too when ``report_to`` includes wandb and wandb is installed. Conversational
     prompts are rendered with the chat template (with the generation prompt).
+
+    See docs/trackers.md.
     """
 
     def __init__(self, trainer, generation_config=None, num_prompts: int | None = None, freq: int | None = None):

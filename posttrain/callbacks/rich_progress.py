@@ -9,8 +9,13 @@ from transformers.trainer_utils import has_length
 
 
 class RichProgressCallback(TrainerCallback):
-    """Shows a training progress bar, an evaluation bar while evaluating, and the latest logged metrics as
-    tables (one per ``group/`` prefix), on the main process. Needs ``rich`` (``pip install rich``)."""
+    """A terminal progress display for training and evaluation (needs rich).
+
+    Shows a training progress bar, an evaluation bar while evaluating, and the latest logged metrics as
+    tables (one per ``group/`` prefix), on the main process. Needs ``rich`` (``pip install rich``).
+
+    See docs/trackers.md.
+    """
 
     def __init__(self):
         if importlib.util.find_spec("rich") is None:

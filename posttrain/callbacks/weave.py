@@ -13,11 +13,16 @@ logger = logging.getLogger("posttrain")
 
 
 class WeaveCallback(TrainerCallback):
-    """At each evaluation, generates completions for the eval prompts and logs them to Weave with an
+    """Logs evaluation completions to Weights & Biases Weave for inspection.
+
+    At each evaluation, generates completions for the eval prompts and logs them to Weave with an
     ``EvaluationLogger``: predictions only (tracing) without `scorers`, or each prediction scored by every
     ``scorer(prompt, completion) -> number`` plus their averages (evaluation). Needs the ``weave`` package
     (``pip install weave``); the project is `project_name`, an already initialised Weave client, or the active
-    wandb run's project."""
+    wandb run's project.
+
+    See docs/trackers.md.
+    """
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.cli.args import build_dataclass
+from posttrain.cli.values import build_dataclass
 from posttrain.errors import ConfigError, DataError
 
 # Data file suffix -> the datasets builder that reads it.
@@ -22,7 +22,12 @@ PATH_PREFIXES = ("/", "./", "../", "~")
 
 @dataclass
 class ScriptArguments:
-    """Where a TRL-style script's data comes from (TRL's `ScriptArguments`, same fields and defaults)."""
+    """The data flags of a TRL-style training script (dataset name, config, splits).
+
+    Where a TRL-style script's data comes from (TRL's `ScriptArguments`, same fields and defaults).
+
+    See docs/cli.md.
+    """
 
     dataset_name: str | None = field(
         default=None,
@@ -76,7 +81,12 @@ class DatasetConfig:
 
 @dataclass
 class DatasetMixtureConfig:
-    """Several datasets concatenated into one (TRL's `datasets:` YAML section), optionally split into train/test."""
+    """A mixture of datasets from a YAML `datasets:` list, for TRL-style scripts.
+
+    Several datasets concatenated into one (TRL's `datasets:` YAML section), optionally split into train/test.
+
+    See docs/cli.md.
+    """
 
     datasets: list[DatasetConfig] = field(
         default_factory=list, metadata={"help": "The datasets of the mixture (usually given in the YAML config)."}
@@ -282,9 +292,14 @@ def _mixture_sizes(lengths: list[int], fractions: list[float]) -> list[int]:
 
 
 def get_dataset(mixture_config: DatasetMixtureConfig, seed: int | None = None):
-    """The datasets of `mixture_config` (columns selected, `fraction` shares applied) concatenated in order, as a
+    """Loads and concatenates the datasets of a `DatasetMixtureConfig`, as TRL's scripts do.
+
+    The datasets of `mixture_config` (columns selected, `fraction` shares applied) concatenated in order, as a
     DatasetDict with a 'train' split, or 'train' and 'test' when `test_split_size` is set (`seed` makes that split
-    reproducible; TRL's has none)."""
+    reproducible; TRL's has none).
+
+    See docs/cli.md.
+    """
     import datasets
 
     entries = mixture_config.datasets

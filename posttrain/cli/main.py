@@ -17,9 +17,7 @@ import importlib
 import importlib.util
 import logging
 import os
-import re
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +36,18 @@ from posttrain.cli.args import (
 )
 from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
 from posttrain.cli.environment import environment_report
+from posttrain.cli.launch import LAUNCHED_ENV, relaunch
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
+from posttrain.cli.rewards import check_rewards, reward_arguments
 from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
+from posttrain.cli.summary import show_live_metrics, summary, write_run_report
 from posttrain.errors import ConfigError, PosttrainError
 from posttrain.version import __version__
 
 USAGE_ERROR = 2
 # Set in the processes that `accelerate launch` starts for us, so that they train instead of launching again.
-LAUNCHED_ENV = "POSTTRAIN_LAUNCHED"
-LAUNCH_FLAGS = ("--num_processes", "--accelerate_config")
 # Logged values shown on the progress bar as they arrive.
-LIVE_KEYS = ("loss", "reward", "eval_loss", "eval_reward")
-DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
 @dataclass(frozen=True)
@@ -264,7 +261,7 @@ def train_command(name: str, argv: list[str]) -> int:
     )
     if data_args.ignore_bias_buffers:
         ignore_bool_buffers(trainer.model)
-    _show_live_metrics(trainer)
+    show_live_metrics(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     if eval_dataset is not None and config.eval_strategy == "no":
         trainer.evaluate()
@@ -357,201 +354,6 @@ def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
     if kind == "reward" and "lora_task_type" not in settings:
         model_args = dataclasses.replace(model_args, lora_task_type="SEQ_CLS")
     return get_peft_config(model_args)
-
-
-def reward_arguments(args: RewardArguments) -> dict[str, Any]:
-    """The trainer's `reward_funcs`: a reward model first (as TRL's scripts order them), then library
-    functions, imported functions, or reward model names."""
-    check_rewards(args)
-    models = [args.reward_model_name_or_path] if args.reward_model_name_or_path else []
-    return {"reward_funcs": models + [resolve_reward(spec) for spec in args.reward_funcs or []]}
-
-
-def check_rewards(args: RewardArguments) -> None:
-    if not args.reward_funcs and not args.reward_model_name_or_path:
-        raise ConfigError(
-            "--reward_funcs is required for this method: name one or more rewards, e.g. "
-            "--reward_funcs accuracy_reward think_format_reward (or give --reward_model_name_or_path)."
-        )
-
-
-def resolve_reward(spec: str):
-    """A reward by library name, a function by dotted import path, or a reward model id/path (kept as text for
-    the trainer to load)."""
-    from posttrain.rewards import REWARD_FUNCTIONS
-
-    if spec in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[spec]
-    if spec.startswith("builtin:") or "/" in spec or Path(spec).expanduser().exists():
-        return spec
-    if DOTTED_NAME.fullmatch(spec):
-        return _import_reward(spec)
-    close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
-    suggestion = f" Did you mean {close[0]}?" if close else ""
-    raise ConfigError(
-        f"--reward_funcs: unknown reward function {spec!r}.{suggestion} The library has: "
-        f"{', '.join(REWARD_FUNCTIONS)}; or pass a dotted import path (mypkg.rewards.my_reward) or "
-        "a reward model id/path."
-    )
-
-
-def _import_reward(spec: str):
-    module_name, attribute = spec.rsplit(".", 1)
-    if os.getcwd() not in sys.path:  # the console script does not put the working directory on the path
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is None or not (module_name == err.name or module_name.startswith(f"{err.name}.")):
-            raise  # the module exists but one of its own imports failed: a real error, keep the traceback
-        raise ConfigError(f"--reward_funcs {spec}: cannot import module {module_name!r} ({err}).") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(f"--reward_funcs {spec}: {module_name} has no function {attribute!r}.")
-    return function
-
-
-def relaunch(name: str, argv: list[str], launch: LaunchArguments, settings: dict[str, Any]) -> int:
-    """Runs this same command in `num_processes` processes through `accelerate launch`; returns its status.
-
-    Without an accelerate config, `--multi_gpu` is what makes accelerate start N workers (its `--cpu` mode
-    starts one); on a machine without CUDA the workers then train on the CPU over gloo (`--use_cpu true`).
-    """
-    import subprocess
-
-    if launch.accelerate_config and not Path(launch.accelerate_config).is_file():
-        preset = (
-            ""
-            if Path(launch.accelerate_config).suffix
-            else (
-                " posttrain ships no named accelerate presets (TRL's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu); write "
-                "one with `accelerate config` and pass its path."
-            )
-        )
-        raise ConfigError(f"--accelerate_config {launch.accelerate_config}: no such file.{preset}")
-    child_args = _without_launch_flags(argv)
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if launch.accelerate_config:
-        command += ["--config_file", launch.accelerate_config]
-        if "num_processes" in settings:
-            command += ["--num_processes", str(launch.num_processes)]
-    else:
-        command += [
-            "--multi_gpu",
-            "--num_processes",
-            str(launch.num_processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
-        ]
-        if "use_cpu" not in settings and not _has_cuda():
-            child_args += ["--use_cpu", "true"]
-    command += ["-m", "posttrain.cli.main", name, *child_args]
-    return subprocess.run(command, env={**os.environ, LAUNCHED_ENV: "1"}, check=False).returncode
-
-
-def _without_launch_flags(argv: list[str]) -> list[str]:
-    kept, skip_value = [], False
-    for token in argv:
-        if skip_value:
-            skip_value = False
-        elif token in LAUNCH_FLAGS:
-            skip_value = True
-        elif not token.startswith(tuple(f"{flag}=" for flag in LAUNCH_FLAGS)):
-            kept.append(token)
-    return kept
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _show_live_metrics(trainer) -> None:
-    """Swap transformers' progress bar for one that also shows the latest loss / reward on the bar."""
-    from transformers.trainer_callback import ProgressCallback
-
-    class LiveProgressCallback(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            super().on_log(args, state, control, logs=logs, **kwargs)
-            if self.training_bar is not None and logs:
-                shown = {key: f"{logs[key]:.4g}" for key in LIVE_KEYS if isinstance(logs.get(key), (int, float))}
-                if shown:
-                    self.training_bar.set_postfix(shown)
-
-    if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(LiveProgressCallback())
-
-
-def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path | None:
-    """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
-    from posttrain.training.report import write_report
-
-    if importlib.util.find_spec("matplotlib") is None:
-        print(
-            "warning: matplotlib is not installed, so no report was written (pip install matplotlib, then "
-            f"posttrain report {output_dir}).",
-            file=sys.stderr,
-        )
-        return None
-    try:
-        return write_report(output_dir, log_history)
-    except PosttrainError as err:
-        print(f"warning: no report written: {err}", file=sys.stderr)
-        return None
-
-
-def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str:
-    """One screen: steps, processes, final metrics, where the model and report are, and the wall time."""
-    from posttrain.training.report import RUN_STATISTICS
-
-    state = trainer.state
-    final: dict[str, float] = {}
-    for row in state.log_history:
-        for key, value in row.items():
-            if key not in ("step", "epoch") and key not in RUN_STATISTICS and isinstance(value, (int, float)):
-                final[key] = value
-    run_means = [row["train_loss"] for row in state.log_history if "train_loss" in row]
-    if run_means:
-        final["train_loss (run mean)"] = run_means[-1]
-    train = [f"{key} {value:.4g}" for key, value in final.items() if not key.startswith("eval_")]
-    evaluation = [f"{key} {value:.4g}" for key, value in final.items() if key.startswith("eval_")]
-    minutes, seconds = divmod(round(wall_seconds), 60)
-    rows = [
-        (
-            "steps",
-            f"{state.global_step} (epoch {state.epoch or 0:.3g}) on {trainer.args.world_size} process(es), "
-            f"{trainer.args.device}",
-        ),
-        ("final", " | ".join(train) or "nothing logged (lower --logging_steps)"),
-    ]
-    if evaluation:
-        rows.append(("eval", " | ".join(evaluation)))
-    evals = [row for row in state.log_history if "eval_loss" in row]
-    if len(evals) > 1:  # e.g. with eval_on_start: the held-out loss before and after training
-        first, last = evals[0], evals[-1]
-        rows.append(
-            (
-                "held-out",
-                f"eval_loss {first['eval_loss']:.4g} at step {first['step']} -> "
-                f"{last['eval_loss']:.4g} at step {last['step']}",
-            )
-        )
-    rows += [
-        ("model", f"saved to {Path(trainer.args.output_dir).resolve()}"),
-        ("report", str(report.resolve()) if report else "not written"),
-        ("wall time", f"{minutes}m {seconds:02d}s"),
-    ]
-    lines = [f"posttrain {name}: done"]
-    for label, text in rows:
-        lines.append(textwrap.fill(text, width=110, initial_indent=f"  {label:<10} ", subsequent_indent=" " * 13))
-    return "\n".join(lines)
 
 
 # -- env and report ----------------------------------------------------------------------------------------------

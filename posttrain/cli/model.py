@@ -30,7 +30,12 @@ BNB_4BIT_FIELDS = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quan
 
 @dataclass
 class ModelConfig:
-    """Which model to train, how to load it, and whether to train a LoRA adapter (TRL's fields and defaults)."""
+    """The model flags of a TRL-style training script: what to load, how, and the LoRA and quantization settings.
+
+    Which model to train, how to load it, and whether to train a LoRA adapter (TRL's fields and defaults).
+
+    See docs/cli.md.
+    """
 
     model_name_or_path: str | None = field(
         default=None,
@@ -105,10 +110,14 @@ def _changed(model_args: ModelConfig, names: tuple[str, ...]) -> list[str]:
 
 
 def get_peft_config(model_args: ModelConfig):
-    """A peft `LoraConfig` from the `lora_*` fields when `use_peft` is set, else None.
+    """Builds the LoRA config of a `ModelConfig` for a trainer's `peft_config=`.
+
+    A peft `LoraConfig` from the `lora_*` fields when `use_peft` is set, else None.
 
     LoRA settings without `use_peft` would train the full model while the user asked for an adapter's shape:
     that is an error here, not a silent no-op.
+
+    See docs/peft.md.
     """
     if not model_args.use_peft:
         changed = _changed(model_args, LORA_FIELDS)
@@ -140,10 +149,14 @@ def get_peft_config(model_args: ModelConfig):
 
 
 def get_quantization_config(model_args: ModelConfig):
-    """A transformers `BitsAndBytesConfig` for `load_in_4bit` / `load_in_8bit`, else None.
+    """Builds the bitsandbytes quantization config of a `ModelConfig` (QLoRA).
+
+    A transformers `BitsAndBytesConfig` for `load_in_4bit` / `load_in_8bit`, else None.
 
     bitsandbytes quantizes on CUDA only: without it (or without a GPU) the flag is refused here, before any
     model is loaded, rather than failing inside from_pretrained.
+
+    See docs/peft.md.
     """
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit" if model_args.load_in_8bit else None
     if flag is None:

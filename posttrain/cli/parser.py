@@ -15,17 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from posttrain.cli.args import (
-    CommandParser,
-    add_flags,
-    convert_value,
-    export_env,
-    field_hints,
-    first_unknown,
-    flag_groups,
-    read_yaml_mapping,
-    unknown_name_message,
-)
+from posttrain.cli.args import CommandParser, add_flags, export_env, first_unknown, flag_groups, read_yaml_mapping
+from posttrain.cli.values import convert_value, field_hints, unknown_name_message
 from posttrain.errors import ConfigError, PosttrainError
 
 
@@ -38,10 +29,15 @@ def _launcher_options() -> set[str]:
 
 
 class TrlParser(CommandParser):
-    """Parses command-line flags and a YAML `--config` file into instances of `dataclass_types` (TRL's API:
+    """The argument parser of TRL's scripts: command-line flags and a YAML `--config` file into the script's
+    dataclasses.
+
+    Parses command-line flags and a YAML `--config` file into instances of `dataclass_types` (TRL's API:
     `parse_args_and_config`, `parse_args_into_dataclasses`, `parse_dict`, `parse_yaml_file`, ...).
 
     A field that several of the dataclasses declare is one flag whose value goes to each of them.
+
+    See docs/cli.md.
     """
 
     def __init__(self, dataclass_types=None, **kwargs):
@@ -238,8 +234,13 @@ def _pop_config(args: list[str]) -> str | None:
 
 
 def init_zero_verbose() -> None:
-    """Quiet logging for scripts: only errors, one line each (through rich when installed), and Python warnings
-    routed into the log instead of printed with their source line."""
+    """Quiets logging in training scripts, as TRL's scripts call it at start-up.
+
+    Quiet logging for scripts: only errors, one line each (through rich when installed), and Python warnings
+    routed into the log instead of printed with their source line.
+
+    See docs/cli.md.
+    """
     from transformers.utils import is_rich_available
 
     if is_rich_available():

@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.cli.args import FlagGroup, field_hints, flag_spec
+from posttrain.cli.args import FlagGroup, flag_spec
+from posttrain.cli.values import field_hints
 from posttrain.version import __version__
 
 FORMAT = 1
@@ -77,7 +78,8 @@ def decode_hint(data: Any) -> Any:
     if isinstance(data, str):
         return _PRIMITIVES[data]
     if "union" in data:
-        return typing.Union[tuple(decode_hint(member) for member in data["union"])]
+        # A union of members known only at run time: typing.Union's subscript is the one spelling of it.
+        return typing.Union[tuple(decode_hint(member) for member in data["union"])]  # noqa: UP007
     if "literal" in data:
         return Literal[tuple(data["literal"])]
     if "list" in data:

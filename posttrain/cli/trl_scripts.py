@@ -66,7 +66,7 @@ def make_parser(name: str, script_arguments: type = ScriptArguments, subparsers=
 def _reward_funcs(script_args) -> list:
     """TRL's scripts' rewards: the reward model first, then names (with TRL's overlong-punishment settings) or
     dotted import paths."""
-    from posttrain.cli.main import resolve_reward
+    from posttrain.cli.rewards import resolve_reward
     from posttrain.rewards import get_soft_overlong_punishment
 
     rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []

@@ -21,7 +21,11 @@ SHAREGPT_ROLES = {
 
 
 def convert_sharegpt(messages: list[dict]) -> list[dict]:
-    """ShareGPT messages (`from`/`value`, `human`/`gpt`) -> `role`/`content` with user/assistant roles."""
+    """Converts ShareGPT messages to the role/content messages the trainers read: `from`/`value` ->
+    `role`/`content`, `human`/`gpt` -> user/assistant.
+
+    See docs/dataset_formats.md.
+    """
     converted = []
     for m in messages:
         if "from" in m:
@@ -83,13 +87,16 @@ def _common_prefix(text: str, other: str) -> str:
 def apply_chat_template(
     example: dict, processing_class, tools: list | None = None, **template_kwargs
 ) -> dict[str, str]:
-    """Renders a conversational example into text columns, keeping its format (TRL's function).
+    """Turns a conversational row into text with the tokenizer's chat template, keeping its dataset format
+    (TRL's function).
 
     `messages` -> `text`; `prompt` -> `prompt` (a generation prompt after a user/tool turn, the last message
     continued after an assistant turn); `completion`/`chosen`/`rejected` -> the text that follows the prompt.
     The prompt is cut to what the prompt-plus-completion renderings share, because some templates render a
     lone prompt differently (e.g. a thinking block). A row's own ``chat_template_kwargs`` are passed on.
     ShareGPT (``from``/``value``) messages are converted first.
+
+    See docs/dataset_formats.md.
     """
     keys = {k for k in example if k in ("prompt", "chosen", "rejected", "completion", "messages", "label")}
     if keys not in TEMPLATE_KEY_SETS:
@@ -139,7 +146,10 @@ def apply_chat_template(
 
 
 def maybe_apply_chat_template(example: dict, processing_class, tools: list | None = None, **template_kwargs) -> dict:
-    """`apply_chat_template` for conversational examples; standard examples are returned unchanged."""
+    """`apply_chat_template` for conversational examples; standard examples are returned unchanged.
+
+    See docs/dataset_formats.md.
+    """
     if is_conversational(example):
         return apply_chat_template(example, processing_class, tools=tools, **template_kwargs)
     return example

@@ -49,9 +49,14 @@ def _render_tool_exchange(processing_class, n_messages: int = 3) -> str | None:
 
 
 def supports_tool_calling(processing_class) -> bool:
-    """True if the chat template renders a whole tool exchange (the call's name and arguments and the tool's
+    """Tells whether a chat template can show tools, tool calls and their results, as `tools=` training needs.
+
+    True if the chat template renders a whole tool exchange (the call's name and arguments and the tool's
     result all appear in the text). Templates that fail on the tool role, or silently drop the calls or the
-    results, give False."""
+    results, give False.
+
+    See docs/tools.md.
+    """
     if processing_class.chat_template is None:
         return False
     rendered = _render_tool_exchange(processing_class)
@@ -85,12 +90,16 @@ def is_chat_template_prefix_preserving(processing_class) -> bool:
 
 
 def clone_chat_template(model, tokenizer, source_tokenizer_path: str, resize_to_multiple_of: int | None = 64):
-    """Gives `tokenizer` (and `model`) the chat template of the tokenizer at `source_tokenizer_path`.
+    """Gives a tokenizer (and its model) another tokenizer's chat template, for models that have none or the wrong one.
+
+    Gives `tokenizer` (and `model`) the chat template of the tokenizer at `source_tokenizer_path`.
 
     Copies the template, adds the source's added tokens the target lacks, takes the source's EOS token
     (also as the model's and its generation config's ``eos_token_id``), and resizes the embeddings to the
     vocabulary, rounded up to `resize_to_multiple_of`; rows the rounding adds get ``<extra_id_N>`` tokens so
     that vocabulary and embeddings stay the same size. Returns ``(model, tokenizer, added_token_ids)``.
+
+    See docs/dataset_formats.md.
     """
     source = AutoTokenizer.from_pretrained(source_tokenizer_path)
     tokenizer.chat_template = source.get_chat_template()
@@ -162,10 +171,15 @@ def _tool_call_format(processing_class) -> str | None:
 
 
 def add_response_schema(processing_class):
-    """Sets ``response_template`` (what ``tokenizer.parse_response`` reads) on the tokenizer, or a processor's
+    """Teaches a tokenizer how to parse its model's replies (tool calls included), as tool-calling training needs.
+
+    Sets ``response_template`` (what ``tokenizer.parse_response`` reads) on the tokenizer, or a processor's
     inner tokenizer, for the tool-call format its chat template renders: Hermes ``<tool_call>`` JSON in ChatML
     turns (Qwen 2.5 / 3 and similar, with optional ``<think>`` reasoning) or Llama 3.1 / 3.2 JSON calls.
-    Returns the same object; other formats raise ValueError."""
+    Returns the same object; other formats raise ValueError.
+
+    See docs/tools.md.
+    """
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     found = _tool_call_format(processing_class) if processing_class.chat_template is not None else None
     if found is None:
@@ -352,7 +366,10 @@ def _tools_format(tokenizer) -> dict | None:
 
 
 def get_training_chat_template(processing_class=None, tokenizer=None) -> str | None:
-    """A chat template fit for training, or None if the current one already is.
+    """Gives a chat template fit for training when the model's own is not: one that marks the assistant's output (for
+    `assistant_only_loss`) and renders earlier turns the same whatever follows them (for tool episodes).
+
+    A chat template fit for training, or None if the current one already is.
 
     Fit means: it marks assistant output with ``{% generation %}`` (for ``assistant_only_loss``) and, if it
     renders tool calls, earlier turns render the same whatever follows them. For ChatML templates (with or
@@ -360,6 +377,8 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     returns its own ChatML template with the markers, built from the original's rendered pieces and checked
     to render the same text as the original on probe conversations (with and without tools); other
     templates raise ValueError. `tokenizer` is a deprecated alias of `processing_class`, as in TRL.
+
+    See docs/tools.md.
     """
     if tokenizer is not None:
         if processing_class is not None:

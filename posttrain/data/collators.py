@@ -62,13 +62,17 @@ def _restarting_row(example: dict) -> tuple[list[int], list[int], list[int]]:
 
 @dataclass
 class LanguageModelingCollator:
-    """Collates `input_ids` (+ optional `labels` or `completion_mask` / `assistant_masks`, `seq_lengths`) for
+    """Batches tokenized SFT rows: padding or padding-free, with the labels of the trained tokens only.
+
+    Collates `input_ids` (+ optional `labels` or `completion_mask` / `assistant_masks`, `seq_lengths`) for
     causal language modeling; `pad_to_multiple_of` rounds the padded length up.
 
     Packed examples (with `seq_lengths`) are always collated padding-free: padding a packed row would
     need an attention mask, and an attention mask would hide the sequence boundaries from the model.
     `one_row` picks the padding-free layout: the whole batch in one row (needed by flash attention), or
     one row per example, padded with a dummy sequence (cheaper with sdpa / eager attention).
+
+    See docs/trainers/sft.md.
     """
 
     pad_token_id: int

@@ -76,9 +76,14 @@ CONVERSATION_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 
 
 def is_conversational(example: dict) -> bool:
-    """True if `example` is in conversational form: its first column among prompt / chosen / rejected /
+    """Tells whether a dataset row is in conversational form (message lists) or standard form (strings).
+
+    True if `example` is in conversational form: its first column among prompt / chosen / rejected /
     completion / messages holds a list whose first item is a message with a ``role`` (TRL's rule; ShareGPT
-    ``from``/``value`` rows are not conversational until converted, see `maybe_convert_to_chatml`)."""
+    ``from``/``value`` rows are not conversational until converted, see `maybe_convert_to_chatml`).
+
+    See docs/dataset_formats.md.
+    """
     for key in CONVERSATION_KEYS:
         if key in example:
             value = example[key]

@@ -127,12 +127,16 @@ def _output_format(dataset) -> dict[str, Any]:
 
 
 def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: dict[str, Any] | None = None, **kwargs):
-    """Packs a tokenized dataset's sequences into rows of at most `seq_length` tokens (TRL's function).
+    """Packs a tokenized dataset's sequences into rows of a fixed length, as SFT's `packing=True` does.
+
+    Packs a tokenized dataset's sequences into rows of at most `seq_length` tokens (TRL's function).
 
     Every column must hold per-token lists (e.g. ``input_ids``, ``attention_mask``); ``bfd`` and
     ``bfd_split`` add ``seq_lengths`` (each row's sequence lengths), ``wrapped`` does not. Empty sequences
     are dropped. `map_kwargs` (and any extra keyword, e.g. ``num_proc``) go to ``dataset.map``; packing
     happens within each map batch. The dataset's format (e.g. torch) is kept.
+
+    See docs/trainers/sft.md.
     """
     if isinstance(map_kwargs, bool) or "split_long" in kwargs:
         # The trainer-side call, `pack_dataset(ds, n, strategy, split_long, num_proc=...)`: see `pack_sequences`.

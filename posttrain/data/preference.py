@@ -216,13 +216,17 @@ def prepare_preference_dataset(
 
 @dataclass
 class PreferenceCollator:
-    """B preference rows -> 2B sequences: prompt+chosen (rows 0..B-1), then prompt+rejected (rows B..2B-1).
+    """Batches tokenized preference pairs for DPO-style trainers: chosen and rejected sequences in one batch.
+
+    B preference rows -> 2B sequences: prompt+chosen (rows 0..B-1), then prompt+rejected (rows B..2B-1).
 
     Each sequence longer than `max_length` is cut: 'keep_start' keeps its first max_length tokens (the end of the
     completion goes), 'keep_end' its last ones (the start of the prompt goes). `completion_mask` is 1 on
     completion tokens, except on a sequence's first token (which nothing predicts; it matters only for an empty
     or cut-away prompt). Padded batches are right padded, to a multiple of `pad_to_multiple_of` if set, with an
     `attention_mask`; padding-free batches are one row with `position_ids` restarting at 0 for each sequence.
+
+    See docs/trainers/dpo.md.
     """
 
     pad_token_id: int

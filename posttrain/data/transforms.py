@@ -17,10 +17,15 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def prepare_multimodal_messages(messages: list[dict[str, Any]], images: list | None = None) -> list[dict[str, Any]]:
-    """Messages with every string ``content`` turned into ``[{"type": "text", "text": ...}]`` blocks and one
+    """Puts conversations with images into the content-part form vision-language processors expect.
+
+    Messages with every string ``content`` turned into ``[{"type": "text", "text": ...}]`` blocks and one
     ``{"type": "image"}`` block per image placed before the first user message's text; every image block
     without an ``image`` payload then receives the next image. Raises ValueError on an unknown role or when
-    the images do not match the empty image blocks one for one. The input messages are not modified."""
+    the images do not match the empty image blocks one for one. The input messages are not modified.
+
+    See docs/vision.md.
+    """
     images = list(images or [])
     out, images_placed = [], False
     for message in messages:
@@ -57,7 +62,12 @@ def prepare_multimodal_messages(messages: list[dict[str, Any]], images: list | N
 
 
 def is_conversational_from_value(example: dict[str, Any]) -> bool:
-    """True if the ``conversations`` column holds ShareGPT messages (``from``/``value`` keys)."""
+    """Tells whether a row holds ShareGPT-style messages, to convert before training.
+
+    True if the ``conversations`` column holds ShareGPT messages (``from``/``value`` keys).
+
+    See docs/dataset_formats.md.
+    """
     messages = example.get("conversations")
     return (
         isinstance(messages, list)
@@ -69,9 +79,14 @@ def is_conversational_from_value(example: dict[str, Any]) -> bool:
 
 
 def maybe_convert_to_chatml(example: dict[str, list]) -> dict[str, list]:
-    """ShareGPT -> ChatML: in every message list, ``from`` becomes ``role`` and ``value`` becomes ``content``
+    """Converts a row's ShareGPT messages (`from`/`value`) to the role/content messages the trainers read.
+
+    ShareGPT -> ChatML: in every message list, ``from`` becomes ``role`` and ``value`` becomes ``content``
     (role names are kept as they are), and a ``conversations`` column becomes ``messages``. Like TRL, the
-    messages are renamed in place and the same example is returned."""
+    messages are renamed in place and the same example is returned.
+
+    See docs/dataset_formats.md.
+    """
     for key in ("prompt", "completion", "chosen", "rejected", "messages", "conversations"):
         if isinstance(example.get(key), list):
             for message in example[key]:
@@ -86,13 +101,17 @@ def maybe_convert_to_chatml(example: dict[str, list]) -> dict[str, list]:
 
 
 def extract_prompt(example: dict) -> dict:
-    """Implicit prompt -> explicit: the shared start of `chosen` and `rejected` becomes `prompt` (TRL's rule;
+    """Makes an implicit prompt explicit in a preference row.
+
+    Implicit prompt -> explicit: the shared start of `chosen` and `rejected` becomes `prompt` (TRL's rule;
     the trainers use `posttrain.data.chat.extract_prompt`, which keeps the space in the prompt).
 
     The split is at the first item (message, or character for strings) where the two differ; a string
     prompt gives its trailing space to the completions (``"The sky is"`` + ``" blue."``). If one is a
     prefix of the other, the split is one item before the shorter one's end, so each keeps a last item.
     Only ``prompt``, ``chosen`` and ``rejected`` are returned.
+
+    See docs/dataset_formats.md.
     """
     chosen, rejected = example["chosen"], example["rejected"]
     shortest = min(len(chosen), len(rejected))
@@ -112,7 +131,10 @@ def extract_prompt(example: dict) -> dict:
 def maybe_extract_prompt(example: dict[str, list]) -> dict[str, list]:
     """`extract_prompt` for preference rows whose prompt is implicit. A row that has a ``prompt`` of the same
     form (both strings or both conversations) as ``chosen`` is returned unchanged; a ``prompt`` of the other
-    form (some datasets add a string prompt beside full conversations) is replaced by the extracted one."""
+    form (some datasets add a string prompt beside full conversations) is replaced by the extracted one.
+
+    See docs/dataset_formats.md.
+    """
     if "chosen" not in example or "rejected" not in example:
         return example
     if "prompt" in example:
@@ -147,9 +169,14 @@ def _unpair_batch(batch: dict[str, list]) -> dict[str, list]:
 
 
 def unpair_preference_dataset(dataset, **map_kwargs):
-    """Paired preference rows (``[prompt], chosen, rejected``) -> unpaired rows (``[prompt], completion,
+    """Turns paired preference data into unpaired rows with a desirable/undesirable label, as KTO reads them.
+
+    Paired preference rows (``[prompt], chosen, rejected``) -> unpaired rows (``[prompt], completion,
     label``): within each map batch, every chosen row (label True) then every rejected one (label False);
-    other columns are repeated. `map_kwargs` go to ``dataset.map``. Works on (Iterable)Dataset(Dict)."""
+    other columns are repeated. `map_kwargs` go to ``dataset.map``. Works on (Iterable)Dataset(Dict).
+
+    See docs/dataset_formats.md.
+    """
     if hasattr(dataset, "keys"):
         column_names = get_dataset_column_names(next(iter(dataset.values())))
     else:
@@ -158,7 +185,10 @@ def unpair_preference_dataset(dataset, **map_kwargs):
 
 
 def maybe_unpair_preference_dataset(dataset, num_proc: int | None = None, desc: str | None = None):
-    """`unpair_preference_dataset` if the dataset has ``chosen`` and ``rejected`` columns, else the dataset."""
+    """`unpair_preference_dataset` if the dataset has ``chosen`` and ``rejected`` columns, else the dataset.
+
+    See docs/dataset_formats.md.
+    """
     column_names = next(iter(dataset.values())).column_names if hasattr(dataset, "keys") else dataset.column_names
     if "chosen" in column_names and "rejected" in column_names:
         return unpair_preference_dataset(dataset, num_proc=num_proc, desc=desc)

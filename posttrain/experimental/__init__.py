@@ -21,23 +21,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import config_field
 
 
 @dataclass
 class OnPolicyDistillationConfig(DistillationConfig):
-    lmbda: float = field(
-        default=0.5,
-        metadata={
-            "help": "Fraction of micro-batches whose completions the student samples itself "
-            "(0: the data's completions only, 1: always the student's)."
-        },
+    lmbda: float = config_field(
+        0.5,
+        "Fraction of micro-batches whose completions the student samples itself (0: the data's completions "
+        "only, 1: always the student's).",
     )
-    max_new_tokens: int | None = field(
-        default=128,
-        metadata={
-            "help": "Most tokens the student samples per completion (overrides "
-            "max_completion_length; None: use max_completion_length)."
-        },
+    max_new_tokens: int | None = config_field(
+        128,
+        "Most tokens the student samples per completion (overrides max_completion_length; None: use "
+        "max_completion_length).",
+        min=1,
     )
 
     def __post_init__(self):

@@ -4,9 +4,10 @@ checks, the model's `dtype`, and the refusal of TRL's worker objects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
+from posttrain.training.fields import config_field, max_completion_length_field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -27,93 +28,56 @@ PIPELINE_UNSUPPORTED = {
 class AsyncPipelineFields:
     """TRL's fields of the asynchronous rollout pipeline (a mixin of the configs)."""
 
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": (
-                f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs wins); "
-                "serve the vLLM server in the same one."
-            )
-        },
+    dtype: str = config_field(
+        "float32",
+        f"Precision the model is loaded in when given by name, one of {DTYPES} (a dtype in model_init_kwargs wins); "
+        "serve the vLLM server in the same one.",
+        choices=DTYPES,
     )
-    max_completion_length: int = field(default=2048, metadata={"help": "Most tokens generated per completion."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    use_vllm: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a copy of "
-                "the policy through transformers."
-            )
-        },
+    max_completion_length: int = max_completion_length_field(2048)
+    logging_steps: float = config_field(1, "Log every N optimizer steps.")
+    use_vllm: bool = config_field(
+        True,
+        "Sample with the vLLM server at vllm_server_base_url (as TRL's trainer does); False samples with a "
+        "copy of the policy through transformers.",
     )
-    vllm_mode: str = field(default="server", metadata={"help": "'server' (asynchronous generation needs it)."})
-    vllm_server_base_url: str | None = field(
-        default="http://localhost:8000",
-        metadata={"help": ("URL of the vLLM server that samples the completions (`posttrain vllm-serve MODEL`).")},
+    vllm_mode: str = config_field("server", "'server' (asynchronous generation needs it).")
+    vllm_server_base_url: str | None = config_field(
+        "http://localhost:8000", "URL of the vLLM server that samples the completions (`posttrain vllm-serve MODEL`)."
     )
-    request_timeout: int = field(
-        default=600,
-        metadata={
-            "help": ("TRL: seconds per HTTP request (posttrain: vllm_server_timeout bounds them; only the default).")
-        },
+    request_timeout: int = config_field(
+        600, "TRL: seconds per HTTP request (posttrain: vllm_server_timeout bounds them; only the default)."
     )
-    weight_sync_timeout: int = field(
-        default=1800,
-        metadata={
-            "help": ("TRL: seconds a weight transfer may take (posttrain: vllm_server_timeout; only the default).")
-        },
+    weight_sync_timeout: int = config_field(
+        1800, "TRL: seconds a weight transfer may take (posttrain: vllm_server_timeout; only the default)."
     )
-    token_budget: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size completions "
-                "per micro-batch (TRL's token_budget <= 0); a positive budget is refused."
-            )
-        },
+    token_budget: int | None = config_field(
+        None,
+        "TRL: tokens per packed micro-batch row. posttrain always trains per_device_train_batch_size "
+        "completions per micro-batch (TRL's token_budget <= 0); a positive budget is refused.",
     )
-    max_inflight_tasks: int = field(
-        default=-1,
-        metadata={"help": ("TRL: concurrent generation requests (posttrain generates whole rounds; only -1, auto).")},
+    max_inflight_tasks: int = config_field(
+        -1, "TRL: concurrent generation requests (posttrain generates whole rounds; only -1, auto)."
     )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": (
-                "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many rounds "
-                "(optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights."
-            )
-        },
+    max_staleness: int = config_field(
+        4,
+        "Rounds generated ahead of the one training: a rollout is sampled with weights at most this many "
+        "rounds (optimizer steps, with steps_per_generation=1) old. 0: each round with its own weights.",
+        min=0,
     )
-    queue_maxsize: int = field(
-        default=1024,
-        metadata={"help": ("TRL: samples buffered (posttrain holds at most max_staleness rounds; only the default).")},
+    queue_maxsize: int = config_field(
+        1024, "TRL: samples buffered (posttrain holds at most max_staleness rounds; only the default)."
     )
-    weight_sync_steps: int = field(
-        default=1,
-        metadata={
-            "help": ("Optimizer steps between two refreshes of the sampler's weights (pushes to the vLLM server).")
-        },
+    weight_sync_steps: int = config_field(
+        1, "Optimizer steps between two refreshes of the sampler's weights (pushes to the vLLM server).", min=1
     )
-    heartbeat_stale_after_s: float = field(
-        default=300.0,
-        metadata={
-            "help": (
-                "TRL: seconds without a worker heartbeat before aborting (posttrain: no separate worker; only the "
-                "default)."
-            )
-        },
+    heartbeat_stale_after_s: float = config_field(
+        300.0,
+        "TRL: seconds without a worker heartbeat before aborting (posttrain: no separate worker; only the default).",
     )
 
     def resolve_async_pipeline(self) -> None:
         """Checks the pipeline fields and maps them onto the engine's (before OnlineConfig's own checks)."""
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r} is not one of {DTYPES}.")
-        if self.max_staleness < 0:
-            raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0 (0: on-policy).")
-        if self.weight_sync_steps < 1:
-            raise ConfigError(f"weight_sync_steps={self.weight_sync_steps} must be at least 1.")
         if self.token_budget is not None and self.token_budget > 0:
             raise ConfigError(
                 f"token_budget={self.token_budget}: posttrain does not pack micro-batches by a token "

@@ -11,7 +11,7 @@ meant to be binary (0/1). Stage 1 is seeded, so a resumed run re-estimates the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -19,9 +19,9 @@ import torch
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation.base import derive_seed
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values
-from posttrain.online.engine import OnlineTrainer
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Advantages
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.training.fields import config_field, learning_rate_field, max_completion_length_field
 
 __all__ = ["A2POConfig", "A2POTrainer"]
 
@@ -35,34 +35,22 @@ class A2POConfig(GRPOConfig):
     min_num_generations: ClassVar[int] = 1
     method: ClassVar[str] = "A2PO"
 
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    max_completion_length: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
-    num_generations: int = field(
-        default=1, metadata={"help": ("Stage 2 completions per prompt (A*-PO uses 1; each is regressed on its own).")}
+    learning_rate: float = learning_rate_field(5e-5)
+    max_completion_length: int = max_completion_length_field(256)
+    num_generations: int = config_field(
+        1, "Stage 2 completions per prompt (A*-PO uses 1; each is regressed on its own)."
     )
-    num_value_samples: int = field(
-        default=8,
-        metadata={"help": ("Stage 1: completions sampled from the reference policy per prompt to estimate V*.")},
+    num_value_samples: int = config_field(
+        8, "Stage 1: completions sampled from the reference policy per prompt to estimate V*."
     )
-    beta1: float = field(
-        default=0.5,
-        metadata={
-            "help": (
-                "Stage 1: KL temperature of V* = beta1 * log mean exp(r / beta1) (small: the best sample's reward)."
-            )
-        },
+    beta1: float = config_field(
+        0.5, "Stage 1: KL temperature of V* = beta1 * log mean exp(r / beta1) (small: the best sample's reward)."
     )
-    filter_all_incorrect: bool = field(
-        default=True,
-        metadata={
-            "help": ("Stage 1: drop the training prompts whose reference samples all scored 0 (no learning signal).")
-        },
+    filter_all_incorrect: bool = config_field(
+        True, "Stage 1: drop the training prompts whose reference samples all scored 0 (no learning signal)."
     )
-    beta2: float = field(
-        default=1e-3,
-        metadata={
-            "help": ("Stage 2: KL temperature of the implicit reward beta2 * log(pi / pi_ref) regressed onto r - V*.")
-        },
+    beta2: float = config_field(
+        1e-3, "Stage 2: KL temperature of the implicit reward beta2 * log(pi / pi_ref) regressed onto r - V*."
     )
 
     def _check_loss_options(self) -> None:
@@ -148,7 +136,7 @@ class A2POTrainer(GRPOTrainer):
             for start in range(0, len(dataset), args.per_device_train_batch_size):
                 rows = [dataset[i] for i in range(start, min(start + args.per_device_train_batch_size, len(dataset)))]
                 seeds = [derive_seed(args.seed, _STAGE1_TAG, start + i) for i in range(len(rows))]
-                scored = OnlineTrainer.sample_groups(self, rows, n, seeds, -1)
+                scored = self.generate_and_score(rows, n, seeds, -1)
                 rewards = scored.rewards.nan_to_num(0.0).view(len(rows), n).double()
                 for row, value, group in zip(rows, a2po_optimal_values(rewards, args.beta1).tolist(), rewards):
                     key = tuple(row[PROMPT_IDS_COLUMN])

@@ -16,7 +16,7 @@ raises.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -33,6 +33,7 @@ from posttrain.losses.server_distillation import server_support, sparse_teacher_
 from posttrain.models.reference import freeze
 from posttrain.online.engine import Advantages, OnlineConfig, OnlineTrainer, Rollout
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, pad_rows
+from posttrain.training.fields import config_field
 
 __all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "LocalTeacher"]
 
@@ -59,45 +60,28 @@ class AsyncDistillationConfig(AsyncPipelineFields, OnlineConfig):
     }
     method: ClassVar[str] = "asynchronous distillation"
 
-    num_generations: int = field(default=1, metadata={"help": "Completions the student samples per prompt."})
-    teacher_server_urls: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with the "
-                f"student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One entry "
-                "only (several, TRL's multi-teacher MOPD, are not supported)."
-            )
-        },
+    num_generations: int = config_field(1, "Completions the student samples per prompt.")
+    teacher_server_urls: dict | str | None = config_field(
+        None,
+        "Teacher vLLM server(s) as {name: url} (a JSON object on the command line), each serving a model with the "
+        f"student's tokenizer; None: {DEFAULT_TEACHER_URL}, unless the trainer is given teacher_model. One entry "
+        "only (several, TRL's multi-teacher MOPD, are not supported).",
     )
-    beta: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "Generalized JSD interpolation: 0 forward KL (teacher's top-k support), 1 reverse KL; in between the "
-                "support is the teacher's top-1 and the sampled token."
-            )
-        },
+    beta: float = config_field(
+        0.0,
+        "Generalized JSD interpolation: 0 forward KL (teacher's top-k support), 1 reverse KL; in between the "
+        "support is the teacher's top-1 and the sampled token.",
     )
-    teacher_temperature: float = field(
-        default=1.0,
-        metadata={
-            "help": ("Softmax temperature of both sides of the divergence (the student samples at `temperature`).")
-        },
+    teacher_temperature: float = config_field(
+        1.0, "Softmax temperature of both sides of the divergence (the student samples at `temperature`).", gt=0
     )
-    teacher_top_k: int = field(default=8, metadata={"help": "Teacher tokens per position the divergence compares."})
-    add_tail_bucket: bool = field(
-        default=True,
-        metadata={
-            "help": ("Compare the probability mass outside the support as one more element (else renormalise over it).")
-        },
+    teacher_top_k: int = config_field(8, "Teacher tokens per position the divergence compares.", min=1)
+    add_tail_bucket: bool = config_field(
+        True, "Compare the probability mass outside the support as one more element (else renormalise over it)."
     )
-    vllm_importance_sampling_correction: bool = field(default=False, metadata={"help": "Not used (only False)."})
-    log_completions_steps: int = field(
-        default=100,
-        metadata={
-            "help": ("TRL: scored samples between two completion logs (posttrain logs every round; only the default).")
-        },
+    vllm_importance_sampling_correction: bool = config_field(False, "Not used (only False).")
+    log_completions_steps: int = config_field(
+        100, "TRL: scored samples between two completion logs (posttrain logs every round; only the default)."
     )
 
     def __post_init__(self):
@@ -111,10 +95,6 @@ class AsyncDistillationConfig(AsyncPipelineFields, OnlineConfig):
             )
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"beta={self.beta} must be in [0, 1] (0: forward KL, 1: reverse KL).")
-        if self.teacher_temperature <= 0:
-            raise ConfigError(f"teacher_temperature={self.teacher_temperature} must be > 0.")
-        if self.teacher_top_k < 1:
-            raise ConfigError(f"teacher_top_k={self.teacher_top_k} must be at least 1.")
         super().__post_init__()
 
 

@@ -12,7 +12,7 @@ moves from the weights that sampled; no KL term; the loss is the token mean of e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from posttrain.experimental._async_pipeline import (
 )
 from posttrain.online.rollout import Advantages, Rollout, groupwise_advantages
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.training.fields import config_field
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "population_group_advantages"]
 
@@ -48,28 +49,19 @@ class AsyncGRPOConfig(AsyncPipelineFields, GRPOConfig):
     }
     method: ClassVar[str] = "asynchronous GRPO"
 
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
-    loss_type: str = field(
-        default="bnpo",
-        metadata={
-            "help": (
-                "Loss aggregation (GRPOConfig.loss_type); TRL's asynchronous trainer takes the token mean of each "
-                "micro-batch, 'bnpo'."
-            )
-        },
+    lr_scheduler_type: str = config_field("constant", "Learning-rate schedule.")
+    loss_type: str = config_field(
+        "bnpo",
+        "Loss aggregation (GRPOConfig.loss_type); TRL's asynchronous trainer takes the token mean of each "
+        "micro-batch, 'bnpo'.",
     )
-    fork_threshold_tokens: int = field(
-        default=1024,
-        metadata={
-            "help": (
-                "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never re-tokenizes: "
-                "only the default)."
-            )
-        },
+    fork_threshold_tokens: int = config_field(
+        1024,
+        "TRL: re-tokenization drift, in tokens, that forks a multi-turn training row (posttrain never "
+        "re-tokenizes: only the default).",
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=False,
-        metadata={"help": ("Not used: the ratio is taken against the sampler's log-probs already (only False).")},
+    vllm_importance_sampling_correction: bool = config_field(
+        False, "Not used: the ratio is taken against the sampler's log-probs already (only False)."
     )
 
     def __post_init__(self):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -32,77 +32,72 @@ from posttrain.losses.bco import (
 )
 from posttrain.models.loading import load_causal_lm
 from posttrain.models.reference import is_peft_model, reference_forward, unwrap
-from posttrain.trainers.dpo import ReferenceTrainer, sequence_logps
-from posttrain.trainers.kto import KTOCollator, KTOTrainer, kto_rows, tokenize_kto_row
-from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings, load_processing_class
+from posttrain.trainers.kto import KTOCollator, tokenize_kto_row
+from posttrain.training.class_metrics import ClassMetricsMixin, labelled_rows
+from posttrain.training.fields import (
+    config_field,
+    max_completion_length_field,
+    max_length_field,
+    max_prompt_length_field,
+    truncation_mode_field,
+)
+from posttrain.training.preference import sequence_logps
+from posttrain.training.reference_trainer import (
+    ReferenceConfig,
+    ReferenceTrainer,
+    check_length_settings,
+    load_processing_class,
+)
 
 logger = logging.getLogger("posttrain")
 
 
 @dataclass
 class BCOConfig(ReferenceConfig):
-    learning_rate: float = field(
-        default=5e-5, metadata={"help": "Peak learning rate (TRL's BCOConfig kept transformers' default)."}
+    learning_rate: float = config_field(5e-5, "Peak learning rate (TRL's BCOConfig kept transformers' default).")
+    train_sampling_strategy: str = config_field(
+        "sequential", "Order of the training rows (TRL's BCO reads them in order)."
     )
-    train_sampling_strategy: str = field(
-        default="sequential", metadata={"help": "Order of the training rows (TRL's BCO reads them in order)."}
+    max_length: int | None = max_length_field(
+        1024, "Bound on prompt + completion (None: no bound); see max_prompt_length."
     )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Bound on prompt + completion (None: no bound); see max_prompt_length."}
+    max_prompt_length: int | None = max_prompt_length_field(
+        None,
+        "When prompt + completion exceeds max_length: first cut the prompt to this many tokens (as "
+        "truncation_mode says), then the completion to max_length - max_prompt_length. None: cut the whole "
+        "sequence as truncation_mode says.",
     )
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "When prompt + completion exceeds max_length: first cut the prompt to this "
-            "many tokens (as truncation_mode says), then the completion to max_length - "
-            "max_prompt_length. None: cut the whole sequence as truncation_mode says."
-        },
+    max_completion_length: int | None = max_completion_length_field(
+        None, "Keep at most the first this-many completion tokens."
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many completion tokens."}
+    beta: float = config_field(
+        0.1,
+        "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference.",
+        gt=0,
     )
-    beta: float = field(
-        default=0.1,
-        metadata={
-            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-            "keeps the policy closer to the reference."
-        },
+    label_pad_token_id: int = config_field(
+        -100,
+        "TRL's marker of untrained label positions; posttrain marks completion tokens with a mask instead, so "
+        "any value trains the same.",
     )
-    label_pad_token_id: int = field(
-        default=-100,
-        metadata={
-            "help": "TRL's marker of untrained label positions; posttrain marks completion tokens "
-            "with a mask instead, so any value trains the same."
-        },
+    padding_value: int | None = config_field(None, "Token id that pads input_ids (default: the tokenizer's pad token).")
+    truncation_mode: str = truncation_mode_field(
+        "keep_end", "Which end of an over-long prompt (or sequence) survives: keep_end or keep_start."
     )
-    padding_value: int | None = field(
-        default=None, metadata={"help": "Token id that pads input_ids (default: the tokenizer's pad token)."}
+    generate_during_eval: bool = config_field(
+        False, "Not supported (TRL logged sampled completions to W&B / Comet tables)."
     )
-    truncation_mode: str = field(
-        default="keep_end",
-        metadata={
-            "help": "Which end of an over-long prompt (or sequence) survives: keep_end or keep_start.",
-            "choices": ["keep_end", "keep_start"],
-        },
+    is_encoder_decoder: bool | None = config_field(
+        None, "Only decoder-only (causal) models are supported: leave unset or False."
     )
-    generate_during_eval: bool = field(
-        default=False, metadata={"help": "Not supported (TRL logged sampled completions to W&B / Comet tables)."}
+    ref_model_init_kwargs: dict | str | None = config_field(
+        None, "Keyword arguments for from_pretrained when `ref_model` is a name or path."
     )
-    is_encoder_decoder: bool | None = field(
-        default=None, metadata={"help": "Only decoder-only (causal) models are supported: leave unset or False."}
+    prompt_sample_size: int = config_field(
+        1024, "UDM: prompts of each class embedded to fit the density-ratio classifier.", min=1
     )
-    ref_model_init_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for from_pretrained when `ref_model` is a name or path."}
-    )
-    prompt_sample_size: int = field(
-        default=1024, metadata={"help": "UDM: prompts of each class embedded to fit the density-ratio classifier."}
-    )
-    min_density_ratio: float = field(
-        default=0.5, metadata={"help": "UDM: lower clamp of an undesirable example's density-ratio weight."}
-    )
-    max_density_ratio: float = field(
-        default=10.0, metadata={"help": "UDM: upper clamp of an undesirable example's density-ratio weight."}
-    )
+    min_density_ratio: float = config_field(0.5, "UDM: lower clamp of an undesirable example's density-ratio weight.")
+    max_density_ratio: float = config_field(10.0, "UDM: upper clamp of an undesirable example's density-ratio weight.")
 
     unsupported_options: ClassVar[dict[str, str]] = {
         **ReferenceConfig.unsupported_options,
@@ -120,11 +115,7 @@ class BCOConfig(ReferenceConfig):
                 "is_encoder_decoder=True: posttrain's BCOTrainer trains decoder-only (causal) models; "
                 "leave is_encoder_decoder unset."
             )
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
         check_length_settings(self)
-        if self.prompt_sample_size < 1:
-            raise ConfigError(f"prompt_sample_size={self.prompt_sample_size} must be at least 1.")
         if not 0 <= self.min_density_ratio <= self.max_density_ratio:
             raise ConfigError(
                 f"min_density_ratio={self.min_density_ratio} and max_density_ratio="
@@ -206,7 +197,33 @@ class BCOCollator(KTOCollator):
         return batch
 
 
-class BCOTrainer(ReferenceTrainer):
+def _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name):
+    """The model, UDM's embedding pair and the adapter to train: what BCOTrainer can use."""
+    if model_init is not None:
+        raise ConfigError(
+            "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
+            "data are prepared from the model when the trainer is built); pass `model` instead."
+        )
+    if model is None:
+        raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
+    if (embedding_func is None) != (embedding_tokenizer is None):
+        raise ConfigError(
+            "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
+            "the one and embedded with the other); pass both, or neither to train without UDM."
+        )
+    if model_adapter_name is not None:
+        _check_adapter_name("model_adapter_name", model_adapter_name, model, peft_config)
+
+
+def _check_adapter_name(option: str, name: str, model, peft_config) -> None:
+    if isinstance(model, str) or not is_peft_model(model) or peft_config is not None:
+        raise ConfigError(
+            f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
+            f"peft_config); pass such a model, or drop {option}."
+        )
+
+
+class BCOTrainer(ClassMetricsMixin, ReferenceTrainer):
     """`BCOTrainer(model, ref_model=None, args=BCOConfig(...), train_dataset=..., processing_class=...,
     embedding_func=..., embedding_tokenizer=...)`, the keyword arguments of TRL's BCOTrainer in its order.
 
@@ -244,29 +261,14 @@ class BCOTrainer(ReferenceTrainer):
         **kwargs,
     ):
         args = args or BCOConfig(output_dir="outputs/bco")
-        if model_init is not None:
-            raise ConfigError(
-                "model_init is not supported by posttrain's BCOTrainer (the reference model and the "
-                "data are prepared from the model when the trainer is built); pass `model` instead."
-            )
-        if model is None:
-            raise ConfigError("BCOTrainer needs `model` (a causal LM, or its name or path).")
-        if (embedding_func is None) != (embedding_tokenizer is None):
-            raise ConfigError(
-                "UDM needs both embedding_func and embedding_tokenizer (the prompts are tokenized with "
-                "the one and embedded with the other); pass both, or neither to train without UDM."
-            )
-        for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
-            if name is not None and (isinstance(model, str) or not is_peft_model(model) or peft_config is not None):
+        _check_models(model, model_init, peft_config, args, embedding_func, embedding_tokenizer, model_adapter_name)
+        if ref_adapter_name is not None:
+            _check_adapter_name("ref_adapter_name", ref_adapter_name, model, peft_config)
+            if args.precompute_ref_log_probs:
                 raise ConfigError(
-                    f"{option}={name!r} names an adapter of a PEFT model passed as `model` (without "
-                    f"peft_config); pass such a model, or drop {option}."
+                    "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
+                    "precompute_ref_log_probs=False."
                 )
-        if ref_adapter_name is not None and args.precompute_ref_log_probs:
-            raise ConfigError(
-                "ref_adapter_name with precompute_ref_log_probs=True is not supported; set "
-                "precompute_ref_log_probs=False."
-            )
         if isinstance(ref_model, str) and args.ref_model_init_kwargs:
             ref_model = load_causal_lm(ref_model, dict(args.ref_model_init_kwargs))
         elif args.ref_model_init_kwargs and ref_model is not None:
@@ -353,9 +355,6 @@ class BCOTrainer(ReferenceTrainer):
         embedding_pad = getattr(self.embedding_tokenizer, "pad_token_id", None) or 0
         return BCOCollator(pad_id, pad_to_multiple_of=args.pad_to_multiple_of, embedding_pad_token_id=embedding_pad)
 
-    count_loss_items = KTOTrainer.count_loss_items
-    metric_inputs = KTOTrainer.metric_inputs
-
     # -- reference -------------------------------------------------------------------------------
     @contextmanager
     def reference_module(self, model):
@@ -377,7 +376,7 @@ class BCOTrainer(ReferenceTrainer):
             peft_model.train(was_training)
 
     def reference_columns(self, reference, batch):
-        return {"ref_logps": sequence_logps(reference, kto_rows(batch, slice(None))).logps}
+        return {"ref_logps": sequence_logps(reference, labelled_rows(batch, slice(None))).logps}
 
     # -- UDM -------------------------------------------------------------------------------------
     def _embed(self, batch: dict) -> torch.Tensor:
@@ -428,7 +427,7 @@ class BCOTrainer(ReferenceTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["label"]
         n = len(labels)
-        policy = sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
+        policy = sequence_logps(model, labelled_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled)
         ref_logps = self.reference_logps(model, inputs)["ref_logps"]
         if model.training:  # delta takes in this batch's rewards (of all processes) before it shifts them
             rewards = self.args.beta * (policy.logps.detach() - ref_logps)
@@ -442,8 +441,7 @@ class BCOTrainer(ReferenceTrainer):
         self.record_token_metrics(
             policy.stats, policy.token_counts, inputs["attention_mask"].sum(), {"chosen": labels, "rejected": ~labels}
         )
-        KTOTrainer._record_class_metrics(self, labels, rewards, policy.logps.detach())
-        self._metrics["train" if self.model.training else "eval"].pop("kl", None)  # BCO has no KL reference point
+        self.record_class_metrics(labels, rewards, policy.logps.detach())  # BCO has no KL reference point
         self.record_metrics({"delta": delta})
         return (loss, {"rewards": rewards}) if return_outputs else loss
 

@@ -9,36 +9,29 @@ gamma; AlphaPO reshapes the reward to (1 - p^-alpha) / alpha. Data, forward and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from posttrain.losses.reference_free import CPO_AVERAGED_TYPES, cpo_loss, validate_cpo_settings
+from posttrain.losses.reference_free import CPO_AVERAGED_TYPES, CPO_LOSS_TYPES, cpo_loss, validate_cpo_settings
+from posttrain.training.fields import config_field
 from posttrain.training.reference_free import ReferenceFreeConfig, ReferenceFreeTrainer
 
 
 @dataclass
 class CPOConfig(ReferenceFreeConfig):
-    beta: float = field(
-        default=0.1, metadata={"help": "Temperature of the preference loss (for ipo, the regularisation tau)."}
+    beta: float = config_field(0.1, "Temperature of the preference loss (for ipo, the regularisation tau).", gt=0)
+    label_smoothing: float = config_field(
+        0.0, "Assumed rate of flipped preference labels, in [0, 0.5] (sigmoid and simpo only).", min=0, max=0.5
     )
-    label_smoothing: float = field(
-        default=0.0,
-        metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] (sigmoid and simpo only)."},
+    loss_type: str = config_field(
+        "sigmoid",
+        "sigmoid (CPO), hinge (SLiC), ipo, simpo (SimPO), or alphapo (SimPO with cpo_alpha=0; set alpha for "
+        "AlphaPO's reward shape).",
+        choices=CPO_LOSS_TYPES,
     )
-    loss_type: str = field(
-        default="sigmoid",
-        metadata={
-            "help": "sigmoid (CPO), hinge (SLiC), ipo, simpo (SimPO), or alphapo (SimPO "
-            "with cpo_alpha=0; set alpha for AlphaPO's reward shape).",
-            "choices": ["sigmoid", "hinge", "ipo", "simpo", "alphapo"],
-        },
-    )
-    cpo_alpha: float = field(
-        default=1.0, metadata={"help": "Weight of the NLL (behaviour cloning) term on the chosen completions."}
-    )
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma (simpo only)."})
-    alpha: float = field(
-        default=0.0,
-        metadata={"help": "AlphaPO's reward shape, any loss type: r = (1 - p^-alpha) / alpha (0: r = log p)."},
+    cpo_alpha: float = config_field(1.0, "Weight of the NLL (behaviour cloning) term on the chosen completions.")
+    simpo_gamma: float = config_field(0.5, "SimPO's target reward margin gamma (simpo only).")
+    alpha: float = config_field(
+        0.0, "AlphaPO's reward shape, any loss type: r = (1 - p^-alpha) / alpha (0: r = log p)."
     )
 
     def __post_init__(self):

@@ -16,7 +16,7 @@ prompt-completion rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,48 +27,34 @@ from posttrain.generation import create_generation_backend
 from posttrain.losses.distillation import generalized_jsd_loss
 from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
-from posttrain.trainers.sft import SFTTrainer
+from posttrain.training.fields import config_field, disable_dropout_field, learning_rate_field
 
 
 @dataclass
 class GKDConfig(DistillationConfig):
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
-    temperature: float = field(
-        default=0.9,
-        metadata={
-            "help": "Sampling temperature of the student's (and with seq_kd the teacher's) "
-            "completions; the loss compares the untempered distributions."
-        },
+    learning_rate: float = learning_rate_field(2e-5)
+    temperature: float = config_field(
+        0.9,
+        "Sampling temperature of the student's (and with seq_kd the teacher's) completions; the loss compares "
+        "the untempered distributions.",
     )
-    lmbda: float = field(
-        default=0.5,
-        metadata={
-            "help": "Probability that a micro-batch's completions are sampled by the student (the on-policy fraction)."
-        },
+    lmbda: float = config_field(
+        0.5, "Probability that a micro-batch's completions are sampled by the student (the on-policy fraction)."
     )
-    beta: float = field(
-        default=0.5,
-        metadata={
-            "help": "Generalized JSD interpolation: 0 = forward KL(teacher‖student), "
-            "0.5 = Jensen-Shannon, 1 = reverse KL(student‖teacher)."
-        },
+    beta: float = config_field(
+        0.5,
+        "Generalized JSD interpolation: 0 = forward KL(teacher‖student), 0.5 = Jensen-Shannon, 1 = reverse "
+        "KL(student‖teacher).",
     )
-    max_new_tokens: int = field(
-        default=128, metadata={"help": "Most tokens sampled per completion (sets max_completion_length)."}
+    max_new_tokens: int = config_field(128, "Most tokens sampled per completion (sets max_completion_length).", min=1)
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in the student.")
+    seq_kd: bool = config_field(
+        False,
+        "Sequence-level KD: micro-batches that are not on-policy train on completions the teacher samples "
+        "instead of the data's.",
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
-    seq_kd: bool = field(
-        default=False,
-        metadata={
-            "help": "Sequence-level KD: micro-batches that are not on-policy train on "
-            "completions the teacher samples instead of the data's."
-        },
-    )
-    shuffle_dataset: bool = field(
-        default=False,
-        metadata={
-            "help": "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
-        },
+    shuffle_dataset: bool = config_field(
+        False, "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
     )
 
     def __post_init__(self):
@@ -135,6 +121,7 @@ class GKDTrainer(DistillationTrainer):
     """
 
     _name = "GKD"
+    ordered_when_unshuffled = False  # batches drawn at random, as TRL (shuffle_dataset: a one-off shuffle)
     # TRL's static helpers: the loss with TRL's reductions, and one on-policy sampling step through `model.generate`
     generalized_jsd_loss = staticmethod(generalized_jsd_loss)
     generate_on_policy_outputs = staticmethod(generate_on_policy_outputs)
@@ -211,12 +198,7 @@ class GKDTrainer(DistillationTrainer):
                 desc=f"Tokenizing {name}",
                 fn_kwargs=dict(tokenizer=tokenizer, max_length=args.max_length),
             )
-            return SFTTrainer.prepare_dataset(self, dataset, tokenizer, args, name)  # tokenized rows as they are
         return super().prepare_dataset(dataset, tokenizer, args, name)
-
-    def _get_train_sampler(self, train_dataset=None):
-        # shuffle_dataset has SFT's meaning here (a one-off shuffle); batches are always drawn at random, as in TRL.
-        return super(DistillationTrainer, self)._get_train_sampler(train_dataset)
 
     def loss_temperature(self) -> float:
         return 1.0

@@ -10,12 +10,13 @@ and are refused when the config is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.grpo_family import gmpo_objective
 from posttrain.losses.policy import objective_metrics
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.training.fields import config_field
 
 __all__ = ["GMPOConfig", "GMPOTrainer"]
 
@@ -26,17 +27,11 @@ class GMPOConfig(GRPOConfig):
 
     method = "GMPO"
 
-    epsilon: float = field(
-        default=0.4,
-        metadata={
-            "help": ("Lower clip bound in log space: a token's ratio is kept above exp(-epsilon). GMPO recommends 0.4.")
-        },
+    epsilon: float = config_field(
+        0.4, "Lower clip bound in log space: a token's ratio is kept above exp(-epsilon). GMPO recommends 0.4."
     )
-    epsilon_high: float | None = field(
-        default=None,
-        metadata={
-            "help": ("Upper clip bound in log space: a token's ratio is kept below exp(epsilon_high) (None: epsilon).")
-        },
+    epsilon_high: float | None = config_field(
+        None, "Upper clip bound in log space: a token's ratio is kept below exp(epsilon_high) (None: epsilon)."
     )
 
     def _check_loss_options(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -27,110 +27,79 @@ from posttrain.losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequen
 from posttrain.losses.sft import IGNORE_INDEX, nll_sum
 from posttrain.models.loading import load_tokenizer
 from posttrain.trainers.distillation import DistillationConfig
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+)
 
 
 @dataclass
 class GOLDConfig(DistillationConfig):
-    learning_rate: float = field(default=1e-7, metadata={"help": "Peak learning rate."})
-    temperature: float = field(
-        default=0.9,
-        metadata={
-            "help": "Sampling temperature, and the temperature of both distributions in the "
-            "generalized JSD (not in ULD: see uld_*_temperature)."
-        },
+    learning_rate: float = learning_rate_field(1e-7)
+    temperature: float = config_field(
+        0.9,
+        "Sampling temperature, and the temperature of both distributions in the generalized JSD (not in ULD: "
+        "see uld_*_temperature).",
     )
-    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
-    lmbda: float = field(
-        default=0.5, metadata={"help": "Probability that a micro-batch's completions are sampled by the student."}
+    top_p: float = config_field(0.95, "Nucleus sampling of on-policy completions (1.0: off).")
+    lmbda: float = config_field(0.5, "Probability that a micro-batch's completions are sampled by the student.")
+    beta: float = config_field(0.5, "Generalized JSD interpolation: 0 = forward KL, 0.5 = JSD, 1 = reverse KL.")
+    max_completion_length: int = max_completion_length_field(128, "Most tokens sampled per completion.")
+    shuffle_dataset: bool = config_field(
+        False, "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
     )
-    beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD interpolation: 0 = forward KL, 0.5 = JSD, 1 = reverse KL."}
+    teacher_tokenizer_name_or_path: str | None = config_field(
+        None, "The teacher's tokenizer for ULD (default: the teacher's own)."
     )
-    max_completion_length: int = field(default=128, metadata={"help": "Most tokens sampled per completion."})
-    shuffle_dataset: bool = field(
-        default=False,
-        metadata={
-            "help": "Shuffle the prepared dataset once with `seed` (batches are drawn in random order either way)."
-        },
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in the student.")
+    seq_kd: bool = config_field(False, "Micro-batches that are not on-policy train on the teacher's samples.")
+    num_generations: int = config_field(1, "Completions per prompt (only 1 is supported by posttrain's GOLD).")
+    generation_batch_size: int | None = config_field(
+        None,
+        "Prompts per process per optimizer step (None: per_device_train_batch_size * "
+        "gradient_accumulation_steps / num_generations, the only value allowed).",
     )
-    teacher_tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "The teacher's tokenizer for ULD (default: the teacher's own)."}
+    use_uld_loss: bool = config_field(
+        False, "Universal Logit Distillation instead of the generalized JSD (for a teacher with a different tokenizer)."
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
-    seq_kd: bool = field(
-        default=False, metadata={"help": "Micro-batches that are not on-policy train on the teacher's samples."}
+    uld_token_merge_strategy: str = config_field(
+        "observed",
+        "How several tokens aligned to one are merged: 'observed' (first position x later tokens' "
+        "probabilities) or 'bayesian' (last position x earlier tokens' probabilities).",
+        choices=MERGE_STRATEGIES,
     )
-    num_generations: int = field(
-        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's GOLD)."}
+    use_extended_uld: bool = config_field(
+        True, "Align the tokenizations by byte offsets (False: position by position)."
     )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Prompts per process per optimizer step (None: per_device_train_batch_size "
-            "* gradient_accumulation_steps / num_generations, the only value allowed)."
-        },
+    uld_use_hybrid_loss: bool = config_field(
+        False, "Hybrid ULD: the generalized JSD (beta) on the tokens both vocabularies share, sorted L1 on the others."
     )
-    use_uld_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "Universal Logit Distillation instead of the generalized JSD (for a teacher "
-            "with a different tokenizer)."
-        },
+    uld_hybrid_matched_weight: float | None = config_field(
+        None, "Hybrid ULD weight of the shared tokens (only with uld_use_hybrid_loss).", min=0
     )
-    uld_token_merge_strategy: str = field(
-        default="observed",
-        metadata={
-            "help": "How several tokens aligned to one are merged: 'observed' (first "
-            "position x later tokens' probabilities) or 'bayesian' (last position "
-            "x earlier tokens' probabilities)."
-        },
+    uld_hybrid_unmatched_weight: float | None = config_field(
+        None, "Hybrid ULD weight of the other tokens (only with uld_use_hybrid_loss).", min=0
     )
-    use_extended_uld: bool = field(
-        default=True, metadata={"help": "Align the tokenizations by byte offsets (False: position by position)."}
+    uld_crossentropy_weight: float = config_field(
+        0.0, "Weight of the student's NLL of the completions in the ULD loss.", min=0
     )
-    uld_use_hybrid_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "Hybrid ULD: the generalized JSD (beta) on the tokens both vocabularies "
-            "share, sorted L1 on the others."
-        },
+    uld_distillation_weight: float = config_field(1.0, "Weight of the ULD term.", min=0)
+    uld_student_temperature: float = config_field(1.0, "Student softmax temperature in ULD.", gt=0)
+    uld_teacher_temperature: float = config_field(1.0, "Teacher softmax temperature in ULD.", gt=0)
+    uld_skip_student_eos: bool = config_field(True, "Leave the student completion's last token out of ULD.")
+    uld_skip_teacher_eos: bool = config_field(True, "Leave the teacher completion's last token (its EOS) out of ULD.")
+    vllm_server_port: int = config_field(8001, "vLLM server port (only with use_vllm).")
+    vllm_gpu_memory_utilization: float = config_field(0.9, "Colocated vLLM GPU memory share (only with use_vllm).")
+    vllm_sync_frequency: int = config_field(1, "Steps between weight syncs to vLLM (only with use_vllm).")
+    log_completions_steps: int = config_field(
+        100, "With log_completions: save the latest completions every this many steps.", min=1
     )
-    uld_hybrid_matched_weight: float | None = field(
-        default=None, metadata={"help": "Hybrid ULD weight of the shared tokens (only with uld_use_hybrid_loss)."}
-    )
-    uld_hybrid_unmatched_weight: float | None = field(
-        default=None, metadata={"help": "Hybrid ULD weight of the other tokens (only with uld_use_hybrid_loss)."}
-    )
-    uld_crossentropy_weight: float = field(
-        default=0.0, metadata={"help": "Weight of the student's NLL of the completions in the ULD loss."}
-    )
-    uld_distillation_weight: float = field(default=1.0, metadata={"help": "Weight of the ULD term."})
-    uld_student_temperature: float = field(default=1.0, metadata={"help": "Student softmax temperature in ULD."})
-    uld_teacher_temperature: float = field(default=1.0, metadata={"help": "Teacher softmax temperature in ULD."})
-    uld_skip_student_eos: bool = field(
-        default=True, metadata={"help": "Leave the student completion's last token out of ULD."}
-    )
-    uld_skip_teacher_eos: bool = field(
-        default=True, metadata={"help": "Leave the teacher completion's last token (its EOS) out of ULD."}
-    )
-    vllm_server_port: int = field(default=8001, metadata={"help": "vLLM server port (only with use_vllm)."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.9, metadata={"help": "Colocated vLLM GPU memory share (only with use_vllm)."}
-    )
-    vllm_sync_frequency: int = field(
-        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."}
-    )
-    log_completions_steps: int = field(
-        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."}
-    )
-    wandb_log_unique_prompts: bool = field(
-        default=True, metadata={"help": "With log_completions: show each prompt's completion once."}
-    )
-    callbacks: list[str] = field(
+    wandb_log_unique_prompts: bool = config_field(True, "With log_completions: show each prompt's completion once.")
+    callbacks: list[str] = config_field(
+        help="TRL's unused callback names; pass callback objects to the trainer's `callbacks` argument instead.",
         default_factory=list,
-        metadata={
-            "help": "TRL's unused callback names; pass callback objects to the trainer's `callbacks` argument instead."
-        },
     )
 
     def __post_init__(self):
@@ -160,18 +129,6 @@ class GOLDConfig(DistillationConfig):
                 f"uld_hybrid_matched_weight={weights[0]}, uld_hybrid_unmatched_weight={weights[1]}: "
                 "set both (fixed weights) or neither (weights from the shared vocabulary fraction)."
             )
-        if weights[0] is not None and min(weights) < 0:
-            raise ConfigError(f"The hybrid ULD weights {weights} must be >= 0.")
-        if self.uld_token_merge_strategy not in MERGE_STRATEGIES:
-            raise ConfigError(
-                f"uld_token_merge_strategy={self.uld_token_merge_strategy!r} is not one of {MERGE_STRATEGIES}."
-            )
-        for name in ("uld_crossentropy_weight", "uld_distillation_weight"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0.")
-        for name in ("uld_student_temperature", "uld_teacher_temperature"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
         if self.max_length is not None and self.max_completion_length >= self.max_length:
             raise ConfigError(
                 f"max_completion_length={self.max_completion_length} must be smaller than max_length="
@@ -182,8 +139,6 @@ class GOLDConfig(DistillationConfig):
                 "use_uld_loss=True aligns each row's completion with the teacher's tokenization; set "
                 "padding_free=False and packing=False."
             )
-        if self.log_completions_steps < 1:
-            raise ConfigError(f"log_completions_steps={self.log_completions_steps} must be at least 1.")
         self.log_unique_prompts = self.wandb_log_unique_prompts
         super().__post_init__()
 
@@ -343,11 +298,10 @@ class GOLDTrainer(GKDTrainer):
         args, labels = self.args, inputs["labels"]
         forward = {k: v for k, v in inputs.items() if k not in ("labels", "num_input_tokens")}
         student_logits = model(**forward, use_cache=False).logits
-        decode = lambda ids: self.processing_class.decode(
-            ids,
-            skip_special_tokens=False,  # noqa: E731
-            clean_up_tokenization_spaces=False,
-        )
+
+        def decode(ids):
+            return self.processing_class.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
         prompts, completions, student_offsets = [], [], torch.zeros((*labels.shape, 2), dtype=torch.long)
         for i, row in enumerate(labels):
             trained = (row != IGNORE_INDEX).nonzero()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,7 @@ from posttrain.errors import ConfigError
 from posttrain.generation.base import derive_seed
 from posttrain.online.rollout import Rollout
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, group_has_variance
+from posttrain.training.fields import config_field
 
 __all__ = ["GRPOWithReplayBufferConfig", "GRPOWithReplayBufferTrainer", "ReplayBuffer"]
 
@@ -33,20 +34,12 @@ _REPLAY_TAG = 7  # keeps the buffer's sampling seeds apart from the others deriv
 class GRPOWithReplayBufferConfig(GRPOConfig):
     """GRPOConfig plus the size of the replay buffer."""
 
-    replay_buffer_size: int = field(
-        default=64,
-        metadata={
-            "help": (
-                "Groups with reward variance kept to replace later zero-variance groups, highest std(rewards) * "
-                "sum|advantages| first (0: off, plain GRPO)."
-            )
-        },
+    replay_buffer_size: int = config_field(
+        64,
+        "Groups with reward variance kept to replace later zero-variance groups, highest std(rewards) * "
+        "sum|advantages| first (0: off, plain GRPO).",
+        min=0,
     )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.replay_buffer_size < 0:
-            raise ConfigError(f"replay_buffer_size={self.replay_buffer_size} must be >= 0 (0 turns the buffer off).")
 
 
 class ReplayBuffer:

@@ -11,7 +11,7 @@ message is the completion) or posttrain's prompt(-completion) rows; prompts keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -21,6 +21,12 @@ from posttrain.losses.distillation import generalized_jsd, shared_vocab
 from posttrain.losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
 from posttrain.losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+)
 
 OBJECTIVES = ("iw_opd", "jsd")
 
@@ -34,90 +40,56 @@ class IWOPDConfig(DistillationConfig):
         "teacher_model_server_url": "it only applies with use_teacher_server, which posttrain does not support.",
     }
 
-    distillation_objective: str = field(
-        default="iw_opd",
-        metadata={
-            "help": "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) "
-            "or 'jsd' (generalized JSD, see loss_top_k)."
-        },
+    distillation_objective: str = config_field(
+        "iw_opd",
+        "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) or 'jsd' (generalized JSD, "
+        "see loss_top_k).",
+        choices=OBJECTIVES,
     )
-    iw_opd_gamma: float = field(
-        default=0.5,
-        metadata={
-            "help": "How much more early tokens weigh: w_t = 1 + gamma * (share of the "
-            "completion's |log-ratio| still ahead)."
-        },
+    iw_opd_gamma: float = config_field(
+        0.5,
+        "How much more early tokens weigh: w_t = 1 + gamma * (share of the completion's |log-ratio| still ahead).",
+        min=0,
     )
-    iw_opd_epsilon: float = field(default=1e-8, metadata={"help": "Floor of the per-completion |log-ratio| sum."})
-    reverse_kl_top_1_mode: str = field(
-        default="sampled",
-        metadata={
-            "help": "The student-side token of the mixed top-1 JSD: 'sampled' (the "
-            "completion's token) or 'argmax' (the student's most likely)."
-        },
+    iw_opd_epsilon: float = config_field(1e-8, "Floor of the per-completion |log-ratio| sum.", gt=0)
+    reverse_kl_top_1_mode: str = config_field(
+        "sampled",
+        "The student-side token of the mixed top-1 JSD: 'sampled' (the completion's token) or 'argmax' (the "
+        "student's most likely).",
+        choices=("sampled", "argmax"),
     )
-    max_completion_length: int = field(default=512, metadata={"help": "Most tokens sampled per completion."})
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Cut prompts to this many tokens, on the tokenizer's truncation side "
-            "(default: max_length - max_completion_length)."
-        },
+    max_completion_length: int = max_completion_length_field(512, "Most tokens sampled per completion.")
+    max_prompt_length: int | None = max_prompt_length_field(
+        None,
+        "Cut prompts to this many tokens, on the tokenizer's truncation side (default: max_length - "
+        "max_completion_length).",
     )
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in the student."})
-    use_teacher_server: bool = field(default=False, metadata={"help": "Remote teacher server (not supported)."})
-    teacher_model_server_url: str | None = field(
-        default=None, metadata={"help": "Remote teacher server URL (not supported)."}
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in the student.")
+    use_teacher_server: bool = config_field(False, "Remote teacher server (not supported).")
+    teacher_model_server_url: str | None = config_field(None, "Remote teacher server URL (not supported).")
+    loss_top_k: int = config_field(
+        1,
+        "JSD objective: compare the distributions on this many top tokens (0: the full vocabulary; 1 with "
+        "beta > 0: the mixed top-1 support).",
+        min=0,
     )
-    loss_top_k: int = field(
-        default=1,
-        metadata={
-            "help": "JSD objective: compare the distributions on this many top tokens (0: the "
-            "full vocabulary; 1 with beta > 0: the mixed top-1 support)."
-        },
+    loss_add_tail: bool = config_field(
+        True, "JSD on a top-k support: add the remaining mass as one more element (else renormalise over the support)."
     )
-    loss_add_tail: bool = field(
-        default=True,
-        metadata={
-            "help": "JSD on a top-k support: add the remaining mass as one more element "
-            "(else renormalise over the support)."
-        },
+    num_generations: int = config_field(1, "Completions per prompt (only 1 is supported by posttrain's IW-OPD).")
+    generation_batch_size: int | None = config_field(
+        None,
+        "Prompts per process per optimizer step (None: the local batch, the only value allowed with one "
+        "generation per prompt).",
     )
-    num_generations: int = field(
-        default=1, metadata={"help": "Completions per prompt (only 1 is supported by posttrain's IW-OPD)."}
-    )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Prompts per process per optimizer step (None: the local batch, the only "
-            "value allowed with one generation per prompt)."
-        },
-    )
-    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling of on-policy completions (1.0: off)."})
-    vllm_server_port: int = field(default=8001, metadata={"help": "vLLM server port (only with use_vllm)."})
-    vllm_sync_frequency: int = field(
-        default=1, metadata={"help": "Steps between weight syncs to vLLM (only with use_vllm)."}
-    )
-    log_completions_steps: int = field(
-        default=100, metadata={"help": "With log_completions: save the latest completions every this many steps."}
+    top_p: float = config_field(0.95, "Nucleus sampling of on-policy completions (1.0: off).")
+    vllm_server_port: int = config_field(8001, "vLLM server port (only with use_vllm).")
+    vllm_sync_frequency: int = config_field(1, "Steps between weight syncs to vLLM (only with use_vllm).")
+    log_completions_steps: int = config_field(
+        100, "With log_completions: save the latest completions every this many steps.", min=1
     )
 
     def __post_init__(self):
-        if self.distillation_objective not in OBJECTIVES:
-            raise ConfigError(f"distillation_objective={self.distillation_objective!r} is not one of {OBJECTIVES}.")
-        if self.iw_opd_gamma < 0:
-            raise ConfigError(f"iw_opd_gamma={self.iw_opd_gamma} must be >= 0.")
-        if self.iw_opd_epsilon <= 0:
-            raise ConfigError(f"iw_opd_epsilon={self.iw_opd_epsilon} must be > 0.")
-        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
-            raise ConfigError(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} is not 'sampled' or 'argmax'.")
-        if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
-            raise ConfigError(
-                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
-                "and reverse_kl_top_1_mode='sampled'."
-            )
-        if self.loss_top_k < 0:
-            raise ConfigError(f"loss_top_k={self.loss_top_k} must be >= 0 (0: the full vocabulary).")
         if self.max_length is not None and self.max_completion_length >= self.max_length:
             raise ConfigError(
                 f"max_completion_length={self.max_completion_length} must be smaller than max_length="
@@ -137,9 +109,12 @@ class IWOPDConfig(DistillationConfig):
                 f"per_device_train_batch_size * gradient_accumulation_steps ({local}); leave it None."
             )
         self.generation_batch_size = local
-        if self.log_completions_steps < 1:
-            raise ConfigError(f"log_completions_steps={self.log_completions_steps} must be at least 1.")
         super().__post_init__()
+        if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
+            raise ConfigError(
+                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
+                "and reverse_kl_top_1_mode='sampled'."
+            )
 
 
 def _messages_to_prompt(example: dict) -> dict:
@@ -172,6 +147,7 @@ class IWOPDTrainer(DistillationTrainer):
     iw_opd/mean_weight, iw_opd/min_weight, iw_opd/max_weight, and DistillationTrainer's metrics."""
 
     _name = "IW-OPD"
+    ordered_when_unshuffled = False  # batches drawn at random, as TRL
 
     def __init__(
         self,
@@ -234,9 +210,6 @@ class IWOPDTrainer(DistillationTrainer):
                 keep_end=getattr(tokenizer, "truncation_side", "right") == "left",
             ),
         )
-
-    def _get_train_sampler(self, train_dataset=None):
-        return super(DistillationTrainer, self)._get_train_sampler(train_dataset)  # random order, as TRL
 
     def _forward_nll(self, model, inputs, labels):
         args = self.args

@@ -10,16 +10,17 @@ probability with a judge; `mixture_coef` (a list: one value per epoch) defaults 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, epoch_value
 from posttrain.losses.online_preference import geometric_mixture_logps, nash_md_loss
 from posttrain.models.reference import reference_forward, unwrap
 from posttrain.online.engine import Advantages, Episode, Rollout
 from posttrain.online.rollout import PROMPT_IDS_COLUMN
+from posttrain.training.fields import config_field
 
 __all__ = ["NashMDConfig", "NashMDTrainer", "sample_completions"]
 
@@ -106,14 +107,14 @@ class NashMDConfig(OnlineDPOConfig):
     """OnlineDPOConfig plus `mixture_coef`."""
 
     method: ClassVar[str] = "Nash-MD"
-    schedules: ClassVar[dict[str, tuple]] = {**OnlineDPOConfig.schedules, "mixture_coef": (0.0, True, 1.0)}
+    schedules: ClassVar[tuple[str, ...]] = (*OnlineDPOConfig.schedules, "mixture_coef")
 
-    mixture_coef: list[float] | float = field(
+    mixture_coef: list[float] | float = config_field(
+        help="Weight of the reference in the geometric mixture pi^(1-c) pi_ref^c that samples the opponent "
+        "completion, in [0, 1]. A list gives one value per epoch.",
         default_factory=lambda: [0.5],
-        metadata={
-            "help": "Weight of the reference in the geometric mixture pi^(1-c) pi_ref^c that samples the "
-            "opponent completion, in [0, 1]. A list gives one value per epoch."
-        },
+        min=0,
+        max=1,
     )
 
 
@@ -126,7 +127,7 @@ class NashMDTrainer(PairedSamplerMixin, OnlineDPOTrainer):
 
     @property
     def mixture_coef(self) -> float:
-        return _schedule(self.args.mixture_coef, self.state.epoch)
+        return epoch_value(self.args.mixture_coef, self.state.epoch)
 
     def second_logits(self, ids, mask, position_ids) -> torch.Tensor:
         policy = self._next_logits(unwrap(self.model), ids, mask, position_ids)

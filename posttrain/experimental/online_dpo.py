@@ -16,7 +16,7 @@ score of a completion without EOS, ties go to the first completion, and beta (a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -25,27 +25,33 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.judges import BasePairwiseJudge
 from posttrain.losses.online_preference import online_dpo_loss, pair_preferences
 from posttrain.online.engine import Advantages, OnlineConfig, OnlineTrainer, Rollout
+from posttrain.training.fields import (
+    check_value,
+    config_field,
+    declared_rules,
+    disable_dropout_field,
+    learning_rate_field,
+    max_length_field,
+)
 
 __all__ = ["OnlineDPOConfig", "OnlineDPOTrainer"]
 
 
-def _schedule(values, epoch: float) -> float:
-    """A per-epoch value: a number, or a list whose i-th entry holds in epoch i and whose last holds after."""
+def epoch_value(values, epoch: float) -> float:
+    """The value in force in `epoch` of a per-epoch setting (Online DPO's beta, XPO's alpha, Nash-MD's mixture_coef):
+    a number, or a list whose i-th entry holds in epoch i and whose last holds after."""
     if not isinstance(values, (list, tuple)):
         return values
     index = int(epoch or 0)
     return values[index] if index < len(values) else values[-1]
 
 
-def _check_schedule(name: str, values, low: float, low_ok: bool = False, high: float | None = None):
-    """A float or a list of floats within bounds; one-element lists become the float (as TRL does)."""
+def _check_schedule(name: str, values, rules: dict):
+    """A float or a list of floats, each within the field's rules; one-element lists become the float (as TRL does)."""
     items = list(values) if isinstance(values, (list, tuple)) else [values]
     if not items:
         raise ConfigError(f"{name}=[] is empty; give a number or one number per epoch.")
-    for v in items:
-        if not isinstance(v, (int, float)) or (v < low if low_ok else v <= low) or (high is not None and v > high):
-            bound = f"{'>=' if low_ok else '>'} {low}" + (f" and <= {high}" if high is not None else "")
-            raise ConfigError(f"{name}={values!r}: every value must be a number {bound}.")
+    check_value(name, values, rules)
     return float(items[0]) if len(items) == 1 else [float(v) for v in items]
 
 
@@ -56,49 +62,33 @@ class OnlineDPOConfig(OnlineConfig):
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "Online DPO"
-    loss_types: ClassVar[tuple[str, ...]] = ("sigmoid", "ipo")
-    schedules: ClassVar[dict[str, tuple]] = {"beta": (0.0, False, None)}  # name -> (low, low allowed, high)
+    schedules: ClassVar[tuple[str, ...]] = ("beta",)  # the fields that take one number per epoch
 
-    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
-    reward_model_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Path or name of a reward model that scores the completions, used when the "
-            "trainer gets no reward_funcs."
-        },
+    learning_rate: float = learning_rate_field(5e-7)
+    reward_model_path: str | None = config_field(
+        None, "Path or name of a reward model that scores the completions, used when the trainer gets no reward_funcs."
     )
-    max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per completion."})
-    max_length: int | None = field(
-        default=512,
-        metadata={
-            "help": "Most prompt + completion tokens in the forward pass; longer sequences lose "
-            "prompt tokens from the left (None: no limit)."
-        },
+    max_new_tokens: int = config_field(64, "Most tokens generated per completion.", min=1)
+    max_length: int | None = max_length_field(
+        512,
+        "Most prompt + completion tokens in the forward pass; longer sequences lose prompt tokens from the "
+        "left (None: no limit).",
     )
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (> 0)."})
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Subtracted from the score of a completion that did not end with EOS (>= 0; None: no penalty)."
-        },
+    temperature: float = config_field(0.9, "Sampling temperature (> 0).")
+    missing_eos_penalty: float | None = config_field(
+        None, "Subtracted from the score of a completion that did not end with EOS (>= 0; None: no penalty).", min=0
     )
-    beta: list[float] | float = field(
+    beta: list[float] | float = config_field(
+        help="Deviation from the reference (IPO's tau for loss_type='ipo'). A list gives one value per epoch, the "
+        "last for the remaining epochs.",
         default_factory=lambda: [0.1],
-        metadata={
-            "help": "Deviation from the reference (IPO's tau for loss_type='ipo'). A list gives one value per "
-            "epoch, the last for the remaining epochs."
-        },
+        gt=0,
     )
-    loss_type: str = field(
-        default="sigmoid", metadata={"help": "'sigmoid' (DPO) or 'ipo'.", "choices": ["sigmoid", "ipo"]}
-    )
-    num_generations: int = field(default=2, metadata={"help": "Completions per prompt: always 2 (a pair)."})
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Switch dropout off in the policy and the reference."}
-    )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.55,
-        metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may use."},
+    loss_type: str = config_field("sigmoid", "'sigmoid' (DPO) or 'ipo'.", choices=["sigmoid", "ipo"])
+    num_generations: int = config_field(2, "Completions per prompt: always 2 (a pair).")
+    disable_dropout: bool = disable_dropout_field(True, "Switch dropout off in the policy and the reference.")
+    vllm_gpu_memory_utilization: float = config_field(
+        0.55, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may use."
     )
 
     def __post_init__(self):
@@ -107,20 +97,10 @@ class OnlineDPOConfig(OnlineConfig):
                 f"num_generations={self.num_generations}: {self.method} compares exactly 2 completions "
                 "per prompt; leave it at 2."
             )
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (None: no limit).")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            raise ConfigError(
-                f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from "
-                "the score); None switches it off."
-            )
         self.max_completion_length = self.max_new_tokens
-        schedules = {
-            name: _check_schedule(name, getattr(self, name), *bounds) for name, bounds in self.schedules.items()
-        }
-        self.beta = _schedule(schedules["beta"], 0)  # the engine's checks read one number
+        rules = declared_rules(type(self))
+        schedules = {name: _check_schedule(name, getattr(self, name), rules[name][0]) for name in self.schedules}
+        self.beta = epoch_value(schedules["beta"], 0)  # the engine's checks read one number
         super().__post_init__()
         for name, value in schedules.items():
             setattr(self, name, value)
@@ -288,7 +268,7 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     @property
     def beta(self) -> float:
-        return _schedule(self.args.beta, self.state.epoch)
+        return epoch_value(self.args.beta, self.state.epoch)
 
     def build_rollout(self, *args, **kwargs) -> Rollout:
         """The engine's rollout, with prompts cut from the left so that prompt + completion fit max_length."""

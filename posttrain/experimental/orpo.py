@@ -11,33 +11,21 @@ metrics, MoE aux loss, TRL's eval predictions and `generate_during_eval`. A subc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from posttrain.errors import ConfigError
 from posttrain.losses.logprobs import next_token_logps
 from posttrain.losses.reference_free import orpo_loss
 from posttrain.models.layouts import sequence_index
+from posttrain.training.fields import config_field
 from posttrain.training.reference_free import ReferenceFreeConfig, ReferenceFreeTrainer
 
 
 @dataclass
 class ORPOConfig(ReferenceFreeConfig):
-    beta: float = field(
-        default=0.1, metadata={"help": "Weight of the odds-ratio term against the NLL term (the paper's lambda)."}
-    )
-    padding_value: int | None = field(
-        default=None, metadata={"help": "Token id padding input_ids (default: the tokenizer's pad token)."}
-    )
-
-    def __post_init__(self):
-        if self.beta < 0:
-            raise ConfigError(
-                f"beta={self.beta} must be at least 0 (it weights the odds-ratio term; 0 is plain SFT "
-                "on the chosen completions)."
-            )
-        super().__post_init__()
+    beta: float = config_field(0.1, "Weight of the odds-ratio term against the NLL term (the paper's lambda).")
+    padding_value: int | None = config_field(None, "Token id padding input_ids (default: the tokenizer's pad token).")
 
 
 class ORPOTrainer(ReferenceFreeTrainer):

@@ -10,7 +10,7 @@ online trainers (GRPO, RLOO): it scores each completion's steps and aggregates t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from datasets import Features, Sequence, Value
@@ -19,37 +19,37 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 from posttrain.data.formats import is_message_list
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.prm import AGGREGATES, IGNORE_INDEX, aggregate_steps, step_label_sums, step_probabilities
-from posttrain.models.loading import _init_kwargs, load_tokenizer, resolve_model_path
+from posttrain.models.loading import from_pretrained_kwargs, load_tokenizer, resolve_model_path
 from posttrain.training.base import BaseTrainer, PosttrainConfig
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_length_field,
+    max_prompt_length_field,
+)
 
 _TOKENIZED = Features({"input_ids": Sequence(Value("int64")), "labels": Sequence(Value("int64"))})
 
 
 @dataclass
 class PRMConfig(PosttrainConfig):
-    learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Cut prompt + steps to this many tokens (None: no limit)."}
+    learning_rate: float = learning_rate_field(1e-5)
+    max_length: int | None = max_length_field(1024, "Cut prompt + steps to this many tokens (None: no limit).")
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep the last this many prompt tokens (a BOS token is kept in front; None: no limit)."
     )
-    max_prompt_length: int | None = field(
-        default=512,
-        metadata={"help": "Keep the last this many prompt tokens (a BOS token is kept in front; None: no limit)."},
+    max_completion_length: int | None = max_completion_length_field(
+        None, "Cut the steps (all of them together) to this many tokens (None: no limit)."
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Cut the steps (all of them together) to this many tokens (None: no limit)."}
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    step_separator: str = field(
-        default="\n", metadata={"help": "Text appended to every step; a step's label sits on its last token."}
-    )
-    train_on_last_step_only: bool = field(
-        default=False, metadata={"help": "Train on the last step's label only (evaluation still scores every step)."}
+    disable_dropout: bool = disable_dropout_field(True)
+    step_separator: str = config_field("\n", "Text appended to every step; a step's label sits on its last token.")
+    train_on_last_step_only: bool = config_field(
+        False, "Train on the last step's label only (evaluation still scores every step)."
     )
 
     def __post_init__(self):
-        for name in ("max_length", "max_prompt_length", "max_completion_length"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
         if not self.step_separator:
             raise ConfigError("step_separator='' gives steps no token to carry their label; use e.g. '\\n'.")
         super().__post_init__()
@@ -113,7 +113,7 @@ def _load_token_classifier(model: str | PreTrainedModel, model_init_kwargs: dict
             )
         return model
     return AutoModelForTokenClassification.from_pretrained(
-        resolve_model_path(model), num_labels=2, **_init_kwargs(model_init_kwargs)
+        resolve_model_path(model), num_labels=2, **from_pretrained_kwargs(model_init_kwargs)
     )
 
 

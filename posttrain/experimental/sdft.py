@@ -13,22 +13,39 @@ per-token losses become the loss (`_objective`) differ.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from torch.utils.data import Sampler, SequentialSampler
+from torch.utils.data import SequentialSampler
 
 from posttrain.data.chat import require_chat_template
-from posttrain.data.collators import LanguageModelingCollator, pad
+from posttrain.data.collators import pad
 from posttrain.data.formats import is_message_list
-from posttrain.data.report import DataReport, cut_column
+from posttrain.data.report import DataReport
 from posttrain.data.vision import tokenizer_of
 from posttrain.errors import ConfigError, DataError
+from posttrain.experimental._self_distillation import (
+    PromptSwapSampler,
+    RepeatedSampler,
+    RowCollator,
+    privileged_text,
+    prompt_ids,
+    tokenize_prompt_row,
+    with_user_text,
+)
 from posttrain.losses.policy import aggregate_loss
 from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
-from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer, tokenize_prompt
+from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+    num_generations_eval_field,
+)
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
@@ -57,80 +74,56 @@ class SelfDistillationConfig(DistillationConfig):
         "alpha": _NOT_SELF_DISTILLATION.format("alpha"),
     }
 
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Switch off dropout in student and teacher."})
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."}
+    learning_rate: float = learning_rate_field(5e-5)
+    disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in student and teacher.")
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep at most this many prompt tokens (the last ones)."
     )
-    max_completion_length: int | None = field(
-        default=256, metadata={"help": "Most tokens the student samples per completion."}
+    max_completion_length: int | None = max_completion_length_field(
+        256, "Most tokens the student samples per completion."
     )
-    num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (consecutive rows of a batch)."}
+    num_generations: int = config_field(8, "Completions sampled per prompt (consecutive rows of a batch).", min=1)
+    num_generations_eval: int | None = num_generations_eval_field(
+        "Completions per prompt in evaluation (None: num_generations)."
     )
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt in evaluation (None: num_generations)."}
+    generation_batch_size: int | None = config_field(
+        None, "Completions per generation round (only the default is supported)."
     )
-    generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions per generation round (only the default is supported)."}
+    steps_per_generation: int | None = config_field(None, "Steps per generation round (only the default is supported).")
+    num_iterations: int = config_field(1, "Updates per generation batch (only 1).")
+    use_teacher_server: bool = config_field(False, "Teacher log-probs from the vLLM server (not supported).")
+    teacher_model_kind: str = config_field(
+        "base",
+        "The teacher: 'base' (the initial student, frozen), 'live' (the current student) or 'ema' (an "
+        "exponential moving average of the student).",
+        choices=TEACHER_KINDS,
     )
-    steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Steps per generation round (only the default is supported)."}
+    teacher_update_rate: float = config_field(
+        0.05, "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy).", gt=0, max=1
     )
-    num_iterations: int = field(default=1, metadata={"help": "Updates per generation batch (only 1)."})
-    use_teacher_server: bool = field(
-        default=False, metadata={"help": "Teacher log-probs from the vLLM server (not supported)."}
+    teacher_sync_steps: int = config_field(1, "EMA teacher: optimizer steps between updates.", min=1)
+    distillation_alpha: float = config_field(
+        0.5, "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the generalized JSD.", min=0, max=1
     )
-    teacher_model_kind: str = field(
-        default="base",
-        metadata={
-            "help": "The teacher: 'base' (the initial student, frozen), 'live' (the current "
-            "student) or 'ema' (an exponential moving average of the student)."
-        },
+    distillation_mode: str = config_field(
+        "topk_logits",
+        "'topk_logits' (the student's top-k tokens), 'full_logits' (the whole vocabulary) or 'sampled_token' "
+        "(reverse KL on the sample).",
+        choices=DISTILLATION_MODES,
     )
-    teacher_update_rate: float = field(
-        default=0.05, metadata={"help": "EMA teacher: teacher <- (1 - rate) * teacher + rate * student (1.0: copy)."}
+    distillation_topk: int | None = config_field(
+        100, "topk_logits: how many of the student's most likely tokens to compare."
     )
-    teacher_sync_steps: int = field(default=1, metadata={"help": "EMA teacher: optimizer steps between updates."})
-    distillation_alpha: float = field(
-        default=0.5,
-        metadata={"help": "Divergence: 0 forward KL(teacher‖student), 1 reverse KL, in between the generalized JSD."},
+    distillation_is_clip: float | None = config_field(
+        2.0,
+        "Importance-weight clip for re-used rollouts; with fresh rollouts per step (the only mode here, and "
+        "TRL's default) TRL applies no weight either.",
     )
-    distillation_mode: str = field(
-        default="topk_logits",
-        metadata={
-            "help": "'topk_logits' (the student's top-k tokens), 'full_logits' (the "
-            "whole vocabulary) or 'sampled_token' (reverse KL on the sample)."
-        },
-    )
-    distillation_topk: int | None = field(
-        default=100, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."}
-    )
-    distillation_is_clip: float | None = field(
-        default=2.0,
-        metadata={
-            "help": "Importance-weight clip for re-used rollouts; with fresh rollouts per step "
-            "(the only mode here, and TRL's default) TRL applies no weight either."
-        },
-    )
-    distillation_add_tail: bool = field(
-        default=False,
-        metadata={
-            "help": "topk_logits: add the mass outside the top k as one more element (else renormalise over the top k)."
-        },
+    distillation_add_tail: bool = config_field(
+        False, "topk_logits: add the mass outside the top k as one more element (else renormalise over the top k)."
     )
 
     def __post_init__(self):
-        if self.teacher_model_kind not in TEACHER_KINDS:
-            raise ConfigError(f"teacher_model_kind={self.teacher_model_kind!r} is not one of {TEACHER_KINDS}.")
-        if not 0 < self.teacher_update_rate <= 1:
-            raise ConfigError(f"teacher_update_rate={self.teacher_update_rate} must lie in (0, 1].")
-        if self.teacher_sync_steps < 1:
-            raise ConfigError(f"teacher_sync_steps={self.teacher_sync_steps} must be at least 1.")
-        if self.distillation_mode not in DISTILLATION_MODES:
-            raise ConfigError(f"distillation_mode={self.distillation_mode!r} is not one of {DISTILLATION_MODES}.")
-        if not 0 <= self.distillation_alpha <= 1:
-            raise ConfigError(f"distillation_alpha={self.distillation_alpha} must lie in [0, 1].")
         if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
             raise ConfigError(
                 "distillation_mode='sampled_token' estimates reverse KL only: set distillation_alpha="
@@ -140,8 +133,9 @@ class SelfDistillationConfig(DistillationConfig):
             raise ConfigError(
                 f"distillation_mode='topk_logits' needs distillation_topk >= 1 (got {self.distillation_topk})."
             )
-        if self.num_generations < 1 or (self.num_generations_eval is not None and self.num_generations_eval < 1):
-            raise ConfigError("num_generations and num_generations_eval must be at least 1.")
+        if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
+            self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
+        super().__post_init__()
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if local % self.num_generations:
             raise ConfigError(
@@ -149,31 +143,23 @@ class SelfDistillationConfig(DistillationConfig):
                 f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
                 "in one optimizer step."
             )
-        if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
-            self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
-        super().__post_init__()
 
 
 @dataclass
 class SDFTConfig(SelfDistillationConfig):
     """TRL's SDFTConfig fields and defaults; posttrain's distillation and SFT settings around them."""
 
-    generate_from_teacher: bool = field(
-        default=False,
-        metadata={
-            "help": "Sample completions from the teacher's prompt (with the student's "
-            "weights) instead of the student's prompt."
-        },
+    generate_from_teacher: bool = config_field(
+        False,
+        "Sample completions from the teacher's prompt (with the student's weights) instead of the student's prompt.",
     )
-    teacher_prompt_template: str = field(
-        default="{prompt}\n\n{privileged_context}",
-        metadata={
-            "help": "How the teacher's prompt joins the prompt (the last user message's text for "
-            "conversations) and the privileged context; needs both placeholders."
-        },
+    teacher_prompt_template: str = config_field(
+        "{prompt}\n\n{privileged_context}",
+        "How the teacher's prompt joins the prompt (the last user message's text for conversations) and the "
+        "privileged context; needs both placeholders.",
     )
-    num_loss_tokens_to_skip: int = field(
-        default=0, metadata={"help": "Leave the first this many completion tokens out of the loss."}
+    num_loss_tokens_to_skip: int = config_field(
+        0, "Leave the first this many completion tokens out of the loss.", min=0
     )
 
     def __post_init__(self):
@@ -182,99 +168,7 @@ class SDFTConfig(SelfDistillationConfig):
                 f"teacher_prompt_template={self.teacher_prompt_template!r} needs both {{prompt}} and "
                 "{privileged_context} placeholders."
             )
-        if self.num_loss_tokens_to_skip < 0:
-            raise ConfigError(f"num_loss_tokens_to_skip={self.num_loss_tokens_to_skip} must be >= 0.")
         super().__post_init__()
-
-
-# -- data --------------------------------------------------------------------------------------------------------
-@dataclass
-class _RowCollator(LanguageModelingCollator):
-    """The language-modeling collator, keeping each row's index into the trainer's raw rows (`sd_row`)."""
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        out = super().__call__(examples)
-        if examples and "sd_row" in examples[0]:
-            out["sd_row"] = torch.tensor([e["sd_row"] for e in examples], dtype=torch.long)
-        return out
-
-
-class _RepeatedSampler(Sampler):
-    """Each index of `base` `times` times in a row: a prompt's completions are consecutive rows (TRL's groups)."""
-
-    def __init__(self, base: Sampler, times: int):
-        self.base, self.times = base, times
-
-    def __len__(self) -> int:
-        return len(self.base) * self.times
-
-    def __iter__(self):
-        for index in self.base:
-            yield from [index] * self.times
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.base, "set_epoch"):
-            self.base.set_epoch(epoch)
-
-
-class _PromptSwapSampler:
-    """A generation backend that samples from other prompts (the teacher's) in place of the ones it is given."""
-
-    def __init__(self, backend, prompts: list[list[int]]):
-        self.backend, self.prompts = backend, prompts
-
-    def generate(self, prompt_ids, n, sampling, seed=None):
-        return self.backend.generate(self.prompts, n, sampling, seed=seed)
-
-
-def message_text(content: Any) -> str:
-    """A message's text: the string, or the text parts of a multimodal content list joined by spaces."""
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return str(content)
-
-
-def with_user_text(prompt: Any, template: str, **values: Any) -> Any:
-    """`template` filled with the prompt's text and `values`; for a conversation the last user message is replaced
-    by the filled template (earlier messages kept)."""
-    if not isinstance(prompt, list):
-        return template.format(prompt=prompt, **values)
-    if not prompt or prompt[-1].get("role") != "user":
-        raise DataError(
-            "Self-distillation builds the teacher's prompt from the last user message, but this prompt "
-            f"ends with a {prompt[-1].get('role') if prompt else 'missing'!r} message. End prompts with "
-            "a user turn."
-        )
-    text = template.format(prompt=message_text(prompt[-1].get("content", "")), **values)
-    return list(prompt[:-1]) + [{"role": "user", "content": text}]
-
-
-def privileged_text(context: Any) -> str:
-    """A privileged_context as text: a string, the non-empty contents of a message list joined by newlines, or
-    str() of anything else."""
-    if context is None:
-        raise DataError("A row has no 'privileged_context' (None); SDFT's teacher prompt needs one per row.")
-    if isinstance(context, list) and context and isinstance(context[0], dict):
-        return "\n".join(t for t in (message_text(m.get("content", "")) for m in context) if t)
-    return context if isinstance(context, str) else str(context)
-
-
-def prompt_ids(prompt, row: int, tokenizer, keep: int | None, template_kwargs: dict) -> list[int]:
-    """A prompt's ids as TRL makes the student's (the chat template with the generation prompt for messages, the
-    tokenizer's special tokens for text), cut to the last `keep` tokens."""
-    ids = tokenize_prompt({"prompt": prompt}, row, tokenizer, is_message_list(prompt), template_kwargs)["input_ids"]
-    return ids[-keep:] if keep else ids
-
-
-def _tokenize_row(example: dict, row: int, tokenizer, keep: int | None, template_kwargs: dict, offset: int) -> dict:
-    full = prompt_ids(example["prompt"], row, tokenizer, None, template_kwargs)
-    ids = full[-keep:] if keep else full
-    return {
-        "input_ids": ids,
-        "completion_mask": [0] * len(ids),
-        "sd_row": offset + row,
-        cut_column("max_prompt_length"): len(full) - len(ids),
-    }
 
 
 class SelfDistillationTrainer(DistillationTrainer):
@@ -354,7 +248,7 @@ class SelfDistillationTrainer(DistillationTrainer):
         report = DataReport.of(self).start(name, len(dataset))  # prompts cut to max_prompt_length
         return report.take_cuts(
             dataset.map(
-                _tokenize_row,
+                tokenize_prompt_row,
                 with_indices=True,
                 remove_columns=dataset.column_names,
                 num_proc=args.dataset_num_proc,
@@ -373,14 +267,14 @@ class SelfDistillationTrainer(DistillationTrainer):
         return prompt_ids(prompt, row, tokenizer_of(self.processing_class), keep, self.args.chat_template_kwargs or {})
 
     def default_collator(self, tokenizer, args):
-        self._own_collator = _RowCollator(tokenizer_of(tokenizer).pad_token_id)
+        self._own_collator = RowCollator(tokenizer_of(tokenizer).pad_token_id)
         return self._own_collator
 
     def _get_train_sampler(self, train_dataset=None):
-        return _RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
+        return RepeatedSampler(super()._get_train_sampler(train_dataset), self.args.num_generations)
 
     def _get_eval_sampler(self, eval_dataset):
-        return _RepeatedSampler(
+        return RepeatedSampler(
             SequentialSampler(eval_dataset), self.args.num_generations_eval or self.args.num_generations
         )
 
@@ -393,7 +287,7 @@ class SelfDistillationTrainer(DistillationTrainer):
         rows = batch["sd_row"]
         if sampler is None:
             swapped = self._generation_prompts([self._rows[i] for i in rows.tolist()])
-            sampler = _PromptSwapSampler(self._sampler, swapped) if swapped is not None else None
+            sampler = PromptSwapSampler(self._sampler, swapped) if swapped is not None else None
         out = super()._student_batch(batch, seed, mode, sampler)
         out["sd_row"] = rows.to(out["input_ids"].device)
         return out
@@ -435,7 +329,7 @@ class SelfDistillationTrainer(DistillationTrainer):
             batch["teacher_labels"] = pad(labels, IGNORE_INDEX).to(device)
             batch["sd_mask"] = torch.tensor([float(active[i]) for i, _ in mine], device=device)
             if skip:  # the student's first completion tokens leave the loss too
-                for r, row_labels in enumerate(batch["labels"]):
+                for row_labels in batch["labels"]:
                     trained = (row_labels != IGNORE_INDEX).nonzero().flatten()[:skip]
                     row_labels[trained] = IGNORE_INDEX
 

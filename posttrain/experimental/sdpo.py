@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.experimental.sdft import SelfDistillationConfig, SelfDistillationTrainer, with_user_text
+from posttrain.experimental._self_distillation import with_user_text
+from posttrain.experimental.sdft import SelfDistillationConfig, SelfDistillationTrainer
 from posttrain.losses.advantages import SCALE_REWARDS, group_advantages
 from posttrain.losses.policy import aggregate_loss, clipped_policy_loss
 from posttrain.losses.self_distillation import successful_demonstrations
 from posttrain.rewards.scoring import RewardScorer
+from posttrain.training.fields import config_field
 
 logger = logging.getLogger("posttrain")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -39,116 +41,87 @@ class SDPOConfig(SelfDistillationConfig):
         "refuses a non-zero value rather than ignore it. Keep beta=0.0.",
     }
 
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (not applied by SDPO: keep 0.0)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the policy ratio."})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range of the policy ratio (None: epsilon)."}
+    beta: float = config_field(0.0, "KL coefficient (not applied by SDPO: keep 0.0).")
+    epsilon: float = config_field(0.2, "Lower clip range of the policy ratio.")
+    epsilon_high: float | None = config_field(None, "Upper clip range of the policy ratio (None: epsilon).")
+    importance_sampling_level: str = config_field(
+        "token", "Policy ratio per 'token' or per 'sequence' (GSPO).", choices=("token", "sequence")
     )
-    importance_sampling_level: str = field(
-        default="token", metadata={"help": "Policy ratio per 'token' or per 'sequence' (GSPO)."}
+    reward_weights: list[float] | None = config_field(None, "One weight per reward function (None: all 1.0).")
+    scale_rewards: str = config_field(
+        "group",
+        "Advantage scaling: 'group' std, 'batch' std or 'none' (True/False: 'group'/'none').",
+        choices=SCALE_REWARDS,
     )
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (None: all 1.0)."}
+    loss_type: str = config_field(
+        "dapo",
+        "Policy-loss aggregation: 'grpo' (per completion, then mean), 'bnpo' / 'dapo' (per token of the "
+        "micro-batch), 'dr_grpo' (by max length).",
+        choices=LOSS_TYPES,
     )
-    scale_rewards: str = field(
-        default="group",
-        metadata={"help": "Advantage scaling: 'group' std, 'batch' std or 'none' (True/False: 'group'/'none')."},
+    mask_truncated_completions: bool = config_field(
+        False, "Leave completions cut at max_completion_length out of the loss."
     )
-    loss_type: str = field(
-        default="dapo",
-        metadata={
-            "help": "Policy-loss aggregation: 'grpo' (per completion, then mean), 'bnpo' / "
-            "'dapo' (per token of the micro-batch), 'dr_grpo' (by max length)."
-        },
+    distillation_weight: float = config_field(
+        1.0, "Loss = (1 - w) * policy loss + w * distillation loss; 1.0 distils only.", min=0, max=1
     )
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+    distillation_alpha: float = config_field(1.0, "Divergence: 0 forward KL, 1 reverse KL (sampled_token needs 1.0).")
+    distillation_mode: str = config_field(
+        "sampled_token", "'sampled_token' (reverse KL on the sample), 'full_logits' or 'topk_logits'."
     )
-    distillation_weight: float = field(
-        default=1.0, metadata={"help": "Loss = (1 - w) * policy loss + w * distillation loss; 1.0 distils only."}
+    distillation_topk: int | None = config_field(
+        None, "topk_logits: how many of the student's most likely tokens to compare."
     )
-    distillation_alpha: float = field(
-        default=1.0, metadata={"help": "Divergence: 0 forward KL, 1 reverse KL (sampled_token needs 1.0)."}
+    teacher_model_kind: str = config_field(
+        "ema",
+        "The teacher: 'ema' (moving average of the student), 'base' (the initial student) or 'live' (the "
+        "current student).",
     )
-    distillation_mode: str = field(
-        default="sampled_token",
-        metadata={"help": "'sampled_token' (reverse KL on the sample), 'full_logits' or 'topk_logits'."},
+    max_reprompt_len: int = config_field(
+        10240, "Keep at most this many tokens (the last ones) of a teacher prompt.", min=1
     )
-    distillation_topk: int | None = field(
-        default=None, metadata={"help": "topk_logits: how many of the student's most likely tokens to compare."}
+    use_successful_as_teacher: bool = config_field(
+        True, "Re-ask the teacher with a successful sibling completion as the solution."
     )
-    teacher_model_kind: str = field(
-        default="ema",
-        metadata={
-            "help": "The teacher: 'ema' (moving average of the student), 'base' (the initial "
-            "student) or 'live' (the current student)."
-        },
+    success_reward_threshold: float = config_field(
+        1.0, "A completion with at least this reward is a successful demonstration."
     )
-    max_reprompt_len: int = field(
-        default=10240, metadata={"help": "Keep at most this many tokens (the last ones) of a teacher prompt."}
+    dont_reprompt_on_self_success: bool = config_field(True, "Never use a completion as its own demonstration.")
+    reprompt_template: str = config_field(
+        "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n",
+        "The teacher's prompt, from {prompt}, {solution} and {feedback}.",
     )
-    use_successful_as_teacher: bool = field(
-        default=True, metadata={"help": "Re-ask the teacher with a successful sibling completion as the solution."}
+    solution_template: str = config_field(
+        "\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
+        "How a successful demonstration ({successful_previous_attempt}) is shown.",
     )
-    success_reward_threshold: float = field(
-        default=1.0, metadata={"help": "A completion with at least this reward is a successful demonstration."}
+    feedback_template: str = config_field(
+        "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n",
+        "How environment feedback ({feedback_raw}) is shown.",
     )
-    dont_reprompt_on_self_success: bool = field(
-        default=True, metadata={"help": "Never use a completion as its own demonstration."}
+    include_environment_feedback: bool = config_field(
+        False, "Show the row's privileged_context (feedback) to the teacher."
     )
-    reprompt_template: str = field(
-        default="{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n",
-        metadata={"help": "The teacher's prompt, from {prompt}, {solution} and {feedback}."},
+    environment_feedback_only_without_solution: bool = config_field(
+        False, "Show feedback only when no successful demonstration exists."
     )
-    solution_template: str = field(
-        default="\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
-        metadata={"help": "How a successful demonstration ({successful_previous_attempt}) is shown."},
+    remove_thinking_from_demonstration: bool = config_field(
+        False, "Drop <think>...</think> blocks from demonstrations."
     )
-    feedback_template: str = field(
-        default="\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n",
-        metadata={"help": "How environment feedback ({feedback_raw}) is shown."},
+    diagnostics_warning_interval: int = config_field(
+        10, "Warn every this many consecutive steps without any distilled completion (0: never)."
     )
-    include_environment_feedback: bool = field(
-        default=False, metadata={"help": "Show the row's privileged_context (feedback) to the teacher."}
-    )
-    environment_feedback_only_without_solution: bool = field(
-        default=False, metadata={"help": "Show feedback only when no successful demonstration exists."}
-    )
-    remove_thinking_from_demonstration: bool = field(
-        default=False, metadata={"help": "Drop <think>...</think> blocks from demonstrations."}
-    )
-    diagnostics_warning_interval: int = field(
-        default=10,
-        metadata={"help": "Warn every this many consecutive steps without any distilled completion (0: never)."},
-    )
-    diagnostics_flat_tolerance: float = field(
-        default=1e-8, metadata={"help": "Reward std / reprompt fraction at or below this counts as zero."}
+    diagnostics_flat_tolerance: float = config_field(
+        1e-8, "Reward std / reprompt fraction at or below this counts as zero."
     )
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
             self.scale_rewards, self.scale_rewards
         )
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS}.")
-        if not 0 <= self.distillation_weight <= 1:
-            raise ConfigError(f"distillation_weight={self.distillation_weight} must lie in [0, 1].")
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}.")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            raise ConfigError(
-                f"importance_sampling_level={self.importance_sampling_level!r} is not 'token' or 'sequence'."
-            )
-        if self.max_reprompt_len < 1:
-            raise ConfigError(f"max_reprompt_len={self.max_reprompt_len} must be at least 1.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        # SFTConfig's loss_type (its token loss, unused here) shares the name: it is checked as SFT's default.
-        policy_loss_type, self.loss_type = self.loss_type, "nll"
-        try:
-            super().__post_init__()
-        finally:
-            self.loss_type = policy_loss_type
+        super().__post_init__()
         if self.world_size > 1 and self.per_device_train_batch_size % self.num_generations:
             raise ConfigError(
                 f"With {self.world_size} processes each micro-batch must hold whole groups: make "

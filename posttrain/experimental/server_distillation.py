@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +22,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
 from posttrain.losses.server_distillation import server_support, sparse_teacher_divergence
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
+from posttrain.training.fields import config_field
 
 CONNECT_TIMEOUT_S = 60.0  # how long the trainer waits for the teacher server to answer when it is built (as TRL)
 START_HINT = (
@@ -32,43 +33,32 @@ START_HINT = (
 
 @dataclass
 class ServerDistillationConfig(DistillationConfig):
-    teacher_model_server_url: str | None = field(
-        default=None,
-        metadata={"help": "Base URL of the vLLM server hosting the teacher, e.g. 'http://localhost:8000'. Required."},
+    teacher_model_server_url: str | None = config_field(
+        None, "Base URL of the vLLM server hosting the teacher, e.g. 'http://localhost:8000'. Required."
     )
-    vllm_server_port: int = field(
-        default=8001,
-        metadata={
-            "help": "Port of the student's vLLM server (only with use_vllm); 8001 keeps it apart "
-            "from the teacher's usual 8000."
-        },
+    vllm_server_port: int = config_field(
+        8001,
+        "Port of the student's vLLM server (only with use_vllm); 8001 keeps it apart from the teacher's usual 8000.",
     )
-    loss_top_k: int = field(
-        default=1,
-        metadata={
-            "help": "Teacher tokens per position the server reports and the divergence compares: "
-            "any k >= 1 with beta=0 (forward KL), exactly 1 with beta > 0."
-        },
+    loss_top_k: int = config_field(
+        1,
+        "Teacher tokens per position the server reports and the divergence compares: any k >= 1 with beta=0 "
+        "(forward KL), exactly 1 with beta > 0.",
+        min=1,
     )
-    loss_add_tail: bool = field(
-        default=True,
-        metadata={
-            "help": "Compare the mass outside the compared tokens as one more element (False: "
-            "renormalise both distributions over the compared tokens)."
-        },
+    loss_add_tail: bool = config_field(
+        True,
+        "Compare the mass outside the compared tokens as one more element (False: renormalise both "
+        "distributions over the compared tokens).",
     )
-    reverse_kl_top_1_mode: str = field(
-        default="sampled",
-        metadata={
-            "help": "Which token the reverse-KL side of beta > 0 compares: 'sampled' (the "
-            "completion's token; the only one a server can score).",
-            "choices": ["sampled", "argmax"],
-        },
+    reverse_kl_top_1_mode: str = config_field(
+        "sampled",
+        "Which token the reverse-KL side of beta > 0 compares: 'sampled' (the completion's token; the only "
+        "one a server can score).",
+        choices=("sampled", "argmax"),
     )
 
     def __post_init__(self):
-        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
-            raise ConfigError(f"reverse_kl_top_1_mode={self.reverse_kl_top_1_mode!r} must be 'sampled' or 'argmax'.")
         if self.reverse_kl_top_1_mode == "argmax":
             raise ConfigError(
                 "reverse_kl_top_1_mode='argmax' compares the student's most likely token, which the "
@@ -77,11 +67,6 @@ class ServerDistillationConfig(DistillationConfig):
             )
         if self.teacher_model_server_url is None or not self.teacher_model_server_url.strip():
             raise ConfigError(f"teacher_model_server_url is required: {START_HINT}.")
-        if self.loss_top_k < 1:
-            raise ConfigError(
-                f"loss_top_k={self.loss_top_k}: the server reports only the teacher's top tokens, so "
-                "the full-vocabulary divergence (0) is not available; use k >= 1."
-            )
         if self.beta > 0 and self.loss_top_k != 1:
             raise ConfigError(
                 f"loss_top_k={self.loss_top_k} with beta={self.beta}: with a reverse-KL part the "

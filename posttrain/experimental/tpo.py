@@ -9,7 +9,7 @@ Data is the preference format plus a `reference` column, standard or conversatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,77 +25,54 @@ from posttrain.data.preference import (
 from posttrain.data.report import DataReport, DatasetReport
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.tpo import SMOOTHABLE, TPO_LOSS_TYPES, tpo_loss, tpo_scores
-from posttrain.trainers.dpo import sequence_logps
 from posttrain.training.base import BaseTrainer, PosttrainConfig
-from posttrain.training.preference import PreferenceMetricsMixin
-from posttrain.training.reference_trainer import PreparesEvalDatasets, check_length_settings, load_processing_class
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_length_field,
+    pad_to_multiple_of_field,
+    truncation_mode_field,
+)
+from posttrain.training.preference import PreferenceMetricsMixin, sequence_logps
+from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
 
 
 @dataclass
 class TPOConfig(PosttrainConfig):
-    learning_rate: float = field(default=5e-7, metadata={"help": "Peak learning rate."})
-    disable_dropout: bool = field(
-        default=True,
-        metadata={"help": "Turn dropout off in the model (its log-probs are compared across completions)."},
+    learning_rate: float = learning_rate_field(5e-7)
+    disable_dropout: bool = disable_dropout_field(
+        True, "Turn dropout off in the model (its log-probs are compared across completions)."
     )
-    max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Bound on each prompt + completion sequence, cut as truncation_mode says (None: no bound)."},
+    max_length: int | None = max_length_field(
+        1024, "Bound on each prompt + completion sequence, cut as truncation_mode says (None: no bound)."
     )
-    truncation_mode: str = field(
-        default="keep_start",
-        metadata={
-            "help": "How a sequence over max_length is cut: keep_start (drop its end) "
-            "or keep_end (drop the start of the prompt).",
-            "choices": ["keep_end", "keep_start"],
-        },
+    truncation_mode: str = truncation_mode_field()
+    pad_to_multiple_of: int | None = pad_to_multiple_of_field(None, "Pad each batch to a multiple of this length.")
+    loss_type: str = config_field(
+        "sigmoid",
+        "Preference loss between chosen and rejected: sigmoid (TPO), hinge (SLiC), ipo, or tpo-l "
+        "(length-normalised, with a target margin).",
+        choices=TPO_LOSS_TYPES,
     )
-    pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad each batch to a multiple of this length."}
+    beta: float = config_field(0.01, "Temperature of the preference loss (for 'ipo', its regulariser tau).", gt=0)
+    label_smoothing: float = config_field(
+        0.0, "Assumed rate of flipped preference labels, in [0, 0.5] ('sigmoid' and 'tpo-l' only).", min=0, max=0.5
     )
-    loss_type: str = field(
-        default="sigmoid",
-        metadata={
-            "help": "Preference loss between chosen and rejected: sigmoid (TPO), hinge "
-            "(SLiC), ipo, or tpo-l (length-normalised, with a target margin).",
-            "choices": list(TPO_LOSS_TYPES),
-        },
+    tpo_alpha: float = config_field(
+        1.0,
+        "Weight of the NLL of the gold `reference` completion (0: no NLL term, and the gold completions are "
+        "not run through the model).",
+        min=0,
     )
-    beta: float = field(
-        default=0.01, metadata={"help": "Temperature of the preference loss (for 'ipo', its regulariser tau)."}
-    )
-    label_smoothing: float = field(
-        default=0.0,
-        metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5] ('sigmoid' and 'tpo-l' only)."},
-    )
-    tpo_alpha: float = field(
-        default=1.0,
-        metadata={
-            "help": "Weight of the NLL of the gold `reference` completion (0: no NLL term, and "
-            "the gold completions are not run through the model)."
-        },
-    )
-    tpo_l_gamma: float = field(default=0.5, metadata={"help": "Target reward margin gamma of loss_type 'tpo-l'."})
+    tpo_l_gamma: float = config_field(0.5, "Target reward margin gamma of loss_type 'tpo-l'.")
 
     def __post_init__(self):
-        if self.loss_type not in TPO_LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(TPO_LOSS_TYPES)}.")
-        check_length_settings(self)
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the log-probability margin).")
-        if not 0 <= self.label_smoothing <= 0.5:
-            raise ConfigError(f"label_smoothing={self.label_smoothing} must lie in [0, 0.5].")
         if self.label_smoothing and self.loss_type not in SMOOTHABLE:
             raise ConfigError(
                 f"label_smoothing={self.label_smoothing} has no effect on loss_type "
                 f"{self.loss_type!r} (only {sorted(SMOOTHABLE)} use it); set label_smoothing=0.0."
             )
-        if self.tpo_alpha < 0:
-            raise ConfigError(f"tpo_alpha={self.tpo_alpha} must be 0 or more (it weighs the gold completion's NLL).")
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of} must be at least 1 (or None).")
         super().__post_init__()
 
 

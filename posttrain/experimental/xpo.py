@@ -8,16 +8,17 @@ defaults to 1e-5, as in TRL's former XPOTrainer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from posttrain.experimental.nash_md import PairedSamplerMixin
-from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, _schedule
+from posttrain.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, epoch_value
 from posttrain.losses.online_preference import xpo_loss
 from posttrain.models.reference import reference_forward
 from posttrain.online.engine import Advantages, Rollout
+from posttrain.training.fields import config_field
 
 __all__ = ["XPOConfig", "XPOTrainer"]
 
@@ -27,13 +28,12 @@ class XPOConfig(OnlineDPOConfig):
     """OnlineDPOConfig plus `alpha`."""
 
     method: ClassVar[str] = "XPO"
-    schedules: ClassVar[dict[str, tuple]] = {**OnlineDPOConfig.schedules, "alpha": (0.0, True, None)}
+    schedules: ClassVar[tuple[str, ...]] = (*OnlineDPOConfig.schedules, "alpha")
 
-    alpha: list[float] | float = field(
+    alpha: list[float] | float = config_field(
+        help="Weight of the exploration term alpha * log pi(y_ref) (>= 0). A list gives one value per epoch.",
         default_factory=lambda: [1e-5],
-        metadata={
-            "help": "Weight of the exploration term alpha * log pi(y_ref) (>= 0). A list gives one value per epoch."
-        },
+        min=0,
     )
 
 
@@ -45,7 +45,7 @@ class XPOTrainer(PairedSamplerMixin, OnlineDPOTrainer):
 
     @property
     def alpha(self) -> float:
-        return _schedule(self.args.alpha, self.state.epoch)
+        return epoch_value(self.args.alpha, self.state.epoch)
 
     def second_logits(self, ids, mask, position_ids) -> torch.Tensor:
         with reference_forward(self.model, self.ref_model) as reference:

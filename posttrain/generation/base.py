@@ -78,7 +78,8 @@ class GenerationBackend(ABC):
     def sync_weights(self, model, force: bool = False) -> None:
         """Makes the sampler use `model`'s current weights: when its schedule says so (once per training
         round), or now with `force` (evaluation). Nothing to do for a backend that samples with the training
-        model itself."""
+        model itself, hence this default."""
+        return
 
     def pop_metrics(self) -> dict[str, float]:
         """Counts of backend events since the last call, for the trainer's logs (the same keys on every

@@ -157,6 +157,127 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device) -> tuple[
     return input_ids, attention_mask
 
 
+class _ModelCall:
+    """The model's forward as the decode loop calls it: the last position's logits in float32."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
+        self.quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+        # A Llama runs without transformers' per-module wrappers: the same logits (models/llama_forward.py).
+        self.fast = llama_forward(model)
+        # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
+        # spares transformers building it from the 2D mask at every step.
+        self.ready_mask = model.config._attn_implementation == "sdpa"
+
+    def prefill(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
+        return (
+            self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **self.quiet,
+            )
+            .logits[:, -1]
+            .float()
+        )
+
+    def step(self, tokens, attention_mask, positions, cache) -> torch.Tensor:
+        """One new token per row: `tokens` [rows], `attention_mask` [rows, width] including them."""
+        step_mask = attention_mask[:, None, None, :].bool() if self.ready_mask else attention_mask
+        if self.fast is not None:
+            return self.fast(tokens[:, None], step_mask, positions[:, None], cache)[:, -1].float()
+        return (
+            self.model(
+                input_ids=tokens[:, None],
+                attention_mask=step_mask,
+                position_ids=positions[:, None],
+                cache=cache,
+                use_cache=True,
+                **self.quiet,
+            )
+            .logits[:, -1]
+            .float()
+        )
+
+
+class _StepSampler:
+    """A decode step's tokens from its logits: the repetition penalty, suppressed tokens and filters, then the
+    arg-max with each completion's own Gumbel noise (`StepNoise`), or without it when top_k=1."""
+
+    def __init__(self, sampling: SamplingParams, seeds, vocab_size, rows, pad_token_id, device, suppress_tokens):
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.noise = StepNoise(generators, vocab_size, device, sampling.max_tokens)
+        self.penalty = (
+            RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)
+            if sampling.repetition_penalty != 1.0
+            else None
+        )
+        # The completions so far, which the penalty reads (with the padded prompt, as generate does).
+        self.generated = (
+            None
+            if self.penalty is None
+            else torch.full((rows, sampling.max_tokens), pad_token_id, dtype=torch.long, device=device)
+        )
+        self.suppressed = list(suppress_tokens) if suppress_tokens else None
+        self.filters = _filters(sampling)
+        self.greedy = sampling.top_k == 1  # the noise would only break exact ties
+
+    def __call__(self, logits, input_ids, active, active_rows: list[int], step: int):
+        """(tokens [rows], the filtered scores they were sampled from) for the completions `active_rows`."""
+        scores = logits
+        if self.penalty is not None:
+            scores = self.penalty(torch.cat([input_ids[active], self.generated[active, :step]], dim=1), scores)
+        if self.suppressed:
+            scores[:, self.suppressed] = -float("inf")
+        for apply in self.filters:
+            scores = apply(None, scores)
+        tokens = scores.argmax(-1) if self.greedy else (scores + self.noise(active_rows, step)).argmax(-1)
+        if self.generated is not None:
+            self.generated[active, step] = tokens
+        return tokens, scores
+
+
+class _GrowingCompletions:
+    """Each completion's tokens up to and including its stop token, the sampler's log-probs of them when asked
+    for, and whether it has stopped."""
+
+    def __init__(self, rows: int, stop_tokens: Sequence[int], with_logprobs: bool) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] | None = [[] for _ in range(rows)] if with_logprobs else None
+        self.finished = [False] * rows
+        self.stops = set(stop_tokens)
+
+    def append(self, active_rows: list[int], tokens: torch.Tensor, scores: torch.Tensor) -> list[bool]:
+        """Adds a step's tokens of the completions `active_rows`; returns which of them go on."""
+        sampled = tokens.tolist()
+        logprobs = (
+            scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist() if self.logprobs is not None else None
+        )
+        keep = []
+        # Locals: this loop runs once per token.
+        completions, logprob_lists, finished, stops = self.tokens, self.logprobs, self.finished, self.stops
+        for i, (row, token) in enumerate(zip(active_rows, sampled)):
+            if not finished[row]:  # (with drop_finished off a finished row samples on, as padding)
+                completions[row].append(token)
+                if logprobs is not None:
+                    logprob_lists[row].append(logprobs[i])
+                finished[row] = token in stops
+            keep.append(not finished[row])
+        return keep
+
+    def completions(self, n: int) -> list[Completion]:
+        return [
+            Completion(i // n, tokens, self.logprobs[i] if self.logprobs is not None else None, self.finished[i])
+            for i, tokens in enumerate(self.tokens)
+        ]
+
+
 class TransformersBackend(GenerationBackend):
     """Generates with `model` (the trainer's model object, so it always has the current weights), in eval mode
     without gradients; the model's train/eval mode is restored afterwards.
@@ -231,30 +352,12 @@ class TransformersBackend(GenerationBackend):
         """Prefill (each distinct prompt once, unless share_prefill is off), then one token per step for the rows
         still running."""
         device = next(model.parameters()).device
+        call = _ModelCall(model)
         copies = 1 if self.share_prefill else n
         input_ids, attention_mask = left_pad([p for p in prompt_ids for _ in range(copies)], self.pad_token_id, device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
-        # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
-        quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
-        # A Llama runs without transformers' per-module wrappers: the same logits (models/llama_forward.py).
-        fast = llama_forward(model)
-        if fast is not None:
-            logits = fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
-        else:
-            logits = (
-                model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **quiet,
-                )
-                .logits[:, -1]
-                .float()
-            )
+        logits = call.prefill(input_ids, attention_mask, position_ids, cache)
         if copies != n:  # the group's n completions continue from one prompt's cache
             cache.batch_repeat_interleave(n)
             logits, input_ids, attention_mask, position_ids = (
@@ -264,53 +367,12 @@ class TransformersBackend(GenerationBackend):
         rows = input_ids.shape[0]
         active = torch.arange(rows, device=device)  # which completion each batch row is
         active_rows = list(range(rows))  # the same, as a list: the per-row bookkeeping is done in Python
-        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        noise = StepNoise(generators, logits.shape[-1], device, sampling.max_tokens)
+        sampler = _StepSampler(sampling, seeds, logits.shape[-1], rows, self.pad_token_id, device, suppress_tokens)
+        grown = _GrowingCompletions(rows, self.eos_token_ids, self.return_logprobs)
         next_position = position_ids[:, -1] + 1
-        token_lists: list[list[int]] = [[] for _ in range(rows)]  # up to and including the stop token
-        logprob_lists: list[list[float]] = [[] for _ in range(rows)]
-        finished = [False] * rows
-        stops = set(self.eos_token_ids)
-        penalty = (
-            RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)
-            if sampling.repetition_penalty != 1.0
-            else None
-        )
-        generated = (
-            None
-            if penalty is None
-            else torch.full((rows, sampling.max_tokens), self.pad_token_id, dtype=torch.long, device=device)
-        )
-        filters = _filters(sampling)
-        # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
-        # spares transformers building it from the 2D mask at every step.
-        ready_mask = model.config._attn_implementation == "sdpa"
         for step in range(sampling.max_tokens):
-            scores = logits
-            if penalty is not None:  # over the padded prompt and the completion so far, as generate does
-                scores = penalty(torch.cat([input_ids[active], generated[active, :step]], dim=1), scores)
-            if suppress_tokens:
-                scores[:, list(suppress_tokens)] = -float("inf")
-            for apply in filters:
-                scores = apply(None, scores)
-            if sampling.top_k == 1:  # greedy: the noise would only break exact ties
-                tokens = scores.argmax(-1)
-            else:
-                tokens = (scores + noise(active_rows, step)).argmax(-1)
-            if generated is not None:
-                generated[active, step] = tokens
-            sampled = tokens.tolist()
-            step_logprobs = (
-                scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist() if self.return_logprobs else None
-            )
-            keep = []
-            for i, (row, token) in enumerate(zip(active_rows, sampled)):
-                if not finished[row]:  # (with drop_finished off a finished row samples on, as padding)
-                    token_lists[row].append(token)
-                    if step_logprobs is not None:
-                        logprob_lists[row].append(step_logprobs[i])
-                    finished[row] = token in stops
-                keep.append(not finished[row])
+            tokens, scores = sampler(logits, input_ids, active, active_rows, step)
+            keep = grown.append(active_rows, tokens, scores)
             if step + 1 == sampling.max_tokens or not any(keep):
                 break
             if self.drop_finished and not all(keep):
@@ -321,27 +383,9 @@ class TransformersBackend(GenerationBackend):
                 )
                 active_rows = [row for row, kept in zip(active_rows, keep) if kept]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
-            step_mask = attention_mask[:, None, None, :].bool() if ready_mask else attention_mask
-            if fast is not None:
-                logits = fast(tokens[:, None], step_mask, next_position[:, None], cache)[:, -1].float()
-            else:
-                logits = (
-                    model(
-                        input_ids=tokens[:, None],
-                        attention_mask=step_mask,
-                        position_ids=next_position[:, None],
-                        cache=cache,
-                        use_cache=True,
-                        **quiet,
-                    )
-                    .logits[:, -1]
-                    .float()
-                )
+            logits = call.step(tokens, attention_mask, next_position, cache)
             next_position = next_position + 1
-        return [
-            Completion(i // n, token_lists[i], logprob_lists[i] if self.return_logprobs else None, finished[i])
-            for i in range(rows)
-        ]
+        return grown.completions(n)
 
     def generate_with_transformers(
         self,

@@ -20,12 +20,11 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 
 from posttrain.errors import ConfigError
 from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds
@@ -36,91 +35,12 @@ from posttrain.generation.vllm_client import (
     VLLMServerUnreachable,
     completion_from_output,
 )
-from posttrain.models.reference import is_peft_model, unwrap
+from posttrain.generation.vllm_weights import policy_module, policy_weights, save_weights
+from posttrain.models.reference import is_peft_model
 
 logger = logging.getLogger(__name__)
 
 VLLM_MODES = ("server", "colocate")
-WEIGHTS_FILE = "model.safetensors"
-
-
-# -- the policy's weights --------------------------------------------------------------------------------------
-@contextmanager
-def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The policy's current weights as (name, tensor) pairs under the base model's names, valid inside the
-    `with` block.
-
-    A PEFT model has its adapter merged into the base weights for the block; afterwards it is unmerged and
-    the base weights are restored from a copy, so they are bit-identical (merge-then-unmerge alone leaves
-    rounding errors that would accumulate over thousands of syncs). A weight shared by two names (tied
-    embeddings) is sent once, under its first name, as in a saved checkpoint.
-    """
-    model = _policy(model)
-    if not is_peft_model(model):
-        yield _unique_tensors(model.state_dict().items())
-        return
-    base = model.get_base_model()
-    adapters = set(model.peft_config)
-    originals = {name: p.detach().clone() for name, p in base.named_parameters() if ".base_layer." in name}
-    with torch.no_grad():
-        model.merge_adapter()
-        try:
-            named = ((_base_name(name, adapters), tensor) for name, tensor in base.state_dict().items())
-            yield _unique_tensors((name, tensor) for name, tensor in named if name is not None)
-        finally:
-            model.unmerge_adapter()
-            parameters = dict(base.named_parameters())
-            for name, original in originals.items():
-                parameters[name].copy_(original)
-
-
-def _policy(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model to send: without DDP/accelerate wrappers, and without the critic of a PPO
-    policy-and-value model (which keeps the policy as `pretrained_model`)."""
-    model = unwrap(extract_model_from_parallel(model))
-    return getattr(model, "pretrained_model", model)
-
-
-def _base_name(name: str, adapters: set[str]) -> str | None:
-    """A PEFT state-dict name as the base model calls it, or None for the adapter's own weights."""
-    parts = name.split(".")
-    if "original_module" in parts:  # modules_to_save keeps the untouched original beside the trained copy
-        return None
-    if "modules_to_save" in parts:
-        index = parts.index("modules_to_save")
-        del parts[index : index + 2]  # "modules_to_save.<adapter>": the trained copy is the weight
-    elif adapters.intersection(parts):  # lora_A.<adapter>, lora_B.<adapter>, lora_magnitude_vector.<adapter>...
-        return None
-    return ".".join(part for part in parts if part != "base_layer")
-
-
-def _unique_tensors(named) -> list[tuple[str, torch.Tensor]]:
-    seen: set[int] = set()
-    unique = []
-    for name, tensor in named:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            unique.append((name, tensor.detach()))
-    return unique
-
-
-def save_weights(
-    weights: Sequence[tuple[str, torch.Tensor]], directory: str | os.PathLike, dtype: torch.dtype | None = None
-) -> Path:
-    """Writes the weights as one safetensors file into `directory` (floating tensors cast to `dtype`), via a
-    temporary name and a rename so that a reader never sees a half-written file."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
-        for name, t in weights
-    }
-    staging = directory / (WEIGHTS_FILE + ".partial")
-    save_file(tensors, str(staging), metadata={"format": "pt"})
-    os.replace(staging, directory / WEIGHTS_FILE)
-    return directory / WEIGHTS_FILE
 
 
 # -- log-prob mismatch between sampler and trainer --------------------------------------------------------------
@@ -477,7 +397,7 @@ def _sampled_logprobs(sample) -> list[float] | None:
 
 def _save_checkpoint(model, tokenizer, directory: str) -> str:
     """Saves config, tokenizer and the policy's weights where vLLM can load them; returns the dtype name."""
-    base = _policy(model)
+    base = policy_module(model)
     base = base.get_base_model() if is_peft_model(base) else base
     base.config.save_pretrained(directory)
     if getattr(base, "generation_config", None) is not None:
@@ -530,10 +450,10 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
     if mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
-        vocab_size = getattr(_policy(model).config, "vocab_size", None)
+        vocab_size = getattr(policy_module(model).config, "vocab_size", None)
         return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
-    check_cpu_head_dim(_policy(model).config)
-    context = _policy(model).config.max_position_embeddings
+    check_cpu_head_dim(policy_module(model).config)
+    context = policy_module(model).config.max_position_embeddings
     max_model_len = args.vllm_max_model_length or min(
         context, (args.max_prompt_length or context) + args.max_completion_length
     )

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from posttrain.losses.policy import _clip_stats, _masked_mean, kl_k3
+from posttrain.losses.policy import clip_stats, kl_k3, masked_mean
 
 
 def gmpo_objective(
@@ -55,12 +55,12 @@ def gmpo_objective(
     with torch.no_grad():
         low = (log_ratio < -epsilon_low) & (advantages < 0)
         high = (log_ratio > epsilon_high) & (advantages > 0)
-        stats.update(_clip_stats(low, high, weights))
+        stats.update(clip_stats(low, high, weights))
     if ref_logps is not None:
         kl = kl_k3(logps, torch.where(valid, ref_logps.detach(), 0.0))
         if beta > 0:
             loss = loss + beta * (kl * weights).sum(1) / weights.sum(1).clamp(min=1)
-        stats["kl"] = _masked_mean(kl.detach(), weights)
+        stats["kl"] = masked_mean(kl.detach(), weights)
     return loss, stats
 
 

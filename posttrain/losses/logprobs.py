@@ -209,7 +209,10 @@ class _LinearLogps(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
             del grad_z  # before the next chunk's logits
-        cast = lambda grad, like: None if grad is None else grad.to(like.dtype)
+
+        def cast(grad, like):
+            return None if grad is None else grad.to(like.dtype)
+
         grad_weight = cast(grad_weight, weight)
         if ctx.on_weight_grad is not None and grad_weight is not None and ctx.on_weight_grad(grad_weight):
             grad_weight = None  # taken over: delivered to autograd with the embedding's rows added

@@ -60,7 +60,8 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     return logps - ref_logps if estimator == "k1" else kl_k3(logps, ref_logps)
 
 
-def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` over the positions where `valid` is 1 (0 when there are none)."""
     return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
@@ -148,6 +149,54 @@ def policy_objective(
     cispo: "cispo_clip_ratio"; vespo: "vespo_phi" [B, 1].
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_sampling_level, beta, ref_logps)
+    # Zero the padding first, so that whatever it holds (even -inf) cannot reach a value or a gradient.
+    valid = mask.bool()
+    weights = valid.to(logps.dtype)
+    logps = torch.where(valid, logps, 0.0)
+    token_log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
+    ratio = torch.exp(_log_ratio(token_log_ratio, logps, weights, importance_sampling_level))  # [B, T] or [B, 1]
+    advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).detach()  # [B, 1] or [B, T]
+    if loss_type in CLIP_LOSS_TYPES:
+        loss, stats = _clipped_term(ratio, advantages, weights, epsilon_low, epsilon_high, delta)
+    elif loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        with torch.no_grad():
+            stats = {"cispo_clip_ratio": _fraction((ratio > epsilon_high) & (advantages > 0), weights)}
+    elif loss_type == "sapo":
+        temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
+        loss, stats = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages, {}
+    else:  # vespo
+        phi = vespo_weights(token_log_ratio, advantages, valid, vespo, sampler_ratio)
+        loss, stats = -phi * advantages * logps, {"vespo_phi": phi}
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
+    if sampler_ratio is not None and loss_type != "vespo":
+        loss = loss * sampler_ratio.detach().to(loss.dtype)
+    loss = loss.expand_as(logps)
+
+    if ref_logps is not None:
+        kl = kl_k3(logps, torch.where(valid, ref_logps.detach(), 0.0))
+        if kl_bias_correction:
+            kl = kl * ratio
+        if beta > 0:
+            loss = loss + beta * kl
+        stats["kl"] = masked_mean(kl.detach(), weights)
+    return torch.where(valid, loss, 0.0), stats
+
+
+def _log_ratio(token_log_ratio, logps, weights, importance_sampling_level: str) -> torch.Tensor:
+    """The log importance ratio at `importance_sampling_level`: per token [B, T], or the sequence's mean [B, 1]
+    (GSPO), or that mean's value on every token with each token's own gradient (GSPO-token)."""
+    if importance_sampling_level == "token":
+        return token_log_ratio
+    log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp(min=1)
+    if importance_sampling_level == "sequence_token":
+        return log_ratio.detach() + logps - logps.detach()
+    return log_ratio
+
+
+def _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_sampling_level, beta, ref_logps):
     if loss_type not in GRPO_LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not one of {GRPO_LOSS_TYPES}; pick one of them.")
     if not (0 <= epsilon_low < 1 and epsilon_high >= 0):
@@ -162,64 +211,29 @@ def policy_objective(
     if beta > 0 and ref_logps is None:
         raise ConfigError(f"beta={beta} adds a KL penalty but no ref_logps were given: pass them or set beta=0.")
 
-    # Zero the padding first, so that whatever it holds (even -inf) cannot reach a value or a gradient.
-    valid = mask.bool()
-    weights = valid.to(logps.dtype)
-    logps = torch.where(valid, logps, 0.0)
-    token_log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
-    log_ratio = token_log_ratio
-    if importance_sampling_level != "token":
-        log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / weights.sum(dim=1, keepdim=True).clamp(min=1)
-    if importance_sampling_level == "sequence_token":  # GSPO-token: the sequence's value, each token's gradient
-        log_ratio = log_ratio.detach() + logps - logps.detach()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    advantages = advantages.detach()
-    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1] at sequence level
 
-    stats: dict[str, torch.Tensor] = {}
-    if loss_type in CLIP_LOSS_TYPES:
-        clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-        loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
-        with torch.no_grad():
-            low = (capped_ratio < 1 - epsilon_low) & (advantages < 0)
-            high = (capped_ratio > 1 + epsilon_high) & (advantages > 0)
-            stats.update(_clip_stats(low, high, weights))
-    elif loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
-        with torch.no_grad():
-            stats["cispo_clip_ratio"] = _fraction((ratio > epsilon_high) & (advantages > 0), weights)
-    elif loss_type == "sapo":
-        temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
-        loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
-    else:  # vespo
-        phi = vespo_weights(token_log_ratio, advantages, valid, vespo, sampler_ratio)
-        loss = -phi * advantages * logps
-        stats["vespo_phi"] = phi
-    if keep is not None:
-        loss = loss * keep.to(loss.dtype)
-    if sampler_ratio is not None and loss_type != "vespo":
-        loss = loss * sampler_ratio.detach().to(loss.dtype)
-    loss = loss.expand_as(logps)
-
-    if ref_logps is not None:
-        kl = kl_k3(logps, torch.where(valid, ref_logps.detach(), 0.0))
-        if kl_bias_correction:
-            kl = kl * ratio
-        if beta > 0:
-            loss = loss + beta * kl
-        stats["kl"] = _masked_mean(kl.detach(), weights)
-    return torch.where(valid, loss, 0.0), stats
+def _clipped_term(ratio, advantages, weights, epsilon_low, epsilon_high, delta):
+    """The clip family's per-token term -min(r A, clip(r) A) (r capped at `delta` first) and its clip stats."""
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
+    with torch.no_grad():
+        low = (capped_ratio < 1 - epsilon_low) & (advantages < 0)
+        high = (capped_ratio > 1 + epsilon_high) & (advantages > 0)
+        return loss, clip_stats(low, high, weights)
 
 
 def _fraction(flags: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Mean of 0/1 `flags` over valid tokens ([B, T]) or over sequences ([B, 1], sequence-level ratios)."""
     flags = flags.to(weights.dtype)
-    return flags.mean() if flags.shape[1] == 1 else _masked_mean(flags, weights)
+    return flags.mean() if flags.shape[1] == 1 else masked_mean(flags, weights)
 
 
-def _clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+def clip_stats(low: torch.Tensor, high: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The clip statistics of a clipped objective, from the flags of the tokens (or sequences, [B, 1]) whose
+    gradient the clip removes below (`low`) and above (`high`): the fractions over the valid tokens, and per
+    sequence. `policy_objective`'s docstring lists the keys; GMPO reports the same."""
+
     def per_sequence(flags):
         flags = flags.to(weights.dtype)
         if flags.shape[1] == 1:

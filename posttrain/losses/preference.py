@@ -16,24 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.errors import ConfigError, DataError
+from posttrain.losses.dpo_types import DPO_LOSS_TYPES, DPO_LOSSES, PairScores
 
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # Loss types whose formula has a label-noise rate; the others do not read `label_smoothing`.
@@ -166,11 +150,6 @@ def f_divergence_scores(logratios: Tensor, f_divergence_type: str, alpha: float 
     return ((torch.exp(exponent) - 1.0) / (alpha - 1.0)).to(logratios.dtype)
 
 
-def _smoothed_logistic(z: Tensor, label_smoothing: float) -> Tensor:
-    """Logistic loss on z when a fraction `label_smoothing` of the labels is flipped (cDPO)."""
-    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
-
-
 def dpo_loss(
     chosen_logps: Tensor,
     rejected_logps: Tensor,
@@ -198,7 +177,7 @@ def dpo_loss(
     lengths, 'ipo' takes the log-probs as given (pass length-averaged ones). 'bco_pair' subtracts `bco_delta`
     (0 in TRL). 'sft' returns `chosen_nll` [B]. `pair_weights` [B] (WPO, see `wpo_weights`) multiplies every
     pair's loss. 'aot' and 'aot_unpaired' sort over the batch, so their i-th loss belongs to the i-th quantile,
-    not to example i. The caller reduces the batch.
+    not to example i. The caller reduces the batch. Each type's formula is its function in `dpo_types.DPO_LOSSES`.
     """
     loss_types, weights = validate_dpo_loss_settings(
         loss_type,
@@ -209,6 +188,47 @@ def dpo_loss(
         f_alpha_divergence_coef=f_alpha_divergence_coef,
         discopop_tau=discopop_tau,
     )
+    _check_loss_inputs(loss_types, chosen_logps, chosen_nll, chosen_lengths, rejected_lengths)
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    # h = (pi_c - pi_r) - (ref_c - ref_r), or its f-divergence counterpart f'(u_c) - f'(u_r).
+    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    logits = chosen_scores - rejected_scores
+    if chosen_lengths is not None and rejected_lengths is not None:
+        normalised = chosen_scores / chosen_lengths.to(chosen_scores.dtype).clamp(
+            min=1
+        ) - rejected_scores / rejected_lengths.to(rejected_scores.dtype).clamp(min=1)
+    else:
+        normalised = logits
+    scores = PairScores(
+        chosen_logps,
+        rejected_logps,
+        ref_chosen_logps,
+        ref_rejected_logps,
+        chosen_logratios,
+        rejected_logratios,
+        logits,
+        normalised,
+        chosen_nll,
+        beta,
+        label_smoothing,
+        bco_delta,
+        discopop_tau,
+    )
+    total = torch.zeros_like(chosen_logratios)
+    for name, weight in zip(loss_types, weights):
+        total = total + weight * DPO_LOSSES[name](scores)
+    if pair_weights is not None:
+        total = total * pair_weights.detach()
+
+    chosen_rewards = beta * chosen_logratios.detach()
+    rejected_rewards = beta * rejected_logratios.detach()
+    return total, chosen_rewards, rejected_rewards
+
+
+def _check_loss_inputs(loss_types, chosen_logps, chosen_nll, chosen_lengths, rejected_lengths) -> None:
+    """What the loss types read besides the log-probs was passed to `dpo_loss`."""
     if "sft" in loss_types and chosen_nll is None:
         raise ConfigError(
             "loss_type 'sft' needs chosen_nll, the per-example NLL of the chosen completion; pass it to dpo_loss."
@@ -223,72 +243,6 @@ def dpo_loss(
             f"chosen_nll has shape {tuple(chosen_nll.shape)} but chosen_logps has {tuple(chosen_logps.shape)}; "
             "pass one NLL per example."
         )
-
-    chosen_logratios = chosen_logps - ref_chosen_logps
-    rejected_logratios = rejected_logps - ref_rejected_logps
-    # h = (pi_c - pi_r) - (ref_c - ref_r), or its f-divergence counterpart f'(u_c) - f'(u_r).
-    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
-    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
-    logits = chosen_scores - rejected_scores
-    if chosen_lengths is not None and rejected_lengths is not None:
-        normalised = chosen_scores / chosen_lengths.to(chosen_scores.dtype).clamp(
-            min=1
-        ) - rejected_scores / rejected_lengths.to(rejected_scores.dtype).clamp(min=1)
-    else:
-        normalised = logits
-    eps = label_smoothing
-
-    total = torch.zeros_like(chosen_logratios)
-    for name, weight in zip(loss_types, weights):
-        if name == "sigmoid":  # DPO, Rafailov et al. 2023 Eq. 7; cDPO label smoothing (Mitchell 2023)
-            losses = _smoothed_logistic(beta * logits, eps)
-        elif name == "hinge":  # SLiC-HF calibration loss, Zhao et al. 2023: max(0, 1 - beta * h)
-            losses = torch.relu(1 - beta * logits)
-        elif name == "ipo":  # IPO, Azar et al. 2023 Eq. 17: (h - 1/(2 beta))^2
-            losses = (normalised - 1 / (2 * beta)) ** 2
-        elif name == "robust":  # rDPO, Chowdhury et al. 2024: ((1-e) l(bh) - e l(-bh)) / (1-2e), l = -logsig
-            losses = (-(1 - eps) * F.logsigmoid(beta * logits) + eps * F.logsigmoid(-beta * logits)) / (1 - 2 * eps)
-        elif name == "exo_pair":  # EXO-pref, Ji et al. 2024 Eq. 16: KL(softmax(b*logratios) || (1-e, e))
-            p_chosen = torch.sigmoid(beta * logits)
-            losses = p_chosen * (F.logsigmoid(beta * logits) - math.log(1 - eps)) + (1 - p_chosen) * (
-                F.logsigmoid(-beta * logits) - math.log(eps)
-            )
-        elif name == "nca_pair":  # NCA, Chen et al. 2024: -logsig(r_c) - 1/2 (logsig(-r_c) + logsig(-r_r))
-            losses = -F.logsigmoid(beta * chosen_logratios) - 0.5 * (
-                F.logsigmoid(-beta * chosen_logratios) + F.logsigmoid(-beta * rejected_logratios)
-            )
-        elif name == "bco_pair":  # BCO, Jung et al. 2024: -logsig(r_c - delta) - logsig(-(r_r - delta))
-            losses = -F.logsigmoid(beta * chosen_logratios - bco_delta) - F.logsigmoid(
-                -(beta * rejected_logratios - bco_delta)
-            )
-        elif name == "sppo_hard":  # SPPO, Wu et al. 2024 Eq. 4.7, hard labels P=1/0, eta = 1/beta
-            losses = (chosen_logratios - 1 / (2 * beta)) ** 2 + (rejected_logratios + 1 / (2 * beta)) ** 2
-        elif name == "aot":  # AOT paired, Melnyk et al. 2024: sorted policy margins dominate sorted ref margins
-            policy_margins = torch.sort(chosen_logps - rejected_logps).values
-            delta = policy_margins - torch.sort(ref_chosen_logps - ref_rejected_logps).values
-            losses = _smoothed_logistic(beta * delta, eps)
-        elif name == "aot_unpaired":  # AOT unpaired, Melnyk et al. 2024: sorted chosen ratios dominate rejected
-            delta = torch.sort(chosen_logratios).values - torch.sort(rejected_logratios).values
-            losses = _smoothed_logistic(beta * delta, eps)
-        elif name == "apo_zero":  # APO-zero, D'Oosterlinck et al. 2024 Eq. 7: 1 - sig(r_c) + sig(r_r)
-            losses = 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
-        elif name == "apo_down":  # APO-down, D'Oosterlinck et al. 2024 Eq. 8: sig(r_c) + 1 - sig(r_c - r_r)
-            margins = chosen_logratios - rejected_logratios
-            losses = torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * margins)
-        elif name == "discopop":  # DiscoPOP (LRML), Lu et al. 2024 Eq. 5: logistic/exp mix by sig(beta h / tau)
-            modulation = torch.sigmoid(beta * logits / discopop_tau)
-            losses = (1 - modulation) * -F.logsigmoid(beta * logits) + modulation * torch.exp(-beta * logits)
-        elif name == "sigmoid_norm":  # DPO on length-normalised scores (as TRL defines it)
-            losses = -F.logsigmoid(beta * normalised)
-        else:  # "sft": NLL of the chosen completion (RPO-style auxiliary term when combined)
-            losses = chosen_nll
-        total = total + weight * losses
-    if pair_weights is not None:
-        total = total * pair_weights.detach()
-
-    chosen_rewards = beta * chosen_logratios.detach()
-    rejected_rewards = beta * rejected_logratios.detach()
-    return total, chosen_rewards, rejected_rewards
 
 
 def length_desensitized_logps(token_logps: Tensor, mask: Tensor, shared_lengths: Tensor, ld_alpha: float) -> Tensor:

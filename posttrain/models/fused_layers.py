@@ -217,6 +217,11 @@ def same_code(function, reference) -> bool:
     )
 
 
+def is_fused_forward(forward) -> bool:
+    """Whether `forward` (a module's instance attribute) is one that `fuse_layers` bound."""
+    return getattr(forward, "__func__", None) in (_fused_norm_forward, _fused_mlp_forward)
+
+
 def fuse_layers(model: nn.Module) -> int:
     """Rebinds the forward of every Llama-formula RMSNorm and SiLU MLP in `model`; returns how many."""
     from transformers.activations import SiLUActivation

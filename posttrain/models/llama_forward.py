@@ -33,10 +33,10 @@ def _plain_linear(layer) -> bool:
 
 def _own_forward(module: nn.Module) -> bool:
     """No instance forward other than fused_layers' (which runs the class's forward when no gradient is wanted)."""
-    from posttrain.models.fused_layers import _fused_mlp_forward, _fused_norm_forward
+    from posttrain.models.fused_layers import is_fused_forward
 
     forward = vars(module).get("forward")
-    return forward is None or getattr(forward, "__func__", None) in (_fused_norm_forward, _fused_mlp_forward)
+    return forward is None or is_fused_forward(forward)
 
 
 def _eligible(model) -> bool:

@@ -62,7 +62,7 @@ def _cached_hub_snapshot(repo_id: str) -> str | None:
     return None
 
 
-def _init_kwargs(model_init_kwargs: dict | None) -> dict:
+def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
     """from_pretrained keyword arguments with posttrain's defaults, `dtype` given by name or as a torch dtype."""
     kwargs = dict(model_init_kwargs or {})
     dtype = kwargs.get("dtype", torch.float32)
@@ -92,7 +92,7 @@ def load_causal_lm(model: str | PreTrainedModel, model_init_kwargs: dict | None 
     if isinstance(model, PreTrainedModel):
         _reject_kwargs_for_object(model_init_kwargs)
         return model
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), **_init_kwargs(model_init_kwargs))
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), **from_pretrained_kwargs(model_init_kwargs))
 
 
 def load_tokenizer(
@@ -148,7 +148,7 @@ def load_sequence_classifier(
         _check_num_labels(model.config, num_labels, model.name_or_path)
     else:
         path = resolve_model_path(model)
-        kwargs = _init_kwargs(model_init_kwargs)
+        kwargs = from_pretrained_kwargs(model_init_kwargs)
         config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs["trust_remote_code"])
         if any(arch.endswith("ForSequenceClassification") for arch in config.architectures or []):
             _check_num_labels(config, num_labels, model)

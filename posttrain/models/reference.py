@@ -65,8 +65,14 @@ def create_reference_model(
     peft: bool = False,
     model_init_kwargs: dict | None = None,
 ) -> nn.Module | None:
-    """The reference to use with `model`: `ref_model` (loaded with `model_init_kwargs` if a path or id) frozen;
-    else None when `peft` (the adapter-disabled policy serves); else a frozen deep copy of `model`."""
+    """Builds the frozen reference model that DPO, KTO and the KL-regularised online trainers compare the policy
+    against.
+
+    The reference to use with `model`: `ref_model` (loaded with `model_init_kwargs` if a path or id) frozen;
+    else None when `peft` (the adapter-disabled policy serves); else a frozen deep copy of `model`.
+
+    See docs/trainers/dpo.md.
+    """
     if ref_model is model:
         raise ConfigError(
             "ref_model is the policy itself, so freezing it would stop training. Omit ref_model "

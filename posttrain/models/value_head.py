@@ -120,10 +120,15 @@ class CausalLMWrapper(nn.Module):
 
 
 class AutoModelForCausalLMWithValueHead(CausalLMWrapper):
-    """A causal LM (`pretrained_model`, possibly a PEFT model) plus a `ValueHead` (`v_head`).
+    """A policy with its critic on top, for PPO (`use_value_head=True`): one network gives the next-token logits and a
+    value per token.
+
+    A causal LM (`pretrained_model`, possibly a PEFT model) plus a `ValueHead` (`v_head`).
 
     With PEFT only the adapter is wrapped: the head is outside it and always trainable, and
     `disable_adapter()` gives the base LM back (the reference model of PPO, without a second copy).
+
+    See docs/trainers/ppo.md.
     """
 
     def __init__(self, pretrained_model: nn.Module, value_head_dropout: float = 0.0) -> None:

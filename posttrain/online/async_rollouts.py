@@ -52,8 +52,9 @@ def check_async_support(trainer) -> None:
         "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
             trainer.args, "dynamic_sampling", False
         ),
-        "several processes (the generation thread would run collectives beside training's)": trainer.accelerator.num_processes
-        > 1,
+        "several processes (the generation thread would run collectives beside training's)": (
+            trainer.accelerator.num_processes > 1
+        ),
     }
     name = "max_staleness" if hasattr(trainer.args, "max_staleness") else "async_generation_rounds"
     fix = (

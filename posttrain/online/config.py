@@ -9,18 +9,34 @@ import json
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
-from posttrain.generation.vllm_backend import VLLM_MODES
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+    num_completions_to_print_field,
+    num_generations_eval_field,
+    ref_model_mixup_alpha_field,
+    ref_model_sync_steps_field,
+    router_aux_loss_coef_field,
+    sync_ref_model_field,
+    vllm_max_model_length_field,
+    vllm_mode_field,
+    vllm_model_impl_field,
+)
 from posttrain.training.vision import freeze_vision_tower_field
 
 logger = logging.getLogger("posttrain")
-VLLM_MODEL_IMPLS = ("vllm", "transformers")
+
 # generation_kwargs keys that have a config field of their own (the trainer reads the field too: the
 # temperature scales the training log-probs, max_completion_length normalises dr_grpo, ...); such a key becomes the
 # field's value when the field is left at its default.
@@ -50,6 +66,27 @@ GENERATION_KWARGS_FIXED = {
 }
 
 
+def take_generation_kwargs_fields(config, field_of: dict[str, str]) -> None:
+    """A generation_kwargs key that is a config field of its own (top_k, temperature, ...) becomes that field's value
+    when the field is left at its default (one info line says so); both set to different values is refused."""
+    defaults = {f.name: f.default for f in fields(config)}
+    config.generation_kwargs = dict(config.generation_kwargs)  # the caller's dict is left as it was
+    taken = []
+    for key in [k for k in config.generation_kwargs if k in field_of]:
+        name, value = field_of[key], config.generation_kwargs[key]
+        current = getattr(config, name)
+        if current != value and current != defaults.get(name):
+            raise ConfigError(
+                f"generation_kwargs[{key!r}]={value!r} disagrees with {name}={current!r}; set one of them "
+                f"(generation_kwargs[{key!r}] is the config's {name})."
+            )
+        setattr(config, name, value)
+        del config.generation_kwargs[key]
+        taken.append(f"{name}={value!r}")
+    if taken:
+        logger.info("generation_kwargs keys with a config field of their own taken as %s.", ", ".join(taken))
+
+
 @dataclass
 class OnlineConfig(PosttrainConfig):
     """Settings shared by the online trainers. See the module docstring for how the batch sizes relate."""
@@ -67,325 +104,225 @@ class OnlineConfig(PosttrainConfig):
         "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
-    loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES  # the loss_type values the method implements
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
+    learning_rate: float = learning_rate_field(1e-6)
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
-    max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Keep only the last this-many prompt tokens (None: no limit)."}
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep only the last this-many prompt tokens (None: no limit)."
     )
-    max_completion_length: int = field(default=512, metadata={"help": "Most tokens generated per completion."})
-    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions sampled per eval prompt (None: num_generations)."}
+    max_completion_length: int = max_completion_length_field(512)
+    num_generations: int = config_field(8, "Completions sampled per prompt (a group).")
+    num_generations_eval: int | None = num_generations_eval_field(
+        "Completions sampled per eval prompt (None: num_generations)."
     )
-    shuffle_dataset: bool = field(
-        default=True,
-        metadata={
-            "help": "Take the training prompts in a new random order each epoch (seeded by "
-            "data_seed or seed); False keeps the dataset's order."
-        },
+    shuffle_dataset: bool = config_field(
+        True,
+        "Take the training prompts in a new random order each epoch (seeded by data_seed or seed); False "
+        "keeps the dataset's order.",
     )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad the prompt and completion widths of the training batches to a "
-            "multiple of this; 'auto' is 128 on Neuron (Trainium) and no padding "
-            "elsewhere, None is no padding."
-        },
+    pad_to_multiple_of: int | str | None = config_field(
+        "auto",
+        "Pad the prompt and completion widths of the training batches to a multiple of this; 'auto' is 128 on "
+        "Neuron (Trainium) and no padding elsewhere, None is no padding.",
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
-    top_p: float = field(
-        default=1.0,
-        metadata={
-            "help": "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
-        },
+    temperature: float = config_field(1.0, "Sampling temperature (> 0).")
+    top_p: float = config_field(
+        1.0, "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
     )
-    top_k: int = field(default=0, metadata={"help": "Keep only the top_k most likely tokens (0: off)."})
-    min_p: float | None = field(
-        default=None,
-        metadata={"help": "Drop tokens less likely than min_p times the most likely one (None or 0: off)."},
+    top_k: int = config_field(0, "Keep only the top_k most likely tokens (0: off).")
+    min_p: float | None = config_field(
+        None, "Drop tokens less likely than min_p times the most likely one (None or 0: off)."
     )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "More sampling settings (a JSON object): GenerationConfig fields for "
-            "transformers' generate (e.g. suppress_tokens, no_repeat_ngram_size), "
-            "vLLM SamplingParams fields with use_vllm (e.g. presence_penalty)."
-        },
+    generation_kwargs: dict | str | None = config_field(
+        None,
+        "More sampling settings (a JSON object): GenerationConfig fields for transformers' generate (e.g. "
+        "suppress_tokens, no_repeat_ngram_size), vLLM SamplingParams fields with use_vllm (e.g. "
+        "presence_penalty).",
     )
-    chat_template_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for the chat template when rendering conversational "
-            'prompts (a JSON object, e.g. {"enable_thinking": false}).'
-        },
+    chat_template_kwargs: dict | str | None = config_field(
+        None,
+        "Keyword arguments for the chat template when rendering conversational prompts (a JSON object, e.g. "
+        '{"enable_thinking": false}).',
     )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Penalty on tokens already in the prompt or completion (1.0: off)."}
+    repetition_penalty: float = config_field(1.0, "Penalty on tokens already in the prompt or completion (1.0: off).")
+    cache_implementation: str | None = config_field(
+        None,
+        "KV cache of transformers' generate, e.g. 'static' or 'offloaded' (None: the model's default); not "
+        "used with use_vllm.",
     )
-    cache_implementation: str | None = field(
-        default=None,
-        metadata={
-            "help": "KV cache of transformers' generate, e.g. 'static' or 'offloaded' "
-            "(None: the model's default); not used with use_vllm."
-        },
+    use_transformers_continuous_batching: bool = config_field(
+        False, "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
     )
-    use_transformers_continuous_batching: bool = field(
-        default=False,
-        metadata={
-            "help": "Generate with transformers' continuous batching engine (generate_batch) instead of generate."
-        },
+    transformers_continuous_batching_config: dict | str | None = config_field(
+        None, "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."
     )
-    transformers_continuous_batching_config: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of transformers' ContinuousBatchingConfig (a JSON object)."}
+    use_transformers_paged: bool = config_field(False, "Deprecated name of use_transformers_continuous_batching.")
+    ds3_gather_for_generation: bool = config_field(True, "DeepSpeed ZeRO-3: gather the sharded weights for generation.")
+    steps_per_generation: int | None = config_field(
+        None,
+        "Optimizer steps trained on each generated batch before the next one is generated (default 1, or "
+        "derived from generation_batch_size).",
+        min=1,
     )
-    use_transformers_paged: bool = field(
-        default=False, metadata={"help": "Deprecated name of use_transformers_continuous_batching."}
+    generation_batch_size: int | None = config_field(
+        None,
+        "Completions generated per round over all processes: per_device_train_batch_size x "
+        "gradient_accumulation_steps x steps_per_generation x processes. Set this or steps_per_generation.",
     )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the sharded weights for generation."}
+    async_generation_rounds: int | None = config_field(
+        None,
+        "Generate the training rounds in a background thread, up to this many rounds ahead of the one "
+        "training (k: a round is sampled with weights at most k rounds old, corrected with "
+        "vllm_importance_sampling_*; 0: each round with its own weights). None: generate in the training "
+        "loop.",
+        min=0,
     )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps trained on each generated batch before the next one is "
-            "generated (default 1, or derived from generation_batch_size)."
-        },
-    )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions generated per round over all processes: "
-            "per_device_train_batch_size x gradient_accumulation_steps x "
-            "steps_per_generation x processes. Set this or steps_per_generation."
-        },
-    )
-    async_generation_rounds: int | None = field(
-        default=None,
-        metadata={
-            "help": "Generate the training rounds in a background thread, up to this many "
-            "rounds ahead of the one training (k: a round is sampled with weights at "
-            "most k rounds old, corrected with vllm_importance_sampling_*; 0: each "
-            "round with its own weights). None: generate in the training loop."
-        },
-    )
-    num_iterations: int = field(
-        default=1,
-        metadata={
-            "help": "Passes over each generated batch (mu in the GRPO paper); > 1 reuses "
-            "completions with importance ratios to the generating policy."
-        },
+    num_iterations: int = config_field(
+        1,
+        "Passes over each generated batch (mu in the GRPO paper); > 1 reuses completions with importance "
+        "ratios to the generating policy.",
+        min=1,
     )
     # Rewards
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function (default: all 1.0)."}
-    )
-    reward_timeout_s: float = field(
-        default=60.0, metadata={"help": "Seconds an async reward function may take per batch."}
-    )
+    reward_weights: list[float] | None = config_field(None, "One weight per reward function (default: all 1.0).")
+    reward_timeout_s: float = config_field(60.0, "Seconds an async reward function may take per batch.")
     # Loss
-    loss_type: str = field(
-        default="dapo",
-        metadata={
-            "help": f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
-            "over completions), bnpo/dapo (mean over all tokens of the optimizer "
-            "step), dr_grpo (token sum / (completions x max_completion_length))."
-        },
+    loss_type: str = config_field(
+        "dapo",
+        f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
+        "over completions), bnpo/dapo (mean over all tokens of the optimizer "
+        "step), dr_grpo (token sum / (completions x max_completion_length)).",
+        choices=LOSS_TYPES,
     )
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss, added to the "
-            "policy loss (None: the model's own router_aux_loss_coef)."
-        },
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field(
+        "Weight of a Mixture-of-Experts model's load-balancing loss, added to the policy loss (None: the "
+        "model's own router_aux_loss_coef).",
     )
-    beta: float = field(
-        default=0.0, metadata={"help": "KL coefficient to the reference model (0: no reference model is loaded)."}
+    beta: float = config_field(0.0, "KL coefficient to the reference model (0: no reference model is loaded).", min=0)
+    epsilon: float = config_field(0.2, "Lower clip range of the importance ratio.")
+    epsilon_high: float | None = config_field(
+        None, "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the importance ratio."})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range (default: epsilon; DAPO's clip-higher uses 0.28)."}
+    importance_sampling_level: str = config_field(
+        "token",
+        "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion).",
+        choices=IMPORTANCE_SAMPLING_LEVELS,
     )
-    importance_sampling_level: str = field(
-        default="token",
-        metadata={"help": "'token' ratios, or 'sequence' (GSPO: one length-normalised ratio per completion)."},
+    mask_truncated_completions: bool = config_field(
+        False, "Leave completions cut at max_completion_length out of the loss (DAPO)."
     )
-    mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss (DAPO)."}
+    disable_dropout: bool = disable_dropout_field(
+        False,
+        "Switch dropout off in the policy (and so in its reference copy): the log-probs of a completion then "
+        "do not depend on the forward pass.",
     )
-    disable_dropout: bool = field(
-        default=False,
-        metadata={
-            "help": "Switch dropout off in the policy (and so in its reference copy): the "
-            "log-probs of a completion then do not depend on the forward pass."
-        },
+    sync_ref_model: bool = sync_ref_model_field(
+        "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference towards the policy (needs beta > 0)."
     )
-    sync_ref_model: bool = field(
-        default=False,
-        metadata={
-            "help": "TR-DPO: every ref_model_sync_steps optimizer steps, move the reference "
-            "towards the policy (needs beta > 0)."
-        },
+    ref_model_mixup_alpha: float = ref_model_mixup_alpha_field(
+        "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."
     )
-    ref_model_mixup_alpha: float = field(
-        default=0.6, metadata={"help": "With sync_ref_model: ref <- alpha * policy + (1 - alpha) * ref."}
+    ref_model_sync_steps: int = ref_model_sync_steps_field(
+        "With sync_ref_model: optimizer steps between two reference updates."
     )
-    ref_model_sync_steps: int = field(
-        default=512, metadata={"help": "With sync_ref_model: optimizer steps between two reference updates."}
+    max_tool_calling_iterations: int | None = config_field(
+        None,
+        "With tools= or environment_factory=: most tool turns per completion (None: until the model stops "
+        "calling tools or max_completion_length is reached).",
     )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={
-            "help": "With tools= or environment_factory=: most tool turns per completion (None: "
-            "until the model stops calling tools or max_completion_length is reached)."
-        },
+    reward_failure_policy: str = config_field(
+        "error",
+        "What a reward function that raises, times out or returns a non-finite value does: 'error' stops the "
+        "run naming it and the sample; 'skip' gives no reward from it for that batch and counts it in "
+        "rewards/<name>/failures.",
+        choices=FAILURE_POLICIES,
     )
-    reward_failure_policy: str = field(
-        default="error",
-        metadata={
-            "help": "What a reward function that raises, times out or returns a non-finite "
-            "value does: 'error' stops the run naming it and the sample; 'skip' "
-            "gives no reward from it for that batch and counts it in "
-            "rewards/<name>/failures."
-        },
+    tool_call_parser: str = config_field(
+        "hermes",
+        "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes <tool_call>{json}</tool_call>), "
+        "'llama3', or a name registered with posttrain.tools.register_parser.",
     )
-    tool_call_parser: str = field(
-        default="hermes",
-        metadata={
-            "help": "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes "
-            "<tool_call>{json}</tool_call>), 'llama3', or a name registered with "
-            "posttrain.tools.register_parser."
-        },
-    )
-    tool_timeout_s: float | None = field(
-        default=30.0,
-        metadata={"help": "Seconds a tool call may take before the model is told it timed out (None: no limit)."},
+    tool_timeout_s: float | None = config_field(
+        30.0, "Seconds a tool call may take before the model is told it timed out (None: no limit)."
     )
     # Logging
-    log_completions: bool = field(
-        default=False,
-        metadata={
-            "help": "Append {step, prompt, completion, reward} lines to "
-            "output_dir/completions.jsonl at every generation round, and print the "
-            "completions of the window at every log."
-        },
+    log_completions: bool = config_field(
+        False,
+        "Append {step, prompt, completion, reward} lines to output_dir/completions.jsonl at every generation "
+        "round, and print the completions of the window at every log.",
     )
-    log_multimodal: bool = field(
-        default=True,
-        metadata={
-            "help": "Log images with the completions (the online trainers take text prompts "
-            "only, so there are none to log)."
-        },
+    log_multimodal: bool = config_field(
+        True, "Log images with the completions (the online trainers take text prompts only, so there are none to log)."
     )
-    num_completions_to_print: int | None = field(
-        default=None,
-        metadata={
-            "help": "With log_completions: completions printed at each log, drawn at random "
-            "(None: all of the window's)."
-        },
+    num_completions_to_print: int | None = num_completions_to_print_field(
+        "With log_completions: completions printed at each log, drawn at random (None: all of the window's)."
     )
-    log_unique_prompts: bool = field(
-        default=False, metadata={"help": "With log_completions: print each prompt once (its first completion)."}
+    log_unique_prompts: bool = config_field(
+        False, "With log_completions: print each prompt once (its first completion)."
     )
-    log_completions_hub_repo: str | None = field(
-        default=None,
-        metadata={"help": "Hub dataset repository to push the completions to (not supported: no Hub access)."},
+    log_completions_hub_repo: str | None = config_field(
+        None, "Hub dataset repository to push the completions to (not supported: no Hub access)."
     )
     # vLLM generation (docs/vllm.md)
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of transformers' generate."})
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={
-            "help": "'colocate': vLLM inside the training process; 'server': a vLLM "
-            "server started with `posttrain vllm-serve`."
-        },
+    use_vllm: bool = config_field(False, "Generate with vLLM instead of transformers' generate.")
+    vllm_mode: str = vllm_mode_field(
+        "'colocate': vLLM inside the training process; 'server': a vLLM server started with `posttrain vllm-serve`."
     )
-    vllm_model_impl: str = field(
-        default="vllm",
-        metadata={"help": "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."},
+    vllm_model_impl: str = vllm_model_impl_field(
+        "Colocate mode: vLLM's own model code ('vllm') or transformers' ('transformers')."
     )
-    vllm_structured_outputs_regex: str | None = field(
-        default=None,
-        metadata={"help": "Constrain every completion to match this regex (vLLM structured outputs; None: off)."},
+    vllm_structured_outputs_regex: str | None = config_field(
+        None, "Constrain every completion to match this regex (vLLM structured outputs; None: off)."
     )
-    vllm_server_base_url: str | None = field(
-        default=None,
-        metadata={
-            "help": "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default "
-            "http://vllm_server_host:vllm_server_port)."
-        },
+    vllm_server_base_url: str | None = config_field(
+        None,
+        "Server mode: the server's URL, e.g. http://10.0.0.2:8000 (default http://vllm_server_host:vllm_server_port).",
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: the server's host."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: the server's port."})
-    vllm_server_timeout: float = field(
-        default=240.0,
-        metadata={
-            "help": "Server mode: seconds to wait for the server to come up, or to come back "
-            "after it went away mid-run, and for any one request (a generation round "
-            "included)."
-        },
+    vllm_server_host: str = config_field("0.0.0.0", "Server mode: the server's host.")
+    vllm_server_port: int = config_field(8000, "Server mode: the server's port.")
+    vllm_server_timeout: float = config_field(
+        240.0,
+        "Server mode: seconds to wait for the server to come up, or to come back after it went away mid-run, "
+        "and for any one request (a generation round included).",
     )
-    vllm_group_port: int = field(
-        default=51216,
-        metadata={
-            "help": "Port of the NCCL group that sends weights to a vLLM server on GPUs "
-            "(posttrain syncs weights through files: not supported)."
-        },
+    vllm_group_port: int = config_field(
+        51216,
+        "Port of the NCCL group that sends weights to a vLLM server on GPUs (posttrain syncs weights through "
+        "files: not supported).",
     )
-    vllm_max_model_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Colocate mode: vLLM's context length (None: max_prompt_length + "
-            "max_completion_length, at most the model's)."
-        },
+    vllm_max_model_length: int | None = vllm_max_model_length_field(
+        "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's)."
     )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."}
+    vllm_tensor_parallel_size: int = config_field(
+        1, "Colocate mode: GPUs vLLM splits the model over (only 1 is supported)."
     )
-    vllm_sync_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Server mode: directory for the weights synced to the server, readable by "
-            "it under the same path (default: a temporary directory, right when both "
-            "run on one machine)."
-        },
+    vllm_sync_dir: str | None = config_field(
+        None,
+        "Server mode: directory for the weights synced to the server, readable by it under the same path "
+        "(default: a temporary directory, right when both run on one machine).",
     )
-    vllm_sync_steps: int = field(
-        default=1,
-        metadata={
-            "help": "Push the policy's weights to vLLM every this many optimizer steps (with "
-            "async_generation_rounds: refresh the background sampler's weights, with "
-            "either backend)."
-        },
+    vllm_sync_steps: int = config_field(
+        1,
+        "Push the policy's weights to vLLM every this many optimizer steps (with async_generation_rounds: "
+        "refresh the background sampler's weights, with either backend).",
+        min=1,
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=True,
-        metadata={
-            "help": "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): "
-            "corrects for vLLM sampling from slightly different probabilities (and, "
-            "with async_generation_rounds, for sampling with older weights)."
-        },
+    vllm_importance_sampling_correction: bool = config_field(
+        True,
+        "Weight each token's loss by min(exp(trainer - vLLM log-prob), cap): corrects for vLLM sampling from "
+        "slightly different probabilities (and, with async_generation_rounds, for sampling with older "
+        "weights).",
     )
-    vllm_importance_sampling_cap: float = field(
-        default=2.0, metadata={"help": "Cap of the truncated importance weight (> 0)."}
+    vllm_importance_sampling_cap: float = config_field(2.0, "Cap of the truncated importance weight (> 0).", gt=0)
+    vllm_gpu_memory_utilization: float = config_field(
+        0.3, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."
     )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3,
-        metadata={"help": "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."},
+    vllm_kv_cache_gb: float | None = config_field(
+        1.0, "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
     )
-    vllm_kv_cache_gb: float | None = field(
-        default=1.0,
-        metadata={
-            "help": "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
-        },
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False,
-        metadata={
-            "help": "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
-        },
+    vllm_enable_sleep_mode: bool = config_field(
+        False, "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
     )
 
     def __post_init__(self):
@@ -402,32 +339,17 @@ class OnlineConfig(PosttrainConfig):
             self.use_transformers_continuous_batching = True
         self._check_generation_options()
         self.sampling_params()  # validates the sampling settings
-        self._check_choice("loss_type", self.loss_type, self.loss_types)
-        self._check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        self._check_choice("vllm_mode", self.vllm_mode, VLLM_MODES)
-        if self.vllm_importance_sampling_cap is not None and self.vllm_importance_sampling_cap <= 0:
-            raise ConfigError(
-                f"vllm_importance_sampling_cap={self.vllm_importance_sampling_cap} must be > 0 (typical: 2.0)."
-            )
-        if self.vllm_sync_steps < 1:
-            raise ConfigError(f"vllm_sync_steps={self.vllm_sync_steps} must be at least 1 (1: before every round).")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             raise ConfigError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
                 "or None for no limit."
             )
-        self._check_async_generation()
-        if self.num_iterations < 1:
-            raise ConfigError(f"num_iterations={self.num_iterations} must be at least 1.")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+        if self.async_generation_rounds is not None and self.use_vllm and self.vllm_mode == "colocate":
             raise ConfigError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (a negative weight "
-                "would reward unbalanced experts)."
+                f"async_generation_rounds={self.async_generation_rounds} generates beside training, but colocated "
+                "vLLM runs inside the training process on its device; use vllm_mode='server' (`posttrain "
+                "vllm-serve MODEL`), or the transformers backend (use_vllm=False)."
             )
-        if self.beta < 0:
-            raise ConfigError(f"beta={self.beta} must be >= 0 (0 switches the KL term off).")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be at least 1 (or None: no limit).")
         if self.num_generations < self.min_num_generations:
             reason = (
                 "; its advantages compare each completion with the others of the same prompt"
@@ -439,15 +361,11 @@ class OnlineConfig(PosttrainConfig):
                 f"{self.min_num_generations} completions per prompt{reason}. Set num_generations >= "
                 f"{self.min_num_generations} (typical: 4 to 16)."
             )
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+        if self.sync_ref_model and self.beta == 0:
             raise ConfigError(
-                f"num_generations_eval={self.num_generations_eval} must be at least 1 (None: num_generations)."
+                "sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
+                "set beta > 0 or sync_ref_model=False."
             )
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
-            raise ConfigError(
-                f"num_completions_to_print={self.num_completions_to_print} must be at least 1 (None: all)."
-            )
-        self._check_reference_sync()
         self._resolve_generation_batch()
 
     def _check_generation_options(self) -> None:
@@ -459,7 +377,6 @@ class OnlineConfig(PosttrainConfig):
             raise ConfigError(
                 f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive int, 'auto' or None (no padding)."
             )
-        self._check_choice("vllm_model_impl", self.vllm_model_impl, VLLM_MODEL_IMPLS)
         if self.use_vllm:
             for name in ("cache_implementation", "use_transformers_continuous_batching"):
                 if getattr(self, name):
@@ -485,11 +402,6 @@ class OnlineConfig(PosttrainConfig):
                 "transformers_continuous_batching_config is set but use_transformers_continuous_"
                 "batching=False; set it to True or drop the config."
             )
-        if self.vllm_max_model_length is not None and self.vllm_max_model_length < 1:
-            raise ConfigError(
-                f"vllm_max_model_length={self.vllm_max_model_length} must be at least 1 (None: "
-                "derived from the prompt and completion lengths)."
-            )
         if self.generation_kwargs is None:
             return
         if not isinstance(self.generation_kwargs, dict):
@@ -499,59 +411,7 @@ class OnlineConfig(PosttrainConfig):
                 raise ConfigError(
                     f"generation_kwargs[{key!r}] cannot be changed: {GENERATION_KWARGS_FIXED[key]}. Drop it."
                 )
-        self._take_generation_kwargs_fields()
-
-    def _take_generation_kwargs_fields(self) -> None:
-        """A generation_kwargs key that is a config field of its own (top_k, temperature, ...) becomes that field's
-        value when the field is left at its default (one info line says so), since the trainer reads the field too
-        (the temperature scales the training log-probs, ...); both set to different values is refused."""
-        defaults = {f.name: f.default for f in fields(self)}
-        self.generation_kwargs = dict(self.generation_kwargs)  # the caller's dict is left as it was
-        taken = []
-        for key in [k for k in self.generation_kwargs if k in GENERATION_KWARGS_FIELDS]:
-            name, value = GENERATION_KWARGS_FIELDS[key], self.generation_kwargs[key]
-            current = getattr(self, name)
-            if current != value and current != defaults.get(name):
-                raise ConfigError(
-                    f"generation_kwargs[{key!r}]={value!r} disagrees with {name}={current!r}; set one of them "
-                    f"(generation_kwargs[{key!r}] is the config's {name})."
-                )
-            setattr(self, name, value)
-            del self.generation_kwargs[key]
-            taken.append(f"{name}={value!r}")
-        if taken:
-            logger.info("generation_kwargs keys with a config field of their own taken as %s.", ", ".join(taken))
-
-    def _check_async_generation(self) -> None:
-        k = self.async_generation_rounds
-        if k is None:
-            return
-        if k < 0:
-            raise ConfigError(
-                f"async_generation_rounds={k} must be >= 0 (rounds generated ahead), or None (synchronous generation)."
-            )
-        if self.use_vllm and self.vllm_mode == "colocate":
-            raise ConfigError(
-                f"async_generation_rounds={k} generates beside training, but colocated vLLM runs "
-                "inside the training process on its device; use vllm_mode='server' (`posttrain "
-                "vllm-serve MODEL`), or the transformers backend (use_vllm=False)."
-            )
-
-    def _check_reference_sync(self) -> None:
-        if not 0 < self.ref_model_mixup_alpha <= 1:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in (0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
-        if self.sync_ref_model and self.beta == 0:
-            raise ConfigError(
-                "sync_ref_model=True updates the reference model, but beta=0 loads none (no KL term); "
-                "set beta > 0 or sync_ref_model=False."
-            )
-
-    @staticmethod
-    def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {choices}; pick one of them.")
+        take_generation_kwargs_fields(self, GENERATION_KWARGS_FIELDS)
 
     def _resolve_generation_batch(self) -> None:
         """Sets generation_batch_size and steps_per_generation from whichever the user gave (checked)."""
@@ -562,8 +422,6 @@ class OnlineConfig(PosttrainConfig):
             f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
             f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}"
         )
-        if self.steps_per_generation is not None and self.steps_per_generation < 1:
-            raise ConfigError(f"steps_per_generation={self.steps_per_generation} must be at least 1.")
         if self.generation_batch_size is not None:
             if self.generation_batch_size < 1 or self.generation_batch_size % step_batch:
                 valid = ", ".join(str(step_batch * k) for k in range(1, 5))

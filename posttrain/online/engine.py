@@ -655,6 +655,11 @@ class OnlineTrainer(OnlineEvaluation, BaseTrainer):
     def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
         """Phases 1 and 2: `n` episodes per prompt, scored. A hook: GRPO's dynamic sampling replaces the groups
         whose rewards are all equal by generating for more prompts."""
+        return self.generate_and_score(rows, n, seeds, round_index)
+
+    def generate_and_score(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
+        """`n` episodes per prompt, scored, every group kept: what `sample_groups` does unless a method overrides
+        it, and what an override or a method's own sampling (A2PO's value estimates) builds on."""
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (

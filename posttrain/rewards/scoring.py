@@ -77,7 +77,8 @@ def _make_reward(name: str, func: Callable[..., Any]) -> _Reward:
 
 
 def _is_async(func: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    """A coroutine function, or an object whose __call__ is one."""
+    return inspect.iscoroutinefunction(func) or (callable(func) and inspect.iscoroutinefunction(func.__call__))
 
 
 def get_callable_name(func: Callable[..., Any]) -> str:

@@ -5,7 +5,7 @@ SFTTrainer`. The trainers live in `posttrain.trainers` (one module per method); 
 def __getattr__(name):
     import posttrain
 
-    if name in posttrain._EXPORTS:
+    if name in posttrain.__all__ and name != "__version__":  # the public names, not the version
         return getattr(posttrain, name)
     raise AttributeError(
         f"module 'posttrain.trainer' has no attribute {name!r}; posttrain's trainers are in posttrain.trainers"

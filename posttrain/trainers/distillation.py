@@ -125,7 +125,10 @@ def _completion_stats(completions) -> list[float]:
 
 
 class DistillationTrainer(SFTTrainer):
-    """`DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...)`, TRL's
+    """On-policy distillation: a student samples completions and learns to match a teacher's next-token distributions
+    on them (generalized JSD).
+
+    `DistillationTrainer(model, teacher_model, args=DistillationConfig(...), train_dataset=...)`, TRL's
     signature; posttrain's extras `teacher_processing_class` (checks the tokenizers agree) and `data_collator`.
 
     `teacher_model` is a model, hub id, path or built-in name (default: args.teacher_model_name_or_path); it
@@ -134,9 +137,14 @@ class DistillationTrainer(SFTTrainer):
     prompt. Evaluation batches without completions (prompt-only data) are sampled too. Logged as means over
     completion tokens: TRL's entropy and completions/* keys, and posttrain's distill_loss, nll,
     teacher_agreement (student and teacher top-1 tokens equal), on_policy, mean_token_accuracy.
+
+    See docs/trainers/distillation.md.
     """
 
     _name = "Distillation"  # the method the model card names and cites (posttrain/training/model_card.py)
+    # shuffle_dataset=False also reads the batches in order here; TRL's GKD and IW-OPD draw them at random
+    # whatever it says (for them it is SFT's one-off shuffle of the data), so they set this to False.
+    ordered_when_unshuffled = True
 
     def __init__(
         self,
@@ -238,7 +246,10 @@ class DistillationTrainer(SFTTrainer):
     # -- data --------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, tokenizer, args: DistillationConfig, name: str):
         """Prompt-only rows when only prompts are read (prompt-only data, or lmbda=1: TRL reads only the
-        prompt column); otherwise SFT's preparation of the completions."""
+        prompt column); otherwise SFT's preparation of the completions, or of rows already tokenized (GKD tokenizes
+        its 'messages' rows its own way first)."""
+        if "input_ids" in dataset.column_names:
+            return super().prepare_dataset(dataset, tokenizer, args, name)
         fmt = detect_format(dataset.column_names, dataset[0] if len(dataset) else None)
         if fmt.kind == "prompt_only" or (args.lmbda == 1 and fmt.kind == "prompt_completion"):
             if fmt.kind == "prompt_only" and args.lmbda < 1 and name == "train_dataset":
@@ -275,7 +286,7 @@ class DistillationTrainer(SFTTrainer):
         return super().prepare_dataset(dataset, tokenizer, args, name)
 
     def _get_train_sampler(self, train_dataset=None):
-        if not self.args.shuffle_dataset:
+        if not self.args.shuffle_dataset and self.ordered_when_unshuffled:
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
         return super()._get_train_sampler(train_dataset)
 

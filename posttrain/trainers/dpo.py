@@ -44,13 +44,18 @@ ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 class DPOTrainer(VisionSetup, ReferenceTrainer):
-    """`DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=..., processing_class=...,
+    """Direct Preference Optimization and its loss variants: trains a policy on preference pairs against a frozen
+    reference, without a reward model or sampling.
+
+    `DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=..., processing_class=...,
     peft_config=...)`, TRL's keyword arguments in TRL's order.
 
     `ref_model` (a model, name or path) is the reference; without one it is a frozen copy of `model`, or the
     PEFT policy with its adapter disabled. The loss is summed over pairs and divided by the number of pairs
     in the whole effective batch (all accumulation steps and processes). A dataset with an `images` / `image`
     column (and an explicit prompt) trains a vision-language model: see `posttrain/data/vision.py`.
+
+    See docs/trainers/dpo.md.
     """
 
     _name = "DPO"  # the method the model card names and cites (posttrain/training/model_card.py)

@@ -103,7 +103,13 @@ class _EntropyControlState(TrainerCallback):
 
 
 class GRPOTrainer(OnlineTrainer):
-    """`GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=..., peft_config=...)`."""
+    """Group Relative Policy Optimization: samples a group of completions per prompt, scores them with reward functions
+    or models, and reinforces those above their group's mean.
+
+    `GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=..., peft_config=...)`.
+
+    See docs/trainers/grpo.md.
+    """
 
     _name = "GRPO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
@@ -193,9 +199,7 @@ class GRPOTrainer(OnlineTrainer):
             )
             indices = torch.randint(len(self.train_dataset), (need,), generator=generator).tolist()
             extra_seeds = [derive_seed(seed, batches) for seed in seeds]
-            scored = OnlineTrainer.sample_groups(
-                self, [self.train_dataset[i] for i in indices], n, extra_seeds, round_index
-            )
+            scored = self.generate_and_score([self.train_dataset[i] for i in indices], n, extra_seeds, round_index)
             first.timings = {k: v + scored.timings.get(k, 0.0) for k, v in first.timings.items()}
         pool = ScoredGroups.concat(kept + idle)
         result = pool.groups(list(range(need)))

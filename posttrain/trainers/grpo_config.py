@@ -4,7 +4,7 @@ order, defaults and help."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
@@ -16,178 +16,141 @@ from posttrain.losses.policy import GRPO_LOSS_TYPES
 from posttrain.losses.token_weights import (
     IMPORTANCE_SAMPLING_MODES,
 )
-from posttrain.online.engine import (
-    OnlineConfig,
-)
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
+from posttrain.online.engine import OnlineConfig
+from posttrain.training.fields import config_field
 
 
 @dataclass
 class GRPOConfig(OnlineConfig):
-    """OnlineConfig with GRPO's defaults: 8 generations per prompt, rewards scaled by their group's std,
-    loss_type "dapo" (mean over all completion tokens of the optimizer step), no KL (beta=0)."""
+    """Settings of `GRPOTrainer`: generation, rewards, loss and vLLM options with TRL's names and defaults.
+
+    OnlineConfig with GRPO's defaults: 8 generations per prompt, rewards scaled by their group's std,
+    loss_type "dapo" (mean over all completion tokens of the optimizer step), no KL (beta=0).
+
+    See docs/trainers/grpo.md.
+    """
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "GRPO"
-    loss_types: ClassVar[tuple[str, ...]] = GRPO_LOSS_TYPES
 
-    cast_lm_head_to_fp32: bool = field(
-        default=False,
-        metadata=_help(
-            "Keep the output layer of the policy and the reference in float32 and compute their logits in float32 "
-            "(steadier log-probs when the model trains in bf16). A tied input embedding still outputs its dtype."
-        ),
+    cast_lm_head_to_fp32: bool = config_field(
+        False,
+        "Keep the output layer of the policy and the reference in float32 and compute their logits in float32 "
+        "(steadier log-probs when the model trains in bf16). A tied input embedding still outputs its dtype.",
     )
-    delta: float | None = field(
-        default=None,
-        metadata=_help(
-            "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta, so negative advantages cannot "
-            "push very large ratios further. None: off; else > 1 + epsilon."
-        ),
+    delta: float | None = config_field(
+        None,
+        "Two-sided clipping (INTELLECT-2): also cap the unclipped ratio at delta, so negative advantages "
+        "cannot push very large ratios further. None: off; else > 1 + epsilon.",
     )
-    sapo_temperature_neg: float = field(
-        default=1.05, metadata=_help("loss_type='sapo': temperature of the soft gate for tokens with advantage <= 0.")
+    sapo_temperature_neg: float = config_field(
+        1.05, "loss_type='sapo': temperature of the soft gate for tokens with advantage <= 0.", gt=0
     )
-    sapo_temperature_pos: float = field(
-        default=1.0, metadata=_help("loss_type='sapo': temperature of the soft gate for tokens with advantage > 0.")
+    sapo_temperature_pos: float = config_field(
+        1.0, "loss_type='sapo': temperature of the soft gate for tokens with advantage > 0.", gt=0
     )
-    vespo_k_pos: float = field(
-        default=2.0,
-        metadata=_help(
-            "loss_type='vespo', advantage >= 0: power k of the gamma weight w^k exp(-lambda w) (damps w < 1)."
-        ),
+    vespo_k_pos: float = config_field(
+        2.0, "loss_type='vespo', advantage >= 0: power k of the gamma weight w^k exp(-lambda w) (damps w < 1)."
     )
-    vespo_lambda_pos: float = field(
-        default=3.0,
-        metadata=_help("loss_type='vespo', advantage >= 0: decay lambda of the gamma weight (damps w > 1)."),
+    vespo_lambda_pos: float = config_field(
+        3.0, "loss_type='vespo', advantage >= 0: decay lambda of the gamma weight (damps w > 1)."
     )
-    vespo_k_neg: float = field(
-        default=3.0, metadata=_help("loss_type='vespo', advantage < 0: power k of the gamma weight.")
+    vespo_k_neg: float = config_field(3.0, "loss_type='vespo', advantage < 0: power k of the gamma weight.")
+    vespo_lambda_neg: float = config_field(2.0, "loss_type='vespo', advantage < 0: decay lambda of the gamma weight.")
+    multi_objective_aggregation: str = config_field(
+        "sum_then_normalize",
+        f"With several reward functions, one of {MULTI_OBJECTIVE_AGGREGATIONS}: sum the weighted rewards then "
+        "normalise as scale_rewards says, or (GDPO) normalise each function within its group, sum with the "
+        "weights, then normalise over the batch (scale_rewards is not used then).",
+        choices=MULTI_OBJECTIVE_AGGREGATIONS,
     )
-    vespo_lambda_neg: float = field(
-        default=2.0, metadata=_help("loss_type='vespo', advantage < 0: decay lambda of the gamma weight.")
+    scale_rewards: str = config_field(
+        "group",
+        f"Divide centred rewards by a std, one of {SCALE_REWARDS}: 'group' (the prompt's group; also True), "
+        "'batch' (the whole generation batch), 'none' (Dr. GRPO; also False).",
+        choices=SCALE_REWARDS,
     )
-    multi_objective_aggregation: str = field(
-        default="sum_then_normalize",
-        metadata=_help(
-            f"With several reward functions, one of {MULTI_OBJECTIVE_AGGREGATIONS}: sum the weighted rewards then "
-            "normalise as scale_rewards says, or (GDPO) normalise each function within its group, sum with the "
-            "weights, then normalise over the batch (scale_rewards is not used then)."
-        ),
+    loss_type: str = config_field(
+        "dapo",
+        f"One of {GRPO_LOSS_TYPES}. Clipped surrogate with an aggregation: grpo (mean per completion, then over "
+        "completions), bnpo (token mean of the micro-batch), dapo (token mean of the optimizer step), dr_grpo "
+        "(token sum / (completions x max_completion_length)), luspo (token sum / completions; use "
+        "importance_sampling_level='sequence'). Other surrogates: cispo (clipped, detached ratio times log-prob; "
+        "epsilon_high is its cap, ~5), sapo (soft sigmoid gate, grpo aggregation), vespo (smooth gamma weight of "
+        "the sequence ratio, dapo aggregation).",
+        choices=GRPO_LOSS_TYPES,
     )
-    scale_rewards: str = field(
-        default="group",
-        metadata=_help(
-            f"Divide centred rewards by a std, one of {SCALE_REWARDS}: 'group' (the prompt's group; also True), "
-            "'batch' (the whole generation batch), 'none' (Dr. GRPO; also False)."
-        ),
+    top_entropy_quantile: float = config_field(
+        1.0,
+        "Train only on the top fraction of completion tokens by entropy (rho in 'Beyond the 80/20 rule'; the "
+        "paper uses 0.2). 1.0 keeps every token, 0.0 only the highest.",
+        min=0,
+        max=1,
     )
-    loss_type: str = field(
-        default="dapo",
-        metadata=_help(
-            f"One of {GRPO_LOSS_TYPES}. Clipped surrogate with an aggregation: grpo (mean per completion, then over "
-            "completions), bnpo (token mean of the micro-batch), dapo (token mean of the optimizer step), dr_grpo "
-            "(token sum / (completions x max_completion_length)), luspo (token sum / completions; use "
-            "importance_sampling_level='sequence'). Other surrogates: cispo (clipped, detached ratio times log-prob; "
-            "epsilon_high is its cap, ~5), sapo (soft sigmoid gate, grpo aggregation), vespo (smooth gamma weight of "
-            "the sequence ratio, dapo aggregation)."
-        ),
+    entropy_coef: float = config_field(
+        0.0,
+        "Entropy bonus: subtract entropy_coef x the mean token entropy (over the trained tokens) from the "
+        "loss, whatever the loss_type. With use_adaptive_entropy it is the starting coefficient.",
     )
-    top_entropy_quantile: float = field(
-        default=1.0,
-        metadata=_help(
-            "Train only on the top fraction of completion tokens by entropy (rho in 'Beyond the 80/20 rule'; the "
-            "paper uses 0.2). 1.0 keeps every token, 0.0 only the highest."
-        ),
+    use_adaptive_entropy: bool = config_field(
+        False,
+        "Skywork-OR1's adaptive entropy control: after each optimizer step raise entropy_coef by "
+        "entropy_coef_delta if the entropy was <= entropy_target, else lower it; the bonus applies only while "
+        "the entropy is <= entropy_target. The coefficient is saved in checkpoints.",
     )
-    entropy_coef: float = field(
-        default=0.0,
-        metadata=_help(
-            "Entropy bonus: subtract entropy_coef x the mean token entropy (over the trained tokens) from the loss, "
-            "whatever the loss_type. With use_adaptive_entropy it is the starting coefficient."
-        ),
+    entropy_coef_min: float = config_field(0.0, "Adaptive entropy control: lowest coefficient.")
+    entropy_coef_max: float = config_field(1.0, "Adaptive entropy control: highest coefficient.")
+    entropy_coef_delta: float = config_field(
+        0.005, "Adaptive entropy control: change of the coefficient per optimizer step."
     )
-    use_adaptive_entropy: bool = field(
-        default=False,
-        metadata=_help(
-            "Skywork-OR1's adaptive entropy control: after each optimizer step raise entropy_coef by "
-            "entropy_coef_delta if the entropy was <= entropy_target, else lower it; the bonus applies only while "
-            "the entropy is <= entropy_target. The coefficient is saved in checkpoints."
-        ),
+    entropy_target: float = config_field(
+        0.2,
+        "Adaptive entropy control: target mean token entropy in nats, over the trained tokens. Language "
+        "models usually sit at 2-10 nats; set it near the entropy seen early in training.",
     )
-    entropy_coef_min: float = field(default=0.0, metadata=_help("Adaptive entropy control: lowest coefficient."))
-    entropy_coef_max: float = field(default=1.0, metadata=_help("Adaptive entropy control: highest coefficient."))
-    entropy_coef_delta: float = field(
-        default=0.005, metadata=_help("Adaptive entropy control: change of the coefficient per optimizer step.")
+    vllm_importance_sampling_mode: str = config_field(
+        "sequence_mask",
+        f"How vLLM's sampling mismatch is corrected, one of {IMPORTANCE_SAMPLING_MODES}: a ratio per token or per "
+        "sequence (product of token ratios); ratios outside [clip_min, clip_max] truncated to the range or set to "
+        "0.",
+        choices=IMPORTANCE_SAMPLING_MODES,
     )
-    entropy_target: float = field(
-        default=0.2,
-        metadata=_help(
-            "Adaptive entropy control: target mean token entropy in nats, over the trained tokens. Language models "
-            "usually sit at 2-10 nats; set it near the entropy seen early in training."
-        ),
+    vllm_importance_sampling_clip_max: float | None = config_field(
+        3.0, "Upper bound of the vLLM importance ratio (None: open)."
     )
-    vllm_importance_sampling_mode: str = field(
-        default="sequence_mask",
-        metadata=_help(
-            f"How vLLM's sampling mismatch is corrected, one of {IMPORTANCE_SAMPLING_MODES}: a ratio per token or per "
-            "sequence (product of token ratios); ratios outside [clip_min, clip_max] truncated to the range or set to "
-            "0."
-        ),
+    vllm_importance_sampling_clip_min: float | None = config_field(
+        None, "Lower bound of the vLLM importance ratio (None: open)."
     )
-    vllm_importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata=_help("Upper bound of the vLLM importance ratio (None: open).")
+    off_policy_mask_threshold: float | None = config_field(
+        None,
+        "DeepSeek-V3.2's off-policy sequence masking: drop completions with a negative advantage whose mean "
+        "log(pi_sampler / pi) exceeds this (e.g. 0.5). None: off.",
+        gt=0,
     )
-    vllm_importance_sampling_clip_min: float | None = field(
-        default=None, metadata=_help("Lower bound of the vLLM importance ratio (None: open).")
+    use_bias_correction_kl: bool = config_field(
+        True,
+        "Multiply the k3 KL term (beta > 0) by the importance ratio, which makes its gradient the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2); changes the gradient even on-policy.",
     )
-    off_policy_mask_threshold: float | None = field(
-        default=None,
-        metadata=_help(
-            "DeepSeek-V3.2's off-policy sequence masking: drop completions with a negative advantage whose mean "
-            "log(pi_sampler / pi) exceeds this (e.g. 0.5). None: off."
-        ),
+    dynamic_sampling: bool = config_field(
+        False,
+        "DAPO's dynamic sampling (verl: filter_groups): drop the groups whose rewards are all equal (zero "
+        "advantage, nothing to learn) and generate for more prompts until the round holds only groups with "
+        "reward variance, at most max_num_gen_batches generation batches per round; if still short, the round "
+        "is completed with zero-variance groups. Logs dynamic_sampling/fill_rate and /num_gen_batches.",
     )
-    use_bias_correction_kl: bool = field(
-        default=True,
-        metadata=_help(
-            "Multiply the k3 KL term (beta > 0) by the importance ratio, which makes its gradient the unbiased "
-            "reverse-KL gradient (DeepSeek-V3.2); changes the gradient even on-policy."
-        ),
+    max_num_gen_batches: int = config_field(
+        3,
+        "dynamic_sampling: the most generation batches (the round's own plus extra ones of the same size, for "
+        "other prompts of the training set) generated for one round.",
     )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata=_help(
-            "DAPO's dynamic sampling (verl: filter_groups): drop the groups whose rewards are all equal (zero "
-            "advantage, nothing to learn) and generate for more prompts until the round holds only groups with "
-            "reward variance, at most max_num_gen_batches generation batches per round; if still short, the round "
-            "is completed with zero-variance groups. Logs dynamic_sampling/fill_rate and /num_gen_batches."
-        ),
-    )
-    max_num_gen_batches: int = field(
-        default=3,
-        metadata=_help(
-            "dynamic_sampling: the most generation batches (the round's own plus extra ones of the same size, for "
-            "other prompts of the training set) generated for one round."
-        ),
-    )
-    vllm_importance_sampling_cap: float | None = field(
-        default=None, metadata=_help("Deprecated alias of vllm_importance_sampling_clip_max (overrides it when set).")
+    vllm_importance_sampling_cap: float | None = config_field(
+        None, "Deprecated alias of vllm_importance_sampling_clip_max (overrides it when set)."
     )
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
-        self._check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        self._check_choice(
-            "multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS
-        )
-        self._check_choice(
-            "vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, IMPORTANCE_SAMPLING_MODES
-        )
         cap = self.vllm_importance_sampling_cap
         if cap is not None:
             warnings.warn(
@@ -248,20 +211,6 @@ class GRPOConfig(OnlineConfig):
             raise ConfigError(
                 f"delta={self.delta} caps the ratio for negative advantages and must exceed 1 + "
                 f"epsilon = {1 + self.epsilon} (INTELLECT-2 uses 4), or be None (off)."
-            )
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ConfigError(
-                f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0: every "
-                "token; the paper uses 0.2)."
-            )
-        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
-            raise ConfigError(
-                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be > 0 (e.g. 0.5), or None (off)."
-            )
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ConfigError(
-                f"sapo_temperature_pos={self.sapo_temperature_pos} and sapo_temperature_neg="
-                f"{self.sapo_temperature_neg} must be > 0."
             )
         if self.dynamic_sampling and (self.max_num_gen_batches < 1 or self.num_generations < 2):
             raise ConfigError(

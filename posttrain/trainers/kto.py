@@ -26,11 +26,11 @@ from posttrain.data.tokenize import tokenize_example
 from posttrain.errors import DataError
 from posttrain.losses.preference import kto_loss
 from posttrain.models.reference import is_peft_model
-from posttrain.trainers.dpo import ReferenceTrainer, sequence_logps
 from posttrain.trainers.kto_config import KTOConfig
-from posttrain.training.preference import SequenceLogps
+from posttrain.training.class_metrics import ClassMetricsMixin, labelled_rows
+from posttrain.training.preference import SequenceLogps, sequence_logps
 from posttrain.training.prefix_cache import trained_and_continuation_logps
-from posttrain.training.reference_trainer import load_processing_class
+from posttrain.training.reference_trainer import ReferenceTrainer, load_processing_class
 
 logger = logging.getLogger("posttrain")
 
@@ -144,20 +144,19 @@ def first_sequences(scores: SequenceLogps, n: int) -> SequenceLogps:
     )
 
 
-def kto_rows(batch: dict, part: slice) -> dict:
-    """The sequences `part` of a KTO batch, trailing all-padding columns dropped."""
-    width = int(batch["attention_mask"][part].sum(-1).max())
-    return {k: batch[k][part, :width] for k in ("input_ids", "attention_mask", "completion_mask")}
+class KTOTrainer(ClassMetricsMixin, ReferenceTrainer):
+    """Kahneman-Tversky Optimization: trains a policy on completions labelled desirable or undesirable one at a time,
+    no pairs needed.
 
-
-class KTOTrainer(ReferenceTrainer):
-    """`KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=..., processing_class=...,
+    `KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=..., processing_class=...,
     peft_config=...)`, TRL's keyword arguments in TRL's order.
 
     Data: unpaired rows (`prompt`, `completion`, boolean `label`, True = desirable), standard or
     conversational; paired preference data (`chosen`/`rejected`) is unpaired into one desirable and one
     undesirable row per pair. The reference is `ref_model`, else a frozen copy of the policy, else (with
     `peft_config`) the policy with its adapter disabled, or log-probs precomputed once (`precompute_ref_log_probs`).
+
+    See docs/trainers/kto.md.
     """
 
     _name = "KTO"  # the method the model card names and cites (posttrain/training/model_card.py)
@@ -255,16 +254,10 @@ class KTOTrainer(ReferenceTrainer):
     def default_collator(self, tokenizer, args: KTOConfig):
         return KTOCollator(tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
 
-    def count_loss_items(self, batch):
-        return len(batch["label"])
-
-    def metric_inputs(self, inputs):
-        return kto_rows(inputs, slice(None, len(inputs["label"])))
-
     def reference_columns(self, reference, batch):
         n = len(batch["label"])
         # The examples and KL pairs in one forward; no metrics are logged from the reference.
-        logps = sequence_logps(reference, kto_rows(batch, slice(None)), stats=False).logps
+        logps = sequence_logps(reference, labelled_rows(batch, slice(None)), stats=False).logps
         return dict(zip(self.REF_COLUMNS, (logps[:n], logps[n:])))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -295,7 +288,7 @@ class KTOTrainer(ReferenceTrainer):
             inputs["attention_mask"][:n].sum(),
             {"chosen": labels, "rejected": ~labels},
         )
-        self._record_class_metrics(labels, rewards, policy.logps.detach(), kl if policy_kl is not None else None)
+        self.record_class_metrics(labels, rewards, policy.logps.detach(), kl if policy_kl is not None else 0.0)
         return (loss, {"rewards": rewards}) if return_outputs else loss
 
     def _policy_logps(self, model, inputs, n: int) -> tuple[SequenceLogps, torch.Tensor | None]:
@@ -305,38 +298,13 @@ class KTOTrainer(ReferenceTrainer):
         in one forward that computes the prompt once (the pairs then go through the backward pass for nothing). With
         a load-balancing loss, which is over the examples alone, the pairs get a forward of their own."""
         if inputs["input_ids"].shape[0] == n:
-            return sequence_logps(model, kto_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled), None
+            return sequence_logps(model, labelled_rows(inputs, slice(None)), router_logits=self.aux_loss_enabled), None
         if self.aux_loss_enabled:
-            policy = sequence_logps(model, kto_rows(inputs, slice(None, n)), router_logits=True)
+            policy = sequence_logps(model, labelled_rows(inputs, slice(None, n)), router_logits=True)
             with torch.no_grad():
-                return policy, sequence_logps(model, kto_rows(inputs, slice(n, None)), stats=False).logps
-        cached = trained_and_continuation_logps(model, kto_rows(inputs, slice(None)), n)
+                return policy, sequence_logps(model, labelled_rows(inputs, slice(n, None)), stats=False).logps
+        cached = trained_and_continuation_logps(model, labelled_rows(inputs, slice(None)), n)
         if cached is not None:
             return cached
-        both = sequence_logps(model, kto_rows(inputs, slice(None)))
+        both = sequence_logps(model, labelled_rows(inputs, slice(None)))
         return first_sequences(both, n), both.logps[n:].detach()
-
-    def _record_class_metrics(self, labels, rewards, logps, kl=None) -> None:
-        """Means over the desirable and the undesirable examples of all processes (a class may be absent),
-        and the KL reference point z0 when there is one."""
-        desirable = labels.float()
-        undesirable = 1 - desirable
-        stats = torch.stack(
-            [
-                desirable.sum(),
-                undesirable.sum(),
-                (rewards * desirable).sum(),
-                (rewards * undesirable).sum(),
-                (logps * desirable).sum(),
-                (logps * undesirable).sum(),
-            ]
-        )
-        n_d, n_u, reward_d, reward_u, logp_d, logp_u = self.accelerator.gather(stats[None]).sum(0).tolist()
-        metrics = {"kl": kl if kl is not None else 0.0}
-        if n_d:
-            metrics.update({"rewards/chosen": reward_d / n_d, "logps/chosen": logp_d / n_d})
-        if n_u:
-            metrics.update({"rewards/rejected": reward_u / n_u, "logps/rejected": logp_u / n_u})
-        if n_d and n_u:
-            metrics["rewards/margins"] = reward_d / n_d - reward_u / n_u
-        self.record_metrics(metrics)

@@ -2,52 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import KTO_LOSS_TYPES
+from posttrain.training.fields import config_field, max_length_field
 from posttrain.training.reference_trainer import ReferenceConfig
 
 
 @dataclass
 class KTOConfig(ReferenceConfig):
-    train_sampling_strategy: str = field(
-        default="sequential",
-        metadata={
-            "help": "Order of the training rows; loss_type 'kto' needs 'sequential' "
-            "(its mismatched KL pairs are fixed per batch in the dataset)."
-        },
+    """Settings of `KTOTrainer`: TRL's KTO fields and defaults (beta, class weights, loss type) on top of transformers'
+    `TrainingArguments`.
+
+    See docs/trainers/kto.md.
+    """
+
+    train_sampling_strategy: str = config_field(
+        "sequential",
+        "Order of the training rows; loss_type 'kto' needs 'sequential' (its mismatched KL pairs are fixed "
+        "per batch in the dataset).",
     )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Truncate prompt + completion to this many tokens (the completion is cut)."}
+    max_length: int | None = max_length_field(
+        1024, "Truncate prompt + completion to this many tokens (the completion is cut)."
     )
-    beta: float = field(
-        default=0.1,
-        metadata={
-            "help": "Scale of the implicit reward beta * log(pi/pi_ref); higher "
-            "keeps the policy closer to the reference."
-        },
+    beta: float = config_field(
+        0.1,
+        "Scale of the implicit reward beta * log(pi/pi_ref); higher keeps the policy closer to the reference.",
+        gt=0,
     )
-    desirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of desirable examples' losses (to balance unequal class counts)."}
+    desirable_weight: float = config_field(
+        1.0, "Weight of desirable examples' losses (to balance unequal class counts).", gt=0
     )
-    undesirable_weight: float = field(
-        default=1.0, metadata={"help": "Weight of undesirable examples' losses (to balance unequal class counts)."}
+    undesirable_weight: float = config_field(
+        1.0, "Weight of undesirable examples' losses (to balance unequal class counts).", gt=0
     )
-    loss_type: str = field(
-        default="kto", metadata={"help": "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one)."}
-    )
+    loss_type: str = config_field("kto", "'kto' (with the KL reference point) or 'apo_zero_unpaired' (without one).")
 
     def __post_init__(self):
         if self.loss_type not in KTO_LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is not supported; choose from {list(KTO_LOSS_TYPES)}.")
-        if self.beta <= 0:
-            raise ConfigError(f"beta={self.beta} must be positive (it scales the implicit reward).")
-        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
-            raise ConfigError(
-                f"desirable_weight={self.desirable_weight} and undesirable_weight="
-                f"{self.undesirable_weight} must both be positive."
-            )
         strategy = getattr(self.train_sampling_strategy, "value", self.train_sampling_strategy)
         if self.loss_type == "kto" and strategy != "sequential":
             raise ConfigError(

@@ -51,7 +51,10 @@ logger = logging.getLogger(__name__)
 
 # -- the trainer -------------------------------------------------------------------------------------------------
 class PPOTrainer(OnlineTrainer):
-    """`PPOTrainer(model, reward_funcs, args=PPOConfig(...), train_dataset=..., value_model=..., peft_config=...)`,
+    """Proximal Policy Optimization for language models: a critic, GAE advantages, clipped policy and value losses and
+    a KL penalty to a reference.
+
+    `PPOTrainer(model, reward_funcs, args=PPOConfig(...), train_dataset=..., value_model=..., peft_config=...)`,
     or the last TRL PPOTrainer's keywords: `PPOTrainer(args=..., processing_class=..., model=..., ref_model=...,
     reward_model=..., train_dataset=..., value_model=..., data_collator=..., eval_dataset=...)`.
 
@@ -62,6 +65,8 @@ class PPOTrainer(OnlineTrainer):
     reference is `ref_model` if given, else a frozen copy of the policy, or, with `peft_config`, the policy with
     its adapter disabled (no second copy). `train_dataset` has a 'prompt' column, or (TRL's PPO format) token ids
     in 'input_ids', used as they are.
+
+    See docs/trainers/ppo.md.
     """
 
     _name = "PPO"  # the method the model card names and cites (posttrain/training/model_card.py)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
+from posttrain.training.fields import config_field, max_completion_length_field
 
 # PPO's names for engine settings: PPOConfig(num_ppo_epochs=4) is OnlineConfig(num_iterations=4), etc.
 # response_length is the name of the last TRL PPOConfig (trl.experimental.ppo).
@@ -22,10 +23,16 @@ _PPO_NAMES = {
 
 @dataclass
 class PPOConfig(OnlineConfig):
-    """OnlineConfig with PPO's settings. One rollout is generation_batch_size completions (one per prompt
+    """Settings of `PPOTrainer`: the online options plus PPO's epochs, clip ranges, value loss, GAE and KL control,
+    with the last TRL PPOConfig's names.
+
+    OnlineConfig with PPO's settings. One rollout is generation_batch_size completions (one per prompt
     by default); it is split into num_mini_batches mini-batches of per_device_train_batch_size x
     gradient_accumulation_steps x processes completions, one optimizer step each, and passed over
-    num_ppo_epochs times."""
+    num_ppo_epochs times.
+
+    See docs/trainers/ppo.md.
+    """
 
     method: ClassVar[str] = "PPO"
     unsupported_options: ClassVar[dict[str, str]] = {
@@ -34,166 +41,112 @@ class PPOConfig(OnlineConfig):
         "load-balancing loss yet, so it cannot be added to PPO's loss.",
     }
 
-    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt."})
-    num_ppo_epochs: int = field(
-        default=4, metadata={"help": "Passes over each rollout (num_iterations in the engine's terms)."}
+    num_generations: int = config_field(1, "Completions sampled per prompt.")
+    num_ppo_epochs: int = config_field(4, "Passes over each rollout (num_iterations in the engine's terms).")
+    num_mini_batches: int | None = config_field(
+        None,
+        "Optimizer steps (mini-batches) per rollout, each of per_device_train_batch_size x "
+        "gradient_accumulation_steps x processes completions (steps_per_generation in the engine's terms; "
+        "default 1, or derived from generation_batch_size).",
+        min=1,
     )
-    num_mini_batches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optimizer steps (mini-batches) per rollout, each of per_device_train_"
-            "batch_size x gradient_accumulation_steps x processes completions "
-            "(steps_per_generation in the engine's terms; default 1, or derived from "
-            "generation_batch_size)."
-        },
+    cliprange: float = config_field(0.2, "Clip range of the policy ratio (epsilon).")
+    cliprange_value: float = config_field(
+        0.2,
+        "A new value may move at most this far from the rollout's value before its loss stops improving.",
+        gt=0,
     )
-    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio (epsilon)."})
-    cliprange_value: float = field(
-        default=0.2,
-        metadata={
-            "help": "A new value may move at most this far from the rollout's value before its loss stops improving."
-        },
+    vf_coef: float = config_field(0.1, "Weight of the value loss.", min=0)
+    entropy_coef: float = config_field(0.0, "Weight of the entropy bonus (0: none).", min=0)
+    kl_coef: float = config_field(
+        0.05,
+        "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted from every token's reward "
+        "(beta in the engine's terms; 0: no reference model).",
     )
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the entropy bonus (0: none)."})
-    kl_coef: float = field(
-        default=0.05,
-        metadata={
-            "help": "(Initial) KL coefficient: kl_coef x (log pi - log pi_ref) is subtracted "
-            "from every token's reward (beta in the engine's terms; 0: no reference "
-            "model)."
-        },
+    target_kl: float | None = config_field(
+        None,
+        "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves towards keeping a completion's "
+        "summed KL at target_kl. None: kl_coef stays fixed.",
     )
-    target_kl: float | None = field(
-        default=None,
-        metadata={
-            "help": "Adaptive KL (Ziegler et al. 2019): after every rollout kl_coef moves "
-            "towards keeping a completion's summed KL at target_kl. None: kl_coef "
-            "stays fixed."
-        },
+    kl_horizon: float = config_field(
+        10000, "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions.", gt=0
     )
-    kl_horizon: float = field(
-        default=10000, metadata={"help": "Adaptive KL horizon: kl_coef changes by at most 20% per horizon completions."}
+    gamma: float = config_field(1.0, "Discount factor of GAE, in (0, 1].")
+    lam: float = config_field(0.95, "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more.")
+    whiten_advantages: bool = config_field(True, "Scale the advantages of each rollout to mean 0 and std 1.")
+    missing_eos_penalty: float | None = config_field(
+        None, "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
     )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE, in (0, 1]."})
-    lam: float = field(
-        default=0.95,
-        metadata={"help": "GAE lambda, in (0, 1]: 1 is Monte-Carlo returns, lower trusts the critic more."},
-    )
-    whiten_advantages: bool = field(
-        default=True, metadata={"help": "Scale the advantages of each rollout to mean 0 and std 1."}
-    )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Subtract this from the score of a completion cut at max_completion_length (without an EOS token)."
-        },
-    )
-    use_value_head: bool = field(
-        default=False,
-        metadata={
-            "help": "Put a value head on the policy instead of training a separate value "
-            "model (less memory; the two losses share the network)."
-        },
+    use_value_head: bool = config_field(
+        False,
+        "Put a value head on the policy instead of training a separate value model (less memory; the two "
+        "losses share the network).",
     )
     # -- the settings of the last TRL PPOConfig (trl.experimental.ppo), with its defaults
-    temperature: float = field(
-        default=0.7, metadata={"help": "Sampling temperature; the log-probabilities are of logits / temperature."}
+    temperature: float = config_field(0.7, "Sampling temperature; the log-probabilities are of logits / temperature.")
+    response_length: int = config_field(53, "Same as max_completion_length.")
+    max_completion_length: int = max_completion_length_field(53)
+    whiten_rewards: bool = config_field(
+        False,
+        "Scale the per-token rewards (KL penalty + score) of each rollout to unit variance, keeping their "
+        "mean, before GAE.",
     )
-    response_length: int = field(default=53, metadata={"help": "Same as max_completion_length."})
-    max_completion_length: int = field(default=53, metadata={"help": "Most tokens generated per completion."})
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={
-            "help": "Scale the per-token rewards (KL penalty + score) of each rollout to unit "
-            "variance, keeping their mean, before GAE."
-        },
+    kl_estimator: str = config_field(
+        "k1",
+        "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' = log pi - log pi_ref, "
+        "'k3' = (r - 1) - log r with r = pi_ref / pi.",
+        choices=("k1", "k3"),
     )
-    kl_estimator: str = field(
-        default="k1",
-        metadata={
-            "help": "Per-token KL estimate in the reward (Schulman's 'Approximating KL'): 'k1' "
-            "= log pi - log pi_ref, 'k3' = (r - 1) - log r with r = pi_ref / pi."
-        },
+    total_episodes: int | None = config_field(
+        None,
+        "Completions to train on in all; sets max_steps to the rollouts needed x optimizer steps per rollout "
+        "(None: num_train_epochs over the prompts).",
+        min=1,
     )
-    total_episodes: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions to train on in all; sets max_steps to the rollouts needed x "
-            "optimizer steps per rollout (None: num_train_epochs over the prompts)."
-        },
+    local_rollout_forward_batch_size: int = config_field(
+        64,
+        "Completions per no-gradient forward pass when the rollout's log-probs and values are computed "
+        "(memory only; the results are the same).",
+        min=1,
     )
-    local_rollout_forward_batch_size: int = field(
-        default=64,
-        metadata={
-            "help": "Completions per no-gradient forward pass when the rollout's log-probs and "
-            "values are computed (memory only; the results are the same)."
-        },
+    num_sample_generations: int = config_field(
+        10,
+        "How many times in training to log near-greedy completions of one eval batch with their scores (needs "
+        "eval_dataset; 0: never).",
+        min=0,
     )
-    num_sample_generations: int = field(
-        default=10,
-        metadata={
-            "help": "How many times in training to log near-greedy completions of one eval "
-            "batch with their scores (needs eval_dataset; 0: never)."
-        },
+    stop_token: str | None = config_field(
+        None,
+        "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there).",
+        choices=("eos",),
     )
-    stop_token: str | None = field(
-        default=None,
-        metadata={"help": "'eos': completions stop at the tokenizer's EOS token (posttrain always stops there)."},
+    stop_token_id: int | None = config_field(None, "A token id that also ends a completion (besides EOS).")
+    exp_name: str = config_field("ppo_config", "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'.")
+    reward_model_path: str = config_field(
+        "EleutherAI/pythia-160m",
+        "For scripts: where to load the reward model from (the trainer takes the model itself, reward_model=...).",
     )
-    stop_token_id: int | None = field(
-        default=None, metadata={"help": "A token id that also ends a completion (besides EOS)."}
+    sft_model_path: str = config_field(
+        "EleutherAI/pythia-160m",
+        "For scripts: where to load the policy from (the trainer takes the model itself, model=...).",
     )
-    exp_name: str = field(
-        default="ppo_config", metadata={"help": "Experiment name; run_name defaults to '<exp_name>__<seed>__<time>'."}
+    model_adapter_name: str | None = config_field(
+        None, "With a PEFT policy holding several adapters: the one to train."
     )
-    reward_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the reward model from (the "
-            "trainer takes the model itself, reward_model=...)."
-        },
-    )
-    sft_model_path: str = field(
-        default="EleutherAI/pythia-160m",
-        metadata={
-            "help": "For scripts: where to load the policy from (the trainer takes the model itself, model=...)."
-        },
-    )
-    model_adapter_name: str | None = field(
-        default=None, metadata={"help": "With a PEFT policy holding several adapters: the one to train."}
-    )
-    ref_adapter_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "With a PEFT policy holding several adapters: the one that is the reference "
-            "(default: the base model with adapters disabled)."
-        },
+    ref_adapter_name: str | None = config_field(
+        None,
+        "With a PEFT policy holding several adapters: the one that is the reference (default: the base model "
+        "with adapters disabled).",
     )
     # The engine's names for three of the settings above, with PPO's defaults; set either name.
-    num_iterations: int = field(default=4, metadata={"help": "Same as num_ppo_epochs."})
-    epsilon: float = field(default=0.2, metadata={"help": "Same as cliprange."})
-    beta: float = field(default=0.05, metadata={"help": "Same as kl_coef."})
+    num_iterations: int = config_field(4, "Same as num_ppo_epochs.")
+    epsilon: float = config_field(0.2, "Same as cliprange.")
+    beta: float = config_field(0.05, "Same as kl_coef.")
 
     def __post_init__(self):
         self._merge_ppo_names()
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ConfigError(
-                f"kl_estimator={self.kl_estimator!r} must be 'k1' (log pi - log pi_ref) or 'k3' "
-                "((r - 1) - log r, lower variance)."
-            )
-        if self.stop_token not in (None, "eos"):
-            raise ConfigError(
-                f"stop_token={self.stop_token!r}: the only named stop token is 'eos'; give another "
-                "token as stop_token_id."
-            )
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ConfigError("stop_token and stop_token_id are the same setting; set only one.")
-        if self.local_rollout_forward_batch_size < 1 or self.num_sample_generations < 0:
-            raise ConfigError(
-                f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 "
-                f"and num_sample_generations={self.num_sample_generations} >= 0."
-            )
         if self.run_name is None:
             self.run_name = f"{self.exp_name}__{self.seed}__{int(time.time())}"
         super().__post_init__()
@@ -203,12 +156,6 @@ class PPOConfig(OnlineConfig):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"{name}={value} must be in (0, 1] (typical: gamma=1.0, lam=0.95).")
-        for name in ("cliprange_value", "kl_horizon"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0.")
-        for name in ("vf_coef", "entropy_coef"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 switches the term off).")
         if self.target_kl is not None and (self.target_kl <= 0 or self.kl_coef == 0):
             raise ConfigError(
                 f"target_kl={self.target_kl} adapts kl_coef={self.kl_coef}: it needs target_kl > 0 "
@@ -217,8 +164,6 @@ class PPOConfig(OnlineConfig):
 
     def _steps_from_episodes(self) -> None:
         """max_steps for total_episodes completions: whole rollouts, each num_ppo_epochs x num_mini_batches steps."""
-        if self.total_episodes < 1:
-            raise ConfigError(f"total_episodes={self.total_episodes} must be at least 1.")
         if self.max_steps > 0:
             raise ConfigError(
                 f"total_episodes={self.total_episodes} and max_steps={self.max_steps} both set the "
@@ -246,8 +191,6 @@ class PPOConfig(OnlineConfig):
     def _resolve_generation_batch(self) -> None:
         """num_mini_batches is steps_per_generation; checks it against generation_batch_size in PPO's terms."""
         if self.num_mini_batches is not None:
-            if self.num_mini_batches < 1:
-                raise ConfigError(f"num_mini_batches={self.num_mini_batches} must be at least 1.")
             if self.steps_per_generation not in (None, self.num_mini_batches):
                 raise ConfigError(
                     f"num_mini_batches={self.num_mini_batches} and steps_per_generation="

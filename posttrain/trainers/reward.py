@@ -48,12 +48,17 @@ def _load_reward_model(name: str, model_init_kwargs: dict | None):
 
 
 class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
-    """`RewardTrainer(model, args=RewardConfig(...), train_dataset=..., processing_class=..., peft_config=...)`,
+    """Trains a reward model on preference pairs (Bradley-Terry): a sequence classifier whose score ranks chosen above
+    rejected, for use as a reward in GRPO, RLOO or PPO.
+
+    `RewardTrainer(model, args=RewardConfig(...), train_dataset=..., processing_class=..., peft_config=...)`,
     TRL's keyword arguments in TRL's order.
 
     `model` is a sequence classifier with one output, or the name or path of a causal LM or classifier
     checkpoint. Each pair is scored in one forward of 2B sequences; a sequence's reward is the classifier's
     output at its last non-padding token.
+
+    See docs/trainers/reward.md.
     """
 
     _name = "Reward"  # the method the model card names and cites (posttrain/training/model_card.py)

@@ -2,52 +2,50 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from posttrain.errors import ConfigError
 from posttrain.training.base import PosttrainConfig
-from posttrain.training.reference_trainer import resolve_pad_to_multiple_of
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_length_field,
+    pad_to_multiple_of_field,
+    parse_pad_to_multiple_of,
+)
 
 
 @dataclass
 class RewardConfig(PosttrainConfig):
-    learning_rate: float = field(default=1e-4, metadata={"help": "Peak learning rate."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "Token to use as EOS (appended to standard-format completions); must be in "
-            "the vocabulary (default: the tokenizer's)."
-        },
+    """Settings of `RewardTrainer`: TRL's reward-modelling fields and defaults on top of transformers'
+    `TrainingArguments`.
+
+    See docs/trainers/reward.md.
+    """
+
+    learning_rate: float = learning_rate_field(1e-4)
+    disable_dropout: bool = disable_dropout_field(True)
+    eos_token: str | None = config_field(
+        None,
+        "Token to use as EOS (appended to standard-format completions); must be in the vocabulary (default: "
+        "the tokenizer's).",
     )
-    pad_token: str | None = field(
-        default=None, metadata={"help": "Token to pad with (default: the tokenizer's pad token, else its EOS)."}
+    pad_token: str | None = config_field(None, "Token to pad with (default: the tokenizer's pad token, else its EOS).")
+    chat_template_path: str | None = config_field(
+        None,
+        "A .jinja chat template file, or a tokenizer (directory or id) whose chat template (and added tokens) "
+        "to clone.",
     )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A .jinja chat template file, or a tokenizer (directory or id) whose chat "
-            "template (and added tokens) to clone."
-        },
+    max_length: int | None = max_length_field(
+        1024, "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."
     )
-    max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Rows where prompt + chosen or prompt + rejected is longer are dropped (None keeps all)."},
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."},
-    )
-    center_rewards_coefficient: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards "
-            "centred on zero (Eisenstein et al. 2023 use 0.01)."
-        },
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
+    center_rewards_coefficient: float | None = config_field(
+        None,
+        "Weight of the penalty mean((r_chosen + r_rejected)^2) that keeps rewards centred on zero (Eisenstein "
+        "et al. 2023 use 0.01).",
     )
 
     def __post_init__(self):
-        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
+        self.pad_to_multiple_of = parse_pad_to_multiple_of(self.pad_to_multiple_of)
         super().__post_init__()

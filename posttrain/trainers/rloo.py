@@ -19,7 +19,13 @@ from posttrain.trainers.rloo_config import RLOOConfig
 
 
 class RLOOTrainer(OnlineTrainer):
-    """`RLOOTrainer(model, reward_funcs, args=RLOOConfig(...), train_dataset=..., peft_config=...)`."""
+    """REINFORCE Leave-One-Out: online training where each completion's baseline is the mean reward of the other
+    completions of its prompt.
+
+    `RLOOTrainer(model, reward_funcs, args=RLOOConfig(...), train_dataset=..., peft_config=...)`.
+
+    See docs/trainers/rloo.md.
+    """
 
     _name = "RLOO"  # the method the model card names and cites (posttrain/training/model_card.py)
 

@@ -2,42 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.online.engine import OnlineConfig
+from posttrain.training.fields import config_field
 
 
 @dataclass
 class RLOOConfig(OnlineConfig):
-    """OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
-    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised."""
+    """Settings of `RLOOTrainer`: GRPO's online options with RLOO's defaults and advantage options.
+
+    OnlineConfig with RLOO's defaults: 2 generations per prompt, beta=0.05 as a KL penalty in the reward,
+    loss_type "dr_grpo" (sequence-level REINFORCE), advantages not normalised.
+
+    See docs/trainers/rloo.md.
+    """
 
     min_num_generations: ClassVar[int] = 2
     method: ClassVar[str] = "RLOO"
 
-    num_generations: int = field(default=2, metadata={"help": "Completions sampled per prompt (k in the paper)."})
-    beta: float = field(
-        default=0.05,
-        metadata={
-            "help": "KL coefficient: beta times the completion's summed log "
-            "ratio to the reference is subtracted from its reward."
-        },
+    num_generations: int = config_field(2, "Completions sampled per prompt (k in the paper).")
+    beta: float = config_field(
+        0.05,
+        "KL coefficient: beta times the completion's summed log ratio to the reference is subtracted from its reward.",
     )
-    loss_type: str = field(
-        default="dr_grpo",
-        metadata={"help": "Loss aggregation (see OnlineConfig); dr_grpo is the paper's sequence-level estimator."},
+    loss_type: str = config_field(
+        "dr_grpo", "Loss aggregation (see OnlineConfig); dr_grpo is the paper's sequence-level estimator."
     )
-    normalize_advantages: bool = field(
-        default=False, metadata={"help": "Scale the advantages of each generation batch to mean 0 and std 1."}
+    normalize_advantages: bool = config_field(
+        False, "Scale the advantages of each generation batch to mean 0 and std 1."
     )
-    reward_clip_range: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "[min, max]: clip each completion's (weighted) reward to this range "
-            "before the KL penalty and the baseline (None: no clipping)."
-        },
+    reward_clip_range: list[float] | None = config_field(
+        None,
+        "[min, max]: clip each completion's (weighted) reward to this range before the KL penalty and the "
+        "baseline (None: no clipping).",
     )
 
     def __post_init__(self):

@@ -3,28 +3,20 @@ prompt-completion pairs or pre-tokenized rows."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
 from transformers import TrainingArguments
 
-from posttrain.data.chat import normalize_example, require_chat_template
 from posttrain.data.collators import IGNORE_INDEX, LanguageModelingCollator
-from posttrain.data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
-from posttrain.data.packing import pack_dataset
-from posttrain.data.report import DataReport, cut_column, note_packing
-from posttrain.data.tokenize import tokenize_example, truncate
-from posttrain.data.tokenizer_setup import (
-    check_eos_for_training,
-    configure_tokenizer,
-    make_added_tokens_trainable,
-    sync_model_with_tokenizer,
-)
+from posttrain.data.report import DataReport
+from posttrain.data.sft import completion_only, prepare_sft_dataset
+from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
 from posttrain.data.vision import VisionSFTCollator, is_vision_dataset, tokenizer_of, validate_vision_dataset
-from posttrain.errors import ConfigError, DataError
+from posttrain.errors import ConfigError
 from posttrain.losses.sft import chunked_token_loss_sums, token_loss_sums
 from posttrain.models.layouts import (
+    can_repack,
     check_chunked_loss_supported,
     chunked_loss_unsupported,
     repack_padded_batch,
@@ -52,53 +44,27 @@ def _sft_args(args, model) -> SFTConfig:
     return args
 
 
-def _tokenize_row(
-    example, row, tokenizer, fmt, max_length, completion_only_loss, assistant_only_loss, add_eos, truncation_mode
-):
-    check_example(example, fmt, row)
-    out = tokenize_example(
-        example,
-        tokenizer,
-        fmt,
-        row=row,
-        completion_only_loss=completion_only_loss,
-        assistant_only_loss=assistant_only_loss,
-        add_eos=add_eos,
-        truncation_mode=truncation_mode,
-    )
-    ids, mask = truncate(out["input_ids"], out["completion_mask"], max_length, truncation_mode, row)
-    return {"input_ids": ids, "completion_mask": mask, cut_column("max_length"): len(out["input_ids"]) - len(ids)}
-
-
-def _format_row(example, row, formatting_func):
-    text = formatting_func(example)
-    if not isinstance(text, str):
-        raise DataError(
-            f"Row {row}: formatting_func returned {type(text).__name__}, not a string. It is called on "
-            "one example at a time and must return that example's text."
+def _check_loss_options(args: SFTConfig, compute_loss_func, formatting_func, train_dataset) -> None:
+    if compute_loss_func is not None and (args.loss_type != "nll" or args.chunked_loss):
+        raise ConfigError(
+            f"compute_loss_func replaces the loss, so loss_type={args.loss_type!r} / chunked_loss="
+            f"{args.chunked_loss} would not apply; pass one or the other (loss_type='nll', "
+            "chunked_loss=False)."
         )
-    return {"text": text}
-
-
-def _labels_row(example, row, use_completion_mask, max_length, truncation_mode):
-    """Labels of a pre-tokenized row: its own `labels`, else input ids masked by `assistant_masks` (and
-    `completion_mask` with completion-only loss); truncated."""
-    ids = example["input_ids"]
-    labels = example.get("labels")
-    if labels is None:
-        masks = [
-            example[c]
-            for c in ("completion_mask", "assistant_masks")
-            if example.get(c) is not None and (c != "completion_mask" or use_completion_mask)
-        ]
-        labels = [t if all(bits) else IGNORE_INDEX for t, *bits in zip(ids, *masks)]
-    n = len(ids)
-    ids, labels = truncate(list(ids), list(labels), max_length, truncation_mode, row, untrained=IGNORE_INDEX)
-    return {"input_ids": ids, "labels": labels, cut_column("max_length"): n - len(ids)}
+    if formatting_func is not None and completion_only(args, train_dataset):
+        raise ConfigError(
+            "formatting_func turns each example into plain text, so there is no completion to "
+            "train on alone, but completion_only_loss is on (explicitly, or by default for "
+            "prompt-completion data). Set completion_only_loss=False, or format the dataset "
+            "into prompt/completion columns yourself and drop formatting_func."
+        )
 
 
 class SFTTrainer(VisionSetup, BaseTrainer):
-    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
+    """Supervised fine-tuning: trains a causal language model on text, conversations or prompt-completion pairs with
+    next-token cross-entropy.
+
+    `SFTTrainer(model, args=SFTConfig(...), train_dataset=..., processing_class=..., peft_config=...,
     formatting_func=...)`, with TRL's keyword arguments in TRL's order.
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
@@ -110,6 +76,8 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     image tokens are never trained; the vision tower is frozen unless `freeze_vision_tower=False`.
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
+
+    See docs/trainers/sft.md.
     """
 
     _name = "SFT"  # the method the model card names and cites (posttrain/training/model_card.py)
@@ -133,19 +101,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         formatting_func: Callable[[dict], str] | None = None,
     ):
         args = _sft_args(args, model)
-        if compute_loss_func is not None and (args.loss_type != "nll" or args.chunked_loss):
-            raise ConfigError(
-                f"compute_loss_func replaces the loss, so loss_type={args.loss_type!r} / chunked_loss="
-                f"{args.chunked_loss} would not apply; pass one or the other (loss_type='nll', "
-                "chunked_loss=False)."
-            )
-        if formatting_func is not None and _completion_only(args, train_dataset):
-            raise ConfigError(
-                "formatting_func turns each example into plain text, so there is no completion to "
-                "train on alone, but completion_only_loss is on (explicitly, or by default for "
-                "prompt-completion data). Set completion_only_loss=False, or format the dataset "
-                "into prompt/completion columns yourself and drop formatting_func."
-            )
+        _check_loss_options(args, compute_loss_func, formatting_func, train_dataset)
         self._formatting_func = formatting_func
         self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset"))
         processing_class, peft_config = self.setup_vision(
@@ -156,28 +112,14 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                 "formatting_func turns rows into plain text, which would drop the images of this "
                 "dataset; format the dataset with map() instead and drop formatting_func."
             )
-        self._vision_completion_only = _completion_only(args, train_dataset)
+        self._vision_completion_only = completion_only(args, train_dataset)
         tokenizer = tokenizer_of(processing_class)
         added_tokens = configure_tokenizer(tokenizer, args)
         make_added_tokens_trainable(peft_config, added_tokens)
         self._own_collator: LanguageModelingCollator | None = None
         self._trained_tokens = 0
         self._input_tokens = 0
-
-        def adapt(loaded):
-            """Before PEFT wrapping and data preparation: the model agrees with the tokenizer; MoE loss set up."""
-            sync_model_with_tokenizer(
-                loaded, tokenizer, added_tokens, eos_changed=args.eos_token is not None or bool(added_tokens)
-            )
-            self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
-            self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
-            return loaded
-
-        if isinstance(model, str):
-            load = self.vision_loader(model, args) or type(self).load_model
-            self.load_model = lambda name, init_kwargs: adapt(load(name, init_kwargs))
-        else:
-            adapt(model)
+        self._adapt_model(model, tokenizer, added_tokens, peft_config, args)
         with self.processor_pad_token(processing_class):
             super().__init__(
                 model,
@@ -199,12 +141,33 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         if self.data_collator is self._own_collator:
             self.data_collator.one_row = uses_flash_attention(self.model)
         self._chunked_loss = self._resolve_chunked_loss(args)
-        # Padded batches are computed on repacked rows (same losses, no work on padding) where the model keeps packed
-        # sequences apart; not with compute_loss_func (it gets the padded batch's logits) or an MoE auxiliary loss
-        # (the router statistics would count the filler tokens), nor in a subclass with its own forward (e.g. a
-        # teacher model that would need to keep packed sequences apart too).
-        from posttrain.models.layouts import can_repack
+        self._choose_layouts(args)
 
+    def _adapt_model(self, model, tokenizer, added_tokens, peft_config, args: SFTConfig) -> None:
+        """Before PEFT wrapping and data preparation: the model agrees with the tokenizer and its MoE loss is set
+        up; a model given by name, as it loads."""
+
+        def adapt(loaded):
+            sync_model_with_tokenizer(
+                loaded, tokenizer, added_tokens, eos_changed=args.eos_token is not None or bool(added_tokens)
+            )
+            self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
+            self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
+            return loaded
+
+        if isinstance(model, str):
+            load = self.vision_loader(model, args) or type(self).load_model
+            self.load_model = lambda name, init_kwargs: adapt(load(name, init_kwargs))
+        else:
+            adapt(model)
+
+    def _choose_layouts(self, args: SFTConfig) -> None:
+        """Padded batches are computed on repacked rows (same losses, no work on padding) where the model keeps
+        packed sequences apart; not with compute_loss_func (it gets the padded batch's logits) or an MoE auxiliary
+        loss (the router statistics would count the filler tokens), nor in a subclass with its own forward (e.g. a
+        teacher model that would need to keep packed sequences apart too). Padding-free rows attend one sequence at
+        a time on the CPU, where that was measured to be faster; not under torch_compile, FSDP or DeepSpeed (left as
+        they were)."""
         self._repack_padded = (
             type(self)._forward_nll is SFTTrainer._forward_nll
             and not self._vision
@@ -212,8 +175,6 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             and not getattr(self, "router_aux_loss_coef", 0.0)
             and can_repack(self.model)
         )
-        # Padding-free rows attend one sequence at a time on the CPU, where that was measured to be faster; not under
-        # torch_compile, FSDP or DeepSpeed (left as they were).
         self._segment_attention = (
             self.args.device.type == "cpu"
             and not args.torch_compile
@@ -259,105 +220,8 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                     f"{name} is {fmt.kind.replace('_', '-')} data. Set assistant_only_loss=False."
                 )
             return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
-        tokenizer = tokenizer_of(tokenizer)
-        packing = args.packing if name == "train_dataset" or args.eval_packing is None else args.eval_packing
-        if getattr(dataset, "format", {}).get("type") == "custom":
-            raise ConfigError(
-                f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
-                "would bake in. Apply deterministic transforms with map() first, or pass "
-                "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator."
-            )
-        max_length = None if packing else args.max_length  # packing cuts to max_length itself
-        report = DataReport.of(self).start(name, len(dataset))
-        if "input_ids" in dataset.column_names:
-            dataset = self._prepare_tokenized(dataset, args, max_length, name)
-        else:
-            dataset = self._tokenize(dataset, tokenizer, args, max_length, name)
-        dataset = report.take_cuts(dataset)
-        if packing:
-            if args.shuffle_dataset:  # else neighbours in the data would share rows
-                dataset = dataset.shuffle(seed=args.seed)
-            split = args.packing_split_long or args.packing_strategy == "bfd_split"
-            strategy = "wrapped" if args.packing_strategy == "wrapped" else "bfd"
-            note_packing(report, dataset, args.max_length, strategy, split)
-            dataset = pack_dataset(dataset, args.max_length, strategy, split, num_proc=args.dataset_num_proc)
-        if args.shuffle_dataset:
-            dataset = dataset.shuffle(seed=args.seed)
-        return dataset
-
-    def _tokenize(self, dataset, tokenizer, args: SFTConfig, max_length, name: str):
-        columns = dataset.column_names
-        if self._formatting_func is not None:
-            dataset = dataset.map(
-                _format_row,
-                with_indices=True,
-                remove_columns=columns,
-                fn_kwargs={"formatting_func": self._formatting_func},
-                num_proc=args.dataset_num_proc,
-                desc=f"Formatting {name}",
-            )
-        elif args.dataset_text_field != "text":
-            text_field = args.dataset_text_field
-            if text_field in columns:
-                dataset = dataset.remove_columns([c for c in ("text",) if c in columns]).rename_column(
-                    text_field, "text"
-                )
-            elif not any(c in columns for c in ("messages", "prompt", "completion", "text")):
-                raise ConfigError(
-                    f"dataset_text_field={text_field!r} is not a column of {name} (columns: "
-                    f"{columns}). Set dataset_text_field to the column that holds the text."
-                )
-        first = dataset[0] if len(dataset) else {}
-        if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
-            dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
-        fmt: DatasetFormat = validate_dataset(dataset, ("language_modeling", "prompt_completion"), "SFTTrainer", name)
-        if args.assistant_only_loss and not fmt.conversational:
-            raise ConfigError(
-                "assistant_only_loss=True needs conversational data (lists of {'role', 'content'} messages), but "
-                f"{name} is in standard (string) form. Set assistant_only_loss=False, or for prompt-completion "
-                "strings rely on completion_only_loss."
-            )
-        if fmt.conversational:
-            require_chat_template(tokenizer)
-        check_eos_for_training(tokenizer, fmt, args.add_eos)
-        return dataset.map(
-            _tokenize_row,
-            with_indices=True,
-            remove_columns=dataset.column_names,
-            num_proc=args.dataset_num_proc,
-            fn_kwargs=dict(
-                tokenizer=tokenizer,
-                fmt=fmt,
-                max_length=max_length,
-                completion_only_loss=args.completion_only_loss is not False,
-                assistant_only_loss=args.assistant_only_loss,
-                add_eos=args.add_eos,
-                truncation_mode=args.truncation_mode,
-            ),
-            desc=f"Tokenizing {name}",
-        )
-
-    def _prepare_tokenized(self, dataset, args: SFTConfig, max_length, name: str):
-        """Rows that already hold input_ids: labels from their masks (as TRL: `completion_mask` only counts with
-        completion-only loss, which defaults to off without prompt/completion columns), truncated."""
-        columns = dataset.column_names
-        if self._formatting_func is not None:
-            warnings.warn(
-                f"{name} is already tokenized (it has input_ids): formatting_func is not applied to it.", stacklevel=3
-            )
-        if "seq_lengths" in columns:  # packed already
-            return dataset
-        return dataset.map(
-            _labels_row,
-            with_indices=True,
-            num_proc=args.dataset_num_proc,
-            remove_columns=[c for c in columns if c not in ("input_ids", "labels")],
-            fn_kwargs=dict(
-                use_completion_mask=_completion_only(args, dataset),
-                max_length=max_length,
-                truncation_mode=args.truncation_mode,
-            ),
-            desc=f"Building labels for {name}",
+        return prepare_sft_dataset(
+            dataset, tokenizer_of(tokenizer), args, name, DataReport.of(self), self._formatting_func
         )
 
     def default_collator(self, tokenizer, args: SFTConfig):
@@ -517,11 +381,3 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         if "loss" in logs:
             logs["num_tokens_trained"] = float(self._trained_tokens)
         super().log(logs, start_time)
-
-
-def _completion_only(args: SFTConfig, dataset) -> bool:
-    """Whether completion-only loss applies: as set, else on for data with prompt and completion columns."""
-    if args.completion_only_loss is not None:
-        return args.completion_only_loss
-    columns = getattr(dataset, "column_names", None) or []
-    return "prompt" in columns and "completion" in columns

@@ -4,137 +4,112 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.losses.sft import LOSS_TYPES
 from posttrain.training.base import PosttrainConfig
+from posttrain.training.fields import (
+    config_field,
+    learning_rate_field,
+    max_length_field,
+    pad_to_multiple_of_field,
+    parse_pad_to_multiple_of,
+    router_aux_loss_coef_field,
+    truncation_mode_field,
+)
 from posttrain.training.vision import freeze_vision_tower_field
 
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 
 
-TRUNCATION_MODES = ("keep_start", "keep_end")
-
-
 DATASET_KWARGS = ("skip_prepare_dataset",)
-
-
-def _parse_pad_to_multiple_of(value):
-    """'auto' means no padding off Neuron devices (posttrain runs on none); the CLI passes numbers as strings."""
-    if isinstance(value, str):
-        value = None if value.lower() in ("auto", "none", "null") else int(value)
-    if value is not None and value <= 0:
-        raise ConfigError(f"pad_to_multiple_of={value} must be a positive number of tokens, or None.")
-    return value
 
 
 @dataclass
 class SFTConfig(PosttrainConfig):
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate."})
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-            "training loss (default: the model config's own; 0 turns it off). Only "
-            "for MoE models."
-        },
+    """Settings of `SFTTrainer`: TRL's SFT fields and defaults on top of transformers' `TrainingArguments`, plus
+    posttrain's guards and memory options.
+
+    See docs/trainers/sft.md.
+    """
+
+    learning_rate: float = learning_rate_field(2e-5)
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field(
+        "Weight of a Mixture-of-Experts model's load-balancing loss added to the training loss (default: the "
+        "model config's own; 0 turns it off). Only for MoE models.",
     )
-    chat_template_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / "
-            "hub id whose chat template, added tokens and EOS token are cloned (the "
-            "embeddings grow to hold the new tokens)."
-        },
+    chat_template_path: str | None = config_field(
+        None,
+        "A Jinja chat template file (.jinja/.j2) to use, or a tokenizer directory / hub id whose chat "
+        "template, added tokens and EOS token are cloned (the embeddings grow to hold the new tokens).",
     )
-    dataset_text_field: str = field(
-        default="text", metadata={"help": "Column holding the text of standard language-modeling data."}
+    dataset_text_field: str = config_field("text", "Column holding the text of standard language-modeling data.")
+    dataset_kwargs: dict[str, Any] | str | None = config_field(
+        None,
+        "Dataset preparation options; the one key is skip_prepare_dataset (use the dataset as it is: rows of "
+        "input_ids [+ labels] for the collator).",
     )
-    dataset_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Dataset preparation options; the one key is skip_prepare_dataset (use "
-            "the dataset as it is: rows of input_ids [+ labels] for the collator)."
-        },
+    eos_token: str | None = config_field(
+        None,
+        "Token (in the vocabulary) to use as the tokenizer's EOS: appended to standard text and set in the "
+        "model's (generation) config.",
     )
-    eos_token: str | None = field(
-        default=None,
-        metadata={
-            "help": "Token (in the vocabulary) to use as the tokenizer's EOS: appended to "
-            "standard text and set in the model's (generation) config."
-        },
+    max_length: int | None = max_length_field(1024, "Truncate (or pack) sequences to this many tokens.")
+    truncation_mode: str = truncation_mode_field(
+        "keep_start", "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."
     )
-    max_length: int | None = field(default=1024, metadata={"help": "Truncate (or pack) sequences to this many tokens."})
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "Which end of a longer sequence to keep: 'keep_start' or 'keep_end'."}
+    shuffle_dataset: bool = config_field(False, "Shuffle the prepared dataset (before packing too) with `seed`.")
+    packing: bool = config_field(False, "Pack several sequences into each row of max_length.")
+    packing_strategy: str = config_field(
+        "bfd",
+        "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer ones split) or 'wrapped' "
+        "(concatenated and cut every max_length).",
+        choices=PACKING_STRATEGIES,
     )
-    shuffle_dataset: bool = field(
-        default=False, metadata={"help": "Shuffle the prepared dataset (before packing too) with `seed`."}
+    padding_free: bool = config_field(
+        False,
+        "Collate without an attention mask, positions restarting per sequence (always on with packing): the "
+        "batch in one row with flash attention, else one row per example.",
     )
-    packing: bool = field(default=False, metadata={"help": "Pack several sequences into each row of max_length."})
-    packing_strategy: str = field(
-        default="bfd",
-        metadata={
-            "help": "'bfd' (sequences kept whole, longer ones truncated), 'bfd_split' (longer "
-            "ones split) or 'wrapped' (concatenated and cut every max_length)."
-        },
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field(
+        "auto",
+        "Pad batches to a multiple of this many tokens ('auto': no padding except on Neuron devices, which "
+        "posttrain does not run on).",
     )
-    padding_free: bool = field(
-        default=False,
-        metadata={
-            "help": "Collate without an attention mask, positions restarting per sequence (always "
-            "on with packing): the batch in one row with flash attention, else one row "
-            "per example."
-        },
+    eval_packing: bool | None = config_field(None, "Pack the eval dataset (default: as `packing`).")
+    completion_only_loss: bool | None = config_field(
+        None, "Train only on completion tokens of prompt-completion data (default: on)."
     )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad batches to a multiple of this many tokens ('auto': no padding except "
-            "on Neuron devices, which posttrain does not run on)."
-        },
-    )
-    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset (default: as `packing`)."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "Train only on completion tokens of prompt-completion data (default: on)."}
-    )
-    assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Train only on assistant turns of conversations (any chat template)."}
+    assistant_only_loss: bool = config_field(
+        False, "Train only on assistant turns of conversations (any chat template)."
     )
     freeze_vision_tower: bool = freeze_vision_tower_field()
-    loss_type: str = field(
-        default="nll",
-        metadata={
-            "help": "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each "
-            "token's NLL weighted by its detached probability)."
-        },
+    loss_type: str = config_field(
+        "nll",
+        "'nll' (negative log-likelihood) or 'dft' (Dynamic Fine-Tuning: each token's NLL weighted by its "
+        "detached probability).",
+        choices=LOSS_TYPES,
     )
-    pad_token: str | None = field(
-        default=None,
-        metadata={"help": "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."},
+    pad_token: str | None = config_field(
+        None, "Token (in the vocabulary) to pad with (default: the tokenizer's pad token, else its EOS)."
     )
     # posttrain's own options
-    add_eos: bool = field(default=True, metadata={"help": "Append the EOS token to standard (non-chat) text."})
-    packing_split_long: bool = field(
-        default=False,
-        metadata={
-            "help": "With bfd packing, split sequences longer than max_length instead of "
-            "truncating them (as packing_strategy='bfd_split')."
-        },
+    add_eos: bool = config_field(True, "Append the EOS token to standard (non-chat) text.")
+    packing_split_long: bool = config_field(
+        False,
+        "With bfd packing, split sequences longer than max_length instead of truncating them (as "
+        "packing_strategy='bfd_split').",
     )
-    chunked_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Compute the loss in chunks of trained tokens without materialising "
-            "[tokens, vocab] logits (less memory, same numbers). Default (None): on "
-            "wherever it gives the same result (a plain linear output layer, no "
-            "compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True "
-            "insists, False computes the full logits."
-        },
+    chunked_loss: bool | None = config_field(
+        None,
+        "Compute the loss in chunks of trained tokens without materialising [tokens, vocab] logits (less "
+        "memory, same numbers). Default (None): on wherever it gives the same result (a plain linear output "
+        "layer, no compute_loss_func, no images, no FSDP/DeepSpeed, no torch_compile); True insists, False "
+        "computes the full logits.",
     )
-    loss_chunk_size: int = field(default=256, metadata={"help": "Tokens per chunk with chunked_loss."})
+    loss_chunk_size: int = config_field(256, "Tokens per chunk with chunked_loss.", min=1)
 
     unsupported_options: ClassVar[dict[str, str]] = {**PosttrainConfig.unsupported_options}
 
@@ -146,7 +121,7 @@ class SFTConfig(PosttrainConfig):
             raise ConfigError(
                 f"dataset_kwargs has unknown keys {unknown}; the only key is 'skip_prepare_dataset'. Remove the others."
             )
-        self.pad_to_multiple_of = _parse_pad_to_multiple_of(self.pad_to_multiple_of)
+        self.pad_to_multiple_of = parse_pad_to_multiple_of(self.pad_to_multiple_of)
         if self.loss_type == "chunked_nll":
             warnings.warn(
                 "loss_type='chunked_nll' is an old name of 'nll'; use loss_type='nll' (set chunked_loss=True "
@@ -155,29 +130,16 @@ class SFTConfig(PosttrainConfig):
                 stacklevel=3,
             )
             self.loss_type = "nll"
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}; pick one of them.")
         if self.loss_type == "dft" and self.label_smoothing_factor:
             raise ConfigError(
                 f"label_smoothing_factor={self.label_smoothing_factor} smooths the NLL loss and has no "
                 "meaning for loss_type='dft'; set label_smoothing_factor=0 or loss_type='nll'."
             )
-        if self.truncation_mode not in TRUNCATION_MODES:
-            raise ConfigError(f"truncation_mode={self.truncation_mode!r} is not one of {TRUNCATION_MODES}.")
         if self.packing_strategy == "bfd-requeue":
             self.packing_strategy = "bfd_split"  # the old name
-        if self.packing_strategy not in PACKING_STRATEGIES:
-            raise ConfigError(f"packing_strategy={self.packing_strategy!r} is not one of {PACKING_STRATEGIES}.")
         if (self.packing or self.eval_packing) and self.max_length is None:
             raise ConfigError(
                 "Packing needs max_length (the length of a packed row); set max_length or turn "
                 "packing / eval_packing off."
-            )
-        if self.loss_chunk_size < 1:
-            raise ConfigError(f"loss_chunk_size={self.loss_chunk_size} must be a positive number of tokens.")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            raise ConfigError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} is negative, which would reward "
-                "unbalanced experts; use a value >= 0 (0 turns the auxiliary loss off)."
             )
         super().__post_init__()

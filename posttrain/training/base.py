@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +28,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
+from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.model_card import write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
@@ -51,88 +52,67 @@ class PosttrainConfig(TrainingArguments):
 
     unsupported_options: ClassVar[dict[str, str]] = {}
 
-    model_init_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for from_pretrained when `model` is a string, e.g. "
-            "{'dtype': 'bfloat16', 'attn_implementation': 'sdpa'}."
-        },
+    model_init_kwargs: dict | str | None = config_field(
+        None,
+        "Keyword arguments for from_pretrained when `model` is a string, e.g. {'dtype': 'bfloat16', "
+        "'attn_implementation': 'sdpa'}.",
     )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": "Run the model's and tokenizer's own code from the hub or a local folder "
-            "when it is given by name (only for sources you trust)."
-        },
+    trust_remote_code: bool = config_field(
+        False,
+        "Run the model's and tokenizer's own code from the hub or a local folder when it is given by name "
+        "(only for sources you trust).",
     )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps."})
+    dataset_num_proc: int | None = config_field(None, "Processes for dataset preprocessing.")
+    logging_steps: float = config_field(10, "Log every N optimizer steps.")
     # TRL turns both on; posttrain does where they pay off (an accelerator) and leaves them off on a CPU, where
     # bf16 autocast is slower than float32 and recomputing activations only costs time (docs/trl_parity.md).
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Recompute activations in the backward pass to save memory (default: on "
-            "with an accelerator, off on a CPU)."
-        },
+    gradient_checkpointing: bool | None = config_field(
+        None,
+        "Recompute activations in the backward pass to save memory (default: on with an accelerator, off on a CPU).",
     )
-    bf16: bool | None = field(
-        default=None,
-        metadata={
-            "help": "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
-        },
+    bf16: bool | None = config_field(
+        None, "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
     )
-    fused_layers: bool = field(
-        default=True,
-        metadata={
-            "help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
-            "functions that keep fewer activations for the backward pass (about 40% "
-            "fewer; same numbers to rounding), rebuild norm outputs (and a LoRA MLP's "
-            "elementwise outputs) in the backward instead of keeping them, and let a "
-            "tied input embedding add its gradient into the output layer's in place. "
-            "Off with use_liger_kernel, which replaces these layers itself."
-        },
+    fused_layers: bool = config_field(
+        True,
+        "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd functions that keep fewer "
+        "activations for the backward pass (about 40% fewer; same numbers to rounding), rebuild norm outputs "
+        "(and a LoRA MLP's elementwise outputs) in the backward instead of keeping them, and let a tied input "
+        "embedding add its gradient into the output layer's in place. Off with use_liger_kernel, which "
+        "replaces these layers itself.",
     )
-    activation_offloading: bool = field(
-        default=False,
-        metadata={"help": "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."},
+    activation_offloading: bool = config_field(
+        False, "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."
     )
-    nonfinite_policy: str = field(
-        default="error",
-        metadata={
-            "help": "When a step's loss or gradient norm is NaN or infinite: 'error' stops "
-            "before applying it, naming the step and the last checkpoint; 'skip' "
-            "drops that step's update and counts it."
-        },
+    nonfinite_policy: str = config_field(
+        "error",
+        "When a step's loss or gradient norm is NaN or infinite: 'error' stops before applying it, naming the "
+        "step and the last checkpoint; 'skip' drops that step's update and counts it.",
+        choices=NONFINITE_POLICIES,
     )
-    max_nonfinite_steps: int = field(
-        default=3, metadata={"help": "With nonfinite_policy='skip': stop after this many non-finite steps in a row."}
+    max_nonfinite_steps: int = config_field(
+        3, "With nonfinite_policy='skip': stop after this many non-finite steps in a row.", min=1
     )
-    checkpoint_on_signal: bool = field(
-        default=True,
-        metadata={
-            "help": "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 "
-            "(a second signal exits at once)."
-        },
+    checkpoint_on_signal: bool = config_field(
+        True,
+        "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 (a second signal exits at once).",
     )
     # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
-    remove_unused_columns: bool = field(
-        default=False,
-        metadata={
-            "help": "Drop dataset columns the model's "
-            "forward does not accept (posttrain's collators need theirs: keep False)."
-        },
+    remove_unused_columns: bool = config_field(
+        False,
+        "Drop dataset columns the model's forward does not accept (posttrain's collators need theirs: keep False).",
     )
-    write_report: bool = field(
-        default=True,
-        metadata={
-            "help": "At the end of train(), write output_dir/report.html with PNG plots of the "
-            "logged metrics (needs matplotlib; metrics.jsonl is written either way)."
-        },
+    write_report: bool = config_field(
+        True,
+        "At the end of train(), write output_dir/report.html with PNG plots of the logged metrics (needs "
+        "matplotlib; metrics.jsonl is written either way).",
     )
 
     def __post_init__(self):
         self.reject_unsupported_options()
+        check_options(self)  # every field's declared choices and bounds (posttrain/training/fields.py)
+        if not math.isfinite(self.learning_rate) or self.learning_rate < 0:  # torch takes inf, and steps once with it
+            raise ConfigError(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 2e-5).")
         if isinstance(self.model_init_kwargs, str):
             import json
 
@@ -144,12 +124,6 @@ class PosttrainConfig(TrainingArguments):
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
-        if self.nonfinite_policy not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite_policy={self.nonfinite_policy!r} is not one of {NONFINITE_POLICIES}.")
-        if not math.isfinite(self.learning_rate) or self.learning_rate < 0:  # torch takes inf, and steps once with it
-            raise ConfigError(f"learning_rate={self.learning_rate} must be a finite number >= 0 (e.g. 2e-5).")
-        if self.max_nonfinite_steps < 1:
-            raise ConfigError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be at least 1.")
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
                 "activation_offloading=True moves activations from accelerator memory to CPU memory, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +16,13 @@ from posttrain.errors import ConfigError
 from posttrain.losses.preference import dpo_metrics
 from posttrain.models.layouts import sequence_index
 from posttrain.training.base import BaseTrainer, PosttrainConfig
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_length_field,
+)
 from posttrain.training.preference import PreferenceMetricsMixin, SequenceLogps, sequence_logps
 from posttrain.training.reference_trainer import PreparesEvalDatasets, load_processing_class
 
@@ -24,36 +31,27 @@ from posttrain.training.reference_trainer import PreparesEvalDatasets, load_proc
 class ReferenceFreeConfig(PosttrainConfig):
     """Options ORPO and CPO share (TRL's names and defaults)."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    max_length: int | None = field(
-        default=1024,
-        metadata={
-            "help": "Bound on each prompt + completion sequence; the end of the completion is "
-            "cut (rows whose prompt alone fills it are dropped, with a warning)."
-        },
+    learning_rate: float = learning_rate_field(1e-6)
+    max_length: int | None = max_length_field(
+        1024,
+        "Bound on each prompt + completion sequence; the end of the completion is cut (rows whose prompt "
+        "alone fills it are dropped, with a warning).",
     )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Keep at most the first this-many tokens of each completion."}
+    max_completion_length: int | None = max_completion_length_field(
+        None, "Keep at most the first this-many tokens of each completion."
     )
-    beta: float = field(default=0.1, metadata={"help": "Weight of the preference term."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the model."})
-    generate_during_eval: bool = field(
-        default=False,
-        metadata={
-            "help": "At each evaluation, sample completions for a random batch of eval prompts "
-            "and log them (output_dir/game_log.jsonl, and a W&B table with wandb)."
-        },
+    beta: float = config_field(0.1, "Weight of the preference term.", min=0)
+    disable_dropout: bool = disable_dropout_field(True)
+    generate_during_eval: bool = config_field(
+        False,
+        "At each evaluation, sample completions for a random batch of eval prompts and log them "
+        "(output_dir/game_log.jsonl, and a W&B table with wandb).",
     )
-    is_encoder_decoder: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Whether the model is an encoder-decoder (posttrain trains decoder-only "
-            "causal LMs: leave None or False)."
-        },
+    is_encoder_decoder: bool | None = config_field(
+        None, "Whether the model is an encoder-decoder (posttrain trains decoder-only causal LMs: leave None or False)."
     )
-    padding_free: bool = field(
-        default=False,
-        metadata={"help": "posttrain extra: concatenate each batch's 2B sequences into one row without padding."},
+    padding_free: bool = config_field(
+        False, "posttrain extra: concatenate each batch's 2B sequences into one row without padding."
     )
 
     def __post_init__(self):
@@ -62,9 +60,6 @@ class ReferenceFreeConfig(PosttrainConfig):
                 "is_encoder_decoder=True: posttrain trains decoder-only causal language models, not "
                 "encoder-decoders; use a causal LM and leave is_encoder_decoder unset."
             )
-        for name in ("max_length", "max_completion_length"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1 (or None for no limit).")
         super().__post_init__()
 
 

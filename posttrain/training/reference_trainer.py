@@ -10,12 +10,11 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
 
-from posttrain.data.preference import TRUNCATION_MODES
 from posttrain.data.vision import (
     vision_inputs,
 )
@@ -31,6 +30,17 @@ from posttrain.models.reference import (
     weights_fingerprint,
 )
 from posttrain.training.base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
+from posttrain.training.fields import (
+    config_field,
+    disable_dropout_field,
+    learning_rate_field,
+    pad_to_multiple_of_field,
+    parse_pad_to_multiple_of,
+    ref_model_mixup_alpha_field,
+    ref_model_sync_steps_field,
+    router_aux_loss_coef_field,
+    sync_ref_model_field,
+)
 from posttrain.training.preference import PreferenceMetricsMixin
 from posttrain.training.reference_memo import DIGESTS, DigestingCollator, ReferenceMemo
 from posttrain.training.streaming import is_prepared, is_streaming, prepare_any
@@ -39,25 +49,8 @@ from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_chec
 logger = logging.getLogger("posttrain")
 
 
-def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
-    """'auto' (TRL's default) pads to a multiple of 128 only on Neuron, which posttrain does not target: no extra
-    padding. The command line passes numbers and 'none' as strings."""
-    if isinstance(value, str):
-        value = None if value.lower() in ("auto", "none", "null") else int(value)
-    if value is not None and value < 1:
-        raise ConfigError(f"pad_to_multiple_of={value} must be at least 1 (or None for no extra padding).")
-    return value
-
-
 def check_length_settings(config) -> None:
-    """truncation_mode, max_prompt_length and max_completion_length of a preference config (DPO, BCO, TPO)."""
-    if config.truncation_mode not in TRUNCATION_MODES:
-        raise ConfigError(
-            f"truncation_mode={config.truncation_mode!r} is not supported; choose from {list(TRUNCATION_MODES)}."
-        )
-    for name in ("max_prompt_length", "max_completion_length"):
-        if getattr(config, name, None) is not None and getattr(config, name) < 1:
-            raise ConfigError(f"{name}={getattr(config, name)} must be at least 1 (or None for no limit).")
+    """A preference config's (DPO, BCO, TPO) max_prompt_length must leave room for a completion in max_length."""
     if (
         None not in (config.max_length, getattr(config, "max_prompt_length", None))
         and config.max_prompt_length >= config.max_length
@@ -72,82 +65,54 @@ def check_length_settings(config) -> None:
 class ReferenceConfig(PosttrainConfig):
     """Options shared by the trainers that compare the policy with a reference model (DPO, KTO)."""
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate."})
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of a Mixture-of-Experts model's load-balancing loss added to the "
-            "training loss (default: the model config's value; 0 turns it off)."
-        },
+    learning_rate: float = learning_rate_field(1e-6)
+    router_aux_loss_coef: float | None = router_aux_loss_coef_field(
+        "Weight of a Mixture-of-Experts model's load-balancing loss added to the training loss (default: the "
+        "model config's value; 0 turns it off).",
     )
-    disable_dropout: bool = field(
-        default=True,
-        metadata={
-            "help": "Turn dropout off in the policy and the reference (log-probs of the same "
-            "sequences are compared across forwards)."
-        },
+    disable_dropout: bool = disable_dropout_field(
+        True,
+        "Turn dropout off in the policy and the reference (log-probs of the same sequences are compared "
+        "across forwards).",
     )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad each batch to a multiple of this length ('auto': no extra padding off Neuron)."},
+    pad_to_multiple_of: int | str | None = pad_to_multiple_of_field()
+    precompute_ref_log_probs: bool = config_field(
+        False,
+        "Compute the reference log-probs of the whole dataset once before training (cached on disk) instead "
+        "of a reference forward every step.",
     )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the reference log-probs of the whole dataset once before training "
-            "(cached on disk) instead of a reference forward every step."
-        },
+    precompute_ref_batch_size: int | None = config_field(
+        None,
+        "Batch size of that precomputation (default: per_device_train_batch_size for the train set, "
+        "per_device_eval_batch_size for eval sets).",
+        min=1,
     )
-    precompute_ref_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Batch size of that precomputation (default: per_device_train_batch_size "
-            "for the train set, per_device_eval_batch_size for eval sets)."
-        },
+    cache_ref_log_probs: bool = config_field(
+        True,
+        "Keep each row's reference log-probs from their first forward and reuse them when the row comes back "
+        "(later epochs, evaluation), skipping the reference forward of batches whose rows are all known. The "
+        "reference is frozen, so only float rounding can differ; not used with sync_ref_model, "
+        "precompute_ref_log_probs or a data_collator of your own.",
     )
-    cache_ref_log_probs: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep each row's reference log-probs from their first forward and reuse them "
-            "when the row comes back (later epochs, evaluation), skipping the reference "
-            "forward of batches whose rows are all known. The reference is frozen, so "
-            "only float rounding can differ; not used with sync_ref_model, "
-            "precompute_ref_log_probs or a data_collator of your own."
-        },
+    ref_cache_dir: str = config_field(
+        os.path.join("~", ".cache", "posttrain", "ref_logps"),
+        "Where precomputed reference log-probs are cached, keyed by reference weights, data and tokenization.",
     )
-    ref_cache_dir: str = field(
-        default=os.path.join("~", ".cache", "posttrain", "ref_logps"),
-        metadata={
-            "help": "Where precomputed reference log-probs are cached, keyed by reference weights, data and "
-            "tokenization."
-        },
+    sync_ref_model: bool = sync_ref_model_field(
+        "TR-DPO: every ref_model_sync_steps, mix the policy into the reference."
     )
-    sync_ref_model: bool = field(
-        default=False, metadata={"help": "TR-DPO: every ref_model_sync_steps, mix the policy into the reference."}
+    ref_model_mixup_alpha: float = ref_model_mixup_alpha_field(
+        "TR-DPO mixing weight: ref = alpha * policy + (1 - alpha) * ref."
     )
-    ref_model_mixup_alpha: float = field(
-        default=0.6, metadata={"help": "TR-DPO mixing weight: ref = alpha * policy + (1 - alpha) * ref."}
-    )
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: optimizer steps between syncs."})
+    ref_model_sync_steps: int = ref_model_sync_steps_field("TR-DPO: optimizer steps between syncs.")
 
     def __post_init__(self):
-        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        self.pad_to_multiple_of = parse_pad_to_multiple_of(self.pad_to_multiple_of)
         if self.sync_ref_model and self.precompute_ref_log_probs:
             raise ConfigError(
                 "sync_ref_model updates the reference during training, so its log-probs cannot be "
                 "precomputed; set precompute_ref_log_probs=False or sync_ref_model=False."
             )
-        if not 0 < self.ref_model_mixup_alpha <= 1:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in (0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be at least 1.")
-        if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
-            raise ConfigError(
-                f"precompute_ref_batch_size={self.precompute_ref_batch_size} must be at least 1 (or "
-                "None for the per-device batch size)."
-            )
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length} must be at least 1 (or None for no limit).")
         super().__post_init__()
 
 

@@ -22,13 +22,17 @@ def mix_into_reference(policy: nn.Module, ref_model: nn.Module, alpha: float) ->
 
 
 class SyncRefModelCallback(TrainerCallback):
-    """TR-DPO: every `sync_steps` optimizer steps the reference moves towards the policy
+    """TR-DPO's reference update as a callback (what `sync_ref_model=True` installs).
+
+    TR-DPO: every `sync_steps` optimizer steps the reference moves towards the policy
     (ref <- alpha * policy + (1 - alpha) * ref), so the KL anchor follows training instead of holding it at
     the start.
 
     TRL's form, ``SyncRefModelCallback(ref_model, accelerator)``, reads ``ref_model_mixup_alpha`` and
     ``ref_model_sync_steps`` from the training arguments at each step; `alpha` / `sync_steps` fix them
     instead. The accelerator is not needed (models are unwrapped here) and is kept for the signature.
+
+    See docs/trainers/dpo.md.
     """
 
     def __init__(
