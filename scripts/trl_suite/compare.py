@@ -5,13 +5,15 @@
 
 Prints, per test file: tests collected (on TRL), TRL passes, posttrain passes of those. Only tests that pass on TRL
 count. --failures lists each TRL-passing test that fails on posttrain with its first error line. --known FILE names
-tests listed as deliberate differences (docs/trl_parity.md); --check exits 1 if a TRL-passing test outside that list
-does not pass on posttrain. TRL_JSON may also be a passing list (one node id a line, as --passing-list writes).
+tests listed as deliberate differences (docs/trl_parity.md; a line may be an fnmatch pattern with `*`); --check
+exits 1 if a TRL-passing test outside that list does not pass on posttrain. TRL_JSON may also be a passing list (one
+node id a line, as --passing-list writes).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 from collections import defaultdict
@@ -28,7 +30,7 @@ def load_run(path: str) -> dict:
 
 
 def read_ids(path: str | None) -> dict[str, str]:
-    """node id -> reason, from a file of `node id  # reason` lines."""
+    """node id (or fnmatch pattern) -> reason, from a file of `node id  # reason` lines."""
     out = {}
     if path:
         for line in Path(path).read_text().splitlines():
@@ -106,10 +108,13 @@ def main(argv=None) -> int:
         for row in [*rows, tuple(total)]:
             print(f"{row[0]:<{width}}  {row[1]:>9}  {row[2]:>10}  {row[3] if posttrain else '-':>16}")
 
-    unexpected = [f for f in failures if f[0] not in known]
+    def is_known(nodeid: str) -> bool:
+        return nodeid in known or any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in known if "*" in pattern)
+
+    unexpected = [f for f in failures if not is_known(f[0])]
     if args.failures:
         for nodeid, outcome, message in failures:
-            tag = "known" if nodeid in known else outcome
+            tag = "known" if is_known(nodeid) else outcome
             print(f"[{tag}] {nodeid}\n    {message}")
     if posttrain is not None:
         print(
