@@ -147,3 +147,13 @@ def test_packed_rows_logits_equal_alone(tiny_model_path):
             torch.testing.assert_close(logits[offset : offset + n], alone, atol=1e-5, rtol=1e-5)
             offset += n
             start += n
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_pack_dataset_keeps_a_streams_format(strategy):
+    """A stream (IterableDataset) has no .format; its format type survives packing as a map-style dataset's does."""
+    stream = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8]]}).to_iterable_dataset().with_format("numpy")
+    packed = pack_dataset(stream, 4, strategy=strategy)
+    assert packed._formatting.format_type == "numpy"
+    rows = [list(map(int, row["input_ids"])) for row in packed]
+    assert rows == ([[4, 5, 6, 7], [1, 2, 3, 8]] if strategy == "bfd" else [[1, 2, 3, 4], [5, 6, 7, 8]])

@@ -121,7 +121,10 @@ def _output_format(dataset) -> dict[str, Any]:
     """The dataset's output format (type, columns, kwargs), to restore after packing with python lists."""
     if hasattr(dataset, "keys"):  # DatasetDict / IterableDatasetDict: the first split's
         dataset = dataset[next(iter(dataset.keys()))]
-    fmt = dict(getattr(dataset, "format", None) or {"type": None})
+    formatting = getattr(dataset, "_formatting", None)  # a stream (IterableDataset) keeps only its format type
+    if not hasattr(dataset, "format"):
+        return {"type": getattr(formatting, "format_type", None)}
+    fmt = dict(dataset.format or {"type": None})
     fmt.update(fmt.pop("format_kwargs", None) or {})
     return fmt
 
