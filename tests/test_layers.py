@@ -46,7 +46,6 @@ NOT_YET_SPLIT = {
     "posttrain.losses.policy",
     "posttrain.losses.preference",
     "posttrain.online.config",
-    "posttrain.online.engine",
     "posttrain.trainers.sft",
     "posttrain.training.report",
 }
