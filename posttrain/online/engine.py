@@ -16,8 +16,8 @@ A method is its estimator and its loss: `compute_advantages` (required) returns 
 `policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
 adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
 lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
-the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a background thread
-(async_rollouts.py).
+the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a generation process on
+cores of its own or in a background thread (process_rollouts.py, async_rollouts.py).
 
 Where it lives: this module sets the trainer up and runs its micro-steps and checkpoints; phases.py holds the
 round's phases (generate .. advantages), loss.py the loss, prompts.py the prompts' tokenization and evaluation.py
@@ -55,12 +55,12 @@ from posttrain.data.report import DataReport
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation import create_generation_backend
 from posttrain.models.reference import create_reference_model, is_peft_model
-from posttrain.online.async_rollouts import AsyncRolloutProducer
 from posttrain.online.config import OnlineConfig
 from posttrain.online.episodes import make_episode_source
 from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
+from posttrain.online.process_rollouts import make_rollout_producer
 from posttrain.online.prompts import require_prompt_column, tokenize_prompt
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
@@ -247,11 +247,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             )
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
-        self.async_rollouts = (
-            None
-            if args.async_generation_rounds is None
-            else AsyncRolloutProducer(self, args.async_generation_rounds, args.vllm_sync_steps)
-        )  # async_rollouts.py
+        self.async_rollouts = make_rollout_producer(self)  # process_rollouts.py, async_rollouts.py
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []

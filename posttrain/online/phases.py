@@ -215,6 +215,9 @@ class RoundPhases:
         sampler_logps = sampler_logps_tensor(episodes, completion_ids.shape[1])
         finished = torch.tensor([e.finished for e in episodes])
         loss_mask = model_mask * finished.unsqueeze(1) if self.args.mask_truncated_completions else model_mask
+        fresh = torch.tensor([not e.info.get("stale", False) for e in episodes])  # max_staleness (async_rollouts.py)
+        if not fresh.all():
+            loss_mask = loss_mask * fresh.unsqueeze(1)
         return Rollout(
             round_index,
             prompt_ids.to(device),
@@ -277,7 +280,8 @@ class RoundPhases:
         return values[self.accelerator.process_index * size :][:size]
 
     def _step_token_totals(self, rollout: Rollout) -> list[float]:
-        """Loss tokens of each optimizer step of the round, summed over processes (aggregate_loss's totals)."""
+        """Loss tokens of each optimizer step of the round, summed over processes (aggregate_loss's totals); at
+        least 1, so that a step with none (all dropped by max_staleness, or truncated and masked) has loss 0."""
         per_step = self.micro_batch_size * self.args.gradient_accumulation_steps
         local = rollout.loss_mask.sum(1).view(-1, per_step).sum(1).float()
-        return self.accelerator.gather(local).view(-1, local.numel()).sum(0).tolist()
+        return self.accelerator.gather(local).view(-1, local.numel()).sum(0).clamp(min=1).tolist()

@@ -13,7 +13,15 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["CoreSplit", "cores_of_cpus", "cpu_times", "busy_core_ids", "free_cores", "generation_core_split"]
+__all__ = [
+    "CoreSplit",
+    "busy_core_ids",
+    "cores_of_cpus",
+    "cpu_times",
+    "free_cores",
+    "generation_core_split",
+    "pin_process",
+]
 
 BUSY_SHARE = 0.75  # a core this busy with other work while we look is left to it
 BUSY_LOOK_S = 0.3  # how long we look
@@ -121,6 +129,23 @@ def generation_core_split(
         len(generation),
         len(training),
     )
+
+
+def pin_process(cpus) -> set[int]:
+    """Restricts every thread of this process (OpenMP's pool included) to `cpus`; threads started later inherit
+    it. Returns the CPUs the calling thread could use before, to restore them."""
+    before = os.sched_getaffinity(0)
+    cpus = set(cpus)
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return before
 
 
 def _spell(cpus: tuple[int, ...]) -> str:
