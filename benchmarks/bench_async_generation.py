@@ -155,31 +155,33 @@ def _threads_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def table(options) -> None:
+def table(model: str, steps: int, repeats: int, threads: int) -> str:
+    """The settings' runs, alternating, as a markdown table with its caption (machine load included)."""
     results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     load_before = _load()
-    for repeat in range(options.repeats):
-        order = list(SETTINGS) if repeat % 2 == 0 else list(reversed(SETTINGS))
-        for name in order:
-            kwargs = dict(setting=name, steps=options.steps, model=options.model)
-            results[name].append(
-                run_isolated("bench_async_generation:run_one", kwargs, env=_threads_env(options.threads))
-            )
+    for repeat in range(repeats):
+        for name in list(SETTINGS) if repeat % 2 == 0 else list(reversed(SETTINGS)):
+            kwargs = dict(setting=name, steps=steps, model=model)
+            results[name].append(run_isolated("bench_async_generation:run_one", kwargs, env=_threads_env(threads)))
             print(f"repeat {repeat + 1}: {name}: {json.dumps(results[name][-1])}", file=sys.stderr, flush=True)
     base = statistics.median(r["wall_per_step"] for r in results["sync"])
-    print(
-        f"GRPO {options.model}, {options.threads} cores per run, median of {options.repeats} alternating runs; load "
-        f"average {load_before} before, {_load()} after"
-    )
-    print("| setting | wall s/step | steps/s | vs sync | wait s/step | first steps s | CPU s/step |")
-    print("|---|---|---|---|---|---|---|")
+    lines = [
+        f"GRPO {model}, {threads} cores per run, median of {repeats} alternating runs; load average {load_before} "
+        f"before, {_load()} after",
+        "",
+        "| setting | wall s/step | steps/s | vs sync | wait s/step | first steps s | CPU s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, runs in results.items():
         wall = statistics.median(r["wall_per_step"] for r in runs)
         waits = [r["wait_per_step"] for r in runs if r["wait_per_step"] is not None]
         wait = f"{statistics.median(waits):.3f}" if waits else "-"
         first = statistics.median(r["first_steps_s"] for r in runs)
         cpu = statistics.median(r["cpu_per_step"] for r in runs)
-        print(f"| {name} | {wall:.3f} | {1 / wall:.3f} | {base / wall:.2f}x | {wait} | {first:.1f} | {cpu:.3f} |")
+        lines.append(
+            f"| {name} | {wall:.3f} | {1 / wall:.3f} | {base / wall:.2f}x | {wait} | {first:.1f} | {cpu:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def phases(options) -> None:
@@ -235,7 +237,7 @@ def main() -> None:
     if options.phases:
         phases(options)
     else:
-        table(options)
+        print(table(options.model, options.steps, options.repeats, options.threads))
 
 
 def _load() -> str:
