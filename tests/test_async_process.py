@@ -214,10 +214,10 @@ def test_in_flight_update_changes_the_weights_between_decode_steps(tiny_model_pa
         for param, value in zip(reference.parameters(), old):
             param.copy_(value)
         cache = DynamicCache(config=reference.config)
-        reference(torch.tensor([prompt + completion.token_ids[: swap_at - 1]]), past_key_values=cache)
+        reference(torch.tensor([prompt + completion.token_ids[: swap_at - 1]]), cache=cache)
         for param, value in zip(reference.parameters(), new):
             param.copy_(value)
-        logits = reference(torch.tensor([completion.token_ids[swap_at - 1 : swap_at]]), past_key_values=cache).logits
+        logits = reference(torch.tensor([completion.token_ids[swap_at - 1 : swap_at]]), cache=cache).logits
     expected = (logits[0, -1].double() / 0.9).log_softmax(-1)[completion.token_ids[swap_at]]
     assert completion.logprobs[swap_at] == pytest.approx(float(expected), abs=1e-4)
 

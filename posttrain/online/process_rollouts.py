@@ -120,12 +120,6 @@ class RemoteRound:
     def result(self) -> tuple[list[Episode], float]:
         return self.producer.answer(self.request_id)
 
-    def exception(self):
-        self.result()
-
-    def cancel(self) -> None:
-        self.producer.pending.pop(self.request_id, None)
-
 
 class ProcessRolloutProducer(AsyncRolloutProducer):
     """Generates the training rounds of `trainer` up to `lookahead` rounds ahead in a generation process on the
@@ -158,6 +152,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         self.next_id = 0
         self.process = None
         self.restarts = 0  # since the last round was taken (logged then)
+        self.answered = False  # whether a generation process ever answered
         self.failures_in_a_row = 0
         self._restore: tuple[set[int], int] | None = None  # the training process's affinity and threads before
 
@@ -188,8 +183,8 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
                 try:
                     self._take(self.results.recv())
                     continue
-                except (EOFError, OSError):
-                    pass
+                except (EOFError, OSError):  # its end is closed: it is exiting
+                    self.process.join(timeout=POLL_S)
             if not self.process.is_alive():
                 self._restart()
         request, result = self.answers.pop(request_id)
@@ -201,7 +196,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         request = self.pending.pop(message.id, None)
         if request is not None:  # else a round dropped meanwhile
             self.answers[message.id] = (request, message)
-            self.failures_in_a_row = 0
+            self.failures_in_a_row, self.answered = 0, True
 
     @staticmethod
     def _episodes(request: Request, result: Result) -> list[Episode]:
@@ -262,6 +257,11 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
 
     def _restart(self) -> None:
         code = None if self.process is None else self.process.exitcode
+        if code == 1 and not self.answered:  # an error before its first answer, e.g. the model would not unpickle
+            raise RuntimeError(
+                "The generation process could not start (exit code 1; its traceback is printed above). When the "
+                "model cannot be sent to another process, set async_generation_process=False (a thread)."
+            )
         self.failures_in_a_row += 1
         if self.failures_in_a_row > MAX_RESTARTS:
             raise RuntimeError(
@@ -300,20 +300,21 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
 
     # -- checkpoints and shutdown -------------------------------------------------------------------------
     def sampler_weights(self) -> dict[str, torch.Tensor]:
-        slot = self.weights.slot_of(self.version)
-        names = [name for name, _ in self.sampler_model.named_parameters()]
-        return dict(zip(names, self.weights.views(slot)))
+        """The sampler's state dict with the parameters of the slot holding `self.version` (the same keys as the
+        thread's, so that either producer resumes from the other's checkpoint)."""
+        views = self.weights.views(self.weights.slot_of(self.version))
+        by_parameter = {id(p): view for p, view in zip(self.sampler_model.parameters(), views)}
+        state = self.sampler_model.state_dict()
+        for name, param in self.sampler_model.named_parameters(remove_duplicate=False):
+            state[name] = by_parameter[id(param)]
+        return state
 
     def load_state(self, state: dict) -> None:
         self.close()
         self.rounds = dict(state["rounds"])
         if state["weights"] is not None:
-            sampler = dict(self.sampler_model.named_parameters())
-            with torch.no_grad():
-                for name, value in state["weights"].items():
-                    if name in sampler:
-                        sampler[name].copy_(value)
-            self.weights.publish(list(sampler.values()), state["version"], set())
+            names = [name for name, _ in self.sampler_model.named_parameters()]
+            self.weights.publish([state["weights"][name] for name in names], state["version"], set())
         self.version = state["version"]
 
     def close(self) -> None:

@@ -92,7 +92,8 @@ class SharedWeights:
             slot = min(free, key=self.version)  # the oldest
             self.table[VERSIONS + slot] = -1
         with torch.no_grad():
-            torch._foreach_copy_(self.views(slot), [p.detach() for p in params])
+            for view, param in zip(self.views(slot), params):
+                view.copy_(param)
         with self._locked(alive):
             self.table[VERSIONS + slot] = version
             self.table[NEWEST] = slot
