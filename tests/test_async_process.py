@@ -5,6 +5,7 @@ swap weights between decode steps with per-token versions and log-probs, and max
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -281,3 +282,20 @@ def test_auto_falls_back_to_the_thread_without_two_free_cores(tmp_path, tiny_mod
     assert type(trainer.async_rollouts) is AsyncRolloutProducer
     with pytest.raises(ConfigError, match="async_generation_process=True, but"):
         grpo(tiny_model_path, tmp_path, async_generation_rounds=1, cache_implementation="static", **PROCESS)
+
+
+def test_the_command_line_trains_with_a_generation_process(tmp_path, tiny_model_path):
+    from posttrain.cli import main as cli
+
+    rows = [json.dumps({"prompt": f"cat {i} and dog"}) for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(rows) + "\n")
+    argv = ["grpo", "--model_name_or_path", tiny_model_path, "--dataset_name", str(tmp_path / "prompts.jsonl")]
+    argv += ["--reward_funcs", "think_format_reward", "--num_generations", "2", "--max_completion_length", "4"]
+    argv += ["--per_device_train_batch_size", "4", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none"]
+    argv += ["--save_strategy", "no", "--output_dir", str(tmp_path / "out"), "--async_generation_rounds", "1"]
+    argv += ["--async_generation_process", "true", "--max_staleness", "3"]
+    assert cli.main(argv) == 0
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in logged if "loss" in row]
+    assert [row["sample/staleness_max"] for row in steps] == [0.0, 1.0]
+    assert all(row["async/generation_restarts"] == 0.0 for row in steps)  # the process producer's own metric
