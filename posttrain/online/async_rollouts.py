@@ -6,8 +6,9 @@ cores), and chooses between them.
 
 Schedule. With k = OnlineConfig.async_generation_rounds, when round r starts training the producer makes sure
 that rounds r .. r+k are submitted. A round is sampled with the weights the policy has when it is submitted, so
-round r is sampled with the weights of the start of round max(r - k, 0): at most k rounds stale. k = 0 samples
-each round with its own weights, the synchronous schedule (through the same thread, copy and correction).
+round r is sampled with the weights of the start of round max(r - k, 0): at most k rounds stale (a generation
+process's in-flight updates make the later tokens of a round fresher). k = 0 samples each round with its own
+weights, the synchronous schedule (through the same thread, copy and correction).
 
 Weights. The sampler is a copy of the policy: the transformers backend generates with it; with a vLLM server its
 weights are what the server receives. A submitted round carries a clone of the weights it must be sampled with

@@ -2,8 +2,8 @@
 background thread (async_rollouts.py).
 
 Cores. The generation process is pinned to its own physical cores with one compute thread per core; the training
-process is pinned to the others with as many threads (runtime/cores.py chooses the split from the free cores;
-`posttrain env` shows it). Their affinity and thread count are restored when training ends.
+process is pinned to the others with as many threads, at most the ones it had (runtime/cores.py chooses the split
+from the free cores; `posttrain env` shows it). Its affinity and thread count are restored when training ends.
 
 Weights. The sampler's parameters live in shared memory slots (shared_weights.py): publishing a version is one
 copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
@@ -242,7 +242,8 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         results.close()
         if self.split is not None and self._restore is None:
             self._restore = (pin_process(self.split.training), torch.get_num_threads())
-            torch.set_num_threads(self.split.training_threads)
+            # one thread per training core, never more than the run was given (OMP_NUM_THREADS, the launcher)
+            torch.set_num_threads(min(self.split.training_threads, torch.get_num_threads()))
         for request in self.pending.values():
             self._send(request)
 
