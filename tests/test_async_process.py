@@ -161,7 +161,7 @@ def test_each_process_runs_on_its_own_cores_and_training_gets_them_back(tmp_path
 
     trainer = grpo(tiny_model_path, tmp_path, callbacks=[Look()], max_steps=2, async_generation_rounds=1, **PROCESS)
     trainer.train()
-    assert Look.seen == ({cpus[0]}, set(cpus[1:]), len(cpus) - 1)
+    assert Look.seen == ({cpus[0]}, set(cpus[1:]), min(len(cpus) - 1, threads_before))
     assert sorted(os.sched_getaffinity(0)) == cpus and torch.get_num_threads() == threads_before
     assert trainer.async_rollouts.process is None
 
