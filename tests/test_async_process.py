@@ -167,7 +167,7 @@ def test_each_process_runs_on_its_own_cores_and_training_gets_them_back(tmp_path
 
 
 # -- in-flight weight updates, inside one process ------------------------------------------------------------
-def server_and_weights(model_path, tokenizer, max_tokens: int, in_flight: bool = True):
+def server_and_weights(model_path, tokenizer, max_tokens: int, in_flight: bool = True, exact_logps: bool = True):
     model = freeze(copy_model(stopping_model(model_path, num_stops=0)))
     weights = SharedWeights(model, 3, torch.multiprocessing.get_context("spawn"))
     settings = WorkerSettings(
@@ -178,6 +178,7 @@ def server_and_weights(model_path, tokenizer, max_tokens: int, in_flight: bool =
         micro_batch_size=4,
         pad_multiple=None,
         in_flight=in_flight,
+        exact_logps=exact_logps,
         cpus=None,
         threads=torch.get_num_threads(),
     )
@@ -223,8 +224,10 @@ def test_in_flight_update_changes_the_weights_between_decode_steps(tiny_model_pa
     assert completion.logprobs[swap_at] == pytest.approx(float(expected), abs=1e-4)
 
 
-def test_without_a_swap_the_logps_are_the_trainers_forward(tiny_model_path, tokenizer):
-    server, weights = server_and_weights(tiny_model_path, tokenizer, max_tokens=6, in_flight=False)
+@pytest.mark.parametrize("exact", [True, False], ids=["trainers_forward", "decode_loop"])
+def test_log_probs_without_a_swap(tiny_model_path, tokenizer, exact):
+    """exact_logps (k = 0): bitwise the trainer's forward; otherwise the decode loop's own, equal up to rounding."""
+    server, weights = server_and_weights(tiny_model_path, tokenizer, max_tokens=6, in_flight=False, exact_logps=exact)
     weights.publish([p.detach().clone() for p in server.params], version=4, pinned=set())
     prompts = [tokenizer("sun 2 and moon")["input_ids"], tokenizer("tree")["input_ids"]]
     result = server.generate(Request(0, prompts, 2, [5, 6], slot=weights.slot_of(4)))
@@ -238,7 +241,8 @@ def test_without_a_swap_the_logps_are_the_trainers_forward(tiny_model_path, toke
     with torch.no_grad():
         logps, _ = completion_logps(server.model, batch, 0.9)
     for row, completion in enumerate(chunk):
-        assert completion.logprobs == logps[row, : len(completion.token_ids)].tolist()
+        expected = logps[row, : len(completion.token_ids)].tolist()
+        assert completion.logprobs == (expected if exact else pytest.approx(expected, abs=1e-5))
     assert result.token_versions == [[4] * len(c.token_ids) for c in chunk]
 
 

@@ -5,10 +5,11 @@ without sharing a core or the Python interpreter.
 It answers `Request`s in order. Its parameters are views of the shared weight slots (shared_weights.py): a request
 names the slot to sample with, or none, and then the process takes the newest weights at the start and, with
 in-flight updates, again before every decode step, without draining its batch. Each token records the version
-(optimizer step) of the weights that gave its logits. The sampler's log-probs come with the completions: when one
-version sampled the whole request they are computed as the trainer computes its own (the same forward,
-temperature and micro-batches, so that with unchanged weights they agree exactly); otherwise they are the decode
-loop's own, each token's under the weights that sampled it.
+(optimizer step) of the weights that gave its logits. The sampler's log-probs come with the completions: the
+decode loop's own, each token's under the weights that sampled it; or, with `exact_logps` (k = 0) and one version
+for the whole request, computed as the trainer computes its own (the same forward, temperature and micro-batches),
+so that with unchanged weights they agree exactly and the correction is exactly 1. That forward costs about as much
+as the sampling, so rounds that are stale anyway (k >= 1) skip it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class WorkerSettings:
     micro_batch_size: int
     pad_multiple: int | None
     in_flight: bool  # take newer weights before each decode step
+    exact_logps: bool  # the sampler's log-probs by the trainer's forward where one version sampled a request
     cpus: tuple[int, ...] | None  # None: not pinned
     threads: int
 
@@ -85,7 +87,8 @@ class GenerationServer:
         completions = self.backend.generate(request.prompt_ids, request.n, self.settings.sampling, request.seeds)
         last = len(self.step_versions) - 1
         versions = [[self.step_versions[min(j, last)] for j in range(len(c.token_ids))] for c in completions]
-        if len(set(self.step_versions)) == 1 or any(c.logprobs is None for c in completions):
+        one_version = len(set(self.step_versions)) == 1
+        if (self.settings.exact_logps and one_version) or any(c.logprobs is None for c in completions):
             self._forward_logps(request.prompt_ids, completions)
         return Result(request.id, completions, versions, time.perf_counter() - start)
 

@@ -143,6 +143,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
             micro_batch_size=trainer.micro_batch_size,
             pad_multiple=trainer.pad_multiple,
             in_flight=self.in_flight,
+            exact_logps=self.lookahead == 0,
             cpus=None if split is None else split.generation,
             threads=1 if split is None else split.generation_threads,
         )
