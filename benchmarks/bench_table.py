@@ -1,6 +1,7 @@
 """One table of posttrain against TRL 1.16 for every trainer: steps/s, tokens/s, MFU and peak RSS, with ratios.
 
     python benchmarks/bench_table.py [--repeats 3] [--only sft,reward,kto,dpo,grpo] [--smollm2] [--steps-scale 1]
+    python benchmarks/bench_table.py --only async [--repeats 3]
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
 copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
@@ -13,6 +14,10 @@ Every trainer is timed in process CPU time between the first and the last optimi
 included): with one thread that is the step time of an idle machine, and other jobs on a shared machine do not
 count in it. MFU = 6 x parameters x real tokens per second / the measured single-thread fp32 matmul peak (full
 fine-tuning only; attention-score FLOPs neglected). Peak RSS is the run's maximum resident set size.
+
+`--only async` (not in the default set: minutes a run) adds posttrain's own table of asynchronous generation
+against synchronous GRPO on SmolLM2-135M (bench_async_generation.table): wall steps/s on all the cores, since
+asynchronous generation is about using more than one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import bench_async_generation
 import bench_dpo
 import bench_reward_kto
 import bench_sft
@@ -323,6 +329,14 @@ def main() -> None:
             rows.append(_row(trainer, setting, runs))
             print(" | ".join(rows[-1]), flush=True)
     load_after = os.getloadavg()
+    if "async" in cli.only.split(","):
+        from posttrain.runtime.cores import free_cores
+
+        steps = max(6, round(12 * cli.steps_scale))
+        print()
+        print(bench_async_generation.table("smollm2", steps, cli.repeats, len(free_cores(0))))
+        if cli.only == "async":
+            return
     print()
     print(
         f"posttrain vs TRL 1.16, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {_machine()}; "

@@ -5,13 +5,23 @@ Both libraries get the same model, training problems, reward (examples/grpo_arit
 settings, by the same TRL names. Every `--eval_every` optimizer steps (and before the first) the model is scored
 on the same `--eval_size` fixed held-out problems with greedy decoding, by the same code for both (posttrain's
 transformers backend, top-k 1): the evaluation is the measuring instrument, and its time is taken off the
-training clock. Each side runs in a fresh single-threaded interpreter (benchmarks/common.py); with `--repeats`
-the order alternates and repeat r trains with seed `--seed` + r (one run per side is mostly sampling luck: its
-completions decide the curve), and the table adds each library's mean curve over its runs (accuracy and clocks
-averaged step by step) with its first +10 points; with `--parallel` the two sides of a repeat run at once, one core
-each. The clock is reported twice: wall seconds, and the process's CPU seconds, which is what the code costs when
-other jobs share the machine (wall time then measures the neighbours too). Both sides run with tcmalloc preloaded,
-as the `posttrain` command runs (`--allocator system` for glibc malloc).
+training clock. Each side runs in a fresh interpreter (benchmarks/common.py) with `--threads` compute threads
+(default 1); with `--repeats` the order alternates and repeat r trains with seed `--seed` + r (one run per side is
+mostly sampling luck: its completions decide the curve), and the table adds each library's mean curve over its
+runs (accuracy and clocks averaged step by step) with its first +10 points; with `--parallel` the sides of a repeat
+run at once, one core each. The clock is reported twice: wall seconds, and the process's CPU seconds, which is what
+the code costs when other jobs share the machine (wall time then measures the neighbours too; the asynchronous
+side's CPU clock counts its training process only). Both sides run with tcmalloc preloaded, as the `posttrain`
+command runs (`--allocator system` for glibc malloc).
+
+Asynchronous generation: the side `posttrain-async` is posttrain with async_generation_rounds=1 in a generation
+process on its own core(s) (in-flight weight updates; online/process_rollouts.py). `--threads N` gives every run N
+compute threads (the synchronous sides use them all; the asynchronous side splits them between the two
+processes). While an evaluation runs, the generation process is stopped (SIGSTOP, SIGCONT after), so that it gains
+no sampling time off the clock. The issue's comparison on this 2-core machine:
+
+    python benchmarks/bench_time_to_accuracy.py --threads 2 --sides posttrain posttrain-async trl --repeats 3 \
+        --steps 80 --eval_every 10 --eval_size 200 --label async
 
 Levers (posttrain only; TRL has no equivalent) make an ablation one command per row, e.g.
 
@@ -34,8 +44,10 @@ The full comparison on a quiet machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -56,9 +68,10 @@ def _example():
     return grpo_arithmetic
 
 
-def accuracy_tracker(evaluate, eval_every: int):
+def accuracy_tracker(evaluate, eval_every: int, paused=contextlib.nullcontext):
     """A callback that evaluates at step 0 and every `eval_every` optimizer steps, and keeps the training clock
-    (wall and CPU seconds since training began, evaluations excluded)."""
+    (wall and CPU seconds since training began, evaluations excluded); `paused()` holds background work (a
+    generation process) still while an evaluation runs."""
     from transformers import TrainerCallback
 
     class AccuracyTracker(TrainerCallback):
@@ -69,7 +82,8 @@ def accuracy_tracker(evaluate, eval_every: int):
         def measure(self, step: int, model) -> None:
             wall, cpu = time.perf_counter(), time.process_time()
             train_wall, train_cpu = wall - self.start_wall - self.eval_wall, cpu - self.start_cpu - self.eval_cpu
-            accuracy = evaluate(model)
+            with paused():
+                accuracy = evaluate(model)
             self.points.append(
                 {"step": step, "train_wall_s": train_wall, "train_cpu_s": train_cpu, "accuracy": accuracy}
             )
@@ -104,6 +118,7 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
         from trl import GRPOConfig, GRPOTrainer
     else:
         from posttrain import GRPOConfig, GRPOTrainer
+    trainer = None
     tokenizer = load_tokenizer(MODEL)
     model = load_causal_lm(MODEL)
     held_out = example.arithmetic_problems(eval_size, seed=1234)
@@ -115,7 +130,7 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
         finally:
             policy.train(was_training)
 
-    tracker = accuracy_tracker(evaluate, eval_every)
+    tracker = accuracy_tracker(evaluate, eval_every, lambda: generation_stopped(trainer))
     with tempfile.TemporaryDirectory() as output_dir:
         extra = {}
         if library != "trl":
@@ -124,6 +139,8 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
                 "dynamic_sampling": levers["dynamic_sampling"],
                 "max_num_gen_batches": levers["max_num_gen_batches"],
             }
+        if library == "posttrain-async":
+            extra.update(async_generation_rounds=1, async_generation_process=True)
         args = GRPOConfig(output_dir=output_dir, **settings, **extra)
         trainer = GRPOTrainer(
             model,
@@ -149,6 +166,20 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
         "frac_reward_zero_std": sum(zero_std) / max(len(zero_std), 1),
         "train_reward": [round(h["reward"], 3) for h in logs if "reward" in h],
     }
+
+
+@contextlib.contextmanager
+def generation_stopped(trainer):
+    """The trainer's generation process, if it has one, stopped (SIGSTOP) for the duration."""
+    process = getattr(getattr(trainer, "async_rollouts", None), "process", None)
+    if process is None or not process.is_alive():
+        yield
+        return
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
 
 
 def first_gain(points: list[dict], gain: float) -> str:
@@ -279,7 +310,10 @@ def plot_curves(points: Path, image: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sides", nargs="+", default=["trl", "posttrain"], choices=["trl", "posttrain"])
+    parser.add_argument(
+        "--sides", nargs="+", default=["trl", "posttrain"], choices=["trl", "posttrain", "posttrain-async"]
+    )
+    parser.add_argument("--threads", type=int, default=1, help="compute threads of every run (the async side splits)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side, repeat r with seed --seed + r")
     parser.add_argument("--label", default="default", help="names this configuration's rows (ablations)")
     parser.add_argument("--steps", type=int, default=40)
@@ -313,8 +347,9 @@ def main() -> None:
     )
     options = parser.parse_args()
     # The allocator changes a CPU step's time a lot here, for both libraries: set per command, never inherited.
-    allocator = {"LD_PRELOAD": (tcmalloc_path() or "") if options.allocator == "tcmalloc" else ""}
-    print(f"allocator: {allocator['LD_PRELOAD'] or 'glibc malloc'}", flush=True)
+    child_env = {"LD_PRELOAD": (tcmalloc_path() or "") if options.allocator == "tcmalloc" else ""}
+    child_env.update(OMP_NUM_THREADS=str(options.threads), MKL_NUM_THREADS=str(options.threads))
+    print(f"allocator: {child_env['LD_PRELOAD'] or 'glibc malloc'}; {options.threads} thread(s) per run", flush=True)
 
     settings = dict(
         max_steps=options.steps,
@@ -362,7 +397,7 @@ def main() -> None:
                 train_size=options.train_size,
                 levers=levers,
             ),
-            env=allocator,
+            env=child_env,
         )
         print(
             f"{library} #{repeat}: "

@@ -4,6 +4,13 @@ The reward is 1 when the last number in the completion equals the answer. Accura
 (greedy decoding) is measured before and after training, and the wall time is reported.
 
     OMP_NUM_THREADS=1 python examples/grpo_arithmetic.py --max_steps 40
+
+The 15-minute recipe on a 2-core CPU (issue #35): generation in a process of its own core, one round ahead with
+in-flight weight updates, training on the other core, stopped after 15 minutes of training (not yet measured over
+3 seeds; see benchmarks/bench_time_to_accuracy.py --sides posttrain-async):
+
+    OMP_NUM_THREADS=2 python examples/grpo_arithmetic.py --max_steps 200 --max_minutes 15 \
+        --async_generation_rounds 1 --learning_rate 1e-5 --seed 0
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 import reasoning_gym
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.generation import SamplingParams, TransformersBackend, stop_token_ids
@@ -71,6 +79,20 @@ def held_out_accuracy(model, tokenizer, problems: Dataset, max_tokens: int) -> f
     return sum(scores) / len(scores)
 
 
+class StopAfterMinutes(TrainerCallback):
+    """Ends training at the first step end after `minutes` of wall time since training began."""
+
+    def __init__(self, minutes: float) -> None:
+        self.seconds = 60 * minutes
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() - self.start >= self.seconds:
+            control.should_training_stop = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max_steps", type=int, default=40)
@@ -85,6 +107,14 @@ def main() -> None:
         action="store_true",
         help="DAPO dynamic sampling: regenerate groups whose completions all got the same reward",
     )
+    parser.add_argument(
+        "--async_generation_rounds",
+        type=int,
+        default=None,
+        help="generate this many rounds ahead (in a generation process on its own cores where there are two free)",
+    )
+    parser.add_argument("--max_minutes", type=float, default=None, help="stop training after this many minutes")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_dir", default="outputs/grpo_arithmetic")
     options = parser.parse_args()
 
@@ -108,8 +138,9 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         log_completions=True,
-        seed=0,
+        seed=options.seed,
         dynamic_sampling=options.dynamic_sampling,
+        async_generation_rounds=options.async_generation_rounds,
         use_cpu=not torch.cuda.is_available(),
     )
     trainer = GRPOTrainer(
@@ -118,6 +149,7 @@ def main() -> None:
         args=args,
         train_dataset=arithmetic_problems(options.train_size, 0),
         processing_class=tokenizer,
+        callbacks=[StopAfterMinutes(options.max_minutes)] if options.max_minutes else None,
     )
     start = time.perf_counter()
     trainer.train()
@@ -127,7 +159,7 @@ def main() -> None:
     print(f"training reward per logging window: {rewards}")
     print(
         f"held-out accuracy before: {before:.3f}  after: {after:.3f}  "
-        f"({options.max_steps} steps, {train_seconds:.0f} s of training)"
+        f"({trainer.state.global_step} steps, {train_seconds:.0f} s of training)"
     )
 
 

@@ -40,7 +40,9 @@ class StopAfter(TrainerCallback):
 
 
 def grpo(model, output_dir, callbacks=None, **overrides) -> GRPOTrainer:
-    args = make_config(output_dir, **{"max_steps": 3, "learning_rate": 0.05, **overrides})
+    # The background thread unless a test asks for the generation process (test_async_process.py).
+    settings = {"max_steps": 3, "learning_rate": 0.05, "async_generation_process": False, **overrides}
+    args = make_config(output_dir, **settings)
     return GRPOTrainer(model, low_id_fraction, args=args, train_dataset=prompt_dataset(), callbacks=callbacks)
 
 

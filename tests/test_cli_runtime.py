@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from posttrain.cli import runtime
+from posttrain.runtime.cores import generation_core_split
 
 # Runs prepare_training_process in a fresh interpreter (no torch imported) with os.execve replaced by a recorder.
 PROBE = """
@@ -78,9 +80,9 @@ def test_physical_cores_counts_hyperthread_siblings_once(monkeypatch, tmp_path):
         (tmp_path / f"cpu{cpu}").mkdir()
         (tmp_path / f"cpu{cpu}" / "thread_siblings_list").write_text(text + "\n")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    real_glob = runtime.glob.glob
+    real_glob = glob.glob
     monkeypatch.setattr(
-        runtime.glob,
+        glob,
         "glob",
         lambda pattern: real_glob(pattern.replace("/sys/devices/system/cpu/", f"{tmp_path}/").replace("/topology", "")),
     )
@@ -155,3 +157,33 @@ def test_busy_cores_sees_a_busy_loop_on_another_cpu():
         assert runtime.busy_cores() >= 1
     finally:
         neighbour.kill()
+
+
+def test_generation_gets_half_the_free_cores_and_siblings_stay_together():
+    # Two physical cores of two hyper-threads each: one core (both its CPUs) per side, one thread each.
+    split = generation_core_split({"0,2": [0, 2], "1,3": [1, 3]})
+    assert (split.generation, split.training) == ((0, 2), (1, 3))
+    assert (split.generation_threads, split.training_threads) == (1, 1)
+    five = {str(core): [core] for core in range(5)}
+    split = generation_core_split(five)
+    assert (split.generation, split.training) == ((0, 1), (2, 3, 4))  # half, rounded down, to generation
+    assert generation_core_split(five, generation_cores=4).training == (4,)
+    # One free core, or a request that leaves a side without one: no split (the thread producer instead).
+    assert generation_core_split({"0": [0]}) is None
+    assert generation_core_split(five, generation_cores=5) is None
+    assert generation_core_split(five, generation_cores=0) is None
+
+
+def test_env_shows_the_asynchronous_generation_split(monkeypatch):
+    from posttrain.cli import environment
+
+    def split_line() -> str:
+        lines = environment.environment_report(optional={}).splitlines()
+        return next(line for line in lines if line.startswith("async split")).removeprefix("async split").strip()
+
+    monkeypatch.setattr(environment, "free_cores", lambda: {"0": [0], "1": [1]})
+    assert split_line() == (
+        "generation 1 core(s) (CPUs 0), training 1 core(s) (CPUs 1) (async_generation_rounds >= 1, free cores now)"
+    )
+    monkeypatch.setattr(environment, "free_cores", lambda: {"0": [0]})
+    assert split_line().startswith("none: 1 free core(s)")

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from posttrain.cli.runtime import allocator_report, threads_report
+from posttrain.runtime.cores import free_cores, generation_core_split
 from posttrain.version import __version__
 
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
@@ -44,10 +45,21 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     rows.append(("accelerator", _accelerator()))
     rows.append(("allocator", allocator_report()))
     rows.append(("threads", threads_report()))
+    rows.append(("async split", async_split_report()))
     from posttrain.rewards.sandbox import sandbox_backend
 
     rows.append(("code sandbox", sandbox_backend()))
     return "\n".join(f"{name:<14} {value}" for name, value in rows)
+
+
+def async_split_report() -> str:
+    """How async_generation_rounds >= 1 would divide the cores free now between the generation process and
+    training (online/process_rollouts.py)."""
+    cores = free_cores()
+    split = generation_core_split(cores)
+    if split is None:
+        return f"none: {len(cores)} free core(s), generation would run in a thread of the training process"
+    return f"{split.describe()} (async_generation_rounds >= 1, free cores now)"
 
 
 def _accelerator() -> str:

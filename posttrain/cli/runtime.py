@@ -17,17 +17,17 @@ compute thread count.
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import time
+
+from posttrain.runtime.cores import BUSY_LOOK_S, BUSY_SHARE, busy_core_ids, cpu_times
+from posttrain.runtime.cores import cores_of_cpus as _cores_of_cpus
 
 ALLOCATOR_ENV = "POSTTRAIN_ALLOCATOR"  # "system" (no preload), or a library path to preload
 REEXEC_ENV = "POSTTRAIN_ALLOCATOR_REEXEC"  # set in the re-executed process: never re-execute twice
 # In order of preference; each as found in the usual library directories.
 ALLOCATOR_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libjemalloc.so.2")
-BUSY_SHARE = 0.75  # a core this busy with other work while we look gets no thread
-BUSY_LOOK_S = 0.3  # how long we look
 LIBRARY_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
     "/lib/x86_64-linux-gnu",
@@ -68,41 +68,9 @@ def loaded_allocator() -> str | None:
     return None
 
 
-def _cores_of_cpus() -> dict[int, str]:
-    """{CPU this process may run on (its affinity mask): its physical core} (hyper-thread siblings share one)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return {cpu: str(cpu) for cpu in range(os.cpu_count() or 1)}
-    cores = {}
-    for cpu in cpus:
-        siblings = glob.glob(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        try:
-            with open(siblings[0], encoding="utf-8") as f:
-                cores[cpu] = f.read().strip()
-        except (IndexError, OSError):
-            cores[cpu] = str(cpu)
-    return cores
-
-
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (its affinity mask): hyper-thread siblings count once."""
     return max(1, len(set(_cores_of_cpus().values())))
-
-
-def cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
-    """{CPU: (all jiffies, idle + iowait jiffies)} since boot; {} where /proc/stat cannot be read."""
-    times = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if fields and fields[0].startswith("cpu") and fields[0][3:].isdigit():
-                    values = [int(v) for v in fields[1:]]
-                    times[int(fields[0][3:])] = (sum(values), values[3] + (values[4] if len(values) > 4 else 0))
-    except (OSError, ValueError, IndexError):
-        return {}
-    return times
 
 
 def busy_cores(
@@ -114,13 +82,7 @@ def busy_cores(
         before = cpu_times()
         time.sleep(BUSY_LOOK_S)
         after = cpu_times()
-    busy = set()
-    for cpu, core in _cores_of_cpus().items():
-        if cpu in before and cpu in after:
-            total, idle = (a - b for a, b in zip(after[cpu], before[cpu]))
-            if total > 0 and (total - idle) >= BUSY_SHARE * total:
-                busy.add(core)
-    return len(busy)
+    return len(busy_core_ids(before, after, _cores_of_cpus(), BUSY_SHARE))
 
 
 def busy_now() -> int:

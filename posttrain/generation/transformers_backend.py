@@ -18,7 +18,7 @@ rows) goes through `model.generate` with the same sampler, which samples the sam
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -306,6 +306,9 @@ class TransformersBackend(GenerationBackend):
         self.drop_finished = drop_finished
         self.return_logprobs = return_logprobs
         self._unwrapped: tuple | None = None  # (self.model, the model to call, whether `decode` can run it)
+        # Called with the step number before the forward that gives `decode` step's logits (step >= 1): a
+        # generation process swaps in newer weights there (online/generation_worker.py).
+        self.before_decode_step: Callable[[int], None] | None = None
 
     def unwrapped(self):
         """The model to call (DDP/compile wrappers off; a PEFT model stays as is) and whether `decode` can run it,
@@ -382,6 +385,8 @@ class TransformersBackend(GenerationBackend):
                     t[index] for t in (active, tokens, attention_mask, next_position)
                 )
                 active_rows = [row for row, kept in zip(active_rows, keep) if kept]
+            if self.before_decode_step is not None:
+                self.before_decode_step(step + 1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active_rows), 1)], dim=1)
             logits = call.step(tokens, attention_mask, next_position, cache)
             next_position = next_position + 1

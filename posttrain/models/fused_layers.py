@@ -240,3 +240,15 @@ def fuse_layers(model: nn.Module) -> int:
             continue
         count += 1
     return count
+
+
+def unfuse_layers(model: nn.Module) -> int:
+    """Undoes `fuse_layers` (a bound forward does not pickle: a copy sent to another process needs this); the
+    plain forward computes the same numbers without gradients. Returns how many modules it restored."""
+    fused = (_fused_norm_forward, _fused_mlp_forward)
+    count = 0
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), "__func__", None) in fused:
+            del module.forward
+            count += 1
+    return count

@@ -1,10 +1,14 @@
-"""Asynchronous generation for the online engine: a background thread samples the next rounds while the current
-one trains, so generation and the update overlap instead of alternating.
+"""Asynchronous generation for the online engine: the next rounds are sampled while the current one trains, so
+generation and the update overlap instead of alternating. This module holds the schedule, the staleness
+bookkeeping and the producer that samples in a background thread of the training process; process_rollouts.py
+holds the one that samples in a process of its own, on its own cores (the default on a CPU machine with free
+cores), and chooses between them.
 
 Schedule. With k = OnlineConfig.async_generation_rounds, when round r starts training the producer makes sure
 that rounds r .. r+k are submitted. A round is sampled with the weights the policy has when it is submitted, so
-round r is sampled with the weights of the start of round max(r - k, 0): at most k rounds stale. k = 0 samples
-each round with its own weights, the synchronous schedule (through the same thread, copy and correction).
+round r is sampled with the weights of the start of round max(r - k, 0): at most k rounds stale (a generation
+process's in-flight updates make the later tokens of a round fresher). k = 0 samples each round with its own
+weights, the synchronous schedule (through the same thread, copy and correction).
 
 Weights. The sampler is a copy of the policy: the transformers backend generates with it; with a vLLM server its
 weights are what the server receives. A submitted round carries a clone of the weights it must be sampled with
@@ -12,10 +16,15 @@ weights are what the server receives. A submitted round carries a clone of the w
 weights), and the worker loads them just before generating, so training never waits for a generation in
 progress.
 
-Off-policy correction. Every episode records the optimizer step of its weights (`info["policy_version"]`) and the
-sampler's log-probs of its tokens (reported by vLLM; with the transformers backend computed by the worker with
-the copy, through the trainer's own forward). The engine's sampler correction (vllm_importance_sampling_*) then
-weights the loss by pi_old / pi_sampler, pi_old being the policy when the round starts training.
+Off-policy correction. Every token records the optimizer step of the weights that sampled it
+(`info["token_versions"]`; `info["policy_version"]` is the episode's oldest) and every episode the sampler's
+log-probs of its tokens, each under its own token's weights (reported by vLLM; with the transformers backend
+computed by the worker through the trainer's own forward, or taken from the decode loop when in-flight updates
+changed the weights inside a round). The engine's sampler correction (vllm_importance_sampling_*) then weights the
+loss by pi_old / pi_sampler token by token, pi_old being the policy when the round starts training. With
+max_staleness, an episode whose oldest token is more than that many optimizer steps older than the policy when
+its round starts training is dropped from the loss (its group still counts for the advantages);
+sample/staleness_mean and /staleness_max (over tokens) and sample/dropped_stale (episodes) are logged.
 
 Resume. A checkpoint waits for the rounds in flight and stores their episodes (and the sampler's weights when
 they may be reused), so a resumed run trains on exactly the rounds the uninterrupted run trains on.
@@ -56,7 +65,7 @@ def check_async_support(trainer) -> None:
             trainer.accelerator.num_processes > 1
         ),
     }
-    name = "max_staleness" if hasattr(trainer.args, "max_staleness") else "async_generation_rounds"
+    name = "max_staleness" if hasattr(trainer.args, "resolve_async_pipeline") else "async_generation_rounds"
     fix = (
         "use the synchronous trainer"
         if name == "max_staleness"
@@ -65,7 +74,7 @@ def check_async_support(trainer) -> None:
     for what, present in unsupported.items():
         if present:
             raise ConfigError(
-                f"{name}={getattr(trainer.args, name)} generates in a background thread, which does not "
+                f"{name}={getattr(trainer.args, name)} generates ahead of training, which does not "
                 f"support {what} yet; {fix} or drop that setting."
             )
 
@@ -77,17 +86,23 @@ class AsyncRolloutProducer:
         check_async_support(trainer)
         self.trainer, self.lookahead, self.sync_steps = trainer, lookahead, sync_steps
         self.sampler_model = freeze(copy_model(unwrap(trainer.model)))
+        # A round is pending (it has `result()`) or done: (its episodes, its generation seconds).
+        self.rounds: dict[int, Future | tuple[list[Episode], float]] = {}
+        self.version: int | None = None  # the optimizer step of the weights the last submitted round uses
+        self.setup_sampler()
+        trainer.add_callback(_ProducerEvents(self))
+
+    def setup_sampler(self) -> None:
+        """The thread's sampler: the copy with its own backend, or the vLLM server."""
+        trainer = self.trainer
         self.on_server = trainer.args.use_vllm  # colocated vLLM is refused by the config
         self.backend = (
             trainer.generation_backend
             if self.on_server
             else create_generation_backend(self.sampler_model, tokenizer_of(trainer.processing_class), trainer.args)
         )
-        self.rounds: dict[int, Future | tuple[list[Episode], float]] = {}
-        self.version: int | None = None  # the optimizer step of the weights the last submitted round uses
         self._server_version: int | None = None  # the weights the vLLM server holds (None: unknown)
         self._executor: ThreadPoolExecutor | None = None
-        trainer.add_callback(_CloseAtTrainEnd(self))
 
     # -- the engine's side --------------------------------------------------------------------------------
     def episodes(self, round_index: int, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
@@ -96,7 +111,7 @@ class AsyncRolloutProducer:
         self._submit_ahead(round_index, rows, seeds)
         start = time.perf_counter()
         entry = self.rounds.pop(round_index)
-        episodes, seconds = entry.result() if isinstance(entry, Future) else entry
+        episodes, seconds = entry if isinstance(entry, tuple) else entry.result()
         prompts = [row[PROMPT_IDS_COLUMN] for row in rows for _ in range(n)]
         if len(episodes) != len(prompts) or any(e.prompt_ids != p for e, p in zip(episodes, prompts)):
             raise RuntimeError(
@@ -104,12 +119,28 @@ class AsyncRolloutProducer:
                 "(the prompt order changed after the rounds ahead were submitted)."
             )
         metrics = self.trainer._metrics["train"]
-        metrics["sample/staleness_mean"].append(
-            float(self.trainer.state.global_step - episodes[0].info["policy_version"])
-        )
+        self.record_staleness(episodes, metrics)
         metrics["perf/rollout_wait_s"].append(time.perf_counter() - start)
         metrics["time/async_generation"].append(seconds)
         return episodes
+
+    def record_staleness(self, episodes: list[Episode], metrics) -> None:
+        """Logs the tokens' staleness (optimizer steps between the weights that sampled them and the policy now)
+        and marks the episodes older than max_staleness, which the engine leaves out of the loss."""
+        step, limit = self.trainer.state.global_step, self.trainer.args.max_staleness
+        ages, dropped = [], 0
+        for episode in episodes:
+            oldest = step - episode.info["policy_version"]
+            ages += [step - version for version in episode.info["token_versions"]] or [oldest]
+            if limit is not None and oldest > limit:
+                episode.info["stale"] = True
+                dropped += 1
+        metrics["sample/staleness_mean"].append(sum(ages) / len(ages))
+        metrics["sample/staleness_max"].append(float(max(ages)))
+        metrics["sample/dropped_stale"].append(float(dropped))
+
+    def after_step(self, step: int) -> None:
+        """Called after every optimizer step (a generation process publishes new weights here)."""
 
     @contextlib.contextmanager
     def paused(self):
@@ -117,7 +148,7 @@ class AsyncRolloutProducer:
         samples there) and the next round pushes its weights again. The transformers backend's copy is apart
         from the policy, so its rounds go on generating."""
         for entry in list(self.rounds.values()) if self.on_server else []:
-            if isinstance(entry, Future):
+            if not isinstance(entry, tuple):
                 entry.exception()  # waits; a failure is raised when the round is taken
         try:
             yield
@@ -167,6 +198,7 @@ class AsyncRolloutProducer:
         for episode, completion in zip(episodes, completions):
             episode.prompt_ids = list(prompt_ids[completion.prompt_index])
             episode.info["policy_version"] = version
+            episode.info["token_versions"] = [version] * len(episode.token_ids)
         if any(e.logprobs is None for e in episodes):
             self._sampler_logps(episodes)
         return episodes, time.perf_counter() - start
@@ -198,12 +230,16 @@ class AsyncRolloutProducer:
     def state(self) -> dict:
         """The rounds submitted and not yet trained on (waiting for those in flight), the sampler's version and,
         when a later round may reuse them (vllm_sync_steps > 1), its weights."""
-        rounds = {index: entry.result() if isinstance(entry, Future) else entry for index, entry in self.rounds.items()}
+        rounds = {index: entry if isinstance(entry, tuple) else entry.result() for index, entry in self.rounds.items()}
         self.rounds.update(rounds)
         weights = None
         if self.sync_steps > 1 and self.version is not None:
-            weights = {name: value.detach().clone() for name, value in self.sampler_model.state_dict().items()}
+            weights = {name: value.detach().clone() for name, value in self.sampler_weights().items()}
         return {"rounds": rounds, "version": self.version, "weights": weights}
+
+    def sampler_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the sampler holds for `self.version` (saved when a later round may reuse them)."""
+        return self.sampler_model.state_dict()
 
     def load_state(self, state: dict) -> None:
         self.close()
@@ -215,7 +251,7 @@ class AsyncRolloutProducer:
     def close(self) -> None:
         """Drops the rounds still queued and stops the thread (after the generation in progress)."""
         for entry in self.rounds.values():
-            if isinstance(entry, Future):
+            if not isinstance(entry, tuple):
                 entry.cancel()
         self.rounds = {}
         if self._executor is not None:
@@ -223,9 +259,12 @@ class AsyncRolloutProducer:
             self._executor = None
 
 
-class _CloseAtTrainEnd(TrainerCallback):
+class _ProducerEvents(TrainerCallback):
     def __init__(self, producer: AsyncRolloutProducer) -> None:
         self.producer = producer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.producer.after_step(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.producer.close()

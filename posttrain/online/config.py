@@ -466,5 +466,32 @@ class OnlineConfig(PosttrainConfig):
             regex=self.vllm_structured_outputs_regex,
         )
 
+    # Asynchronous generation in a process of its own (online/process_rollouts.py)
+    async_generation_process: bool | None = config_field(
+        None,
+        "With async_generation_rounds: sample in a generation process pinned to its own cores (None: for rounds "
+        ">= 1 on a CPU machine with at least 2 free cores and the transformers backend, else in a thread; True: "
+        "always, or an error saying why not; False: a thread of the training process).",
+    )
+    async_generation_cores: int | None = config_field(
+        None,
+        "Physical cores of the generation process (None: half the free cores, rounded down); training keeps the "
+        "rest. `posttrain env` shows the split.",
+        min=1,
+    )
+    async_inflight_weight_updates: bool = config_field(
+        True,
+        "Generation process: take the newest weights before every decode step, without draining the batch (each "
+        "token records the version that sampled it). False: each round is sampled with the weights it was "
+        "submitted with, which makes runs reproducible.",
+    )
+    max_staleness: int | None = config_field(
+        None,
+        "With async_generation_rounds: leave out of the loss the episodes whose oldest token was sampled more than "
+        "this many optimizer steps before the step their round starts training at (logged as "
+        "sample/dropped_stale). None: no limit.",
+        min=0,
+    )
+
 
 _DEFAULTS = {f.name: f.default for f in fields(OnlineConfig)}

@@ -1,0 +1,326 @@
+"""Asynchronous generation in a process of its own (generation_worker.py), and the choice between it and the
+background thread (async_rollouts.py).
+
+Cores. The generation process is pinned to its own physical cores with one compute thread per core; the training
+process is pinned to the others with as many threads, at most the ones it had (runtime/cores.py chooses the split
+from the free cores; `posttrain env` shows it). Its affinity and thread count are restored when training ends.
+
+Weights. The sampler's parameters live in shared memory slots (shared_weights.py): publishing a version is one
+copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
+in-flight updates (async_inflight_weight_updates, the default) the trainer publishes after every vllm_sync_steps
+optimizer steps and the generation process takes the newest weights before each decode step, so a long round
+picks up the updates made while it is sampled. Without them a round is sampled with the weights it was submitted
+with, the thread's schedule, which makes a run reproducible.
+
+Faults. When the generation process dies, it is started again with the same slots, the requests it had not
+answered are sent again (their seeds make them sample the same tokens from the same weights), and the restart is
+logged (a warning and async/generation_restarts). A request that raises stops training with the worker's
+traceback; a process that dies again and again without answering stops it too.
+
+Choice. With async_generation_rounds = k, async_generation_process=None (the default) takes the process for k >= 1
+on a CPU machine with at least two free cores, with the transformers backend; otherwise, and for k = 0, the thread
+(which k = 0 keeps bitwise equal to the synchronous run). True insists on the process (an error says why it cannot
+run); False keeps the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from multiprocessing import connection
+
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.generation import stop_token_ids
+from posttrain.models.fused_layers import unfuse_layers
+from posttrain.models.reference import unwrap
+from posttrain.online.async_rollouts import AsyncRolloutProducer, check_async_support
+from posttrain.online.generation_worker import Failure, Request, Result, WorkerSettings, serve
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
+from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights, shared_bytes
+from posttrain.online.vision import tokenizer_of
+from posttrain.runtime.cores import CoreSplit, free_cores, generation_core_split, pin_process
+
+__all__ = ["ProcessRolloutProducer", "make_rollout_producer"]
+
+logger = logging.getLogger("posttrain")
+MAX_RESTARTS = 3  # restarts in a row without an answer before training stops
+POLL_S = 0.5  # how often a wait for an answer checks that the process lives
+
+
+def make_rollout_producer(trainer) -> AsyncRolloutProducer | None:
+    """The producer of the rounds generated ahead (None with async_generation_rounds=None), after checking the
+    asynchronous settings."""
+    args = trainer.args
+    _check_settings(args)
+    k = args.async_generation_rounds
+    if k is None:
+        return None
+    check_async_support(trainer)
+    wanted = args.async_generation_process
+    if wanted is False or (wanted is None and k == 0):
+        return AsyncRolloutProducer(trainer, k, args.vllm_sync_steps)
+    reason = _why_no_process(trainer)
+    split = generation_core_split(free_cores(0) if wanted else free_cores(), args.async_generation_cores)
+    if reason is None and split is None and wanted is None:
+        reason = "fewer than two free cores"
+    if reason is not None:
+        if wanted:
+            raise ConfigError(
+                f"async_generation_process=True, but a generation process cannot run here: {reason}. Set "
+                "async_generation_process=None (a thread where it cannot) or False."
+            )
+        logger.info("posttrain: asynchronous generation runs in a thread (%s).", reason)
+        return AsyncRolloutProducer(trainer, k, args.vllm_sync_steps)
+    return ProcessRolloutProducer(trainer, k, args.vllm_sync_steps, split, args.async_inflight_weight_updates)
+
+
+def _check_settings(args) -> None:
+    rounds = args.async_generation_rounds
+    needs_rounds = {
+        "async_generation_process=True": args.async_generation_process is True,
+        f"async_generation_cores={args.async_generation_cores}": args.async_generation_cores is not None,
+        f"max_staleness={args.max_staleness}": args.max_staleness is not None,
+    }
+    for setting, present in needs_rounds.items():
+        if present and rounds is None:
+            raise ConfigError(
+                f"{setting} applies to asynchronous generation, which is off (async_generation_rounds=None); set "
+                "async_generation_rounds=1 (or more), or drop the setting."
+            )
+
+
+def _why_no_process(trainer) -> str | None:
+    """Why a generation process cannot serve `trainer`, or None when it can."""
+    args = trainer.args
+    if args.use_vllm:
+        return "use_vllm=True (the vLLM server is the generation process already)"
+    if trainer.accelerator.device.type != "cpu":
+        return f"training runs on {trainer.accelerator.device.type}, and the process split is for CPU cores"
+    if args.use_transformers_continuous_batching or args.cache_implementation not in (None, "dynamic"):
+        return "the generation process decodes with transformers' dynamic cache only"
+    needed = shared_bytes(trainer.model, args.async_generation_rounds + 2)
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < needed:
+        return f"/dev/shm has less than the {needed >> 20} MiB the shared weight slots need"
+    return None
+
+
+class RemoteRound:
+    """A round sent to the generation process; `result()` waits for its episodes."""
+
+    def __init__(self, producer: ProcessRolloutProducer, request_id: int) -> None:
+        self.producer, self.request_id = producer, request_id
+
+    def result(self) -> tuple[list[Episode], float]:
+        return self.producer.answer(self.request_id)
+
+
+class ProcessRolloutProducer(AsyncRolloutProducer):
+    """Generates the training rounds of `trainer` up to `lookahead` rounds ahead in a generation process on the
+    cores `split` gives it (None: not pinned, one thread)."""
+
+    def __init__(self, trainer, lookahead: int, sync_steps: int, split: CoreSplit | None, in_flight: bool) -> None:
+        self.split, self.in_flight = split, in_flight
+        super().__init__(trainer, lookahead, sync_steps)
+
+    def setup_sampler(self) -> None:
+        trainer, split = self.trainer, self.split
+        self.context = torch.multiprocessing.get_context("spawn")
+        unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
+        self.weights = SharedWeights(self.sampler_model, max(self.lookahead + 2, 3), self.context)
+        tokenizer = tokenizer_of(trainer.processing_class)
+        self.settings = WorkerSettings(
+            pad_token_id=tokenizer.pad_token_id,
+            stop_ids=tuple(stop_token_ids(tokenizer, self.sampler_model)),
+            sampling=trainer.sampling,
+            logps_temperature=trainer.logps_temperature,
+            micro_batch_size=trainer.micro_batch_size,
+            pad_multiple=trainer.pad_multiple,
+            in_flight=self.in_flight,
+            exact_logps=self.lookahead == 0,
+            cpus=None if split is None else split.generation,
+            threads=1 if split is None else split.generation_threads,
+        )
+        self.on_server = False
+        self.pending: dict[int, Request] = {}  # sent and not answered, in order
+        self.answers: dict[int, tuple[Request, Result]] = {}
+        self.next_id = 0
+        self.process = None
+        self.restarts = 0  # since the last round was taken (logged then)
+        self.answered = False  # whether a generation process ever answered
+        self.failures_in_a_row = 0
+        self._restore: tuple[set[int], int] | None = None  # the training process's affinity and threads before
+
+    # -- requests and answers ----------------------------------------------------------------------------
+    def _submit(self, rows: list[dict], seeds: list[int]) -> RemoteRound:
+        step = self.trainer.state.global_step
+        if self.version is None or step - self.version >= self.sync_steps:
+            self.publish(step)
+        slot = None if self.in_flight else self.weights.slot_of(self.version)
+        request = Request(
+            self.next_id, [row[PROMPT_IDS_COLUMN] for row in rows], self.trainer.args.num_generations, seeds, slot
+        )
+        self.next_id += 1
+        self.pending[request.id] = request
+        if self.process is None:
+            self._start()
+        else:
+            self._send(request)
+        return RemoteRound(self, request.id)
+
+    def answer(self, request_id: int) -> tuple[list[Episode], float]:
+        """The episodes of request `request_id`, waiting for them (and restarting a process that died)."""
+        while request_id not in self.answers:
+            if self.process is None:
+                self._start()
+            ready = connection.wait([self.results, self.process.sentinel], timeout=POLL_S)
+            if self.results in ready:
+                try:
+                    self._take(self.results.recv())
+                    continue
+                except (EOFError, OSError):  # its end is closed: it is exiting
+                    self.process.join(timeout=POLL_S)
+            if not self.process.is_alive():
+                self._restart()
+        request, result = self.answers.pop(request_id)
+        return self._episodes(request, result), result.seconds
+
+    def _take(self, message: Result | Failure) -> None:
+        if isinstance(message, Failure):
+            raise RuntimeError(f"The generation process failed on a round:\n{message.error}")
+        request = self.pending.pop(message.id, None)
+        if request is not None:  # else a round dropped meanwhile
+            self.answers[message.id] = (request, message)
+            self.failures_in_a_row, self.answered = 0, True
+
+    @staticmethod
+    def _episodes(request: Request, result: Result) -> list[Episode]:
+        episodes = []
+        for completion, versions in zip(result.completions, result.token_versions):
+            episode = Episode.single_turn(completion)
+            episode.prompt_ids = list(request.prompt_ids[completion.prompt_index])
+            episode.info["policy_version"] = min(versions, default=-1)
+            episode.info["token_versions"] = versions
+            episodes.append(episode)
+        return episodes
+
+    def publish(self, version: int) -> None:
+        """Copies the policy's weights into a free slot as `version` (restarting a dead process on the way)."""
+        params = [p for _, p in unwrap(self.trainer.model).named_parameters()]
+        pinned = {r.slot for r in self.pending.values() if r.slot is not None}
+        while True:
+            try:
+                self.weights.publish(params, version, pinned, alive=self._alive)
+                break
+            except GenerationProcessDied:
+                self._restart()
+        self.version = version
+
+    def after_step(self, step: int) -> None:
+        if self.in_flight and self.process is not None and step - self.version >= self.sync_steps:
+            self.publish(step)
+
+    # -- the process -------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Starts the generation process, pins both processes to their cores and sends it the requests not yet
+        answered."""
+        requests, self._requests = self.context.Pipe(duplex=False)
+        self.results, results = self.context.Pipe(duplex=False)
+        self.process = self.context.Process(
+            target=serve,
+            args=(self.sampler_model, self.weights, self.settings, requests, results),
+            name="posttrain-generation",
+            daemon=True,
+        )
+        self.process.start()
+        requests.close()
+        results.close()
+        if self.split is not None and self._restore is None:
+            self._restore = (pin_process(self.split.training), torch.get_num_threads())
+            # one thread per training core, never more than the run was given (OMP_NUM_THREADS, the launcher)
+            torch.set_num_threads(min(self.split.training_threads, torch.get_num_threads()))
+        for request in self.pending.values():
+            self._send(request)
+
+    def _send(self, request: Request) -> None:
+        try:
+            self._requests.send(request)
+        except (BrokenPipeError, OSError):  # the process died; answer() restarts it and sends this again
+            pass
+
+    def _alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def _restart(self) -> None:
+        code = None if self.process is None else self.process.exitcode
+        if code == 1 and not self.answered:  # an error before its first answer, e.g. the model would not unpickle
+            raise RuntimeError(
+                "The generation process could not start (exit code 1; its traceback is printed above). When the "
+                "model cannot be sent to another process, set async_generation_process=False (a thread)."
+            )
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row > MAX_RESTARTS:
+            raise RuntimeError(
+                f"The generation process died {self.failures_in_a_row} times in a row without answering a round "
+                f"(last exit code {code}); set async_generation_process=False to generate in a thread."
+            )
+        logger.warning(
+            "posttrain: the generation process exited (code %s); restarting it and resending %d round(s).",
+            code,
+            len(self.pending),
+        )
+        self.restarts += 1
+        self._stop_process()
+        self.weights.reset_table(self.context)  # it may have died holding the old lock
+        self._start()
+
+    def record_staleness(self, episodes: list[Episode], metrics) -> None:
+        super().record_staleness(episodes, metrics)
+        metrics["async/generation_restarts"].append(float(self.restarts))
+        self.restarts = 0
+
+    def _stop_process(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self._requests.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for end in (self._requests, self.results):
+            end.close()
+        self.process = None
+
+    # -- checkpoints and shutdown -------------------------------------------------------------------------
+    def sampler_weights(self) -> dict[str, torch.Tensor]:
+        """The sampler's state dict with the parameters of the slot holding `self.version` (the same keys as the
+        thread's, so that either producer resumes from the other's checkpoint)."""
+        views = self.weights.views(self.weights.slot_of(self.version))
+        by_parameter = {id(p): view for p, view in zip(self.sampler_model.parameters(), views)}
+        state = self.sampler_model.state_dict()
+        for name, param in self.sampler_model.named_parameters(remove_duplicate=False):
+            state[name] = by_parameter[id(param)]
+        return state
+
+    def load_state(self, state: dict) -> None:
+        self.close()
+        self.rounds = dict(state["rounds"])
+        if state["weights"] is not None:
+            names = [name for name, _ in self.sampler_model.named_parameters()]
+            self.weights.publish([state["weights"][name] for name in names], state["version"], set())
+        self.version = state["version"]
+
+    def close(self) -> None:
+        """Drops the rounds still queued, stops the process and gives the training process its cores back."""
+        self.rounds, self.pending, self.answers = {}, {}, {}
+        self._stop_process()
+        if self._restore is not None:
+            cpus, threads = self._restore
+            pin_process(cpus)
+            torch.set_num_threads(threads)
+            self._restore = None
