@@ -33,11 +33,11 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from posttrain.errors import ConfigError
 from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
-from posttrain.models.llama_forward import llama_forward
+from posttrain.models.fast_forward import fast_forward
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -237,8 +237,8 @@ class TransformersBackend(GenerationBackend):
         cache = DynamicCache(config=model.config)
         # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
         quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
-        # A Llama runs without transformers' per-module wrappers: the same logits (models/llama_forward.py).
-        fast = llama_forward(model)
+        # Without transformers' per-module wrappers where the model allows: the same logits (models/fast_forward.py).
+        fast = fast_forward(model)
         if fast is not None:
             logits = fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
         else:
@@ -284,7 +284,8 @@ class TransformersBackend(GenerationBackend):
         filters = _filters(sampling)
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
-        ready_mask = model.config._attn_implementation == "sdpa"
+        # (Not with sliding-window layers, whose cache keeps only the window's keys.)
+        ready_mask = model.config._attn_implementation == "sdpa" and not any(layer.is_sliding for layer in cache.layers)
         for step in range(sampling.max_tokens):
             scores = logits
             if penalty is not None:  # over the padded prompt and the completion so far, as generate does
@@ -388,13 +389,13 @@ class TransformersBackend(GenerationBackend):
 
 
 def rows_can_be_copied(model) -> bool:
-    """Whether `decode` can run `model`: a decoder whose cache is made of plain key/value layers (copied and
-    selected by rows), and whose forward takes the cache as `cache`."""
+    """Whether `decode` can run `model`: a decoder whose cache is made of plain or sliding-window key/value layers
+    (copied and selected by rows), and whose forward takes the cache as `cache`."""
     config = model.config
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes `cache` on
     if config.is_encoder_decoder or "cache" not in inspect.signature(base.forward).parameters:
         return False
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers)
 
 
 def completion_from_tokens(prompt_index: int, generated: list[int], eos_token_ids: Sequence[int]) -> Completion:
