@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from posttrain.models.computes import kind_of
+from posttrain.models.fused_layers import FUSED_FORWARDS
 
 
 def _inert(hook) -> bool:
@@ -54,10 +55,8 @@ def _plain_linear(layer) -> bool:
 
 def _own_forward(module: nn.Module) -> bool:
     """No instance forward other than fused_layers' (which runs the class's forward when no gradient is wanted)."""
-    from posttrain.models.fused_layers import _fused_mlp_forward, _fused_norm_forward
-
     forward = vars(module).get("forward")
-    return forward is None or getattr(forward, "__func__", None) in (_fused_norm_forward, _fused_mlp_forward)
+    return forward is None or getattr(forward, "__func__", None) in FUSED_FORWARDS
 
 
 def _direct(module) -> Callable:
