@@ -142,3 +142,63 @@ def test_fast_forward_is_only_taken_where_it_is_exact(tokenizer, family):
         quantized.model.layers[0].self_attn.v_proj.__class__ = Int8Linear
         assert fast_forward(quantized) is None
     assert fast_forward(model) is None  # a gradient is wanted
+
+
+def _tiny_gemma2(tokenizer):
+    """A family none of whose decoders is a known kind (Gemma 2: soft-capped attention logits)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config).eval()
+
+
+def test_a_family_it_does_not_know_falls_back_to_its_own_forward(tokenizer, prompts):
+    from posttrain.generation import SamplingParams, TransformersBackend
+    from posttrain.models.fast_paths import fast_paths
+    from posttrain.models.segment_attention import supports_segment_attention
+
+    model = _tiny_gemma2(tokenizer)
+    assert fuse_layers(model) == 2  # its gated MLPs (tanh-GELU); not its (1 + weight) norms
+    with torch.no_grad():
+        assert fast_forward(model) is None
+        assert fast_paths(model)["no-grad forward"].startswith("off")
+    assert not supports_segment_attention(model)
+    completions = TransformersBackend(model, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(
+        prompts, 2, SamplingParams(max_tokens=4, top_k=1)
+    )
+    assert all(len(c.token_ids) == 4 or c.finished_with_eos for c in completions)
+
+
+def test_the_fast_paths_are_logged_and_shown_by_env(tmp_path, caplog):
+    import logging
+
+    from posttrain import SFTConfig
+    from posttrain.cli.environment import model_fast_paths_report
+    from posttrain.models.tiny import save_tiny_model
+    from posttrain.training.base import prepare_model
+
+    path = save_tiny_model(tmp_path / "qwen3", family="qwen3")
+    report = model_fast_paths_report(path).splitlines()
+    assert report[0].endswith("(Qwen3ForCausalLM)")
+    assert report[1].endswith("  mask_per_layer_type, pre_norm/head_norms")
+    assert report[2].endswith("11 norms and MLPs") and report[3].endswith("on for padding-free rows")
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        prepare_model(path, SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Fast paths")]
+    assert lines == [
+        "Fast paths for Qwen3ForCausalLM: no-grad forward: mask_per_layer_type, pre_norm/head_norms; "
+        "fused layers: 11 norms and MLPs; segment attention: on for padding-free rows"
+    ]

@@ -37,7 +37,7 @@ from posttrain.cli.args import (
     spec_parser,
 )
 from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
-from posttrain.cli.environment import environment_report
+from posttrain.cli.environment import environment_report, model_fast_paths_report
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
 from posttrain.cli.runtime import prepare_training_process
 from posttrain.cli.spec import command_spec, is_deferred, load_spec, spec_hints, spec_names, store_spec
@@ -558,8 +558,12 @@ def summary(name: str, trainer, report: Path | None, wall_seconds: float) -> str
 
 
 def env_command(argv: list[str]) -> int:
-    CommandParser(prog="posttrain env", description=TOOLS["env"]).parse_args(argv)
+    parser = CommandParser(prog="posttrain env", description=TOOLS["env"])
+    parser.add_argument("--model", default=None, help="Also show which fast paths this model (name or path) gets.")
+    args = parser.parse_args(argv)
     print(environment_report())
+    if args.model is not None:
+        print(model_fast_paths_report(args.model))
     return 0
 
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
 from posttrain.errors import ConfigError
+from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.tied_embedding import allow_tied_embedding
@@ -273,6 +274,7 @@ def prepare_model(
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
         model = get_peft_model(model, peft_config)
+    logger.info(describe_fast_paths(model))
     return model
 
 
