@@ -84,8 +84,8 @@ class PosttrainConfig(TrainingArguments):
     fused_layers: bool = field(
         default=True,
         metadata={
-            "help": "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd "
-            "functions that keep fewer activations for the backward pass (about 40% "
+            "help": "Run RMSNorms and gated MLPs (SwiGLU, GeGLU) of any family that computes these "
+            "formulas as single autograd functions that keep fewer activations for the backward pass (about 40% "
             "fewer; same numbers to rounding), rebuild norm outputs (and a LoRA MLP's "
             "elementwise outputs) in the backward instead of keeping them, and let a "
             "tied input embedding add its gradient into the output layer's in place. "
