@@ -145,15 +145,16 @@ def worker(impl: str, method: str, root: str, steps: int, rows: int | None = Non
     }
 
 
-def make_models(root: Path) -> None:
-    """The policy, a differently seeded reference, and a classifier made from the policy with a seeded head."""
+def make_models(root: Path, family: str = "llama", **config_settings) -> None:
+    """The policy, a differently seeded reference, and a classifier made from the policy with a seeded head (tiny
+    models of `family`, with `config_settings`)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
     from posttrain.models.tiny import save_tiny_model
 
-    policy = save_tiny_model(root / "policy", seed=0, **MODEL)
-    save_tiny_model(root / "ref", seed=1, **MODEL)
+    policy = save_tiny_model(root / "policy", seed=0, family=family, **MODEL, **config_settings)
+    save_tiny_model(root / "ref", seed=1, family=family, **MODEL, **config_settings)
     torch.manual_seed(0)
     classifier = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
     classifier.save_pretrained(root / "classifier")
@@ -190,7 +191,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", impl, method, str(root), "--steps", str(args.steps)]
                 cmd += ["--rows", str(args.rows)] if args.rows else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+                line = next((row for row in out.stdout.splitlines() if row.startswith("RESULT ")), None)
                 if line is None:
                     sys.exit(f"{impl} {method} run failed:\n{out.stderr[-3000:]}")
                 results[impl].append(json.loads(line[len("RESULT ") :]))

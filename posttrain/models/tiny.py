@@ -95,19 +95,12 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 def tiny_config(
     tokenizer, family: str = "llama", hidden_size: int = 32, num_layers: int = 2, tie: bool = True, **extra
 ):
-    """A small config of `family` (a key of FAMILIES): 4 attention heads, 2 key-value heads."""
+    """A small config of `family` (a key of FAMILIES): 4 attention heads, 2 key-value heads, the tokenizer's
+    vocabulary; `extra` overrides any field (e.g. a larger `vocab_size` or `num_attention_heads`)."""
     import transformers
 
     class_name, family_settings = FAMILIES[family]
-    settings = dict(family_settings)
-    if "layer_types" in settings:
-        settings["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]
-    if "head_dim" in settings:
-        settings["head_dim"] = hidden_size // 4
-    if family == "gemma3":
-        settings["query_pre_attn_scalar"] = hidden_size // 4
-    settings.update(extra)
-    return getattr(transformers, class_name)(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -119,8 +112,16 @@ def tiny_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **settings,
+        **family_settings,
     )
+    if "layer_types" in settings:
+        settings["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]
+    if "head_dim" in settings:
+        settings["head_dim"] = hidden_size // 4
+    if family == "gemma3":
+        settings["query_pre_attn_scalar"] = hidden_size // 4
+    settings.update(extra)
+    return getattr(transformers, class_name)(**settings)
 
 
 def build_tiny_model(
