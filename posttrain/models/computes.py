@@ -3,9 +3,10 @@
 The fast paths (`fast_forward`, `fused_layers`, `segment_attention`) reproduce or replace what a module computes.
 They must not trust a class name: a subclass or a remote-code copy may change the formula, and a family that
 copies Llama's code line for line computes what Llama's does whatever it is called. So a module is recognised by
-its forward's code (bytecode, the names it looks up and its constants, nested functions included; the docstring
-and line numbers left out) compared with the forwards of the transformers classes listed in `KINDS`, each a fact
-checked by a test on that family's tiny model against the model's own forward. Families whose modeling files
+the code of its class's forward and of the methods the forward calls (bytecode, the names it looks up and its
+constants, nested functions included; the docstring and line numbers left out), compared with those of the
+transformers classes listed in `KINDS`, each a fact checked by a test on that family's tiny model against the
+model's own forward. Families whose modeling files
 copy a listed forward (transformers' modular files generate most of them) are recognised without being listed.
 """
 
@@ -58,6 +59,7 @@ KINDS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "norm": {
         "rms": ("llama:LlamaRMSNorm",),  # weight * (x / rms(x)) in float32, cast back before the weight
+        "one_plus_weight_rms": ("gemma3:Gemma3RMSNorm",),  # (1 + weight) * (x / rms(x)) in float32, then cast
     },
 }
 
@@ -81,15 +83,24 @@ def code_key(function) -> tuple | None:
     return None if code is None else _code_key(code, function=True)
 
 
-def same_code(function, reference) -> bool:
-    """Whether two functions compute the same by their code (see `code_key`)."""
-    key = code_key(function)
-    return key is not None and key == code_key(reference)
+def _class_key(cls) -> tuple | None:
+    """What a module class computes: `code_key` of its forward and of the methods of the class that the forward
+    names (a norm's `_norm`, say): a subclass that changes such a helper computes something else."""
+    key = code_key(cls.forward)
+    if key is None:
+        return None
+    names = inspect.unwrap(cls.forward).__code__.co_names
+    helpers = tuple(
+        (name, code_key(getattr(cls, name)))
+        for name in names
+        if name != "forward" and inspect.isfunction(getattr(cls, name, None))
+    )
+    return key, helpers
 
 
-def _reference(name: str):
+def _reference(name: str) -> type:
     family, class_name = name.split(":")
-    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name).forward
+    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name)
 
 
 def _imported_first(names: tuple[str, ...]) -> list[str]:
@@ -98,14 +109,14 @@ def _imported_first(names: tuple[str, ...]) -> list[str]:
 
 
 @functools.cache
-def _kind_of_forward(forward, part: str) -> str | None:
-    key = code_key(forward)
+def _kind_of_class(cls: type, part: str) -> str | None:
+    key = _class_key(cls)
     if key is None:
         return None
     for kind, names in KINDS[part].items():
         for name in _imported_first(names):
             try:
-                if code_key(_reference(name)) == key:
+                if _class_key(_reference(name)) == key:
                     return kind
             except (ImportError, AttributeError):  # a transformers without that family or class
                 continue
@@ -113,5 +124,5 @@ def _kind_of_forward(forward, part: str) -> str | None:
 
 
 def kind_of(module, part: str) -> str | None:
-    """The kind of `part` (a key of KINDS) that `module`'s class forward computes, or None if it is none of them."""
-    return _kind_of_forward(type(module).forward, part)
+    """The kind of `part` (a key of KINDS) that `module`'s class computes, or None if it is none of them."""
+    return _kind_of_class(type(module), part)

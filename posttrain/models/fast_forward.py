@@ -64,6 +64,21 @@ def _direct(module) -> Callable:
     return functools.partial(type(module).forward, module) if isinstance(module, nn.Module) else module
 
 
+def _norm(norm) -> Callable:
+    """What `norm` computes: Gemma's (1 + weight) RMSNorm with its (1 + weight) computed once for the forward's
+    lifetime (the same float32 tensor it computes at every call), any other norm by its own forward."""
+    if kind_of(norm, "norm") != "one_plus_weight_rms":
+        return _direct(norm)
+    scale, eps = 1.0 + norm.weight.float(), norm.eps
+
+    def one_plus_weight_rms(x):
+        states = x.float()
+        states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+        return (states * scale).type_as(x)
+
+    return one_plus_weight_rms
+
+
 def _linear(layer: nn.Linear) -> Callable:
     weight, bias = layer.weight, layer.bias
     return lambda x: F.linear(x, weight, bias)
@@ -121,7 +136,7 @@ def _attention(attention, kind: str) -> Callable:
     else:
         q_proj, k_proj, v_proj = (_linear(p) for p in (attention.q_proj, attention.k_proj, attention.v_proj))
     if kind in ("head_norms", "head_norms_transposed"):
-        q_norm, k_norm = _direct(attention.q_norm), _direct(attention.k_norm)
+        q_norm, k_norm = _norm(attention.q_norm), _norm(attention.k_norm)
 
     def attend(x, mask, cos, sin, cache):
         input_shape = x.shape[:-1]
@@ -167,9 +182,9 @@ def _mlp(mlp) -> Callable:
 def _layer(layer, kind: str, attention_kind: str) -> Callable:
     """`step(states, mask, cos, sin, cache) -> states`: what `layer`'s forward computes, for each layer kind."""
     attend, mlp = _attention(layer.self_attn, attention_kind), _mlp(layer.mlp)
-    norm_in, norm_post = _direct(layer.input_layernorm), _direct(layer.post_attention_layernorm)
+    norm_in, norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
     if kind == "sandwich_norm":
-        pre_mlp, post_mlp = _direct(layer.pre_feedforward_layernorm), _direct(layer.post_feedforward_layernorm)
+        pre_mlp, post_mlp = _norm(layer.pre_feedforward_layernorm), _norm(layer.post_feedforward_layernorm)
 
         def step(states, mask, cos, sin, cache):
             states = states + norm_post(attend(norm_in(states), mask, cos, sin, cache))
@@ -237,7 +252,7 @@ def fast_forward(model) -> Callable | None:
         else [None] * len(layers)
     )
     steps = [(_layer(*layer), layer_type) for layer, layer_type in zip(layers, layer_types)]
-    embed, final_norm, head = _direct(inner.embed_tokens), _direct(inner.norm), _linear(model.lm_head)
+    embed, final_norm, head = _direct(inner.embed_tokens), _norm(inner.norm), _linear(model.lm_head)
     prepare = _masks_and_rotary(inner, decoder_kind)
     cap = model.config.final_logit_softcapping if head_kind == "soft_capped_head" else None
 
