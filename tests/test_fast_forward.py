@@ -3,6 +3,8 @@ left-padded prompts, decode steps with the group's cache copied (the 4D SDPA mas
 the 2D mask on sliding-window models), the caches, a cache-less forward in training mode (old log-probs) and the
 hidden states the shared-prompt log-probs read. Models it cannot reproduce exactly go through their own forward."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -202,3 +204,27 @@ def test_the_fast_paths_are_logged_and_shown_by_env(tmp_path, caplog):
         "Fast paths for Qwen3ForCausalLM: no-grad forward: mask_per_layer_type, pre_norm/head_norms; "
         "fused layers: 11 norms and MLPs; segment attention: on for padding-free rows"
     ]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+def test_reference_log_probs_take_the_fast_forward_under_the_shared_layout(tokenizer, family):
+    """`forward_hidden` (DPO's and KTO's reference log-probs, the online shared-prompt log-probs) without gradient:
+    the fast forward's hidden states under the shared prompt's 4D mask, bitwise the decoder's own."""
+    from posttrain.models.layouts import forward_hidden, model_shared_layout, right_padded_view
+
+    model = (
+        _family_model(tokenizer, family, sliding_window=64) if family == "gemma3" else _family_model(tokenizer, family)
+    )
+    prompt = tokenizer("the cat and the dog are in the tree")["input_ids"]
+    sequences = [prompt + [5, 6, 7], prompt + [8, 9], prompt[:4] + [5], prompt[:4] + [6, 7, 8, 9]]
+    ids = torch.full((4, max(map(len, sequences))), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.tensor(sequence), 1
+    inputs, _ = model_shared_layout(model, right_padded_view(ids, mask))
+    assert inputs["attention_mask"].dim() == 4
+    with torch.no_grad():
+        expected = model.model(**inputs, use_cache=False).last_hidden_state
+        with mock.patch.object(type(model.model), "__call__", side_effect=AssertionError("the model ran")):
+            hidden, outputs = forward_hidden(model, inputs)
+    assert outputs is None and torch.equal(hidden, expected)

@@ -18,6 +18,7 @@ from torch import nn
 
 from posttrain.data.collators import IGNORE_INDEX
 from posttrain.errors import ConfigError
+from posttrain.models.fast_forward import fast_forward
 from posttrain.models.reference import unwrap
 
 # Lay a padded batch out anew only if that saves at least this share of its cost (see `_cost`).
@@ -299,7 +300,16 @@ def layout_settings(model) -> tuple[int, torch.dtype | None]:
 
 def forward_hidden(model, inputs: dict, **options):
     """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only. `options`
-    go to the model (default `use_cache=False`)."""
+    go to the model (default `use_cache=False`). A forward without gradient runs without the module wrappers where
+    the model allows (`fast_forward`: the same hidden states; no outputs then)."""
+    fast = fast_forward(model) if inputs.keys() <= {"input_ids", "attention_mask", "position_ids"} else None
+    if fast is not None and options.keys() <= {"cache", "use_cache"}:
+        cache = options.get("cache") if options.get("use_cache") else None
+        positions = inputs.get("position_ids")
+        if positions is None:  # as the model numbers them
+            past = cache.get_seq_length() if cache is not None else 0
+            positions = (torch.arange(inputs["input_ids"].shape[1], device=inputs["input_ids"].device) + past)[None]
+        return fast(inputs["input_ids"], inputs.get("attention_mask"), positions, cache, hidden=True), None
     captured = {}
 
     def keep(module, args, output):

@@ -19,8 +19,8 @@ import torch
 
 from posttrain.losses.logprobs import linear_logps, selective_log_softmax
 from posttrain.losses.policy import entropy_from_logits
-from posttrain.models.layouts import SequenceView, can_repack, common_prefix, layout_settings, prefix_layout
 from posttrain.models.fast_forward import fast_forward
+from posttrain.models.layouts import SequenceView, can_repack, common_prefix, layout_settings, prefix_layout
 from posttrain.models.reference import unwrap
 from posttrain.online.vision import forward_vision_inputs, uses_own_positions
 from posttrain.training.preference import forward_hidden, output_head
@@ -112,12 +112,7 @@ def shared_prompt_logps(model, batch: dict[str, torch.Tensor], temperature: floa
     # Completion token t of a row is predicted at its sequence position prompt length + t - 1.
     before = (prompt_lengths[:, None] + columns[None, :] - 1).clamp(max=where.shape[1] - 1)
     predictors = where.gather(1, before)[mask]
-    fast = fast_forward(model)  # no gradient: the same hidden states without the module wrappers
-    hidden = (
-        fast(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], hidden=True)
-        if fast is not None
-        else forward_hidden(model, inputs)[0]
-    )
+    hidden = forward_hidden(model, inputs)[0]  # (without gradient, the fast forward's)
     head = output_head(model)
     # (A float32 head on a lower-precision model, cast_lm_head_to_fp32, takes float32 inputs, as its forward does.)
     rows = hidden.reshape(-1, hidden.shape[-1])[predictors].to(head.weight.dtype) / temperature
