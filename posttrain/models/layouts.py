@@ -18,6 +18,7 @@ from torch import nn
 
 from posttrain.data.collators import IGNORE_INDEX
 from posttrain.errors import ConfigError
+from posttrain.models.computes import kind_of
 from posttrain.models.fast_forward import fast_forward
 from posttrain.models.reference import unwrap
 
@@ -177,6 +178,28 @@ def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, 
     ids[where[real]] = view.ids[real]
     inputs = {"input_ids": ids.view(rows, packed_width), "position_ids": positions.view(rows, packed_width)}
     return inputs, torch.where(real, where, 0)
+
+
+def repacked_tokens(model, inputs: dict) -> tuple[dict, torch.Tensor] | None:
+    """A right-padded batch of a per-token model (a token classifier on a causal decoder) on fewer, fuller rows
+    (`repacked`): (model inputs, index [real tokens] of each real token of the padded batch, in row order, among
+    the packed rows' flattened positions), or None when the batch has more than ids and mask, is not right-padded,
+    would not save enough, or the model's decoder is not a causal decoder this library recognises (`computes.KINDS`:
+    its masks keep each packed sequence to itself). Every real token then gets the output it gets in the padded
+    batch."""
+    base = unwrap(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
+    decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    if inputs.keys() != {"input_ids", "attention_mask"} or decoder is None or kind_of(decoder, "decoder") is None:
+        return None
+    view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
+    packed = (
+        None if view is None or not can_repack(model) else repacked(view, base.config.get_text_config().hidden_size)
+    )
+    if packed is None:
+        return None
+    packed_inputs, where = packed
+    return packed_inputs, where[inputs["attention_mask"].bool()]
 
 
 def shared_layout(
