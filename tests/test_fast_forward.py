@@ -206,15 +206,14 @@ def test_the_fast_paths_are_logged_and_shown_by_env(tmp_path, caplog):
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral", "qwen3_moe"])
 def test_reference_log_probs_take_the_fast_forward_under_the_shared_layout(tokenizer, family):
     """`forward_hidden` (DPO's and KTO's reference log-probs, the online shared-prompt log-probs) without gradient:
-    the fast forward's hidden states under the shared prompt's 4D mask, bitwise the decoder's own."""
+    the fast forward's hidden states under the shared prompt's 4D mask (Gemma 3's and Mistral's windows of 8 tokens
+    applied to it: by layer type, or alone), bitwise the decoder's own."""
     from posttrain.models.layouts import forward_hidden, model_shared_layout, right_padded_view
 
-    model = (
-        _family_model(tokenizer, family, sliding_window=64) if family == "gemma3" else _family_model(tokenizer, family)
-    )
+    model = _family_model(tokenizer, family)
     prompt = tokenizer("the cat and the dog are in the tree")["input_ids"]
     sequences = [prompt + [5, 6, 7], prompt + [8, 9], prompt[:4] + [5], prompt[:4] + [6, 7, 8, 9]]
     ids = torch.full((4, max(map(len, sequences))), tokenizer.pad_token_id)
@@ -222,7 +221,8 @@ def test_reference_log_probs_take_the_fast_forward_under_the_shared_layout(token
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.tensor(sequence), 1
     inputs, _ = model_shared_layout(model, right_padded_view(ids, mask))
-    assert inputs["attention_mask"].dim() == 4
+    masks = inputs["attention_mask"]
+    assert isinstance(masks, dict) == (family == "gemma3")  # (one mask for every layer elsewhere)
     with torch.no_grad():
         expected = model.model(**inputs, use_cache=False).last_hidden_state
         with mock.patch.object(type(model.model), "__call__", side_effect=AssertionError("the model ran")):

@@ -19,7 +19,13 @@ def family_paths(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("families")
     windows = {"gemma3": {"sliding_window": 128}, "mistral": {"sliding_window": 128}}
-    return {family: save_tiny_model(root / family, family=family, **windows.get(family, {})) for family in FAMILIES}
+    paths = {family: save_tiny_model(root / family, family=family, **windows.get(family, {})) for family in FAMILIES}
+    # Windows of 8 tokens, shorter than the sequences: the shared layout's masks apply them (`windowed_masks`).
+    for family in ("gemma3", "mistral"):
+        paths[f"{family}-window8"] = save_tiny_model(root / f"{family}-8", family=family)
+    qwen2 = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    paths["qwen2-window8"] = save_tiny_model(root / "qwen2-8", family="qwen2", **qwen2)
+    return paths
 
 
 def _trainer(tmp_path, model_path):
@@ -45,6 +51,7 @@ def _grads(model):
 
 
 FAMILY_CASES = [("llama", False), ("llama", True)] + [(f, False) for f in FAMILIES if f != "llama"]
+FAMILY_CASES += [("gemma3-window8", False), ("mistral-window8", False), ("qwen2-window8", False)]
 
 
 @pytest.mark.parametrize("layout", ["shared_prompt", "repacked"])
@@ -83,6 +90,10 @@ def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(
     ((shape, attention_mask),) = seen
     assert shape[0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
     if layout == "shared_prompt":  # each pair's prompt once: fewer positions than the sequences' tokens
+        if isinstance(attention_mask, dict):  # by layer type: the sliding layers' mask keeps to the window
+            cut = not torch.equal(attention_mask["sliding_attention"], attention_mask["full_attention"])
+            assert cut == family.endswith("window8")
+            attention_mask = attention_mask["full_attention"]
         assert attention_mask.dim() == 4 and shape[0] * shape[1] < lengths.sum()
     else:
         assert attention_mask is None

@@ -224,7 +224,10 @@ def _masks_and_rotary(inner, kind: str) -> Callable:
         arguments = dict(
             config=config, inputs_embeds=states, attention_mask=attention_mask, cache=cache, position_ids=position_ids
         )
-        masks = {layer_type: build(**arguments) for layer_type, build in builders.items()}
+        if isinstance(attention_mask, dict):  # ready-made per layer type (as these decoders take them)
+            masks = attention_mask
+        else:
+            masks = {layer_type: build(**arguments) for layer_type, build in builders.items()}
         if per_type_rotary:
             return masks, {layer_type: rotary(states, position_ids, layer_type) for layer_type in types}
         return masks, dict.fromkeys(types, rotary(states, position_ids))

@@ -105,11 +105,12 @@ def output_head(model) -> nn.Linear | None:
     return inner.get_output_embeddings()
 
 
-def can_repack(model, width: int | None = None) -> bool:
+def can_repack(model, width: int | None = None, windowed: bool = False) -> bool:
     """Whether sequences may share rows: transformers models that build their masks with `masking_utils` (which
     cuts a row at each position-id restart, and passes a custom 4D mask through unchanged) and attend with sdpa or
     eager, without linear-attention layers. With `width`, under a custom 4D mask (`shared_layout`): also no sliding
-    window shorter than `width` tokens, since that mask does not apply it."""
+    window shorter than `width` tokens, since that mask does not apply it, unless `windowed` (the caller applies it
+    with `windowed_masks`) and the decoder takes such masks."""
     inner = unwrap(model)
     if hasattr(inner, "get_base_model"):  # PEFT
         inner = inner.get_base_model()
@@ -118,13 +119,45 @@ def can_repack(model, width: int | None = None) -> bool:
     kinds = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in kinds if kinds else window is not None
+    too_short = width is not None and sliding and width > (window or 0)
     return (
         getattr(inner.config, "_attn_implementation", None) in ("sdpa", "eager")
         and module is not None
         and hasattr(module, "create_causal_mask")
         and kinds <= {"full_attention", "sliding_attention"}
-        and not (width is not None and sliding and width > (window or 0))
+        and not (too_short and not (windowed and _sliding_window(model) is not None))
     )
+
+
+def _sliding_window(model) -> tuple[str, int] | None:
+    """(decoder kind, window) when the model's decoder computes a kind with sliding-window layers whose masks can
+    be given ready-made (`computes.KINDS`: one mask for all layers, or one per layer type); else None."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    decoder = getattr(inner, "base_model", inner)
+    kind = kind_of(decoder, "decoder")
+    window = getattr(decoder.config, "sliding_window", None)
+    if kind == "window_mask" and window is not None:
+        return kind, window
+    if kind in ("mask_per_layer_type", "mask_and_rotary_per_layer_type"):
+        if "sliding_attention" in decoder.config.layer_types:
+            return kind, window
+    return None
+
+
+def windowed_masks(model, inputs: dict) -> dict:
+    """`inputs` of a layout with a 4D mask (`prefix_layout`), for a model with sliding-window layers: their mask
+    also keeps each query within the window of its sequence positions (as transformers' sliding mask: q - k <
+    window), given alone where every layer slides, else by layer type. Unchanged for other models."""
+    spec = _sliding_window(model)
+    if spec is None:
+        return inputs
+    kind, window = spec
+    mask, positions = inputs["attention_mask"], inputs["position_ids"]
+    near = (positions[:, None, :, None] - positions[:, None, None, :]) < window
+    sliding = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+    masks = sliding if kind == "window_mask" else {"full_attention": mask, "sliding_attention": sliding}
+    return {**inputs, "attention_mask": masks}
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -306,11 +339,12 @@ def prefix_layout(
 
 def model_shared_layout(model, view: SequenceView) -> tuple[dict, torch.Tensor] | None:
     """`shared_layout` of a right-padded batch for `model`, with the 4D mask its attention takes (boolean for sdpa,
-    additive in the model's dtype for eager); None where that mask cannot be used (`can_repack` with the width) or
-    the layout would not save enough."""
-    if not can_repack(model, view.ids.shape[1]):
+    additive in the model's dtype for eager; sliding-window layers' own, `windowed_masks`); None where that mask
+    cannot be used (`can_repack` with the width) or the layout would not save enough."""
+    if not can_repack(model, view.ids.shape[1], windowed=True):
         return None
-    return shared_layout(view, *layout_settings(model))
+    layout = shared_layout(view, *layout_settings(model))
+    return None if layout is None else (windowed_masks(model, layout[0]), layout[1])
 
 
 def layout_settings(model) -> tuple[int, torch.dtype | None]:
