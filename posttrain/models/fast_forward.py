@@ -6,8 +6,9 @@ On the tiny benchmark model (2 layers, hidden size 32) that is about a third of 
 `fast_forward` runs what the model's own forward runs: transformers' own mask functions (a ready-made 4D mask
 passes through them unchanged), the same tensor operations in the same order on the same tensors (the linear layers
 as `F.linear` with their weights; norms, embeddings, activations, rotary embeddings and anything else a module
-computes by calling that module's own forward; the attention function and the rotary function the attention's
-forward looks up; the cache's own `update`), so logits and cache are bitwise those of `model(...)`.
+computes by calling that module's own forward, Gemma's norm with its (1 + weight) computed once; the attention
+function and the rotary function the attention's forward looks up; the cache's own `update`), so logits and cache
+are bitwise those of `model(...)`.
 
 Which model it serves is decided by what the model computes, not by its class: each part (the causal LM head,
 the decoder, each layer, its attention and MLP) must compute one of the kinds in `computes.KINDS`, recognised by its
@@ -238,7 +239,8 @@ def _masks_and_rotary(inner, kind: str) -> Callable:
 def fast_forward(model) -> Callable | None:
     """`forward(input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0) -> logits`, equal to
     `model(input_ids=..., attention_mask=..., position_ids=..., cache=cache, use_cache=cache is not None,
-    logits_to_keep=...).logits` (`attention_mask` 2D, or 4D ready for SDPA); with `hidden=True` the final
+    logits_to_keep=...).logits` (`attention_mask` 2D, or 4D ready for SDPA, or such masks by layer type where the
+    decoder takes them, `layouts.windowed_masks`); with `hidden=True` the final
     hidden states the output layer would read instead of the logits. None when `model` is not one this
     module reproduces exactly (see the module docstring). The weights are looked up once: build a forward per use,
     not across optimizer steps that could replace parameters."""
