@@ -3,8 +3,8 @@
     python benchmarks/bench_commits.py BEFORE_DIR [AFTER_DIR] [--only sft,reward,kto,dpo,grpo,rloo] [--repeats 3]
 
 BEFORE_DIR and AFTER_DIR (default: this checkout) are checkouts of the repository, e.g. `git worktree add
-/tmp/before <commit>`. Each run builds bench_table's cells inside the checkout's own benchmarks/ with that
-checkout's posttrain on the path, and times posttrain's cell only (CPU time, one thread, a fresh interpreter per
+/tmp/before <commit>`. Each run builds bench_table's tiny Llama cells inside the checkout's own benchmarks/ with
+that checkout's posttrain on the path, and times posttrain's cell only (CPU time, one thread, a fresh interpreter per
 run: bench_table's method). The two checkouts alternate run by run; each cell reports the median steps/s of each
 and their ratio, so a refactor that should change nothing shows ratios within run-to-run noise.
 """
@@ -23,12 +23,15 @@ from common import REPO_ROOT, print_table
 
 # Run inside a checkout's benchmarks/ directory: prints {cell label: steps/s} for posttrain's tiny cells.
 CHILD = """
-import json, sys, tempfile
+import inspect, json, sys, tempfile
 from pathlib import Path
 import bench_table
 only = set(sys.argv[1].split(","))
 with tempfile.TemporaryDirectory(prefix="bench_commits_") as tmp:
-    cells = bench_table.benchmarks(only, False, Path(tmp), 1.0, 1.0)
+    settings = dict(only=only, families=["llama"], smollm2=False, qwen3_smollm2=False, workdir=Path(tmp), peak=1.0,
+                    steps_scale=1.0)
+    accepted = inspect.signature(bench_table.benchmarks).parameters  # the tiny Llama cells, in either version
+    cells = bench_table.benchmarks(**{k: v for k, v in settings.items() if k in accepted})
     print(json.dumps({f"{name} ({setting})": runs["posttrain"]()["steps_per_s"] for name, setting, runs in cells}))
 """
 

@@ -145,15 +145,16 @@ def worker(impl: str, method: str, root: str, steps: int, rows: int | None = Non
     }
 
 
-def make_models(root: Path) -> None:
-    """The policy, a differently seeded reference, and a classifier made from the policy with a seeded head."""
+def make_models(root: Path, family: str = "llama", **config_settings) -> None:
+    """The policy, a differently seeded reference, and a classifier made from the policy with a seeded head (tiny
+    models of `family`, with `config_settings`)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
     from posttrain.models.tiny import save_tiny_model
 
-    policy = save_tiny_model(root / "policy", seed=0, **MODEL)
-    save_tiny_model(root / "ref", seed=1, **MODEL)
+    policy = save_tiny_model(root / "policy", seed=0, family=family, **MODEL, **config_settings)
+    save_tiny_model(root / "ref", seed=1, family=family, **MODEL, **config_settings)
     torch.manual_seed(0)
     classifier = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
     classifier.save_pretrained(root / "classifier")

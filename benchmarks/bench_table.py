@@ -1,13 +1,15 @@
 """One table of posttrain against TRL 1.16 for every trainer: steps/s, tokens/s, MFU and peak RSS, with ratios.
 
-    python benchmarks/bench_table.py [--repeats 3] [--only sft,reward,kto,dpo,grpo] [--smollm2] [--steps-scale 1]
+    python benchmarks/bench_table.py [--repeats 3] [--only sft,reward,kto,dpo,grpo,rloo] [--steps-scale 1]
+        [--families llama,qwen2,qwen3,gemma3,mistral,qwen3_moe] [--smollm2] [--qwen3-smollm2]
     python benchmarks/bench_table.py --only async [--repeats 3]
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
-copied): SFT from bench_sft (tiny Llama: padded, packed BFD, packed wrapped, completion-only, messages; with
---smollm2 also SmolLM2-135M full fine-tuning and LoRA), Reward and KTO from bench_reward_kto (KTO also on 16 rows,
-epoch after epoch), DPO from bench_dpo (tiny Llama; with --smollm2 also SmolLM2-135M, `ref_model=None`), GRPO and
-RLOO from bench_grpo. Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain and TRL
+copied): SFT from bench_sft (padded, packed BFD, packed wrapped, completion-only, messages), Reward and KTO from
+bench_reward_kto (KTO also on 16 rows, epoch after epoch), DPO from bench_dpo, GRPO and RLOO from bench_grpo, each on
+a tiny model of every family in --families (models/tiny.py; a row per family and trainer). --smollm2 adds
+SmolLM2-135M (SFT full and LoRA, DPO with `ref_model=None`); --qwen3-smollm2 a SmolLM2-sized Qwen3 with random
+weights (SFT, DPO, GRPO). Every run is a fresh single-threaded interpreter (common.run_isolated), posttrain and TRL
 alternate, and each cell is the median of `--repeats` runs.
 
 Every trainer is timed in process CPU time between the first and the last optimizer step (GRPO/RLOO: generation
@@ -73,180 +75,178 @@ def _online_rates(result: dict) -> dict:
     }
 
 
-def benchmarks(only: set[str], smollm2: bool, workdir: Path, peak: float, steps_scale: float) -> list[tuple]:
-    """(trainer, setting, {library: zero-argument run returning a rates dict}) for every cell of the table."""
+# What a benchmark model of each family gets beyond models/tiny.py's test settings: Gemma 3 without final
+# soft-capping (as the released models), and windows of 128 tokens (real ones, 512 and more, are longer than these
+# sequences; 128 still cuts SFT's longest rows).
+FAMILY_SETTINGS = {
+    "gemma3": dict(sliding_window=128, final_logit_softcapping=None),
+    "mistral": dict(sliding_window=128),
+}
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3": "Gemma 3",
+    "mistral": "Mistral",
+    "phi3": "Phi-3",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+}
+# SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64, 3 key-value heads, 49,152 tokens) as a Qwen3 (q/k
+# norms), random weights.
+QWEN3_SMOLLM2 = dict(
+    hidden_size=576,
+    num_layers=30,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+)
+
+
+def _cell(label: str, setting: str, target: str, cpu_rates, **kwargs) -> tuple:
+    """(trainer, setting, {library: zero-argument run}) of one benchmark function run for both libraries."""
+    key = "library" if target.startswith(("bench_sft", "bench_grpo")) else "impl"
+    return (
+        label,
+        setting,
+        {lib: (lambda lib=lib: cpu_rates(run_isolated(target, {key: lib, **kwargs}))) for lib in LIBRARIES},
+    )
+
+
+def family_cells(family: str, only: set[str], workdir: Path, peak: float, steps) -> list[tuple]:
+    """The tiny-model cells of one family: SFT's modes, Reward, KTO, DPO, GRPO and RLOO."""
     from posttrain.models.tiny import save_tiny_model
+
+    name, extra = FAMILY_NAMES[family], FAMILY_SETTINGS.get(family, {})
+    root = workdir / family
+    cells = []
+    if "sft" in only:
+        path = save_tiny_model(root / "sft", family=family, hidden_size=256, num_layers=4, **extra)
+        settings = dict(bench_sft.ROWS["tiny-llama"], steps=steps(bench_sft.ROWS["tiny-llama"]["steps"]))
+        for mode, label in SFT_MODES.items():
+            rates = lambda result: _sft_rates(result, peak, True)  # noqa: E731
+            cells.append(
+                _cell(label, f"tiny {name}, batch 8", "bench_sft:train", rates, model_path=path, mode=mode, **settings)
+            )
+    if {"reward", "kto"} & only:
+        bench_reward_kto.make_models(root / "preference", family=family, **extra)
+        for method in ("reward", "kto"):
+            if method in only:
+                label = "Reward" if method == "reward" else "KTO"
+                kwargs = dict(method=method, root=str(root / "preference"), steps=steps(30))
+                cells.append(_cell(label, f"tiny {name}, batch 8", "bench_reward_kto:worker", _cpu_rates, **kwargs))
+        if "kto" in only:  # 16 rows: epoch after epoch, where posttrain knows each row's reference log-probs
+            kwargs = dict(method="kto", root=str(root / "preference"), steps=steps(30), rows=16)
+            cells.append(
+                _cell(
+                    "KTO, later epochs",
+                    f"tiny {name}, batch 8, 16 rows",
+                    "bench_reward_kto:worker",
+                    _cpu_rates,
+                    **kwargs,
+                )
+            )
+    if "dpo" in only:
+        policy = save_tiny_model(root / "dpo" / "policy", seed=0, family=family, hidden_size=256, num_layers=4, **extra)
+        ref = save_tiny_model(root / "dpo" / "ref", seed=1, family=family, hidden_size=256, num_layers=4, **extra)
+        kwargs = dict(model_path=policy, ref_path=ref, steps=steps(30), batch=bench_dpo.MODELS["tiny"]["batch"])
+        cells.append(_cell("DPO", f"tiny {name}, batch 8", "bench_dpo:worker", _cpu_rates, **kwargs))
+    for method in ("grpo", "rloo"):
+        if method in only:
+            path = save_tiny_model(root / "grpo", family=family, **extra)
+            kwargs = dict(method=method, model_path=path, steps=steps(20))
+            cells.append(
+                _cell(method.upper(), f"tiny {name}, 16 completions", "bench_grpo:run_one", _online_rates, **kwargs)
+            )
+    return cells
+
+
+def smollm2_cells(only: set[str], peak: float, steps) -> list[tuple]:
+    """The built-in SmolLM2-135M: SFT full and LoRA, DPO without a reference model."""
+    from posttrain.models.builtin import builtin_model_path
+
+    cells = []
+    if "sft" in only:
+        rows = bench_sft.ROWS["smollm2-135m"]
+        for peft, label in ((False, "SFT SmolLM2-135M full"), (True, "SFT SmolLM2-135M LoRA r16")):
+            rates = lambda result, peft=peft: _sft_rates(result, peak, not peft)  # noqa: E731
+            kwargs = dict(model_path=builtin_model_path(), mode="padded", peft=peft, **rows)
+            cells.append(_cell(label, "padded, batch 4 x 256", "bench_sft:train", rates, **kwargs))
+    if "dpo" in only:
+        rows = bench_dpo.MODELS["smollm2"]
+        kwargs = dict(model_path=builtin_model_path(), ref_path=None, steps=steps(rows["steps"]), batch=rows["batch"])
+        cells.append(
+            _cell(
+                "DPO SmolLM2-135M full",
+                f"ref_model=None, batch {rows['batch']} pairs",
+                "bench_dpo:worker",
+                _cpu_rates,
+                **kwargs,
+            )
+        )
+    return cells
+
+
+def qwen3_smollm2_cells(only: set[str], workdir: Path, peak: float, steps) -> list[tuple]:
+    """A SmolLM2-sized Qwen3 (QWEN3_SMOLLM2, random weights): SFT, DPO without a reference model, GRPO."""
+    from posttrain.models.tiny import save_tiny_model
+
+    path = save_tiny_model(workdir / "qwen3-smollm2", family="qwen3", **QWEN3_SMOLLM2)
+    setting = "Qwen3, SmolLM2-135M-sized"
+    cells = []
+    if "sft" in only:
+        rows = bench_sft.ROWS["smollm2-135m"]
+        rates = lambda result: _sft_rates(result, peak, True)  # noqa: E731
+        cells.append(
+            _cell(
+                "SFT padded",
+                f"{setting}, batch 4 x 256",
+                "bench_sft:train",
+                rates,
+                model_path=path,
+                mode="padded",
+                **rows,
+            )
+        )
+    if "dpo" in only:
+        rows = bench_dpo.MODELS["smollm2"]
+        kwargs = dict(model_path=path, ref_path=None, steps=steps(rows["steps"]), batch=rows["batch"])
+        cells.append(
+            _cell(
+                "DPO",
+                f"{setting}, ref_model=None, batch {rows['batch']} pairs",
+                "bench_dpo:worker",
+                _cpu_rates,
+                **kwargs,
+            )
+        )
+    if "grpo" in only:
+        kwargs = dict(method="grpo", model_path=path, steps=steps(4))
+        cells.append(_cell("GRPO", f"{setting}, 16 completions", "bench_grpo:run_one", _online_rates, **kwargs))
+    return cells
+
+
+def benchmarks(
+    only: set[str],
+    families: list[str],
+    smollm2: bool,
+    qwen3_smollm2: bool,
+    workdir: Path,
+    peak: float,
+    steps_scale: float,
+) -> list[tuple]:
+    """(trainer, setting, {library: zero-argument run returning a rates dict}) for every cell of the table."""
 
     def steps(n: int) -> int:
         return max(3, round(n * steps_scale))
 
-    cells = []
-    if "sft" in only:
-        paths = bench_sft._model_paths(["tiny-llama"] + (["smollm2-135m"] if smollm2 else []), str(workdir))
-        settings = dict(bench_sft.ROWS["tiny-llama"], steps=steps(bench_sft.ROWS["tiny-llama"]["steps"]))
-        for mode, label in SFT_MODES.items():
-            cells.append(
-                (
-                    label,
-                    "tiny Llama, batch 8",
-                    {
-                        lib: (
-                            lambda lib=lib, mode=mode: _sft_rates(
-                                run_isolated(
-                                    "bench_sft:train",
-                                    dict(library=lib, model_path=paths["tiny-llama"], mode=mode, **settings),
-                                ),
-                                peak,
-                                True,
-                            )
-                        )
-                        for lib in LIBRARIES
-                    },
-                )
-            )
-        if smollm2:
-            sft_rows = bench_sft.ROWS["smollm2-135m"]
-            for peft, label in ((False, "SFT SmolLM2-135M full"), (True, "SFT SmolLM2-135M LoRA r16")):
-                cells.append(
-                    (
-                        label,
-                        "padded, batch 4 x 256",
-                        {
-                            # (defaults bind now: the runs happen after this function returns)
-                            lib: (
-                                lambda lib=lib, peft=peft, rows=sft_rows: _sft_rates(
-                                    run_isolated(
-                                        "bench_sft:train",
-                                        dict(
-                                            library=lib,
-                                            model_path=paths["smollm2-135m"],
-                                            mode="padded",
-                                            peft=peft,
-                                            **rows,
-                                        ),
-                                    ),
-                                    peak,
-                                    not peft,
-                                )
-                            )
-                            for lib in LIBRARIES
-                        },
-                    )
-                )
-    root = workdir / "preference"
-    if {"reward", "kto"} & only:
-        bench_reward_kto.make_models(root)
-        for method in ("reward", "kto"):
-            if method in only:
-                cells.append(
-                    (
-                        "Reward" if method == "reward" else "KTO",
-                        "tiny Llama, batch 8",
-                        {
-                            lib: (
-                                lambda lib=lib, method=method: _cpu_rates(
-                                    run_isolated(
-                                        "bench_reward_kto:worker",
-                                        dict(impl=lib, method=method, root=str(root), steps=steps(30)),
-                                    )
-                                )
-                            )
-                            for lib in LIBRARIES
-                        },
-                    )
-                )
-        if "kto" in only:  # 16 rows: epoch after epoch, where posttrain knows each row's reference log-probs
-            cells.append(
-                (
-                    "KTO, later epochs",
-                    "tiny Llama, batch 8, 16 rows",
-                    {
-                        lib: (
-                            lambda lib=lib: _cpu_rates(
-                                run_isolated(
-                                    "bench_reward_kto:worker",
-                                    dict(impl=lib, method="kto", root=str(root), steps=steps(30), rows=16),
-                                )
-                            )
-                        )
-                        for lib in LIBRARIES
-                    },
-                )
-            )
-    if "dpo" in only:
-        policy = save_tiny_model(workdir / "dpo" / "policy", seed=0, hidden_size=256, num_layers=4)
-        ref = save_tiny_model(workdir / "dpo" / "ref", seed=1, hidden_size=256, num_layers=4)
-        cells.append(
-            (
-                "DPO",
-                "tiny Llama, batch 8",
-                {
-                    lib: (
-                        lambda lib=lib: _cpu_rates(
-                            run_isolated(
-                                "bench_dpo:worker",
-                                dict(
-                                    impl=lib,
-                                    model_path=policy,
-                                    ref_path=ref,
-                                    steps=steps(30),
-                                    batch=bench_dpo.MODELS["tiny"]["batch"],
-                                ),
-                            )
-                        )
-                    )
-                    for lib in LIBRARIES
-                },
-            )
-        )
-        if smollm2:
-            from posttrain.models.builtin import builtin_model_path
-
-            dpo_rows = bench_dpo.MODELS["smollm2"]
-            cells.append(
-                (
-                    "DPO SmolLM2-135M full",
-                    f"ref_model=None, batch {dpo_rows['batch']} pairs",
-                    {
-                        lib: (
-                            lambda lib=lib: _cpu_rates(
-                                run_isolated(
-                                    "bench_dpo:worker",
-                                    dict(
-                                        impl=lib,
-                                        model_path=builtin_model_path(),
-                                        ref_path=None,
-                                        steps=steps(dpo_rows["steps"]),
-                                        batch=dpo_rows["batch"],
-                                    ),
-                                )
-                            )
-                        )
-                        for lib in LIBRARIES
-                    },
-                )
-            )
-    if {"grpo", "rloo"} & only:
-        tiny = save_tiny_model(workdir / "grpo")
-        for method in ("grpo", "rloo"):
-            if method in only:
-                cells.append(
-                    (
-                        method.upper(),
-                        "tiny Llama, 16 completions",
-                        {
-                            lib: (
-                                lambda lib=lib, method=method: _online_rates(
-                                    run_isolated(
-                                        "bench_grpo:run_one",
-                                        dict(library=lib, method=method, model_path=tiny, steps=steps(20)),
-                                    )
-                                )
-                            )
-                            for lib in LIBRARIES
-                        },
-                    )
-                )
+    cells = [cell for family in families for cell in family_cells(family, only, workdir, peak, steps)]
+    if smollm2:
+        cells += smollm2_cells(only, peak, steps)
+    if qwen3_smollm2:
+        cells += qwen3_smollm2_cells(only, workdir, peak, steps)
     return cells
 
 
@@ -306,6 +306,14 @@ def main() -> None:
     parser.add_argument(
         "--smollm2", action="store_true", help="Add SmolLM2-135M SFT (full and LoRA) and DPO: minutes a run."
     )
+    parser.add_argument(
+        "--families",
+        default="llama",
+        help="Comma-separated tiny-model families: " + ", ".join(FAMILY_NAMES) + " (a row per family and trainer).",
+    )
+    parser.add_argument(
+        "--qwen3-smollm2", action="store_true", help="Add a SmolLM2-sized Qwen3 (random weights): SFT, DPO, GRPO."
+    )
     parser.add_argument("--steps-scale", type=float, default=1.0, help="Scale every benchmark's step count.")
     parser.add_argument("--tcmalloc", action="store_true", help="Run both libraries with tcmalloc preloaded.")
     cli = parser.parse_args()
@@ -320,7 +328,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_table_") as workdir:
         for trainer, setting, run in benchmarks(
-            set(cli.only.split(",")), cli.smollm2, Path(workdir), peak, cli.steps_scale
+            set(cli.only.split(",")),
+            cli.families.split(","),
+            cli.smollm2,
+            cli.qwen3_smollm2,
+            Path(workdir),
+            peak,
+            cli.steps_scale,
         ):
             runs = {lib: [] for lib in LIBRARIES}
             for repeat in range(cli.repeats):

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from posttrain.models import fused_layers
 from posttrain.models.fused_layers import fuse_layers
-from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.models.tiny import MOE_FAMILIES, build_tiny_model, build_tiny_tokenizer
 
 
 def _grads(module, inputs, grad_out):
@@ -131,8 +131,8 @@ def test_cpu_autocast_runs_the_backward_in_bfloat16_like_the_module():
 
 def test_fallbacks_run_the_modules_own_forward():
     calls = []
-    real = fused_layers._SwiGLU.apply
-    with mock.patch.object(fused_layers._SwiGLU, "apply", side_effect=lambda *a: calls.append(1) or real(*a)):
+    real = fused_layers._GatedMLP.apply
+    with mock.patch.object(fused_layers._GatedMLP, "apply", side_effect=lambda *a: calls.append(1) or real(*a)):
         fused = _mlp(torch.float32)
         fuse_layers(fused)
         x = torch.randn(2, 3, 16)
@@ -146,8 +146,8 @@ def test_fallbacks_run_the_modules_own_forward():
         fused.down_proj = torch.nn.Linear(40, 16, bias=True)  # a bias (or a LoRA / quantized layer)
         fused(x).sum().backward()
         assert len(calls) == 1
-    gelu = _mlp(torch.float32, act="gelu_pytorch_tanh")
-    assert fuse_layers(gelu) == 0  # only SiLU is fused
+    relu = _mlp(torch.float32, act="relu")
+    assert fuse_layers(relu) == 0  # only SiLU and tanh-GELU are fused
     assert fuse_layers(fused) == 0  # already rebound
 
 
@@ -199,3 +199,47 @@ def test_trainers_fuse_by_default_and_train_the_same(tiny_model_path):
     assert rebound == [7, 0]
     assert len(losses[0]) == 3
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=1e-5)
+
+
+# Modules fused per family in a two-layer model: its norms that compute Llama's RMSNorm (with Qwen3's q/k norms; not
+# Gemma's (1 + weight) norms) and its gated MLPs (not the expert blocks of Qwen3-MoE and Mixtral).
+FUSED_PER_FAMILY = {
+    "llama": 7,
+    "qwen2": 7,
+    "qwen3": 11,
+    "gemma3": 2,
+    "mistral": 7,
+    "phi3": 7,
+    "qwen3_moe": 9,
+    "mixtral": 5,
+}
+
+
+@pytest.mark.parametrize("family", list(FUSED_PER_FAMILY))
+def test_every_family_is_fused_where_it_computes_a_fused_formula(family):
+    """In float64, the fused model's logits and every parameter's gradient against the unfused model's (to float32
+    rounding: Llama's RMSNorm computes in float32 whatever its input, and the fused backward sums in another order)."""
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=4, family=family).double()
+    if family in MOE_FAMILIES:
+        model.set_experts_implementation("eager")  # (grouped_mm has no float64 kernel)
+    fused = copy.deepcopy(model)
+    assert fuse_layers(fused) == FUSED_PER_FAMILY[family]
+    ids = torch.randint(0, len(tokenizer), (2, 12))
+    results = []
+    for m in (model, fused):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-12)
+    assert results[1][1].keys() == results[0][1].keys()
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-7)
+
+
+def test_activations_are_recognised_by_what_they_compute():
+    from transformers.activations import ACT2FN
+
+    names = {act: fused_layers.activation_name(ACT2FN[act]) for act in ("silu", "swish", "gelu_pytorch_tanh", "gelu")}
+    assert names == {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": None}
+    assert fused_layers.activation_name(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"

@@ -151,80 +151,6 @@ def test_eager_attention_builds_its_own_masks(tiny_model_path, tokenizer, prompt
     assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
 
 
-def test_llama_forward_gives_the_models_logits_and_cache_bit_for_bit(tiny_model_path, tokenizer, prompts):
-    """models/llama_forward.py against the model's own forward (fused layers on, as trainers load models): the
-    prefill of left-padded prompts (2D mask), ten decode steps with the group's cache copied (4D SDPA mask), as the
-    decode loop runs them, and a cache-less forward of whole sequences in training mode (old log-probs)."""
-    from transformers import DynamicCache
-
-    from posttrain.generation.transformers_backend import left_pad
-    from posttrain.models.fused_layers import fuse_layers
-    from posttrain.models.llama_forward import llama_forward
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    assert fuse_layers(model) > 0
-    input_ids, mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
-    with torch.no_grad():
-        forward = llama_forward(model)
-        assert forward is not None
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=caches[0],
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
-        assert torch.equal(forward(input_ids, mask, positions, caches[1], logits_to_keep=1), logits)
-        for cache in caches:
-            cache.batch_repeat_interleave(2)
-        tokens, mask, position = (
-            logits[:, -1].argmax(-1).repeat_interleave(2),
-            mask.repeat_interleave(2, 0),
-            positions[:, -1:].repeat_interleave(2, 0) + 1,
-        )
-        for _ in range(10):
-            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-            ready = mask[:, None, None, :].bool()
-            expected = model(
-                input_ids=tokens[:, None], attention_mask=ready, position_ids=position, cache=caches[0], use_cache=True
-            ).logits
-            assert torch.equal(forward(tokens[:, None], ready, position, caches[1]), expected)
-            tokens, position = (expected[:, -1] + torch.randn_like(expected[:, -1])).argmax(-1), position + 1
-        for a, b in zip(caches[0].layers, caches[1].layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        model.train()
-        sequences, mask = left_pad([p + [5, 6, 7] for p in prompts], tokenizer.pad_token_id, "cpu")
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        expected = model(
-            input_ids=sequences, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=4
-        ).logits
-        assert torch.equal(llama_forward(model)(sequences, mask, positions, logits_to_keep=4), expected)
-
-
-def test_llama_forward_is_only_taken_where_it_is_exact(tiny_model_path, model):
-    """Hooks (offloading, FSDP, spies), gradients, other attention implementations and PEFT models go through the
-    model's forward."""
-    from peft import LoraConfig, get_peft_model
-
-    from posttrain.models.llama_forward import llama_forward
-
-    with torch.no_grad():
-        assert llama_forward(model) is not None
-        handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
-        assert llama_forward(model) is None
-        handle.remove()
-        eager = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="eager").eval()
-        assert llama_forward(eager) is None
-        lora = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=2, target_modules=["q_proj"])
-        ).eval()
-        assert llama_forward(lora) is None and llama_forward(lora.get_base_model()) is None
-    assert llama_forward(model) is None  # a gradient is wanted
-
-
 @pytest.mark.parametrize("budget", [1, 3 * 4 * 385 * 5, 1 << 30], ids=["per-step", "3-steps", "all"])
 def test_step_noise_draws_what_gumbel_noise_draws_step_by_step(budget):
     """The decode loop draws several steps of each row's uniforms at once on the CPU: bitwise the per-step noise,
@@ -241,3 +167,25 @@ def test_step_noise_draws_what_gumbel_noise_draws_step_by_step(budget):
         assert torch.equal(noise(rows, step), gumbel_noise([reference[i] for i in rows], 385, "cpu"))
         if step in (1, 4, 5):
             rows = rows[:1] + rows[2:]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mistral", "phi3", "mixtral"])
+def test_decode_samples_what_generate_samples_on_every_family(tokenizer, prompts, family):
+    """Other families through the decode loop (and its fast forward), sliding-window caches included: 14 tokens
+    after the prompts run past Gemma 3's and Mistral's window of 8."""
+    from posttrain.generation.transformers_backend import rows_can_be_copied
+    from posttrain.models.fused_layers import fuse_layers
+    from posttrain.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, seed=2, family=family).eval()
+    fuse_layers(model)
+    assert rows_can_be_copied(model)
+    sampling = SamplingParams(max_tokens=14, temperature=1.2)
+    seeds = completion_seeds([21, 22, 23], 3, 2)
+    stops = [tokenizer.eos_token_id]
+    reference = TransformersBackend(model, tokenizer.pad_token_id, stops).generate_with_transformers(
+        model, prompts, 2, sampling, seeds
+    )
+    for variant in VARIANTS:
+        completions = _backend(model, tokenizer, stops, **variant).generate(prompts, 2, sampling, seed=[21, 22, 23])
+        assert [c.token_ids for c in completions] == [c.token_ids for c in reference], variant

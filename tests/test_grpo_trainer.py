@@ -696,12 +696,19 @@ if __name__ == "__main__":
     torch.save(record, Path(out_dir) / f"rank{int(os.environ['RANK'])}.pt")
 
 
-@pytest.mark.parametrize("trainer_class,config_class", [(GRPOTrainer, GRPOConfig), (RLOOTrainer, RLOOConfig)])
-def test_router_aux_loss_joins_the_online_loss(tmp_path, tiny_model_path, trainer_class, config_class):
+@pytest.mark.parametrize(
+    "trainer_class,config_class,family",
+    [
+        (GRPOTrainer, GRPOConfig, "qwen3_moe"),
+        (RLOOTrainer, RLOOConfig, "qwen3_moe"),
+        (GRPOTrainer, GRPOConfig, "mixtral"),
+    ],
+)
+def test_router_aux_loss_joins_the_online_loss(tmp_path, tiny_model_path, trainer_class, config_class, family):
     from posttrain.errors import ConfigError
     from posttrain.models.tiny import save_tiny_model
 
-    path = save_tiny_model(tmp_path / "moe", moe=True)
+    path = save_tiny_model(tmp_path / "moe", family=family, router_aux_loss_coef=0.01)
     for coef in (None, 0.5):
         args = make_config(
             tmp_path / str(coef),

@@ -443,24 +443,12 @@ def test_compute_metrics_receives_the_policy_logits(tmp_path, tiny_model_path):
     assert seen[0][0][:2] == seen[0][1] and seen[0][0][2] == dpo.model.config.vocab_size
 
 
-def test_router_aux_loss_joins_the_loss_with_its_coefficient(tmp_path, tiny_model_path):
-    from transformers import MixtralConfig, MixtralForCausalLM
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_joins_the_loss_with_its_coefficient(tmp_path, tiny_model_path, family):
+    from posttrain.models.tiny import build_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    torch.manual_seed(0)
-    moe = MixtralForCausalLM(
-        MixtralConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.02,
-        )
-    )
+    moe = build_tiny_model(tokenizer, num_layers=1, tie=False, family=family, router_aux_loss_coef=0.02)
     ref = _perturbed(moe, seed=3)
     losses, metrics = {}, {}
     for coef in (None, 0.0, 0.5):

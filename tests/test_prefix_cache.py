@@ -52,6 +52,26 @@ def _alone(model, prompt, tail):
 
 
 def test_trained_and_continuation_logps_match_each_sequence_alone(model):
+    _check_against_each_sequence_alone(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe", "gemma3"])
+def test_other_families(tokenizer, family):
+    """Any family with plain caches; sliding-window caches (Gemma 3's, 16 tokens: longer than each sequence, shorter
+    than the packed rows) keep the last slots of a packed row, which the continuations do not read: refused, KTO
+    then scores the KL pairs in one forward."""
+    window = {"sliding_window": 16, "final_logit_softcapping": None} if family == "gemma3" else {}
+    model = build_tiny_model(tokenizer, seed=3, family=family, **window).double()
+    if family == "qwen3_moe":
+        model.set_experts_implementation("eager")  # (grouped_mm has no float64 kernel)
+    if family == "gemma3":
+        assert _batch()["input_ids"].shape[1] <= 16
+        assert trained_and_continuation_logps(model, _batch(), len(PROMPTS)) is None
+    else:
+        _check_against_each_sequence_alone(model)
+
+
+def _check_against_each_sequence_alone(model):
     n = len(PROMPTS)
     weights = torch.tensor([0.3, -1.2, 0.8, 2.0, -0.5], dtype=torch.float64)
 

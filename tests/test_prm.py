@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import math
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -269,3 +270,40 @@ def test_prm_rewards_grpo_for_two_steps(tmp_path, tokenizer, tiny_model_path):
     means = [h["rewards/prm_reward/mean"] for h in trainer.state.log_history if "rewards/prm_reward/mean" in h]
     assert len(means) == 2
     assert all(0.0 < m < 1.0 for m in means)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen3_moe"])  # (Gemma 3 has no token classifier)
+def test_repacked_rows_give_the_padded_batchs_loss_and_gradients(tmp_path, tokenizer, family):
+    """A right-padded batch of uneven step lists runs on fewer rows (`repacked_tokens`), on any family whose decoder
+    is recognised: the loss, accuracy counts and every gradient of the padded forward, in float64."""
+    from transformers import AutoModelForTokenClassification
+
+    from posttrain.models import layouts
+
+    config = build_tiny_model(tokenizer, family=family).config
+    config.num_labels = 2
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_config(config).double()
+    if family == "qwen3_moe":
+        model.set_experts_implementation("eager")  # (grouped_mm has no float64 kernel)
+    rows = _steps(8)
+    rows = rows.map(
+        lambda row, i: {"completions": row["completions"][: 1 + i % 3], "labels": row["labels"][: 1 + i % 3]},
+        with_indices=True,
+    )
+    trainer = PRMTrainer(model, args=PRMConfig(**_kw(tmp_path)), train_dataset=rows, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    packed = layouts.repacked_tokens(model, {k: v for k, v in batch.items() if k != "labels"})
+    assert packed is not None and packed[0]["input_ids"].shape[0] < batch["input_ids"].shape[0]
+    results = []
+    for layout in (lambda *args: None, layouts.repacked_tokens):  # the padded batch, then the repacked one
+        model.zero_grad()
+        with mock.patch("posttrain.experimental.prm.repacked_tokens", layout):
+            loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (packed_loss, packed_grads) = results
+    torch.testing.assert_close(packed_loss, loss, rtol=0, atol=1e-12)
+    assert grads.keys() == packed_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0, atol=1e-10)

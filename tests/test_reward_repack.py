@@ -8,11 +8,29 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
 from posttrain import RewardConfig, RewardTrainer
+from posttrain.models.tiny import FAMILIES
 
 
-def _trainer(tmp_path, tiny_model_path):
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory):
+    """A tiny causal LM per family (windows of 128 tokens: the shared prompt's 4D mask is used on the windowed
+    families too)."""
+    from posttrain.models.tiny import FAMILIES, save_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    windows = {"gemma3": {"sliding_window": 128}, "mistral": {"sliding_window": 128}}
+    paths = {family: save_tiny_model(root / family, family=family, **windows.get(family, {})) for family in FAMILIES}
+    # Windows of 8 tokens, shorter than the sequences: the shared layout's masks apply them (`windowed_masks`).
+    for family in ("gemma3", "mistral"):
+        paths[f"{family}-window8"] = save_tiny_model(root / f"{family}-8", family=family)
+    qwen2 = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    paths["qwen2-window8"] = save_tiny_model(root / "qwen2-8", family="qwen2", **qwen2)
+    return paths
+
+
+def _trainer(tmp_path, model_path):
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
     rows = [
         {"prompt": "the " * n + "sky is", "chosen": " blue" * (1 + n % 3), "rejected": " red"} for n in (1, 12, 3, 20)
     ]
@@ -32,16 +50,22 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+FAMILY_CASES = [("llama", False), ("llama", True)] + [(f, False) for f in FAMILIES if f != "llama"]
+FAMILY_CASES += [("gemma3-window8", False), ("mistral-window8", False), ("qwen2-window8", False)]
+
+
 @pytest.mark.parametrize("layout", ["shared_prompt", "repacked"])
-@pytest.mark.parametrize("trailing_pad", [False, True])
+@pytest.mark.parametrize(("family", "trailing_pad"), FAMILY_CASES)
 def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(
-    tmp_path, tiny_model_path, trailing_pad, layout, monkeypatch
+    tmp_path, family_paths, family, trailing_pad, layout, monkeypatch
 ):
+    """On every family's sequence classifier: the layouts need only a decoder built with transformers' mask
+    functions and a linear score head, whatever the family."""
     import posttrain.trainers.reward as reward
 
     if layout == "repacked":
         monkeypatch.setattr(reward, "model_shared_layout", lambda *args: None)
-    trainer = _trainer(tmp_path, tiny_model_path)
+    trainer = _trainer(tmp_path, family_paths[family])
     model = trainer.model
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     ids, mask = batch["input_ids"].clone(), batch["attention_mask"]
@@ -66,6 +90,10 @@ def test_cheaper_layouts_give_the_scores_and_gradients_of_the_padded_forward(
     ((shape, attention_mask),) = seen
     assert shape[0] < ids.shape[0]  # the decoder ran on fewer rows than the padded batch has
     if layout == "shared_prompt":  # each pair's prompt once: fewer positions than the sequences' tokens
+        if isinstance(attention_mask, dict):  # by layer type: the sliding layers' mask keeps to the window
+            cut = not torch.equal(attention_mask["sliding_attention"], attention_mask["full_attention"])
+            assert cut == family.endswith("window8")
+            attention_mask = attention_mask["full_attention"]
         assert attention_mask.dim() == 4 and shape[0] * shape[1] < lengths.sum()
     else:
         assert attention_mask is None

@@ -13,7 +13,7 @@ from posttrain import SFTConfig, SFTTrainer
 from posttrain.data.collators import LanguageModelingCollator
 from posttrain.models import segment_attention as sa
 from posttrain.models.segment_attention import segment_attention, supports_segment_attention
-from posttrain.models.tiny import build_tiny_model
+from posttrain.models.tiny import FAMILIES, MOE_FAMILIES, build_tiny_model
 
 # Sequences of 1..9 tokens; collated one row per example, the shorter rows end in the padding dummy sequence.
 EXAMPLES = [[5, 1, 9], [1], [3, 3, 1, 2], [8], [1, 1, 1]]
@@ -53,6 +53,21 @@ def _sequences(position_ids):
 
 @pytest.mark.parametrize("call_cost", [0, None], ids=["per-sequence", "default"])
 def test_each_token_as_its_sequence_alone_float64(model, call_cost):
+    _each_token_as_its_sequence_alone(model, call_cost)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_every_family_attends_per_sequence(tokenizer, family):
+    """Recognised by what its parts compute (`computes.KINDS`); Gemma 3's and Mistral's sliding-window layers
+    keep transformers' masks (8 tokens: the 9-token sequence is longer), their other layers attend per sequence."""
+    model = build_tiny_model(tokenizer, seed=3, family=family).double()
+    if family in MOE_FAMILIES:
+        model.set_experts_implementation("eager")  # (grouped_mm has no float64 kernel)
+    assert supports_segment_attention(model)
+    _each_token_as_its_sequence_alone(model, 0)
+
+
+def _each_token_as_its_sequence_alone(model, call_cost):
     batch = _batch()
     ids, positions = batch["input_ids"], batch["position_ids"]
     weights = torch.randn(*ids.shape, model.config.vocab_size, dtype=torch.float64)
@@ -134,16 +149,15 @@ def test_gradient_checkpointing_same_gradients(model):
     torch.testing.assert_close(checkpointed, plain, rtol=0, atol=1e-12)
 
 
-def test_where_it_applies(model):
+def test_where_it_applies(model, tokenizer):
     assert supports_segment_attention(model)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     assert not supports_segment_attention(eager)
     with segment_attention(eager):
         assert eager.config._attn_implementation == "eager"
-    windowed = copy.deepcopy(model)
-    windowed.config.sliding_window = 4
-    assert not supports_segment_attention(windowed)
+    bidirectional = build_tiny_model(tokenizer, family="gemma3", use_bidirectional_attention=True)
+    assert not supports_segment_attention(bidirectional)
 
     class OtherAttention(type(model.model.layers[0].self_attn)):
         def forward(self, *args, **kwargs):  # another formula: its attention may not read the interface

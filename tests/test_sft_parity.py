@@ -279,8 +279,9 @@ def test_compute_loss_func_replaces_the_loss_and_compute_metrics_gets_logits(tmp
         )
 
 
-def test_router_aux_loss_is_added_with_its_coefficient(tmp_path, tiny_model_path, tokenizer):
-    path = save_tiny_model(tmp_path / "moe", moe=True)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_aux_loss_is_added_with_its_coefficient(tmp_path, tiny_model_path, tokenizer, family):
+    path = save_tiny_model(tmp_path / "moe", family=family, router_aux_loss_coef=0.01)
     for coef in (None, 0.5):
         trainer = SFTTrainer(path, args=_args(tmp_path, router_aux_loss_coef=coef), train_dataset=_text(4))
         batch = trainer.data_collator(list(trainer.train_dataset))

@@ -111,3 +111,22 @@ def _nvidia_gpus() -> list[str]:
         entries = [entry for entry in visible.split(",") if entry.strip() and entry.strip() != "-1"]
         names = names[: len(entries)]
     return names
+
+
+def model_fast_paths_report(name: str) -> str:
+    """The fast paths a trainer would give the model `name` (a hub id or a local path), from its config alone: the
+    model is built without weights (on the meta device) and its layers fused as trainers fuse them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.fast_paths import fast_paths
+    from posttrain.models.fused_layers import fuse_layers
+
+    config = AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    fuse_layers(model)
+    with torch.no_grad():
+        paths = fast_paths(model)
+    rows = [("model", f"{name} ({type(model).__name__})")] + [(path, value) for path, value in paths.items()]
+    return "\n".join(f"{path:<18} {value}" for path, value in rows)

@@ -35,7 +35,7 @@ from posttrain.cli.args import (
     spec_parser,
 )
 from posttrain.cli.data import DataArguments, check_data_arguments, load_training_data
-from posttrain.cli.environment import environment_report
+from posttrain.cli.environment import environment_report, model_fast_paths_report
 from posttrain.cli.launch import LAUNCHED_ENV, relaunch
 from posttrain.cli.model import LORA_FIELDS, ModelConfig, get_peft_config, get_quantization_config
 from posttrain.cli.rewards import check_rewards, reward_arguments
@@ -360,8 +360,12 @@ def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
 
 
 def env_command(argv: list[str]) -> int:
-    CommandParser(prog="posttrain env", description=TOOLS["env"]).parse_args(argv)
+    parser = CommandParser(prog="posttrain env", description=TOOLS["env"])
+    parser.add_argument("--model", default=None, help="Also show which fast paths this model (name or path) gets.")
+    args = parser.parse_args(argv)
     print(environment_report())
+    if args.model is not None:
+        print(model_fast_paths_report(args.model))
     return 0
 
 

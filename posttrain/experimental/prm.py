@@ -19,6 +19,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 from posttrain.data.formats import is_message_list
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.prm import AGGREGATES, IGNORE_INDEX, aggregate_steps, step_label_sums, step_probabilities
+from posttrain.models.layouts import repacked_tokens
 from posttrain.models.loading import from_pretrained_kwargs, load_tokenizer, resolve_model_path
 from posttrain.training.base import BaseTrainer, PosttrainConfig
 from posttrain.training.fields import (
@@ -210,9 +211,22 @@ class PRMTrainer(BaseTrainer):
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The step labels' cross-entropy. A right-padded batch runs on fewer, fuller rows where that saves enough
+        (`repacked_tokens`: each token's logits as in the padded batch), except when the logits are returned."""
         forward = {k: v for k, v in inputs.items() if k != "labels"}
-        logits = model(**forward, use_cache=False).logits
-        loss_sum, correct, count = step_label_sums(logits, inputs["labels"])
+        packed = (
+            None
+            if return_outputs or self.is_fsdp_enabled or self.is_deepspeed_enabled
+            else repacked_tokens(model, forward)
+        )
+        if packed is None:
+            logits, labels = model(**forward, use_cache=False).logits, inputs["labels"]
+        else:
+            packed_inputs, index = packed
+            logits = model(**packed_inputs, use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])[index][None]
+            labels = inputs["labels"][inputs["attention_mask"].bool()][None]
+        loss_sum, correct, count = step_label_sums(logits, labels)
         loss = self.effective_batch_mean(loss_sum, num_items_in_batch, count, model.training)
         totals = self.accelerator.gather(torch.stack([correct.float(), count.float()]).reshape(1, 2)).sum(0)
         mode = "train" if model.training else "eval"

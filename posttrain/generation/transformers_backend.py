@@ -33,11 +33,11 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from posttrain.errors import ConfigError
 from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
-from posttrain.models.llama_forward import llama_forward
+from posttrain.models.fast_forward import fast_forward
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -164,13 +164,20 @@ class _ModelCall:
         self.model = model
         # An MoE model set to return router logits would also compute its aux loss on every step: not for sampling.
         self.quiet = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
-        # A Llama runs without transformers' per-module wrappers: the same logits (models/llama_forward.py).
-        self.fast = llama_forward(model)
+        # Without transformers' per-module wrappers where the model allows: the same logits (models/fast_forward.py).
+        self.fast = fast_forward(model)
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
-        # spares transformers building it from the 2D mask at every step.
-        self.ready_mask = model.config._attn_implementation == "sdpa"
+        # spares transformers building it from the 2D mask at every step (not with sliding-window layers, whose
+        # cache keeps only the window's keys; known once the prefill has made the cache).
+        self.sdpa = model.config._attn_implementation == "sdpa"
+        self.ready_mask = False
 
     def prefill(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache)
+        self.ready_mask = self.sdpa and not any(layer.is_sliding for layer in cache.layers)
+        return logits
+
+    def _prefill(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         if self.fast is not None:
             return self.fast(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)[:, -1].float()
         return (
@@ -437,13 +444,13 @@ class TransformersBackend(GenerationBackend):
 
 
 def rows_can_be_copied(model) -> bool:
-    """Whether `decode` can run `model`: a decoder whose cache is made of plain key/value layers (copied and
-    selected by rows), and whose forward takes the cache as `cache`."""
+    """Whether `decode` can run `model`: a decoder whose cache is made of plain or sliding-window key/value layers
+    (copied and selected by rows), and whose forward takes the cache as `cache`."""
     config = model.config
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes `cache` on
     if config.is_encoder_decoder or "cache" not in inspect.signature(base.forward).parameters:
         return False
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers)
 
 
 def completion_from_tokens(prompt_index: int, generated: list[int], eos_token_ids: Sequence[int]) -> Completion:

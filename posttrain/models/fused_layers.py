@@ -1,4 +1,4 @@
-"""RMSNorm and the SwiGLU MLP of Llama-family models as single autograd functions that keep fewer activations.
+"""RMSNorm and gated MLPs (SwiGLU, GeGLU) as single autograd functions that keep fewer activations.
 
 Left to autograd, `down(silu(gate(x)) * up(x))` keeps four [tokens x intermediate] tensors for the backward pass
 (gate(x), silu of it, up(x), their product) and each RMSNorm keeps two [tokens x hidden] ones; at 1,024 tokens that
@@ -7,10 +7,13 @@ rebuild (gate(x) and up(x); the norm's input and inverse RMS) and redo the eleme
 same, so speed stays within a few percent (a SmolLM2-shaped MLP 1.015x the time, its norm 0.77x), and values and
 gradients equal the modules' own to rounding.
 
-`fuse_layers(model)` rebinds `forward` on each module whose class has Llama's exact forward (compared by bytecode,
-so a model family that changed the formula is left alone) and a SiLU activation. At call time the fused path is
-taken only when a gradient is wanted and the projections are plain bias-free `nn.Linear` layers with their weights
-present: a LoRA-wrapped, quantized or DeepSpeed ZeRO-3-partitioned projection runs the module's own forward.
+`fuse_layers(model)` rebinds `forward` on each module that computes one of these formulas, whatever its class:
+a norm whose forward is Llama's RMSNorm and an MLP whose forward is Llama's or Phi-3's gated MLP (recognised by
+their code, `computes.py`: Qwen2, Qwen3, Mistral, Phi-3, Qwen3-MoE, Mixtral and Gemma 3's MLP among them) with an
+activation that computes SiLU or tanh-GELU bit for bit on probe values. A family that changed a formula (Gemma's
+(1 + weight) norm) is left alone. At call time the fused path is taken only when a gradient is wanted and the
+projections are plain bias-free `nn.Linear` layers with their weights present: a LoRA-wrapped, quantized or
+DeepSpeed ZeRO-3-partitioned projection runs the module's own forward.
 
 Inside `rebuilt_activations()` a norm's output is not kept by the layers that read it (the q/k/v projections,
 the MLP): autograd's saved-tensor hooks replace it with a recipe (the norm's own saved input and inverse RMS) and
@@ -24,7 +27,7 @@ layer; 260 MB of SmolLM2-135M's LoRA activations at 706 tokens).
 from __future__ import annotations
 
 import contextlib
-import inspect
+import functools
 import types
 import weakref
 
@@ -32,38 +35,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.computes import kind_of
+
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-class _SwiGLU(torch.autograd.Function):
-    """down(silu(x W_gate^T) * x W_up^T) W_down^T, keeping x, gate and up."""
+# The activations a gated MLP may have (its forward, its backward from the gradient and its input).
+ACTIVATIONS = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu_tanh": (
+        functools.partial(F.gelu, approximate="tanh"),
+        functools.partial(torch.ops.aten.gelu_backward, approximate="tanh"),
+    ),
+}
+
+
+class _GatedMLP(torch.autograd.Function):
+    """down(act(x W_gate^T) * x W_up^T) W_down^T, keeping x, gate and up (act: a key of ACTIVATIONS)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down):
+    def forward(ctx, x, w_gate, w_up, w_down, activation):
         gate, up = F.linear(x, w_gate), F.linear(x, w_up)
         ctx.save_for_backward(x, w_gate, w_up, w_down, gate, up)
         ctx.autocast = _autocast_state(x.device.type)  # the backward's matmuls run as the forward's did
-        return F.linear(F.silu(gate) * up, w_down)
+        ctx.activation = activation
+        return F.linear(ACTIVATIONS[activation][0](gate) * up, w_down)
 
     @staticmethod
     def backward(ctx, grad):
         x, w_gate, w_up, w_down, gate, up = ctx.saved_tensors
+        act, act_backward = ACTIVATIONS[ctx.activation]
         device_type, enabled, dtype = ctx.autocast
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            silu = F.silu(gate)
+            activated = act(gate)
             d_hidden = grad @ w_down
-            d_up = d_hidden * silu
-            d_gate = torch.ops.aten.silu_backward(d_hidden.mul_(up), gate)
+            d_up = d_hidden * activated
+            d_gate = act_backward(d_hidden.mul_(up), gate)
             flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
             d_x = None
             if ctx.needs_input_grad[0]:
                 d_x = torch.addmm(flat(d_up) @ w_up, flat(d_gate), w_gate).view_as(x)
             d_w_gate = flat(d_gate).T @ flat(x) if ctx.needs_input_grad[1] else None
             d_w_up = flat(d_up).T @ flat(x) if ctx.needs_input_grad[2] else None
-            d_w_down = flat(grad).T @ flat(silu.mul_(up)) if ctx.needs_input_grad[3] else None
-        return d_x, d_w_gate, d_w_up, d_w_down
+            d_w_down = flat(grad).T @ flat(activated.mul_(up)) if ctx.needs_input_grad[3] else None
+        return d_x, d_w_gate, d_w_up, d_w_down, None
+
+
+def activation_name(activation) -> str | None:
+    """The key of ACTIVATIONS that `activation` (a module without parameters or children) computes, found by
+    comparing its outputs with each candidate's, bit for bit, on values from -10 to 10 in three precisions."""
+    if not isinstance(activation, nn.Module) or any(True for _ in activation.children()):
+        return None
+    if any(True for _ in activation.parameters()) or "forward" in vars(activation):
+        return None
+    probes = [torch.linspace(-10, 10, 2001, dtype=dtype) for dtype in (torch.float32, torch.float64, torch.bfloat16)]
+    with torch.no_grad():
+        for name, (function, _) in ACTIVATIONS.items():
+            if all(torch.equal(activation(probe), function(probe)) for probe in probes):
+                return name
+    return None
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -186,15 +218,25 @@ def _plain_weight(layer: nn.Module) -> bool:
 def _fused_mlp_forward(self, x):
     layers = (self.gate_proj, self.up_proj, self.down_proj)
     if all(_plain_weight(layer) for layer in layers) and _wants_grad(x, *(layer.weight for layer in layers)):
-        return _SwiGLU.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        weights = (layer.weight for layer in layers)
+        return _GatedMLP.apply(x, *weights, self._posttrain_activation)
     if _rebuildable is None or not torch.is_grad_enabled():
         return type(self).forward(self, x)
-    # Projections of their own (LoRA, quantized): Llama's forward, operation for operation, whose silu(gate) and
-    # silu(gate) * up are rebuilt from gate and up (which the backward keeps) instead of kept.
+    # Projections of their own (LoRA, quantized): Llama's forward, operation for operation, whose act(gate) and
+    # act(gate) * up are rebuilt from gate and up (which the backward keeps) instead of kept.
     gate = self.gate_proj(x)
     activated = _remember(self.act_fn(gate), self.act_fn, gate)
     up = self.up_proj(x)
     return self.down_proj(_remember(activated * up, _gated, self.act_fn, gate, up))
+
+
+def _fused_gate_up_forward(self, x):
+    """An MLP with one gate-and-up projection (Phi-3's): the gated MLP on the two halves of its weight."""
+    layers = (self.gate_up_proj, self.down_proj)
+    if all(_plain_weight(layer) for layer in layers) and _wants_grad(x, *(layer.weight for layer in layers)):
+        gate, up = self.gate_up_proj.weight.chunk(2, dim=0)
+        return _GatedMLP.apply(x, gate, up, self.down_proj.weight, self._posttrain_activation)
+    return type(self).forward(self, x)
 
 
 def _gated(act_fn, gate, up):
@@ -207,14 +249,23 @@ def _fused_norm_forward(self, hidden_states):
     return type(self).forward(self, hidden_states)
 
 
-def same_code(function, reference) -> bool:
-    """Same bytecode under the decorators: a class that reimplements the forward (another formula) is not."""
-    code, ref = getattr(inspect.unwrap(function), "__code__", None), inspect.unwrap(reference).__code__
-    return code is not None and (code.co_code, code.co_names, code.co_consts) == (
-        ref.co_code,
-        ref.co_names,
-        ref.co_consts,
-    )
+# The forwards `fuse_layers` binds: each runs the module's own forward when no gradient is wanted.
+FUSED_FORWARDS = (_fused_norm_forward, _fused_mlp_forward, _fused_gate_up_forward)
+
+
+def _fused_forward(module: nn.Module):
+    """The fused forward for what `module` computes (`computes.KINDS`: Llama's RMSNorm, a gated MLP with a SiLU or
+    tanh-GELU activation, separate or one gate-and-up projection), or None."""
+    if kind_of(module, "norm") == "rms":
+        return _fused_norm_forward
+    mlp = kind_of(module, "mlp")
+    if mlp == "gated" and activation_name(module.act_fn) is not None:
+        module._posttrain_activation = activation_name(module.act_fn)
+        return _fused_mlp_forward
+    if mlp == "fused_gated" and activation_name(module.activation_fn) is not None:
+        module._posttrain_activation = activation_name(module.activation_fn)
+        return _fused_gate_up_forward
+    return None
 
 
 def is_fused_forward(forward) -> bool:
@@ -223,22 +274,16 @@ def is_fused_forward(forward) -> bool:
 
 
 def fuse_layers(model: nn.Module) -> int:
-    """Rebinds the forward of every Llama-formula RMSNorm and SiLU MLP in `model`; returns how many."""
-    from transformers.activations import SiLUActivation
-    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
-
+    """Rebinds the forward of every RMSNorm and gated MLP in `model` that computes a formula fused here; returns
+    how many."""
     count = 0
     for module in model.modules():
         if "forward" in vars(module):  # already rebound (by this or by another library)
             continue
-        forward = type(module).forward
-        if same_code(forward, LlamaRMSNorm.forward):
-            module.forward = types.MethodType(_fused_norm_forward, module)
-        elif same_code(forward, LlamaMLP.forward) and isinstance(module.act_fn, (SiLUActivation, nn.SiLU)):
-            module.forward = types.MethodType(_fused_mlp_forward, module)
-        else:
-            continue
-        count += 1
+        forward = _fused_forward(module)
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
+            count += 1
     return count
 
 

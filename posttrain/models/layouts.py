@@ -18,6 +18,8 @@ from torch import nn
 
 from posttrain.data.collators import IGNORE_INDEX
 from posttrain.errors import ConfigError
+from posttrain.models.computes import kind_of
+from posttrain.models.fast_forward import fast_forward
 from posttrain.models.reference import unwrap
 
 # Lay a padded batch out anew only if that saves at least this share of its cost (see `_cost`).
@@ -103,11 +105,12 @@ def output_head(model) -> nn.Linear | None:
     return inner.get_output_embeddings()
 
 
-def can_repack(model, width: int | None = None) -> bool:
+def can_repack(model, width: int | None = None, windowed: bool = False) -> bool:
     """Whether sequences may share rows: transformers models that build their masks with `masking_utils` (which
     cuts a row at each position-id restart, and passes a custom 4D mask through unchanged) and attend with sdpa or
     eager, without linear-attention layers. With `width`, under a custom 4D mask (`shared_layout`): also no sliding
-    window shorter than `width` tokens, since that mask does not apply it."""
+    window shorter than `width` tokens, since that mask does not apply it, unless `windowed` (the caller applies it
+    with `windowed_masks`) and the decoder takes such masks."""
     inner = unwrap(model)
     if hasattr(inner, "get_base_model"):  # PEFT
         inner = inner.get_base_model()
@@ -116,13 +119,45 @@ def can_repack(model, width: int | None = None) -> bool:
     kinds = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in kinds if kinds else window is not None
+    too_short = width is not None and sliding and width > (window or 0)
     return (
         getattr(inner.config, "_attn_implementation", None) in ("sdpa", "eager")
         and module is not None
         and hasattr(module, "create_causal_mask")
         and kinds <= {"full_attention", "sliding_attention"}
-        and not (width is not None and sliding and width > (window or 0))
+        and not (too_short and not (windowed and _sliding_window(model) is not None))
     )
+
+
+def _sliding_window(model) -> tuple[str, int] | None:
+    """(decoder kind, window) when the model's decoder computes a kind with sliding-window layers whose masks can
+    be given ready-made (`computes.KINDS`: one mask for all layers, or one per layer type); else None."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    decoder = getattr(inner, "base_model", inner)
+    kind = kind_of(decoder, "decoder")
+    window = getattr(decoder.config, "sliding_window", None)
+    if kind == "window_mask" and window is not None:
+        return kind, window
+    if kind in ("mask_per_layer_type", "mask_and_rotary_per_layer_type"):
+        if "sliding_attention" in decoder.config.layer_types:
+            return kind, window
+    return None
+
+
+def windowed_masks(model, inputs: dict) -> dict:
+    """`inputs` of a layout with a 4D mask (`prefix_layout`), for a model with sliding-window layers: their mask
+    also keeps each query within the window of its sequence positions (as transformers' sliding mask: q - k <
+    window), given alone where every layer slides, else by layer type. Unchanged for other models."""
+    spec = _sliding_window(model)
+    if spec is None:
+        return inputs
+    kind, window = spec
+    mask, positions = inputs["attention_mask"], inputs["position_ids"]
+    near = (positions[:, None, :, None] - positions[:, None, None, :]) < window
+    sliding = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+    masks = sliding if kind == "window_mask" else {"full_attention": mask, "sliding_attention": sliding}
+    return {**inputs, "attention_mask": masks}
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -176,6 +211,28 @@ def repacked(view: SequenceView, hidden_size: int | None = None) -> tuple[dict, 
     ids[where[real]] = view.ids[real]
     inputs = {"input_ids": ids.view(rows, packed_width), "position_ids": positions.view(rows, packed_width)}
     return inputs, torch.where(real, where, 0)
+
+
+def repacked_tokens(model, inputs: dict) -> tuple[dict, torch.Tensor] | None:
+    """A right-padded batch of a per-token model (a token classifier on a causal decoder) on fewer, fuller rows
+    (`repacked`): (model inputs, index [real tokens] of each real token of the padded batch, in row order, among
+    the packed rows' flattened positions), or None when the batch has more than ids and mask, is not right-padded,
+    would not save enough, or the model's decoder is not a causal decoder this library recognises (`computes.KINDS`:
+    its masks keep each packed sequence to itself). Every real token then gets the output it gets in the padded
+    batch."""
+    base = unwrap(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
+    decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    if inputs.keys() != {"input_ids", "attention_mask"} or decoder is None or kind_of(decoder, "decoder") is None:
+        return None
+    view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
+    packed = (
+        None if view is None or not can_repack(model) else repacked(view, base.config.get_text_config().hidden_size)
+    )
+    if packed is None:
+        return None
+    packed_inputs, where = packed
+    return packed_inputs, where[inputs["attention_mask"].bool()]
 
 
 def shared_layout(
@@ -282,11 +339,12 @@ def prefix_layout(
 
 def model_shared_layout(model, view: SequenceView) -> tuple[dict, torch.Tensor] | None:
     """`shared_layout` of a right-padded batch for `model`, with the 4D mask its attention takes (boolean for sdpa,
-    additive in the model's dtype for eager); None where that mask cannot be used (`can_repack` with the width) or
-    the layout would not save enough."""
-    if not can_repack(model, view.ids.shape[1]):
+    additive in the model's dtype for eager; sliding-window layers' own, `windowed_masks`); None where that mask
+    cannot be used (`can_repack` with the width) or the layout would not save enough."""
+    if not can_repack(model, view.ids.shape[1], windowed=True):
         return None
-    return shared_layout(view, *layout_settings(model))
+    layout = shared_layout(view, *layout_settings(model))
+    return None if layout is None else (windowed_masks(model, layout[0]), layout[1])
 
 
 def layout_settings(model) -> tuple[int, torch.dtype | None]:
@@ -299,7 +357,16 @@ def layout_settings(model) -> tuple[int, torch.dtype | None]:
 
 def forward_hidden(model, inputs: dict, **options):
     """(final hidden states [rows, T, H], model outputs); the model computes one position's logits only. `options`
-    go to the model (default `use_cache=False`)."""
+    go to the model (default `use_cache=False`). A forward without gradient runs without the module wrappers where
+    the model allows (`fast_forward`: the same hidden states; no outputs then)."""
+    fast = fast_forward(model) if inputs.keys() <= {"input_ids", "attention_mask", "position_ids"} else None
+    if fast is not None and options.keys() <= {"cache", "use_cache"}:
+        cache = options.get("cache") if options.get("use_cache") else None
+        positions = inputs.get("position_ids")
+        if positions is None:  # as the model numbers them
+            past = cache.get_seq_length() if cache is not None else 0
+            positions = (torch.arange(inputs["input_ids"].shape[1], device=inputs["input_ids"].device) + past)[None]
+        return fast(inputs["input_ids"], inputs.get("attention_mask"), positions, cache, hidden=True), None
     captured = {}
 
     def keep(module, args, output):

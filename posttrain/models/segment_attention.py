@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from posttrain.models.fused_layers import same_code
+from posttrain.models.computes import kind_of
 
 NAME = "posttrain_segments"
 # The fixed cost of one SDPA call (forward and backward, its Python included) on the CPU in query-key pairs of
@@ -245,34 +245,29 @@ def _register() -> None:
 
 
 def _attention_config(model):
-    """The config object the model's attention layers read their implementation from, when the model is exactly
-    Llama's causal decoder with sdpa attention and no sliding window; else None."""
-    from transformers.models.llama import modeling_llama as llama
-
+    """The config object the model's attention layers read their implementation from, when the model is a causal
+    decoder whose decoder, layers and attention compute known kinds (`computes.KINDS`: they build their masks with
+    transformers' mask functions from that config, hand the position ids to the attention function and look that
+    function up by the config's implementation) with sdpa attention; else None. Sliding-window layers get their
+    masks from transformers' sdpa mask as before; full-attention layers attend per sequence."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     decoder = getattr(base, "get_decoder", lambda: None)()
     layers = getattr(decoder, "layers", None)
     config = getattr(decoder, "config", None)
-    if (
-        layers is None
-        or not len(layers)
-        or config is None
-        or not same_code(type(decoder).forward, llama.LlamaModel.forward)
-    ):
+    if layers is None or not len(layers) or config is None or kind_of(decoder, "decoder") is None:
         return None
     if (
         config._attn_implementation != "sdpa"
         or not getattr(config, "is_causal", True)
-        or getattr(config, "sliding_window", None) is not None
-        or set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+        or getattr(config, "use_bidirectional_attention", False)
     ):
         return None
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
         if (
-            not same_code(type(layer).forward, llama.LlamaDecoderLayer.forward)
+            kind_of(layer, "layer") is None
             or attention is None
-            or not same_code(type(attention).forward, llama.LlamaAttention.forward)
+            or kind_of(attention, "attention") is None
             or attention.config is not config
         ):
             return None

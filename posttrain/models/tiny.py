@@ -1,9 +1,9 @@
 """Tiny models and tokenizers built locally, for tests, examples and benchmarks.
 
-Nothing is downloaded: the tokenizer is a byte-level BPE trained with `tokenizers` on a small
-built-in corpus and carries a ChatML chat template (the one SmolLM2 and Qwen use); the model is a
-Llama with random weights. Both are saved to a directory so that the real loading code
-(`from_pretrained(path)`) is what runs.
+Nothing is downloaded: the tokenizer is a byte-level BPE trained with `tokenizers` on a small built-in corpus and
+carries a ChatML chat template (the one SmolLM2 and Qwen use); the model is a Llama with random weights, or a model of
+one of the other FAMILIES. Both are saved to a directory so that the real loading code (`from_pretrained(path)`) is
+what runs.
 """
 
 from __future__ import annotations
@@ -62,12 +62,45 @@ def build_tiny_tokenizer(vocab_size: int = 384):
     return fast
 
 
-def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers: int = 2, tie: bool = True):
-    """A randomly initialised Llama small enough to train in milliseconds per step on a CPU."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Per family: the config class and what its config needs beyond the shared sizes, chosen so that each family's
+# own features run in a tiny model (Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's sliding window of 8 tokens
+# on every other layer, its soft-capped logits and scaled embeddings, Mistral's window on every layer, Phi-3's fused
+# projections, the experts of Qwen3-MoE and Mixtral: two of four per token).
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 8,
+            "sliding_window": 8,
+            "layer_types": None,  # filled in per layer count: sliding, full, sliding, ...
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": 8, "head_dim": 8}),
+    "phi3": ("Phi3Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    ),
+    "mixtral": ("MixtralConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
-    config = LlamaConfig(
+
+def tiny_config(
+    tokenizer, family: str = "llama", hidden_size: int = 32, num_layers: int = 2, tie: bool = True, **extra
+):
+    """A small config of `family` (a key of FAMILIES): 4 attention heads, 2 key-value heads, the tokenizer's
+    vocabulary; `extra` overrides any field (e.g. a larger `vocab_size` or `num_attention_heads`)."""
+    import transformers
+
+    class_name, family_settings = FAMILIES[family]
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -79,9 +112,35 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **family_settings,
     )
+    if "layer_types" in settings:
+        settings["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]
+    if "head_dim" in settings:
+        settings["head_dim"] = hidden_size // 4
+    if family == "gemma3":
+        settings["query_pre_attn_scalar"] = hidden_size // 4
+    settings.update(extra)
+    return getattr(transformers, class_name)(**settings)
+
+
+def build_tiny_model(
+    tokenizer,
+    seed: int = 0,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    tie: bool = True,
+    family: str = "llama",
+    **config_settings,
+):
+    """A randomly initialised causal LM of `family` (a key of FAMILIES) small enough to train in milliseconds per
+    step on a CPU; `config_settings` override the config's fields."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(tokenizer, family, hidden_size, num_layers, tie, **config_settings)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -89,26 +148,14 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 32, num_layers
 
 def build_tiny_moe_model(tokenizer, seed: int = 0, num_experts: int = 4, router_aux_loss_coef: float = 0.01):
     """A randomly initialised Qwen3-MoE (two of `num_experts` experts per token), for the load-balancing loss."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+    return build_tiny_model(
+        tokenizer,
+        seed=seed,
+        tie=False,
+        family="qwen3_moe",
         num_experts=num_experts,
-        num_experts_per_tok=2,
         router_aux_loss_coef=router_aux_loss_coef,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config)
 
 
 def save_tiny_model(directory: str | os.PathLike, seed: int = 0, moe: bool = False, **model_kwargs) -> str:

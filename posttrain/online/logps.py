@@ -8,8 +8,8 @@ once and its completions follow it under a 4D mask (`preference_common.prefix_la
 prompt), and the log-probs come from the hidden states through `linear_logps`, chunk by chunk, without the
 [tokens x vocab] logits. The numbers are the padded forward's up to float rounding (tests/test_online_logps.py).
 
-Either way, a forward that needs no gradient runs a Llama without its module wrappers where it can
-(`models/llama_forward.py`, bitwise the model's); where the shared layout does not apply, the model runs on the
+Either way, a forward that needs no gradient runs without the model's module wrappers where it can
+(`models/fast_forward.py`, bitwise the model's); where the shared layout does not apply, the model runs on the
 padded batch. Padded completion positions get log-prob and entropy 0 on every route.
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from posttrain.losses.logprobs import linear_logps, selective_log_softmax
 from posttrain.losses.policy import entropy_from_logits
+from posttrain.models.fast_forward import fast_forward
 from posttrain.models.layouts import SequenceView, can_repack, common_prefix, layout_settings, prefix_layout
-from posttrain.models.llama_forward import llama_forward
 from posttrain.models.reference import unwrap
 from posttrain.online.vision import forward_vision_inputs, uses_own_positions
 from posttrain.training.preference import forward_hidden, output_head
@@ -49,7 +49,7 @@ def completion_logps(
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
     width = batch["completion_ids"].shape[1]
-    fast = None if images or return_outputs else llama_forward(model)  # no gradient: the same logits, faster
+    fast = None if images or return_outputs else fast_forward(model)  # no gradient: the same logits, faster
     outputs = (
         None
         if fast is not None
@@ -112,12 +112,7 @@ def shared_prompt_logps(model, batch: dict[str, torch.Tensor], temperature: floa
     # Completion token t of a row is predicted at its sequence position prompt length + t - 1.
     before = (prompt_lengths[:, None] + columns[None, :] - 1).clamp(max=where.shape[1] - 1)
     predictors = where.gather(1, before)[mask]
-    fast = llama_forward(model)  # no gradient: the same hidden states without the module wrappers
-    hidden = (
-        fast(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], hidden=True)
-        if fast is not None
-        else forward_hidden(model, inputs)[0]
-    )
+    hidden = forward_hidden(model, inputs)[0]  # (without gradient, the fast forward's)
     head = output_head(model)
     # (A float32 head on a lower-precision model, cast_lm_head_to_fp32, takes float32 inputs, as its forward does.)
     rows = hidden.reshape(-1, hidden.shape[-1])[predictors].to(head.weight.dtype) / temperature

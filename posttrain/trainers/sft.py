@@ -69,7 +69,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
     attention, which needs the whole batch in one row; a collator passed by the caller is left as it is. On the CPU
-    a Llama model's padding-free rows attend one sequence at a time (`models/segment_attention.py`).
+    a model's padding-free rows attend one sequence at a time (`models/segment_attention.py`).
     `compute_loss_func(outputs, labels, num_items_in_batch=...)` replaces the loss (it gets the full logits).
     Datasets with an `images` / `image` column train a vision-language model (`processing_class`: its processor,
     loaded by default): rows are validated up front and processed in the collator (`posttrain/data/vision.py`);

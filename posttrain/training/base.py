@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
 from posttrain.errors import ConfigError
+from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.tied_embedding import allow_tied_embedding
@@ -75,11 +76,11 @@ class PosttrainConfig(TrainingArguments):
     )
     fused_layers: bool = config_field(
         True,
-        "Run the RMSNorm and SwiGLU MLP of Llama-family models as single autograd functions that keep fewer "
-        "activations for the backward pass (about 40% fewer; same numbers to rounding), rebuild norm outputs "
-        "(and a LoRA MLP's elementwise outputs) in the backward instead of keeping them, and let a tied input "
-        "embedding add its gradient into the output layer's in place. Off with use_liger_kernel, which "
-        "replaces these layers itself.",
+        "Run RMSNorms and gated MLPs (SwiGLU, GeGLU) of any family that computes these formulas as single autograd "
+        "functions that keep fewer activations for the backward pass (about 40% fewer; same numbers to rounding), "
+        "rebuild norm outputs (and a LoRA MLP's elementwise outputs) in the backward instead of keeping them, and "
+        "let a tied input embedding add its gradient into the output layer's in place. Off with use_liger_kernel, "
+        "which replaces these layers itself.",
     )
     activation_offloading: bool = config_field(
         False, "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."
@@ -251,6 +252,7 @@ def prepare_model(
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
         model = get_peft_model(model, peft_config)
+    logger.info(describe_fast_paths(model))
     return model
 
 

@@ -31,10 +31,12 @@ from posttrain.training.preference import SequenceLogps, assemble_scores
 
 def applicable(model, batch: dict) -> bool:
     """Masks built by `masking_utils` (sdpa/eager), a right-padded batch, no MoE router loss, no gradient
-    checkpointing (which turns the cache off). (The caller also needs a linear output layer, `output_head`.)"""
+    checkpointing (which turns the cache off), no sliding-window cache layers (they keep the last slots of a packed
+    row, which the continuations do not read). (The caller also needs a linear output layer, `output_head`.)"""
     inner = unwrap(model)
     return (
         can_repack(model, batch["input_ids"].shape[1])
+        and not any(layer.is_sliding for layer in DynamicCache(config=inner.config).layers)
         and "attention_mask" in batch
         and is_right_padded(batch["input_ids"], batch["attention_mask"])
         and not getattr(inner.config, "output_router_logits", False)
