@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs TRL's own test suite (unmodified, from $TRL_TESTS, default /work/shared/trl-tests/tests) offline against
+# Runs TRL's own test suite (unmodified, from $TRL_TESTS, default ../shared/trl-tests/tests) offline against
 # TRL as installed (--lib trl) or against posttrain through a `trl` -> `posttrain` import alias (--lib posttrain).
 #
 #   scripts/trl_testsuite.sh --lib trl|posttrain [--out DIR] [--sample FILE=K,...] [--select NODEIDS_FILE]
@@ -20,7 +20,11 @@ main() {
   source scripts/env.sh
   PY=${PYTHON:-$ROOT/.venv/bin/python}
   [ -x "$PY" ] || PY=$(command -v python)
-  TRL_TESTS=${TRL_TESTS:-/work/shared/trl-tests/tests}
+  TRL_TESTS=${TRL_TESTS:-$ROOT/../shared/trl-tests/tests}
+  if [ ! -d "$TRL_TESTS" ]; then
+    echo "trl_testsuite: TRL's tests are not at $TRL_TESTS; set TRL_TESTS to the tests/ folder of TRL's repository" >&2
+    exit 2
+  fi
   export TRL_SUITE_CACHE=${TRL_SUITE_CACHE:-$ROOT/.cache/trl_suite}
 
   LIB=trl

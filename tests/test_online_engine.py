@@ -202,6 +202,18 @@ def test_generation_kwargs_keys_with_a_field_become_the_field(tmp_path, caplog):
     assert same.max_completion_length == 8 and same.generation_kwargs == {}
 
 
+def test_reward_funcs_and_weights_are_trainer_attributes(tmp_path, tiny_model_path):
+    """TRL's `trainer.reward_funcs` and `trainer.reward_weights` (as a tensor), in the order given."""
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        [target_fraction, low_id_fraction],
+        args=make_config(tmp_path, reward_weights=[0.7, 0.3]),
+        train_dataset=prompt_dataset(),
+    )
+    assert trainer.reward_funcs == [target_fraction, low_id_fraction]
+    assert trainer.reward_weights.tolist() == pytest.approx([0.7, 0.3])
+
+
 def test_rloo_needs_two_generations(tmp_path):
     with pytest.raises(ConfigError, match=r"num_generations=1, but RLOO needs at least 2 completions per prompt"):
         make_config(tmp_path, RLOOConfig, num_generations=1)

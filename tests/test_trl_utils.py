@@ -240,3 +240,18 @@ def test_shaping_rewards_survive_pickling_inside_the_face():
 
     reward = pickle.loads(pickle.dumps(get_repetition_penalty_reward(2)))
     assert reward([[1, 1, 1]]) == [pytest.approx(-0.5)]
+
+
+def test_env_report_has_trls_version_line():
+    """`trl env` prints "TRL version: ..."; scripts and bug-report templates look for that line."""
+    from posttrain.cli.environment import environment_report
+
+    last = environment_report().splitlines()[-1]
+    assert last.startswith("TRL version: ") and "TRL 1.16's API" in last
+
+
+def test_vllm_serve_has_trls_path():
+    from posttrain.cli.vllm_serve import main
+    from posttrain.scripts import vllm_serve
+
+    assert vllm_serve.main is main

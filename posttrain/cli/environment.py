@@ -49,7 +49,9 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     from posttrain.rewards.sandbox import sandbox_backend
 
     rows.append(("code sandbox", sandbox_backend()))
-    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+    table = "\n".join(f"{name:<14} {value}" for name, value in rows)
+    # the line `trl env` prints, which bug-report templates and scripts look for
+    return f"{table}\nTRL version: {_version('trl')} (posttrain {__version__} implements TRL 1.16's API)"
 
 
 def async_split_report() -> str:

@@ -320,6 +320,16 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     # Method hooks (online DPO and its variants override them): whether a reference model is loaded and its
     # log-probs computed; completions per micro-batch; the temperature the trained log-probs are taken at.
     @property
+    def reward_funcs(self) -> list:
+        """The reward sources, in order (TRL's attribute): functions, reward models, an environment's get_reward."""
+        return self.reward_scorer.funcs
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """The weight of each reward source in the total reward (TRL's attribute)."""
+        return self.reward_scorer.weights
+
+    @property
     def uses_reference(self) -> bool:
         return self.args.beta > 0
 

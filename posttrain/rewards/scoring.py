@@ -220,6 +220,7 @@ class RewardScorer:
             )
         )
         self.names: list[str] = _unique(list(names))
+        self.funcs: list = list(funcs)  # as given: functions, reward models (loaded from a name), callables
         for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
             if getattr(func, "sandbox", None) is not None:
                 from posttrain.rewards.sandbox import check_sandbox
