@@ -47,6 +47,7 @@ import contextlib
 import time
 from typing import ClassVar
 
+import torch
 from torch.utils.data import DataLoader
 
 from posttrain.data.chat import require_chat_template
@@ -317,8 +318,6 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     def default_collator(self, tokenizer, args):
         return collate_tagged
 
-    # Method hooks (online DPO and its variants override them): whether a reference model is loaded and its
-    # log-probs computed; completions per micro-batch; the temperature the trained log-probs are taken at.
     @property
     def reward_funcs(self) -> list:
         """The reward sources, in order (TRL's attribute): functions, reward models, an environment's get_reward."""
@@ -329,6 +328,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         """The weight of each reward source in the total reward (TRL's attribute)."""
         return self.reward_scorer.weights
 
+    # Method hooks (online DPO and its variants override them): whether a reference model is loaded and its
+    # log-probs computed; completions per micro-batch; the temperature the trained log-probs are taken at.
     @property
     def uses_reference(self) -> bool:
         return self.args.beta > 0
