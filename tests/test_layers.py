@@ -125,6 +125,17 @@ def test_no_import_circle():
     assert not circles, f"import circles: {circles}"
 
 
+def synthetic_tree(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    """Writes `files` (path -> source) under `root` and returns them as the checkers' module map."""
+    modules = {}
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        modules[name.removesuffix(".py").replace("/", ".")] = path
+    return modules
+
+
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The graph must count an import inside a function body, a relative import and a `from package import
     module`, or the layer test would miss them."""
@@ -134,12 +145,7 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
         "posttrain/trainers/sft.py": "",
         "posttrain/trainers/grpo.py": "",
     }
-    modules = {}
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        modules[name.removesuffix(".py").replace("/", ".")] = path
+    modules = synthetic_tree(tmp_path, files)
     assert imports_of("posttrain.models.a", modules) == {"posttrain.trainers.sft"}
     assert imports_of("posttrain.models.b", modules) == {"posttrain.models.a", "posttrain.trainers.grpo"}
 
@@ -309,12 +315,7 @@ def test_the_private_and_unbound_checkers_see_what_they_must(tmp_path):
         "posttrain/experimental/_moved.py": "",
         "posttrain/trainers/kto.py": "",
     }
-    modules = {}
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        modules[name.removesuffix(".py").replace("/", ".")] = path
+    modules = synthetic_tree(tmp_path, files)
     assert private_reaches("posttrain.trainers.a", modules) == [
         "posttrain.trainers.a:1 imports _helper from posttrain.trainers.b",
         "posttrain.trainers.a:2 imports the private module posttrain.experimental._moved",
