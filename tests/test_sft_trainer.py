@@ -258,3 +258,9 @@ def test_chunked_loss_refuses_an_adapted_output_layer(tmp_path, tiny_model_path)
 def test_evaluation_without_eval_dataset_fails_before_training(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="eval_on_start=True: evaluation needs an eval_dataset"):
         SFTTrainer(tiny_model_path, args=_args(tmp_path, eval_on_start=True), train_dataset=_pc_data(2))
+
+
+def test_the_model_is_tagged_with_its_method(tmp_path, tiny_model_path):
+    """TRL's trainers tag the model for the Hub ("trl" and the method); posttrain adds its own name."""
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2))
+    assert {"posttrain", "trl", "sft"} <= set(trainer.model.model_tags)

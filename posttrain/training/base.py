@@ -30,7 +30,7 @@ from posttrain.runtime.distributed import (
 from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
-from posttrain.training.model_card import write_model_card
+from posttrain.training.model_card import method_name, tag_model, write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
 from posttrain.training.streaming import prepare_datasets
@@ -347,6 +347,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         self._init_guards()
         self.add_callback(DataReportCallback(self))  # what data preparation cut or dropped, before training
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
+        tag_model(self.model, ["posttrain", "trl", method_name(self).lower().replace(" ", "-")])
 
     def create_accelerator_and_postprocess(self):
         with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/runtime/distributed.py)
