@@ -171,7 +171,7 @@ def test_loss_matches_hand_computed_mean_nll(tmp_path, tiny_model_path):
         for row in rows:
             logits = trainer.model(input_ids=torch.tensor([row["input_ids"]])).logits[0].double()
             for t in range(1, len(row["input_ids"])):
-                if row["completion_mask"][t]:
+                if row["labels"][t] != -100:
                     total -= torch.log_softmax(logits[t - 1], -1)[row["input_ids"][t]].item()
                     count += 1
     assert count > 0 and loss == pytest.approx(total / count, rel=1e-5)
