@@ -264,3 +264,21 @@ def test_the_model_is_tagged_with_its_method(tmp_path, tiny_model_path):
     """TRL's trainers tag the model for the Hub ("trl" and the method); posttrain adds its own name."""
     trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2))
     assert {"posttrain", "trl", "sft"} <= set(trainer.model.model_tags)
+
+
+def test_prompt_tuning_trains_only_the_virtual_tokens(tmp_path, tiny_model_path):
+    """PEFT prompt learning prepends virtual tokens, so the logits are longer than the labels: their positions are
+    dropped (and the chunked loss, which reads the decoder's output, is not used)."""
+    from peft import PromptEncoderConfig, TaskType
+
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=2, learning_rate=1e-2),
+        train_dataset=_pc_data(8),
+        peft_config=PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, encoder_hidden_size=8),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("prompt_encoder" in n for n in changed)
+    assert trainer.state.log_history[-1]["train_loss"] > 0
