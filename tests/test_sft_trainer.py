@@ -282,3 +282,13 @@ def test_prompt_tuning_trains_only_the_virtual_tokens(tmp_path, tiny_model_path)
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("prompt_encoder" in n for n in changed)
     assert trainer.state.log_history[-1]["train_loss"] > 0
+
+
+def test_the_training_summary_carries_the_last_windows_metrics(tmp_path, tiny_model_path):
+    """TRL's `trainer.state.log_history[-1]` (the end-of-training summary) holds the last window's metrics; posttrain
+    logs that window on the last step and repeats its metrics in the summary."""
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=3, logging_steps=10), train_dataset=_pc_data())
+    trainer.train()
+    window, summary = trainer.state.log_history[-2:]
+    assert "train_loss" in summary and summary["mean_token_accuracy"] == window["mean_token_accuracy"]
+    assert summary["entropy"] == window["entropy"]

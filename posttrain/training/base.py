@@ -347,7 +347,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         self._init_guards()
         self.add_callback(DataReportCallback(self))  # what data preparation cut or dropped, before training
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
-        tag_model(self.model, ["posttrain", "trl", method_name(self).lower().replace(" ", "-")])
+        tags = getattr(self, "_tag_names", None) or ["trl", method_name(self).lower().replace(" ", "-")]
+        tag_model(self.model, ["posttrain", *tags])
 
     def create_accelerator_and_postprocess(self):
         with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/runtime/distributed.py)
@@ -462,8 +463,13 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        for key, values in self._metrics[mode].items():
-            if values:
-                logs[prefix + key] = sum(values) / len(values)
+        window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
+        if "train_runtime" in logs and not window:
+            # the end-of-training summary, right after the final window was logged (RunArtifactsCallback): it
+            # repeats that window's metrics, as TRL's summary carries the metrics of its last window
+            window = dict(getattr(self, "_last_train_window", {}))
+        elif mode == "train" and window:
+            self._last_train_window = window
+        logs.update({key: value for key, value in window.items() if key not in logs})
         self._metrics[mode].clear()
         super().log(logs, start_time)
