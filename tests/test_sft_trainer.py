@@ -292,3 +292,14 @@ def test_the_training_summary_carries_the_last_windows_metrics(tmp_path, tiny_mo
     window, summary = trainer.state.log_history[-2:]
     assert "train_loss" in summary and summary["mean_token_accuracy"] == window["mean_token_accuracy"]
     assert summary["entropy"] == window["entropy"]
+
+
+def test_moe_aux_loss_is_enabled_and_logged(tmp_path):
+    """TRL's `trainer.aux_loss_enabled` and the logged `aux_loss` of a Mixture-of-Experts model (in the summary too)."""
+    from posttrain.models.tiny import save_tiny_model
+
+    moe = save_tiny_model(tmp_path / "moe", moe=True)
+    trainer = SFTTrainer(moe, args=_args(tmp_path, max_steps=2, logging_steps=10), train_dataset=_pc_data(8))
+    assert trainer.aux_loss_enabled
+    trainer.train()
+    assert trainer.state.log_history[-1]["aux_loss"] > 0

@@ -152,6 +152,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                 loaded, tokenizer, added_tokens, eos_changed=args.eos_token is not None or bool(added_tokens)
             )
             self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
+            self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
             self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
             return loaded
 
