@@ -1,4 +1,5 @@
-"""TRL's `trl.chat_template_utils` import path; the chat-template tools live in `posttrain.data.chat_templates`."""
+"""TRL's `trl.chat_template_utils` import path; the chat-template tools live in `posttrain.data.chat_templates`,
+response parsing in `posttrain.data.responses`."""
 
 from posttrain.data.chat_templates import (
     HERMES_RESPONSE_TEMPLATE,
@@ -11,6 +12,7 @@ from posttrain.data.chat_templates import (
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
+from posttrain.data.responses import is_chat_template_stop_token_trained, parse_response
 
 __all__ = [
     "HERMES_RESPONSE_TEMPLATE",
@@ -21,5 +23,7 @@ __all__ = [
     "get_training_chat_template",
     "has_generation_markers",
     "is_chat_template_prefix_preserving",
+    "is_chat_template_stop_token_trained",
+    "parse_response",
     "supports_tool_calling",
 ]

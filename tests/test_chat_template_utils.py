@@ -216,3 +216,40 @@ def test_add_response_schema_on_qwen_templates_parses_like_trl(fresh_tokenizer, 
         "Just text.<|im_end|>",
     ):
         assert ours.parse_response(text, prefix=prefix) == theirs.parse_response(text, prefix=prefix)
+
+
+def test_parse_response_reads_tool_calls_and_falls_back_to_text(fresh_tokenizer):
+    from posttrain.chat_template_utils import parse_response
+
+    tok = add_response_schema(_with(fresh_tokenizer, HERMES))
+    prefix = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    ids = tok('<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>')["input_ids"]
+    parsed = parse_response(tok, ids, prefix=prefix)
+    assert parsed["content"] == "" and parsed["tool_calls"][0]["function"] == {
+        "name": "multiply",
+        "arguments": {"a": 3, "b": 4},
+    }
+    broken = tok('<tool_call>\n{"name": "multiply", "argu</tool_call><|im_end|>')["input_ids"]
+    assert parse_response(tok, broken, prefix=prefix) == {
+        "role": "assistant",
+        "content": tok.decode(broken, skip_special_tokens=True),
+    }
+    assert parse_response(tok, tok("Blue.<|im_end|>")["input_ids"], prefix=prefix)["content"] == "Blue."
+
+
+def test_stop_token_trained_needs_the_end_of_turn_inside_the_assistant_mask(fresh_tokenizer):
+    from posttrain.chat_template_utils import is_chat_template_stop_token_trained
+
+    inside = (
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    outside = inside.replace("{{ m.content + '<|im_end|>' }}{% endgeneration %}", "{{ m.content }}{% endgeneration %}")
+    outside = outside.replace("{% else %}{{ m.content + '<|im_end|>' }}", "{% else %}{{ m.content + '<|im_end|>' }}")
+    outside = outside.replace("{{ '\\n' }}", "{{ '' if m.role != 'assistant' else '<|im_end|>' }}{{ '\\n' }}")
+    assert is_chat_template_stop_token_trained(fresh_tokenizer, inside)
+    assert not is_chat_template_stop_token_trained(fresh_tokenizer, outside)
+    assert not is_chat_template_stop_token_trained(
+        fresh_tokenizer, "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )

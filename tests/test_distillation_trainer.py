@@ -102,7 +102,7 @@ def _reference(student, teacher, rows, alpha, beta, temperature):
         ids = torch.tensor([row["input_ids"]])
         s_logits, t_logits = student(input_ids=ids).logits[0].double(), teacher(input_ids=ids).logits[0].double()
         for t in range(1, len(row["input_ids"])):
-            if not row["completion_mask"][t]:
+            if row["labels"][t] == -100:
                 continue
             p_s, p_t = (s_logits[t - 1] / temperature).softmax(-1), (t_logits[t - 1] / temperature).softmax(-1)
             m = beta * p_t + (1 - beta) * p_s

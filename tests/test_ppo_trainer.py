@@ -406,7 +406,9 @@ def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message
 def test_bad_models_fail_at_construction(tmp_path, tiny_model_path, reward_model_path):
     args = ppo_config(tmp_path)
     two_labels = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=2)
-    with pytest.raises(ConfigError, match=r"num_labels=2, but num_labels=1 is needed \(a reward model has 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"num_labels=2, but num_labels=1 is needed \(reward models require `num_labels=1`\)"
+    ):
         PPOTrainer(tiny_model_path, two_labels, args=args, train_dataset=prompt_dataset())
 
     other_tokenizer = build_tiny_tokenizer(vocab_size=300)

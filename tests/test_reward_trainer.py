@@ -168,12 +168,21 @@ def test_saved_model_reloads_as_a_classifier_with_the_same_scores(tmp_path, tiny
 def test_lora_reward_model_trains_its_score_head(tmp_path, tiny_model_path):
     from peft import LoraConfig
 
+    # As TRL: task_type=None trains the backbone's adapter only (said in a warning); another task type is refused.
+    with pytest.warns(UserWarning, match=r"task_type is None.*score head stays as it was loaded"):
+        trainer = RewardTrainer(
+            tiny_model_path,
+            args=_args(tmp_path, max_steps=1),
+            train_dataset=_unequal_pairs(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if "score" in n)
     with pytest.raises(ConfigError, match="task_type='SEQ_CLS'"):
         RewardTrainer(
             tiny_model_path,
             args=_args(tmp_path),
             train_dataset=_unequal_pairs(),
-            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
         )
     trainer = RewardTrainer(
         tiny_model_path,
@@ -213,3 +222,26 @@ def test_data_errors(tmp_path, tiny_model_path):
     with pytest.raises(DataError, match="Row 1, column 'rejected': expected a string, got NoneType"):
         rows = [{"chosen": "a", "rejected": "b"}, {"chosen": "a", "rejected": None}]
         RewardTrainer(tiny_model_path, args=_args(tmp_path), eval_dataset=Dataset.from_list(rows))
+
+
+def test_pretokenized_pairs_and_a_peft_model_as_trl_takes_them(tmp_path, tiny_model_path, tokenizer):
+    """TRL's tokenized reward rows (`chosen_ids` / `rejected_ids`, the old `*_input_ids` names with a FutureWarning)
+    become prompt_ids + completions (their shared first tokens are the prompt); a PEFT-wrapped classifier is taken."""
+    from peft import LoraConfig, get_peft_model
+
+    rows = [
+        {"chosen_ids": tokenizer(f"say {w} yes")["input_ids"], "rejected_ids": tokenizer(f"say {w} no")["input_ids"]}
+        for w in ("red", "blue", "cat", "dog")
+    ]
+    trainer = RewardTrainer(tiny_model_path, args=_args(tmp_path, max_steps=1), train_dataset=Dataset.from_list(rows))
+    first = trainer.train_dataset[0]
+    assert first["prompt_ids"] + first["chosen_ids"] == rows[0]["chosen_ids"]
+    assert first["prompt_ids"] + first["rejected_ids"] == rows[0]["rejected_ids"]
+    old = Dataset.from_list(rows).rename_columns(
+        {"chosen_ids": "chosen_input_ids", "rejected_ids": "rejected_input_ids"}
+    )
+    with pytest.warns(FutureWarning, match="will not be supported in v1"):
+        RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=old)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    RewardTrainer(peft_model, args=_args(tmp_path, max_steps=1), train_dataset=_unequal_pairs()).train()

@@ -156,8 +156,8 @@ def test_dataset_text_field_and_formatting_func_with_other_columns(tmp_path, tin
         formatting_func=lambda ex: f"Q: {ex['q']} A: {ex['a']}",
     )
     expected = tokenizer("Q: what is two A: two")["input_ids"] + [tokenizer.eos_token_id]
-    assert trainer.train_dataset.column_names == ["input_ids", "completion_mask"]
-    assert trainer.train_dataset[1]["input_ids"] == expected and all(trainer.train_dataset[1]["completion_mask"])
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]  # TRL's prepared layout
+    assert trainer.train_dataset[1]["input_ids"] == expected == trainer.train_dataset[1]["labels"]
     trainer.train()
     with pytest.raises(ConfigError, match="formatting_func turns each example into plain text"):
         SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc(), formatting_func=lambda ex: ex["prompt"])
@@ -212,7 +212,7 @@ def _hand_metrics(model, rows, loss_type="nll"):
             ids = row["input_ids"]
             logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
             for t in range(1, len(ids)):
-                if row["completion_mask"][t]:
+                if row["labels"][t] != -100:
                     lp = logp[t - 1, ids[t]]
                     loss += float(-lp * lp.exp()) if loss_type == "dft" else float(-lp)
                     correct += int(logp[t - 1].argmax() == ids[t])
@@ -237,7 +237,7 @@ def test_logged_loss_and_metrics_match_hand_computation(tmp_path, tiny_model_pat
     assert logged["mean_token_accuracy"] == pytest.approx(accuracy, abs=1e-9)
     assert logged["entropy"] == pytest.approx(entropy, rel=1e-5)
     assert logged["num_tokens"] == tokens  # all input tokens, padding excluded
-    assert logged["num_tokens_trained"] == sum(sum(r["completion_mask"][1:]) for r in trainer.train_dataset)
+    assert logged["num_tokens_trained"] == sum(sum(t != -100 for t in r["labels"][1:]) for r in trainer.train_dataset)
 
 
 def test_compute_loss_func_replaces_the_loss_and_compute_metrics_gets_logits(tmp_path, tiny_model_path):

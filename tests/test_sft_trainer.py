@@ -171,7 +171,7 @@ def test_loss_matches_hand_computed_mean_nll(tmp_path, tiny_model_path):
         for row in rows:
             logits = trainer.model(input_ids=torch.tensor([row["input_ids"]])).logits[0].double()
             for t in range(1, len(row["input_ids"])):
-                if row["completion_mask"][t]:
+                if row["labels"][t] != -100:
                     total -= torch.log_softmax(logits[t - 1], -1)[row["input_ids"][t]].item()
                     count += 1
     assert count > 0 and loss == pytest.approx(total / count, rel=1e-5)
@@ -258,3 +258,48 @@ def test_chunked_loss_refuses_an_adapted_output_layer(tmp_path, tiny_model_path)
 def test_evaluation_without_eval_dataset_fails_before_training(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="eval_on_start=True: evaluation needs an eval_dataset"):
         SFTTrainer(tiny_model_path, args=_args(tmp_path, eval_on_start=True), train_dataset=_pc_data(2))
+
+
+def test_the_model_is_tagged_with_its_method(tmp_path, tiny_model_path):
+    """TRL's trainers tag the model for the Hub ("trl" and the method); posttrain adds its own name."""
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=_pc_data(2))
+    assert {"posttrain", "trl", "sft"} <= set(trainer.model.model_tags)
+
+
+def test_prompt_tuning_trains_only_the_virtual_tokens(tmp_path, tiny_model_path):
+    """PEFT prompt learning prepends virtual tokens, so the logits are longer than the labels: their positions are
+    dropped (and the chunked loss, which reads the decoder's output, is not used)."""
+    from peft import PromptEncoderConfig, TaskType
+
+    trainer = SFTTrainer(
+        tiny_model_path,
+        args=_args(tmp_path, max_steps=2, learning_rate=1e-2),
+        train_dataset=_pc_data(8),
+        peft_config=PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, encoder_hidden_size=8),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("prompt_encoder" in n for n in changed)
+    assert trainer.state.log_history[-1]["train_loss"] > 0
+
+
+def test_the_training_summary_carries_the_last_windows_metrics(tmp_path, tiny_model_path):
+    """TRL's `trainer.state.log_history[-1]` (the end-of-training summary) holds the last window's metrics; posttrain
+    logs that window on the last step and repeats its metrics in the summary."""
+    trainer = SFTTrainer(tiny_model_path, args=_args(tmp_path, max_steps=3, logging_steps=10), train_dataset=_pc_data())
+    trainer.train()
+    window, summary = trainer.state.log_history[-2:]
+    assert "train_loss" in summary and summary["mean_token_accuracy"] == window["mean_token_accuracy"]
+    assert summary["entropy"] == window["entropy"]
+
+
+def test_moe_aux_loss_is_enabled_and_logged(tmp_path):
+    """TRL's `trainer.aux_loss_enabled` and the logged `aux_loss` of a Mixture-of-Experts model (in the summary too)."""
+    from posttrain.models.tiny import save_tiny_model
+
+    moe = save_tiny_model(tmp_path / "moe", moe=True)
+    trainer = SFTTrainer(moe, args=_args(tmp_path, max_steps=2, logging_steps=10), train_dataset=_pc_data(8))
+    assert trainer.aux_loss_enabled
+    trainer.train()
+    assert trainer.state.log_history[-1]["aux_loss"] > 0

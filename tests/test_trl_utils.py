@@ -255,3 +255,60 @@ def test_vllm_serve_has_trls_path():
     from posttrain.scripts import vllm_serve
 
     assert vllm_serve.main is main
+
+
+def test_language_modeling_collator_layouts():
+    from posttrain.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = [{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    padded = DataCollatorForLanguageModeling(pad_token_id=1, pad_to_multiple_of=4)(rows)
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 1], [8, 9, 1, 1]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert padded["labels"].tolist() == [[-100, 6, 7, -100], [8, 9, -100, -100]]
+    packed = [{"input_ids": [5, 6, 7], "seq_lengths": [1, 2]}, {"input_ids": [8, 9]}]
+    flat = DataCollatorForLanguageModeling(pad_token_id=1, padding_free=True)(packed)
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and flat["position_ids"].tolist() == [[0, 0, 1, 0, 1]]
+    assert flat["labels"].tolist() == [[-100, -100, 7, -100, 9]] and "attention_mask" not in flat
+    positions = DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths([[2, 1]])
+    assert positions[0].tolist() == [0, 1, 0]
+
+
+def test_preference_collators_layouts():
+    from posttrain.trainer.dpo_trainer import DataCollatorForPreference
+    from posttrain.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    rows = [
+        {
+            "prompt_ids": [1],
+            "chosen_ids": [2, 3],
+            "rejected_ids": [4],
+            "ref_chosen_logps": -1.0,
+            "ref_rejected_logps": 0,
+        },
+        {
+            "prompt_ids": [5, 6],
+            "chosen_ids": [7],
+            "rejected_ids": [8, 9],
+            "ref_chosen_logps": -2,
+            "ref_rejected_logps": -3,
+        },
+    ]
+    batch = DataCollatorForPreference(pad_token_id=0)(rows)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [5, 6, 7, 0], [1, 4, 0, 0], [5, 6, 8, 9]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 1, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1]]
+    assert batch["ref_rejected_logps"].tolist() == [0.0, -3.0]
+    cut = DataCollatorForPreference(pad_token_id=0, max_length=2, truncation_mode="keep_end")(rows)
+    assert cut["input_ids"].tolist() == [[2, 3], [6, 7], [1, 4], [8, 9]]
+    whole = DataCollatorForPreference(pad_token_id=0)([{"chosen_ids": [1, 2], "rejected_ids": [3], "margin": 0.5}])
+    assert whole["input_ids"].tolist() == [[1, 2], [3, 0]] and whole["margin"].tolist() == [0.5]
+    assert "completion_mask" not in whole
+    unpaired = [
+        {"prompt_ids": [1], "completion_ids": [2], "KL_completion_ids": [3, 4], "label": True},
+        {"prompt_ids": [5, 6], "completion_ids": [7], "KL_completion_ids": [8], "label": False},
+    ]
+    kto = DataCollatorForUnpairedPreference(pad_token_id=0)(unpaired)
+    assert kto["input_ids"].tolist() == [[1, 2, 0], [5, 6, 7]] and kto["KL_input_ids"].tolist() == [
+        [1, 3, 4],
+        [5, 6, 8],
+    ]
+    assert kto["KL_completion_mask"].tolist() == [[0, 1, 1], [0, 0, 1]] and kto["label"].tolist() == [True, False]

@@ -8,6 +8,7 @@ on its own, as the model sees it at generation time, and each completion is the 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from posttrain.data.chat import extract_prompt, normalize_example, render, requi
 from posttrain.data.collators import pad
 from posttrain.data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
 from posttrain.data.report import DatasetReport, cut_column
+from posttrain.data.tokenize import row_template_kwargs
 from posttrain.errors import DataError
 
 logger = logging.getLogger("posttrain")
@@ -34,13 +36,14 @@ def _conversational_ids(example: dict, tokenizer, row: int) -> tuple[list[int], 
     end-of-turn token and whatever the template puts after it (ChatML's newline), as TRL trains it."""
     require_chat_template(tokenizer)
     prompt = list(example["prompt"])
+    kwargs = row_template_kwargs(example, row)  # the row's own chat_template_kwargs and tools, as TRL reads them
     continue_final = prompt[-1]["role"] == "assistant"  # an assistant-ended prompt is continued, not answered
     prompt_text = render(
-        tokenizer, prompt, add_generation_prompt=not continue_final, continue_final_message=continue_final
+        tokenizer, prompt, add_generation_prompt=not continue_final, continue_final_message=continue_final, **kwargs
     )
     completions = {}
     for column in COMPLETIONS:
-        full = render(tokenizer, prompt + list(example[column]))
+        full = render(tokenizer, prompt + list(example[column]), **kwargs)
         if not full.startswith(prompt_text):
             raise DataError(
                 f"Row {row}: the rendered prompt is not a prefix of the rendered prompt + {column}, so the "
@@ -162,6 +165,39 @@ def drop_overlong_rows(dataset, max_length: int | None, mode: str, name: str, re
             report.dropped(dropped, why)
         dataset = dataset.select([i for i, k in enumerate(keep) if k])
     return dataset
+
+
+# Pre-tokenized whole sequences of a reward dataset: TRL's names, and the older ones it still reads (with a warning).
+TOKENIZED_PAIR_COLUMNS = ("chosen_ids", "rejected_ids")
+OLD_TOKENIZED_PAIR_COLUMNS = ("chosen_input_ids", "rejected_input_ids")
+
+
+def _split_tokenized_pair(example: dict) -> dict:
+    chosen, rejected = list(example["chosen_ids"]), list(example["rejected_ids"])
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1  # at least one token of each stays a completion
+    return {"prompt_ids": chosen[:shared], "chosen_ids": chosen[shared:], "rejected_ids": rejected[shared:]}
+
+
+def tokenized_pairs_as_prompt_and_completions(dataset, name: str = "train_dataset"):
+    """A reward dataset of whole tokenized sequences (`chosen_ids` / `rejected_ids`; the older `chosen_input_ids` /
+    `rejected_input_ids` are renamed, with a FutureWarning) as prompt_ids + chosen_ids + rejected_ids: their shared
+    first tokens become the prompt, computed once. Other datasets are returned unchanged."""
+    columns = dataset.column_names
+    if all(c in columns for c in OLD_TOKENIZED_PAIR_COLUMNS) and not any(c in columns for c in TOKENIZED_PAIR_COLUMNS):
+        warnings.warn(
+            f"{name}'s columns 'chosen_input_ids' / 'rejected_input_ids' are read as 'chosen_ids' / 'rejected_ids'; "
+            "the old names will not be supported in v1 of TRL's API. Rename them.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        dataset = dataset.rename_columns(dict(zip(OLD_TOKENIZED_PAIR_COLUMNS, TOKENIZED_PAIR_COLUMNS)))
+        columns = dataset.column_names
+    if not all(c in columns for c in TOKENIZED_PAIR_COLUMNS) or "prompt_ids" in columns or "chosen" in columns:
+        return dataset
+    keep = [c for c in columns if c in FLOAT_COLUMNS]
+    return dataset.map(_split_tokenized_pair, remove_columns=[c for c in columns if c not in keep])
 
 
 def prepare_preference_dataset(

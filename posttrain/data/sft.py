@@ -1,5 +1,6 @@
 """SFT's data: text, conversations, prompt-completion pairs or pre-tokenized rows turned into the rows the
-language-modeling collator takes (`input_ids` with `completion_mask` or `labels`), cut to max_length, packed and
+language-modeling collator takes (`input_ids` and `labels`, -100 on untrained tokens, as TRL prepares them), cut to
+max_length, packed and
 shuffled as the SFT config says (`prepare_sft_dataset`). The trainers built on SFT (distillation, GKD) share it.
 """
 
@@ -23,9 +24,9 @@ def prepare_sft_dataset(dataset, tokenizer, args, name: str, data_report: DataRe
     packing = args.packing if name == "train_dataset" or args.eval_packing is None else args.eval_packing
     if getattr(dataset, "format", {}).get("type") == "custom":
         raise ConfigError(
-            f"{name} has a transform (Dataset.with_transform), which tokenizing through map() "
+            f"{name} has a transform (Dataset.with_transform()), which tokenizing through map() "
             "would bake in. Apply deterministic transforms with map() first, or pass "
-            "dataset_kwargs={'skip_prepare_dataset': True} with rows ready for the collator."
+            "dataset_kwargs={'skip_prepare_dataset': True} with trainer-ready rows (tokenized for the collator)."
         )
     max_length = None if packing else args.max_length  # packing cuts to max_length itself
     report = data_report.start(name, len(dataset))
@@ -138,7 +139,8 @@ def _tokenize_row(
         truncation_mode=truncation_mode,
     )
     ids, mask = truncate(out["input_ids"], out["completion_mask"], max_length, truncation_mode, row)
-    return {"input_ids": ids, "completion_mask": mask, cut_column("max_length"): len(out["input_ids"]) - len(ids)}
+    labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]  # TRL's prepared layout: input_ids + labels
+    return {"input_ids": ids, "labels": labels, cut_column("max_length"): len(out["input_ids"]) - len(ids)}
 
 
 def _format_row(example, row, formatting_func):

@@ -177,7 +177,7 @@ class GKDTrainer(DistillationTrainer):
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         model_config = getattr(self.model, "generation_config", None)
         return GenerationConfig(
-            max_new_tokens=self.args.max_new_tokens,
+            max_new_tokens=getattr(self.args, "max_new_tokens", None) or self.args.max_completion_length,
             temperature=self.args.temperature,
             do_sample=True,
             top_k=0,

@@ -391,6 +391,11 @@ def chunked_loss_unsupported(model) -> str | None:
                 f"chunked_loss=True does not support models whose logits are transformed "
                 f"({attribute}={getattr(config, attribute)}); set chunked_loss=False."
             )
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return (
+            "chunked_loss=True does not support prompt learning (prompt tuning, p-tuning, prefix tuning), whose "
+            "virtual tokens make the decoder's output longer than the labels; set chunked_loss=False."
+        )
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or any("lora" in name for name, _ in head.named_modules()):
         return (

@@ -138,14 +138,15 @@ def load_sequence_classifier(
     padding, found through `config.pad_token_id`; it is set to the tokenizer's pad token (or the eos
     token when there is no tokenizer and no pad id) so that batched, padded scoring is correct.
     """
-    if isinstance(model, PreTrainedModel):
+    if isinstance(model, PreTrainedModel) or hasattr(model, "get_base_model"):  # a model object, PEFT-wrapped too
         _reject_kwargs_for_object(model_init_kwargs)
-        if not type(model).__name__.endswith("ForSequenceClassification"):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not type(base).__name__.endswith("ForSequenceClassification"):
             raise ConfigError(
-                f"A {type(model).__name__} is not a sequence classifier; pass its name or path "
+                f"A {type(base).__name__} is not a sequence classifier; pass its name or path "
                 "instead and it is loaded with a new classification head."
             )
-        _check_num_labels(model.config, num_labels, model.name_or_path)
+        _check_num_labels(base.config, num_labels, base.name_or_path)
     else:
         path = resolve_model_path(model)
         kwargs = from_pretrained_kwargs(model_init_kwargs)
@@ -173,6 +174,6 @@ def _check_num_labels(config, num_labels: int, name: str) -> None:
     if config.num_labels != num_labels:
         raise ConfigError(
             f"{name!r} is already a classifier with num_labels={config.num_labels}, but "
-            f"num_labels={num_labels} is needed (a reward model has 1). Pass a checkpoint with "
+            f"num_labels={num_labels} is needed (reward models require `num_labels=1`). Pass a checkpoint with "
             f"{num_labels} label(s), or its base causal LM to get a new head."
         )

@@ -1,6 +1,7 @@
 """TRL's `trl.trainer.sft_trainer` import path; the trainer lives in `posttrain.trainers.sft`."""
 
+from posttrain.data.trl_collators import DataCollatorForLanguageModeling
 from posttrain.trainers.sft import SFTTrainer
 from posttrain.trainers.sft_config import SFTConfig
 
-__all__ = ["SFTConfig", "SFTTrainer"]
+__all__ = ["DataCollatorForLanguageModeling", "SFTConfig", "SFTTrainer"]

@@ -4,10 +4,17 @@ reward model of the online trainers."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import set_seed
 
-from posttrain.data.preference import PreferenceCollator, prepare_preference_dataset
+from posttrain.data.preference import (
+    PreferenceCollator,
+    drop_overlong_rows,
+    prepare_preference_dataset,
+    tokenized_pairs_as_prompt_and_completions,
+)
 from posttrain.data.report import DataReport
 from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
 from posttrain.errors import ConfigError
@@ -62,6 +69,7 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     """
 
     _name = "Reward"  # the method the model card names and cites (posttrain/training/model_card.py)
+    _tag_names = ["trl", "reward-trainer"]  # the Hub tags TRL's RewardTrainer gives the model
 
     load_model = staticmethod(_load_reward_model)
 
@@ -86,7 +94,15 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         set_seed(args.seed)  # a checkpoint without a score head gets a new one: make its initialisation follow the seed
         if not isinstance(model, str):
             model = load_sequence_classifier(model, num_labels=1)  # checks the class and num_labels
-        if peft_config is not None and peft_config.task_type != "SEQ_CLS":
+        if peft_config is not None and peft_config.task_type is None and not peft_config.modules_to_save:
+            warnings.warn(  # TRL trains such a config as it is; so does posttrain, saying what it means
+                "peft_config.task_type is None: the adapter trains the backbone only, and the score head stays as it "
+                "was loaded (a new one is random) and is not saved with the adapter. Set task_type='SEQ_CLS' (or "
+                "modules_to_save=['score']) to train and save the score head too.",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif peft_config is not None and peft_config.task_type not in (None, "SEQ_CLS"):
             raise ConfigError(
                 f"peft_config.task_type is {peft_config.task_type!r}, but a reward model needs task_type='SEQ_CLS': "
                 "only then does PEFT train and save the new score head along with the adapter."
@@ -121,6 +137,10 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
         )
 
     def prepare_dataset(self, dataset, tokenizer, args: RewardConfig, name: str):
+        dataset = tokenized_pairs_as_prompt_and_completions(dataset, name)
+        if "prompt_ids" in dataset.column_names:  # tokenized already: only the length rule applies
+            report = DataReport.of(self).start(name, len(dataset))
+            return drop_overlong_rows(dataset, args.max_length, "drop", name, report)
         return prepare_preference_dataset(
             dataset,
             tokenizer,

@@ -152,6 +152,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                 loaded, tokenizer, added_tokens, eos_changed=args.eos_token is not None or bool(added_tokens)
             )
             self.router_aux_loss_coef = setup_router_aux_loss(loaded, args.router_aux_loss_coef)
+            self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
             self.adapt_vision_model(loaded, peft_config, args.freeze_vision_tower)
             return loaded
 
@@ -263,7 +264,9 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         loss_type, smoothing = self.args.loss_type, self.args.label_smoothing_factor
         if not self._chunked_loss:
             outputs = model(**inputs)
-            sums = token_loss_sums(outputs.logits, labels, loss_type, smoothing)
+            # PEFT prompt learning puts its virtual tokens before the sequence: their positions have no label
+            logits = outputs.logits[:, outputs.logits.shape[1] - labels.shape[1] :]
+            sums = token_loss_sums(logits, labels, loss_type, smoothing)
             return (*sums, getattr(outputs, "aux_loss", None))
         # Capture the decoder's final hidden states and ask the model for a single position's logits.
         unwrapped = self.accelerator.unwrap_model(model)

@@ -31,7 +31,7 @@ from posttrain.runtime.distributed import (
 from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
-from posttrain.training.model_card import write_model_card
+from posttrain.training.model_card import method_name, tag_model, write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
 from posttrain.training.streaming import prepare_datasets
@@ -349,6 +349,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         self._init_guards()
         self.add_callback(DataReportCallback(self))  # what data preparation cut or dropped, before training
         self.add_callback(RunArtifactsCallback(self))  # metrics.jsonl, report.html, README.md model card
+        tags = getattr(self, "_tag_names", None) or ["trl", method_name(self).lower().replace(" ", "-")]
+        tag_model(self.model, ["posttrain", *tags])
 
     def create_accelerator_and_postprocess(self):
         with fsdp_on_cpu():  # an FSDP launch config shards on a CPU too (posttrain/runtime/distributed.py)
@@ -463,8 +465,13 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        for key, values in self._metrics[mode].items():
-            if values:
-                logs[prefix + key] = sum(values) / len(values)
+        window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
+        if "train_runtime" in logs and not window:
+            # the end-of-training summary, right after the final window was logged (RunArtifactsCallback): it
+            # repeats that window's metrics, as TRL's summary carries the metrics of its last window
+            window = dict(getattr(self, "_last_train_window", {}))
+        elif mode == "train" and window:
+            self._last_train_window = window
+        logs.update({key: value for key, value in window.items() if key not in logs})
         self._metrics[mode].clear()
         super().log(logs, start_time)

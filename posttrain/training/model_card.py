@@ -199,6 +199,14 @@ def method_name(trainer) -> str:
     return getattr(trainer, "_name", None) or type(trainer).__name__.removesuffix("Trainer") or "posttrain"
 
 
+def tag_model(model, tags: list[str]) -> None:
+    """Adds Hub tags to the model (`model.model_tags`, written into its card when pushed): the method's name and
+    "trl" (the method family TRL's trainers tag with, so models trained with TRL's methods are found together)."""
+    target = getattr(model, "base_model", model) if not hasattr(model, "add_model_tags") else model
+    if hasattr(target, "add_model_tags"):
+        target.add_model_tags(tags)
+
+
 def base_model_id(trainer) -> str | None:
     config = getattr(getattr(trainer, "model", None), "config", None)
     name = getattr(config, "_name_or_path", None)

@@ -329,9 +329,10 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
         identity, reference, reference_kept = self._precompute_source
         if not reference_kept and self.state.global_step > 0:
             raise ConfigError(
-                f"evaluate() got a new {name} after training began, but with precompute_ref_log_probs=True and no "
-                "ref_model the reference (the untrained policy) is no longer in memory. Pass it as eval_dataset when "
-                "creating the trainer, pass ref_model, or set precompute_ref_log_probs=False."
+                f"Cannot compute reference log-probs for a dataset passed to evaluate() ({name}) after training "
+                "began: with precompute_ref_log_probs=True and no ref_model the reference (the untrained policy) is no "
+                "longer in memory. Pass it as eval_dataset when creating the trainer, pass ref_model, or set "
+                "precompute_ref_log_probs=False."
             )
         size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
         return self._with_ref_logps(dataset, identity, reference, size)
