@@ -99,3 +99,34 @@ def test_load_balancing_loss_on_the_shared_layout_is_the_padded_batchs(tokenizer
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True
         )
     torch.testing.assert_close(padded.aux_loss, reference.aux_loss, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_sft_repacks_padded_moe_batches_with_the_padded_balancing_loss(tmp_path, tokenizer, family):
+    """Padded SFT batches of an MoE model run on repacked rows with the balancing loss on: the loss (token loss plus
+    the weighted balancing loss) and every gradient of the padded forward (a float64 model; the token loss sums in
+    float32)."""
+    from posttrain.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tokenizer, seed=1, family=family, router_aux_loss_coef=0.5).double()
+    model.set_experts_implementation("eager")  # (grouped_mm has no float64 kernel)
+    data = Dataset.from_list([{"text": " ".join(WORDS[: 2 + (7 * i) % 15])} for i in range(8)])
+    args = SFTConfig(output_dir=str(tmp_path), max_length=32, **{**COMMON, "per_device_train_batch_size": 8})
+    trainer = SFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    assert trainer._repack_padded and trainer.router_aux_loss_coef == 0.5
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    from posttrain.models.layouts import repack_padded_batch
+
+    assert repack_padded_batch(dict(batch), batch["labels"], 32) is not None  # worth repacking
+    results = []
+    for repack in (True, False):
+        trainer._repack_padded = repack
+        model.zero_grad()
+        loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (repacked, repacked_grads), (padded, padded_grads) = results
+    torch.testing.assert_close(repacked, padded, rtol=1e-6, atol=0)
+    assert repacked_grads.keys() == padded_grads.keys() and any("gate" in n for n in padded_grads)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(repacked_grads[name], grad, rtol=1e-5, atol=1e-7)

@@ -285,7 +285,9 @@ class TransformersBackend(GenerationBackend):
         # A decode step's query sees every unpadded position: with SDPA that mask is given ready-made, which
         # spares transformers building it from the 2D mask at every step.
         # (Not with sliding-window layers, whose cache keeps only the window's keys.)
-        ready_mask = model.config._attn_implementation == "sdpa" and not any(layer.is_sliding for layer in cache.layers)
+        ready_mask = model.config._attn_implementation == "sdpa" and not any(
+            layer.is_sliding for layer in DynamicCache(config=model.config).layers
+        )
         for step in range(sampling.max_tokens):
             scores = logits
             if penalty is not None:  # over the padded prompt and the completion so far, as generate does
