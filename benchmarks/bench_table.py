@@ -309,7 +309,8 @@ def main() -> None:
     parser.add_argument(
         "--families",
         default="llama",
-        help="Comma-separated tiny-model families: " + ", ".join(FAMILY_NAMES) + " (a row per family and trainer).",
+        help="Comma-separated tiny-model families: " + ", ".join(FAMILY_NAMES) + " (a row per family and trainer); "
+        "'none' for no tiny-model rows.",
     )
     parser.add_argument(
         "--qwen3-smollm2", action="store_true", help="Add a SmolLM2-sized Qwen3 (random weights): SFT, DPO, GRPO."
@@ -329,7 +330,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_table_") as workdir:
         for trainer, setting, run in benchmarks(
             set(cli.only.split(",")),
-            cli.families.split(","),
+            [family for family in cli.families.split(",") if family != "none"],
             cli.smollm2,
             cli.qwen3_smollm2,
             Path(workdir),

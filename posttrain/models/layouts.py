@@ -420,11 +420,14 @@ def check_chunked_loss_supported(model) -> None:
         raise ConfigError(reason)
 
 
-def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) -> tuple[dict, torch.Tensor] | None:
+def repack_padded_batch(
+    inputs: dict, labels: torch.Tensor, hidden_size: int
+) -> tuple[dict, torch.Tensor, torch.Tensor] | None:
     """A right-padded batch laid out on fewer, fuller rows (`preference_common.repacked`: sequences side by side,
     position ids restarting at 0, which keeps attention within each), with its labels moved along and -100 on each
-    sequence's first token (the previous sequence's last token must not predict it); None when the batch is not
-    right-padded or repacking would not save enough. Every token then gets the loss it gets in the padded batch."""
+    sequence's first token (the previous sequence's last token must not predict it), and [rows, width] 1.0 where a
+    token of the padded batch sits, 0.0 on filler; None when the batch is not right-padded or repacking would not
+    save enough. Every token then gets the loss it gets in the padded batch."""
     view = right_padded_view(inputs["input_ids"], inputs["attention_mask"])
     packed = None if view is None else repacked(view, hidden_size)
     if packed is None:
@@ -436,8 +439,11 @@ def repack_padded_batch(inputs: dict, labels: torch.Tensor, hidden_size: int) ->
     )
     packed_labels[where[real]] = labels[real]
     packed_labels[where[:, 0]] = IGNORE_INDEX
+    taken = torch.zeros(packed_inputs["input_ids"].numel(), device=labels.device)
+    taken[where[real]] = 1.0
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-    return {**extra, **packed_inputs}, packed_labels.view_as(packed_inputs["input_ids"])
+    shape = packed_inputs["input_ids"].shape
+    return {**extra, **packed_inputs}, packed_labels.view(shape), taken.view(shape)
 
 
 def uses_flash_attention(model) -> bool:

@@ -3,6 +3,7 @@ prompt-completion pairs or pre-tokenized rows."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from posttrain.models.layouts import (
     uses_flash_attention,
 )
 from posttrain.models.loading import load_tokenizer
+from posttrain.models.router import balancing_loss_on_layouts, with_balancing_loss
 from posttrain.models.segment_attention import segment_attention, supports_segment_attention
 from posttrain.models.tied_embedding import tied_embedding
 from posttrain.trainers.sft_config import SFTConfig
@@ -173,7 +175,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             type(self)._forward_nll is SFTTrainer._forward_nll
             and not self._vision
             and self.compute_loss_func is None
-            and not getattr(self, "router_aux_loss_coef", 0.0)
+            and (not getattr(self, "router_aux_loss_coef", 0.0) or balancing_loss_on_layouts(self.model))
             and can_repack(self.model)
         )
         self._segment_attention = (
@@ -301,15 +303,16 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         inputs = {"use_cache": False, **inputs}
         labels = inputs.pop("labels")
         row_tokens = inputs.pop("num_input_tokens", None)
+        taken = None
         if self._repack_padded and "attention_mask" in inputs:
             hidden_size = self.accelerator.unwrap_model(model).config.get_text_config().hidden_size
             packed = repack_padded_batch(inputs, labels, hidden_size)
             if packed is not None:
                 row_tokens = inputs["attention_mask"].sum(-1)
-                inputs, labels = packed
+                inputs, labels, taken = packed
         aux_weight = getattr(self, "router_aux_loss_coef", 0.0)
-        if aux_weight:
-            inputs["output_router_logits"] = True
+        if aux_weight:  # on repacked rows the balancing loss comes from the recorded router logits instead
+            inputs["output_router_logits"] = taken is None
         if self.compute_loss_func is not None:
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
@@ -319,8 +322,14 @@ class SFTTrainer(VisionSetup, BaseTrainer):
                 _, correct, count, entropy = token_loss_sums(outputs.logits, labels)
             aux_loss = getattr(outputs, "aux_loss", None)
         else:
-            loss_sum, correct, count, *extra = self._forward_nll(model, inputs, labels)
+            forward = functools.partial(self._forward_nll, model, inputs, labels)
+            # (the padded batch's balancing loss: each token weighted by the padded-batch tokens it stands for)
+            result, recorded = (
+                with_balancing_loss(model, forward, taken) if aux_weight and taken is not None else (forward(), None)
+            )
+            loss_sum, correct, count, *extra = result
             entropy, aux_loss = (extra + [None, None])[:2]
+            aux_loss = aux_loss if recorded is None else recorded
             loss = self.effective_batch_mean(loss_sum, num_items_in_batch, count, model.training)
         if aux_weight and aux_loss is not None:
             # A per-micro-batch mean: averaged over the accumulation steps like the token loss is summed over them.

@@ -6,7 +6,8 @@ never builds the [tokens x vocab] logits: the decoder's hidden states at the pos
 token go through `posttrain.losses.logprobs.linear_logps`, chunk by chunk. A right-padded batch is also laid out
 anew when that saves enough work (`shared_layout`): the prompt a chosen and a rejected sequence share is computed
 once, and pairs are packed into rows without padding; a 4D attention mask keeps each sequence to itself, so every
-sequence gets the log-probs it would get alone.
+sequence gets the log-probs it would get alone (and a Mixture-of-Experts model the padded batch's load-balancing
+loss: `models/router.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from posttrain.losses.logprobs import TokenScores, linear_logps, selective_log_s
 from posttrain.losses.preference import length_desensitized_logps
 from posttrain.models.layouts import forward_hidden, is_right_padded, model_shared_layout, output_head, sequence_view
 from posttrain.models.reference import unwrap
+from posttrain.models.router import balancing_loss_on_layouts, with_balancing_loss
 from posttrain.models.tied_embedding import tied_embedding
 
 STAT_NAMES = {"mean_logits": "logits", "entropy": "entropy", "top1": "top1"}
@@ -69,12 +71,13 @@ def sequence_logps(
     vision = vision_inputs(batch)  # pixel values etc. of a vision-language batch
     head = None if vision else output_head(model)
     where = view.where
-    config = unwrap(model).config if head is not None else None
-    # (A Mixture-of-Experts load-balancing loss would count the new layout's filler tokens.)
+    # A Mixture-of-Experts model computes its load-balancing loss over the padded batch's 2D mask: on a new
+    # layout its router logits are recorded and the loss weighted by the tokens each position stands for.
+    moe = head is not None and (router_logits or getattr(unwrap(model).config, "output_router_logits", False))
+    packed = None
     if (
         head is not None
-        and not router_logits
-        and not getattr(config, "output_router_logits", False)
+        and (not moe or balancing_loss_on_layouts(model))
         and "attention_mask" in batch
         and is_right_padded(view.ids, batch["attention_mask"])
     ):
@@ -82,24 +85,37 @@ def sequence_logps(
         if packed is not None:
             inputs, where = packed
     inputs.update(vision)
-    if router_logits:
+    if moe and packed is not None:
+        inputs["output_router_logits"] = False  # (recorded here instead)
+    elif router_logits:
         inputs["output_router_logits"] = True
     # Position t of a sequence is predicted by its position t - 1.
     predictors = where[:, :-1][view.scored[:, 1:]]
     targets = view.ids[view.scored]
     if head is not None:
         with tied_embedding(unwrap(model), head.weight) as head_gradient:  # no second [vocab, hidden] gradient
-            hidden, outputs = forward_hidden(model, inputs)
+            if router_logits and packed is not None:
+                real = torch.arange(view.ids.shape[1], device=where.device)[None, :] < view.lengths[:, None]
+                weights = torch.zeros(inputs["input_ids"].numel(), device=where.device).index_add_(
+                    0, where[real], torch.ones(int(real.sum()), device=where.device)
+                )  # the padded batch's tokens each position stands for
+                (hidden, _), aux_loss = with_balancing_loss(
+                    model, lambda: forward_hidden(model, inputs), weights.view_as(inputs["input_ids"])
+                )
+            else:
+                hidden, outputs = forward_hidden(model, inputs)
+                aux_loss = getattr(outputs, "aux_loss", None)
         rows = hidden.reshape(-1, hidden.shape[-1])[predictors]
         scores = linear_logps(
             rows, head.weight, targets, head.bias, stats=stats, log_sum_sq=wpo, on_weight_grad=head_gradient
         )
     else:
         outputs = model(**inputs, use_cache=False)
+        aux_loss = getattr(outputs, "aux_loss", None)
         logits = outputs.logits.reshape(-1, outputs.logits.shape[-1])[predictors]
         extra = _logits_stats(logits.detach(), targets, wpo) if stats or wpo else {}
         scores = TokenScores(selective_log_softmax(logits, targets), **extra)
-    return assemble_scores(view.scored, scores, ld_alpha, getattr(outputs, "aux_loss", None))
+    return assemble_scores(view.scored, scores, ld_alpha, aux_loss)
 
 
 def assemble_scores(scored: torch.Tensor, scores: TokenScores, ld_alpha: float | None, aux_loss) -> SequenceLogps:
