@@ -77,7 +77,7 @@ def _task(model: str, folder: str):
     return model, AutoTokenizer.from_pretrained(model), data, target_tokens, settings
 
 
-def run_one(setting: str, steps: int, model: str, warmup: int = 2) -> dict:
+def run_one(setting: str, steps: int, model: str, warmup: int = 2, max_completion_length: int | None = None) -> dict:
     """One training run in this process; returns its timings."""
     import torch
     from transformers import TrainerCallback
@@ -92,6 +92,8 @@ def run_one(setting: str, steps: int, model: str, warmup: int = 2) -> dict:
 
     with tempfile.TemporaryDirectory() as folder:
         policy, tokenizer, data, reward, settings = _task(model, folder)
+        if max_completion_length is not None:
+            settings["max_completion_length"] = max_completion_length
         args = GRPOConfig(
             output_dir=folder,
             max_steps=steps,
