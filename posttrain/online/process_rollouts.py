@@ -92,6 +92,12 @@ def _check_settings(args) -> None:
             )
 
 
+def weight_slots(lookahead: int) -> int:
+    """Shared weight slots for `lookahead` rounds ahead: one per round that may wait for its own weights, the one
+    in use and one to write into (at least 3: in use, newest, being written)."""
+    return max(lookahead + 2, 3)
+
+
 def _why_no_process(trainer) -> str | None:
     """Why a generation process cannot serve `trainer`, or None when it can."""
     args = trainer.args
@@ -101,7 +107,7 @@ def _why_no_process(trainer) -> str | None:
         return f"training runs on {trainer.accelerator.device.type}, and the process split is for CPU cores"
     if args.use_transformers_continuous_batching or args.cache_implementation not in (None, "dynamic"):
         return "the generation process decodes with transformers' dynamic cache only"
-    needed = shared_bytes(trainer.model, args.async_generation_rounds + 2)
+    needed = shared_bytes(trainer.model, weight_slots(args.async_generation_rounds))
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < needed:
         return f"/dev/shm has less than the {needed >> 20} MiB the shared weight slots need"
     return None
@@ -129,7 +135,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         trainer, split = self.trainer, self.split
         self.context = torch.multiprocessing.get_context("spawn")
         unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
-        self.weights = SharedWeights(self.sampler_model, max(self.lookahead + 2, 3), self.context)
+        self.weights = SharedWeights(self.sampler_model, weight_slots(self.lookahead), self.context)
         tokenizer = tokenizer_of(trainer.processing_class)
         self.settings = WorkerSettings(
             pad_token_id=tokenizer.pad_token_id,

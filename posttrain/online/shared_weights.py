@@ -15,6 +15,7 @@ slot published, and each slot's version (the optimizer step of its weights; -1 w
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 
 import torch
 
@@ -111,8 +112,12 @@ class SharedWeights:
         """Points `params` at `slot` (None: the newest) when it holds a version other than `current`; returns
         the version `params` now hold. Without `block`, a busy lock leaves the weights as they are."""
         lock = self.table.get_lock()
-        if not lock.acquire(block):
+        if not block and not lock.acquire(False):
             return current
+        while block and not lock.acquire(timeout=LOCK_WAIT_S):
+            parent = multiprocessing.parent_process()
+            if parent is not None and not parent.is_alive():  # the trainer died, perhaps holding the lock
+                raise SystemExit(1)
         try:
             slot = self.table[NEWEST] if slot is None else slot
             version = -1 if slot < 0 else self.table[VERSIONS + slot]
