@@ -212,6 +212,7 @@ def test_evaluation_between_steps_leaves_the_asynchronous_run_unchanged(tmp_path
             max_steps=3,
             learning_rate=0.05,
             async_generation_rounds=1,
+            async_generation_process=False,
             eval_strategy="steps",
             eval_steps=1,
             per_device_eval_batch_size=4,
