@@ -128,7 +128,9 @@ def test_no_function_applying_to_any_sample_is_an_error():
 
 
 def test_weights_of_the_wrong_length():
-    with pytest.raises(ConfigError, match="reward_weights has 3 entries but there are 2 reward functions"):
+    with pytest.raises(
+        ConfigError, match=r"number of reward_weights \(3\) must match the number of reward functions \(2\)"
+    ):
         RewardScorer([constant([1] * 3), constant([1] * 3)], reward_weights=[1.0, 2.0, 3.0])
 
 
@@ -148,8 +150,18 @@ def test_processing_class_for_a_function_is_rejected(tokenizer):
         "is a function",
     ):
         RewardScorer([constant([1] * 3)], reward_processing_classes=[tokenizer])
-    with pytest.raises(ConfigError, match="reward_processing_classes has 2 entries but there are 1"):
+    with pytest.raises(ConfigError, match=r"reward_processing_classes \(2\) must match .* \(1\)"):  # TRL's words
         RewardScorer([constant([1] * 3)], reward_processing_classes=[None, None])
+
+
+def test_processing_classes_one_per_function_and_a_single_one_taken_as_a_list(tiny_model_path, tokenizer):
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    scorer = RewardScorer([reward_model], reward_processing_classes=tokenizer)  # not a list: TRL accepts it
+    assert scorer.processing_classes == [tokenizer]
+    scorer = RewardScorer([constant([1] * 3), reward_model], reward_processing_classes=[None, tokenizer])
+    assert scorer.processing_classes == [None, tokenizer]
+    with pytest.raises(ConfigError, match="must match"):
+        RewardScorer([constant([1] * 3), reward_model], reward_processing_classes=tokenizer)
 
 
 # --- columns --------------------------------------------------------------------------------------------------

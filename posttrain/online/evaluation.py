@@ -65,9 +65,8 @@ class OnlineEvaluation:
             if not prepared:
                 self.check_prompt_dataset(dataset, "eval_dataset")
                 dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
-        elif PROMPT_IDS_COLUMN not in dataset.column_names:  # a dataset handed to evaluate() directly
-            self.check_prompt_dataset(dataset, "eval_dataset")
-            dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
+        elif PROMPT_IDS_COLUMN not in dataset.column_names:  # eval_dataset as given, or one handed to evaluate()
+            dataset = self._prepared_eval(dataset)
         args, start = self.args, time.time()
         n = args.num_generations_eval or args.num_generations
         self._metrics["eval"].clear()
@@ -100,6 +99,19 @@ class OnlineEvaluation:
         Trainer.log(self, metrics)  # the engine's metrics are already in `metrics`
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _prepared_eval(self, dataset):
+        """`dataset` prepared, once per dataset object: `eval_dataset` stays as given (TRL's online trainers keep
+        it), so its prompts are tokenized at the first evaluation and reused at the next ones."""
+        if PROMPT_IDS_COLUMN in (dataset.column_names or ()):
+            return dataset
+        cache = self.__dict__.setdefault("_eval_prepared", {})
+        source, prepared = cache.get(id(dataset), (None, None))
+        if source is not dataset:
+            self.check_prompt_dataset(dataset, "eval_dataset")
+            prepared = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
+            cache[id(dataset)] = (dataset, prepared)  # the source is kept so that its id is not reused
+        return prepared
 
     @torch.no_grad()
     def _eval_loss(self, rollout) -> float:

@@ -205,6 +205,8 @@ class RewardScorer:
                 "No reward functions given; pass at least one function, model or model path in reward_funcs."
             )
         count = len(reward_funcs)
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, (list, tuple)):
+            reward_processing_classes = [reward_processing_classes]  # one tokenizer for one reward model, as TRL
         processing_classes = self._check_length(reward_processing_classes, count, "reward_processing_classes")
         weights = self._check_length(reward_weights, count, "reward_weights") or [1.0] * count
         for i, weight in enumerate(weights):
@@ -221,6 +223,8 @@ class RewardScorer:
         )
         self.names: list[str] = _unique(list(names))
         self.funcs: list = list(funcs)  # as given: functions, reward models (loaded from a name), callables
+        # per function: a reward model's tokenizer (given or loaded), None for a function (TRL's attribute)
+        self.processing_classes = [f.tokenizer if isinstance(f, _ModelReward) else None for f in funcs]
         for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
             if getattr(func, "sandbox", None) is not None:
                 from posttrain.rewards.sandbox import check_sandbox
@@ -234,7 +238,7 @@ class RewardScorer:
     def _check_length(values: list | None, count: int, setting: str) -> list | None:
         if values is not None and len(values) != count:
             raise ConfigError(
-                f"{setting} has {len(values)} entries but there are {count} reward functions; "
+                f"The number of {setting} ({len(values)}) must match the number of reward functions ({count}); "
                 f"give one per reward function, in the same order."
             )
         return values

@@ -117,6 +117,23 @@ class GRPOTrainer(OnlineTrainer):
     loss_reads_sampler_logps = True  # its policy_loss weighs each token by the sampler's log-prob
     accepts_images = True  # image prompts (posttrain/online/vision.py)
 
+    # TRL's two mask helpers, public on its GRPOTrainer; the training step uses the same functions.
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """True on the valid tokens whose entropy is at least the `threshold` quantile of the valid entropies of
+        every process (threshold 0.8 keeps the top 20%)."""
+        local = entropies[mask.bool()].float()  # entropies are >= 0: -1 marks the padding between processes
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0))
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, population=gathered[gathered >= 0])
+
+    @staticmethod
+    @torch.no_grad()
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """[B, 1] 1.0 to keep a sequence, 0.0 to drop it: dropped when its advantage is negative and its mean
+        log(pi_sampler / pi) over valid tokens exceeds `off_policy_threshold` (DeepSeek-V3.2)."""
+        return off_policy_sequence_mask(
+            per_token_logps, sampling_per_token_logps, advantages, mask, off_policy_threshold
+        )
+
     def __init__(
         self,
         model,
