@@ -559,6 +559,7 @@ def test_adaptive_entropy_coefficient_moves_and_survives_a_checkpoint(tmp_path, 
     first = train(tiny_model_path, tmp_path, max_steps=2, **settings)
     coefs = [logged(first, "entropy_coef", step) for step in (1, 2)]
     assert coefs == pytest.approx([0.1 + direction * 0.02, 0.1 + direction * 0.04])
+    assert first.entropy_coef == pytest.approx(coefs[-1])  # TRL's attribute: the coefficient now
     # Before the first measurement no bonus applies; at step 2 (entropy ~6 nats) only below a target of 100.
     assert logged(first, "loss", 1) == pytest.approx(logged(first, "policy_loss", 1), abs=1e-6)
     bonus = logged(first, "policy_loss", 2) - logged(first, "loss", 2)

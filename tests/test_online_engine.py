@@ -816,3 +816,17 @@ if __name__ == "__main__":
     assert record["world_size"] == int(os.environ.get("WORLD_SIZE", "1")) == 2, record["world_size"]
     os.makedirs(out_dir, exist_ok=True)
     torch.save(record, os.path.join(out_dir, f"rank{record['rank']}.pt"))
+
+
+def test_reward_functions_log_their_own_metrics_through_log_metric(tmp_path, tiny_model_path):
+    seen = []
+
+    def reward(completion_ids, log_metric, **kwargs):  # TRL's argument, asked for by name
+        lengths = [len(ids) for ids in completion_ids]
+        log_metric("mean_ids", sum(lengths) / len(lengths))
+        seen.append(sum(lengths) / len(lengths))
+        return [float(n) for n in lengths]
+
+    trainer = train(tiny_model_path, tmp_path, reward=reward, max_steps=2, logging_steps=1)
+    logged = [h["mean_ids"] for h in trainer.state.log_history if "mean_ids" in h and "train_loss" not in h]
+    assert len(seen) == 2 and logged == pytest.approx(seen)  # one round per step, logged at each step

@@ -68,7 +68,9 @@ def test_each_function_gets_only_the_arguments_its_signature_names():
         "solution": ["3", "blue", "animal"],
         "level": [1, 2, 3],
         "trainer_state": "STATE",
+        "log_metric": received["everything"]["log_metric"],  # a callable: a no-op without a trainer
     }
+    assert callable(received["everything"]["log_metric"])
 
 
 def test_names_come_from_functions_partials_and_are_made_unique():
@@ -467,3 +469,15 @@ def test_skip_policy_scores_the_batch_without_a_failing_function_and_counts_it()
         RewardScorer([flaky])(["p"], ["a"], [[1]], {})
     with pytest.raises(ConfigError, match="reward_failure_policy='ignore'"):
         RewardScorer([steady], failure_policy="ignore")
+
+
+def test_log_metric_reaches_the_function_and_defaults_to_a_no_op():
+    recorded = []
+
+    def reward(completions, log_metric, **kwargs):
+        log_metric("twice", 2.0 * len(completions))
+        return [1.0] * len(completions)
+
+    RewardScorer([reward])(["p"] * 3, ["c"] * 3, [[1]] * 3, {}, log_metric=lambda n, v: recorded.append((n, v)))
+    assert recorded == [("twice", 6.0)]
+    RewardScorer([reward])(["p"] * 2, ["c"] * 2, [[1]] * 2, {})  # no trainer: ignored

@@ -52,3 +52,30 @@ def test_grpo_off_policy_mask_in_trls_argument_order():
     keep = GRPOTrainer.get_off_policy_mask(advantages, logps, torch.zeros(3, 3), mask, 1.0)
     # row 0: negative advantage, mean KL 2 over its valid tokens (the padded 1e4 ignored) -> dropped
     assert keep.tolist() == [[0.0], [1.0], [1.0]]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_warns_when_built_that_sequence_level_ratios_with_token_sums_weigh_by_length(
+    tmp_path, tiny_model_path, caplog, loss_type
+):
+    from datasets import Dataset
+
+    from posttrain import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        importance_sampling_level="sequence",
+        loss_type=loss_type,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        report_to="none",
+        use_cpu=True,
+    )
+    with caplog.at_level("WARNING"):
+        GRPOTrainer(
+            tiny_model_path,
+            lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["a b", "c d", "e f", "g h"]}),
+        )
+    assert ("weights each sequence by its completion length" in caplog.text) == (loss_type != "grpo")

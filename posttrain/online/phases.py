@@ -144,6 +144,7 @@ class RoundPhases:
                 **self.episode_columns(episodes),
             },
             trainer_state=self.state,
+            log_metric=self.log_reward_metric,
         )
         return ScoredGroups(
             rows,
@@ -154,6 +155,10 @@ class RoundPhases:
             per_function,
             {"time/generation": generation_seconds, "time/scoring": time.perf_counter() - start},
         )
+
+    def log_reward_metric(self, name: str, value: float) -> None:
+        """A reward function's own metric (TRL's `log_metric` argument), logged as `name` in this mode's metrics."""
+        self._metrics[self.rollout_mode][name].append(float(value))
 
     def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
         """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""

@@ -1,12 +1,13 @@
 """Scoring a batch of completions with reward functions and reward models: the plumbing of the online trainers.
 
-A reward function is any callable `f(prompts, completions, completion_ids, **columns, trainer_state=...)` that
-returns one float per completion, or None where it does not apply. It is called with keyword arguments and gets
-only those its signature names (all of them if it takes `**kwargs`), so a function asks for exactly the dataset
-columns it needs. `async def` functions run concurrently on a background event loop, each under a time limit;
-plain functions run in the calling thread (math-verify's timeouts need the main thread). A reward model (a
-sequence classifier with one label, or its name/path) is wrapped into such a function that scores
-prompt + completion.
+A reward function is any callable `f(prompts, completions, completion_ids, **columns, trainer_state=...,
+log_metric=...)` that returns one float per completion, or None where it does not apply. It is called with keyword
+arguments and gets only those its signature names (all of them if it takes `**kwargs`), so a function asks for
+exactly the dataset columns it needs. `async def` functions run concurrently on a background event loop, each under
+a time limit; plain functions run in the calling thread (math-verify's timeouts need the main thread). A reward model
+(a sequence classifier with one label, or its name/path) is wrapped into such a function that scores
+prompt + completion. `log_metric(name, value)` (TRL's) records a number of the function's own, logged with the
+trainer's metrics (averaged over the logging window).
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ logger = logging.getLogger("posttrain")
 FAILURE_POLICIES = ("error", "skip")  # what a failing reward function does to the run
 
 # Keyword arguments every reward function may ask for; dataset columns are passed beside them by name.
-STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+_PER_BATCH = ("trainer_state", "log_metric")  # arguments that are not one value per sample
+
+
+def _ignore_metric(name: str, value: float) -> None:
+    """log_metric where no trainer records metrics (a scorer used on its own)."""
 
 
 class RewardFunctionError(RuntimeError):
@@ -300,6 +306,7 @@ class RewardScorer:
         completion_ids: list[list[int]],
         columns: dict[str, list],
         trainer_state: Any = None,
+        log_metric: Callable[[str, float], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rewards [N, F]` (float32, NaN = not applicable) and their weighted nansum `[N]` (NaN if none applies).
 
@@ -314,6 +321,7 @@ class RewardScorer:
             "completion_ids": completion_ids,
             **columns,
             "trainer_state": trainer_state,
+            "log_metric": log_metric or _ignore_metric,
         }
         async_rewards = [reward for reward in self._rewards if reward.is_async]
         # The async functions start first so that they run while the sync functions run here.
@@ -417,7 +425,7 @@ class RewardScorer:
         The function is rerun one sample at a time to find it; training stops here anyway.
         """
         for i in range(len(kwargs["prompts"])):
-            sample = {key: value if key == "trainer_state" else value[i : i + 1] for key, value in kwargs.items()}
+            sample = {key: value if key in _PER_BATCH else value[i : i + 1] for key, value in kwargs.items()}
             try:
                 self._call_one(reward, sample)
             except Exception as sample_error:  # noqa: BLE001 - any error is the one to report

@@ -15,6 +15,8 @@ OnlineTrainer's hooks.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from transformers import TrainerCallback
@@ -50,6 +52,10 @@ def group_has_variance(group: torch.Tensor) -> bool:
     """Whether a group's scored rewards (NaN: no reward applies) are at least two and not all equal."""
     scored = group[~group.isnan()]
     return scored.numel() >= 2 and bool((scored != scored[0]).any())
+
+
+logger = logging.getLogger("posttrain")
+TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")  # loss types that sum token terms over the step
 
 
 class _Float32Head(nn.Linear):
@@ -153,6 +159,13 @@ class GRPOTrainer(OnlineTrainer):
     ):
         """TRL's signature: `reward_funcs` may be left out when `environment_factory`'s environments give the reward
         (their `get_reward()`)."""
+        if args is not None and args.importance_sampling_level == "sequence" and args.loss_type in TOKEN_SUMS:
+            logger.warning(  # when the trainer is built, as TRL does, in TRL's words
+                "importance_sampling_level='sequence' with loss_type=%r sums per-token contributions, which "
+                "effectively weights each sequence by its completion length instead of the per-sequence objective; "
+                "GSPO's setup is loss_type='grpo'.",
+                args.loss_type,
+            )
         super().__init__(
             model,
             reward_funcs,
@@ -254,6 +267,12 @@ class GRPOTrainer(OnlineTrainer):
     def trains_entropy(self) -> bool:
         """Whether the loss has an entropy bonus (then the entropy keeps its gradient)."""
         return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute): the adaptive controller's, else the config's."""
+        controller = self.entropy_controller
+        return self.args.entropy_coef if controller is None else controller.coef
 
     @property
     def entropy_controller(self) -> AdaptiveEntropyController | None:
