@@ -235,6 +235,14 @@ def test_peft_reference_is_the_policy_with_its_adapter_off(tmp_path, tiny_model_
             torch.testing.assert_close(param, base.state_dict()[name.replace("base_layer.", "")])
 
 
+def test_a_peft_model_given_without_a_tokenizer_gets_its_base_models_tokenizer(tmp_path, tiny_model_path, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=4))
+    trainer = GRPOTrainer(model, low_id_fraction, train_dataset=prompt_dataset(), args=make_config(tmp_path))
+    assert trainer.processing_class.get_vocab() == tokenizer.get_vocab()  # loaded from the name the base came from
+
+
 def test_rloo_differs_from_grpo_only_in_its_advantages(tmp_path, tiny_model_path):
     settings = dict(
         reward=low_id_fraction, loss_type="dr_grpo", beta=0.0, optim="sgd", learning_rate=1.0, max_grad_norm=0.0

@@ -266,7 +266,7 @@ def test_tpo_data_errors_and_implicit_prompt(tmp_path, tiny_model_path):
     mismatched = Dataset.from_list(
         [{"chosen": "the cat is good", "rejected": "the cat is bad", "reference": "a dog is very good"}]
     )
-    with pytest.raises(DataError, match="reference"):
+    with pytest.raises(DataError, match="'reference' does not start with the implicit prompt"):  # TRL's words
         TPOTrainer(model, args=args, train_dataset=mismatched, processing_class=tok)
 
 
