@@ -830,3 +830,13 @@ def test_reward_functions_log_their_own_metrics_through_log_metric(tmp_path, tin
     trainer = train(tiny_model_path, tmp_path, reward=reward, max_steps=2, logging_steps=1)
     logged = [h["mean_ids"] for h in trainer.state.log_history if "mean_ids" in h and "train_loss" not in h]
     assert len(seen) == 2 and logged == pytest.approx(seen)  # one round per step, logged at each step
+
+
+def test_log_extra_columns_reach_the_completion_log(tmp_path, tiny_model_path):
+    def reward(completions, completion_ids, log_extra, **kwargs):  # TRL's argument
+        log_extra("n_ids", [len(ids) for ids in completion_ids])
+        return [float(len(ids)) for ids in completion_ids]
+
+    train(tiny_model_path, tmp_path, reward=reward, max_steps=1, log_completions=True)
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert records and all(r["extra"]["n_ids"] == r["reward"] for r in records)

@@ -68,9 +68,10 @@ def test_each_function_gets_only_the_arguments_its_signature_names():
         "solution": ["3", "blue", "animal"],
         "level": [1, 2, 3],
         "trainer_state": "STATE",
-        "log_metric": received["everything"]["log_metric"],  # a callable: a no-op without a trainer
+        "log_metric": received["everything"]["log_metric"],  # callables: no-ops without a trainer
+        "log_extra": received["everything"]["log_extra"],
     }
-    assert callable(received["everything"]["log_metric"])
+    assert callable(received["everything"]["log_metric"]) and callable(received["everything"]["log_extra"])
 
 
 def test_names_come_from_functions_partials_and_are_made_unique():
@@ -481,3 +482,21 @@ def test_log_metric_reaches_the_function_and_defaults_to_a_no_op():
     RewardScorer([reward])(["p"] * 3, ["c"] * 3, [[1]] * 3, {}, log_metric=lambda n, v: recorded.append((n, v)))
     assert recorded == [("twice", 6.0)]
     RewardScorer([reward])(["p"] * 2, ["c"] * 2, [[1]] * 2, {})  # no trainer: ignored
+
+
+def test_log_extra_hands_on_one_value_per_completion():
+    columns = {}
+
+    def reward(completions, log_extra, **kwargs):
+        log_extra("first_letter", [c[:1] for c in completions])
+        return [1.0] * len(completions)
+
+    RewardScorer([reward])(["p"] * 2, ["ab", "cd"], [[1]] * 2, {}, log_extra=columns.__setitem__)
+    assert columns == {"first_letter": ["a", "c"]}
+
+    def wrong(completions, log_extra, **kwargs):
+        log_extra("short", ["x"])
+        return [1.0] * len(completions)
+
+    with pytest.raises(DataError, match=r"log_extra\('short', ...\) got 1 values for 2 completions"):
+        RewardScorer([wrong])(["p"] * 2, ["ab", "cd"], [[1]] * 2, {})

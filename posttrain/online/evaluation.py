@@ -186,11 +186,13 @@ class OnlineEvaluation:
         rewards: list[float],
         per_function: list[list[float]] | None = None,
         transcripts: list[list[dict] | None] | None = None,
+        extra: dict[str, list] | None = None,
     ) -> None:
         """Appends the round's completions (all processes) to output_dir/completions.jsonl, with the total reward
         and each reward function's, and keeps them for the console print at the next log. An episode with tool
         turns also keeps its `transcript` (its messages: the tool calls and results), which the table and the
-        run report show with the calls and results marked; its decoded text alone has lost the turns' roles."""
+        run report show with the calls and results marked; its decoded text alone has lost the turns' roles. `extra`
+        holds the columns reward functions gave through `log_extra`, one value per completion."""
         names = self.reward_scorer.names
         records = []
         for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards)):
@@ -204,6 +206,8 @@ class OnlineEvaluation:
                 record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, per_function[i])}
             if transcripts is not None and transcripts[i]:
                 record["transcript"] = transcripts[i]
+            if extra:
+                record["extra"] = {column: values[i] for column, values in extra.items()}
             records.append(record)
         records = gather_object(records)
         if self.accelerator.is_main_process:

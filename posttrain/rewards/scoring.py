@@ -1,13 +1,14 @@
 """Scoring a batch of completions with reward functions and reward models: the plumbing of the online trainers.
 
 A reward function is any callable `f(prompts, completions, completion_ids, **columns, trainer_state=...,
-log_metric=...)` that returns one float per completion, or None where it does not apply. It is called with keyword
-arguments and gets only those its signature names (all of them if it takes `**kwargs`), so a function asks for
-exactly the dataset columns it needs. `async def` functions run concurrently on a background event loop, each under
-a time limit; plain functions run in the calling thread (math-verify's timeouts need the main thread). A reward model
-(a sequence classifier with one label, or its name/path) is wrapped into such a function that scores
+log_metric=..., log_extra=...)` that returns one float per completion, or None where it does not apply. It is called
+with keyword arguments and gets only those its signature names (all of them if it takes `**kwargs`), so a function
+asks for exactly the dataset columns it needs. `async def` functions run concurrently on a background event loop,
+each under a time limit; plain functions run in the calling thread (math-verify's timeouts need the main thread). A
+reward model (a sequence classifier with one label, or its name/path) is wrapped into such a function that scores
 prompt + completion. `log_metric(name, value)` (TRL's) records a number of the function's own, logged with the
-trainer's metrics (averaged over the logging window).
+trainer's metrics (averaged over the logging window); `log_extra(column, values)` (TRL's) adds a column of one value
+per completion to the completion log (completions.jsonl, with log_completions=True).
 """
 
 from __future__ import annotations
@@ -34,12 +35,27 @@ logger = logging.getLogger("posttrain")
 FAILURE_POLICIES = ("error", "skip")  # what a failing reward function does to the run
 
 # Keyword arguments every reward function may ask for; dataset columns are passed beside them by name.
-STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
-_PER_BATCH = ("trainer_state", "log_metric")  # arguments that are not one value per sample
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+_PER_BATCH = ("trainer_state", "log_metric", "log_extra")  # arguments that are not one value per sample
 
 
 def _ignore_metric(name: str, value: float) -> None:
     """log_metric where no trainer records metrics (a scorer used on its own)."""
+
+
+class _ExtraColumns:
+    """log_extra(column, values): checks there is one value per completion, then hands the column on (or drops it
+    where no trainer logs completions)."""
+
+    def __init__(self, sink: Callable[[str, list], None] | None, count: int) -> None:
+        self.sink, self.count = sink, count
+
+    def __call__(self, column: str, values) -> None:
+        values = list(values)
+        if len(values) != self.count:
+            raise DataError(f"log_extra({column!r}, ...) got {len(values)} values for {self.count} completions.")
+        if self.sink is not None:
+            self.sink(column, values)
 
 
 class RewardFunctionError(RuntimeError):
@@ -307,6 +323,7 @@ class RewardScorer:
         columns: dict[str, list],
         trainer_state: Any = None,
         log_metric: Callable[[str, float], None] | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rewards [N, F]` (float32, NaN = not applicable) and their weighted nansum `[N]` (NaN if none applies).
 
@@ -322,6 +339,7 @@ class RewardScorer:
             **columns,
             "trainer_state": trainer_state,
             "log_metric": log_metric or _ignore_metric,
+            "log_extra": _ExtraColumns(log_extra, len(prompts)),
         }
         async_rewards = [reward for reward in self._rewards if reward.is_async]
         # The async functions start first so that they run while the sync functions run here.
@@ -426,6 +444,7 @@ class RewardScorer:
         """
         for i in range(len(kwargs["prompts"])):
             sample = {key: value if key in _PER_BATCH else value[i : i + 1] for key, value in kwargs.items()}
+            sample["log_extra"] = _ExtraColumns(None, 1)  # one sample: its extra columns are not logged
             try:
                 self._call_one(reward, sample)
             except Exception as sample_error:  # noqa: BLE001 - any error is the one to report
