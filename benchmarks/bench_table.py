@@ -2,6 +2,7 @@
 
     python benchmarks/bench_table.py [--repeats 3] [--only sft,reward,kto,dpo,grpo,rloo] [--steps-scale 1]
         [--families llama,qwen2,qwen3,gemma3,mistral,qwen3_moe] [--smollm2] [--qwen3-smollm2]
+        [--sft-modes padded,packed,wrapped,completion,messages]
     python benchmarks/bench_table.py --only async [--repeats 3]
 
 Each cell comes from the trainer's own benchmark, whose run functions are imported and called here (never
@@ -115,8 +116,10 @@ def _cell(label: str, setting: str, target: str, cpu_rates, **kwargs) -> tuple:
     )
 
 
-def family_cells(family: str, only: set[str], workdir: Path, peak: float, steps) -> list[tuple]:
-    """The tiny-model cells of one family: SFT's modes, Reward, KTO, DPO, GRPO and RLOO."""
+def family_cells(
+    family: str, only: set[str], workdir: Path, peak: float, steps, sft_modes: tuple[str, ...] = tuple(SFT_MODES)
+) -> list[tuple]:
+    """The tiny-model cells of one family: SFT's modes (`sft_modes`), Reward, KTO, DPO, GRPO and RLOO."""
     from posttrain.models.tiny import save_tiny_model
 
     name, extra = FAMILY_NAMES[family], FAMILY_SETTINGS.get(family, {})
@@ -125,7 +128,8 @@ def family_cells(family: str, only: set[str], workdir: Path, peak: float, steps)
     if "sft" in only:
         path = save_tiny_model(root / "sft", family=family, hidden_size=256, num_layers=4, **extra)
         settings = dict(bench_sft.ROWS["tiny-llama"], steps=steps(bench_sft.ROWS["tiny-llama"]["steps"]))
-        for mode, label in SFT_MODES.items():
+        for mode in sft_modes:
+            label = SFT_MODES[mode]
             rates = lambda result: _sft_rates(result, peak, True)  # noqa: E731
             cells.append(
                 _cell(label, f"tiny {name}, batch 8", "bench_sft:train", rates, model_path=path, mode=mode, **settings)
@@ -236,13 +240,14 @@ def benchmarks(
     workdir: Path,
     peak: float,
     steps_scale: float,
+    sft_modes: tuple[str, ...] = tuple(SFT_MODES),
 ) -> list[tuple]:
     """(trainer, setting, {library: zero-argument run returning a rates dict}) for every cell of the table."""
 
     def steps(n: int) -> int:
         return max(3, round(n * steps_scale))
 
-    cells = [cell for family in families for cell in family_cells(family, only, workdir, peak, steps)]
+    cells = [cell for family in families for cell in family_cells(family, only, workdir, peak, steps, sft_modes)]
     if smollm2:
         cells += smollm2_cells(only, peak, steps)
     if qwen3_smollm2:
@@ -315,6 +320,9 @@ def main() -> None:
     parser.add_argument(
         "--qwen3-smollm2", action="store_true", help="Add a SmolLM2-sized Qwen3 (random weights): SFT, DPO, GRPO."
     )
+    parser.add_argument(
+        "--sft-modes", default=",".join(SFT_MODES), help="Comma-separated SFT modes: " + ", ".join(SFT_MODES) + "."
+    )
     parser.add_argument("--steps-scale", type=float, default=1.0, help="Scale every benchmark's step count.")
     parser.add_argument("--tcmalloc", action="store_true", help="Run both libraries with tcmalloc preloaded.")
     cli = parser.parse_args()
@@ -336,6 +344,7 @@ def main() -> None:
             Path(workdir),
             peak,
             cli.steps_scale,
+            tuple(cli.sft_modes.split(",")),
         ):
             runs = {lib: [] for lib in LIBRARIES}
             for repeat in range(cli.repeats):

@@ -400,3 +400,17 @@ def test_import_does_not_load_matplotlib():
     code = "import sys, posttrain.training.report; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_summarys_repeat_of_the_last_window_is_not_drawn_twice():
+    """The end-of-training summary repeats the last window's metrics (as TRL's does): one point, not two; a summary
+    that carries a window never logged before (TRL's logs) still adds its point."""
+    logged = [
+        {"loss": 2.0, "reward": 0.5, "step": 4},
+        {"train_runtime": 1.0, "train_loss": 2.0, "reward": 0.5, "step": 4},
+    ]
+    reward = metric_groups(logged)["reward"]["reward"]
+    assert (reward.steps, reward.values) == ([4], [0.5])
+    unlogged = [{"loss": 2.0, "reward": 0.5, "step": 4}, {"train_runtime": 1.0, "reward": 0.7, "step": 6}]
+    reward = metric_groups(unlogged)["reward"]["reward"]
+    assert (reward.steps, reward.values) == ([4, 6], [0.5, 0.7])

@@ -292,6 +292,13 @@ def test_the_training_summary_carries_the_last_windows_metrics(tmp_path, tiny_mo
     window, summary = trainer.state.log_history[-2:]
     assert "train_loss" in summary and summary["mean_token_accuracy"] == window["mean_token_accuracy"]
     assert summary["entropy"] == window["entropy"]
+    # On TRL's schedule (the last step logged as usual) TRL's summary holds no window, and neither does posttrain's.
+    trainer = SFTTrainer(
+        tiny_model_path, args=_args(tmp_path / "on", max_steps=3, logging_steps=1), train_dataset=_pc_data()
+    )
+    trainer.train()
+    assert len([row for row in trainer.state.log_history if "entropy" in row]) == 3
+    assert "train_loss" in trainer.state.log_history[-1] and "entropy" not in trainer.state.log_history[-1]
 
 
 def test_moe_aux_loss_is_enabled_and_logged(tmp_path):

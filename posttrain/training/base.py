@@ -335,6 +335,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         ensure_pad_token(getattr(processing_class, "tokenizer", processing_class))  # a processor's tokenizer
         model = prepare_model(model, args, peft_config, load=self.load_model, quantization_config=quantization_config)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._last_train_window: dict[str, float] = {}
         # map-style datasets prepared whole, streams chunk by chunk as they are read (training/streaming.py)
         train_dataset, eval_dataset = prepare_datasets(self, train_dataset, eval_dataset, processing_class, args)
         self.uses_default_collator = data_collator is None
@@ -472,12 +473,19 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
         window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
-        if "train_runtime" in logs and not window:
-            # the end-of-training summary, right after the final window was logged (RunArtifactsCallback): it
-            # repeats that window's metrics, as TRL's summary carries the metrics of its last window
-            window = dict(getattr(self, "_last_train_window", {}))
+        if "train_runtime" in logs and not window and self._final_window_off_schedule():
+            # RunArtifactsCallback logged the final partial window, which TRL's logging schedule skips and its
+            # end-of-training summary carries instead: the summary repeats it, so log_history[-1] reads as in TRL
+            window = dict(self._last_train_window)
         elif mode == "train" and window:
             self._last_train_window = window
         logs.update({key: value for key, value in window.items() if key not in logs})
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+    def _final_window_off_schedule(self) -> bool:
+        """Whether the last step's window was logged only because RunArtifactsCallback asks for it (not by the
+        logging schedule, which transformers' DefaultFlowCallback follows)."""
+        strategy = getattr(self.args.logging_strategy, "value", self.args.logging_strategy)
+        steps = self.state.logging_steps
+        return strategy != "steps" or not steps or self.state.global_step % steps != 0

@@ -132,11 +132,14 @@ def collect_series(log_history: list[dict[str, Any]]) -> dict[str, Series]:
                 "one, so add it when building the history by hand."
             )
         is_train_row = not any(key.startswith(EVAL_PREFIX) or key in RUN_STATISTICS for key in row)
+        summary = "train_runtime" in row  # the end-of-training summary, which repeats the last window's metrics
         for key, raw in row.items():
             value = as_number(raw)
             if key == "step" or value is None:
                 continue
             points = series.setdefault(key, Series([], []))
+            if summary and points.steps and points.steps[-1] == row["step"]:
+                continue  # that window is drawn already
             if math.isfinite(value):
                 if not points.steps:
                     series[key] = points = points._replace(window_start=last_train_step if is_train_row else step)
