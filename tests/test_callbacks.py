@@ -103,6 +103,24 @@ def test_bema_before_first_update_is_the_initial_model_and_frozen_params_are_kep
     assert "model.embed_tokens.weight" not in cb.param_names
 
 
+@pytest.mark.parametrize(
+    "kw, steps",
+    [
+        ({"update_freq": 2}, [2, 4, 6, 8]),
+        ({"update_freq": 3}, [3, 6, 9]),
+        ({"update_freq": 2, "update_after": 3}, [5, 7, 9]),
+    ],
+)
+def test_bema_updates_through_trls_method_name_on_its_schedule(tiny_model_path, monkeypatch, kw, steps):
+    # TRL's tests patch BEMACallback._update_bema_weights(step) to count the updates; the name and the steps match.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    cb = BEMACallback(**kw)
+    seen = []
+    monkeypatch.setattr(cb, "_update_bema_weights", seen.append)
+    _drive([cb], model, steps=9)
+    assert seen == steps
+
+
 def _trainer(tmp_path, tiny_model_path, tokenizer, eval_rows, callbacks=(), max_steps=2):
     rows = [tokenizer(t)["input_ids"] for t in ("the sky is blue", "one two three", "a cat is good", "hello world")]
     train = Dataset.from_dict({"input_ids": rows, "labels": rows})

@@ -235,6 +235,14 @@ def test_peft_reference_is_the_policy_with_its_adapter_off(tmp_path, tiny_model_
             torch.testing.assert_close(param, base.state_dict()[name.replace("base_layer.", "")])
 
 
+def test_a_peft_model_given_without_a_tokenizer_gets_its_base_models_tokenizer(tmp_path, tiny_model_path, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=4))
+    trainer = GRPOTrainer(model, low_id_fraction, train_dataset=prompt_dataset(), args=make_config(tmp_path))
+    assert trainer.processing_class.get_vocab() == tokenizer.get_vocab()  # loaded from the name the base came from
+
+
 def test_rloo_differs_from_grpo_only_in_its_advantages(tmp_path, tiny_model_path):
     settings = dict(
         reward=low_id_fraction, loss_type="dr_grpo", beta=0.0, optim="sgd", learning_rate=1.0, max_grad_norm=0.0
@@ -559,6 +567,7 @@ def test_adaptive_entropy_coefficient_moves_and_survives_a_checkpoint(tmp_path, 
     first = train(tiny_model_path, tmp_path, max_steps=2, **settings)
     coefs = [logged(first, "entropy_coef", step) for step in (1, 2)]
     assert coefs == pytest.approx([0.1 + direction * 0.02, 0.1 + direction * 0.04])
+    assert first.entropy_coef == pytest.approx(coefs[-1])  # TRL's attribute: the coefficient now
     # Before the first measurement no bonus applies; at step 2 (entropy ~6 nats) only below a target of 100.
     assert logged(first, "loss", 1) == pytest.approx(logged(first, "policy_loss", 1), abs=1e-6)
     bonus = logged(first, "policy_loss", 2) - logged(first, "loss", 2)

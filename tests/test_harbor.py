@@ -88,7 +88,7 @@ def test_agents_resolve_from_names_paths_and_classes(tmp_path):
     assert resolve_agent(f"{harness}:Mine").PROMPT_SUFFIX == " (mine)"
     with pytest.raises(ConfigError, match="unknown"):
         resolve_agent("python")
-    with pytest.raises(ConfigError, match="not a HarborEnv subclass"):
+    with pytest.raises(TypeError, match="not a HarborEnv subclass"):  # TRL's error type
         resolve_agent("pathlib:Path")
 
 
@@ -173,3 +173,16 @@ def test_outcome_reward_reads_environments_or_given_rewards():
 
     assert outcome_reward(environments=[Done(), Done()]) == [0.5, 0.5]
     assert outcome_reward(environment_reward=[1, 0]) == [1.0, 0.0]
+
+
+def test_trls_private_spec_module_path_gives_the_same_helpers():
+    # TRL's tests import the two helpers from trl.experimental.harbor._spec under private names.
+    from posttrain.experimental.harbor._spec import _outcome_reward_func, _resolve_agent
+
+    class Done:
+        reward = 1.0
+
+    assert _outcome_reward_func([Done()]) == [1.0]
+    assert _resolve_agent("bash") is HarborBashEnv
+    with pytest.raises(TypeError, match="not a HarborEnv subclass"):
+        _resolve_agent("posttrain.experimental.harbor:HarborSpec")

@@ -245,7 +245,8 @@ CONSTRUCTION_ERRORS = {
         DataError,
         r"'needs_solution' has a required parameter 'solution' .*\(columns: \['answer'\]",
     ),
-    "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward functions given"),
+    "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward source provided .no reward functions given"),
+    "no train_dataset": (dict(train_dataset=None), DataError, "`train_dataset` is required"),  # TRL's words
     "fewer prompts than a round": (
         dict(train_dataset=prompt_dataset(1)),
         DataError,
@@ -677,6 +678,35 @@ def test_evaluation_generates_for_every_eval_prompt_and_logs_eval_rewards(tmp_pa
     assert len(calls) == 1 + 3 and "eval_reward" in trainer.state.log_history[-2]
 
 
+def test_eval_dataset_is_kept_as_given_and_prepared_once(tmp_path, tiny_model_path, monkeypatch):
+    # TRL's online trainers keep `eval_dataset` as given; posttrain tokenizes its prompts at the first evaluate().
+    eval_data = prompt_dataset(4)
+    trainer = GRPOTrainer(
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
+        eval_dataset={"a": eval_data, "b": prompt_dataset(2)},
+        args=make_config(tmp_path, per_device_eval_batch_size=4),
+    )
+    assert trainer.eval_dataset["a"] is eval_data and "prompt_ids" not in eval_data.column_names
+    prepared = []
+    real = trainer.prepare_dataset
+    monkeypatch.setattr(trainer, "prepare_dataset", lambda d, *a: prepared.append(d) or real(d, *a))
+    first = trainer.evaluate()
+    second = trainer.evaluate()
+    assert second["eval_a_reward"] == first["eval_a_reward"]  # eval sampling is seeded
+    assert [d is eval_data for d in prepared].count(True) == 1 and len(prepared) == 2  # once per set, not per call
+    assert "eval_a_reward" in first and "eval_b_reward" in first
+    single = GRPOTrainer(
+        tiny_model_path,
+        low_id_fraction,
+        train_dataset=prompt_dataset(),
+        eval_dataset=eval_data,
+        args=make_config(tmp_path / "single", per_device_eval_batch_size=4),
+    )
+    assert single.eval_dataset is eval_data and math.isfinite(single.evaluate()["eval_reward"])
+
+
 def test_log_completions_prints_the_chosen_sample(tmp_path, tiny_model_path, capsys, monkeypatch):
     import posttrain.online.evaluation as online_eval
 
@@ -786,3 +816,27 @@ if __name__ == "__main__":
     assert record["world_size"] == int(os.environ.get("WORLD_SIZE", "1")) == 2, record["world_size"]
     os.makedirs(out_dir, exist_ok=True)
     torch.save(record, os.path.join(out_dir, f"rank{record['rank']}.pt"))
+
+
+def test_reward_functions_log_their_own_metrics_through_log_metric(tmp_path, tiny_model_path):
+    seen = []
+
+    def reward(completion_ids, log_metric, **kwargs):  # TRL's argument, asked for by name
+        lengths = [len(ids) for ids in completion_ids]
+        log_metric("mean_ids", sum(lengths) / len(lengths))
+        seen.append(sum(lengths) / len(lengths))
+        return [float(n) for n in lengths]
+
+    trainer = train(tiny_model_path, tmp_path, reward=reward, max_steps=2, logging_steps=1)
+    logged = [h["mean_ids"] for h in trainer.state.log_history if "mean_ids" in h and "train_loss" not in h]
+    assert len(seen) == 2 and logged == pytest.approx(seen)  # one round per step, logged at each step
+
+
+def test_log_extra_columns_reach_the_completion_log(tmp_path, tiny_model_path):
+    def reward(completions, completion_ids, log_extra, **kwargs):  # TRL's argument
+        log_extra("n_ids", [len(ids) for ids in completion_ids])
+        return [float(len(ids)) for ids in completion_ids]
+
+    train(tiny_model_path, tmp_path, reward=reward, max_steps=1, log_completions=True)
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert records and all(r["extra"]["n_ids"] == r["reward"] for r in records)

@@ -68,7 +68,10 @@ def test_each_function_gets_only_the_arguments_its_signature_names():
         "solution": ["3", "blue", "animal"],
         "level": [1, 2, 3],
         "trainer_state": "STATE",
+        "log_metric": received["everything"]["log_metric"],  # callables: no-ops without a trainer
+        "log_extra": received["everything"]["log_extra"],
     }
+    assert callable(received["everything"]["log_metric"]) and callable(received["everything"]["log_extra"])
 
 
 def test_names_come_from_functions_partials_and_are_made_unique():
@@ -128,7 +131,9 @@ def test_no_function_applying_to_any_sample_is_an_error():
 
 
 def test_weights_of_the_wrong_length():
-    with pytest.raises(ConfigError, match="reward_weights has 3 entries but there are 2 reward functions"):
+    with pytest.raises(
+        ConfigError, match=r"number of reward_weights \(3\) must match the number of reward functions \(2\)"
+    ):
         RewardScorer([constant([1] * 3), constant([1] * 3)], reward_weights=[1.0, 2.0, 3.0])
 
 
@@ -148,8 +153,18 @@ def test_processing_class_for_a_function_is_rejected(tokenizer):
         "is a function",
     ):
         RewardScorer([constant([1] * 3)], reward_processing_classes=[tokenizer])
-    with pytest.raises(ConfigError, match="reward_processing_classes has 2 entries but there are 1"):
+    with pytest.raises(ConfigError, match=r"reward_processing_classes \(2\) must match .* \(1\)"):  # TRL's words
         RewardScorer([constant([1] * 3)], reward_processing_classes=[None, None])
+
+
+def test_processing_classes_one_per_function_and_a_single_one_taken_as_a_list(tiny_model_path, tokenizer):
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    scorer = RewardScorer([reward_model], reward_processing_classes=tokenizer)  # not a list: TRL accepts it
+    assert scorer.processing_classes == [tokenizer]
+    scorer = RewardScorer([constant([1] * 3), reward_model], reward_processing_classes=[None, tokenizer])
+    assert scorer.processing_classes == [None, tokenizer]
+    with pytest.raises(ConfigError, match="must match"):
+        RewardScorer([constant([1] * 3), reward_model], reward_processing_classes=tokenizer)
 
 
 # --- columns --------------------------------------------------------------------------------------------------
@@ -455,3 +470,33 @@ def test_skip_policy_scores_the_batch_without_a_failing_function_and_counts_it()
         RewardScorer([flaky])(["p"], ["a"], [[1]], {})
     with pytest.raises(ConfigError, match="reward_failure_policy='ignore'"):
         RewardScorer([steady], failure_policy="ignore")
+
+
+def test_log_metric_reaches_the_function_and_defaults_to_a_no_op():
+    recorded = []
+
+    def reward(completions, log_metric, **kwargs):
+        log_metric("twice", 2.0 * len(completions))
+        return [1.0] * len(completions)
+
+    RewardScorer([reward])(["p"] * 3, ["c"] * 3, [[1]] * 3, {}, log_metric=lambda n, v: recorded.append((n, v)))
+    assert recorded == [("twice", 6.0)]
+    RewardScorer([reward])(["p"] * 2, ["c"] * 2, [[1]] * 2, {})  # no trainer: ignored
+
+
+def test_log_extra_hands_on_one_value_per_completion():
+    columns = {}
+
+    def reward(completions, log_extra, **kwargs):
+        log_extra("first_letter", [c[:1] for c in completions])
+        return [1.0] * len(completions)
+
+    RewardScorer([reward])(["p"] * 2, ["ab", "cd"], [[1]] * 2, {}, log_extra=columns.__setitem__)
+    assert columns == {"first_letter": ["a", "c"]}
+
+    def wrong(completions, log_extra, **kwargs):
+        log_extra("short", ["x"])
+        return [1.0] * len(completions)
+
+    with pytest.raises(DataError, match=r"log_extra\('short', ...\) got 1 values for 2 completions"):
+        RewardScorer([wrong])(["p"] * 2, ["ab", "cd"], [[1]] * 2, {})

@@ -221,7 +221,11 @@ def test_data_errors(tmp_path, tiny_model_path):
         RewardTrainer(tiny_model_path, args=_args(tmp_path), train_dataset=Dataset.from_list([{"chosen": "a"}]))
     with pytest.raises(DataError, match="Row 1, column 'rejected': expected a string, got NoneType"):
         rows = [{"chosen": "a", "rejected": "b"}, {"chosen": "a", "rejected": None}]
-        RewardTrainer(tiny_model_path, args=_args(tmp_path), eval_dataset=Dataset.from_list(rows))
+        RewardTrainer(
+            tiny_model_path, args=_args(tmp_path), train_dataset=_unequal_pairs(), eval_dataset=Dataset.from_list(rows)
+        )
+    with pytest.raises(DataError, match="`train_dataset` is required"):  # TRL's words
+        RewardTrainer(tiny_model_path, args=_args(tmp_path))
 
 
 def test_pretokenized_pairs_and_a_peft_model_as_trl_takes_them(tmp_path, tiny_model_path, tokenizer):

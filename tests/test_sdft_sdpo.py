@@ -364,6 +364,25 @@ def test_sdpo_needs_reward_functions_and_ema_refuses_peft(tmp_path, tokenizer):
         )
 
 
+def test_sdpo_warns_in_trls_words_when_rewards_are_flat_or_nothing_is_distilled(tmp_path, tokenizer, caplog):
+    trainer = SDPOTrainer(
+        build_tiny_model(tokenizer),
+        lambda completions, **kw: [0.0] * len(completions),
+        args=SDPOConfig(**_kw(tmp_path, max_steps=4, diagnostics_warning_interval=2)),
+        train_dataset=_sdft_data(),
+        processing_class=tokenizer,
+    )
+    flat, varied = torch.zeros(4), torch.tensor([0.0, 1.0, 0.0, 0.5])
+    flat_text, inactive_text = "Observed flat SDPO rewards", "SDPO self-distillation is inactive because no reprompted"
+    with caplog.at_level("WARNING"):
+        for step, rewards in enumerate([flat, flat, varied, flat, flat]):
+            caplog.clear()
+            trainer._record_rewards("train", rewards, rewards[:, None], 2, [None] * 4, [False] * 4, 0, 0)
+            # flat rewards: steps 0-1 (2 in a row) and 3-4 (2 again after the varied one); nothing distilled: 5 steps
+            assert (flat_text in caplog.text) == (step in (1, 4)), step
+            assert (inactive_text in caplog.text) == (step == 1 or step == 3), step
+
+
 # -- learning ----------------------------------------------------------------------------------------------------
 def _train_kw(tmp_path, **kw):
     return _kw(
@@ -491,7 +510,7 @@ def test_teacher_prompt_for_conversations_and_missing_context(tmp_path, tokenize
     )
     with pytest.raises(DataError, match="user"):
         with_user_text(prompt[:1] + [{"role": "assistant", "content": "x"}], "{prompt}")
-    with pytest.raises(DataError, match="privileged_context"):
+    with pytest.raises(DataError, match="`privileged_context` must not be None"):  # TRL's text
         privileged_text(None)
 
 

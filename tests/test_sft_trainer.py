@@ -310,3 +310,15 @@ def test_moe_aux_loss_is_enabled_and_logged(tmp_path):
     assert trainer.aux_loss_enabled
     trainer.train()
     assert trainer.state.log_history[-1]["aux_loss"] > 0
+
+
+def test_sharegpt_conversations_column_trains_as_messages(tmp_path, tiny_model_path):
+    # TRL reads a ShareGPT `conversations` column of from/value turns as `messages`.
+    rows = _chat_data(4)
+    sharegpt = rows.map(
+        lambda r: {"conversations": [{"from": m["role"], "value": m["content"]} for m in r["messages"]]},
+        remove_columns=["messages"],
+    )
+    ours = SFTTrainer(tiny_model_path, args=_args(tmp_path / "a"), train_dataset=sharegpt).train_dataset
+    reference = SFTTrainer(tiny_model_path, args=_args(tmp_path / "b"), train_dataset=rows).train_dataset
+    assert ours["input_ids"] == reference["input_ids"] and ours["labels"] == reference["labels"]

@@ -266,7 +266,7 @@ def test_tpo_data_errors_and_implicit_prompt(tmp_path, tiny_model_path):
     mismatched = Dataset.from_list(
         [{"chosen": "the cat is good", "rejected": "the cat is bad", "reference": "a dog is very good"}]
     )
-    with pytest.raises(DataError, match="reference"):
+    with pytest.raises(DataError, match="'reference' does not start with the implicit prompt"):  # TRL's words
         TPOTrainer(model, args=args, train_dataset=mismatched, processing_class=tok)
 
 
@@ -344,3 +344,21 @@ def test_tpo_data_report_counts_drops_and_the_collators_cuts(tmp_path, tiny_mode
         == sum(any(len(r["prompt_ids"]) + len(r[c]) > limit for c in columns) for r in rows)
         > 0
     )
+
+
+@pytest.mark.parametrize("include_reference", [True, False])
+def test_tpo_collator_at_trls_module_path_lays_out_trls_batch(include_reference):
+    from posttrain.experimental.tpo.tpo_trainer import DataCollatorForTriplePreference
+
+    rows = [
+        {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6], "reference_ids": [7, 8]},
+        {"prompt_ids": [9, 10], "chosen_ids": [11], "rejected_ids": [12, 13], "reference_ids": [14]},
+    ]
+    batch = DataCollatorForTriplePreference(pad_token_id=0, include_reference=include_reference)(rows)
+    ids = [[1, 2, 3, 4, 5], [9, 10, 11, 0, 0], [1, 2, 3, 6, 0], [9, 10, 12, 13, 0], [1, 2, 3, 7, 8], [9, 10, 14, 0, 0]]
+    completion = [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
+    n = 6 if include_reference else 4
+    assert set(batch) == {"input_ids", "attention_mask", "completion_mask"}
+    assert batch["input_ids"].tolist() == ids[:n]
+    assert batch["completion_mask"].tolist() == completion[:n]
+    assert batch["attention_mask"].tolist() == [[int(t != 0) for t in row] for row in ids[:n]]

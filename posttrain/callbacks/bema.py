@@ -81,7 +81,7 @@ class BEMACallback(TrainerCallback):
                 self.running_params.append(running[name])
 
     @torch.no_grad()
-    def _update(self, step: int) -> None:
+    def _update_bema_weights(self, step: int) -> None:
         beta, alpha = self._ema_beta(step), self._bema_alpha(step)
         for theta_t, theta_0, ema, out in zip(
             self.thetat_params, self.theta0_params, self.ema_params, self.running_params
@@ -100,7 +100,7 @@ class BEMACallback(TrainerCallback):
                 theta_0.copy_(theta_t)
                 ema.copy_(theta_t)
         elif (step - self.update_after) % self.update_freq == 0:
-            self._update(step)
+            self._update_bema_weights(step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.running_model is not None:

@@ -70,6 +70,9 @@ def _tokenize(dataset, tokenizer, args, max_length, name: str, formatting_func):
                 f"{columns}). Set dataset_text_field to the column that holds the text."
             )
     first = dataset[0] if len(dataset) else {}
+    if "messages" not in first and is_message_list(first.get("conversations")):  # ShareGPT's column name, as TRL
+        dataset = dataset.rename_column("conversations", "messages")
+        first = dataset[0]
     if any(is_message_list(v) and any("from" in m for m in v) for v in first.values()):
         dataset = dataset.map(normalize_example, desc="Converting ShareGPT rows")
     fmt: DatasetFormat = validate_dataset(dataset, ("language_modeling", "prompt_completion"), "SFTTrainer", name)

@@ -84,7 +84,9 @@ def privileged_text(context: Any) -> str:
     """A privileged_context as text: a string, the non-empty contents of a message list joined by newlines, or
     str() of anything else."""
     if context is None:
-        raise DataError("A row has no 'privileged_context' (None); SDFT's teacher prompt needs one per row.")
+        raise DataError(  # TRL's words first
+            "`privileged_context` must not be None: a row has none, and SDFT's teacher prompt needs one per row."
+        )
     if isinstance(context, list) and context and isinstance(context[0], dict):
         return "\n".join(t for t in (message_text(m.get("content", "")) for m in context) if t)
     return context if isinstance(context, str) else str(context)

@@ -132,7 +132,7 @@ class A2POTrainer(GRPOTrainer):
         args, n = self.args, self.args.num_value_samples
         values, all_incorrect = {}, set()
         evals = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
-        for dataset in [self.train_dataset, *[d for d in evals if d is not None]]:
+        for dataset in [self.train_dataset, *[self._prepared_eval(d) for d in evals if d is not None]]:
             for start in range(0, len(dataset), args.per_device_train_batch_size):
                 rows = [dataset[i] for i in range(start, min(start + args.per_device_train_batch_size, len(dataset)))]
                 seeds = [derive_seed(args.seed, _STAGE1_TAG, start + i) for i in range(len(rows))]

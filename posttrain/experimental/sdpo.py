@@ -163,7 +163,7 @@ class SDPOTrainer(SelfDistillationTrainer):
         if classes is not None and not isinstance(classes, list):
             classes = [classes]
         self._scorer = RewardScorer(funcs, args.reward_weights, classes)
-        self._flat_steps = 0
+        self._flat_steps = self._flat_reward_steps = 0
         super().__init__(
             model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers, peft_config, **kwargs
         )
@@ -250,12 +250,20 @@ class SDPOTrainer(SelfDistillationTrainer):
         metrics["self_distillation/feedback_available_fraction"].append(has_feedback / n)
         metrics["self_distillation/feedback_used_fraction"].append(used_feedback / n)
         metrics["self_distillation/reprompt_sample_fraction"].append(sum(active) / n)
+        flat = bool((rewards.std() if len(rewards) > 1 else rewards.new_zeros(())) <= tolerance)
+        self._flat_reward_steps = self._flat_reward_steps + 1 if flat and bool((group_std <= tolerance).all()) else 0
         self._flat_steps = 0 if any(active) else self._flat_steps + 1
         interval = self.args.diagnostics_warning_interval
+        if interval and self._flat_reward_steps and self._flat_reward_steps % interval == 0:
+            logger.warning(  # TRL's text
+                "Observed flat SDPO rewards across all sampled generations (%d steps in a row). Policy advantages "
+                "collapse to zero and SDPO will not learn: check the reward functions or success_reward_threshold.",
+                self._flat_reward_steps,
+            )
         if interval and self._flat_steps and self._flat_steps % interval == 0:
-            logger.warning(
-                "SDPO: no completion was distilled for %d steps in a row: no completion reached "
-                "success_reward_threshold=%s and no feedback was used. Check the rewards or lower the threshold.",
+            logger.warning(  # TRL's text, then which threshold
+                "SDPO self-distillation is inactive because no reprompted samples were constructed: for %d steps "
+                "in a row no completion reached success_reward_threshold=%s and no feedback was used.",
                 self._flat_steps,
                 self.args.success_reward_threshold,
             )

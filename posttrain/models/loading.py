@@ -107,8 +107,8 @@ def load_tokenizer(
     """
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         source = tokenizer or model_name_or_path
-        if isinstance(source, PreTrainedModel):
-            source = source.name_or_path
+        if not isinstance(source, str):  # a model, PEFT-wrapped ones included: the name it was loaded from
+            source = getattr(source, "name_or_path", None) or source.config._name_or_path
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

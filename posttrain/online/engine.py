@@ -129,6 +129,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     """
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
+    prepares_eval_on_use: ClassVar[bool] = True  # trainer.eval_dataset is the set given, as in TRL
     # What the asynchronous producer (async_rollouts.py) needs to know of a method, declared on its class. A class
     # that defines its own loss is taken not to correct stale samples with the sampler's log-probs unless it says
     # so; one that defines its own generate_episodes generates in a way the producer cannot take over.
@@ -168,7 +169,9 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     ):
         args = args or self.config_class(output_dir=f"outputs/{type(self).__name__.removesuffix('Trainer').lower()}")
         if train_dataset is None:
-            raise DataError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
+            raise DataError(
+                f"`train_dataset` is required: {type(self).__name__} trains on a dataset with a 'prompt' column."
+            )
         require_prompt_column(train_dataset, "train_dataset")
         self._setup_rewards(
             reward_funcs, args, train_dataset, reward_processing_classes, tools, rollout_func, environment_factory
@@ -215,7 +218,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             reward_funcs = []  # the environment gives the reward
         if (not reward_funcs and environment_factory is None) or any(f is None for f in reward_funcs):
             raise ConfigError(
-                "No reward functions given: pass reward_funcs, e.g. a function "
+                "No reward source provided (no reward functions given): pass reward_funcs, e.g. a function "
                 "f(prompts, completions, **columns) -> list[float], a reward model, or a list of them."
             )
         if is_streaming(train_dataset):
@@ -227,7 +230,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             reward_funcs += [function for _, function in self.environments.reward_functions()]
         if not reward_funcs:
             raise ConfigError(
-                "No reward source: pass reward_funcs, or an environment_factory whose environment defines a "
+                "No reward source provided: pass reward_funcs, or an environment_factory whose environment defines a "
                 "get_reward() method (its return value is the episode's reward)."
             )
         self.reward_scorer = RewardScorer(
@@ -257,6 +260,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
                 SyncRefModelCallback(self.ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
             )
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
         self.async_rollouts = make_rollout_producer(self)  # process_rollouts.py, async_rollouts.py
         self.rollout: Rollout | None = None
@@ -322,6 +326,11 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     def reward_funcs(self) -> list:
         """The reward sources, in order (TRL's attribute): functions, reward models, an environment's get_reward."""
         return self.reward_scorer.funcs
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """Per reward source, the reward model's tokenizer (given or loaded), None for a function (TRL's attribute)."""
+        return self.reward_scorer.processing_classes
 
     @property
     def reward_weights(self) -> torch.Tensor:

@@ -65,9 +65,8 @@ class OnlineEvaluation:
             if not prepared:
                 self.check_prompt_dataset(dataset, "eval_dataset")
                 dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
-        elif PROMPT_IDS_COLUMN not in dataset.column_names:  # a dataset handed to evaluate() directly
-            self.check_prompt_dataset(dataset, "eval_dataset")
-            dataset = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
+        elif PROMPT_IDS_COLUMN not in dataset.column_names:  # eval_dataset as given, or one handed to evaluate()
+            dataset = self._prepared_eval(dataset)
         args, start = self.args, time.time()
         n = args.num_generations_eval or args.num_generations
         self._metrics["eval"].clear()
@@ -100,6 +99,19 @@ class OnlineEvaluation:
         Trainer.log(self, metrics)  # the engine's metrics are already in `metrics`
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _prepared_eval(self, dataset):
+        """`dataset` prepared, once per dataset object: `eval_dataset` stays as given (TRL's online trainers keep
+        it), so its prompts are tokenized at the first evaluation and reused at the next ones."""
+        if PROMPT_IDS_COLUMN in (dataset.column_names or ()):
+            return dataset
+        cache = self.__dict__.setdefault("_eval_prepared", {})
+        source, prepared = cache.get(id(dataset), (None, None))
+        if source is not dataset:
+            self.check_prompt_dataset(dataset, "eval_dataset")
+            prepared = self.prepare_dataset(dataset, self.processing_class, self.args, "eval_dataset")
+            cache[id(dataset)] = (dataset, prepared)  # the source is kept so that its id is not reused
+        return prepared
 
     @torch.no_grad()
     def _eval_loss(self, rollout) -> float:
@@ -174,11 +186,13 @@ class OnlineEvaluation:
         rewards: list[float],
         per_function: list[list[float]] | None = None,
         transcripts: list[list[dict] | None] | None = None,
+        extra: dict[str, list] | None = None,
     ) -> None:
         """Appends the round's completions (all processes) to output_dir/completions.jsonl, with the total reward
         and each reward function's, and keeps them for the console print at the next log. An episode with tool
         turns also keeps its `transcript` (its messages: the tool calls and results), which the table and the
-        run report show with the calls and results marked; its decoded text alone has lost the turns' roles."""
+        run report show with the calls and results marked; its decoded text alone has lost the turns' roles. `extra`
+        holds the columns reward functions gave through `log_extra`, one value per completion."""
         names = self.reward_scorer.names
         records = []
         for i, (prompt, text, reward) in enumerate(zip(prompts, texts, rewards)):
@@ -192,6 +206,8 @@ class OnlineEvaluation:
                 record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, per_function[i])}
             if transcripts is not None and transcripts[i]:
                 record["transcript"] = transcripts[i]
+            if extra:
+                record["extra"] = {column: values[i] for column, values in extra.items()}
             records.append(record)
         records = gather_object(records)
         if self.accelerator.is_main_process:

@@ -38,6 +38,7 @@ class ScoredGroups:
     rewards: torch.Tensor  # [len(rows) * n]
     per_function: torch.Tensor  # [len(rows) * n, reward functions]
     timings: dict[str, float]
+    extra: dict[str, list] = dataclasses.field(default_factory=dict)  # reward functions' log_extra columns
 
     def groups(self, indices: list[int]) -> ScoredGroups:
         """The groups (rows) at `indices`, with their episodes."""
@@ -52,6 +53,7 @@ class ScoredGroups:
             self.rewards[rows],
             self.per_function[rows],
             dict(self.timings),
+            {column: [values[i] for i in items] for column, values in self.extra.items()},
         )
 
     @staticmethod
@@ -68,6 +70,10 @@ class ScoredGroups:
             torch.cat([p.rewards for p in parts]),
             torch.cat([p.per_function for p in parts]),
             timings,
+            {
+                c: sum((p.extra.get(c, [None] * len(p.prompts)) for p in parts), [])
+                for c in {c for p in parts for c in p.extra}
+            },
         )
 
 
@@ -112,7 +118,7 @@ class RoundPhases:
         )
         if args.log_completions and mode == "train":
             self.log_completions(
-                prompts, texts, rewards.tolist(), per_function.tolist(), [e.messages for e in episodes]
+                prompts, texts, rewards.tolist(), per_function.tolist(), [e.messages for e in episodes], scored.extra
             )
         return rollout
 
@@ -135,6 +141,7 @@ class RoundPhases:
         start = time.perf_counter()
         prompts = [row[PROMPT_COLUMN] for row in rows for _ in range(n)]
         texts, completions = self.completion_texts(prompts, episodes)
+        extra: dict[str, list] = {}
         per_function, rewards = self.reward_scorer(
             prompts=prompts,
             completions=completions,
@@ -144,6 +151,8 @@ class RoundPhases:
                 **self.episode_columns(episodes),
             },
             trainer_state=self.state,
+            log_metric=self.log_reward_metric,
+            log_extra=extra.__setitem__,
         )
         return ScoredGroups(
             rows,
@@ -153,7 +162,12 @@ class RoundPhases:
             rewards,
             per_function,
             {"time/generation": generation_seconds, "time/scoring": time.perf_counter() - start},
+            extra,
         )
+
+    def log_reward_metric(self, name: str, value: float) -> None:
+        """A reward function's own metric (TRL's `log_metric` argument), logged as `name` in this mode's metrics."""
+        self._metrics[self.rollout_mode][name].append(float(value))
 
     def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
         """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""

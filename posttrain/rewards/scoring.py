@@ -1,12 +1,14 @@
 """Scoring a batch of completions with reward functions and reward models: the plumbing of the online trainers.
 
-A reward function is any callable `f(prompts, completions, completion_ids, **columns, trainer_state=...)` that
-returns one float per completion, or None where it does not apply. It is called with keyword arguments and gets
-only those its signature names (all of them if it takes `**kwargs`), so a function asks for exactly the dataset
-columns it needs. `async def` functions run concurrently on a background event loop, each under a time limit;
-plain functions run in the calling thread (math-verify's timeouts need the main thread). A reward model (a
-sequence classifier with one label, or its name/path) is wrapped into such a function that scores
-prompt + completion.
+A reward function is any callable `f(prompts, completions, completion_ids, **columns, trainer_state=...,
+log_metric=..., log_extra=...)` that returns one float per completion, or None where it does not apply. It is called
+with keyword arguments and gets only those its signature names (all of them if it takes `**kwargs`), so a function
+asks for exactly the dataset columns it needs. `async def` functions run concurrently on a background event loop,
+each under a time limit; plain functions run in the calling thread (math-verify's timeouts need the main thread). A
+reward model (a sequence classifier with one label, or its name/path) is wrapped into such a function that scores
+prompt + completion. `log_metric(name, value)` (TRL's) records a number of the function's own, logged with the
+trainer's metrics (averaged over the logging window); `log_extra(column, values)` (TRL's) adds a column of one value
+per completion to the completion log (completions.jsonl, with log_completions=True).
 """
 
 from __future__ import annotations
@@ -33,7 +35,27 @@ logger = logging.getLogger("posttrain")
 FAILURE_POLICIES = ("error", "skip")  # what a failing reward function does to the run
 
 # Keyword arguments every reward function may ask for; dataset columns are passed beside them by name.
-STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+_PER_BATCH = ("trainer_state", "log_metric", "log_extra")  # arguments that are not one value per sample
+
+
+def _ignore_metric(name: str, value: float) -> None:
+    """log_metric where no trainer records metrics (a scorer used on its own)."""
+
+
+class _ExtraColumns:
+    """log_extra(column, values): checks there is one value per completion, then hands the column on (or drops it
+    where no trainer logs completions)."""
+
+    def __init__(self, sink: Callable[[str, list], None] | None, count: int) -> None:
+        self.sink, self.count = sink, count
+
+    def __call__(self, column: str, values) -> None:
+        values = list(values)
+        if len(values) != self.count:
+            raise DataError(f"log_extra({column!r}, ...) got {len(values)} values for {self.count} completions.")
+        if self.sink is not None:
+            self.sink(column, values)
 
 
 class RewardFunctionError(RuntimeError):
@@ -205,6 +227,8 @@ class RewardScorer:
                 "No reward functions given; pass at least one function, model or model path in reward_funcs."
             )
         count = len(reward_funcs)
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, (list, tuple)):
+            reward_processing_classes = [reward_processing_classes]  # one tokenizer for one reward model, as TRL
         processing_classes = self._check_length(reward_processing_classes, count, "reward_processing_classes")
         weights = self._check_length(reward_weights, count, "reward_weights") or [1.0] * count
         for i, weight in enumerate(weights):
@@ -221,6 +245,8 @@ class RewardScorer:
         )
         self.names: list[str] = _unique(list(names))
         self.funcs: list = list(funcs)  # as given: functions, reward models (loaded from a name), callables
+        # per function: a reward model's tokenizer (given or loaded), None for a function (TRL's attribute)
+        self.processing_classes = [f.tokenizer if isinstance(f, _ModelReward) else None for f in funcs]
         for func in funcs:  # code-running rewards: a missing sandbox stops the run now, not at the first reward
             if getattr(func, "sandbox", None) is not None:
                 from posttrain.rewards.sandbox import check_sandbox
@@ -234,7 +260,7 @@ class RewardScorer:
     def _check_length(values: list | None, count: int, setting: str) -> list | None:
         if values is not None and len(values) != count:
             raise ConfigError(
-                f"{setting} has {len(values)} entries but there are {count} reward functions; "
+                f"The number of {setting} ({len(values)}) must match the number of reward functions ({count}); "
                 f"give one per reward function, in the same order."
             )
         return values
@@ -296,6 +322,8 @@ class RewardScorer:
         completion_ids: list[list[int]],
         columns: dict[str, list],
         trainer_state: Any = None,
+        log_metric: Callable[[str, float], None] | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rewards [N, F]` (float32, NaN = not applicable) and their weighted nansum `[N]` (NaN if none applies).
 
@@ -310,6 +338,8 @@ class RewardScorer:
             "completion_ids": completion_ids,
             **columns,
             "trainer_state": trainer_state,
+            "log_metric": log_metric or _ignore_metric,
+            "log_extra": _ExtraColumns(log_extra, len(prompts)),
         }
         async_rewards = [reward for reward in self._rewards if reward.is_async]
         # The async functions start first so that they run while the sync functions run here.
@@ -413,7 +443,8 @@ class RewardScorer:
         The function is rerun one sample at a time to find it; training stops here anyway.
         """
         for i in range(len(kwargs["prompts"])):
-            sample = {key: value if key == "trainer_state" else value[i : i + 1] for key, value in kwargs.items()}
+            sample = {key: value if key in _PER_BATCH else value[i : i + 1] for key, value in kwargs.items()}
+            sample["log_extra"] = _ExtraColumns(None, 1)  # one sample: its extra columns are not logged
             try:
                 self._call_one(reward, sample)
             except Exception as sample_error:  # noqa: BLE001 - any error is the one to report

@@ -58,6 +58,8 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
     See docs/trainers/dpo.md.
     """
 
+    requires_train_dataset = True  # as TRL's
+
     _name = "DPO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")

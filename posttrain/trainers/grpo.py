@@ -15,6 +15,8 @@ OnlineTrainer's hooks.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from transformers import TrainerCallback
@@ -50,6 +52,10 @@ def group_has_variance(group: torch.Tensor) -> bool:
     """Whether a group's scored rewards (NaN: no reward applies) are at least two and not all equal."""
     scored = group[~group.isnan()]
     return scored.numel() >= 2 and bool((scored != scored[0]).any())
+
+
+logger = logging.getLogger("posttrain")
+TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")  # loss types that sum token terms over the step
 
 
 class _Float32Head(nn.Linear):
@@ -117,6 +123,23 @@ class GRPOTrainer(OnlineTrainer):
     loss_reads_sampler_logps = True  # its policy_loss weighs each token by the sampler's log-prob
     accepts_images = True  # image prompts (posttrain/online/vision.py)
 
+    # TRL's two mask helpers, public on its GRPOTrainer; the training step uses the same functions.
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """True on the valid tokens whose entropy is at least the `threshold` quantile of the valid entropies of
+        every process (threshold 0.8 keeps the top 20%)."""
+        local = entropies[mask.bool()].float()  # entropies are >= 0: -1 marks the padding between processes
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0))
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, population=gathered[gathered >= 0])
+
+    @staticmethod
+    @torch.no_grad()
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """[B, 1] 1.0 to keep a sequence, 0.0 to drop it: dropped when its advantage is negative and its mean
+        log(pi_sampler / pi) over valid tokens exceeds `off_policy_threshold` (DeepSeek-V3.2)."""
+        return off_policy_sequence_mask(
+            per_token_logps, sampling_per_token_logps, advantages, mask, off_policy_threshold
+        )
+
     def __init__(
         self,
         model,
@@ -136,6 +159,13 @@ class GRPOTrainer(OnlineTrainer):
     ):
         """TRL's signature: `reward_funcs` may be left out when `environment_factory`'s environments give the reward
         (their `get_reward()`)."""
+        if args is not None and args.importance_sampling_level == "sequence" and args.loss_type in TOKEN_SUMS:
+            logger.warning(  # when the trainer is built, as TRL does, in TRL's words
+                "importance_sampling_level='sequence' with loss_type=%r sums per-token contributions, which "
+                "effectively weights each sequence by its completion length instead of the per-sequence objective; "
+                "GSPO's setup is loss_type='grpo'.",
+                args.loss_type,
+            )
         super().__init__(
             model,
             reward_funcs,
@@ -237,6 +267,12 @@ class GRPOTrainer(OnlineTrainer):
     def trains_entropy(self) -> bool:
         """Whether the loss has an entropy bonus (then the entropy keeps its gradient)."""
         return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute): the adaptive controller's, else the config's."""
+        controller = self.entropy_controller
+        return self.args.entropy_coef if controller is None else controller.coef
 
     @property
     def entropy_controller(self) -> AdaptiveEntropyController | None:

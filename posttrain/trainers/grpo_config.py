@@ -201,12 +201,6 @@ class GRPOConfig(OnlineConfig):
                 "importance_sampling_level='token'.",
                 stacklevel=4,
             )
-        if level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            warnings.warn(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums token terms, "
-                "which weights each completion by its length; GSPO uses loss_type='grpo'.",
-                stacklevel=4,
-            )
         if self.delta is not None and self.delta <= 1 + self.epsilon:
             raise ConfigError(
                 f"delta={self.delta} caps the ratio for negative advantages and must exceed 1 + "

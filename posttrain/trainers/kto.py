@@ -159,6 +159,8 @@ class KTOTrainer(ClassMetricsMixin, ReferenceTrainer):
     See docs/trainers/kto.md.
     """
 
+    requires_train_dataset = True  # as TRL's
+
     _name = "KTO"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     ALL_REF_COLUMNS = ("ref_logps", "ref_kl_logps")

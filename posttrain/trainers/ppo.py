@@ -283,6 +283,7 @@ class PPOTrainer(OnlineTrainer):
             or (self._rollouts - 1) % max(1, rollouts // args.num_sample_generations)
         ):
             return
+        data = data if PROMPT_IDS_COLUMN in (data.column_names or ()) else self._prepared_eval(data)
         rows = [data[i] for i in range(min(len(data), args.per_device_eval_batch_size))]
         with root_gathered(self.model):  # FSDP2: the wrapper's root weights are sharded otherwise
             completions = self.generation_backend.generate(

@@ -68,6 +68,8 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     See docs/trainers/reward.md.
     """
 
+    requires_train_dataset = True  # as TRL's
+
     _name = "Reward"  # the method the model card names and cites (posttrain/training/model_card.py)
     _tag_names = ["trl", "reward-trainer"]  # the Hub tags TRL's RewardTrainer gives the model
 

@@ -82,6 +82,8 @@ class SFTTrainer(VisionSetup, BaseTrainer):
     See docs/trainers/sft.md.
     """
 
+    requires_train_dataset = True  # as TRL's
+
     _name = "SFT"  # the method the model card names and cites (posttrain/training/model_card.py)
 
     def __init__(

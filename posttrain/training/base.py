@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -300,6 +300,10 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
 
     # How a model given by name or path is loaded; the reward trainer loads a sequence classifier instead.
     load_model = staticmethod(load_causal_lm)
+    # True: `eval_dataset` is kept as given (TRL's online trainers do) and prepared when evaluate() reads it.
+    prepares_eval_on_use: ClassVar[bool] = False
+    # True: construction without a train_dataset stops (TRL's stable trainers require one).
+    requires_train_dataset: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -315,6 +319,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         quantization_config=None,
         **kwargs: Any,
     ):
+        if train_dataset is None and self.requires_train_dataset:
+            raise DataError(f"`train_dataset` is required: {type(self).__name__} trains on it.")
         strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
         if eval_dataset is None and (args.eval_on_start or strategy != "no"):
             # transformers would only fail at the first evaluation, possibly after hours of training.

@@ -92,6 +92,8 @@ def prepare_datasets(trainer, train_dataset, eval_dataset, tokenizer, args):
     """The train and eval datasets prepared (a dict of eval datasets, e.g. a DatasetDict, entry by entry)."""
     if train_dataset is not None:
         train_dataset = prepare_any(trainer, train_dataset, tokenizer, args, "train_dataset")
+    if getattr(trainer, "prepares_eval_on_use", False):
+        return train_dataset, eval_dataset
     if isinstance(eval_dataset, dict):
         eval_dataset = {
             key: prepare_any(trainer, value, tokenizer, args, f"eval_dataset[{key!r}]")

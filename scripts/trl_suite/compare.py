@@ -1,13 +1,16 @@
 """Compare a TRL run and a posttrain run of TRL's test suite (the JSON files trl_suite_plugin.py writes).
 
-    python scripts/trl_suite/compare.py TRL_JSON POSTTRAIN_JSON [--failures] [--known FILE] [--check]
+    python scripts/trl_suite/compare.py TRL_JSON POSTTRAIN_JSON... [--failures] [--known FILE] [--check]
+                                        [--collected SUMMARY_JSON] [--markdown]
     python scripts/trl_suite/compare.py TRL_JSON --passing-list OUT   (write the TRL-passing node ids)
 
 Prints, per test file: tests collected (on TRL), TRL passes, posttrain passes of those. Only tests that pass on TRL
 count. --failures lists each TRL-passing test that fails on posttrain with its first error line. --known FILE names
 tests listed as deliberate differences (docs/trl_parity.md; a line may be an fnmatch pattern with `*`); --check
 exits 1 if a TRL-passing test outside that list does not pass on posttrain. TRL_JSON may also be a passing list (one
-node id a line, as --passing-list writes).
+node id a line, as --passing-list writes). Several POSTTRAIN_JSONs (runs of different files) are read as one run.
+--collected SUMMARY_JSON takes the collected column from TRL's per-file outcomes (trl_1.16_summary.json), which
+counts the tests that do not pass on TRL too.
 """
 
 from __future__ import annotations
@@ -39,6 +42,27 @@ def read_ids(path: str | None) -> dict[str, str]:
                 nodeid, _, reason = line.partition(" # ")
                 out[nodeid.strip()] = reason.strip()
     return out
+
+
+def merge_runs(paths: list[str]) -> dict | None:
+    """Several runs (of different test files) as one."""
+    if not paths:
+        return None
+    merged = {"tests": {}, "collect_errors": {}}
+    for path in paths:
+        run = load_run(path)
+        merged["tests"].update(run["tests"])
+        merged["collect_errors"].update(run.get("collect_errors", {}))
+    return merged
+
+
+def collected_per_file(summary_path: str) -> dict[str, int]:
+    """Tests collected per file on TRL (every outcome but a collection error), from trl_1.16_summary.json."""
+    files = json.loads(Path(summary_path).read_text())["files"]
+    return {
+        file_of(name): sum(n for outcome, n in counts.items() if outcome != "collection error")
+        for name, counts in files.items()
+    }
 
 
 def file_of(nodeid: str) -> str:
@@ -74,7 +98,8 @@ def table(trl: dict, posttrain: dict | None) -> tuple[list[tuple], list[tuple]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trl")
-    parser.add_argument("posttrain", nargs="?")
+    parser.add_argument("posttrain", nargs="*")
+    parser.add_argument("--collected", default=None)
     parser.add_argument("--failures", action="store_true")
     parser.add_argument("--known", default=None)
     parser.add_argument("--check", action="store_true")
@@ -88,8 +113,11 @@ def main(argv=None) -> int:
         Path(args.passing_list).write_text("\n".join(ids) + "\n")
         print(f"{len(ids)} TRL-passing tests written to {args.passing_list}")
         return 0
-    posttrain = load_run(args.posttrain) if args.posttrain else None
+    posttrain = merge_runs(args.posttrain)
     rows, failures = table(trl, posttrain)
+    if args.collected:
+        collected = collected_per_file(args.collected)
+        rows = [(name, collected.get(name, n), *rest) for name, n, *rest in rows]
     known = read_ids(args.known)
 
     header = ("file", "collected", "TRL passes", "posttrain passes")

@@ -256,7 +256,7 @@ def resolve_agent(agent: str | type) -> type[HarborEnv]:
             "'path/to/file.py:Class' or a HarborEnv subclass."
         )
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
-        raise ConfigError(f"agent={agent!r} gives {cls!r}, which is not a HarborEnv subclass.")
+        raise TypeError(f"agent={agent!r} gives {cls!r}, which is not a HarborEnv subclass.")  # TRL's type
     return cls
 
 

@@ -82,7 +82,7 @@ def _strip_prompt(example: dict, row: int) -> dict:
     prompt, gold = explicit["prompt"], example["reference"]
     if gold[: len(prompt)] != prompt:
         raise DataError(
-            f"Row {row}: 'reference' does not start with the prompt that 'chosen' and 'rejected' share, "
+            f"Row {row}: 'reference' does not start with the implicit prompt that 'chosen' and 'rejected' share, "
             "so the gold completion cannot be told apart. Add an explicit 'prompt' column."
         )
     return {**explicit, "reference": gold[len(prompt) :]}
