@@ -23,6 +23,8 @@ main() {
   TRL_TESTS=${TRL_TESTS:-$ROOT/../shared/trl-tests/tests}
   if [ ! -d "$TRL_TESTS" ]; then
     echo "trl_testsuite: TRL's tests are not at $TRL_TESTS; set TRL_TESTS to the tests/ folder of TRL's repository" >&2
+    # CI on a checkout without the reference folder beside it: say so loudly and skip the stage, not fail the build.
+    [[ " $* " == *" --ci "* ]] && echo "trl_testsuite: SKIPPED (--ci): no TRL tests to run" >&2 && exit 0
     exit 2
   fi
   export TRL_SUITE_CACHE=${TRL_SUITE_CACHE:-$ROOT/.cache/trl_suite}
