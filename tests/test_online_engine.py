@@ -405,7 +405,9 @@ def test_conversational_prompts_and_reward_inputs(tmp_path, tiny_model_path, tok
     order = [seen["answer"][4 * g] for g in range(2)]
     assert seen["answer"] == [a for a in order for _ in range(4)]  # each prompt's row repeated per generation
     assert seen["prompts"] == [rows[a]["prompt"] for a in seen["answer"]]
-    assert seen["topic"] == ["numbers"] * 8 and seen["step"] == 0 and seen["extra"] == []
+    assert (
+        seen["topic"] == ["numbers"] * 8 and seen["step"] == 0 and seen["extra"] == ["log_extra", "log_metric"]
+    )  # TRL's logging hooks
     rollout = trainer.rollout
     for i, completion in enumerate(seen["completions"]):
         ids = rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
