@@ -299,6 +299,12 @@ def test_the_training_summary_carries_the_last_windows_metrics(tmp_path, tiny_mo
     trainer.train()
     assert len([row for row in trainer.state.log_history if "entropy" in row]) == 3
     assert "train_loss" in trainer.state.log_history[-1] and "entropy" not in trainer.state.log_history[-1]
+    # Logging by epoch: the epoch's end logs its window on schedule, so the summary holds none either.
+    args = _args(tmp_path / "epoch", max_steps=-1, num_train_epochs=1, logging_strategy="epoch")
+    trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=_pc_data())
+    trainer.train()
+    assert len([row for row in trainer.state.log_history if "entropy" in row]) == 1
+    assert "train_loss" in trainer.state.log_history[-1] and "entropy" not in trainer.state.log_history[-1]
 
 
 def test_moe_aux_loss_is_enabled_and_logged(tmp_path):

@@ -473,7 +473,8 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
         window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
-        if "train_runtime" in logs and not window and self._final_window_off_schedule():
+        off_schedule = RunArtifactsCallback.logged_final_window_off_schedule(self.args, self.state)
+        if "train_runtime" in logs and not window and off_schedule:
             # RunArtifactsCallback logged the final partial window, which TRL's logging schedule skips and its
             # end-of-training summary carries instead: the summary repeats it, so log_history[-1] reads as in TRL
             window = dict(self._last_train_window)
@@ -482,10 +483,3 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         logs.update({key: value for key, value in window.items() if key not in logs})
         self._metrics[mode].clear()
         super().log(logs, start_time)
-
-    def _final_window_off_schedule(self) -> bool:
-        """Whether the last step's window was logged only because RunArtifactsCallback asks for it (not by the
-        logging schedule, which transformers' DefaultFlowCallback follows)."""
-        strategy = getattr(self.args.logging_strategy, "value", self.args.logging_strategy)
-        steps = self.state.logging_steps
-        return strategy != "steps" or not steps or self.state.global_step % steps != 0

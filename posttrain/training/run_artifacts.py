@@ -36,6 +36,10 @@ def _dumps(row: dict) -> str:
     return json.dumps(row, ensure_ascii=False, default=_json_default)
 
 
+def _logs_by_steps(args) -> bool:
+    return getattr(args.logging_strategy, "value", args.logging_strategy) == "steps"
+
+
 class RunArtifactsCallback(TrainerCallback):
     """Writes metrics.jsonl as the run logs, then the report and the model card (see the module docstring).
 
@@ -61,9 +65,15 @@ class RunArtifactsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         # The last steps' metrics would be dropped when max_steps is not a multiple of logging_steps (and a run
         # shorter than logging_steps would log nothing to plot): log the final partial window too.
-        strategy = getattr(args.logging_strategy, "value", args.logging_strategy)
-        if strategy == "steps" and state.max_steps > 0 and state.global_step >= state.max_steps:
+        if _logs_by_steps(args) and state.max_steps > 0 and state.global_step >= state.max_steps:
             control.should_log = True
+
+    @staticmethod
+    def logged_final_window_off_schedule(args, state) -> bool:
+        """Whether the last step's window was logged only because this callback asked for it (transformers'
+        DefaultFlowCallback, which follows logging_steps, would not have logged it)."""
+        steps = state.logging_steps
+        return _logs_by_steps(args) and bool(steps) and state.global_step % steps != 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not state.log_history:
