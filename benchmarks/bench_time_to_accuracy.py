@@ -324,6 +324,7 @@ def main() -> None:
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--max_completion_length", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--lr_scheduler_type", default="linear", help="TRL's default decays linearly to 0 at --steps")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--loss_type", default="dapo")
@@ -354,6 +355,7 @@ def main() -> None:
     settings = dict(
         max_steps=options.steps,
         learning_rate=options.learning_rate,
+        lr_scheduler_type=options.lr_scheduler_type,
         per_device_train_batch_size=options.per_device_train_batch_size,
         num_generations=options.num_generations,
         max_completion_length=options.max_completion_length,

@@ -50,41 +50,7 @@ class CPOTrainer(ReferenceFreeTrainer):
     """
 
     _name = "CPO"
-
-    def __init__(
-        self,
-        model=None,
-        args: CPOConfig | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        model_init=None,
-        callbacks=None,
-        optimizers=(None, None),
-        preprocess_logits_for_metrics=None,
-        peft_config=None,
-        compute_metrics=None,
-        quantization_config=None,
-        **kwargs,
-    ):
-        args = args or CPOConfig(output_dir="outputs/cpo")
-        super().__init__(
-            model,
-            args,
-            data_collator,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            model_init,
-            callbacks,
-            optimizers,
-            preprocess_logits_for_metrics,
-            peft_config,
-            compute_metrics,
-            quantization_config,
-            **kwargs,
-        )
+    config_class = CPOConfig
 
     def sequence_scores(self, policy):
         return super().sequence_scores(policy) if self.args.loss_type in CPO_AVERAGED_TYPES else policy.logps

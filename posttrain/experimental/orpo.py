@@ -37,41 +37,7 @@ class ORPOTrainer(ReferenceFreeTrainer):
     """
 
     _name = "ORPO"
-
-    def __init__(
-        self,
-        model=None,
-        args: ORPOConfig | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        model_init=None,
-        callbacks=None,
-        optimizers=(None, None),
-        preprocess_logits_for_metrics=None,
-        peft_config=None,
-        compute_metrics=None,
-        quantization_config=None,
-        **kwargs,
-    ):
-        args = args or ORPOConfig(output_dir="outputs/orpo")
-        super().__init__(
-            model,
-            args,
-            data_collator,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            model_init,
-            callbacks,
-            optimizers,
-            preprocess_logits_for_metrics,
-            peft_config,
-            compute_metrics,
-            quantization_config,
-            **kwargs,
-        )
+    config_class = ORPOConfig
 
     def pair_losses(self, policy, logits, inputs):
         half = policy.logps.shape[0] // 2

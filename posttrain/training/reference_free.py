@@ -68,7 +68,10 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
 
     `pair_losses(policy, logits, inputs)` returns the per-pair losses (NLL term included), chosen and rejected
     rewards and extra metrics. The losses are summed and divided by the number of pairs in the whole effective batch.
+    A subclass names its `config_class`: without `args`, one with output_dir="outputs/<name>" is made.
     """
+
+    config_class: type[ReferenceFreeConfig] = ReferenceFreeConfig
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
         quantization_config=None,
         **kwargs,
     ):
+        args = args or self.config_class(output_dir=f"outputs/{self._name.lower()}")
         if model is None:
             if model_init is None:
                 raise ConfigError(
