@@ -5,12 +5,12 @@ The reward is 1 when the last number in the completion equals the answer. Accura
 
     OMP_NUM_THREADS=1 python examples/grpo_arithmetic.py --max_steps 40
 
-The 15-minute recipe on a 2-core CPU (issue #35): generation in a process of its own core, one round ahead with
-in-flight weight updates, training on the other core, stopped after 15 minutes of training (not yet measured over
-3 seeds; see benchmarks/bench_time_to_accuracy.py --sides posttrain-async):
+The 15-minute recipe (issue #35): one thread on one core, lr 1e-5 decaying linearly over 110 steps, 2 prompts x 8
+completions of up to 16 tokens a step; training stops after 110 steps or 15 minutes, whichever comes first
+(docs/results/time_to_accuracy.md has its measured runs):
 
-    OMP_NUM_THREADS=2 python examples/grpo_arithmetic.py --max_steps 200 --max_minutes 15 \
-        --async_generation_rounds 1 --learning_rate 1e-5 --seed 0
+    source scripts/env.sh  # tcmalloc, as the `posttrain` command preloads it
+    OMP_NUM_THREADS=1 taskset -c 0 python examples/grpo_arithmetic.py --max_steps 110 --max_minutes 15 --seed 0
 """
 
 from __future__ import annotations
