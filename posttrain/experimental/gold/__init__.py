@@ -152,6 +152,7 @@ class GOLDTrainer(GKDTrainer):
     TRL's on_policy_loss / off_policy_loss and, with hybrid ULD, matched_loss / unmatched_loss."""
 
     _name = "GOLD"
+    prepares_eval_on_use = False  # TRL's GOLD (an SFTTrainer) tokenizes its eval sets up front; GKD keeps them as given
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from posttrain.training.fields import (
     max_prompt_length_field,
     num_generations_eval_field,
 )
+from posttrain.training.streaming import PreparesEvalOnUse
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
@@ -174,7 +175,7 @@ class SDFTConfig(SelfDistillationConfig):
         super().__post_init__()
 
 
-class SelfDistillationTrainer(DistillationTrainer):
+class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
     """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulation steps itself, as TRL does
