@@ -559,7 +559,7 @@ def test_dict_factory_selects_by_the_environment_column():
     assert result.content == "hi"
     [(_, reward)] = pool.reward_functions()  # only GuessEnv owns a reward; other rollouts get None
     assert reward(environments=[e.environment for e in episodes]) == [None, 0.0]
-    with pytest.raises(DataError, match="not a key of environment_factory"):
+    with pytest.raises(DataError, match="not among the environments passed to environment_factory"):
         pool.start([{"environment": "chess"}])
     with pytest.raises(DataError, match="`environment` column"):
         pool.start([{"prompt": "p"}])

@@ -28,6 +28,7 @@ from posttrain.losses.distillation import generalized_jsd_loss
 from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.training.fields import config_field, disable_dropout_field, learning_rate_field
+from posttrain.training.streaming import PreparesEvalOnUse
 
 
 @dataclass
@@ -114,7 +115,7 @@ def generate_on_policy_outputs(model, inputs: dict, generation_config) -> tuple[
     return sequences, attention_mask, labels
 
 
-class GKDTrainer(DistillationTrainer):
+class GKDTrainer(PreparesEvalOnUse, DistillationTrainer):
     """`GKDTrainer(model, teacher_model, args=GKDConfig(...), train_dataset=...)`, with TRL's keyword arguments
     in TRL's order; posttrain's extras (teacher_processing_class, quantization_config, compute_loss_func, ...)
     after them. The loss and metrics are DistillationTrainer's (distill_loss, teacher_agreement, on_policy, ...).

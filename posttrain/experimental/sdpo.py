@@ -19,8 +19,8 @@ from typing import ClassVar
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.experimental._self_distillation import with_user_text
 from posttrain.experimental.sdft import SelfDistillationConfig, SelfDistillationTrainer
+from posttrain.experimental.sdft.data import with_user_text
 from posttrain.losses.advantages import SCALE_REWARDS, group_advantages
 from posttrain.losses.policy import aggregate_loss, clipped_policy_loss
 from posttrain.losses.self_distillation import successful_demonstrations

@@ -108,15 +108,21 @@ def generalized_jsd_loss(
     temperature: float = 1.0,
     reduction: str = "batchmean",
     num_items_in_batch: int | torch.Tensor | None = None,
+    logits_are_probs: bool = False,
 ) -> torch.Tensor:
     """`generalized_jsd` with TRL's GKD interface: the divergence's terms per vocabulary entry ([B, T, V], in the
     logits' dtype), positions whose label is -100 dropped, then reduced: "batchmean" divides the sum by the number of
     labelled positions (by the batch size without labels), "sum", "mean" (over the remaining terms), "none" (the
-    terms, [B, T, V] without labels); `num_items_in_batch` divides the sum by that count instead."""
+    terms, [B, T, V] without labels); `num_items_in_batch` divides the sum by that count instead. With
+    `logits_are_probs` (TRL's GOLD) the inputs are probabilities already (floored at 1e-8 before the log, no
+    temperature)."""
     if not 0.0 <= beta <= 1.0:
         raise ConfigError(f"beta={beta} must lie in [0, 1] (0: forward KL, 0.5: Jensen-Shannon, 1: reverse KL).")
-    student = (student_logits / temperature).log_softmax(-1)
-    teacher = (teacher_logits / temperature).log_softmax(-1)
+    if logits_are_probs:
+        student, teacher = student_logits.clamp_min(1e-8).log(), teacher_logits.clamp_min(1e-8).log()
+    else:
+        student = (student_logits / temperature).log_softmax(-1)
+        teacher = (teacher_logits / temperature).log_softmax(-1)
 
     def kl_terms(log_p, log_q):  # p (log p - log q) per entry, 0 where p = 0
         p = log_p.exp()

@@ -32,6 +32,63 @@ def sampled_token_distillation(student_logps: torch.Tensor, teacher_logps: torch
     return (student_logps - teacher_logps).detach() * student_logps
 
 
+def full_logit_self_distillation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, distillation_alpha: float, temperature: float = 1.0
+) -> torch.Tensor:
+    """ "full_logits": the generalized JSD over the whole vocabulary per position, [...] from logits [..., V]."""
+    return generalized_jsd(student_logits, teacher_logits, distillation_alpha, None, temperature)
+
+
+def topk_self_distillation(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    distillation_topk: int,
+    distillation_alpha: float,
+    distillation_add_tail: bool,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """ "topk_logits": the generalized JSD on the student's `distillation_topk` most likely tokens per position,
+    renormalised there, or with the mass outside them as one more element (`distillation_add_tail`)."""
+    if not distillation_topk or distillation_topk < 1:
+        raise ConfigError(f"distillation_mode='topk_logits' needs distillation_topk >= 1, got {distillation_topk}.")
+    support = student_logits.topk(min(distillation_topk, student_logits.shape[-1]), dim=-1).indices
+    valid = torch.ones_like(support, dtype=torch.bool)
+    return support_divergence(
+        student_logits, teacher_logits, support, valid, distillation_alpha, distillation_add_tail, temperature
+    )
+
+
+def sampled_token_self_distillation(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    distillation_alpha: float,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """ "sampled_token": the single-sample reverse-KL estimate at the sampled tokens `completion_ids` [...]."""
+    if distillation_alpha != 1.0:
+        raise ConfigError(
+            "distillation_mode='sampled_token' estimates reverse KL only: distillation_alpha must be 1.0, "
+            f"got {distillation_alpha}."
+        )
+    student = selective_log_softmax(student_logits / temperature, completion_ids)
+    with torch.no_grad():
+        teacher = selective_log_softmax(teacher_logits / temperature, completion_ids)
+    return sampled_token_distillation(student, teacher)
+
+
+def importance_sampling_clipped(
+    per_token_loss: torch.Tensor, student_logps: torch.Tensor, old_logps: torch.Tensor, clip_coeff: float
+) -> torch.Tensor:
+    """`per_token_loss` weighted by the importance ratio p_S / p_old of each sampled token (no gradient through it),
+    capped at `clip_coeff`: completions sampled by an older policy count as much as the current one would sample
+    them, never more than `clip_coeff` times. The log-ratio is clamped to [-20, 20] first, so it cannot overflow."""
+    log_ratio = (student_logps - old_logps).detach().clamp(-20.0, 20.0)
+    return per_token_loss * log_ratio.exp().clamp(max=clip_coeff)
+
+
 def self_distillation_token_losses(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -46,21 +103,21 @@ def self_distillation_token_losses(
     if mode not in DISTILLATION_MODES:
         raise ConfigError(f"distillation_mode={mode!r} is not one of {DISTILLATION_MODES}.")
     if mode == "full_logits":
-        return generalized_jsd(student_logits, teacher_logits, alpha, None, temperature)
-    if mode == "topk_logits":
-        if not topk or topk < 1:
-            raise ConfigError(f"distillation_mode='topk_logits' needs distillation_topk >= 1, got {topk}.")
-        support = student_logits.topk(min(topk, student_logits.shape[-1]), dim=-1).indices
-        valid = torch.ones_like(support, dtype=torch.bool)
-        return support_divergence(student_logits, teacher_logits, support, valid, alpha, add_tail, temperature)
-    if alpha != 1.0:
-        raise ConfigError(
-            f"distillation_mode='sampled_token' estimates reverse KL only: distillation_alpha must be 1.0, got {alpha}."
+        return full_logit_self_distillation(
+            student_logits, teacher_logits, distillation_alpha=alpha, temperature=temperature
         )
-    student = selective_log_softmax(student_logits / temperature, tokens)
-    with torch.no_grad():
-        teacher = selective_log_softmax(teacher_logits / temperature, tokens)
-    return sampled_token_distillation(student, teacher)
+    if mode == "topk_logits":
+        return topk_self_distillation(
+            student_logits,
+            teacher_logits,
+            distillation_topk=topk,
+            distillation_alpha=alpha,
+            distillation_add_tail=add_tail,
+            temperature=temperature,
+        )
+    return sampled_token_self_distillation(
+        student_logits, teacher_logits, tokens, distillation_alpha=alpha, temperature=temperature
+    )
 
 
 def successful_demonstrations(
@@ -84,7 +141,11 @@ def successful_demonstrations(
 
 __all__ = [
     "DISTILLATION_MODES",
+    "full_logit_self_distillation",
+    "importance_sampling_clipped",
     "sampled_token_distillation",
+    "sampled_token_self_distillation",
     "self_distillation_token_losses",
     "successful_demonstrations",
+    "topk_self_distillation",
 ]

@@ -57,6 +57,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.generation import create_generation_backend
 from posttrain.models.reference import create_reference_model, is_peft_model
 from posttrain.online.config import OnlineConfig
+from posttrain.online.environment_data import environment_dataset, environment_reward_settings
 from posttrain.online.episodes import make_episode_source
 from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
 from posttrain.online.loss import OnlineLoss
@@ -168,10 +169,9 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         environment_factory=None,
     ):
         args = args or self.config_class(output_dir=f"outputs/{type(self).__name__.removesuffix('Trainer').lower()}")
-        if train_dataset is None:
-            raise DataError(
-                f"`train_dataset` is required: {type(self).__name__} trains on a dataset with a 'prompt' column."
-            )
+        train_dataset, self.placeholder_prompts = environment_dataset(
+            train_dataset, args, environment_factory, type(self).__name__
+        )
         require_prompt_column(train_dataset, "train_dataset")
         self._setup_rewards(
             reward_funcs, args, train_dataset, reward_processing_classes, tools, rollout_func, environment_factory
@@ -226,16 +226,23 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         columns = column_names(train_dataset)
         self.reward_columns = [c for c in columns if c not in (PROMPT_COLUMN, PROMPT_IDS_COLUMN)]
         self.environments = None if environment_factory is None else EnvironmentPool(environment_factory, tools or ())
+        owned = len(reward_funcs)
         if self.environments is not None:  # an environment with get_reward() is a reward source
             reward_funcs += [function for _, function in self.environments.reward_functions()]
+            if self.placeholder_prompts:  # the engine's empty prompt is no column of the user's rows
+                self.environments.control_columns |= {PROMPT_COLUMN}
         if not reward_funcs:
             raise ConfigError(
                 "No reward source provided: pass reward_funcs, or an environment_factory whose environment defines a "
                 "get_reward() method (its return value is the episode's reward)."
             )
+        weights, reward_processing_classes = environment_reward_settings(
+            args, reward_processing_classes, owned, len(reward_funcs) - owned
+        )
+        self.tools = self.environments.tools if self.environments is not None else list(tools or ())
         self.reward_scorer = RewardScorer(
             reward_funcs,
-            args.reward_weights,
+            weights,
             reward_processing_classes,
             args.reward_timeout_s,
             args.reward_failure_policy,
@@ -326,6 +333,11 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     def reward_funcs(self) -> list:
         """The reward sources, in order (TRL's attribute): functions, reward models, an environment's get_reward."""
         return self.reward_scorer.funcs
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The name of each reward source, as its metrics are logged (TRL's attribute)."""
+        return self.reward_scorer.names
 
     @property
     def reward_processing_classes(self) -> list:

@@ -271,8 +271,10 @@ def make_episode_source(trainer, tools, environments: EnvironmentPool | None, ro
             "tools= and environment_factory= need conversational prompts (a 'prompt' column of message "
             "lists) so that the chat template can show the tools; convert the prompts to messages."
         )
-    offered = list(tools or ()) if environments is None else environments.tools
-    check_template_renders_tools(trainer.processing_class, offered)
+    # each prompt shows its own environment's tools (two environments may name a tool alike)
+    offered = [list(tools or ())] if environments is None else list(environments.tool_schemas.values())
+    for tool_set in offered:
+        check_template_renders_tools(trainer.processing_class, tool_set)
     return ToolRollouts(
         trainer.generation_backend,
         trainer.processing_class,

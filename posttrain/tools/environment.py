@@ -69,6 +69,8 @@ class EnvironmentPool:
                 "{name: callable} with at least one entry."
             )
         self.factories = factories
+        # row columns that choose or stand in for something and are not passed to reset()
+        self.control_columns: set[str] = {"environment"} if self.multi else set()
         self.standalone_tools = list(standalone_tools)
         self.done_attribute = done_attribute
         self.pool: dict[Any, list[Any]] = {}
@@ -108,10 +110,15 @@ class EnvironmentPool:
 
     @property
     def tools(self) -> list[Callable]:
-        """Every tool any rollout may see (for template checks and async detection), the probe instances' ones."""
+        """Every tool any rollout may see (for async detection and TRL's `trainer.tools`), the probe instances'
+        ones; an environment class named twice in a dict factory gives its methods once."""
         seen: list[Callable] = list(self.standalone_tools)
+        functions = {getattr(tool, "__func__", tool) for tool in seen}
         for instances in self.pool.values():
-            seen += [m for m in environment_methods(instances[0]) if m not in seen]
+            for method in environment_methods(instances[0]):
+                if method.__func__ not in functions:
+                    functions.add(method.__func__)
+                    seen.append(method)
         return seen
 
     def name_of(self, row: Mapping[str, Any]) -> Any:
@@ -124,8 +131,8 @@ class EnvironmentPool:
             )
         if row["environment"] not in self.factories:
             raise DataError(
-                f"Row has environment={row['environment']!r}, which is not a key of environment_factory; "
-                f"expected one of {list(self.factories)}."
+                f"Row has environment={row['environment']!r}, which is not among the environments passed to "
+                f"environment_factory; expected one of {list(self.factories)}."
             )
         return row["environment"]
 
@@ -141,7 +148,7 @@ class EnvironmentPool:
                 instances.append(self._build(name))
             used[name] = index + 1
             environment = instances[index]
-            kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
+            kwargs = {k: v for k, v in row.items() if k not in self.control_columns}
             observation = environment.reset(**kwargs)
             episodes.append(
                 EnvironmentSlot(

@@ -102,3 +102,27 @@ def prepare_datasets(trainer, train_dataset, eval_dataset, tokenizer, args):
     elif eval_dataset is not None:
         eval_dataset = prepare_any(trainer, eval_dataset, tokenizer, args, "eval_dataset")
     return train_dataset, eval_dataset
+
+
+class PreparesEvalOnUse:
+    """Mixed into a trainer that evaluates through transformers' loop: `trainer.eval_dataset` stays the dataset given
+    (as TRL's trainers keep it), and each evaluation set is prepared when its dataloader is first built, once per
+    dataset object (a set handed to `evaluate()` too)."""
+
+    prepares_eval_on_use = True
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if not self.prepares_eval_on_use:  # a subclass that prepares its eval sets up front (TRL's GOLD)
+            return super().get_eval_dataloader(eval_dataset)
+        name = "eval_dataset"
+        if isinstance(eval_dataset, str):  # a named set of a dict of eval sets
+            name, eval_dataset = f"eval_dataset[{eval_dataset!r}]", self.eval_dataset[eval_dataset]
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            return super().get_eval_dataloader(None)  # transformers' error: no eval set
+        cache = self.__dict__.setdefault("_eval_prepared", {})
+        source, prepared = cache.get(id(dataset), (None, None))
+        if source is not dataset:
+            prepared = prepare_any(self, dataset, self.processing_class, self.args, name)
+            cache[id(dataset)] = (dataset, prepared)  # the source is kept so that its id is not reused
+        return super().get_eval_dataloader(prepared)

@@ -13,6 +13,7 @@ per-token losses become the loss (`_objective`) differ.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +26,7 @@ from posttrain.data.formats import is_message_list
 from posttrain.data.report import DataReport
 from posttrain.data.vision import tokenizer_of
 from posttrain.errors import ConfigError, DataError
-from posttrain.experimental._self_distillation import (
+from posttrain.experimental.sdft.data import (
     PromptSwapSampler,
     RepeatedSampler,
     RowCollator,
@@ -37,6 +38,7 @@ from posttrain.experimental._self_distillation import (
 from posttrain.losses.policy import aggregate_loss
 from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
+from posttrain.models.reference import is_peft_model
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.training.fields import (
     config_field,
@@ -46,9 +48,11 @@ from posttrain.training.fields import (
     max_prompt_length_field,
     num_generations_eval_field,
 )
+from posttrain.training.streaming import PreparesEvalOnUse
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
 
 TEACHER_KINDS = ("base", "live", "ema")
+logger = logging.getLogger(__name__)
 _NOT_SELF_DISTILLATION = (
     "DistillationTrainer's {} (teacher/student mixing of GKD) does not apply to "
     "self-distillation, whose objective is set by distillation_mode / distillation_alpha."
@@ -171,7 +175,7 @@ class SDFTConfig(SelfDistillationConfig):
         super().__post_init__()
 
 
-class SelfDistillationTrainer(DistillationTrainer):
+class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
     """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulation steps itself, as TRL does
@@ -198,6 +202,13 @@ class SelfDistillationTrainer(DistillationTrainer):
                 "posttrain does not implement. Use teacher_model_kind='base' or 'live', or train "
                 "without peft_config."
             )
+        if peft_config is None and isinstance(model, PeftModel):
+            logger.warning(  # TRL's warning, then what posttrain does
+                "The provided self-distillation student model already contains a PEFT adapter. In TRL, "
+                "`teacher_model_kind='base'` may refer to the underlying base weights rather than the exact initially "
+                "loaded student state including its adapter; posttrain's 'base' teacher is that state (a copy with "
+                "the adapter merged in)."
+            )
         self._rows: list[dict] = []  # the raw dataset rows; prepared rows point into it (`sd_row`)
         super().__init__(
             model,
@@ -212,7 +223,7 @@ class SelfDistillationTrainer(DistillationTrainer):
             **kwargs,
         )
         if args.teacher_model_kind == "live":
-            self.teacher_model = None  # the student, scored without gradients
+            self.teacher_model = self.model  # the student itself, scored without gradients
         elif args.teacher_model_kind == "ema":
             self.add_callback(
                 SyncRefModelCallback(
@@ -222,8 +233,13 @@ class SelfDistillationTrainer(DistillationTrainer):
 
     @staticmethod
     def _resolve_teacher(model, teacher_model, args):
-        """The teacher starts as the student: a copy of the loaded model, or the same name loaded again."""
-        return model if isinstance(model, str) else copy.deepcopy(model)
+        """The teacher starts as the student: a copy of the loaded model (a PEFT student's adapter merged in), or
+        the same name loaded again; a live teacher is the student itself, so nothing is loaded."""
+        if args.teacher_model_kind == "live":
+            return None
+        if isinstance(model, str):
+            return model
+        return copy.deepcopy(model).merge_and_unload() if is_peft_model(model) else copy.deepcopy(model)
 
     def _check_teacher(self, teacher, teacher_tokenizer) -> None:
         """The teacher is the student's own copy: same tokenizer by construction."""
@@ -355,7 +371,7 @@ class SelfDistillationTrainer(DistillationTrainer):
         )
         teacher_logits = None
         if self._needs_teacher():
-            teacher_model = self.teacher_model if self.teacher_model is not None else model
+            teacher_model = model if self.args.teacher_model_kind == "live" else self.teacher_model
             with torch.no_grad():
                 teacher = teacher_model(
                     input_ids=inputs["teacher_input_ids"],

@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
+from posttrain.data.byte_offsets import token_byte_offsets
+from posttrain.data.vision import tokenizer_of
 from posttrain.errors import ConfigError
-from posttrain.experimental.gkd import GKDTrainer
-from posttrain.losses.gold import MERGE_STRATEGIES, shared_token_ids, uld_sequence_parts
+from posttrain.experimental.gkd import GKDTrainer, generate_on_policy_outputs
+from posttrain.experimental.gold.uld import ULDLoss, build_teacher_inputs_from_texts
+from posttrain.losses.gold import MERGE_STRATEGIES
 from posttrain.losses.sft import IGNORE_INDEX, nll_sum
 from posttrain.models.loading import load_tokenizer
 from posttrain.trainers.distillation import DistillationConfig
@@ -143,74 +145,6 @@ class GOLDConfig(DistillationConfig):
         super().__post_init__()
 
 
-@lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's): each byte is shown as one printable character."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-def byte_offsets(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
-    """(start, end) UTF-8 byte offsets of each token of `ids` in their decoded text (byte-level BPE tokenizers:
-    a special/added token counts its written form)."""
-    table = _unicode_to_byte()
-    added = {i for i in tokenizer.added_tokens_decoder}
-    offsets, cursor = [], 0
-    for token_id, token in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
-        if token_id in added:
-            size = len(token.encode("utf-8"))
-        elif all(c in table for c in token):
-            size = len(token)
-        else:
-            raise ConfigError(
-                f"Token {token!r} (id {token_id}) of {type(tokenizer).__name__} is not byte-level BPE: "
-                "extended ULD aligns byte-level BPE tokenizers only. Set use_extended_uld=False."
-            )
-        offsets.append((cursor, cursor + size))
-        cursor += size
-    return offsets
-
-
-def teacher_inputs(tokenizer, prompts: list[str], completions: list[str], extended: bool = True):
-    """The teacher's (input_ids, labels, attention_mask, byte_offsets), right-padded: each prompt tokenized with
-    the tokenizer's special tokens (a trailing EOS removed), its completion without, then the EOS appended (at byte
-    offset len(completion)); only completion tokens are labelled; offsets relative to the completion."""
-    rows = []
-    for prompt, completion in zip(prompts, completions):
-        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if prompt_ids and prompt_ids[-1] == tokenizer.eos_token_id:
-            prompt_ids = prompt_ids[:-1]
-        ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        offsets = byte_offsets(tokenizer, ids) if extended else [(0, 0)] * len(ids)
-        if tokenizer.eos_token_id is not None:
-            end = len(completion.encode("utf-8")) if extended else 0
-            ids, offsets = ids + [tokenizer.eos_token_id], offsets + [(end, end)]
-        rows.append((prompt_ids, ids, offsets))
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    offsets = torch.zeros((len(rows), width, 2), dtype=torch.long)
-    for i, (prompt_ids, ids, offs) in enumerate(rows):
-        n, m = len(prompt_ids), len(prompt_ids) + len(ids)
-        input_ids[i, :m] = torch.tensor(prompt_ids + ids)
-        labels[i, n:m] = torch.tensor(ids)
-        mask[i, :m] = 1
-        if offs:
-            offsets[i, n:m] = torch.tensor(offs)
-    return input_ids, labels, mask, offsets
-
-
 class GOLDTrainer(GKDTrainer):
     """`GOLDTrainer(model, teacher_model, args=GOLDConfig(...), train_dataset=...)`, TRL's keyword arguments in TRL's
     order (posttrain's extras after them). Data as for GKD (TRL's `messages` rows, or prompt-completion rows).
@@ -218,6 +152,7 @@ class GOLDTrainer(GKDTrainer):
     TRL's on_policy_loss / off_policy_loss and, with hybrid ULD, matched_loss / unmatched_loss."""
 
     _name = "GOLD"
+    prepares_eval_on_use = False  # TRL's GOLD (an SFTTrainer) tokenizes its eval sets up front; GKD keeps them as given
 
     def __init__(
         self,
@@ -280,11 +215,24 @@ class GOLDTrainer(GKDTrainer):
         if teacher_tokenizer.pad_token is None:
             teacher_tokenizer.pad_token = teacher_tokenizer.eos_token
         self.teacher_tokenizer = teacher_tokenizer
-        self._shared_ids = (
-            shared_token_ids(self.processing_class.get_vocab(), teacher_tokenizer.get_vocab())
-            if self.args.uld_use_hybrid_loss
-            else None
-        )
+        self.uld_loss = ULDLoss(self.args, tokenizer_of(self.processing_class), teacher_tokenizer)
+        self._shared_ids = self.uld_loss.shared_ids
+
+    def generate_on_policy_outputs(self, model, inputs, generation_config):
+        """GKD's on-policy sampling step (`posttrain.experimental.gkd.generate_on_policy_outputs`) plus, as TRL's
+        GOLD returns them, each row's prompt text (its unpadded ids) and completion text (its labelled ids), decoded
+        with the special tokens kept, for the teacher's re-tokenization."""
+        ids, attention_mask, labels = generate_on_policy_outputs(model, inputs, generation_config)
+        width = inputs["prompts"].shape[1]
+
+        def decode(tokens):
+            return self.processing_class.decode(
+                tokens.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+
+        prompts = [decode(row[mask.bool()]) for row, mask in zip(inputs["prompts"], inputs["prompt_attention_mask"])]
+        completions = [decode(row[width:][label[width:] != IGNORE_INDEX]) for row, label in zip(ids, labels)]
+        return ids, attention_mask, labels, prompts, completions
 
     def loss_temperature(self) -> float:
         return self.args.temperature  # TRL's GOLD tempers the JSD (its GKD does not)
@@ -311,36 +259,25 @@ class GOLDTrainer(GKDTrainer):
             prompts.append(decode(inputs["input_ids"][i, :start].tolist()))
             completions.append(decode(ids))
             if args.use_extended_uld and ids:
-                student_offsets[i, start:end] = torch.tensor(byte_offsets(self.processing_class, ids))
+                student_offsets[i, start:end] = torch.tensor(token_byte_offsets(self.processing_class, ids))
         t_ids, t_labels, t_mask, t_offsets = (
             x.to(student_logits.device)
-            for x in teacher_inputs(self.teacher_tokenizer, prompts, completions, args.use_extended_uld)
+            for x in build_teacher_inputs_from_texts(
+                self.teacher_tokenizer, prompts, completions, args.use_extended_uld
+            )
         )
         with torch.no_grad():
             teacher_logits = self.teacher_model(input_ids=t_ids, attention_mask=t_mask).logits
-        parts = [
-            uld_sequence_parts(
-                student_logits[i],
-                teacher_logits[i],
-                labels[i],
-                t_labels[i],
-                inputs["input_ids"][i],
-                t_ids[i],
-                student_offsets[i],
-                t_offsets[i].cpu(),
-                extended=args.use_extended_uld,
-                strategy=args.uld_token_merge_strategy,
-                student_temperature=args.uld_student_temperature,
-                teacher_temperature=args.uld_teacher_temperature,
-                skip_student_eos=args.uld_skip_student_eos,
-                skip_teacher_eos=args.uld_skip_teacher_eos,
-                shared=self._shared_ids,
-                beta=args.beta,
-                matched_weight=args.uld_hybrid_matched_weight,
-                unmatched_weight=args.uld_hybrid_unmatched_weight,
-            )
-            for i in range(len(labels))
-        ]
+        parts = self.uld_loss.row_parts(
+            student_logits,
+            teacher_logits,
+            labels,
+            t_labels,
+            inputs["input_ids"],
+            t_ids,
+            student_offsets,
+            t_offsets.cpu(),
+        )
         per_row = torch.stack([loss for loss, _, _ in parts])
         rows = len(labels)
         loss_sum = args.uld_distillation_weight * per_row.sum()
@@ -419,4 +356,4 @@ class GOLDTrainer(GKDTrainer):
             super()._write_completions()
 
 
-__all__ = ["GOLDConfig", "GOLDTrainer", "byte_offsets", "teacher_inputs"]
+__all__ = ["GOLDConfig", "GOLDTrainer", "ULDLoss", "build_teacher_inputs_from_texts"]
