@@ -74,3 +74,32 @@ def repeat_iterable_dataset(dataset, mini_repeat_count: int, batch_size: int = 1
         drop_last_batch=True,
         fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count},
     )
+
+
+class RepeatBatchLoader:
+    """Yields each batch of `dataloader` `repeat_count` times in a row (the same collated object, not collated
+    again), for several optimisation passes over one generation batch. Anything else, `set_epoch` included, is
+    the wrapped loader's."""
+
+    def __init__(self, dataloader, repeat_count: int):
+        if repeat_count < 1:
+            raise ValueError(f"repeat_count={repeat_count} must be at least 1.")
+        self.dataloader = dataloader
+        self.repeat_count = repeat_count
+
+    def __iter__(self) -> Iterator:
+        for batch in self.dataloader:
+            for _ in range(self.repeat_count):
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self.dataloader) * self.repeat_count
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataloader, "set_epoch"):
+            self.dataloader.set_epoch(epoch)
+
+    def __getattr__(self, name: str):
+        if name == "dataloader":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)

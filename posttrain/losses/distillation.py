@@ -135,6 +135,18 @@ def generalized_jsd_loss(
     else:
         mixture = torch.logaddexp(teacher + math.log(beta), student + math.log1p(-beta))
         terms = beta * kl_terms(teacher, mixture) + (1 - beta) * kl_terms(student, mixture)
+    return reduce_divergence_terms(terms, labels, reduction, num_items_in_batch)
+
+
+def reduce_divergence_terms(
+    terms: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    reduction: str = "batchmean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A divergence's terms [B, T, K] reduced as TRL's distillation losses do: positions whose label is -100
+    dropped, then "batchmean" (the sum over the labelled positions' count, or the batch size without labels),
+    "sum", "mean" (over the remaining terms) or "none" (the terms); `num_items_in_batch` divides the sum instead."""
     mask = None
     if labels is not None:
         mask = labels != -100

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.losses.distillation import generalized_jsd_loss, reduce_divergence_terms
+
 
 def iw_opd_token_losses(
     student_logps: torch.Tensor,
@@ -37,14 +39,21 @@ def iw_opd_token_losses(
     return torch.where(mask, -student_logps * advantages, 0.0), advantages, weights
 
 
-def _with_tail(logps: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Appends the mass outside the support, log(1 - sum p), as one more element (kept just above 0)."""
+def add_tail_bucket(logps: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps [..., K+1], valid [..., K+1]): the log-probs on a support [..., K] with one more element holding the
+    mass outside it, log(1 - sum p) (the sum kept just below 1 so the tail stays finite), always valid."""
     inside = torch.logsumexp(logps, -1, keepdim=True).clamp(max=-1e-7)
     return torch.cat([logps, torch.log(-torch.expm1(inside))], -1), torch.cat([valid, valid[..., :1] | True], -1)
 
 
-def _support_jsd(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
-    """Generalized JSD over the valid elements of two (log-)distributions [..., K], summed over K."""
+def jsd_terms(
+    student: torch.Tensor, teacher: torch.Tensor, beta: float, support_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The generalized JSD's terms per element [..., K] (sum them over K for the divergence) between two
+    log-distributions: beta=0 p_T (log p_T - log p_S) (forward KL), beta=1 p_S (log p_S - log p_T) (reverse KL),
+    else beta p_T (log p_T - log m) + (1 - beta) p_S (log p_S - log m) with m = beta p_T + (1 - beta) p_S.
+    Elements outside `support_mask` (None: all in) count 0, whatever their log-probs (-inf included)."""
+    valid = torch.ones_like(student, dtype=torch.bool) if support_mask is None else support_mask
     zero = torch.zeros_like(student)
     s_log, t_log = torch.where(valid, student, zero), torch.where(valid, teacher, zero)
     s_p, t_p = torch.where(valid, student.exp(), zero), torch.where(valid, teacher.exp(), zero)
@@ -55,7 +64,7 @@ def _support_jsd(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tens
     else:
         mixture = torch.where(valid, ((1 - beta) * s_p + beta * t_p).clamp_min(torch.finfo(s_p.dtype).tiny).log(), zero)
         terms = beta * t_p * (t_log - mixture) + (1 - beta) * s_p * (s_log - mixture)
-    return torch.nan_to_num(terms, nan=0.0).sum(-1)
+    return torch.nan_to_num(terms, nan=0.0)
 
 
 def support_divergence(
@@ -85,12 +94,12 @@ def divergence_on_support(
     student = torch.where(valid, student, float("-inf"))
     teacher = torch.where(valid, teacher, float("-inf"))
     if add_tail:
-        (student, valid_tail), (teacher, _) = _with_tail(student, valid), _with_tail(teacher, valid)
+        (student, valid_tail), (teacher, _) = add_tail_bucket(student, valid), add_tail_bucket(teacher, valid)
         valid = valid_tail
     else:
         student = student - torch.logsumexp(student, -1, keepdim=True)
         teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
-    return _support_jsd(student, teacher, valid, beta)
+    return jsd_terms(student, teacher, beta, valid).sum(-1)
 
 
 def top_k_support(
@@ -124,3 +133,36 @@ def _first_occurrences(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     for i in range(1, support.shape[-1]):
         valid[..., i] = ~(support[..., i : i + 1] == support[..., :i]).any(-1)
     return torch.where(valid, support, torch.zeros_like(support)), valid
+
+
+def top_k_generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    top_k: int = 0,
+    add_tail: bool = True,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TRL's IW-OPD `generalized_jsd_loss`: with top_k = 0 (or top_k >= the vocabulary) GKD's
+    `generalized_jsd_loss`; else the same generalized JSD on the support of `top_k_support` (the teacher's top k,
+    the student's, or both), renormalised over it or with the rest of the mass as one more element (`add_tail`).
+    The terms [B, T, K'] are reduced by `reduce_divergence_terms`."""
+    if top_k <= 0 or student_logits.shape[-1] <= top_k:
+        return generalized_jsd_loss(
+            student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch
+        )
+    student_logits, teacher_logits = student_logits / temperature, teacher_logits / temperature
+    support, valid = top_k_support(student_logits, teacher_logits, top_k, beta)
+    student = torch.where(valid, student_logits.log_softmax(-1).gather(-1, support), float("-inf"))
+    teacher = torch.where(valid, teacher_logits.log_softmax(-1).gather(-1, support), float("-inf"))
+    if add_tail:
+        (student, tail_valid), (teacher, _) = add_tail_bucket(student, valid), add_tail_bucket(teacher, valid)
+        valid = tail_valid
+    else:
+        student = student - torch.logsumexp(student, -1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
+    terms = jsd_terms(student, teacher, beta, valid)
+    return reduce_divergence_terms(terms, labels, reduction, num_items_in_batch)

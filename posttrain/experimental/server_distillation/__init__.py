@@ -21,6 +21,7 @@ import torch
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation.vllm_client import VLLMClient, VLLMServerError
 from posttrain.losses.server_distillation import server_support, sparse_teacher_divergence
+from posttrain.losses.sft import IGNORE_INDEX
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.training.fields import config_field
 
@@ -59,18 +60,28 @@ class ServerDistillationConfig(DistillationConfig):
     )
 
     def __post_init__(self):
+        if self.use_liger_kernel:
+            raise ConfigError(
+                "use_liger_kernel=True is not supported by ServerDistillationTrainer: a fused loss needs the "
+                "teacher's full logits, and the server reports a few log-probs per position."
+            )
+        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
+            raise ConfigError(
+                f"reverse_kl_top_1_mode must be one of ('sampled', 'argmax'), got {self.reverse_kl_top_1_mode!r}."
+            )
         if self.reverse_kl_top_1_mode == "argmax":
             raise ConfigError(
-                "reverse_kl_top_1_mode='argmax' compares the student's most likely token, which the "
-                "teacher server cannot score (it reports its own top tokens and the sequence's). Use "
+                "reverse_kl_top_1_mode='argmax' is not supported: it compares the student's most likely token, "
+                "which the teacher server cannot score (it reports its own top tokens and the sequence's). Use "
                 "'sampled'."
             )
         if self.teacher_model_server_url is None or not self.teacher_model_server_url.strip():
-            raise ConfigError(f"teacher_model_server_url is required: {START_HINT}.")
+            raise ConfigError(f"teacher_model_server_url must be set for ServerDistillationTrainer: {START_HINT}.")
         if self.beta > 0 and self.loss_top_k != 1:
             raise ConfigError(
-                f"loss_top_k={self.loss_top_k} with beta={self.beta}: with a reverse-KL part the "
-                "support is the teacher's top-1 and the sampled token; set loss_top_k=1 (or beta=0)."
+                f"loss_top_k must be 1 with beta>0 (got loss_top_k={self.loss_top_k}, beta={self.beta}): with a "
+                "reverse-KL part the support is the teacher's top-1 and the sampled token; set loss_top_k=1 (or "
+                "beta=0)."
             )
         if self.padding_free or self.packing:
             raise ConfigError(
@@ -139,6 +150,37 @@ def _position_logprobs(prompt_logprobs: list, sequence: list[int], start: int, t
         own = reported.get(str(sequence[position]))
         actual.append(-math.inf if own is None else _logprob(own))
     return ids, logps, actual
+
+
+def build_teacher_request_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """(each row's unpadded token ids, its prompt length, its completion length): what the teacher server is sent.
+    The prompt length is the row's `prompt_attention_mask` sum, or else its tokens minus its labelled ones."""
+    if input_ids.shape != attention_mask.shape:
+        raise DataError(
+            f"input_ids and attention_mask must have the same shape, got {tuple(input_ids.shape)} and "
+            f"{tuple(attention_mask.shape)}."
+        )
+    keep = attention_mask.detach().cpu().bool()
+    lengths = keep.sum(1)
+    if prompt_attention_mask is not None:
+        prompt_lengths = prompt_attention_mask.detach().cpu().sum(1)
+    elif labels is None:
+        raise DataError("labels are required when prompt_attention_mask is not provided.")
+    elif labels.shape != input_ids.shape:
+        raise DataError(f"labels must match input_ids shape, got {tuple(labels.shape)} and {tuple(input_ids.shape)}.")
+    else:
+        prompt_lengths = lengths - (labels.detach().cpu() != IGNORE_INDEX).sum(1)
+    sequences = [row[mask].tolist() for row, mask in zip(input_ids.detach().cpu(), keep)]
+    prompts = [int(n) for n in prompt_lengths]
+    for sequence, prompt in zip(sequences, prompts):
+        if not 0 <= prompt <= len(sequence):
+            raise DataError(f"Invalid prompt length {prompt} for trimmed sequence of length {len(sequence)}.")
+    return sequences, prompts, [len(seq) - prompt for seq, prompt in zip(sequences, prompts)]
 
 
 class ServerDistillationTrainer(DistillationTrainer):
@@ -230,4 +272,4 @@ class ServerDistillationTrainer(DistillationTrainer):
         return divergence.sum(), topk_ids[mask][:, 0]
 
 
-__all__ = ["ServerDistillationConfig", "ServerDistillationTrainer", "TeacherServer"]
+__all__ = ["ServerDistillationConfig", "ServerDistillationTrainer", "TeacherServer", "build_teacher_request_inputs"]

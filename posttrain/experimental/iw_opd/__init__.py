@@ -18,7 +18,13 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.losses.distillation import generalized_jsd, shared_vocab
-from posttrain.losses.iw_opd import iw_opd_token_losses, support_divergence, top1_mixed_support, top_k_support
+from posttrain.losses.iw_opd import (
+    iw_opd_token_losses,
+    support_divergence,
+    top1_mixed_support,
+    top_k_generalized_jsd_loss,
+    top_k_support,
+)
 from posttrain.losses.sft import IGNORE_INDEX, nll_sum, shift_for_next_token
 from posttrain.trainers.distillation import DistillationConfig, DistillationTrainer
 from posttrain.training.fields import (
@@ -27,6 +33,7 @@ from posttrain.training.fields import (
     max_completion_length_field,
     max_prompt_length_field,
 )
+from posttrain.training.streaming import PreparesEvalOnUse
 
 OBJECTIVES = ("iw_opd", "jsd")
 
@@ -89,7 +96,58 @@ class IWOPDConfig(DistillationConfig):
         100, "With log_completions: save the latest completions every this many steps.", min=1
     )
 
+    def _check_objective(self) -> None:
+        if self.distillation_objective not in OBJECTIVES:
+            raise ConfigError(
+                f"distillation_objective must be one of {OBJECTIVES}, got {self.distillation_objective!r}."
+            )
+        if self.iw_opd_gamma < 0:
+            raise ConfigError(f"iw_opd_gamma must be non-negative, got {self.iw_opd_gamma}.")
+        if self.iw_opd_epsilon <= 0:
+            raise ConfigError(f"iw_opd_epsilon must be positive, got {self.iw_opd_epsilon}.")
+        if self.reverse_kl_top_1_mode not in ("sampled", "argmax"):
+            raise ConfigError(
+                f"reverse_kl_top_1_mode must be one of ('sampled', 'argmax'), got {self.reverse_kl_top_1_mode!r}."
+            )
+        if self.distillation_objective != "iw_opd":
+            return
+        if self.use_liger_kernel:
+            raise ConfigError(
+                "use_liger_kernel=True is not supported with distillation_objective='iw_opd': the fused kernel "
+                "computes the JSD, not IW-OPD's policy-gradient loss. Set use_liger_kernel=False."
+            )
+        if self.lmbda < 1:
+            raise ConfigError(
+                f"distillation_objective='iw_opd' requires lmbda=1.0 (got {self.lmbda}): it weighs the "
+                "student's own samples."
+            )
+        if self.reverse_kl_top_1_mode != "sampled":
+            raise ConfigError(
+                "distillation_objective='iw_opd' requires reverse_kl_top_1_mode='sampled': its tokens are "
+                "the sampled ones."
+            )
+
+    def _check_teacher_server(self) -> None:
+        """TRL's rules for its teacher server, checked before posttrain says it has none."""
+        if not self.use_teacher_server:
+            return
+        if self.use_liger_kernel:
+            raise ConfigError("use_liger_kernel=True is not supported with use_teacher_server=True.")
+        if self.teacher_model_server_url is None or not self.teacher_model_server_url.strip():
+            raise ConfigError("teacher_model_server_url must be set when use_teacher_server=True.")
+        if self.reverse_kl_top_1_mode == "argmax":
+            raise ConfigError(
+                "reverse_kl_top_1_mode='argmax' is not supported with use_teacher_server=True: a teacher "
+                "server cannot score tokens the student picks."
+            )
+        if self.beta > 0 and self.loss_top_k != 1:
+            raise ConfigError(
+                f"loss_top_k must be 1 when using use_teacher_server=True with beta>0 (got {self.loss_top_k})."
+            )
+
     def __post_init__(self):
+        self._check_teacher_server()
+        self._check_objective()
         if self.max_length is not None and self.max_completion_length >= self.max_length:
             raise ConfigError(
                 f"max_completion_length={self.max_completion_length} must be smaller than max_length="
@@ -110,11 +168,6 @@ class IWOPDConfig(DistillationConfig):
             )
         self.generation_batch_size = local
         super().__post_init__()
-        if self.distillation_objective == "iw_opd" and (self.lmbda < 1 or self.reverse_kl_top_1_mode != "sampled"):
-            raise ConfigError(
-                "distillation_objective='iw_opd' weighs the student's own samples: it needs lmbda=1.0 "
-                "and reverse_kl_top_1_mode='sampled'."
-            )
 
 
 def _messages_to_prompt(example: dict) -> dict:
@@ -141,12 +194,13 @@ def _truncate_prompt(example: dict, max_prompt_length: int, keep_end: bool) -> d
     return {key: cut(value) for key, value in example.items() if isinstance(value, list) and len(value) == len(ids)}
 
 
-class IWOPDTrainer(DistillationTrainer):
+class IWOPDTrainer(PreparesEvalOnUse, DistillationTrainer):
     """`IWOPDTrainer(model, teacher_model, args=IWOPDConfig(...), train_dataset=...)`, TRL's keyword arguments in
     TRL's order (posttrain's extras after them). Logged: TRL's iw_opd/mean_advantage, iw_opd/mean_abs_advantage,
     iw_opd/mean_weight, iw_opd/min_weight, iw_opd/max_weight, and DistillationTrainer's metrics."""
 
     _name = "IW-OPD"
+    generalized_jsd_loss = staticmethod(top_k_generalized_jsd_loss)
     ordered_when_unshuffled = False  # batches drawn at random, as TRL
 
     def __init__(
