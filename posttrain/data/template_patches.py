@@ -1,0 +1,149 @@
+"""Training variants of known model chat templates, made by patching the model's own template.
+
+A model family's chat template is a fact about the model; to train on its assistant turns only, the template has to
+mark the assistant's output with ``{% generation %}`` ... ``{% endgeneration %}`` (what transformers reads for
+``return_assistant_tokens_mask``), and for tool episodes earlier turns must render the same whatever follows them.
+
+Each family below is a list of edits to its template: an anchor (a piece of the original template, matched with any
+run of whitespace standing for any other, so re-indented copies of a template still match) and what replaces it. A
+template is a family's when every anchor of that family is found in it; the edits are then applied to the template the
+model ships (not to a stored copy). This module has the families whose templates render no tool calls;
+`posttrain.data.training_templates` has the tool-calling ones and the lookup over all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace every occurrence of `anchor` (whitespace-tolerant) with `replacement`; `anchor` must occur."""
+
+    anchor: str
+    replacement: str
+
+    def pattern(self) -> re.Pattern:
+        pieces = [re.escape(p) for p in self.anchor.split()]
+        return re.compile(r"\s*".join(pieces))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's chat template patch. `exact`: the training template renders every conversation like the
+    original (False where the training variant deliberately differs, e.g. Qwen 3 keeps every turn's thinking)."""
+
+    name: str
+    edits: tuple[Edit, ...]
+    exact: bool = True
+
+
+def _e(anchor: str, replacement: str) -> Edit:
+    return Edit(anchor, replacement)
+
+
+# Plain chat families (no tool calls in the template): the assistant's text and its end-of-turn token are trained,
+# the role header that opens the turn (the generation prompt) is not.
+_COHERE = Family(
+    "cohere",
+    (
+        _e(
+            "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' + content.strip() + '<|END_OF_TURN_TOKEN|>' }}",
+            "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% generation %}"
+            "{{ content.strip() + '<|END_OF_TURN_TOKEN|>' }}{% endgeneration %}",
+        ),
+    ),
+)
+
+# Cohere 2 closes every turn after the role branches; the close moves into each branch so the assistant's can be
+# trained.
+_COHERE2 = Family(
+    "cohere2",
+    (
+        _e(
+            "<|USER_TOKEN|>{{ message['content'] }}{% elif role == 'assistant' or role == 'chatbot' %}"
+            "<|CHATBOT_TOKEN|><|START_RESPONSE|>{{ message['content'] }}<|END_RESPONSE|>"
+            "{% elif role == 'system' %}<|SYSTEM_TOKEN|>{{ message['content'] }}{% endif %}<|END_OF_TURN_TOKEN|>",
+            "<|USER_TOKEN|>{{ message['content'] }}<|END_OF_TURN_TOKEN|>"
+            "{% elif role == 'assistant' or role == 'chatbot' %}"
+            "<|CHATBOT_TOKEN|><|START_RESPONSE|>{% generation %}{{ message['content'] }}<|END_RESPONSE|>"
+            "<|END_OF_TURN_TOKEN|>{% endgeneration %}"
+            "{% elif role == 'system' %}<|SYSTEM_TOKEN|>{{ message['content'] }}<|END_OF_TURN_TOKEN|>"
+            "{% else %}<|END_OF_TURN_TOKEN|>{% endif %}",
+        ),
+    ),
+)
+
+# Gemma (1 and 2 ship the same template): one expression renders every turn; the model's turn is split off.
+_GEMMA = Family(
+    "gemma",
+    (
+        _e(
+            "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}",
+            "{{ '<start_of_turn>' + role + '\\n' }}{% if role == 'model' %}{% generation %}"
+            "{{ message['content'] | trim + '<end_of_turn>\\n' }}{% endgeneration %}"
+            "{% else %}{{ message['content'] | trim + '<end_of_turn>\\n' }}{% endif %}",
+        ),
+    ),
+)
+
+_LFM2 = Family(
+    "lfm2",
+    (
+        _e(
+            '{{- content + "<|im_end|>\\n" -}} {%- endfor -%}',
+            '{%- if message["role"] == "assistant" -%}{% generation %}{{- content + "<|im_end|>\\n" -}}'
+            '{% endgeneration %}{%- else -%}{{- content + "<|im_end|>\\n" -}}{%- endif -%}{%- endfor -%}',
+        ),
+    ),
+)
+
+# Llama 3 (not 3.1 / 3.2, which have their own tool templates) builds each turn in a variable; it is rendered in
+# pieces instead, the assistant's text and <|eot_id|> in the generation block.
+_LLAMA3 = Family(
+    "llama3",
+    (
+        _e(
+            "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] "
+            "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+            "{{ content }}",
+            "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+            "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+            "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+            "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}",
+        ),
+    ),
+)
+
+# Phi-3 / 3.5 end a conversation without a generation prompt with EOS; after a final assistant turn that EOS is what
+# the model emits to stop, so it is trained too.
+_PHI3_TAIL = _e(
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% elif messages[-1]['role'] == 'assistant' %}"
+    "{% generation %}{{ eos_token }}{% endgeneration %}{% else %}{{ eos_token }}{% endif %}",
+)
+_PHI3_ASSISTANT = _e(
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+    "{{ '<|assistant|>\\n' }}{% generation %}{{ message['content'] + '<|end|>\\n' }}{% endgeneration %}",
+)
+_PHI3 = Family("phi3", (_PHI3_ASSISTANT, _PHI3_TAIL))
+
+PLAIN_FAMILIES: tuple[Family, ...] = (_COHERE, _COHERE2, _GEMMA, _LFM2, _LLAMA3, _PHI3)
+
+
+def patch_with(families, chat_template: str) -> tuple[Family, str] | None:
+    """The first of `families` whose anchors are all in `chat_template`, with the template its edits give; None if
+    none matches."""
+    for family in families:
+        patterns = [edit.pattern() for edit in family.edits]
+        if not all(p.search(chat_template) for p in patterns):
+            continue
+        patched = chat_template
+        for edit, pattern in zip(family.edits, patterns):
+            patched = pattern.sub(lambda _m, r=edit.replacement: r, patched)
+        return family, patched
+    return None
+
+
+__all__ = ["PLAIN_FAMILIES", "Edit", "Family", "patch_with"]
