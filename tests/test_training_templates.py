@@ -1,0 +1,167 @@
+"""Training templates of known model families (`get_training_chat_template` patching the model's own template) and the
+response parsers of their reply formats (`add_response_schema`). The model templates are the input: TRL ships copies
+of them, so these tests run where TRL is installed."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.chat_template_utils import (
+    add_response_schema,
+    get_training_chat_template,
+    is_chat_template_prefix_preserving,
+    parse_response,
+)
+
+try:
+    import trl
+
+    _TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+except Exception:
+    _TEMPLATES = None
+
+pytestmark = pytest.mark.skipif(_TEMPLATES is None, reason="TRL's copies of the model templates are the test input")
+
+CALL = {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Paris"}}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+EPISODE = [
+    {"role": "user", "content": "Time in Paris?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
+    {"role": "tool", "name": "get_time", "content": "9:00"},
+    {"role": "assistant", "content": "It is nine."},
+]
+CHAT = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "Goodbye!"},
+]
+
+# What each family's training template trains (the assistant mask's spans) on EPISODE (tool families) or CHAT.
+TRAINED = {
+    "qwen3": [
+        '<think>\n\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n",
+        "<think>\n\n</think>\n\nIt is nine.<|im_end|>\n",
+    ],
+    "glm4moe": [
+        "\n<think></think>\nChecking.\n<tool_call>get_time\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call><|observation|>",
+        "\n<think></think>\nIt is nine.<|user|>",
+    ],
+    "nemotron_3_nano": [
+        "<think></think>Checking.\n<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>\n<|im_end|>\n",
+        "<think></think>It is nine.<|im_end|>\n",
+    ],
+    "deepseekv3": [
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+        '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
+        "It is nine.<｜end▁of▁sentence｜>",
+    ],
+    "gptoss": [
+        '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+        "<|start|>assistant<|channel|>final<|message|>It is nine.<|return|>",
+    ],
+    "llama3": ["Hello!<|eot_id|>", "Goodbye!<|eot_id|>"],
+    "gemma": ["Hello!<end_of_turn>\n", "Goodbye!<end_of_turn>\n"],
+    "cohere2": ["Hello!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>", "Goodbye!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+}
+TOOL_FAMILIES = ("qwen3", "glm4moe", "nemotron_3_nano", "deepseekv3", "gptoss")
+
+
+def _model_template(tokenizer, name):
+    tokenizer.bos_token = tokenizer.bos_token or tokenizer.eos_token  # Llama 3's template starts with it
+    tokenizer.chat_template = (_TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _trained_spans(tokenizer, messages, template):
+    out = tokenizer.apply_chat_template(
+        messages, chat_template=template, return_dict=True, return_assistant_tokens_mask=True
+    )
+    spans, current = [], []
+    for token, bit in zip(out["input_ids"], out["assistant_masks"]):
+        if bit:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    return spans + ([tokenizer.decode(current)] if current else [])
+
+
+def _render(tokenizer, messages, template=None, **kwargs):
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_training_template_trains_exactly_the_assistant_output(fresh_tokenizer, name):
+    tok = _model_template(fresh_tokenizer, name)
+    training = get_training_chat_template(tok)
+    messages = EPISODE if name in TOOL_FAMILIES else CHAT
+    assert _trained_spans(tok, messages, training) == TRAINED[name]
+    # Prompts (prefixes ending on a user or tool turn, with the generation prompt, with tools) render as before;
+    # Qwen 3's training template shows the (empty) thinking of the turn before a tool result, which the original hides.
+    for end in (1,) if name == "qwen3" else (1, 3):
+        kwargs = {"add_generation_prompt": True, "tools": TOOLS if name in TOOL_FAMILIES else None}
+        original_messages = messages[:end]
+        if name == "deepseekv3":  # the original only takes JSON-string arguments
+            original_messages = [dict(m) for m in original_messages]
+            if end == 3:
+                call = {"type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}
+                original_messages[1]["tool_calls"] = [call]
+        assert _render(tok, messages[:end], training, **kwargs) == _render(tok, original_messages, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["nemotron_3_nano", "gptoss", "llama3", "gemma", "cohere2"])
+def test_training_template_renders_whole_conversations_like_the_original(fresh_tokenizer, name):
+    tok = _model_template(fresh_tokenizer, name)
+    training = get_training_chat_template(tok)
+    messages = EPISODE if name in TOOL_FAMILIES else CHAT
+    assert _render(tok, messages, training) == _render(tok, messages)
+
+
+def test_glm4moe_training_template_adds_only_the_final_stop_marker(fresh_tokenizer):
+    tok = _model_template(fresh_tokenizer, "glm4moe")
+    training = get_training_chat_template(tok)
+    assert _render(tok, EPISODE, training) == _render(tok, EPISODE) + "<|user|>"
+    assert _render(tok, EPISODE[:2], training) == _render(tok, EPISODE[:2]) + "<|observation|>"
+
+
+@pytest.mark.parametrize("name", TOOL_FAMILIES)
+def test_training_templates_of_tool_families_are_prefix_preserving_and_final(fresh_tokenizer, name):
+    tok = _model_template(fresh_tokenizer, name)
+    tok.chat_template = get_training_chat_template(tok)
+    assert is_chat_template_prefix_preserving(tok)
+    assert get_training_chat_template(tok) is None  # nothing left to patch
+
+
+def test_a_template_of_no_known_family_is_still_refused(fresh_tokenizer):
+    tok = _model_template(fresh_tokenizer, "llama3")
+    tok.chat_template = tok.chat_template.replace("<|eot_id|>", "<|end|>").replace("set content", "set text")
+    with pytest.raises(ValueError, match="not training-compatible"):
+        get_training_chat_template(tok)
+
+
+@pytest.mark.parametrize("name", ["glm4moe", "gptoss", "lfm2_2_5", "nemotron_3_nano", "nemotron_3_ultra"])
+def test_response_parsers_read_back_what_the_template_renders(fresh_tokenizer, name):
+    tok = add_response_schema(_model_template(fresh_tokenizer, name))
+    tok.add_tokens(["<think>", "</think>"])  # single tokens, as in the real vocabularies
+    second = {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Rome"}}}
+    reply = {"role": "assistant", "content": "", "tool_calls": [CALL] if name == "gptoss" else [CALL, second]}
+    thinking = "thinking" if name in ("gptoss", "lfm2_2_5") else "reasoning_content"
+    answer = {"role": "assistant", thinking: "Easy.", "content": "Nine."}
+    for message in (reply, answer):
+        conversation = [EPISODE[0], message]
+        prefix = tok.apply_chat_template(conversation[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(conversation, return_dict=True)["input_ids"]
+        assert parse_response(tok, ids[len(prefix) :], prefix=prefix, tools=TOOLS) == message
