@@ -165,3 +165,49 @@ def test_response_parsers_read_back_what_the_template_renders(fresh_tokenizer, n
         prefix = tok.apply_chat_template(conversation[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
         ids = tok.apply_chat_template(conversation, return_dict=True)["input_ids"]
         assert parse_response(tok, ids[len(prefix) :], prefix=prefix, tools=TOOLS) == message
+
+
+def _vision_chat():
+    image = {"type": "image"}
+    return [
+        {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]},
+    ]
+
+
+VISION_TRAINED = {
+    "qwen2_5_vl": ["A cat.<|im_end|>\n", "Yes.<|im_end|>\n"],
+    "gemma3": ["A cat.<end_of_turn>\n", "Yes.<end_of_turn>\n"],
+    "idefics3": [" A cat.<end_of_utterance>\n", " Yes.<end_of_utterance>\n"],
+    "smolvlm": [" A cat.<end_of_utterance>\n", " Yes.<end_of_utterance>\n"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(VISION_TRAINED))
+def test_vision_training_templates_capture_each_turn_and_mark_the_assistant_one(fresh_tokenizer, name):
+    tok = _model_template(fresh_tokenizer, name)
+    training = get_training_chat_template(tok)
+    chat = _vision_chat()
+    assert _trained_spans(tok, chat, training) == VISION_TRAINED[name]
+    assert _render(tok, chat, training) == _render(tok, chat)
+    prompt = chat[:3]
+    assert _render(tok, prompt, training, add_generation_prompt=True) == _render(
+        tok, prompt, add_generation_prompt=True
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_think", "qwen3_6", "qwen3_8"])
+def test_qwen3_5_training_templates_show_every_think_block_and_mark_function_calls(fresh_tokenizer, name):
+    tok = _model_template(fresh_tokenizer, name)
+    training = get_training_chat_template(tok)
+    call = (
+        "<think>\n\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call><|im_end|>\n"
+    )
+    assert _trained_spans(tok, EPISODE, training) == [call, "<think>\n\n</think>\n\nIt is nine.<|im_end|>\n"]
+    kwargs = {"add_generation_prompt": True, "tools": TOOLS}
+    assert _render(tok, EPISODE[:1], training, **kwargs) == _render(tok, EPISODE[:1], **kwargs)
+    tok.chat_template = training
+    assert is_chat_template_prefix_preserving(tok) and get_training_chat_template(tok) is None

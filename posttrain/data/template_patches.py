@@ -16,16 +16,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# In an anchor, a word of its own that stands for any text within one line (a condition that varies between versions).
+ANY = "(...)"
+
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace every occurrence of `anchor` (whitespace-tolerant) with `replacement`; `anchor` must occur."""
+    """Replace every occurrence of `anchor` (whitespace-tolerant; `ANY` matches any text within a line) with
+    `replacement`; `anchor` must occur."""
 
     anchor: str
     replacement: str
 
     def pattern(self) -> re.Pattern:
-        pieces = [re.escape(p) for p in self.anchor.split()]
+        pieces = [r"[^\n]*?" if p == ANY else re.escape(p) for p in self.anchor.split()]
         return re.compile(r"\s*".join(pieces))
 
 
@@ -129,7 +133,101 @@ _PHI3_ASSISTANT = _e(
 )
 _PHI3 = Family("phi3", (_PHI3_ASSISTANT, _PHI3_TAIL))
 
-PLAIN_FAMILIES: tuple[Family, ...] = (_COHERE, _COHERE2, _GEMMA, _LFM2, _LLAMA3, _PHI3)
+# LFM2 with tool calls (v2): the assistant branch with calls and the plain one are both marked.
+_LFM2_V2 = Family(
+    "lfm2_v2",
+    (
+        _e(
+            '{%- if message["role"] == "assistant" and message.get("tool_calls") -%}',
+            '{%- if message["role"] == "assistant" and message.get("tool_calls") -%}{%- generation -%}',
+        ),
+        _e(
+            '{{- render_tool_calls(message["tool_calls"]) -}} {{- "<|im_end|>\\n" -}}',
+            '{{- render_tool_calls(message["tool_calls"]) -}}{{- "<|im_end|>\\n" -}}{%- endgeneration -%}',
+        ),
+        _e(
+            '{%- else -%} {{- content + "<|im_end|>\\n" -}} {%- endif -%} {%- endfor -%}',
+            '{%- elif message["role"] == "assistant" -%}{%- generation -%}{{- content + "<|im_end|>\\n" -}}'
+            '{%- endgeneration -%}{%- else -%}{{- content + "<|im_end|>\\n" -}}{%- endif -%}{%- endfor -%}',
+        ),
+    ),
+)
+
+
+def _captured(role_test: str) -> str:
+    """Writes out a `{% set body %}` capture of one turn's rendering (ended just before), inside the generation block
+    when `role_test` (a Jinja test of the turn) holds."""
+    return (
+        "{%- if " + role_test + " -%}{%- generation -%}{{- body -}}{%- endgeneration -%}"
+        "{%- else -%}{{- body -}}{%- endif -%}"
+    )
+
+
+# The vision templates below render a turn's content (text and image placeholders) in one loop shared by all roles;
+# the loop's output is captured in a variable and written inside the generation block for the assistant.
+_QWEN2_5_VL = Family(  # also Qwen2-VL, which ships the same template
+    "qwen2_5_vl",
+    (
+        _e(
+            "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}",
+            "<|im_start|>{{ message['role'] }}\n{% set body %}{% if message['content'] is string %}",
+        ),
+        _e(
+            "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}",
+            "<|im_end|>\n{% endif %}{% endset %}" + _captured("message['role'] == 'assistant'") + "{% endfor %}"
+            "{% if add_generation_prompt %}",
+        ),
+    ),
+)
+_GEMMA3 = Family(
+    "gemma3",
+    (
+        _e(
+            """{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}""",
+            """{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}{%- set body -%}""",
+        ),
+        _e("{{ '<end_of_turn>\n' }}", "{{ '<end_of_turn>\\n' }}{%- endset -%}" + _captured("role == 'model'")),
+    ),
+)
+# Idefics3 and SmolVLM: "Assistant:" is the generation prompt; the space after it (none before an image) is output.
+_IDEFICS3 = Family(
+    "idefics3",
+    (
+        _e(
+            "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}",
+            "{{':'}}{% set body %}{% if message['content'][0]['type'] != 'image' %}{{' '}}{% endif %}",
+        ),
+        _e(
+            "<end_of_utterance>\n{% endfor %}",
+            "<end_of_utterance>\n{% endset %}" + _captured("message['role'] == 'assistant'") + "{% endfor %}",
+        ),
+    ),
+)
+# LLaVA-NeXT renders no generation prompt; the reply (with the space before it, which its first token carries) and
+# </s> are trained, the space after them is not.
+_LLAVA_NEXT = Family(
+    "llava_next",
+    (
+        _e(
+            "{{ ' ' + message['content'][0]['text'] + '</s> '}}",
+            "{% generation %}{{ ' ' + message['content'][0]['text'] + '</s>' }}{% endgeneration %}{{ ' ' }}",
+        ),
+    ),
+)
+
+PLAIN_FAMILIES: tuple[Family, ...] = (
+    _LFM2_V2,
+    _QWEN2_5_VL,
+    _GEMMA3,
+    _IDEFICS3,
+    _LLAVA_NEXT,
+    _COHERE,
+    _COHERE2,
+    _GEMMA,
+    _LFM2,
+    _LLAMA3,
+    _PHI3,
+)
 
 
 def patch_with(families, chat_template: str) -> tuple[Family, str] | None:
@@ -146,4 +244,4 @@ def patch_with(families, chat_template: str) -> tuple[Family, str] | None:
     return None
 
 
-__all__ = ["PLAIN_FAMILIES", "Edit", "Family", "patch_with"]
+__all__ = ["ANY", "PLAIN_FAMILIES", "Edit", "Family", "patch_with"]

@@ -9,7 +9,7 @@ how history renders, and says so below.
 
 from __future__ import annotations
 
-from posttrain.data.template_patches import PLAIN_FAMILIES, Edit, Family, patch_with
+from posttrain.data.template_patches import ANY, PLAIN_FAMILIES, Edit, Family, patch_with
 
 # Qwen 3 shows a turn's thinking only while it is the last turn or has reasoning: appending a tool result to a
 # conversation would hide the empty think block of the turn before it. The training variant always shows every
@@ -47,6 +47,39 @@ _QWEN3_2507 = Family(
             r"""{{- '<|im_start|>' + message.role + '\n' + content }} {%- if message.tool_calls %}""",
             r"""{{- '<|im_start|>' + message.role + '\n' }}{%- generation %}"""
             r"""{{- content }}{%- if message.tool_calls %}""",
+        ),
+        _QWEN3.edits[1],
+    ),
+)
+
+# Qwen 3.5 / 3.6 / 3.8 (thinking or not, `<function=...>` calls): as Qwen 3, every assistant turn shows its think
+# block. The condition that hides it varies between versions.
+_QWEN3_5 = Family(
+    "qwen3_5",
+    (
+        Edit(
+            "{%- if "
+            + ANY
+            + r""" %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content + '\n</think>\n\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}""",
+            r"""{{- '<|im_start|>' + message.role + '\n' }}{%- generation %}"""
+            r"""{{- '<think>\n' + reasoning_content + '\n</think>\n\n' + content }}""",
+        ),
+        _QWEN3.edits[1],
+    ),
+    exact=False,
+)
+
+# Qwen3-VL: Hermes calls, no thinking; the header is written on its own already.
+_QWEN3_VL = Family(
+    "qwen3_vl",
+    (
+        Edit(
+            r"""{%- elif message.role == "assistant" %} {{- '<|im_start|>' + message.role + '\n' }}""",
+            r"""{%- elif message.role == "assistant" %}{{- '<|im_start|>' + message.role + '\n' }}{%- generation %}""",
         ),
         _QWEN3.edits[1],
     ),
@@ -173,7 +206,38 @@ _DEEPSEEKV3 = Family(
     exact=False,
 )
 
-TOOL_FAMILIES: tuple[Family, ...] = (_QWEN3, _QWEN3_2507, _NEMOTRON_3, _GLM4MOE, _GPTOSS, _DEEPSEEKV3)
+# DeepSeek-R1-Distill: DeepSeek-V3's layout, told apart by `content is none` marking a tool-call turn.
+_DEEPSEEK_R1_DISTILL = Family(
+    "deepseek_r1_distill",
+    (
+        Edit(
+            "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}",
+            "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
+            "{%- if not ns.is_first %}{{'<｜Assistant｜>'}}{%- endif %}{%- generation %}",
+        ),
+        _DEEPSEEKV3.edits[1],
+        _DEEPSEEKV3.edits[3],
+        Edit(
+            "{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}",
+            "{%- endfor %}{%- endgeneration %}{%- endif %}"
+            "{%- if message['role'] == 'assistant' and message['content'] is not none %}",
+        ),
+        *_DEEPSEEKV3.edits[5:],
+    ),
+    exact=False,
+)
+
+TOOL_FAMILIES: tuple[Family, ...] = (
+    _QWEN3,
+    _QWEN3_5,
+    _QWEN3_VL,
+    _DEEPSEEK_R1_DISTILL,
+    _QWEN3_2507,
+    _NEMOTRON_3,
+    _GLM4MOE,
+    _GPTOSS,
+    _DEEPSEEKV3,
+)
 FAMILIES: tuple[Family, ...] = (*TOOL_FAMILIES, *PLAIN_FAMILIES)
 
 
