@@ -211,3 +211,39 @@ def test_qwen3_5_training_templates_show_every_think_block_and_mark_function_cal
     assert _render(tok, EPISODE[:1], training, **kwargs) == _render(tok, EPISODE[:1], **kwargs)
     tok.chat_template = training
     assert is_chat_template_prefix_preserving(tok) and get_training_chat_template(tok) is None
+
+
+@pytest.mark.parametrize(
+    "name, completion, expected",
+    [
+        (
+            "gemma4",
+            '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>',
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        ),
+        (
+            "gemma4_v5",
+            "<|channel>thought\nEasy.<channel|>Nine.<turn|>",
+            {"role": "assistant", "reasoning_content": "Easy.", "content": "Nine."},
+        ),
+        (
+            "deepseek_r1_distill",
+            "Easy.\n</think>\n\nNine.<｜end▁of▁sentence｜>",
+            {"role": "assistant", "reasoning_content": "Easy.", "content": "Nine."},
+        ),
+        ("deepseek_r1_distill", "Nine.<｜end▁of▁sentence｜>", {"role": "assistant", "content": "Nine."}),
+    ],
+)
+def test_response_parsers_read_model_completions(fresh_tokenizer, name, completion, expected):
+    tok = _model_template(fresh_tokenizer, name)
+    markers = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "</think>"]
+    tok.add_tokens(markers + ["<｜Assistant｜>", "<｜end▁of▁sentence｜>"])  # single tokens, as in the real vocabularies
+    tok = add_response_schema(tok)
+    prefix = tok.apply_chat_template(EPISODE[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = tok(completion, add_special_tokens=False)["input_ids"]
+    assert parse_response(tok, ids, prefix=prefix, tools=TOOLS) == expected
+
+
+def test_deepseek_v3_replies_are_not_parsed_as_r1_ones(fresh_tokenizer):
+    with pytest.raises(ValueError, match="Unrecognized chat template"):
+        add_response_schema(_model_template(fresh_tokenizer, "deepseekv3"))  # it renders tool calls R1 cannot parse

@@ -133,9 +133,10 @@ def add_response_schema(processing_class):
     Sets ``response_template`` (what ``tokenizer.parse_response`` reads) on the tokenizer, or a processor's
     inner tokenizer, for the reply format its chat template renders: Hermes ``<tool_call>`` JSON in ChatML
     turns (Qwen 2.5 / 3 and similar, with optional ``<think>`` reasoning), Llama 3.1 / 3.2 JSON calls, GLM-4-MoE
-    ``<arg_key>`` calls, gpt-oss harmony channels, LFM2.5 Python-style calls, or ``<function=...>`` XML calls
-    (Nemotron 3, Qwen 3.5). The format is recognised from what the template renders for a probe tool call.
-    Returns the same object; other formats raise ValueError.
+    ``<arg_key>`` calls, gpt-oss harmony channels, LFM2.5 Python-style calls, ``<function=...>`` XML calls
+    (Nemotron 3, Qwen 3.5), Gemma 4 ``<|tool_call>call:`` calls, or DeepSeek-R1-Distill replies (no tool calls).
+    The format is recognised from what the template renders for a probe tool call. Returns the same object; other
+    formats raise ValueError.
 
     See docs/tools.md.
     """
@@ -154,8 +155,8 @@ def add_response_schema(processing_class):
     if found is None:
         raise ValueError(
             "Unrecognized chat template, failed to add response schema: posttrain recognises templates that render "
-            "Hermes <tool_call> JSON, Llama 3 JSON, GLM-4-MoE, gpt-oss, LFM2.5 or <function=...> XML tool calls. Set "
-            "`response_template` on the tokenizer yourself (see transformers' chat response parsing docs)."
+            "Hermes <tool_call> JSON, Llama 3 JSON, GLM-4-MoE, gpt-oss, LFM2.5, Gemma 4 or <function=...> XML tool "
+            "calls. Set `response_template` on the tokenizer yourself (see transformers' chat response parsing docs)."
         )
     tokenizer.response_template = found
     return processing_class

@@ -113,6 +113,42 @@ LFM2_5_RESPONSE_TEMPLATE = {
 }
 
 
+# Gemma 4: `<|turn>model`, reasoning on the `<|channel>thought` channel, each call
+# `<|tool_call>call:NAME{...}<tool_call|>` with JSON-like arguments (bare keys, strings between `<|"|>` marks). The turn
+# ends at `<turn|>`, at the tool response the template opens after a call, or at EOS.
+GEMMA4_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"(?:<\|turn>model\n|<tool_response\|>)",
+    "fields": {
+        "reasoning_content": {"open": "<|channel>thought\n", "close_pattern": r"<channel\|>\s*", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"<\|tool_call>call:(?P<name>[^{\s]+)",
+            "close_pattern": r"<tool_call\|>\s*",
+            "repeats": True,
+            "content": "json",
+            "content_args": {"string_delims": [['<|"|>', '<|"|>']], "unquoted_keys": True},
+            "transform": _FUNCTION,
+        },
+        "content": {"close_pattern": r"(?:<turn\|>|<\|tool_response>|<eos>)\s*|$", "content": "text"},
+    },
+}
+
+# DeepSeek-R1-Distill: no tool calls; the generation prompt opens `<think>`, so the reply's reasoning is whatever
+# precedes a `</think>`, if one comes.
+DEEPSEEK_R1_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"<｜Assistant｜>(?:<think>\n)?",
+    "fields": {
+        "reasoning_content": {
+            "open_pattern": r"(?=[\s\S]*?</think>)",
+            "close_pattern": r"</think>\s*",
+            "content": "text",
+        },
+        "content": {"close_pattern": r"<｜end▁of▁sentence｜>\s*|$", "content": "text"},
+    },
+}
+
+
 def xml_function_response_template(think_prefilled: bool) -> dict:
     """ChatML turns whose calls are `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>...` (Nemotron 3,
     Qwen 3.5). With `think_prefilled` (Nemotron 3: the generation prompt already opens `<think>`), the reply's
@@ -164,10 +200,16 @@ def response_template_for(rendered: str, generation_prompt: str, name: str, key:
         return GLM4MOE_RESPONSE_TEMPLATE
     if f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>" in rendered:
         return GPTOSS_RESPONSE_TEMPLATE
+    if f'<|turn>model\n<|tool_call>call:{name}{{{key}:<|"|>{value}<|"|>}}<tool_call|>' in rendered:
+        return GEMMA4_RESPONSE_TEMPLATE
+    if name not in rendered and generation_prompt.endswith("<｜Assistant｜><think>\n"):  # renders no tool calls
+        return DEEPSEEK_R1_RESPONSE_TEMPLATE
     return None
 
 
 __all__ = [
+    "DEEPSEEK_R1_RESPONSE_TEMPLATE",
+    "GEMMA4_RESPONSE_TEMPLATE",
     "GLM4MOE_RESPONSE_TEMPLATE",
     "GPTOSS_RESPONSE_TEMPLATE",
     "HERMES_RESPONSE_TEMPLATE",
