@@ -3,9 +3,10 @@ that a template renders tool calls, set a response parser, and get a template fi
 training.
 
 TRL recognises templates by comparing them with copies of ~30 model templates it ships. posttrain
-recognises a template by what it renders instead: it renders probe conversations and looks at the format
-(ChatML turns, Hermes ``<tool_call>`` JSON, Llama 3 headers). Formats it does not know raise the same
-ValueError as TRL's unknown templates.
+recognises a reply format by what the template renders (probe conversations: ChatML turns, Hermes
+``<tool_call>`` JSON, Llama 3 headers, ...), and a model family's template by the pieces of it that the
+family's training edits replace (`posttrain.data.training_templates`). Formats it does not know raise the
+same ValueError as TRL's unknown templates.
 """
 
 from __future__ import annotations
@@ -274,8 +275,9 @@ _PROBE_TOOLS = [
 ]
 
 
-def _renders_like(tokenizer, template: str, with_tools: bool, patched_family=None) -> bool:
-    """True if `template` renders the probe conversations (with tools too when `with_tools`) like the tokenizer's own.
+def _renders_like(tokenizer, template: str, with_tools: bool, patched_family=None, original: str | None = None) -> bool:
+    """True if `template` renders the probe conversations (with tools too when `with_tools`) like `original` (default:
+    the tokenizer's own).
     For a `patched_family` (see `posttrain.data.training_templates`), probes the original rejects are left out, and
     only those without an assistant turn count unless the family's variant renders everything the same."""
     probes = [(m, g, None) for m, g in _PROBES]
@@ -286,7 +288,7 @@ def _renders_like(tokenizer, template: str, with_tools: bool, patched_family=Non
     for messages, prompt, tools in probes:
         try:
             expected = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=prompt, chat_template=original
             )
         except (TemplateError, TypeError):
             if patched_family is None:
@@ -355,11 +357,14 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     A chat template fit for training, or None if the current one already is.
 
     Fit means: it marks assistant output with ``{% generation %}`` (for ``assistant_only_loss``) and, if it
-    renders tool calls, earlier turns render the same whatever follows them. For ChatML templates (with or
-    without a default system prompt, with or without Hermes ``<tool_call>`` tools as in Qwen 2.5) posttrain
-    returns its own ChatML template with the markers, built from the original's rendered pieces and checked
-    to render the same text as the original on probe conversations (with and without tools); other
-    templates raise ValueError. `tokenizer` is a deprecated alias of `processing_class`, as in TRL.
+    renders tool calls, earlier turns render the same whatever follows them. A known model family's template
+    (Llama 3, Gemma 1-3, Phi-3, Cohere, DeepSeek, GLM-4-MoE, gpt-oss, LFM2, Nemotron 3, Qwen 3 / 3.5 / VL,
+    Idefics3, LLaVA-NeXT, ...; see `posttrain.data.training_templates`) comes back with that family's edits:
+    the markers, and for Qwen 3 / 3.5 every turn's think block shown. Other ChatML templates (with or without a
+    default system prompt, with or without Hermes ``<tool_call>`` tools as in Qwen 2.5) get posttrain's own
+    ChatML template with the markers, built from the original's rendered pieces. Either is checked to render
+    like the original on probe conversations (prompts only where the family's variant deliberately differs);
+    other templates raise ValueError. `tokenizer` is a deprecated alias of `processing_class`, as in TRL.
 
     See docs/tools.md.
     """
@@ -386,7 +391,7 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     known = patch_chat_template(chat_template)
     if known is not None:
         family, candidate = known
-        if _renders_like(owner, candidate, with_tools=tools, patched_family=family):
+        if _renders_like(owner, candidate, with_tools=tools, patched_family=family, original=chat_template):
             return candidate
     tools_format = _tools_format(owner) if tools else None
     if not tools or tools_format is not None:
@@ -395,7 +400,7 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
             return candidate
     raise ValueError(
         "The chat template is not training-compatible (missing prefix-preservation or `{% generation %}` markers) "
-        "and patching is not supported for this template: posttrain patches ChatML templates (plain, or with "
-        "Qwen 2.5-style Hermes tool calls). Add `{% generation %}` / `{% endgeneration %}` around the assistant "
-        "output yourself."
+        "and patching is not supported for this template: posttrain patches the templates of known model families "
+        "and ChatML templates (plain, or with Qwen 2.5-style Hermes tool calls). Add `{% generation %}` / "
+        "`{% endgeneration %}` around the assistant output yourself."
     )
