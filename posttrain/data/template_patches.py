@@ -7,8 +7,9 @@ mark the assistant's output with ``{% generation %}`` ... ``{% endgeneration %}`
 Each family below is a list of edits to its template: an anchor (a piece of the original template, matched with any
 run of whitespace standing for any other, so re-indented copies of a template still match) and what replaces it. A
 template is a family's when every anchor of that family is found in it; the edits are then applied to the template the
-model ships (not to a stored copy). This module has the families whose templates render no tool calls;
-`posttrain.data.training_templates` has the tool-calling ones and the lookup over all of them.
+model ships (not to a stored copy). This module has the plain chat families, the vision ones and LFM2 (whose
+templates need nothing but the markers); `posttrain.data.training_templates` has the tool-calling families whose
+history rendering or tool-call layout needs more, and the lookup over all of them.
 """
 
 from __future__ import annotations
