@@ -247,3 +247,28 @@ def test_response_parsers_read_model_completions(fresh_tokenizer, name, completi
 def test_deepseek_v3_replies_are_not_parsed_as_r1_ones(fresh_tokenizer):
     with pytest.raises(ValueError, match="Unrecognized chat template"):
         add_response_schema(_model_template(fresh_tokenizer, "deepseekv3"))  # it renders tool calls R1 cannot parse
+
+
+GEMMA4_CALL = '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>'
+MUSE_CALL = (
+    '<|start|>assistant to=get_time<|message|><atem:function_calls>\n<atem:invoke name="get_time">\n'
+    '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n</atem:function_calls><|eot|>'
+)
+
+
+@pytest.mark.parametrize(
+    "name, trained",
+    [
+        ("gemma4_v5", [GEMMA4_CALL, "Checking.It is nine.<turn|>\n"]),
+        ("diffusion_gemma", [GEMMA4_CALL, "Checking.", "It is nine.<turn|>\n"]),
+        ("muse_glimmer", [MUSE_CALL, "<|start|>assistant to=user<|message|>It is nine.<|eot|>"]),
+    ],
+)
+def test_gemma4_layout_and_muse_glimmer_leave_tool_responses_untrained(fresh_tokenizer, name, trained):
+    tok = _model_template(fresh_tokenizer, name)
+    tok.add_tokens(["<turn|>", "<|turn>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>"])
+    training = get_training_chat_template(tok)
+    assert _trained_spans(tok, EPISODE, training) == trained
+    assert _render(tok, EPISODE, training) == _render(tok, EPISODE)
+    tok.chat_template = training
+    assert is_chat_template_prefix_preserving(tok)

@@ -216,7 +216,49 @@ _LLAVA_NEXT = Family(
     ),
 )
 
+# Muse Glimmer: every part of an assistant message (reasoning to self, calls, reply) is the model's output.
+_MUSE_GLIMMER = Family(
+    "muse_glimmer",
+    (
+        _e(
+            "{%- elif role == 'assistant' -%} {%- if message.get('reasoning_content') -%}",
+            "{%- elif role == 'assistant' -%}{%- generation %}{%- if message.get('reasoning_content') -%}",
+        ),
+        _e(
+            "{{- ('<|eot|>' if end_turn else '<|eom|>') -}} {%- endif -%} {%- endif -%} {%- endfor -%}",
+            "{{- ('<|eot|>' if end_turn else '<|eom|>') -}}{%- endif -%}{%- endgeneration %}"
+            "{%- endif -%}{%- endfor -%}",
+        ),
+    ),
+)
+
+# DiffusionGemma and Gemma 4 (the layout of its latest template): the thinking channel, the calls, the reply and the
+# closing <turn|> of a model turn are output; tool responses written into the turn are not.
+_MODEL_ONLY = "{%- if role == 'model' -%}{%- generation %}{0}{%- endgeneration %}{%- else -%}{0}{%- endif -%}"
+_DIFFUSION_GEMMA = Family(
+    "diffusion_gemma_gemma4",
+    (
+        _e(
+            "{{- '<|channel>thought\\n' + thinking_text + '\\n<channel|>' -}}",
+            "{%- generation %}{{- '<|channel>thought\\n' + thinking_text + '\\n<channel|>' -}}{%- endgeneration %}",
+        ),
+        _e(
+            "{%- if message.get('tool_calls') -%} {%- for tool_call in message.get('tool_calls') -%}",
+            "{%- if message.get('tool_calls') -%}{%- generation %}{%- for tool_call in message.get('tool_calls') -%}",
+        ),
+        _e("{{- '}<tool_call|>' -}} {%- endfor -%}", "{{- '}<tool_call|>' -}}{%- endfor -%}{%- endgeneration %}"),
+        _e("{{- captured_content -}}", _MODEL_ONLY.replace("{0}", "{{- captured_content -}}")),
+        _e(
+            "{%- elif not (ns_tr_out.flag and not has_content and not next_nt.found) -%} {{- '<turn|>\\n' -}}",
+            "{%- elif not (ns_tr_out.flag and not has_content and not next_nt.found) -%}"
+            + _MODEL_ONLY.replace("{0}", "{{- '<turn|>\\n' -}}"),
+        ),
+    ),
+)
+
 PLAIN_FAMILIES: tuple[Family, ...] = (
+    _MUSE_GLIMMER,
+    _DIFFUSION_GEMMA,
     _LFM2_V2,
     _QWEN2_5_VL,
     _GEMMA3,
