@@ -8,6 +8,7 @@ from typing import Optional
 import pytest
 
 from posttrain.data import chat_templates as ctu
+from posttrain.data.response_templates import HERMES_RESPONSE_TEMPLATE
 from posttrain.errors import ConfigError, DataError
 from posttrain.models.builtin import SMOLLM2_CHAT_TEMPLATE
 from posttrain.tools import (
@@ -157,7 +158,7 @@ def test_chatml_tool_template_renders_like_smollm2_without_tools(chatml):
 
 def test_chatml_tool_template_round_trips_through_the_parser_and_trl_helpers(chatml):
     use_chatml_tool_template(chatml)
-    assert chatml.response_template is ctu.HERMES_RESPONSE_TEMPLATE
+    assert chatml.response_template is HERMES_RESPONSE_TEMPLATE
     assert ctu.supports_tool_calling(chatml) and ctu.is_chat_template_prefix_preserving(chatml)
     assert ctu.get_training_chat_template(chatml) is None  # already has {% generation %} and preserves prefixes
     calls = [

@@ -3,9 +3,10 @@ that a template renders tool calls, set a response parser, and get a template fi
 training.
 
 TRL recognises templates by comparing them with copies of ~30 model templates it ships. posttrain
-recognises a template by what it renders instead: it renders probe conversations and looks at the format
-(ChatML turns, Hermes ``<tool_call>`` JSON, Llama 3 headers). Formats it does not know raise the same
-ValueError as TRL's unknown templates.
+recognises a reply format by what the template renders (probe conversations: ChatML turns, Hermes
+``<tool_call>`` JSON, Llama 3 headers, ...), and a model family's template by the pieces of it that the
+family's training edits replace (`posttrain.data.training_templates`). Formats it does not know raise the
+same ValueError as TRL's unknown templates.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import warnings
 from jinja2 import TemplateError
 from transformers import AddedToken, AutoTokenizer, ProcessorMixin
 
+from posttrain.data.response_templates import response_template_for
+from posttrain.data.training_templates import patch_chat_template
 from posttrain.data.transforms import prepare_multimodal_messages
 
 # Distinct strings, so that the rendered text shows which part of a tool exchange a template kept.
@@ -125,70 +128,38 @@ def clone_chat_template(model, tokenizer, source_tokenizer_path: str, resize_to_
     return model, tokenizer, tokenizer.convert_tokens_to_ids([t.content for t in added])
 
 
-# Response parsers (transformers' `response_template` format) for the tool-call formats posttrain recognises.
-HERMES_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
-LLAMA3_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
-            "close_pattern": r"\}<\|eot_id\|>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-        "content": {"close_pattern": r"<\|eot_id\|>\s*", "content": "text"},
-    },
-}
-
-
-def _tool_call_format(processing_class) -> str | None:
-    rendered = _render_tool_exchange(processing_class, n_messages=2) or ""
-    arguments = json.dumps({_ARG_KEY: _ARG_VALUE})
-    if (
-        "<|im_start|>assistant" in rendered
-        and f'<tool_call>\n{{"name": "{_NAME}", "arguments": {arguments}}}\n</tool_call>' in rendered
-    ):
-        return "hermes"
-    if f'<|start_header_id|>assistant<|end_header_id|>\n\n{{"name": "{_NAME}", "parameters": {arguments}}}' in rendered:
-        return "llama3"
-    return None
-
-
 def add_response_schema(processing_class):
     """Teaches a tokenizer how to parse its model's replies (tool calls included), as tool-calling training needs.
 
     Sets ``response_template`` (what ``tokenizer.parse_response`` reads) on the tokenizer, or a processor's
-    inner tokenizer, for the tool-call format its chat template renders: Hermes ``<tool_call>`` JSON in ChatML
-    turns (Qwen 2.5 / 3 and similar, with optional ``<think>`` reasoning) or Llama 3.1 / 3.2 JSON calls.
-    Returns the same object; other formats raise ValueError.
+    inner tokenizer, for the reply format its chat template renders: Hermes ``<tool_call>`` JSON in ChatML
+    turns (Qwen 2.5 / 3 and similar, with optional ``<think>`` reasoning), Llama 3.1 / 3.2 JSON calls, GLM-4-MoE
+    ``<arg_key>`` calls, gpt-oss harmony channels, LFM2.5 Python-style calls, ``<function=...>`` XML calls
+    (Nemotron 3, Qwen 3.5), Gemma 4 ``<|tool_call>call:`` calls, or DeepSeek-R1-Distill replies (no tool calls).
+    The format is recognised from what the template renders for a probe tool call. Returns the same object; other
+    formats raise ValueError.
 
     See docs/tools.md.
     """
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
-    found = _tool_call_format(processing_class) if processing_class.chat_template is not None else None
+    found = None
+    if processing_class.chat_template is not None:
+        rendered = _render_tool_exchange(processing_class, n_messages=2) or ""
+        prompt = _tool_exchange({})[:1]
+        if isinstance(processing_class, ProcessorMixin):
+            prompt = prepare_multimodal_messages(prompt)
+        try:
+            generation_prompt = processing_class.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except TemplateError:
+            generation_prompt = ""
+        found = response_template_for(rendered, generation_prompt, _NAME, _ARG_KEY, _ARG_VALUE)
     if found is None:
         raise ValueError(
             "Unrecognized chat template, failed to add response schema: posttrain recognises templates that render "
-            "Hermes-style <tool_call> JSON in ChatML turns or Llama 3 JSON tool calls. Set `response_template` on "
-            "the tokenizer yourself (see transformers' chat response parsing docs)."
+            "Hermes <tool_call> JSON, Llama 3 JSON, GLM-4-MoE, gpt-oss, LFM2.5, Gemma 4 or <function=...> XML tool "
+            "calls. Set `response_template` on the tokenizer yourself (see transformers' chat response parsing docs)."
         )
-    tokenizer.response_template = HERMES_RESPONSE_TEMPLATE if found == "hermes" else LLAMA3_RESPONSE_TEMPLATE
+    tokenizer.response_template = found
     return processing_class
 
 
@@ -304,20 +275,34 @@ _PROBE_TOOLS = [
 ]
 
 
-def _renders_like(tokenizer, template: str, with_tools: bool) -> bool:
+def _renders_like(tokenizer, template: str, with_tools: bool, patched_family=None, original: str | None = None) -> bool:
+    """True if `template` renders the probe conversations (with tools too when `with_tools`) like `original` (default:
+    the tokenizer's own).
+    For a `patched_family` (see `posttrain.data.training_templates`), probes the original rejects are left out, and
+    only those without an assistant turn count unless the family's variant renders everything the same."""
     probes = [(m, g, None) for m, g in _PROBES]
     if with_tools:
         probes += [(m, g, None) for m, g in _TOOL_PROBES] + [(m, g, _PROBE_TOOLS) for m, g in _PROBES + _TOOL_PROBES]
-    try:
-        return all(
-            tokenizer.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=g)
-            == tokenizer.apply_chat_template(
-                m, tools=tools, tokenize=False, add_generation_prompt=g, chat_template=template
+    if patched_family is not None and not patched_family.exact:
+        probes = [(m, g, t) for m, g, t in probes if all(x["role"] != "assistant" for x in m)]
+    for messages, prompt, tools in probes:
+        try:
+            expected = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=prompt, chat_template=original
             )
-            for m, g, tools in probes
-        )
-    except (TemplateError, TypeError):
-        return False
+        except (TemplateError, TypeError):
+            if patched_family is None:
+                return False
+            continue
+        try:
+            got = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=prompt, chat_template=template
+            )
+        except (TemplateError, TypeError):
+            return False
+        if got != expected:
+            return False
+    return True
 
 
 def _default_system(tokenizer) -> str | None:
@@ -372,11 +357,14 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     A chat template fit for training, or None if the current one already is.
 
     Fit means: it marks assistant output with ``{% generation %}`` (for ``assistant_only_loss``) and, if it
-    renders tool calls, earlier turns render the same whatever follows them. For ChatML templates (with or
-    without a default system prompt, with or without Hermes ``<tool_call>`` tools as in Qwen 2.5) posttrain
-    returns its own ChatML template with the markers, built from the original's rendered pieces and checked
-    to render the same text as the original on probe conversations (with and without tools); other
-    templates raise ValueError. `tokenizer` is a deprecated alias of `processing_class`, as in TRL.
+    renders tool calls, earlier turns render the same whatever follows them. A known model family's template
+    (Llama 3, Gemma 1-3, Phi-3, Cohere, DeepSeek, GLM-4-MoE, gpt-oss, LFM2, Nemotron 3, Qwen 3 / 3.5 / VL,
+    Idefics3, LLaVA-NeXT, ...; see `posttrain.data.training_templates`) comes back with that family's edits:
+    the markers, and for Qwen 3 / 3.5 every turn's think block shown. Other ChatML templates (with or without a
+    default system prompt, with or without Hermes ``<tool_call>`` tools as in Qwen 2.5) get posttrain's own
+    ChatML template with the markers, built from the original's rendered pieces. Either is checked to render
+    like the original on probe conversations (prompts only where the family's variant deliberately differs);
+    other templates raise ValueError. `tokenizer` is a deprecated alias of `processing_class`, as in TRL.
 
     See docs/tools.md.
     """
@@ -394,10 +382,17 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     chat_template = processing_class.chat_template
     if chat_template is None:
         raise ValueError("The tokenizer has no chat template to make training-compatible; set one first.")
+    if isinstance(chat_template, dict):  # named variants: the `default` one is what renders
+        chat_template = chat_template["default"]
     tools = supports_tool_calling(processing_class)
     if has_generation_markers(chat_template) and (not tools or is_chat_template_prefix_preserving(processing_class)):
         return None
     owner = getattr(processing_class, "tokenizer", processing_class)
+    known = patch_chat_template(chat_template)
+    if known is not None:
+        family, candidate = known
+        if _renders_like(owner, candidate, with_tools=tools, patched_family=family, original=chat_template):
+            return candidate
     tools_format = _tools_format(owner) if tools else None
     if not tools or tools_format is not None:
         candidate = _chatml_training_template(_default_system(owner), tools_format)
@@ -405,7 +400,7 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
             return candidate
     raise ValueError(
         "The chat template is not training-compatible (missing prefix-preservation or `{% generation %}` markers) "
-        "and patching is not supported for this template: posttrain patches ChatML templates (plain, or with "
-        "Qwen 2.5-style Hermes tool calls). Add `{% generation %}` / `{% endgeneration %}` around the assistant "
-        "output yourself."
+        "and patching is not supported for this template: posttrain patches the templates of known model families "
+        "and ChatML templates (plain, or with Qwen 2.5-style Hermes tool calls). Add `{% generation %}` / "
+        "`{% endgeneration %}` around the assistant output yourself."
     )

@@ -41,8 +41,8 @@ def parse_response(
             if tools is not None and "tools" in accepted:
                 kwargs["tools"] = tools
         parsed = tokenizer.parse_response(ids, **kwargs)
-        if parsed is None:  # nothing left to parse (a heavily truncated completion)
-            raise ValueError("the response parser returned nothing")
+        if not isinstance(parsed, dict):  # nothing left to parse (a heavily truncated completion)
+            raise ValueError("the response parser returned no message")
         content = parsed.get("content")
         if isinstance(content, str) and tokenizer.eos_token:
             content = content.removesuffix(tokenizer.eos_token)  # parsers may keep the EOS after tool calls
