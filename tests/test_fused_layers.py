@@ -57,6 +57,108 @@ def test_rmsnorm_gradient_against_a_float64_reference():
     torch.testing.assert_close(w_.grad, ref_w.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_one_plus_weight_rmsnorm_gradient_against_a_float64_reference():
+    """Gemma's norm, (x / rms(x)) * (1 + weight) in float32 then cast back; its gradient against exact float64
+    autograd of that formula."""
+    torch.manual_seed(0)
+    x, weight, grad_out = (
+        torch.randn(4, 7, 24, dtype=torch.float64),
+        torch.randn(24, dtype=torch.float64),
+        torch.randn(4, 7, 24, dtype=torch.float64),
+    )
+    eps = 1e-6
+    ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    ((1 + ref_w) * ref_x * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + eps)).backward(grad_out)
+    x_, w_ = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_layers._OnePlusWeightRMSNorm.apply(x_, w_, eps)
+    out.backward(grad_out)
+    assert out.dtype == x_.grad.dtype == w_.grad.dtype == torch.float64
+    torch.testing.assert_close(x_.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w_.grad, ref_w.grad, rtol=1e-5, atol=1e-5)
+
+
+def _gemma_norm(dtype, transposed: bool):
+    """Gemma 3's RMSNorm with a random weight, and an input laid out as its q/k norms see it when `transposed`
+    (a non-contiguous [batch, heads, tokens, head_dim] view)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(0)
+    module = Gemma3RMSNorm(24, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.normal_()
+    x, grad_out = torch.randn(4, 7, 3, 24).to(dtype), torch.randn(4, 3, 7, 24).to(dtype)
+    return module, x.transpose(1, 2) if transposed else x.reshape(4, 3, 7, 24), grad_out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_plus_weight_rmsnorm_equals_gemmas_module(dtype, transposed):
+    module, x, grad_out = _gemma_norm(dtype, transposed)
+    fused = copy.deepcopy(module)
+    assert fuse_layers(fused) == 1
+    (out, dx, dw), (f_out, f_dx, f_dw) = _grads(module, x, grad_out), _grads(fused, x, grad_out)
+    assert torch.equal(f_out, out) and f_out.dtype == dtype  # the same operations in the forward
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(f_dx, dx, **tol)
+    torch.testing.assert_close(f_dw["weight"], dw["weight"], **tol)
+    with torch.no_grad():
+        assert torch.equal(fused(x), module(x))  # (its own forward without gradient)
+
+
+def test_a_gemma3_model_keeps_fewer_activations_and_rebuilds_its_norms_bit_for_bit():
+    """Per (1 + weight) norm autograd keeps x / rms(x) besides x; fused, x alone. Inside `rebuilt_activations` the
+    layers reading a norm's output keep its recipe instead, and the gradients are those without the recipes."""
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=2, family="gemma3")
+    fused = copy.deepcopy(model)
+    assert fuse_layers(fused) == FUSED_PER_FAMILY["gemma3"]
+    ids = torch.randint(0, len(tokenizer), (3, 20))
+    tokens, layers, hidden, inter, q_k = ids.numel(), 2, 32, 64, 4 * 8 + 2 * 8
+    saved_less = 4 * tokens * (2 * inter * layers + hidden * (4 * layers + 1) + q_k * layers)
+    assert _saved_bytes(model, ids) - _saved_bytes(fused, ids) >= saved_less
+    results = []
+    for m, rebuilt in ((model, False), (fused, False), (fused, True)):
+        m.zero_grad(set_to_none=True)
+        with fused_layers.rebuilt_activations(rebuilt):
+            out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[2][0], results[0][0])
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6)
+        assert torch.equal(results[2][1][name], results[1][1][name])
+
+
+def test_the_fast_paths_report_gemma3s_fused_norms(tmp_path, caplog):
+    """`posttrain env --model` and the trainers' log line count Gemma 3's (1 + weight) norms with its MLPs."""
+    import logging
+
+    from posttrain import SFTConfig
+    from posttrain.cli.environment import model_fast_paths_report
+    from posttrain.models.tiny import save_tiny_model
+    from posttrain.training.base import prepare_model
+
+    path = save_tiny_model(tmp_path / "gemma3", family="gemma3")
+    report = [line for line in model_fast_paths_report(path).splitlines() if line.startswith("fused layers")]
+    assert report == [f"{'fused layers':<18} 15 norms and MLPs"]
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        model = prepare_model(path, SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Fast paths")]
+    assert len(lines) == 1 and "; fused layers: 15 norms and MLPs;" in lines[0]
+    assert sum("forward" in vars(m) for m in model.modules()) == 15
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_unfuse_layers_restores_every_fused_module(family):
+    import pickle
+
+    model = build_tiny_model(build_tiny_tokenizer(), family=family)
+    count = fuse_layers(model)
+    assert fused_layers.unfuse_layers(model) == count
+    assert not any("forward" in vars(m) for m in model.modules())
+    pickle.dumps(model)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_equals_the_module(dtype):
     torch.manual_seed(0)
@@ -201,13 +303,14 @@ def test_trainers_fuse_by_default_and_train_the_same(tiny_model_path):
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=1e-5)
 
 
-# Modules fused per family in a two-layer model: its norms that compute Llama's RMSNorm (with Qwen3's q/k norms; not
-# Gemma's (1 + weight) norms) and its gated MLPs (not the expert blocks of Qwen3-MoE and Mixtral).
+# Modules fused per family in a two-layer model: its norms that compute Llama's RMSNorm (with Qwen3's q/k norms) or
+# Gemma's (1 + weight) RMSNorm (four a layer, q/k norms, the final one) and its gated MLPs (not the expert blocks of
+# Qwen3-MoE and Mixtral).
 FUSED_PER_FAMILY = {
     "llama": 7,
     "qwen2": 7,
     "qwen3": 11,
-    "gemma3": 2,
+    "gemma3": 15,
     "mistral": 7,
     "phi3": 7,
     "qwen3_moe": 9,

@@ -8,10 +8,11 @@ same, so speed stays within a few percent (a SmolLM2-shaped MLP 1.015x the time,
 gradients equal the modules' own to rounding.
 
 `fuse_layers(model)` rebinds `forward` on each module that computes one of these formulas, whatever its class:
-a norm whose forward is Llama's RMSNorm and an MLP whose forward is Llama's or Phi-3's gated MLP (recognised by
-their code, `computes.py`: Qwen2, Qwen3, Mistral, Phi-3, Qwen3-MoE, Mixtral and Gemma 3's MLP among them) with an
-activation that computes SiLU or tanh-GELU bit for bit on probe values. A family that changed a formula (Gemma's
-(1 + weight) norm) is left alone. At call time the fused path is taken only when a gradient is wanted and the
+a norm whose forward is Llama's RMSNorm or Gemma's (1 + weight) RMSNorm (which multiplies by 1 + weight in float32
+before casting back, where Llama casts first) and an MLP whose forward is Llama's or Phi-3's gated MLP (recognised
+by their code, `computes.py`: Qwen2, Qwen3, Mistral, Phi-3, Qwen3-MoE, Mixtral and Gemma 3's MLP among them) with
+an activation that computes SiLU or tanh-GELU bit for bit on probe values. A module whose formula is none of these
+is left alone. At call time the fused path is taken only when a gradient is wanted and the
 projections are plain bias-free `nn.Linear` layers with their weights present: a LoRA-wrapped, quantized or
 DeepSpeed ZeRO-3-partitioned projection runs the module's own forward.
 
@@ -129,6 +130,41 @@ def _normalized(x32, weight, inv_rms, dtype):
 
 def _normalized_from(x, weight, inv_rms):
     return _normalized(x.float(), weight, inv_rms, x.dtype)
+
+
+class _OnePlusWeightRMSNorm(torch.autograd.Function):
+    """(x / rms(x)) * (1 + weight), all in float32 and cast back only then, as Gemma's RMSNorm computes it; keeps x
+    and 1 / rms."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        output = _one_plus_normalized(x32, weight, inv_rms, x.dtype)
+        return _remember(output, _one_plus_normalized_from, x, weight, inv_rms)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, inv_rms = ctx.saved_tensors
+        normed, grad32 = x.float() * inv_rms, grad.float()
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (grad32 * normed).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_normed = grad32 * (1.0 + weight.float())
+            dot = (d_normed * normed).mean(-1, keepdim=True)
+            d_x = torch.addcmul(d_normed, normed, dot, value=-1).mul_(inv_rms).to(x.dtype)
+        return d_x, d_weight, None
+
+
+def _one_plus_normalized(x32, weight, inv_rms, dtype):
+    return (x32 * inv_rms * (1.0 + weight.float())).to(dtype)
+
+
+def _one_plus_normalized_from(x, weight, inv_rms):
+    return _one_plus_normalized(x.float(), weight, inv_rms, x.dtype)
 
 
 class _Recipe:
@@ -249,15 +285,24 @@ def _fused_norm_forward(self, hidden_states):
     return type(self).forward(self, hidden_states)
 
 
+def _fused_one_plus_norm_forward(self, x):
+    if _wants_grad(x, self.weight):
+        return _OnePlusWeightRMSNorm.apply(x, self.weight, self.eps)
+    return type(self).forward(self, x)
+
+
 # The forwards `fuse_layers` binds: each runs the module's own forward when no gradient is wanted.
-FUSED_FORWARDS = (_fused_norm_forward, _fused_mlp_forward, _fused_gate_up_forward)
+FUSED_FORWARDS = (_fused_norm_forward, _fused_one_plus_norm_forward, _fused_mlp_forward, _fused_gate_up_forward)
 
 
 def _fused_forward(module: nn.Module):
-    """The fused forward for what `module` computes (`computes.KINDS`: Llama's RMSNorm, a gated MLP with a SiLU or
-    tanh-GELU activation, separate or one gate-and-up projection), or None."""
-    if kind_of(module, "norm") == "rms":
+    """The fused forward for what `module` computes (`computes.KINDS`: Llama's or Gemma's RMSNorm, a gated MLP with
+    a SiLU or tanh-GELU activation, separate or one gate-and-up projection), or None."""
+    norm = kind_of(module, "norm")
+    if norm == "rms":
         return _fused_norm_forward
+    if norm == "one_plus_weight_rms":
+        return _fused_one_plus_norm_forward
     mlp = kind_of(module, "mlp")
     if mlp == "gated" and activation_name(module.act_fn) is not None:
         module._posttrain_activation = activation_name(module.act_fn)
@@ -270,7 +315,7 @@ def _fused_forward(module: nn.Module):
 
 def is_fused_forward(forward) -> bool:
     """Whether `forward` (a module's instance attribute) is one that `fuse_layers` bound."""
-    return getattr(forward, "__func__", None) in (_fused_norm_forward, _fused_mlp_forward)
+    return getattr(forward, "__func__", None) in FUSED_FORWARDS
 
 
 def fuse_layers(model: nn.Module) -> int:
@@ -290,10 +335,9 @@ def fuse_layers(model: nn.Module) -> int:
 def unfuse_layers(model: nn.Module) -> int:
     """Undoes `fuse_layers` (a bound forward does not pickle: a copy sent to another process needs this); the
     plain forward computes the same numbers without gradients. Returns how many modules it restored."""
-    fused = (_fused_norm_forward, _fused_mlp_forward)
     count = 0
     for module in model.modules():
-        if getattr(vars(module).get("forward"), "__func__", None) in fused:
+        if is_fused_forward(vars(module).get("forward")):
             del module.forward
             count += 1
     return count
