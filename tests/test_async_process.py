@@ -10,6 +10,8 @@ import json
 import os
 import re
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from posttrain.online import process_rollouts
 from posttrain.online.async_rollouts import AsyncRolloutProducer
 from posttrain.online.generation_worker import GenerationServer, Request, WorkerSettings
 from posttrain.online.process_rollouts import ProcessRolloutProducer
-from posttrain.online.shared_weights import SharedWeights
+from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights
 from posttrain.runtime.cores import CoreSplit
 from posttrain.training.checkpoints import TRAINER_STATE_FILE
 
@@ -144,6 +146,44 @@ def test_a_killed_generation_process_is_restarted_and_no_round_is_lost(tmp_path,
     assert sum(restarts) == 1
     assert losses(faulty) == losses(plain)
     assert_same_parameters(plain, faulty)
+
+
+def hold_the_lock(weights: SharedWeights, held) -> None:
+    """A generation process that takes the weights' lock and never lets it go (until it is killed)."""
+    weights.lock.acquire()
+    held.set()
+    time.sleep(600)
+
+
+def test_a_process_killed_holding_the_weights_lock_never_blocks_the_trainer():
+    """The race CI once hung on: SIGKILL lands while the generation process holds the lock. Every trainer-side
+    read of the table, the reset, and publishing after it must return, not wait for a lock no one will release."""
+    context = torch.multiprocessing.get_context("spawn")
+    weights = SharedWeights(torch.nn.Linear(3, 2), 3, context)
+    params = [torch.ones(2, 3), torch.full((2,), 2.0)]
+    weights.publish(params, version=4, pinned=set())
+    held = context.Event()
+    holder = context.Process(target=hold_the_lock, args=(weights, held), daemon=True)
+    holder.start()
+    assert held.wait(timeout=120)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    seen: list = []
+
+    def trainer_side():
+        seen.append(weights.slot_of(4))
+        with pytest.raises(GenerationProcessDied):
+            weights.publish(params, version=5, pinned=set(), alive=lambda: False)
+        weights.reset_table(context)
+        seen.append(weights.publish([2 * p for p in params], version=5, pinned=set()))
+        seen.append((weights.slot_of(4), weights.slot_of(5)))
+
+    thread = threading.Thread(target=trainer_side, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the trainer waited for the lock of a dead process"
+    assert seen == [0, 1, (0, 1)]
+    assert torch.equal(weights.views(1)[1], torch.full((2,), 4.0))
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -315,6 +315,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
 
     def load_state(self, state: dict) -> None:
         self.close()
+        self.weights.reset_table(self.context)  # a process that died holding the lock cannot block the resume
         self.rounds = dict(state["rounds"])
         if state["weights"] is not None:
             names = [name for name, _ in self.sampler_model.named_parameters()]

@@ -4,6 +4,9 @@ at a slot's views, so taking new weights costs it no copy.
 
 One lock guards a table of ints that both processes read: the slot the generation process is using, the newest
 slot published, and each slot's version (the optimizer step of its weights; -1 while empty or being written).
+The table itself has no lock of its own: the trainer reads the entries only it writes (versions, newest) without
+one, so that a generation process killed while holding the lock can never block the trainer; every wait for the
+lock is bounded and checks that the other side is alive.
 
 - Publishing picks a slot that is neither in use, nor the newest, nor pinned (named by a request not yet
   answered), marks it empty under the lock, copies the weights in without the lock (no reader may take an empty
@@ -44,7 +47,8 @@ class SharedWeights:
             {dtype: torch.empty(size, dtype=dtype).share_memory_() for dtype, size in sizes.items()}
             for _ in range(num_slots)
         ]
-        self.table = context.Array("q", [-1] * (VERSIONS + num_slots), lock=True)
+        self.table = context.Array("q", [-1] * (VERSIONS + num_slots), lock=False)
+        self.lock = context.RLock()
         self._views: dict[int, list[torch.Tensor]] = {}
         with torch.no_grad():
             for param, view in zip(params, self.views(0)):
@@ -103,15 +107,15 @@ class SharedWeights:
     def reset_table(self, context) -> None:
         """A new table and lock with the same versions and nothing in use (after the generation process died,
         perhaps holding the old lock)."""
-        table = context.Array("q", self.table[:], lock=True)
+        table = context.Array("q", self.table[:], lock=False)
         table[USING] = -1
-        self.table = table
+        self.table, self.lock = table, context.RLock()
 
     # -- the generation process's side -----------------------------------------------------------------------
     def take(self, params: list[torch.Tensor], slot: int | None, current: int, block: bool) -> int:
         """Points `params` at `slot` (None: the newest) when it holds a version other than `current`; returns
         the version `params` now hold. Without `block`, a busy lock leaves the weights as they are."""
-        lock = self.table.get_lock()
+        lock = self.lock
         if not block and not lock.acquire(False):
             return current
         while block and not lock.acquire(timeout=LOCK_WAIT_S):
@@ -132,7 +136,7 @@ class SharedWeights:
 
     @contextlib.contextmanager
     def _locked(self, alive):
-        lock = self.table.get_lock()
+        lock = self.lock
         while not lock.acquire(timeout=LOCK_WAIT_S):
             if not alive():
                 raise GenerationProcessDied("the generation process died holding the weights' lock")
