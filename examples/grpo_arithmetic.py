@@ -5,12 +5,12 @@ The reward is 1 when the last number in the completion equals the answer. Accura
 
     OMP_NUM_THREADS=1 python examples/grpo_arithmetic.py --max_steps 40
 
-The 15-minute recipe (issue #35): one thread on one core, lr 1e-5 decaying linearly over 110 steps, 2 prompts x 8
-completions of up to 16 tokens a step; training stops after 110 steps or 15 minutes, whichever comes first
-(docs/results/time_to_accuracy.md has its measured runs):
+The 15-minute recipe (issue #35): one thread on one core, lr 1e-5 decaying linearly over 150 steps, 2 prompts x 8
+completions of up to 16 tokens a step; training stops after 150 steps or 15 minutes, whichever comes first
+(docs/results/time_to_accuracy.md has its measured runs: 0.630, 0.565 and 0.630 held-out in three seeds):
 
     source scripts/env.sh  # tcmalloc, as the `posttrain` command preloads it
-    OMP_NUM_THREADS=1 taskset -c 0 python examples/grpo_arithmetic.py --max_steps 110 --max_minutes 15 --seed 0
+    OMP_NUM_THREADS=1 taskset -c 0 python examples/grpo_arithmetic.py --max_steps 150 --max_minutes 15 --seed 0
 """
 
 from __future__ import annotations
