@@ -279,7 +279,6 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         )
         self.restarts += 1
         self._stop_process()
-        self.weights.reset_table(self.context)  # it may have died holding the old lock
         self._start()
 
     def record_staleness(self, episodes: list[Episode], metrics) -> None:
@@ -288,6 +287,8 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         self.restarts = 0
 
     def _stop_process(self) -> None:
+        """Ends the generation process and gives the weights a new table and lock: one that died holding the old
+        lock must not block a restart, a resume or a publish."""
         if self.process is None:
             return
         try:
@@ -301,6 +302,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         for end in (self._requests, self.results):
             end.close()
         self.process = None
+        self.weights.reset_table(self.context)
 
     # -- checkpoints and shutdown -------------------------------------------------------------------------
     def sampler_weights(self) -> dict[str, torch.Tensor]:
@@ -315,7 +317,6 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
 
     def load_state(self, state: dict) -> None:
         self.close()
-        self.weights.reset_table(self.context)  # a process that died holding the lock cannot block the resume
         self.rounds = dict(state["rounds"])
         if state["weights"] is not None:
             names = [name for name, _ in self.sampler_model.named_parameters()]
