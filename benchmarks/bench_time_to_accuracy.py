@@ -265,6 +265,9 @@ def write_outputs(output_dir: Path, rows: list[dict], summary: list[list]) -> No
     plot_curves(points, output_dir / "accuracy.png")
 
 
+MEAN_COLORS = {"trl": "black", "posttrain": "tab:blue", "posttrain-async": "tab:red"}  # each side's mean curve
+
+
 def plot_curves(points: Path, image: Path) -> None:
     """Accuracy against training minutes (wall and CPU clock) for every run in `points`, and dashed, each library's
     mean curve over the repeats of a label."""
@@ -292,7 +295,7 @@ def plot_curves(points: Path, image: Path) -> None:
                 (
                     f"{library} {label}: mean of {len(mine)}",
                     mean_curve(mine),
-                    {"linestyle": "--", "linewidth": 2.5, "color": "black" if library == "trl" else "tab:blue"},
+                    {"linestyle": "--", "linewidth": 2.5, "color": MEAN_COLORS.get(library, "tab:gray")},
                 )
             )
     for name, run, style in curves:
