@@ -175,6 +175,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         )
         self.next_id += 1
         self.pending[request.id] = request
+        self.busy.value = 1  # raised here too, so that an update starting before the process reads it borrows nothing
         if self.process is None:
             self._start()
         else:
@@ -239,7 +240,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         answered."""
         requests, self._requests = self.context.Pipe(duplex=False)
         self.results, results = self.context.Pipe(duplex=False)
-        self.busy.value = 0  # a process that died sampling left it up
+        self.busy.value = 1 if self.pending else 0  # up while requests wait (one that died sampling left it up)
         self.process = self.context.Process(
             target=serve,
             args=(self.sampler_model, self.weights, self.settings, requests, results, self.busy),
