@@ -142,6 +142,10 @@ class AsyncRolloutProducer:
     def after_step(self, step: int) -> None:
         """Called after every optimizer step (a generation process publishes new weights here)."""
 
+    def update_phase(self, model):
+        """A context for the update's forward and backward (a generation process lends its idle cores there)."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def paused(self):
         """With a vLLM server, no generation runs inside (evaluation pushes the policy's weights to the server and

@@ -404,7 +404,9 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         batch["total_sequences"] = size * args.gradient_accumulation_steps * self.accelerator.num_processes
         batch["total_tokens"] = self.rollout.step_tokens[position // args.gradient_accumulation_steps]
         start = time.perf_counter()
-        loss = super().training_step(model, batch, num_items_in_batch)
+        ahead = self.async_rollouts
+        with ahead.update_phase(model) if ahead is not None else contextlib.nullcontext():
+            loss = super().training_step(model, batch, num_items_in_batch)
         self._update_seconds += time.perf_counter() - start
         if (inputs["micro_step"] + 1) % args.gradient_accumulation_steps == 0:
             self._metrics["train"]["time/update"].append(self._update_seconds)

@@ -112,9 +112,10 @@ class GenerationServer:
                 completion.logprobs = row[: len(completion.token_ids)]
 
 
-def serve(model, weights: SharedWeights, settings: WorkerSettings, requests, results) -> None:
+def serve(model, weights: SharedWeights, settings: WorkerSettings, requests, results, busy=None) -> None:
     """The process's main function: answers the requests read from the `requests` connection on the `results`
-    connection (a `Failure` for one that raised), until it reads None or the trainer's end closes."""
+    connection (a `Failure` for one that raised), until it reads None or the trainer's end closes. `busy`: a shared
+    byte set to 1 while a request is sampled (training borrows the cores while it is 0; core_lending.py)."""
     if settings.cpus is not None:
         pin_process(settings.cpus)
     torch.set_num_threads(settings.threads)
@@ -127,10 +128,15 @@ def serve(model, weights: SharedWeights, settings: WorkerSettings, requests, res
     sender = threading.Thread(target=_send, args=(results, outbox), daemon=True)
     sender.start()
     while (request := inbox.get()) is not None:
+        if busy is not None:
+            busy.value = 1
         try:
             outbox.put(server.generate(request))
         except Exception:
             outbox.put(Failure(request.id, traceback.format_exc()))
+        finally:
+            if busy is not None and inbox.empty():
+                busy.value = 0
     outbox.put(None)
     sender.join()
 

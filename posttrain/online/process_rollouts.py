@@ -4,6 +4,8 @@ background thread (async_rollouts.py).
 Cores. The generation process is pinned to its own physical cores with one compute thread per core; the training
 process is pinned to the others with as many threads, at most the ones it had (runtime/cores.py chooses the split
 from the free cores; `posttrain env` shows it). Its affinity and thread count are restored when training ends.
+With in-flight updates, the generation cores are lent to the update's forward and backward while the generation
+process waits for its next request (core_lending.py; logged as async/borrowed_cores_s).
 
 Weights. The sampler's parameters live in shared memory slots (shared_weights.py): publishing a version is one
 copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
@@ -37,6 +39,7 @@ from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import unwrap
 from posttrain.online.async_rollouts import AsyncRolloutProducer, check_async_support
+from posttrain.online.core_lending import CoreLender
 from posttrain.online.generation_worker import Failure, Request, Result, WorkerSettings, serve
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights, shared_bytes
@@ -158,6 +161,8 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         self.answered = False  # whether a generation process ever answered
         self.failures_in_a_row = 0
         self._restore: tuple[set[int], int] | None = None  # the training process's affinity and threads before
+        self.busy = self.context.Value("b", 0, lock=False)  # 1 while the generation process samples
+        self.lender: CoreLender | None = None  # borrows the generation cores while they idle (in-flight only)
 
     # -- requests and answers ----------------------------------------------------------------------------
     def _submit(self, rows: list[dict], seeds: list[int]) -> RemoteRound:
@@ -170,6 +175,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         )
         self.next_id += 1
         self.pending[request.id] = request
+        self.busy.value = 1  # raised here too, so that an update starting before the process reads it borrows nothing
         if self.process is None:
             self._start()
         else:
@@ -234,9 +240,10 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         answered."""
         requests, self._requests = self.context.Pipe(duplex=False)
         self.results, results = self.context.Pipe(duplex=False)
+        self.busy.value = 1 if self.pending else 0  # up while requests wait (one that died sampling left it up)
         self.process = self.context.Process(
             target=serve,
-            args=(self.sampler_model, self.weights, self.settings, requests, results),
+            args=(self.sampler_model, self.weights, self.settings, requests, results, self.busy),
             name="posttrain-generation",
             daemon=True,
         )
@@ -246,7 +253,10 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         if self.split is not None and self._restore is None:
             self._restore = (pin_process(self.split.training), torch.get_num_threads())
             # one thread per training core, never more than the run was given (OMP_NUM_THREADS, the launcher)
-            torch.set_num_threads(min(self.split.training_threads, torch.get_num_threads()))
+            threads = min(self.split.training_threads, torch.get_num_threads())
+            if self.in_flight:
+                self.lender = CoreLender(self.split, self.busy, threads, limit=torch.get_num_threads())
+            torch.set_num_threads(threads)
         for request in self.pending.values():
             self._send(request)
 
@@ -285,6 +295,11 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         super().record_staleness(episodes, metrics)
         metrics["async/generation_restarts"].append(float(self.restarts))
         self.restarts = 0
+        if self.lender is not None and self.lender.useful:
+            metrics["async/borrowed_cores_s"].append(self.lender.take_lent_seconds())
+
+    def update_phase(self, model):
+        return self.lender.update(model) if self.lender is not None else super().update_phase(model)
 
     def _stop_process(self) -> None:
         """Ends the generation process and gives the weights a new table and lock: one that died holding the old
@@ -331,4 +346,4 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
             cpus, threads = self._restore
             pin_process(cpus)
             torch.set_num_threads(threads)
-            self._restore = None
+            self._restore, self.lender = None, None
