@@ -37,7 +37,7 @@ class CoreLender:
     generation side's, within `limit` (the threads the run was given)."""
 
     def __init__(self, split: CoreSplit, busy, threads: int, limit: int) -> None:
-        self.split, self.busy = split, busy
+        self.busy = busy
         self.own = (tuple(split.training), threads)
         both = tuple(sorted({*split.training, *split.generation}))
         self.borrowed = (both, min(threads + split.generation_threads, limit))

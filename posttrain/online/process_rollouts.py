@@ -255,7 +255,8 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
             # one thread per training core, never more than the run was given (OMP_NUM_THREADS, the launcher)
             threads = min(self.split.training_threads, torch.get_num_threads())
             if self.in_flight:
-                self.lender = CoreLender(self.split, self.busy, threads, limit=torch.get_num_threads())
+                lender = CoreLender(self.split, self.busy, threads, limit=torch.get_num_threads())
+                self.lender = lender if lender.useful else None  # None when the run has no thread to add
             torch.set_num_threads(threads)
         for request in self.pending.values():
             self._send(request)
@@ -295,7 +296,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         super().record_staleness(episodes, metrics)
         metrics["async/generation_restarts"].append(float(self.restarts))
         self.restarts = 0
-        if self.lender is not None and self.lender.useful:
+        if self.lender is not None:
             metrics["async/borrowed_cores_s"].append(self.lender.take_lent_seconds())
 
     def update_phase(self, model):
