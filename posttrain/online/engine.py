@@ -55,11 +55,12 @@ from posttrain.data.formats import is_message_list
 from posttrain.data.report import DataReport
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation import create_generation_backend
+from posttrain.losses.reductions import nanstd
 from posttrain.models.reference import create_reference_model, is_peft_model
 from posttrain.online.config import OnlineConfig
 from posttrain.online.environment_data import environment_dataset, environment_reward_settings
 from posttrain.online.episodes import make_episode_source
-from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
+from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
 from posttrain.online.process_rollouts import make_rollout_producer
