@@ -1,5 +1,5 @@
-"""Asynchronous generation in a process of its own (posttrain/online/process_rollouts.py, generation_worker.py,
-shared_weights.py): k = 0 is bitwise the synchronous run, resuming with rounds in flight is exact, a killed
+"""Asynchronous generation in a process of its own (posttrain/online/producers/process.py, generation_worker.py,
+weights/shared_memory.py): k = 0 is bitwise the synchronous run, resuming with rounds in flight is exact, a killed
 generation process is restarted without losing a round, the two processes get their own cores, in-flight updates
 swap weights between decode steps with per-token versions and log-probs, and max_staleness drops old episodes."""
 
@@ -22,11 +22,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, TrainerCallback
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
 from posttrain.models.reference import copy_model, freeze
-from posttrain.online import process_rollouts
-from posttrain.online.async_rollouts import AsyncRolloutProducer
-from posttrain.online.generation_worker import GenerationServer, Request, WorkerSettings
-from posttrain.online.process_rollouts import ProcessRolloutProducer
-from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights
+from posttrain.online.producers import process as process_rollouts
+from posttrain.online.producers.generation_worker import GenerationServer, Request, WorkerSettings
+from posttrain.online.producers.process import ProcessRolloutProducer
+from posttrain.online.producers.thread import AsyncRolloutProducer
+from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights
 from posttrain.runtime.cores import CoreSplit
 from posttrain.training.checkpoints import TRAINER_STATE_FILE
 

@@ -1,5 +1,5 @@
 """What TRL's two asynchronous trainers (async_grpo, async_distillation) share, mapped onto the online engine's
-asynchronous producer (posttrain/online/async_rollouts.py): the rollout-pipeline and vLLM-server fields, their
+asynchronous producer (posttrain/online/producers/thread.py): the rollout-pipeline and vLLM-server fields, their
 checks, the model's `dtype`, and the refusal of TRL's worker objects."""
 
 from __future__ import annotations

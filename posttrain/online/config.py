@@ -466,7 +466,7 @@ class OnlineConfig(PosttrainConfig):
             regex=self.vllm_structured_outputs_regex,
         )
 
-    # Asynchronous generation in a process of its own (online/process_rollouts.py)
+    # Asynchronous generation in a process of its own (online/producers/process.py)
     async_generation_process: bool | None = config_field(
         None,
         "With async_generation_rounds: sample in a generation process pinned to its own cores (None: for rounds "

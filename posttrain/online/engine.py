@@ -17,7 +17,7 @@ A method is its estimator and its loss: `compute_advantages` (required) returns 
 adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
 lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
 the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a generation process on
-cores of its own or in a background thread (process_rollouts.py, async_rollouts.py).
+cores of its own or in a background thread (producers/).
 
 Where it lives: this module sets the trainer up and runs its micro-steps and checkpoints; phases.py holds the
 round's phases (generate .. advantages), loss.py the loss, prompts.py the prompts' tokenization and evaluation.py
@@ -62,7 +62,7 @@ from posttrain.online.episodes import make_episode_source
 from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
-from posttrain.online.process_rollouts import make_rollout_producer
+from posttrain.online.producers.process import make_rollout_producer
 from posttrain.online.prompts import column_names, refuse_stream_lookahead, require_prompt_column, tokenize_prompt
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
@@ -131,7 +131,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
     prepares_eval_on_use: ClassVar[bool] = True  # trainer.eval_dataset is the set given, as in TRL
-    # What the asynchronous producer (async_rollouts.py) needs to know of a method, declared on its class. A class
+    # What the asynchronous producer (producers/) needs to know of a method, declared on its class. A class
     # that defines its own loss is taken not to correct stale samples with the sampler's log-probs unless it says
     # so; one that defines its own generate_episodes generates in a way the producer cannot take over.
     loss_reads_sampler_logps: ClassVar[bool] = True
@@ -269,7 +269,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
-        self.async_rollouts = make_rollout_producer(self)  # process_rollouts.py, async_rollouts.py
+        self.async_rollouts = make_rollout_producer(self)  # producers/
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []

@@ -1,6 +1,6 @@
 """Asynchronous generation for the online engine: the next rounds are sampled while the current one trains, so
 generation and the update overlap instead of alternating. This module holds the schedule, the staleness
-bookkeeping and the producer that samples in a background thread of the training process; process_rollouts.py
+bookkeeping and the producer that samples in a background thread of the training process; process.py
 holds the one that samples in a process of its own, on its own cores (the default on a CPU machine with free
 cores), and chooses between them.
 

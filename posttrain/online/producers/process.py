@@ -1,5 +1,5 @@
 """Asynchronous generation in a process of its own (generation_worker.py), and the choice between it and the
-background thread (async_rollouts.py).
+background thread (thread.py).
 
 Cores. The generation process is pinned to its own physical cores with one compute thread per core; the training
 process is pinned to the others with as many threads, at most the ones it had (runtime/cores.py chooses the split
@@ -7,7 +7,7 @@ from the free cores; `posttrain env` shows it). Its affinity and thread count ar
 With in-flight updates, the generation cores are lent to the update's forward and backward while the generation
 process waits for its next request (core_lending.py; logged as async/borrowed_cores_s).
 
-Weights. The sampler's parameters live in shared memory slots (shared_weights.py): publishing a version is one
+Weights. The sampler's parameters live in shared memory slots (weights/shared_memory.py): publishing a version is one
 copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
 in-flight updates (async_inflight_weight_updates, the default) the trainer publishes after every vllm_sync_steps
 optimizer steps and the generation process takes the newest weights before each decode step, so a long round
@@ -38,12 +38,12 @@ from posttrain.errors import ConfigError
 from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import unwrap
-from posttrain.online.async_rollouts import AsyncRolloutProducer, check_async_support
-from posttrain.online.core_lending import CoreLender
-from posttrain.online.generation_worker import Failure, Request, Result, WorkerSettings, serve
+from posttrain.online.producers.core_lending import CoreLender
+from posttrain.online.producers.generation_worker import Failure, Request, Result, WorkerSettings, serve
+from posttrain.online.producers.thread import AsyncRolloutProducer, check_async_support
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
-from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights, shared_bytes
 from posttrain.online.vision import tokenizer_of
+from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes
 from posttrain.runtime.cores import CoreSplit, free_cores, generation_core_split, pin_process
 
 __all__ = ["ProcessRolloutProducer", "make_rollout_producer"]

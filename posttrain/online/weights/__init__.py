@@ -1,0 +1,1 @@
+"""How the policy's weights reach the generators: shared_memory.py (slots in shared memory, one machine)."""
