@@ -104,6 +104,8 @@ class OnlineConfig(PosttrainConfig):
         "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
+    # The option that turns generation ahead on, as errors name it (TRL's asynchronous configs: max_staleness).
+    async_rounds_option: ClassVar[str] = "async_generation_rounds"
 
     learning_rate: float = learning_rate_field(1e-6)
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)

@@ -133,8 +133,8 @@ class RoundPhases:
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (
-                self.async_rollouts.episodes(round_index, rows, n, seeds)
-                if self.async_rollouts is not None and self.rollout_mode == "train"
+                self.rollout_producer.episodes(round_index, rows, n, seeds)
+                if self.rollout_mode == "train"
                 else self.generate_episodes(rows, n, seeds)
             )
         generation_seconds = time.perf_counter() - start
