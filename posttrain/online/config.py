@@ -104,6 +104,8 @@ class OnlineConfig(PosttrainConfig):
         "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
+    # The option that turns generation ahead on, as errors name it (TRL's asynchronous configs: max_staleness).
+    async_rounds_option: ClassVar[str] = "async_generation_rounds"
 
     learning_rate: float = learning_rate_field(1e-6)
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
@@ -466,7 +468,7 @@ class OnlineConfig(PosttrainConfig):
             regex=self.vllm_structured_outputs_regex,
         )
 
-    # Asynchronous generation in a process of its own (online/process_rollouts.py)
+    # Asynchronous generation in a process of its own (online/producers/process.py)
     async_generation_process: bool | None = config_field(
         None,
         "With async_generation_rounds: sample in a generation process pinned to its own cores (None: for rounds "

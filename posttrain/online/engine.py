@@ -16,8 +16,9 @@ A method is its estimator and its loss: `compute_advantages` (required) returns 
 `policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
 adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
 lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
-the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a generation process on
-cores of its own or in a background thread (process_rollouts.py, async_rollouts.py).
+the rollout. Phase 1 of a training round comes from the rollout producer (producers/): generated on demand, or
+with async_generation_rounds ahead of training in a generation process on cores of its own or in a background
+thread. The engine calls it through its interface only, and it sees the trainer only through `producer_context`.
 
 Where it lives: this module sets the trainer up and runs its micro-steps and checkpoints; phases.py holds the
 round's phases (generate .. advantages), loss.py the loss, prompts.py the prompts' tokenization and evaluation.py
@@ -43,7 +44,7 @@ same keys with the eval_ prefix.
 
 from __future__ import annotations
 
-import contextlib
+import math
 import time
 from typing import ClassVar
 
@@ -63,7 +64,7 @@ from posttrain.online.episodes import make_episode_source
 from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
-from posttrain.online.process_rollouts import make_rollout_producer
+from posttrain.online.producers import ProducerContext, ProducerEvents, make_rollout_producer
 from posttrain.online.prompts import column_names, refuse_stream_lookahead, require_prompt_column, tokenize_prompt
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
@@ -79,6 +80,7 @@ from posttrain.online.rollout import (
     TaggedPrompts,
     collate_tagged,
     groupwise_advantages,
+    round_seeds,
 )
 from posttrain.online.vision import setup_online_vision, tokenizer_of
 from posttrain.rewards.scoring import RewardScorer
@@ -132,7 +134,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
     prepares_eval_on_use: ClassVar[bool] = True  # trainer.eval_dataset is the set given, as in TRL
-    # What the asynchronous producer (async_rollouts.py) needs to know of a method, declared on its class. A class
+    # What a producer generating ahead (producers/) needs to know of a method, declared on its class. A class
     # that defines its own loss is taken not to correct stale samples with the sampler's log-probs unless it says
     # so; one that defines its own generate_episodes generates in a way the producer cannot take over.
     loss_reads_sampler_logps: ClassVar[bool] = True
@@ -270,7 +272,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
-        self.async_rollouts = make_rollout_producer(self)  # process_rollouts.py, async_rollouts.py
+        self.rollout_producer = make_rollout_producer(self.producer_context())
+        self.add_callback(ProducerEvents(self.rollout_producer))
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []
@@ -405,8 +408,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         batch["total_sequences"] = size * args.gradient_accumulation_steps * self.accelerator.num_processes
         batch["total_tokens"] = self.rollout.step_tokens[position // args.gradient_accumulation_steps]
         start = time.perf_counter()
-        ahead = self.async_rollouts
-        with ahead.update_phase(model) if ahead is not None else contextlib.nullcontext():
+        with self.rollout_producer.update_phase(model):
             loss = super().training_step(model, batch, num_items_in_batch)
         self._update_seconds += time.perf_counter() - start
         if (inputs["micro_step"] + 1) % args.gradient_accumulation_steps == 0:
@@ -423,8 +425,9 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         steps_per_round = self.args.steps_per_generation * self.args.num_iterations
         if self.rollout is not None and self.state.global_step % steps_per_round:
             state["rollout"] = self.rollout.state()
-        if self.async_rollouts is not None:  # the rounds generated ahead, so that none is sampled again
-            state["async_rollouts"] = self.async_rollouts.state()
+        ahead = self.rollout_producer.state()
+        if ahead is not None:  # the rounds generated ahead, so that none is sampled again
+            state["async_rollouts"] = ahead
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -432,12 +435,56 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         load_sync_ref_checkpoint_state(self, state)
         if "rollout" in state:
             self.rollout = Rollout(**state.pop("rollout"))
-        ahead = state.pop("async_rollouts", None)  # rounds generated ahead (regenerated when async is now off)
-        if ahead is not None and self.async_rollouts is not None:
-            self.async_rollouts.load_state(ahead)
+        ahead = state.pop("async_rollouts", None)  # rounds generated ahead (the synchronous producer drops them)
+        if ahead is not None:
+            self.rollout_producer.load_state(ahead)
         super().load_checkpoint_state(state)
 
     def evaluate(self, *args, **kwargs):
         """Evaluation generates with the policy's own weights: no round generates ahead meanwhile."""
-        with self.async_rollouts.paused() if self.async_rollouts is not None else contextlib.nullcontext():
+        with self.rollout_producer.paused():
             return super().evaluate(*args, **kwargs)
+
+    # -- the rollout producer's view of the trainer ------------------------------------------------------
+    def producer_context(self) -> ProducerContext:
+        """What the rollout producer may use of this trainer (producers/base.py), and what of it a producer
+        generating ahead cannot take over."""
+        method = type(self).__name__
+        unsupported = {
+            f"{method}'s loss, which does not read the sampler's log-probs (stale samples would train "
+            "uncorrected)": not (self.loss_reads_sampler_logps or self.loss_ignores_the_sampler),
+            "tools, environment_factory or rollout_func (multi-turn episodes)": self.episode_source is not None,
+            "image prompts": self.image_prompts is not None,
+            f"{method}'s own generation (generate_episodes)": self.own_generation,
+            "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
+                self.args, "dynamic_sampling", False
+            ),
+            "several processes (the generation thread would run collectives beside training's)": (
+                self.accelerator.num_processes > 1
+            ),
+        }
+        return ProducerContext(
+            args=self.args,
+            policy=self.model,
+            tokenizer=tokenizer_of(self.processing_class),
+            sampling=self.sampling,
+            micro_batch_size=self.micro_batch_size,
+            pad_multiple=self.pad_multiple,
+            logps_temperature=self.logps_temperature,
+            device=self.accelerator.device,
+            generate=lambda rows, n, seeds: self.generate_episodes(rows, n, seeds),
+            completion_logps=lambda model, batch: self.completion_logps(model, batch),
+            round_source=self.training_round,
+            log_metric=lambda name, value: self._metrics["train"][name].append(value),
+            server_backend=self.generation_backend,
+            unsupported=tuple(what for what, present in unsupported.items() if present),
+        )
+
+    def training_round(self, index: int) -> tuple[list[dict], list[int]] | None:
+        """Training round `index`'s prompt rows and seeds (what the loader will give it), None past the last."""
+        args = self.args
+        if index >= math.ceil(self.state.max_steps / (args.steps_per_generation * args.num_iterations)):
+            return None
+        tags = self.rollout_sampler.round_tags(index)
+        slots = [slot for slot, _ in tags]
+        return [self.train_dataset[position] for _, position in tags], round_seeds(args.seed, index, slots, "train")

@@ -133,8 +133,8 @@ class RoundPhases:
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (
-                self.async_rollouts.episodes(round_index, rows, n, seeds)
-                if self.async_rollouts is not None and self.rollout_mode == "train"
+                self.rollout_producer.episodes(round_index, rows, n, seeds)
+                if self.rollout_mode == "train"
                 else self.generate_episodes(rows, n, seeds)
             )
         generation_seconds = time.perf_counter() - start
@@ -234,7 +234,7 @@ class RoundPhases:
         sampler_logps = sampler_logps_tensor(episodes, completion_ids.shape[1])
         finished = torch.tensor([e.finished for e in episodes])
         loss_mask = model_mask * finished.unsqueeze(1) if self.args.mask_truncated_completions else model_mask
-        fresh = torch.tensor([not e.info.get("stale", False) for e in episodes])  # max_staleness (async_rollouts.py)
+        fresh = torch.tensor([not e.info.get("stale", False) for e in episodes])  # max_staleness (producers/thread.py)
         if not fresh.all():
             loss_mask = loss_mask * fresh.unsqueeze(1)
         return Rollout(
