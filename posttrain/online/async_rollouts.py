@@ -161,7 +161,7 @@ class AsyncRolloutProducer:
 
     def _submit_ahead(self, round_index: int, rows: list[dict], seeds: list[int]) -> None:
         trainer = self.trainer
-        steps_per_round = trainer.args.steps_per_generation * trainer.args.num_iterations
+        steps_per_round = trainer.args.optimizer_steps_per_generation * trainer.args.num_iterations
         last_round = math.ceil(trainer.state.max_steps / steps_per_round) - 1
         for ahead in range(round_index, min(round_index + self.lookahead, last_round) + 1):
             if ahead in self.rounds:
