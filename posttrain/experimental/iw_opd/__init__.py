@@ -143,6 +143,11 @@ class IWOPDConfig(DistillationConfig):
             raise ConfigError(
                 f"loss_top_k must be 1 when using use_teacher_server=True with beta>0 (got {self.loss_top_k})."
             )
+        if self.distillation_objective == "jsd" and self.loss_top_k == 0:
+            raise ConfigError(
+                "loss_top_k=0 compares the full vocabulary, which a teacher server does not report (it gives a few "
+                "log-probs per position); set loss_top_k >= 1 with use_teacher_server=True."
+            )
 
     def __post_init__(self):
         self._check_teacher_server()
