@@ -1,6 +1,7 @@
 """The online RL engine: one rollout loop that GRPO, RLOO and PPO configure through a few hooks.
 
-Every `steps_per_generation` optimizer steps the engine makes a fresh round (rollout.py holds its records) and
+Every `steps_per_generation` micro-batches (TRL's unit; a multiple of gradient_accumulation_steps) the
+engine makes a fresh round (rollout.py holds its records) and
 then trains on it, in explicit phases:
 
     prompts ──► generate_episodes: num_generations episodes per prompt, as token ids (Episode)
@@ -8,8 +9,9 @@ then trains on it, in explicit phases:
             ──► build_rollout: padded tensors with named fields (Rollout)
             ──► policy_tensors: old log-probs (policy before the update), reference log-probs (beta > 0)
             ──► compute_advantages: the method's estimator (rewards of the whole round, all processes)
-            ──► update: steps_per_generation optimizer steps, repeated num_iterations times, each made of
-                gradient_accumulation_steps micro-batches of per_device_train_batch_size completions:
+            ──► update: steps_per_generation / gradient_accumulation_steps optimizer steps, repeated
+                num_iterations times, each made of gradient_accumulation_steps micro-batches of
+                per_device_train_batch_size completions:
                 policy_loss + aggregation over the whole optimizer step's totals.
 
 A method is its estimator and its loss: `compute_advantages` (required) returns `Advantages`;
@@ -25,8 +27,8 @@ round's phases (generate .. advantages), loss.py the loss, prompts.py the prompt
 evaluation and the round metrics.
 
 Batching. per_device_train_batch_size counts completions. One generation round produces
-generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation x
-processes completions; each process generates for its own prompts, and all num_generations completions of
+generation_batch_size = per_device_train_batch_size x steps_per_generation x processes completions (TRL's
+formula); each process generates for its own prompts, and all num_generations completions of
 a prompt are generated on the same process. Rewards are gathered, so group or batch statistics see every
 process. Sampling is seeded per prompt (from the seed, the round and the prompt's position in the round),
 so the completions do not depend on how a round is split across processes or micro-batches.
@@ -44,6 +46,7 @@ same keys with the eval_ prefix.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import ClassVar
@@ -65,7 +68,13 @@ from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
 from posttrain.online.producers import ProducerContext, ProducerEvents, make_rollout_producer
-from posttrain.online.prompts import column_names, refuse_stream_lookahead, require_prompt_column, tokenize_prompt
+from posttrain.online.prompts import (
+    column_names,
+    model_context,
+    refuse_stream_lookahead,
+    require_prompt_column,
+    tokenize_prompt,
+)
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from posttrain.online.rollout import (
@@ -88,6 +97,8 @@ from posttrain.tools import EnvironmentPool, tool_schemas
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
 from posttrain.training.streaming import is_streaming
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
+
+logger = logging.getLogger("posttrain")
 
 __all__ = [
     "COMPLETIONS_LOG",
@@ -113,11 +124,13 @@ def _check_round_fits(args: OnlineConfig, train_dataset, processing_class) -> No
         )
     prompts_per_round = args.generation_batch_size // args.num_generations
     if not is_streaming(train_dataset) and len(train_dataset) < prompts_per_round:
-        raise DataError(
-            f"train_dataset has {len(train_dataset)} prompts but one generation round uses {prompts_per_round} "
-            f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}); "
-            "add prompts or lower per_device_train_batch_size, gradient_accumulation_steps or "
-            "steps_per_generation."
+        logger.warning(
+            "train_dataset has %d prompts, fewer than the %d of one generation round (generation_batch_size %d / "
+            "num_generations %d): each round takes every prompt, repeated to fill it (an epoch is one round).",
+            len(train_dataset),
+            prompts_per_round,
+            args.generation_batch_size,
+            args.num_generations,
         )
 
 
@@ -198,6 +211,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             peft_config,
         )
         _check_round_fits(args, train_dataset, processing_class)
+        self.prompt_context = model_context(model, args.trust_remote_code)  # checked when prompts are tokenized
         super().__init__(
             model,
             args,
@@ -321,6 +335,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
                     tokenizer=tokenizer,
                     conversational=self.conversational,
                     max_prompt_length=args.max_prompt_length,
+                    context=getattr(self, "prompt_context", None),
+                    room=args.max_completion_length,
                     chat_template_kwargs={
                         **(args.chat_template_kwargs or {}),
                         **({"tools": self._tool_schemas} if self._tool_schemas else {}),
@@ -365,11 +381,11 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
 
     @property
     def logps_temperature(self) -> float:
-        return self.args.temperature
+        return self.args.logps_temperature
 
     @property
     def micro_steps_per_round(self) -> int:
-        return self.args.steps_per_generation * self.args.gradient_accumulation_steps * self.args.num_iterations
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def get_train_dataloader(self) -> DataLoader:
         args = self.args
@@ -402,7 +418,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         if self.rollout is None or self.rollout.round != inputs["round"]:
             self.rollout = self.make_rollout(inputs["rows"], inputs["slots"], inputs["round"])
         args = self.args
-        position = inputs["micro_step"] % (args.steps_per_generation * args.gradient_accumulation_steps)
+        position = inputs["micro_step"] % args.steps_per_generation
         size = self.micro_batch_size
         batch = self.rollout.batch(position * size, (position + 1) * size)
         batch["total_sequences"] = size * args.gradient_accumulation_steps * self.accelerator.num_processes
@@ -422,7 +438,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         num_iterations > 1), so that a resumed run finishes the round on the same completions instead of
         generating new ones with the updated policy; and the TR-GRPO synced reference."""
         state = sync_ref_checkpoint_state(self)
-        steps_per_round = self.args.steps_per_generation * self.args.num_iterations
+        steps_per_round = self.args.optimizer_steps_per_generation * self.args.num_iterations
         if self.rollout is not None and self.state.global_step % steps_per_round:
             state["rollout"] = self.rollout.state()
         ahead = self.rollout_producer.state()
@@ -483,7 +499,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     def training_round(self, index: int) -> tuple[list[dict], list[int]] | None:
         """Training round `index`'s prompt rows and seeds (what the loader will give it), None past the last."""
         args = self.args
-        if index >= math.ceil(self.state.max_steps / (args.steps_per_generation * args.num_iterations)):
+        if index >= math.ceil(self.state.max_steps / (args.optimizer_steps_per_generation * args.num_iterations)):
             return None
         tags = self.rollout_sampler.round_tags(index)
         slots = [slot for slot, _ in tags]
