@@ -1,8 +1,7 @@
 """The online RL engine: one rollout loop that GRPO, RLOO and PPO configure through a few hooks.
 
 Every `steps_per_generation` micro-batches (TRL's unit; a multiple of gradient_accumulation_steps) the
-engine makes a fresh round (rollout.py holds its records) and
-then trains on it, in explicit phases:
+engine makes a fresh round (rollout.py holds its records) and then trains on it, in explicit phases:
 
     prompts ──► generate_episodes: num_generations episodes per prompt, as token ids (Episode)
             ──► score: RewardScorer (decoded text goes to the reward functions only)
@@ -33,14 +32,9 @@ a prompt are generated on the same process. Rewards are gathered, so group or ba
 process. Sampling is seeded per prompt (from the seed, the round and the prompt's position in the round),
 so the completions do not depend on how a round is split across processes or micro-batches.
 
-Metrics, per logging window (TRL's names): num_tokens (prompt + completion tokens seen), reward, reward_std
-(over the whole generation batch), frac_reward_zero_std (groups whose rewards are all equal), rewards/<name>/mean
-and /std, completions/mean_length, /min_length, /max_length, /clipped_ratio (fraction cut at
-max_completion_length), /mean_terminated_length, /min_.., /max_.. (completions that ended); posttrain's own:
-frac_reward_none (no reward applies), advantages/mean and /std, time/generation and time/scoring (seconds per
-generation round);
-and per micro-batch: kl (when there is a reference), clip_ratio/low_mean, /high_mean, /region_mean,
-entropy, time/update (seconds per optimizer step, forward and backward). Evaluation (evaluation.py) logs the
+Metrics (TRL's names, per logging window; the full list with formulas is on docs/trainers/grpo.md): num_tokens,
+reward, reward_std, frac_reward_zero_std, rewards/<name>/mean and /std, completions/* lengths, time/generation and
+time/scoring per round; per micro-batch kl, clip_ratio/*, entropy, time/update. Evaluation (evaluation.py) logs the
 same keys with the eval_ prefix.
 """
 
