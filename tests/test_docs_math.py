@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,45 @@ def test_the_site_serves_katex_itself():
     assert len(fonts) >= 15, fonts
     css = (DOCS / "assets" / "katex" / "katex.min.css").read_text()
     assert "://" not in css.replace("http://www.w3.org", "")
+
+
+def formulas(text: str) -> list[tuple[str, bool]]:
+    """(TeX, display) of every formula of a markdown page, code blocks and code spans left out."""
+    text = re.sub(r"^(\s*)```.*?^\1```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    found = [(body.strip(), True) for body in re.findall(r"\$\$(.+?)\$\$", text, re.S)]
+    text = re.sub(r"\$\$(.+?)\$\$", "", text, flags=re.S)
+    return found + [(body, False) for body in re.findall(r"\$([^$\n]+?)\$", text)]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no node to run the site's KaTeX copy")
+def test_every_formula_renders_with_the_sites_katex(tmp_path):
+    """Each formula of the docs through docs/assets/katex/katex.min.js with throwOnError: a TeX typo fails here
+    instead of showing red on the page."""
+    items = [
+        {"page": str(page.relative_to(ROOT)), "tex": tex, "display": display}
+        for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+        for tex, display in formulas(page.read_text())
+    ]
+    assert len(items) >= 100, len(items)
+    (tmp_path / "items.json").write_text(json.dumps(items))
+    script = tmp_path / "render.js"
+    script.write_text(
+        f"const katex = require({json.dumps(str(DOCS / 'assets' / 'katex' / 'katex.min.js'))});\n"
+        f"const items = require({json.dumps(str(tmp_path / 'items.json'))});\n"
+        "const bad = [];\n"
+        "for (const item of items) {\n"
+        "  try { katex.renderToString(item.tex, {displayMode: item.display, throwOnError: true}); }\n"
+        "  catch (error) { bad.push(item.page + ': ' + error.message.slice(0, 160)); }\n"
+        "}\n"
+        "console.log(JSON.stringify(bad));\n"
+    )
+    done = subprocess.run(["node", str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bad = json.loads(done.stdout)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_formula_reader():
+    text = "a $x_1$ and `$not$`\n\n```python\ny = '$no$'\n```\n\n$$\n\\frac12\n$$\n"
+    assert formulas(text) == [("\\frac12", True), ("x_1", False)]
