@@ -38,6 +38,7 @@ import bench_dpo
 import bench_reward_kto
 import bench_sft
 from common import REPO_ROOT, run_isolated, tcmalloc_path
+from provenance import conditions, describe
 
 LIBRARIES = ("posttrain", "trl")
 SFT_MODES = {
@@ -274,12 +275,16 @@ def _row(trainer: str, setting: str, runs: dict[str, list[dict]]) -> list[str]:
     def ratio(key):
         return f"{p[key] / t[key]:.2f}x"
 
+    # Every repeat's own ratio beside the median's (repeat r of each side), so that no chosen run stands alone.
+    each_ratio = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs["posttrain"], runs["trl"])]
+    each = " (" + ", ".join(f"{r:.2f}" for r in each_ratio) + ")" if len(each_ratio) > 1 else ""
+
     mfu = f"{p['mfu']:.2f} / {t['mfu']:.2f}" if "mfu" in p else ""
     return [
         trainer,
         setting,
         f"{p['steps_per_s']:.3g} / {t['steps_per_s']:.3g}",
-        ratio("steps_per_s"),
+        ratio("steps_per_s") + each,
         f"{p['tokens_per_s']:,.0f} / {t['tokens_per_s']:,.0f}",
         mfu,
         f"{p['peak_rss_mb']:,.0f} / {t['peak_rss_mb']:,.0f}",
@@ -367,7 +372,8 @@ def main() -> None:
         f"1 thread per run, {'tcmalloc' if cli.tcmalloc else 'glibc malloc'}, median of {cli.repeats} alternating "
         f"runs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min); fp32 matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s; steps in CPU time from the first step to the last "
-        f"(`{Path(__file__).relative_to(REPO_ROOT)}`)."
+        f"(`{Path(__file__).relative_to(REPO_ROOT)}`); {describe(conditions())}. Speed: the median's ratio, each "
+        "repeat's own in brackets."
     )
     print()
     print(markdown(rows))

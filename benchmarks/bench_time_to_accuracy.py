@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import REPO_ROOT, run_isolated, tcmalloc_path
+from provenance import conditions, describe
 
 MODEL = "builtin:SmolLM2-135M-Instruct"
 FIELDS = ("label", "library", "repeat", "step", "train_wall_s", "train_cpu_s", "accuracy")
@@ -139,6 +141,8 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
                 "dynamic_sampling": levers["dynamic_sampling"],
                 "max_num_gen_batches": levers["max_num_gen_batches"],
             }
+        if library == "trl" and levers.get("trl_gradient_checkpointing") == "off":
+            extra["gradient_checkpointing"] = False  # matched with posttrain's CPU default (TRL's default is on)
         if library == "posttrain-async":
             extra.update(async_generation_rounds=1, async_generation_process=True)
         args = GRPOConfig(output_dir=output_dir, **settings, **extra)
@@ -338,6 +342,12 @@ def main() -> None:
     parser.add_argument("--no_drop_finished", action="store_true")
     parser.add_argument("--no_shared_prompt_forward", action="store_true")
     parser.add_argument(
+        "--trl_gradient_checkpointing",
+        choices=["default", "off"],
+        default="default",
+        help="TRL's side: its default (on) or off, as posttrain runs on a CPU (a matched-settings comparison)",
+    )
+    parser.add_argument(
         "--parallel",
         action="store_true",
         help="run every side at once, one single-threaded process each (one core each on 2 cores)",
@@ -381,6 +391,7 @@ def main() -> None:
             "no_shared_prefill",
             "no_drop_finished",
             "no_shared_prompt_forward",
+            "trl_gradient_checkpointing",
         )
     }
     runs = [
@@ -424,6 +435,11 @@ def main() -> None:
     ]
     summary = summary_rows(options.label, [(library, result) for (_, library), result in zip(runs, results)])
     write_outputs(Path(options.output_dir), rows, summary)
+    # Every run with the commit it measured and the machine's load (benchmarks/provenance.py).
+    record = {"command": sys.argv, "conditions": conditions(), "levers": levers, "settings": settings}
+    record["runs"] = [{"library": lib, "repeat": rep, **res} for (rep, lib), res in zip(runs, results)]
+    (Path(options.output_dir) / f"runs-{options.label}.json").write_text(json.dumps(record, indent=1))
+    print(describe(record["conditions"]))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from provenance import conditions
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 TCMALLOC_CANDIDATES = (
@@ -72,6 +74,7 @@ def run_isolated(
             )
         result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
+    result.setdefault("conditions", conditions())  # the commit measured, the time, the machine's load
     return result
 
 

@@ -359,7 +359,7 @@ def get_training_chat_template(processing_class=None, tokenizer=None) -> str | N
     Fit means: it marks assistant output with ``{% generation %}`` (for ``assistant_only_loss``) and, if it
     renders tool calls, earlier turns render the same whatever follows them. A known model family's template
     (Llama 3, Gemma 1-3, Phi-3, Cohere, DeepSeek, GLM-4-MoE, gpt-oss, LFM2, Nemotron 3, Qwen 3 / 3.5 / VL,
-    Idefics3, LLaVA-NeXT, ...; see `posttrain.data.training_templates`) comes back with that family's edits:
+    Idefics3, LLaVA-NeXT, ...; see docs/tools.md) comes back with that family's edits:
     the markers, and for Qwen 3 / 3.5 every turn's think block shown. Other ChatML templates (with or without a
     default system prompt, with or without Hermes ``<tool_call>`` tools as in Qwen 2.5) get posttrain's own
     ChatML template with the markers, built from the original's rendered pieces. Either is checked to render

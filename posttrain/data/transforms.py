@@ -104,7 +104,7 @@ def extract_prompt(example: dict) -> dict:
     """Makes an implicit prompt explicit in a preference row.
 
     Implicit prompt -> explicit: the shared start of `chosen` and `rejected` becomes `prompt` (TRL's rule;
-    the trainers use `posttrain.data.chat.extract_prompt`, which keeps the space in the prompt).
+    the trainers use their own split, which keeps the space in the prompt).
 
     The split is at the first item (message, or character for strings) where the two differ; a string
     prompt gives its trailing space to the completions (``"The sky is"`` + ``" blue."``). If one is a

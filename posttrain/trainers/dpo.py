@@ -53,7 +53,7 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
     `ref_model` (a model, name or path) is the reference; without one it is a frozen copy of `model`, or the
     PEFT policy with its adapter disabled. The loss is summed over pairs and divided by the number of pairs
     in the whole effective batch (all accumulation steps and processes). A dataset with an `images` / `image`
-    column (and an explicit prompt) trains a vision-language model: see `posttrain/data/vision.py`.
+    column (and an explicit prompt) trains a vision-language model: see docs/vision.md.
 
     See docs/trainers/dpo.md.
     """

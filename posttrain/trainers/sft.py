@@ -71,10 +71,10 @@ class SFTTrainer(VisionSetup, BaseTrainer):
 
     Packed / padding-free batches keep one row per example (cheaper attention) unless the model uses flash
     attention, which needs the whole batch in one row; a collator passed by the caller is left as it is. On the CPU
-    a model's padding-free rows attend one sequence at a time (`models/segment_attention.py`).
+    a model's padding-free rows attend one sequence at a time (docs/speed_memory.md).
     `compute_loss_func(outputs, labels, num_items_in_batch=...)` replaces the loss (it gets the full logits).
     Datasets with an `images` / `image` column train a vision-language model (`processing_class`: its processor,
-    loaded by default): rows are validated up front and processed in the collator (`posttrain/data/vision.py`);
+    loaded by default): rows are validated up front and processed in the collator (docs/vision.md);
     image tokens are never trained; the vision tower is frozen unless `freeze_vision_tower=False`.
     Logged: loss, mean_token_accuracy and entropy (over trained tokens), num_tokens (input tokens trained on
     so far, padding excluded), num_tokens_trained (trained tokens so far), aux_loss for MoE models.
