@@ -19,6 +19,7 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.models.quantized import keep_training_layout
 from posttrain.models.tied_embedding import allow_tied_embedding
 from posttrain.runtime.distributed import (
     fsdp_on_cpu,
@@ -241,6 +242,7 @@ def prepare_model(
             "model_init_kwargs only applies when `model` is a name or path; the model you passed "
             "is already loaded. Drop model_init_kwargs or pass the model's name."
         )
+    keep_training_layout(model)  # a 4-bit model's layers keep their trainable layout on a CPU (models/quantized.py)
     if getattr(args, "disable_dropout", False):
         disable_dropout_in_model(model)
     if args.fused_layers and not args.use_liger_kernel:
