@@ -27,6 +27,7 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.router import balancing_loss_on_layouts, with_balancing_loss
 from posttrain.models.segment_attention import segment_attention, supports_segment_attention
 from posttrain.models.tied_embedding import tied_embedding
+from posttrain.runtime.paths import fast_path_on
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
 from posttrain.training.streaming import is_prepared, prepare_any
@@ -181,7 +182,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             and can_repack(self.model)
         )
         self._segment_attention = (
-            self.args.device.type == "cpu"
+            fast_path_on("segment_attention", self.args.device.type)  # where measured (runtime/measured.py)
             and not args.torch_compile
             and not self.is_fsdp_enabled
             and not self.is_deepspeed_enabled

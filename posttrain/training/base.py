@@ -16,7 +16,6 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
 from posttrain.errors import ConfigError, DataError
-from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.quantized import keep_training_layout
@@ -30,6 +29,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
+from posttrain.training.device_paths import describe_run, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.model_card import method_name, tag_model, write_model_card
@@ -75,13 +75,13 @@ class PosttrainConfig(TrainingArguments):
     bf16: bool | None = config_field(
         None, "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
     )
-    fused_layers: bool = config_field(
-        True,
+    fused_layers: bool | None = config_field(
+        None,
         "Run RMSNorms and gated MLPs (SwiGLU, GeGLU) of any family that computes these formulas as single autograd "
         "functions that keep fewer activations for the backward pass (about 40% fewer; same numbers to rounding), "
         "rebuild norm outputs (and a LoRA MLP's elementwise outputs) in the backward instead of keeping them, and "
         "let a tied input embedding add its gradient into the output layer's in place. Off with use_liger_kernel, "
-        "which replaces these layers itself.",
+        "which replaces these layers itself. Default: on where measured (runtime/measured.py: the CPU).",
     )
     activation_offloading: bool = config_field(
         False, "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."
@@ -126,6 +126,7 @@ class PosttrainConfig(TrainingArguments):
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
+        resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
                 "activation_offloading=True moves activations from accelerator memory to CPU memory, "
@@ -254,7 +255,8 @@ def prepare_model(
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
         model = get_peft_model(model, peft_config)
-    logger.info(describe_fast_paths(model))
+    for line in describe_run(args, model):  # the device and the paths chosen (training/device_paths.py)
+        logger.info(line)
     return model
 
 
