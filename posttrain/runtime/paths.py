@@ -91,21 +91,22 @@ def choose_paths(
     torch_compile: bool = False,
     kernels: frozenset[str] = frozenset(),
     forced: dict[str, bool] | None = None,
+    check: bool = True,
 ) -> Paths:
     """The paths of a run on device type `device` ('cpu', 'cuda', 'mps', 'xpu') with these settings (None: the
     default for the device) and `kernels` installed (`installed_kernels()`); `forced` is `forced_paths()`.
 
     Raises ConfigError for a setting the device or the installed packages cannot honour (FlashAttention named
-    without its package or off CUDA, use_liger_kernel without liger-kernel)."""
+    without its package or off CUDA, use_liger_kernel without liger-kernel); `check=False` only describes."""
     accelerator = device in ("cuda", "xpu")  # where TRL's bf16 and gradient checkpointing defaults apply
     package = FLASH.get(attn_implementation or "")
-    if package is not None and (device != "cuda" or package not in kernels):
+    if check and package is not None and (device != "cuda" or package not in kernels):
         need = "a CUDA GPU" if device != "cuda" else f"the {package} package (pip install {package.replace('_', '-')})"
         raise ConfigError(
             f"attn_implementation={attn_implementation!r} needs {need}; set attn_implementation='sdpa' "
             "(the default) or install it."
         )
-    if use_liger_kernel and "liger_kernel" not in kernels:
+    if check and use_liger_kernel and "liger_kernel" not in kernels:
         raise ConfigError("use_liger_kernel=True needs liger-kernel: pip install liger-kernel, or leave it False.")
     fast = {name: fast_path_on(name, device, forced) for name in MEASURED}
     if fused_layers is not None:

@@ -32,6 +32,7 @@ from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.device_paths import describe_run, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
+from posttrain.training.metric_values import as_floats
 from posttrain.training.model_card import method_name, tag_model, write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
@@ -471,11 +472,14 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         for key, value in values.items():
             tensor = torch.as_tensor(value, dtype=torch.float32, device=self.accelerator.device).detach().reshape(1)
             gathered = self.accelerator.gather(tensor)
-            self._metrics[mode][key].append((gathered.sum() if reduce == "sum" else gathered.mean()).item())
+            reduced = gathered.sum() if reduce == "sum" else gathered.mean()
+            # training: a device tensor, made a float with the whole window when logged (training/metric_values.py)
+            self._metrics[mode][key].append(reduced if mode == "train" else reduced.item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
+        as_floats(self._metrics[mode])  # one host sync per logging window
         window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
         off_schedule = RunArtifactsCallback.logged_final_window_off_schedule(self.args, self.state)
         if "train_runtime" in logs and not window and off_schedule:

@@ -22,7 +22,9 @@ def run_device(args) -> str:
     return "cpu"
 
 
-def run_paths(args, attn_implementation: str | None = None, fused_layers: bool | None = None) -> Paths:
+def run_paths(
+    args, attn_implementation: str | None = None, fused_layers: bool | None = None, check: bool = True
+) -> Paths:
     """`choose_paths` for the config `args` (the attention implementation its model_init_kwargs name, unless given)."""
     if attn_implementation is None:
         attn_implementation = (args.model_init_kwargs or {}).get("attn_implementation")
@@ -36,6 +38,7 @@ def run_paths(args, attn_implementation: str | None = None, fused_layers: bool |
         torch_compile=bool(args.torch_compile),
         kernels=installed_kernels(),
         forced=forced_paths(),
+        check=check,
     )
 
 
@@ -47,5 +50,5 @@ def resolve_fused_layers(args) -> None:
 def describe_run(args, model) -> list[str]:
     """The first log lines of a run: the device and every path chosen, then the model's own fast paths."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    paths = run_paths(args, attn_implementation=attention, fused_layers=args.fused_layers)
+    paths = run_paths(args, attn_implementation=attention, fused_layers=args.fused_layers, check=False)
     return [paths.describe(), describe_fast_paths(model)]
