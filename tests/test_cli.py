@@ -567,8 +567,9 @@ def test_conflicting_and_malformed_flags(sft_argv, capsys, extra, expected):
     assert expected in _usage_error(sft_argv[:1] + extra + sft_argv[1:], capsys)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
-def test_quantization_flags_stop_before_training(sft_argv, capsys):
+def test_quantization_flags_stop_before_training(sft_argv, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name))
     message = _usage_error(sft_argv + ["--use_peft", "--load_in_4bit"], capsys)
     assert "--load_in_4bit quantizes the model with bitsandbytes, which is not installed" in message
 

@@ -13,7 +13,9 @@ from importlib import metadata
 from pathlib import Path
 
 from posttrain.cli.runtime import allocator_report, threads_report
+from posttrain.errors import ConfigError
 from posttrain.runtime.cores import free_cores, generation_core_split
+from posttrain.runtime.paths import choose_paths, forced_paths, installed_kernels
 from posttrain.version import __version__
 
 CORE_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft")
@@ -42,7 +44,9 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     rows = [("posttrain", __version__), ("python", f"{platform.python_version()} ({platform.platform()})")]
     rows += [(package, _version(package)) for package in CORE_PACKAGES]
     rows += [(package, f"{_version(package)}  ({why})") for package, why in optional.items()]
-    rows.append(("accelerator", _accelerator()))
+    accelerator = _accelerator()
+    rows.append(("accelerator", accelerator))
+    rows.append(("paths", paths_report(accelerator)))
     rows.append(("allocator", allocator_report()))
     rows.append(("threads", threads_report()))
     rows.append(("async split", async_split_report()))
@@ -52,6 +56,15 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
     table = "\n".join(f"{name:<14} {value}" for name, value in rows)
     # the line `trl env` prints, which bug-report templates and scripts look for
     return f"{table}\nTRL version: {_version('trl')} (posttrain {__version__} implements TRL 1.16's API)"
+
+
+def paths_report(accelerator: str) -> str:
+    """The kernels a run with default settings would get on this machine's device (runtime/paths.py)."""
+    device = "cuda" if accelerator.startswith(("CUDA", "ROCm")) else "mps" if accelerator == "Apple MPS" else "cpu"
+    try:
+        return choose_paths(device, kernels=installed_kernels(), forced=forced_paths()).describe()
+    except ConfigError as error:
+        return f"error: {error}"
 
 
 def async_split_report() -> str:

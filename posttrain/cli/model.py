@@ -80,10 +80,10 @@ class ModelConfig:
         },
     )
     load_in_8bit: bool = field(
-        default=False, metadata={"help": "Load the base model in 8 bit with bitsandbytes (LoRA only; needs CUDA)."}
+        default=False, metadata={"help": "Load the base model in 8 bit with bitsandbytes (LoRA only)."}
     )
     load_in_4bit: bool = field(
-        default=False, metadata={"help": "Load the base model in 4 bit with bitsandbytes (LoRA only; needs CUDA)."}
+        default=False, metadata={"help": "Load the base model in 4 bit with bitsandbytes (QLoRA; LoRA only)."}
     )
     bnb_4bit_quant_type: Literal["fp4", "nf4"] = field(
         default="nf4", metadata={"help": "4-bit quantization type (with load_in_4bit)."}
@@ -153,10 +153,11 @@ def get_quantization_config(model_args: ModelConfig):
 
     A transformers `BitsAndBytesConfig` for `load_in_4bit` / `load_in_8bit`, else None.
 
-    bitsandbytes quantizes on CUDA only: without it (or without a GPU) the flag is refused here, before any
-    model is loaded, rather than failing inside from_pretrained.
+    The 4-bit compute dtype is the model's `dtype` (as TRL sets it; 'auto' leaves bitsandbytes' default). Recent
+    bitsandbytes releases (>= 0.50) quantize on CPU tensors too, so no GPU is required: without bitsandbytes the
+    flag is refused here, before any model is loaded, rather than failing inside from_pretrained.
 
-    See docs/peft.md.
+    See docs/peft.md and docs/gpu.md.
     """
     flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit" if model_args.load_in_8bit else None
     if flag is None:
@@ -175,14 +176,7 @@ def get_quantization_config(model_args: ModelConfig):
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
             f"--{flag} quantizes the model with bitsandbytes, which is not installed: pip install "
-            f"bitsandbytes (it needs a CUDA GPU), or drop --{flag} to train unquantized."
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"--{flag}: bitsandbytes quantization needs a CUDA GPU and none is visible; drop --{flag} "
-            "to train unquantized."
+            f"'posttrain[qlora]' (bitsandbytes>=0.50), or drop --{flag} to train unquantized."
         )
     from transformers import BitsAndBytesConfig
 
@@ -190,7 +184,7 @@ def get_quantization_config(model_args: ModelConfig):
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_compute_dtype=model_args.dtype,
+        bnb_4bit_compute_dtype=None if model_args.dtype in (None, "auto") else model_args.dtype,
         bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
         bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,

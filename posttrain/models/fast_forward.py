@@ -34,6 +34,7 @@ from torch.nn.modules import module as torch_module
 
 from posttrain.models.computes import kind_of
 from posttrain.models.fused_layers import FUSED_FORWARDS
+from posttrain.runtime.paths import fast_path_on
 
 
 def _inert(hook) -> bool:
@@ -236,6 +237,12 @@ def _masks_and_rotary(inner, kind: str) -> Callable:
     return prepare
 
 
+def _measured_here(model) -> bool:
+    """Whether the fast forward runs on the device of `model`'s weights (runtime/measured.py, or turned on)."""
+    weight = next(model.parameters(), None)
+    return fast_path_on("fast_forward", "cpu" if weight is None else weight.device.type)
+
+
 def fast_forward(model) -> Callable | None:
     """`forward(input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0) -> logits`, equal to
     `model(input_ids=..., attention_mask=..., position_ids=..., cache=cache, use_cache=cache is not None,
@@ -244,6 +251,8 @@ def fast_forward(model) -> Callable | None:
     hidden states the output layer would read instead of the logits. None when `model` is not one this
     module reproduces exactly (see the module docstring). The weights are looked up once: build a forward per use,
     not across optimizer steps that could replace parameters."""
+    if not _measured_here(model):
+        return None
     parts = _parts(model)
     if parts is None:
         return None
@@ -287,7 +296,8 @@ def fast_forward(model) -> Callable | None:
 
 
 def fast_forward_name(model) -> str | None:
-    """A short description of the fast forward `model` gets (its decoder's and layers' kinds), or None."""
+    """A short description of the fast forward `model` would get on a device where it runs (its decoder's and
+    layers' kinds), or None."""
     with torch.no_grad():
         parts = _parts(model)
     if parts is None:

@@ -27,8 +27,10 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.router import balancing_loss_on_layouts, with_balancing_loss
 from posttrain.models.segment_attention import segment_attention, supports_segment_attention
 from posttrain.models.tied_embedding import tied_embedding
+from posttrain.runtime.paths import fast_path_on
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
+from posttrain.training.metric_values import as_floats
 from posttrain.training.streaming import is_prepared, prepare_any
 from posttrain.training.vision import VisionSetup
 
@@ -181,7 +183,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
             and can_repack(self.model)
         )
         self._segment_attention = (
-            self.args.device.type == "cpu"
+            fast_path_on("segment_attention", self.args.device.type)  # where measured (runtime/measured.py)
             and not args.torch_compile
             and not self.is_fsdp_enabled
             and not self.is_deepspeed_enabled
@@ -353,21 +355,24 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         parts += [aux_loss.detach()] if aux_loss is not None else []
         stats = torch.stack([p.detach().float().to(self.accelerator.device) for p in parts]).reshape(1, -1)
         gathered = self.accelerator.gather(stats)
-        totals = gathered.sum(0).tolist()
+        totals = gathered.sum(0)  # kept on the device: the window's values become floats when logged (no sync here)
         metrics = self._metrics["train" if training else "eval"]
-        metrics["mean_token_accuracy"].append(totals[0] / totals[1] if totals[1] else 0.0)
+        trained = totals[1].clamp(min=1)  # (no trained token: no correct one and no entropy either, so 0)
+        metrics["mean_token_accuracy"].append(totals[0] / trained)
         if entropy is not None:
-            metrics["entropy"].append(totals[3] / totals[1] if totals[1] else 0.0)
+            metrics["entropy"].append(totals[3] / trained)
         if aux_loss is not None:
-            metrics["aux_loss"].append(gathered[:, -1].mean().item())
+            metrics["aux_loss"].append(gathered[:, -1].mean())
         if training:
-            self._trained_tokens += int(totals[1])
-            self._input_tokens += int(totals[2])
-        metrics["num_tokens"] = [float(self._input_tokens)]
+            self._trained_tokens = totals[1].long() + self._trained_tokens
+            self._input_tokens = totals[2].long() + self._input_tokens
+        metrics["num_tokens"] = [torch.as_tensor(self._input_tokens, dtype=torch.float32)]
+        if not training:
+            as_floats(metrics)
 
     def checkpoint_state(self) -> dict:
         """The token counters, so that num_tokens and num_tokens_trained go on counting after a resume."""
-        return {"input_tokens": self._input_tokens, "trained_tokens": self._trained_tokens}
+        return {"input_tokens": int(self._input_tokens), "trained_tokens": int(self._trained_tokens)}
 
     def load_checkpoint_state(self, state: dict) -> None:
         state = dict(state)

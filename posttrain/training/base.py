@@ -16,9 +16,9 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
 from posttrain.errors import ConfigError, DataError
-from posttrain.models.fast_paths import describe_fast_paths
 from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.models.quantized import keep_training_layout
 from posttrain.models.tied_embedding import allow_tied_embedding
 from posttrain.runtime.distributed import (
     fsdp_on_cpu,
@@ -29,8 +29,10 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
+from posttrain.training.device_paths import describe_run, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
+from posttrain.training.metric_values import as_floats
 from posttrain.training.model_card import method_name, tag_model, write_model_card
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
@@ -74,13 +76,13 @@ class PosttrainConfig(TrainingArguments):
     bf16: bool | None = config_field(
         None, "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
     )
-    fused_layers: bool = config_field(
-        True,
+    fused_layers: bool | None = config_field(
+        None,
         "Run RMSNorms and gated MLPs (SwiGLU, GeGLU) of any family that computes these formulas as single autograd "
         "functions that keep fewer activations for the backward pass (about 40% fewer; same numbers to rounding), "
         "rebuild norm outputs (and a LoRA MLP's elementwise outputs) in the backward instead of keeping them, and "
         "let a tied input embedding add its gradient into the output layer's in place. Off with use_liger_kernel, "
-        "which replaces these layers itself.",
+        "which replaces these layers itself. Default: on where measured (runtime/measured.py: the CPU).",
     )
     activation_offloading: bool = config_field(
         False, "Keep the activations saved for the backward pass in CPU memory (needs an accelerator)."
@@ -125,6 +127,7 @@ class PosttrainConfig(TrainingArguments):
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = on_accelerator and not self.fp16
+        resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
                 "activation_offloading=True moves activations from accelerator memory to CPU memory, "
@@ -241,6 +244,7 @@ def prepare_model(
             "model_init_kwargs only applies when `model` is a name or path; the model you passed "
             "is already loaded. Drop model_init_kwargs or pass the model's name."
         )
+    keep_training_layout(model)  # a 4-bit model's layers keep their trainable layout on a CPU (models/quantized.py)
     if getattr(args, "disable_dropout", False):
         disable_dropout_in_model(model)
     if args.fused_layers and not args.use_liger_kernel:
@@ -252,7 +256,8 @@ def prepare_model(
         if args.gradient_checkpointing:
             model.enable_input_require_grads()
         model = get_peft_model(model, peft_config)
-    logger.info(describe_fast_paths(model))
+    for line in describe_run(args, model):  # the device and the paths chosen (training/device_paths.py)
+        logger.info(line)
     return model
 
 
@@ -467,11 +472,14 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         for key, value in values.items():
             tensor = torch.as_tensor(value, dtype=torch.float32, device=self.accelerator.device).detach().reshape(1)
             gathered = self.accelerator.gather(tensor)
-            self._metrics[mode][key].append((gathered.sum() if reduce == "sum" else gathered.mean()).item())
+            reduced = gathered.sum() if reduce == "sum" else gathered.mean()
+            # training: a device tensor, made a float with the whole window when logged (training/metric_values.py)
+            self._metrics[mode][key].append(reduced if mode == "train" else reduced.item())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if "loss" in logs or not any(k.startswith("eval_") for k in logs) else "eval"
         prefix = "eval_" if mode == "eval" else ""
+        as_floats(self._metrics[mode])  # one host sync per logging window
         window = {prefix + key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
         off_schedule = RunArtifactsCallback.logged_final_window_off_schedule(self.args, self.state)
         if "train_runtime" in logs and not window and off_schedule:

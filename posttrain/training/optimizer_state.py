@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.runtime.paths import fast_path_on
+
 _ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -23,6 +25,9 @@ def allocate_adam_states_together(optimizer: torch.optim.Optimizer) -> bool:
     """Arranges for `optimizer` (exactly torch's Adam or AdamW; others are left alone) to get the moment buffers of
     the parameters that have a gradient at its first step from one allocation. Returns whether it will."""
     if type(optimizer) not in _ADAMS:
+        return False
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    if first is None or not fast_path_on("adam_layout", first.device.type):  # where measured (runtime/measured.py)
         return False
     done = False
 

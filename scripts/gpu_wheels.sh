@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Downloads what benchmarks/gpu_check.py needs on the GPU machine and that machine lacks (it has torch 2.11 with
+# CUDA 13, transformers 5.17, accelerate, peft, pyarrow, pandas and pytest, and no network), into gpu_wheels/
+# (ignored by git; carried to the machine with the working tree, 64 MiB in all with the repository's ~5 MB).
+#   scripts/gpu_wheels.sh             # the wheels below (~16 MB) and SmolLM2's tokenizer and config
+#   WITH_PYARROW=1 scripts/gpu_wheels.sh   # also pyarrow (~45 MB), only if the machine's is older than datasets needs
+# posttrain itself travels as source (PYTHONPATH=$PWD), so no wheel of it is needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=gpu_wheels
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$DEST"
+# The device machine's python is CPython 3.12 on x86-64 (manylinux).
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64)
+wheels=(
+  "transformers==5.24.0"   # posttrain needs >= 5.19; the machine has 5.17
+  "peft==0.21.2"           # the version posttrain is tested with
+  "trl==1.16.0"            # the reference run
+  "datasets==5.2.0"        # posttrain's and TRL's trainers take datasets
+  "dill==0.4.1"            # datasets' needs the machine lacks
+  "multiprocess==0.70.19"
+  "tokenizers==0.23.1"     # transformers 5.24's range (<0.24); the machine's 0.23.2 also fits: kept for safety
+)
+[ "${WITH_PYARROW:-0}" = 1 ] && wheels+=("pyarrow==26.0.1")
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+  -d "$DEST" "${wheels[@]}"
+# SmolLM2-135M-Instruct's tokenizer and config (its 94 MB of weights do not fit: the check builds the model from the
+# config with random weights, which times the same computation).
+"$PY" - "$DEST" <<'PY'
+import shutil, sys
+from pathlib import Path
+from posttrain.models.builtin import builtin_model_path
+source, dest = Path(builtin_model_path()), Path(sys.argv[1]) / "smollm2"
+dest.mkdir(exist_ok=True)
+for item in source.iterdir():
+    if not item.name.endswith((".safetensors", ".bin", ".gguf")):
+        shutil.copy(item, dest / item.name)
+PY
+du -b "$DEST"/* | sort -n | awk '{printf "%8.1f MB  %s\n", $1/1e6, $2; total += $1} END {printf "%8.1f MB  total\n", total/1e6}'
