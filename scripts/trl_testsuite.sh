@@ -23,8 +23,9 @@ main() {
   TRL_TESTS=${TRL_TESTS:-$ROOT/../shared/trl-tests/tests}
   if [ ! -d "$TRL_TESTS" ]; then
     echo "trl_testsuite: TRL's tests are not at $TRL_TESTS; set TRL_TESTS to the tests/ folder of TRL's repository" >&2
-    # CI on a checkout without the reference folder beside it: say so loudly and skip the stage, not fail the build.
-    [[ " $* " == *" --ci "* ]] && echo "trl_testsuite: SKIPPED (--ci): no TRL tests to run" >&2 && exit 0
+    # CI without the reference folder fails: a parity stage that can silently not run is not a check.
+    [[ " $* " == *" --ci "* ]] && echo "trl_testsuite: FAILED (--ci): no TRL tests to run; CI needs TRL's repository" \
+      "tests at ../shared/trl-tests/tests (or TRL_TESTS)" >&2
     exit 2
   fi
   export TRL_SUITE_CACHE=${TRL_SUITE_CACHE:-$ROOT/.cache/trl_suite}

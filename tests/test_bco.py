@@ -13,7 +13,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.errors import ConfigError
-from posttrain.experimental.bco import BCOConfig, BCOTrainer, truncate_bco
+from posttrain.experimental.bco import BCOConfig, BCOTrainer
+from posttrain.experimental.bco.bco_trainer import truncate_bco
 from posttrain.losses.bco import (
     bco_loss,
     density_ratio_weights,
@@ -425,7 +426,7 @@ def test_bco_precomputed_reference_gives_the_live_loss(tmp_path, tiny_model_path
 @pytest.mark.parametrize("case", ["drop_and_cut_completions", "cut_prompts"])
 def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_path, case):
     from posttrain.data.report import DataReport
-    from posttrain.experimental.bco import COMPLETION_CUT, NO_COMPLETION_LEFT, PROMPT_CUT
+    from posttrain.experimental.bco.bco_trainer import COMPLETION_CUT, NO_COMPLETION_LEFT, PROMPT_CUT
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

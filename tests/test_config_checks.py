@@ -29,7 +29,7 @@ CONFIG_MODULES = [
     "posttrain.online.config",
     "posttrain.experimental",
     *(f"posttrain.trainers.{m.name}" for m in pkgutil.iter_modules(posttrain.trainers.__path__)),
-    *(f"posttrain.experimental.{m.name}" for m in pkgutil.iter_modules(posttrain.experimental.__path__)),
+    *(m.name for m in pkgutil.walk_packages(posttrain.experimental.__path__, "posttrain.experimental.")),
 ]
 CONFIGS = sorted(
     {
@@ -175,7 +175,7 @@ def test_a_subclass_keeps_its_base_rules_unless_it_states_its_own():
     """GKDConfig declares beta again (its default) without rules: DistillationConfig's [0, 1] still holds. SDPO's
     loss_type states its own choices, which replace SFTConfig's."""
     from posttrain.experimental.gkd import GKDConfig
-    from posttrain.experimental.sdpo import LOSS_TYPES, SDPOConfig
+    from posttrain.experimental.sdpo.sdpo_config import LOSS_TYPES, SDPOConfig
 
     assert declared_rules(GKDConfig)["beta"] == ({"min": 0, "max": 1}, False)
     with pytest.raises(ConfigError, match=re.escape("beta=1.5 must lie in [0, 1].")):

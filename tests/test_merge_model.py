@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from _trl import import_trl
+from _trl import import_trl, trl_module
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, Trainer, TrainerControl, TrainerState, TrainingArguments
@@ -233,7 +233,7 @@ def test_bema_reference_updates_match_trl(tiny_model_path):
     """Side by side with TRL 1.16's trl.experimental.bema_for_ref_model.BEMACallback: both driven through the same
     weight trajectory, each updating its own reference copy; the references agree after every step."""
     import_trl()
-    trl_bema = pytest.importorskip("trl.experimental.bema_for_ref_model")
+    trl_bema = trl_module("trl.experimental.bema_for_ref_model")
     kw = dict(
         update_freq=1, update_after=1, lag=2, update_ref_model=True, ref_model_update_freq=2, ref_model_update_after=1
     )

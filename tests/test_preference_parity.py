@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _trl import trl_module
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -106,7 +107,7 @@ DPO_KEYS = [
     ],
 )
 def test_dpo_step0_matches_trl(tmp_path, tiny_model_path, options):
-    trl = pytest.importorskip("trl")
+    trl = trl_module("trl")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=1)
@@ -133,7 +134,7 @@ def test_dpo_step0_matches_trl(tmp_path, tiny_model_path, options):
 
 
 def test_kto_step0_matches_trl(tmp_path, tiny_model_path):
-    trl = pytest.importorskip("trl")
+    trl = trl_module("trl")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ref = _perturbed(policy, seed=2)
@@ -175,7 +176,7 @@ def test_kto_step0_matches_trl(tmp_path, tiny_model_path):
 
 
 def test_reward_step0_matches_trl(tmp_path, tiny_model_path):
-    trl = pytest.importorskip("trl")
+    trl = trl_module("trl")
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
     with torch.no_grad():
@@ -472,7 +473,7 @@ def test_router_aux_loss_joins_the_loss_with_its_coefficient(tmp_path, tiny_mode
 
 
 def test_conversational_rows_tokenize_as_in_trl(tmp_path, tiny_model_path):
-    trl = pytest.importorskip("trl")
+    trl = trl_module("trl")
     user = [{"role": "user", "content": "say red"}]
     pairs = Dataset.from_list(
         [

@@ -298,7 +298,7 @@ def test_repacked_rows_give_the_padded_batchs_loss_and_gradients(tmp_path, token
     results = []
     for layout in (lambda *args: None, layouts.repacked_tokens):  # the padded batch, then the repacked one
         model.zero_grad()
-        with mock.patch("posttrain.experimental.prm.repacked_tokens", layout):
+        with mock.patch("posttrain.experimental.prm.prm_trainer.repacked_tokens", layout):
             loss = trainer.compute_loss(model, dict(batch))
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))

@@ -495,7 +495,7 @@ def test_ema_teacher_follows_the_student_and_evaluation_samples(tmp_path, tokeni
 
 
 def test_teacher_prompt_for_conversations_and_missing_context(tmp_path, tokenizer):
-    from posttrain.experimental.sdft import privileged_text, with_user_text
+    from posttrain.trainers.self_distillation_data import privileged_text, with_user_text
 
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name red."}]
     assert with_user_text(prompt, "{prompt} | {privileged_context}", privileged_context="ctx") == [

@@ -15,8 +15,8 @@ from _trl import import_trl_experimental
 from datasets import Dataset
 
 from posttrain.errors import ConfigError
-from posttrain.experimental import server_distillation
 from posttrain.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+from posttrain.generation import teacher_server
 from posttrain.models.tiny import build_tiny_model
 
 WORDS = "red green blue cat dog bird fish sky sun moon tree one two three".split()
@@ -211,7 +211,7 @@ def test_unusable_settings_stop_at_the_config(tmp_path, settings, match):
 
 
 def test_an_unreachable_server_stops_before_training(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(server_distillation, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(teacher_server, "CONNECT_TIMEOUT_S", 0.5)
     with pytest.raises(ConfigError, match=r"http://127.0.0.1:9.*vllm serve"):
         ServerDistillationTrainer(
             build_tiny_model(tokenizer),

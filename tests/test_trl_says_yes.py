@@ -20,9 +20,9 @@ from posttrain import RewardConfig, RewardTrainer
 from posttrain.errors import ConfigError
 from posttrain.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
 from posttrain.experimental.sdft import SDFTConfig, SDFTTrainer
-from posttrain.experimental.sdft.rounds import rollout_weights
 from posttrain.models.tiny import build_tiny_model
 from posttrain.trainers.grpo import GRPOTrainer
+from posttrain.trainers.self_distillation_rounds import rollout_weights
 
 
 # -- greedy rollouts ---------------------------------------------------------------------------------------------

@@ -220,3 +220,17 @@ class AdaptiveEntropyController:
 
     def load_state(self, state: dict[str, float]) -> None:
         self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_world_entropy"])
+
+
+def population_group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = 1e-8) -> torch.Tensor:
+    """(r - mean) / (population std + eps) within each prompt's group, as TRL's asynchronous GRPO computes them,
+    over the completions some reward applies to: a NaN reward gets advantage 0 and is left out of its group's
+    statistics, and so is every completion of a group with fewer than two scored completions."""
+    advantages = torch.zeros_like(rewards)
+    for start in range(0, rewards.numel(), num_generations):
+        group = rewards[start : start + num_generations]
+        scored = ~group.isnan()
+        if int(scored.sum()) >= 2:
+            kept = group[scored]
+            advantages[start : start + num_generations][scored] = (kept - kept.mean()) / (kept.std(correction=0) + eps)
+    return advantages
