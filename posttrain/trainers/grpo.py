@@ -28,7 +28,7 @@ from posttrain.losses.advantages import (
     decoupled_advantages,
     group_advantages,
 )
-from posttrain.losses.policy import VespoParams
+from posttrain.losses.policy import POLICY_LOSSES, VespoParams
 from posttrain.losses.token_weights import (
     high_entropy_mask,
     off_policy_sequence_mask,
@@ -55,7 +55,6 @@ def group_has_variance(group: torch.Tensor) -> bool:
 
 
 logger = logging.getLogger("posttrain")
-TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")  # loss types that sum token terms over the step
 
 
 class _Float32Head(nn.Linear):
@@ -159,7 +158,8 @@ class GRPOTrainer(OnlineTrainer):
     ):
         """TRL's signature: `reward_funcs` may be left out when `environment_factory`'s environments give the reward
         (their `get_reward()`)."""
-        if args is not None and args.importance_sampling_level == "sequence" and args.loss_type in TOKEN_SUMS:
+        loss = POLICY_LOSSES.get(getattr(args, "loss_type", None))
+        if args is not None and args.importance_sampling_level == "sequence" and loss is not None and loss.sums_tokens:
             logger.warning(  # when the trainer is built, as TRL does, in TRL's words
                 "importance_sampling_level='sequence' with loss_type=%r sums per-token contributions, which "
                 "effectively weights each sequence by its completion length instead of the per-sequence objective; "
