@@ -202,9 +202,9 @@ class GRPOTrainer(OnlineTrainer):
         return Advantages(self.local_share(advantages))
 
     # -- dynamic sampling (DAPO) ----------------------------------------------------------------------------
-    def sample_groups(self, rows, n, seeds, round_index) -> ScoredGroups:
-        scored = super().sample_groups(rows, n, seeds, round_index)
-        if not getattr(self.args, "dynamic_sampling", False) or self.rollout_mode != "train":
+    def sample_groups(self, rows, n, seeds, round_index, mode) -> ScoredGroups:
+        scored = self.generate_and_score(rows, n, seeds, round_index, mode)
+        if not getattr(self.args, "dynamic_sampling", False) or mode != "train":
             return scored
         return self._keep_informative_groups(scored, n, seeds, round_index)
 
@@ -229,7 +229,8 @@ class GRPOTrainer(OnlineTrainer):
             )
             indices = torch.randint(len(self.train_dataset), (need,), generator=generator).tolist()
             extra_seeds = [derive_seed(seed, batches) for seed in seeds]
-            scored = self.generate_and_score([self.train_dataset[i] for i in indices], n, extra_seeds, round_index)
+            rows = [self.train_dataset[i] for i in indices]
+            scored = self.generate_and_score(rows, n, extra_seeds, round_index, "train")
             first.timings = {k: v + scored.timings.get(k, 0.0) for k, v in first.timings.items()}
         pool = ScoredGroups.concat(kept + idle)
         result = pool.groups(list(range(need)))
