@@ -521,3 +521,52 @@ def test_sampler_importance_weights_modes(mode):
     )
     if open_top is not None:
         assert_close(open_top, ratios)
+
+
+# -- the registry of policy loss types ----------------------------------------------------------------------
+def field_rules(config_class, name: str) -> dict:
+    import dataclasses
+
+    field = next(f for f in dataclasses.fields(config_class) if f.name == name)
+    return {"help": field.metadata["help"], **field.metadata["rules"]}
+
+
+def test_the_registry_is_what_the_configs_offer():
+    from posttrain.losses.policy import AGGREGATIONS, GRPO_LOSS_TYPES, LOSS_TYPES, POLICY_LOSSES
+    from posttrain.online.config import OnlineConfig
+    from posttrain.trainers.grpo_config import GRPOConfig
+
+    grpo, online = field_rules(GRPOConfig, "loss_type"), field_rules(OnlineConfig, "loss_type")
+    assert tuple(grpo["choices"]) == GRPO_LOSS_TYPES == tuple(POLICY_LOSSES)
+    assert tuple(online["choices"]) == LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo")
+    for name, loss in POLICY_LOSSES.items():
+        assert f"{name}: {loss.summary}" in grpo["help"]
+        assert loss.aggregation in AGGREGATIONS
+    assert all(name in online["help"] for name in LOSS_TYPES) and "vespo" not in online["help"]
+    # TRL warns about sequence-level ratios for these (they sum token terms over the step).
+    assert {name for name, loss in POLICY_LOSSES.items() if loss.sums_tokens} == {"bnpo", "dr_grpo", "dapo", "cispo"}
+    assert {name for name, loss in POLICY_LOSSES.items() if loss.clips} == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
+
+
+def test_a_new_loss_type_is_one_registry_entry(monkeypatch):
+    """REINFORCE, -A log pi per token with grpo's aggregation, added as one entry: the objective, its sampler
+    correction and the aggregation follow, against numbers worked by hand."""
+    from posttrain.losses.policy import POLICY_LOSSES, PolicyLoss, loss_type_help
+
+    entry = PolicyLoss(lambda t: (-t.advantages * t.logps, {}), "grpo", "REINFORCE, -A log pi")
+    monkeypatch.setitem(POLICY_LOSSES, "reinforce", entry)
+    logps = as_tensor([[math.log(0.5), math.log(0.25), 0.0], [math.log(0.5), 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    advantages = as_tensor([2.0, -1.0])
+    sampler = as_tensor([[1.0, 0.5, 1.0], [2.0, 1.0, 1.0]])
+    per_token, stats = policy_objective(
+        logps, logps.detach(), advantages, mask, loss_type="reinforce", sampler_ratio=sampler
+    )
+    assert stats == {}
+    ln2 = math.log(2)
+    assert_close(per_token, [[2 * ln2, 0.5 * 2 * 2 * ln2, 0.0], [2.0 * -ln2, 0.0, 0.0]])
+    loss = aggregate_loss(per_token, mask, "reinforce", total_sequences=2)
+    assert_close(loss, ((2 * ln2 + 2 * ln2) / 2 + (-2 * ln2)) / 2)
+    assert "reinforce: REINFORCE, -A log pi" in loss_type_help(("grpo", "reinforce"))
+    with pytest.raises(ConfigError, match="loss_type='ppo' is not one of"):
+        aggregate_loss(per_token, mask, "ppo")

@@ -7,6 +7,7 @@ Per-token functions return 0 where mask is 0, so padding never reaches a gradien
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,22 +15,6 @@ import torch
 from posttrain.errors import ConfigError
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
-# Aggregations every online trainer accepts; GRPO also takes the surrogates after them.
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-GRPO_LOSS_TYPES = LOSS_TYPES + ("cispo", "sapo", "luspo", "vespo")
-# Losses whose per-token term is the PPO clipped surrogate (the others replace the clip).
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# How each loss type reduces its per-token loss (aggregate_loss): the surrogates borrow an aggregation.
-_AGGREGATION = {
-    "grpo": "grpo",
-    "bnpo": "bnpo",
-    "dr_grpo": "dr_grpo",
-    "dapo": "dapo",
-    "luspo": "luspo",
-    "sapo": "grpo",
-    "cispo": "dapo",
-    "vespo": "dapo",
-}
 
 
 @dataclass(frozen=True)
@@ -104,6 +89,134 @@ def vespo_weights(
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+@dataclass(frozen=True)
+class TokenTerms:
+    """What a loss type's per-token term reads (`policy_objective` builds it): the importance ratio r ([B, T], or
+    [B, 1] at sequence level), the detached advantages ([B, 1] or [B, T]), the log-probs and per-token log ratios
+    with the padding zeroed, the valid tokens (bool, and as weights), and the options that shape the terms."""
+
+    ratio: torch.Tensor
+    advantages: torch.Tensor
+    logps: torch.Tensor
+    token_log_ratio: torch.Tensor
+    valid: torch.Tensor
+    weights: torch.Tensor
+    sampler_ratio: torch.Tensor | None
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo: VespoParams
+
+
+def clipped_term(t: TokenTerms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO clip: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with `delta` the unclipped r is also capped
+    at delta (two-sided clipping, INTELLECT-2), so a negative advantage cannot push a very large ratio further.
+    Stats: the clip fractions (`clip_stats`)."""
+    clipped_ratio = torch.clamp(t.ratio, 1 - t.epsilon_low, 1 + t.epsilon_high)
+    capped_ratio = t.ratio if t.delta is None else torch.clamp(t.ratio, max=t.delta)
+    loss = -torch.min(capped_ratio * t.advantages, clipped_ratio * t.advantages)
+    with torch.no_grad():
+        low = (capped_ratio < 1 - t.epsilon_low) & (t.advantages < 0)
+        high = (capped_ratio > 1 + t.epsilon_high) & (t.advantages > 0)
+        return loss, clip_stats(low, high, t.weights)
+
+
+def cispo_term(t: TokenTerms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1): -sg(min(r, eps_high)) A log pi: clips the weight, never drops a token's gradient.
+    Stats: "cispo_clip_ratio"."""
+    loss = -torch.clamp(t.ratio, max=t.epsilon_high).detach() * t.advantages * t.logps
+    with torch.no_grad():
+        return loss, {"cispo_clip_ratio": _fraction((t.ratio > t.epsilon_high) & (t.advantages > 0), t.weights)}
+
+
+def sapo_term(t: TokenTerms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_temperature_pos if A > 0 else _neg: a soft gate with
+    gradient r at r = 1 that fades smoothly off-policy instead of cutting off."""
+    temperature = _choose(t.advantages > 0, t.sapo_temperature_pos, t.sapo_temperature_neg, t.ratio)
+    return -torch.sigmoid(temperature * (t.ratio - 1)) * 4 / temperature * t.advantages, {}
+
+
+def vespo_term(t: TokenTerms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """VESPO: -phi(w) A log pi with phi from `vespo_weights` (the sampler correction enters phi). Stats:
+    "vespo_phi" [B, 1]."""
+    phi = vespo_weights(t.token_log_ratio, t.advantages, t.valid, t.vespo, t.sampler_ratio)
+    return -phi * t.advantages * t.logps, {"vespo_phi": phi}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One policy loss type: its per-token term, how `aggregate_loss` reduces it, and what else depends on it."""
+
+    term: Callable[[TokenTerms], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    aggregation: str  # one of AGGREGATIONS
+    summary: str  # the config's help text for it
+    clips: bool = False  # its term is the PPO clip of the ratio (epsilon bounds it; clip stats)
+    # Whether it sums the token terms over the optimizer step, so that with importance_sampling_level="sequence"
+    # each sequence weighs by its length (TRL's list for its warning, kept as TRL has it).
+    sums_tokens: bool = False
+    corrects_sampler: bool = True  # its term is multiplied by the sampler ratio (vespo folds it into its weight)
+    every_trainer: bool = False  # an aggregation of the clipped surrogate that every online trainer accepts
+
+
+# How aggregate_loss reduces a per-token loss; its docstring gives the formulas.
+AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Every policy loss type, in TRL's order. A new type is one entry here (and a test of its numbers).
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "grpo": PolicyLoss(
+        clipped_term, "grpo", "mean per completion, then over completions", clips=True, every_trainer=True
+    ),
+    "bnpo": PolicyLoss(
+        clipped_term, "bnpo", "token mean of the micro-batch", clips=True, sums_tokens=True, every_trainer=True
+    ),
+    "dr_grpo": PolicyLoss(
+        clipped_term,
+        "dr_grpo",
+        "token sum / (completions x max_completion_length)",
+        clips=True,
+        sums_tokens=True,
+        every_trainer=True,
+    ),
+    "dapo": PolicyLoss(
+        clipped_term, "dapo", "token mean of the optimizer step", clips=True, sums_tokens=True, every_trainer=True
+    ),
+    "cispo": PolicyLoss(
+        cispo_term,
+        "dapo",
+        "clipped, detached ratio times log-prob; epsilon_high is its cap, ~5; dapo aggregation",
+        sums_tokens=True,
+    ),
+    "sapo": PolicyLoss(sapo_term, "grpo", "soft sigmoid gate instead of the clip; grpo aggregation"),
+    "luspo": PolicyLoss(
+        clipped_term,
+        "luspo",
+        "token sum / completions; use importance_sampling_level='sequence'",
+        clips=True,
+    ),
+    "vespo": PolicyLoss(
+        vespo_term,
+        "dapo",
+        "smooth gamma weight of the sequence ratio; dapo aggregation",
+        corrects_sampler=False,
+    ),
+}
+GRPO_LOSS_TYPES = tuple(POLICY_LOSSES)
+# The aggregations of the clipped surrogate every online trainer accepts (RLOO, PPO; GRPO takes them all).
+LOSS_TYPES = tuple(name for name, loss in POLICY_LOSSES.items() if loss.every_trainer)
+
+
+def loss_type_help(names: tuple[str, ...] = GRPO_LOSS_TYPES) -> str:
+    """The config's help text for a loss_type accepting `names`, from the registry."""
+    clipped = [name for name in names if POLICY_LOSSES[name].clips]
+    others = [name for name in names if not POLICY_LOSSES[name].clips]
+    kinds = f"the clipped surrogate with an aggregation ({', '.join(clipped)})"
+    if others:
+        kinds += f" or another per-token term ({', '.join(others)})"
+    described = "; ".join(f"{name}: {POLICY_LOSSES[name].summary}" for name in names)
+    return f"One of {names}: {kinds}. {described}."
+
+
 def policy_objective(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -124,29 +237,19 @@ def policy_objective(
     beta: float = 0.0,
     kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token policy loss [B, T] of one of GRPO_LOSS_TYPES, and its statistics.
+    """Per-token policy loss [B, T] of a loss type of POLICY_LOSSES (its term's docstring gives it), and its stats.
 
     r = exp(logps - old_logps) per token, or with importance_sampling_level="sequence" (GSPO, Zheng et al.
     2025) the sequence's mean log ratio over its valid tokens, shared by its tokens; "sequence_token" (GSPO-token,
     the same paper) has the sequence ratio's value on every token but each token's own gradient,
     r_t = sg(r_seq) * pi(y_t) / sg(pi(y_t)), so per-token advantages can weight tokens differently.
-    `advantages` is [B] or [B, T]. The policy term per loss type (sg = stop-gradient):
-    - clip family (grpo, bnpo, dr_grpo, dapo, luspo): -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with
-      `delta` the unclipped r is also capped at delta (two-sided clipping, INTELLECT-2), so a negative
-      advantage cannot push a very large ratio further.
-    - cispo (MiniMax-M1): -sg(min(r, eps_high)) A log pi: clips the weight, never drops a token's gradient.
-    - sapo (SAPO): -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_temperature_pos if A > 0 else _neg: a soft
-      gate with gradient r at r = 1 that fades smoothly off-policy instead of cutting off.
-    - vespo: -phi(w) A log pi with phi from `vespo_weights` (the sampler correction enters phi).
-    The policy term is multiplied by `keep` (0/1 token or sequence selection: high-entropy tokens,
-    off-policy masking) and, except for vespo, by `sampler_ratio` (the sampler-mismatch importance weight,
-    [B, T] or [B, 1]). Then beta * k3 KL to `ref_logps` is added, times r itself (not detached) when
-    `kl_bias_correction` (DeepSeek-V3.2: makes the KL gradient that of the true reverse KL off-policy).
+    `advantages` is [B] or [B, T]. The policy term is multiplied by `keep` (0/1 token or sequence selection:
+    high-entropy tokens, off-policy masking) and, where the type `corrects_sampler`, by `sampler_ratio` (the
+    sampler-mismatch importance weight, [B, T] or [B, 1]). Then beta * k3 KL to `ref_logps` is added, times r
+    itself (not detached) when `kl_bias_correction` (DeepSeek-V3.2: makes the KL gradient that of the true reverse
+    KL off-policy).
 
-    Stats (detached): "kl" (mean of the KL term before beta, when ref_logps is given); clip family:
-    "clip_ratio_low" / "_high" / "clip_ratio" (fractions of valid tokens, of sequences at sequence level, whose
-    gradient the clip removes) and "clip_ratio_low_per_sequence" / "clip_ratio_high_per_sequence" [B];
-    cispo: "cispo_clip_ratio"; vespo: "vespo_phi" [B, 1].
+    Stats (detached): the term's own, and "kl" (mean of the KL term before beta, when ref_logps is given).
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_sampling_level, beta, ref_logps)
@@ -157,21 +260,12 @@ def policy_objective(
     token_log_ratio = logps - torch.where(valid, old_logps.detach(), 0.0)
     ratio = torch.exp(_log_ratio(token_log_ratio, logps, weights, importance_sampling_level))  # [B, T] or [B, 1]
     advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).detach()  # [B, 1] or [B, T]
-    if loss_type in CLIP_LOSS_TYPES:
-        loss, stats = _clipped_term(ratio, advantages, weights, epsilon_low, epsilon_high, delta)
-    elif loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
-        with torch.no_grad():
-            stats = {"cispo_clip_ratio": _fraction((ratio > epsilon_high) & (advantages > 0), weights)}
-    elif loss_type == "sapo":
-        temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
-        loss, stats = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages, {}
-    else:  # vespo
-        phi = vespo_weights(token_log_ratio, advantages, valid, vespo, sampler_ratio)
-        loss, stats = -phi * advantages * logps, {"vespo_phi": phi}
+    options = (epsilon_low, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo)
+    terms = TokenTerms(ratio, advantages, logps, token_log_ratio, valid, weights, sampler_ratio, *options)
+    loss, stats = POLICY_LOSSES[loss_type].term(terms)
     if keep is not None:
         loss = loss * keep.to(loss.dtype)
-    if sampler_ratio is not None and loss_type != "vespo":
+    if sampler_ratio is not None and POLICY_LOSSES[loss_type].corrects_sampler:
         loss = loss * sampler_ratio.detach().to(loss.dtype)
     loss = loss.expand_as(logps)
 
@@ -196,9 +290,13 @@ def _log_ratio(token_log_ratio, logps, weights, importance_sampling_level: str) 
     return log_ratio
 
 
-def _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_sampling_level, beta, ref_logps):
-    if loss_type not in GRPO_LOSS_TYPES:
+def _check_loss_type(loss_type: str) -> None:
+    if loss_type not in POLICY_LOSSES:
         raise ConfigError(f"loss_type={loss_type!r} is not one of {GRPO_LOSS_TYPES}; pick one of them.")
+
+
+def _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_sampling_level, beta, ref_logps):
+    _check_loss_type(loss_type)
     if not (0 <= epsilon_low < 1 and epsilon_high >= 0):
         raise ConfigError(
             f"epsilon_low={epsilon_low}, epsilon_high={epsilon_high}: the clip range needs "
@@ -210,17 +308,6 @@ def _check_objective_settings(loss_type, epsilon_low, epsilon_high, importance_s
         )
     if beta > 0 and ref_logps is None:
         raise ConfigError(f"beta={beta} adds a KL penalty but no ref_logps were given: pass them or set beta=0.")
-
-
-def _clipped_term(ratio, advantages, weights, epsilon_low, epsilon_high, delta):
-    """The clip family's per-token term -min(r A, clip(r) A) (r capped at `delta` first) and its clip stats."""
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-    loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
-    with torch.no_grad():
-        low = (capped_ratio < 1 - epsilon_low) & (advantages < 0)
-        high = (capped_ratio > 1 + epsilon_high) & (advantages > 0)
-        return loss, clip_stats(low, high, weights)
 
 
 def _fraction(flags: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -326,7 +413,7 @@ def aggregate_loss(
     - "dr_grpo": sum_it l_it m_it / (total_sequences * max_completion_length)   (Dr. GRPO, Liu et al. 2025)
     - "dapo":    sum_it l_it m_it / total_tokens, total_tokens required (DAPO, Yu et al. 2025)
     - "luspo":   sum_it l_it m_it / total_sequences   (each sequence's loss scaled by its length, LUSPO)
-    The surrogate loss types reduce as: "sapo" like "grpo"; "cispo" and "vespo" like "dapo".
+    Every loss type names its aggregation in POLICY_LOSSES ("sapo" like "grpo"; "cispo" and "vespo" like "dapo").
 
     total_sequences and total_tokens default to this batch's own counts (B and sum m). Gradient
     accumulation and data parallelism must not change the gradient, so the engine passes the counts
@@ -337,9 +424,8 @@ def aggregate_loss(
     normalises each micro-batch separately. "dapo" insists on the global count, which is its definition.
     The caller undoes the Trainer's division by accumulation steps and DDP's mean over processes.
     """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ConfigError(f"loss_type={loss_type!r} is not one of {GRPO_LOSS_TYPES}; pick one of them.")
-    named, loss_type = loss_type, _AGGREGATION[loss_type]
+    _check_loss_type(loss_type)
+    named, loss_type = loss_type, POLICY_LOSSES[loss_type].aggregation
     weights = mask.to(per_token_loss.dtype)
     masked = per_token_loss * weights
     if total_sequences is None:

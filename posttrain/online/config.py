@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
-from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_help
 from posttrain.online.generation_batch import resolve_generation_batch
 from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
@@ -196,13 +196,7 @@ class OnlineConfig(PosttrainConfig):
     reward_weights: list[float] | None = config_field(None, "One weight per reward function (default: all 1.0).")
     reward_timeout_s: float = config_field(60.0, "Seconds an async reward function may take per batch.")
     # Loss
-    loss_type: str = config_field(
-        "dapo",
-        f"Loss aggregation, one of {LOSS_TYPES}: grpo (mean per completion, then "
-        "over completions), bnpo/dapo (mean over all tokens of the optimizer "
-        "step), dr_grpo (token sum / (completions x max_completion_length)).",
-        choices=LOSS_TYPES,
-    )
+    loss_type: str = config_field("dapo", loss_type_help(LOSS_TYPES), choices=LOSS_TYPES)
     router_aux_loss_coef: float | None = router_aux_loss_coef_field(
         "Weight of a Mixture-of-Experts model's load-balancing loss, added to the policy loss (None: the "
         "model's own router_aux_loss_coef).",

@@ -482,7 +482,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             pad_multiple=self.pad_multiple,
             logps_temperature=self.logps_temperature,
             device=self.accelerator.device,
-            generate=lambda rows, n, seeds: self.generate_episodes(rows, n, seeds),
+            generate=self.fresh_episodes,
             completion_logps=lambda model, batch: self.completion_logps(model, batch),
             round_source=self.training_round,
             log_metric=lambda name, value: self._metrics["train"][name].append(value),

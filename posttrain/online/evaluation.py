@@ -45,8 +45,6 @@ def eval_rounds(num_prompts: int, prompts_per_process: int, num_processes: int, 
 class OnlineEvaluation:
     """Mixed into OnlineTrainer: `evaluate`, round metrics and completion logging."""
 
-    rollout_mode = "train"  # "eval" while evaluate() generates
-
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
@@ -69,7 +67,6 @@ class OnlineEvaluation:
         losses = []
         was_training = self.model.training
         self.model.eval()
-        self.rollout_mode = "eval"
         try:
             rounds = eval_rounds(
                 len(dataset),
@@ -78,11 +75,10 @@ class OnlineEvaluation:
                 self.accelerator.process_index,
             )
             for round_index, (indices, slots) in enumerate(rounds):
-                rollout = self.make_rollout([dataset[i] for i in indices], slots, round_index)
+                rollout = self.make_rollout([dataset[i] for i in indices], slots, round_index, mode="eval")
                 losses.append(self._eval_loss(rollout))
         finally:
             self.model.train(was_training)
-            self.rollout_mode = "train"
         metrics = {
             f"{metric_key_prefix}_{key}": sum(values) / len(values)
             for key, values in self._metrics["eval"].items()

@@ -1,6 +1,10 @@
 """The phases of a generation round, a mixin of OnlineTrainer (engine.py): generate -> score -> build the rollout
 -> policy tensors -> advantages. `make_rollout` runs them in order; every other method is a hook a method may
-override (GRPO: `sample_groups` for dynamic sampling; every method: `compute_advantages`)."""
+override (GRPO: `sample_groups` for dynamic sampling; every method: `compute_advantages`).
+
+The rollout mode ("train", or "eval" while evaluate() generates) is an argument of every phase that depends on it,
+never state of the trainer: it sets the group size (`group_size`), the seeds, where the episodes come from (the
+rollout producer for training, the policy itself for evaluation) and which metrics a round writes."""
 
 from __future__ import annotations
 
@@ -86,12 +90,16 @@ class RoundPhases:
         """The policy changes between generation and training only with several steps or passes per round."""
         return self.args.optimizer_steps_per_generation > 1 or self.args.num_iterations > 1
 
-    def make_rollout(self, rows: list[dict], slots: list[int], round_index: int) -> Rollout:
-        """Generates, scores and prepares this process's share of a round: of training, or of evaluation while
-        `rollout_mode` is "eval" (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
-        args, mode = self.args, self.rollout_mode
-        n = args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
-        scored = self.sample_groups(rows, n, round_seeds(self.args.seed, round_index, slots, mode), round_index)
+    def group_size(self, mode: str) -> int:
+        """Completions per prompt: num_generations in training, num_generations_eval (else the same) in "eval"."""
+        args = self.args
+        return args.num_generations if mode == "train" else args.num_generations_eval or args.num_generations
+
+    def make_rollout(self, rows: list[dict], slots: list[int], round_index: int, mode: str = "train") -> Rollout:
+        """Generates, scores and prepares this process's share of a round: of training, or with mode="eval" of
+        evaluation (num_generations_eval completions per prompt, nothing in completions.jsonl)."""
+        args, n = self.args, self.group_size(mode)
+        scored = self.sample_groups(rows, n, round_seeds(args.seed, round_index, slots, mode), round_index, mode)
         rows, episodes, prompts, texts = scored.rows, scored.episodes, scored.prompts, scored.texts
         rewards, per_function = scored.rewards, scored.per_function
         if self.episode_source is not None and hasattr(self.episode_source, "tools"):
@@ -122,19 +130,22 @@ class RoundPhases:
             )
         return rollout
 
-    def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
+    def sample_groups(self, rows: list[dict], n: int, seeds: list[int], round_index: int, mode: str) -> ScoredGroups:
         """Phases 1 and 2: `n` episodes per prompt, scored. A hook: GRPO's dynamic sampling replaces the groups
         whose rewards are all equal by generating for more prompts."""
-        return self.generate_and_score(rows, n, seeds, round_index)
+        return self.generate_and_score(rows, n, seeds, round_index, mode)
 
-    def generate_and_score(self, rows: list[dict], n: int, seeds: list[int], round_index: int) -> ScoredGroups:
+    def generate_and_score(
+        self, rows: list[dict], n: int, seeds: list[int], round_index: int, mode: str
+    ) -> ScoredGroups:
         """`n` episodes per prompt, scored, every group kept: what `sample_groups` does unless a method overrides
-        it, and what an override or a method's own sampling (A2PO's value estimates) builds on."""
+        it, and what an override or a method's own sampling (A2PO's value estimates) builds on. Training rounds
+        come from the rollout producer (producers/), evaluation's from the policy as it is."""
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (
                 self.rollout_producer.episodes(round_index, rows, n, seeds)
-                if self.rollout_mode == "train"
+                if mode == "train"
                 else self.generate_episodes(rows, n, seeds)
             )
         generation_seconds = time.perf_counter() - start
@@ -151,7 +162,7 @@ class RoundPhases:
                 **self.episode_columns(episodes),
             },
             trainer_state=self.state,
-            log_metric=self.log_reward_metric,
+            log_metric=lambda name, value: self._metrics[mode][name].append(float(value)),  # TRL's `log_metric`
             log_extra=extra.__setitem__,
         )
         return ScoredGroups(
@@ -165,14 +176,15 @@ class RoundPhases:
             extra,
         )
 
-    def log_reward_metric(self, name: str, value: float) -> None:
-        """A reward function's own metric (TRL's `log_metric` argument), logged as `name` in this mode's metrics."""
-        self._metrics[self.rollout_mode][name].append(float(value))
+    def fresh_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
+        """A training round sampled now (the synchronous producer): the backend takes the policy's weights (when
+        vllm_sync_steps says so), then `generate_episodes`."""
+        self.generation_backend.sync_weights(self.model)
+        return self.generate_episodes(rows, n, seeds)
 
     def generate_episodes(self, rows: list[dict], n: int, seeds: list[int]) -> list[Episode]:
-        """Phase 1: `n` episodes per prompt, prompt-major, sampled with the policy's current weights."""
-        if self.rollout_mode == "train":
-            self.generation_backend.sync_weights(self.model)
+        """Phase 1: `n` episodes per prompt, prompt-major, sampled with the generation backend's weights (the
+        synchronous producer and evaluation bring them up to date first)."""
         if self.image_prompts is not None:
             return self.image_prompts.generate(self.generation_backend, rows, n, self.sampling, seeds)
         prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]

@@ -28,7 +28,7 @@ from posttrain.losses.advantages import (
     decoupled_advantages,
     group_advantages,
 )
-from posttrain.losses.policy import VespoParams
+from posttrain.losses.policy import POLICY_LOSSES, VespoParams
 from posttrain.losses.token_weights import (
     high_entropy_mask,
     off_policy_sequence_mask,
@@ -55,7 +55,6 @@ def group_has_variance(group: torch.Tensor) -> bool:
 
 
 logger = logging.getLogger("posttrain")
-TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")  # loss types that sum token terms over the step
 
 
 class _Float32Head(nn.Linear):
@@ -159,7 +158,8 @@ class GRPOTrainer(OnlineTrainer):
     ):
         """TRL's signature: `reward_funcs` may be left out when `environment_factory`'s environments give the reward
         (their `get_reward()`)."""
-        if args is not None and args.importance_sampling_level == "sequence" and args.loss_type in TOKEN_SUMS:
+        loss = POLICY_LOSSES.get(getattr(args, "loss_type", None))
+        if args is not None and args.importance_sampling_level == "sequence" and loss is not None and loss.sums_tokens:
             logger.warning(  # when the trainer is built, as TRL does, in TRL's words
                 "importance_sampling_level='sequence' with loss_type=%r sums per-token contributions, which "
                 "effectively weights each sequence by its completion length instead of the per-sequence objective; "
@@ -202,9 +202,9 @@ class GRPOTrainer(OnlineTrainer):
         return Advantages(self.local_share(advantages))
 
     # -- dynamic sampling (DAPO) ----------------------------------------------------------------------------
-    def sample_groups(self, rows, n, seeds, round_index) -> ScoredGroups:
-        scored = super().sample_groups(rows, n, seeds, round_index)
-        if not getattr(self.args, "dynamic_sampling", False) or self.rollout_mode != "train":
+    def sample_groups(self, rows, n, seeds, round_index, mode) -> ScoredGroups:
+        scored = self.generate_and_score(rows, n, seeds, round_index, mode)
+        if not getattr(self.args, "dynamic_sampling", False) or mode != "train":
             return scored
         return self._keep_informative_groups(scored, n, seeds, round_index)
 
@@ -229,7 +229,8 @@ class GRPOTrainer(OnlineTrainer):
             )
             indices = torch.randint(len(self.train_dataset), (need,), generator=generator).tolist()
             extra_seeds = [derive_seed(seed, batches) for seed in seeds]
-            scored = self.generate_and_score([self.train_dataset[i] for i in indices], n, extra_seeds, round_index)
+            rows = [self.train_dataset[i] for i in indices]
+            scored = self.generate_and_score(rows, n, extra_seeds, round_index, "train")
             first.timings = {k: v + scored.timings.get(k, 0.0) for k, v in first.timings.items()}
         pool = ScoredGroups.concat(kept + idle)
         result = pool.groups(list(range(need)))

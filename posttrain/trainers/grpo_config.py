@@ -12,7 +12,7 @@ from posttrain.losses.advantages import (
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_REWARDS,
 )
-from posttrain.losses.policy import GRPO_LOSS_TYPES
+from posttrain.losses.policy import GRPO_LOSS_TYPES, loss_type_help
 from posttrain.losses.token_weights import (
     IMPORTANCE_SAMPLING_MODES,
 )
@@ -70,16 +70,7 @@ class GRPOConfig(OnlineConfig):
         "'batch' (the whole generation batch), 'none' (Dr. GRPO; also False).",
         choices=SCALE_REWARDS,
     )
-    loss_type: str = config_field(
-        "dapo",
-        f"One of {GRPO_LOSS_TYPES}. Clipped surrogate with an aggregation: grpo (mean per completion, then over "
-        "completions), bnpo (token mean of the micro-batch), dapo (token mean of the optimizer step), dr_grpo "
-        "(token sum / (completions x max_completion_length)), luspo (token sum / completions; use "
-        "importance_sampling_level='sequence'). Other surrogates: cispo (clipped, detached ratio times log-prob; "
-        "epsilon_high is its cap, ~5), sapo (soft sigmoid gate, grpo aggregation), vespo (smooth gamma weight of "
-        "the sequence ratio, dapo aggregation).",
-        choices=GRPO_LOSS_TYPES,
-    )
+    loss_type: str = config_field("dapo", loss_type_help(GRPO_LOSS_TYPES), choices=GRPO_LOSS_TYPES)
     top_entropy_quantile: float = config_field(
         1.0,
         "Train only on the top fraction of completion tokens by entropy (rho in 'Beyond the 80/20 rule'; the "

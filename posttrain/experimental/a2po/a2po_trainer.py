@@ -59,7 +59,6 @@ class A2POTrainer(GRPOTrainer):
             peft_config=peft_config,
         )
         self.optimal_values: dict[tuple[int, ...], float] | None = None
-        self._round_values: torch.Tensor | None = None
 
     @property
     def uses_reference(self) -> bool:
@@ -80,7 +79,7 @@ class A2POTrainer(GRPOTrainer):
             for start in range(0, len(dataset), args.per_device_train_batch_size):
                 rows = [dataset[i] for i in range(start, min(start + args.per_device_train_batch_size, len(dataset)))]
                 seeds = [derive_seed(args.seed, _STAGE1_TAG, start + i) for i in range(len(rows))]
-                scored = self.generate_and_score(rows, n, seeds, -1)
+                scored = self.generate_and_score(rows, n, seeds, -1, "train")
                 rewards = scored.rewards.nan_to_num(0.0).view(len(rows), n).double()
                 for row, value, group in zip(rows, a2po_optimal_values(rewards, args.beta1).tolist(), rewards):
                     key = tuple(row[PROMPT_IDS_COLUMN])
@@ -110,20 +109,15 @@ class A2POTrainer(GRPOTrainer):
         return super().evaluate(*args, **kwargs)
 
     # -- Stage 2 -------------------------------------------------------------------------------------------
-    def make_rollout(self, rows, slots, round_index):
-        n = (
-            self.args.num_generations
-            if self.rollout_mode == "train"
-            else (self.args.num_generations_eval or self.args.num_generations)
-        )
-        values = [self.optimal_values[tuple(row[PROMPT_IDS_COLUMN])] for row in rows for _ in range(n)]
-        self._round_values = torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
-        return super().make_rollout(rows, slots, round_index)
-
     def compute_advantages(self, rewards, rollout) -> Advantages:
-        """The optimal advantage r - V*(x) (the regression target), per completion."""
-        target = self.local_share(rewards).nan_to_num(0.0) - self._round_values
-        return Advantages(target, metrics={"v_star": float(self._round_values.mean())})
+        """The optimal advantage r - V*(x) (the regression target), per completion; V* looked up by the
+        completion's prompt, read from the rollout."""
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu())]
+        values = torch.tensor(
+            [self.optimal_values[tuple(ids)] for ids in prompts], dtype=torch.float32, device=self.accelerator.device
+        )
+        target = self.local_share(rewards).nan_to_num(0.0) - values
+        return Advantages(target, metrics={"v_star": float(values.mean())})
 
     def policy_loss(self, inputs, logps, entropy=None, keep=None):
         """This micro-batch's share of the step's mean squared regression error."""

@@ -98,9 +98,9 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
     def needs_old_logps(self) -> bool:
         return self.args.replay_buffer_size > 0 or super().needs_old_logps
 
-    def make_rollout(self, rows, slots, round_index) -> Rollout:
-        rollout = super().make_rollout(rows, slots, round_index)
-        if self.rollout_mode != "train" or self.args.replay_buffer_size == 0:
+    def make_rollout(self, rows, slots, round_index, mode="train") -> Rollout:
+        rollout = super().make_rollout(rows, slots, round_index, mode)
+        if mode != "train" or self.args.replay_buffer_size == 0:
             return rollout
         return self.replay(rollout, round_index)
 
