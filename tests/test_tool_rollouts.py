@@ -84,6 +84,7 @@ def trainer_with_script(cls, config_cls, tmp_path, tiny_model_path, tokenizer, s
         per_device_train_batch_size=4,
         num_generations=2,
         max_completion_length=256,
+        max_prompt_length=480,  # the tool schemas make a 582-token prompt; the tiny model's context is 512
         max_steps=1,
         logging_steps=1,
         learning_rate=1e-2,

@@ -87,6 +87,8 @@ def test_sdft_rounds_resolve_as_trl(tmp_path):
         dict(gradient_accumulation_steps=2, steps_per_generation=4),
         dict(gradient_accumulation_steps=2, generation_batch_size=16),
         dict(gradient_accumulation_steps=2),
+        dict(gradient_accumulation_steps=3, steps_per_generation=2),
+        dict(per_device_train_batch_size=1, generation_batch_size=2),
     ):
         trl_config = theirs(**_kw(tmp_path, **settings))
         ours = SDFTConfig(**_kw(tmp_path, **settings))
@@ -94,8 +96,10 @@ def test_sdft_rounds_resolve_as_trl(tmp_path):
             trl_config.steps_per_generation,
             trl_config.generation_batch_size,
         )
-    with pytest.raises(ConfigError, match=r"steps_per_generation=3 .* multiple or a divisor of"):
-        SDFTConfig(**_kw(tmp_path, gradient_accumulation_steps=2, steps_per_generation=3))
+    with pytest.raises(
+        ConfigError, match=r"per_device_train_batch_size x steps_per_generation \(3\) must be a multiple"
+    ):
+        SDFTConfig(**_kw(tmp_path, per_device_train_batch_size=1, steps_per_generation=3))
 
 
 def test_sdft_round_of_two_steps_is_sampled_at_its_first_step(tmp_path, tokenizer):
@@ -115,6 +119,43 @@ def test_sdft_round_of_two_steps_is_sampled_at_its_first_step(tmp_path, tokenize
     trainer.train()
     assert trainer.state.global_step == 4
     assert sorted(set(sampled_at)) == [0, 2]  # rounds start at steps 0 and 2; steps 1 and 3 reuse them
+
+
+def test_sdft_rounds_that_straddle_optimizer_steps_keep_their_log_probs(tmp_path, tokenizer):
+    """gradient_accumulation_steps=3, steps_per_generation=2: step 0 samples two rounds (one micro-batch left
+    over), step 1 one more; each micro-batch has its own seed and its log-probs at sampling."""
+    trainer = SDFTTrainer(
+        build_tiny_model(tokenizer),
+        args=SDFTConfig(
+            **_kw(
+                tmp_path,
+                per_device_train_batch_size=2,
+                gradient_accumulation_steps=3,
+                steps_per_generation=2,
+                max_steps=2,
+            )
+        ),
+        train_dataset=_sdft_data(8),
+        processing_class=tokenizer,
+    )
+    sampled, generate = [], trainer._sampler.generate
+
+    def recording(prompt_ids, n, sampling, seed=None):
+        sampled.append((trainer.state.global_step, tuple(seed) if isinstance(seed, list) else seed))
+        return generate(prompt_ids, n, sampling, seed=seed)
+
+    trainer._sampler.generate = recording
+    taken, take = [], trainer._rounds.take
+
+    def recording_take(*args, **kwargs):
+        batches, count = take(*args, **kwargs)
+        taken.append(all("old_logps" in b for b in batches))
+        return batches, count
+
+    trainer._rounds.take = recording_take
+    trainer.train()
+    assert [step for step, _ in sampled] == [0, 0, 0, 0, 1, 1]
+    assert len({seed for _, seed in sampled}) == 6 and taken == [True, True]
 
 
 def test_rollout_weights_are_the_clipped_ratio():

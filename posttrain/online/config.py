@@ -241,9 +241,10 @@ class OnlineConfig(PosttrainConfig):
         choices=FAILURE_POLICIES,
     )
     tool_call_parser: str = config_field(
-        "hermes",
-        "How tool calls are read from a model turn: 'hermes' (Qwen/Hermes <tool_call>{json}</tool_call>), "
-        "'llama3', or a name registered with posttrain.tools.register_parser.",
+        "auto",
+        "How tool calls are read from a model turn: 'auto' (the tokenizer's response template, as TRL, else the "
+        "regex parser its chat template calls for), or a regex parser: 'hermes' (Qwen/Hermes <tool_call>), "
+        "'llama3', 'mistral', 'gpt-oss', or a name registered with posttrain.tools.register_parser.",
     )
     tool_timeout_s: float | None = config_field(
         30.0, "Seconds a tool call may take before the model is told it timed out (None: no limit)."

@@ -24,12 +24,17 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.generation import derive_seed
 from posttrain.online.rollout import Episode
 from posttrain.tools import (
+    WITH_SPECIAL_TOKENS,
     EnvironmentPool,
     ToolExecutor,
     ToolStats,
+    check_calls,
     check_template_renders_tools,
+    has_response_schema,
     parse_tool_calls,
+    parse_with_response_schema,
     prompt_with_observation,
+    regex_parser_for,
     tool_schemas,
     tool_suffix_ids,
 )
@@ -62,14 +67,17 @@ class ToolRollouts:
         environments: EnvironmentPool | None,
         max_completion_length: int,
         max_iterations: int | None,
-        parser: str | Callable = "hermes",
+        parser: str | Callable = "auto",
         timeout: float | None = 30.0,
         template_kwargs: dict | None = None,
     ) -> None:
         self.backend, self.tokenizer, self.tools, self.environments = backend, tokenizer, list(tools), environments
         self.max_completion_length = max_completion_length
         self.max_iterations = max_iterations
-        self.parser, self.timeout, self.template_kwargs = parser, timeout, dict(template_kwargs or {})
+        self.timeout, self.template_kwargs = timeout, dict(template_kwargs or {})
+        # "auto": the tokenizer's response template, with the regex parser of its chat template as the fallback
+        self.use_schema = parser == "auto" and has_response_schema(tokenizer)
+        self.parser = regex_parser_for(tokenizer) if parser == "auto" else parser
         self.executor = ToolExecutor(self.tools, timeout=timeout) if self.tools else None
         self.schemas = tool_schemas(self.tools)
         self.stats = ToolStats()
@@ -141,8 +149,22 @@ class ToolRollouts:
             r.episode.reward_kwargs["environments"] = r.environment.environment
         return running
 
-    def _last_turn_text(self, r: _Running) -> str:
-        return self.tokenizer.decode(r.episode.token_ids[r.turn_start :], skip_special_tokens=True)
+    def _last_turn_text(self, r: _Running, special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(r.episode.token_ids[r.turn_start :], skip_special_tokens=not special_tokens)
+
+    def _parse_last_turn(self, r: _Running):
+        """The last turn's calls: by the tokenizer's response template when it has one and reads the turn, else by
+        the regex parser (on the text with special tokens where its markers are special tokens)."""
+        tools = list(r.executor.tools.values())
+        if self.use_schema:
+            turn_ids = r.episode.token_ids[r.turn_start :]
+            turn = parse_with_response_schema(
+                self.tokenizer, turn_ids, r.prompt_ids + r.episode.token_ids[: r.turn_start], tools
+            )
+            if turn is not None:
+                return check_calls(turn, tools)
+        text = self._last_turn_text(r, special_tokens=self.parser in WITH_SPECIAL_TOKENS)
+        return parse_tool_calls(text, self.parser, tools=tools)
 
     def _answer_calls(self, r: _Running) -> bool:
         """Runs the calls of the episode's last turn and appends the tool turn's ids; False when the episode
@@ -150,7 +172,7 @@ class ToolRollouts:
         episode = r.episode
         if not episode.finished or (r.environment is not None and self.environments.is_done(r.environment)):
             return False
-        turn = parse_tool_calls(self._last_turn_text(r), self.parser, tools=list(r.executor.tools.values()))
+        turn = self._parse_last_turn(r)
         if not turn.has_calls:
             return False
         results = r.executor.run(turn)

@@ -69,15 +69,20 @@ Where posttrain's pieces differ (for the engine to decide)
 from posttrain.tools.environment import EnvironmentPool, EnvironmentSlot, environment_methods, prompt_with_observation
 from posttrain.tools.executor import ToolExecutor, ToolResult, ToolStats, check_arguments, error_text, result_text
 from posttrain.tools.parsers import (
+    WITH_SPECIAL_TOKENS,
     ParsedTurn,
     ParseError,
     ToolCall,
+    check_calls,
     get_parser,
+    parse_gpt_oss,
     parse_hermes,
     parse_llama3,
+    parse_mistral,
     parse_tool_calls,
     register_parser,
 )
+from posttrain.tools.response_schema import has_response_schema, parse_with_response_schema, regex_parser_for
 from posttrain.tools.schema import check_template_renders_tools, tool_name, tool_schema, tool_schemas
 from posttrain.tools.templates import CHATML_TOOL_TEMPLATE, chatml_tool_template, use_chatml_tool_template
 from posttrain.tools.tokens import tool_suffix_ids
@@ -92,16 +97,23 @@ __all__ = [
     "ToolExecutor",
     "ToolResult",
     "ToolStats",
+    "WITH_SPECIAL_TOKENS",
     "check_arguments",
+    "check_calls",
     "check_template_renders_tools",
     "chatml_tool_template",
     "environment_methods",
     "error_text",
     "get_parser",
+    "has_response_schema",
+    "parse_gpt_oss",
     "parse_hermes",
     "parse_llama3",
+    "parse_mistral",
     "parse_tool_calls",
+    "parse_with_response_schema",
     "prompt_with_observation",
+    "regex_parser_for",
     "register_parser",
     "result_text",
     "tool_name",

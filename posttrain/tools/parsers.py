@@ -7,9 +7,11 @@ message and carry on.
 
 Built in: ``"hermes"`` (alias ``"qwen"``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any
 number per turn; ``"llama3"``: JSON objects ``{"name": ..., "parameters": {...}}`` (``"arguments"`` also read), after
-an optional ``<|python_tag|>``, several separated by ``;`` or newlines. Others plug in with `register_parser(name,
-fn)` or ``parser=fn``; ``fn(text)`` returns a `ParsedTurn`, or a list of `ToolCall`s / ``{"name", "arguments"}``
-dicts.
+an optional ``<|python_tag|>``, several separated by ``;`` or newlines; ``"mistral"``: ``[TOOL_CALLS]`` followed by a
+JSON list or ``NAME[ARGS]{...}``; ``"gpt-oss"``: harmony's ``to=functions.NAME ... <|message|>{...}<|call|>``. These
+are the fallbacks: a tokenizer with a response template is read with it (response_schema.py). Others plug in
+with `register_parser(name, fn)` or ``parser=fn``; ``fn(text)`` returns a `ParsedTurn`, or a list of `ToolCall`s /
+``{"name", "arguments"}`` dicts.
 
 Given the tools' schemas, arguments written as strings are cast to the declared type (``"7"`` -> ``7`` for an
 integer), as transformers' ``parse_response(tools=...)`` does in TRL.
@@ -82,7 +84,7 @@ def _json_object(text: str) -> tuple[Any, str | None, str | None]:
         return None, kind, f"{error.msg} at character {error.pos}"
 
 
-def _call_from(obj: Any, raw: str, argument_keys: Sequence[str]) -> ToolCall | ParseError:
+def call_from(obj: Any, raw: str, argument_keys: Sequence[str]) -> ToolCall | ParseError:
     """A call from a decoded JSON object (flat, or OpenAI's ``{"function": {...}}``)."""
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
         obj = obj["function"]
@@ -124,7 +126,7 @@ def parse_hermes(text: str) -> ParsedTurn:
         if kind is not None:
             attempts.append(ParseError("invalid_json", f"the <tool_call> block is not valid JSON: {message}", raw))
         else:
-            attempts.append(_call_from(obj, raw, ("arguments", "parameters")))
+            attempts.append(call_from(obj, raw, ("arguments", "parameters")))
         position = end + len(_HERMES_CLOSE)
     content.append(text[position:])
     return ParsedTurn("".join(content).strip(), attempts)
@@ -159,7 +161,7 @@ def parse_llama3(text: str) -> ParsedTurn:
             )
             position = end
             continue
-        attempts.append(_call_from(obj, text[start:end], ("parameters", "arguments")))
+        attempts.append(call_from(obj, text[start:end], ("parameters", "arguments")))
         position = end
         separator = re.match(r"\s*;?", text[position:])
         position += separator.end() if separator else 0
@@ -167,7 +169,75 @@ def parse_llama3(text: str) -> ParsedTurn:
     return ParsedTurn("".join(content).strip(), attempts)
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {"hermes": parse_hermes, "qwen": parse_hermes, "llama3": parse_llama3}
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def parse_mistral(text: str) -> ParsedTurn:
+    """Mistral's calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` objects (v3), or
+    ``NAME[ARGS]{...}`` per call (v11 and later). Needs the text with special tokens."""
+    first = text.find(_MISTRAL_CALLS)
+    if first == -1:
+        return ParsedTurn(_strip_specials(text), [])
+    content, attempts = text[:first], []
+    decoder = json.JSONDecoder()
+    for block in text[first:].split(_MISTRAL_CALLS)[1:]:
+        block = block.replace("</s>", "").strip()
+        if block.startswith("["):
+            try:
+                calls, _ = decoder.raw_decode(block)
+            except json.JSONDecodeError as error:
+                kind = "partial" if error.pos >= len(block) else "invalid_json"
+                attempts.append(ParseError(kind, f"the [TOOL_CALLS] list is not valid JSON: {error.msg}", block))
+                continue
+            calls = calls if isinstance(calls, list) else [calls]
+            attempts += [call_from(call, json.dumps(call), ("arguments", "parameters")) for call in calls]
+        elif _MISTRAL_ARGS in block:
+            name, arguments = block.split(_MISTRAL_ARGS, 1)
+            obj, kind, message = _json_object(arguments.strip())
+            if kind is not None:
+                attempts.append(ParseError(kind, f"the arguments of {name.strip()!r} are not valid JSON: {message}"))
+            else:
+                attempts.append(call_from({"name": name.strip(), "arguments": obj}, block, ("arguments",)))
+        else:
+            attempts.append(ParseError("bad_format", "[TOOL_CALLS] is followed by neither a JSON list nor NAME[ARGS]"))
+    return ParsedTurn(_strip_specials(content), attempts)
+
+
+_HARMONY_CALL = re.compile(
+    r"to=functions\.(?P<name>[^\s<]+)\s*(?:<\|channel\|>\s*\w*)?\s*(?:<\|constrain\|>\s*\w*)?\s*<\|message\|>"
+    r"(?P<arguments>.*?)(?:<\|call\|>|<\|end\|>|$)",
+    re.DOTALL,
+)
+_HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(?P<content>.*?)(?:<\|return\|>|<\|end\|>|$)", re.DOTALL)
+
+
+def parse_gpt_oss(text: str) -> ParsedTurn:
+    """gpt-oss (harmony) calls: ``to=functions.NAME ... <|message|>{arguments}<|call|>`` on the commentary channel;
+    the content is the final channel's message. Needs the text with special tokens."""
+    attempts = []
+    for found in _HARMONY_CALL.finditer(text):
+        obj, kind, message = _json_object(found["arguments"].strip())
+        if kind is not None:
+            attempts.append(ParseError(kind, f"the arguments of {found['name']!r} are not valid JSON: {message}"))
+        else:
+            attempts.append(call_from({"name": found["name"], "arguments": obj}, found.group(0), ("arguments",)))
+    final = _HARMONY_FINAL.search(text)
+    return ParsedTurn(final["content"].strip() if final else "", attempts)
+
+
+def _strip_specials(text: str) -> str:
+    return re.sub(r"</s>|<\|[a-z_]+\|>|\[/?[A-Z_]+\]", "", text).strip()
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "hermes": parse_hermes,
+    "qwen": parse_hermes,
+    "llama3": parse_llama3,
+    "mistral": parse_mistral,
+    "gpt-oss": parse_gpt_oss,
+}
+# Parsers that read the turn with its special tokens (their markers are special tokens of the vocabulary).
+WITH_SPECIAL_TOKENS = {"mistral", "gpt-oss"}
 
 
 def register_parser(name: str, parser: Callable[[str], Any]) -> None:
@@ -198,7 +268,7 @@ def _normalize(output: Any, text: str) -> ParsedTurn:
     attempts = [
         item
         if isinstance(item, (ToolCall, ParseError))
-        else _call_from(item, json.dumps(item, default=str), ("arguments", "parameters"))
+        else call_from(item, json.dumps(item, default=str), ("arguments", "parameters"))
         for item in output
     ]
     return ParsedTurn("" if attempts else text.strip(), attempts)
@@ -261,8 +331,12 @@ def parse_tool_calls(
             text.strip(),
             [ParseError("parser_error", f"tool-call parser {name} failed: {type(error).__name__}: {error}", text)],
         )
-    if tools is None:
-        return turn
+    return turn if tools is None else check_calls(turn, tools)
+
+
+def check_calls(turn: ParsedTurn, tools: Sequence[Callable | dict]) -> ParsedTurn:
+    """`turn` with calls to names not among `tools` as ``unknown_tool`` errors and string arguments cast to their
+    declared types."""
     schemas = {s["function"]["name"]: describe_arguments(s) for s in tool_schemas(tools)}
     attempts: list[ToolCall | ParseError] = []
     for call in turn.attempts:

@@ -142,6 +142,7 @@ class DistillationTrainer(SFTTrainer):
     """
 
     _name = "Distillation"  # the method the model card names and cites (posttrain/training/model_card.py)
+    sample_offset = 0  # added to the micro-batch index of a step's sampling seeds (several rounds in one step)
     # shuffle_dataset=False also reads the batches in order here; TRL's GKD and IW-OPD draw them at random
     # whatever it says (for them it is SFT's one-off shuffle of the data), so they set this to False.
     ordered_when_unshuffled = True
@@ -297,7 +298,7 @@ class DistillationTrainer(SFTTrainer):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         flags = [self._coin.random() < self.args.lmbda for _ in batches]
         seeds = [
-            derive_seed(self.args.seed, self.state.global_step, i, self.accelerator.process_index)
+            derive_seed(self.args.seed, self.state.global_step, i + self.sample_offset, self.accelerator.process_index)
             for i in range(len(batches))
         ]
         batches = [

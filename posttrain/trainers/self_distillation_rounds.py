@@ -2,11 +2,11 @@
 
 steps_per_generation counts micro-batches (default gradient_accumulation_steps: completions are sampled for each
 optimizer step) and generation_batch_size = per_device_train_batch_size x processes x steps_per_generation. A round
-of k optimizer steps samples all its micro-batches at its first step, with the weights of that step; the later
-steps train on them after the student has moved, so each rollout keeps the student's log-probs at sampling time
-(`old_logps`) and the distillation loss is weighted by min(pi / pi_old, distillation_is_clip), as TRL does. A
-round of fewer micro-batches than an optimizer step samples with the same weights as the rest of the step, which
-is what sampling the whole step at once does.
+is sampled when an optimizer step needs more micro-batches than are left, with that step's weights; when the
+accumulation steps are not a multiple of the round, some rollouts are trained at a later step than they were
+sampled in, so every rollout keeps the student's log-probs at sampling (`old_logps`) and the distillation loss is
+weighted by min(pi / pi_old, distillation_is_clip), as TRL does. A round that divides an optimizer step is sampled
+with the whole step, as at the default.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
 __all__ = [
     "GenerationRounds",
     "completion_logits",
-    "optimizer_steps_per_round",
     "resolve_generation_batch",
     "rollout_weights",
+    "rollouts_go_stale",
     "token_logps",
 ]
 
 
 def resolve_generation_batch(config) -> None:
-    """steps_per_generation / generation_batch_size as TRL resolves them; checked against what a round can be."""
-    accumulation, micro = config.gradient_accumulation_steps, config.per_device_train_batch_size * config.world_size
+    """steps_per_generation / generation_batch_size as TRL resolves them; a process's rollouts of a round hold whole
+    groups of num_generations."""
+    micro = config.per_device_train_batch_size * config.world_size
     given = config.generation_batch_size
     if given is not None:
         if given < 1 or given % micro:
@@ -42,27 +43,21 @@ def resolve_generation_batch(config) -> None:
                 f"steps_per_generation={config.steps_per_generation} was set too. Set only one of them."
             )
         config.steps_per_generation = given // micro
-    steps = config.steps_per_generation = config.steps_per_generation or accumulation
-    if steps % accumulation and accumulation % steps:
-        raise ConfigError(
-            f"steps_per_generation={steps} (micro-batches per generation round, as in TRL) must be a multiple or a "
-            f"divisor of gradient_accumulation_steps={accumulation}: a round feeds whole optimizer steps, or "
-            f"part of one. Valid values: {sorted({d for d in range(1, accumulation + 1) if accumulation % d == 0})} "
-            f"or {accumulation * 2}, {accumulation * 3}, ..."
-        )
+    steps = config.steps_per_generation = config.steps_per_generation or config.gradient_accumulation_steps
     config.generation_batch_size = micro * steps
-    local = config.per_device_train_batch_size * accumulation
+    local = config.per_device_train_batch_size * steps
     if local % config.num_generations:
         raise ConfigError(
-            f"per_device_train_batch_size * gradient_accumulation_steps ({local}) must be a multiple "
-            f"of num_generations ({config.num_generations}): each prompt's completions are sampled "
-            "in one optimizer step."
+            f"per_device_train_batch_size x steps_per_generation ({local}) must be a multiple of num_generations "
+            f"({config.num_generations}): a prompt's completions are sampled in one generation round on one "
+            f"process. Set steps_per_generation (or generation_batch_size) so that it is."
         )
 
 
-def optimizer_steps_per_round(config) -> int:
-    """Optimizer steps trained on one generation round (1 when a round is one step or part of one)."""
-    return max(config.steps_per_generation // config.gradient_accumulation_steps, 1)
+def rollouts_go_stale(config) -> bool:
+    """Whether some rollouts are trained at a later optimizer step than they were sampled in (TRL's rule: the
+    accumulation steps are not a multiple of the round), so they keep their log-probs at sampling."""
+    return config.gradient_accumulation_steps % config.steps_per_generation != 0
 
 
 def completion_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,32 +84,39 @@ def rollout_weights(logps: torch.Tensor, old_logps: torch.Tensor, clip: float) -
 
 
 class GenerationRounds:
-    """The micro-batches of the round being trained, one list per optimizer step, sampled at the round's first
-    step (`take`)."""
+    """The sampled micro-batches not trained yet. A round of steps_per_generation micro-batches is sampled whenever
+    an optimizer step needs more than are left (with that step's weights, as TRL does), so a round may feed several
+    steps, or several rounds one step."""
 
     def __init__(self) -> None:
-        self.steps: list[list[dict]] = []
+        self.buffer: list[dict] = []
+        self.step, self.drawn = -1, 0  # micro-batches sampled at this optimizer step so far (their seeds differ)
 
     def take(self, trainer, epoch_iterator, num_batches: int, device, sample) -> tuple[list[dict], object]:
         """This optimizer step's micro-batches and item count; `sample(epoch_iterator, n)` draws and samples n
-        micro-batches (fewer at the end of the epoch)."""
-        steps = optimizer_steps_per_round(trainer.args)
-        if steps == 1:
-            batches = sample(epoch_iterator, num_batches)
-            return batches, trainer._get_num_items_in_batch(batches, device)
-        if not self.steps:
-            batches = sample(epoch_iterator, num_batches * steps)
-            if trainer.keeps_rollout_logps:
+        micro-batches (fewer, or none, at the end of the epoch)."""
+        args = trainer.args
+        stale = rollouts_go_stale(args)
+        size = args.steps_per_generation if stale else num_batches  # a round within a step: the step at once
+        if trainer.state.global_step != self.step:
+            self.step, self.drawn = trainer.state.global_step, 0
+        while len(self.buffer) < num_batches:
+            trainer.sample_offset = self.drawn
+            batches = sample(epoch_iterator, size)
+            self.drawn += len(batches)
+            if not batches:
+                break
+            if stale and trainer.keeps_rollout_logps:
                 with torch.no_grad():
                     for batch in batches:
                         logits, tokens, _, _ = completion_logits(trainer.model, batch)
                         batch["old_logps"] = token_logps(logits, tokens, trainer.loss_temperature())
-            self.steps = [batches[i : i + num_batches] for i in range(0, len(batches), num_batches)]
-        batches = self.steps.pop(0)
+            self.buffer += batches
+        batches, self.buffer = self.buffer[:num_batches], self.buffer[num_batches:]
         return batches, trainer._get_num_items_in_batch(batches, device)
 
-    def state(self) -> list[list[dict]]:
-        return [[{k: v.cpu() if torch.is_tensor(v) else v for k, v in b.items()} for b in step] for step in self.steps]
+    def state(self) -> list[dict]:
+        return [{k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()} for batch in self.buffer]
 
-    def load(self, steps: list[list[dict]], device) -> None:
-        self.steps = [[{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in s] for s in steps]
+    def load(self, batches: list[dict], device) -> None:
+        self.buffer = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]

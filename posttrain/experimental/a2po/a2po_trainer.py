@@ -89,12 +89,10 @@ class A2POTrainer(GRPOTrainer):
         self.optimal_values = values
         if args.filter_all_incorrect and all_incorrect:
             kept = self.train_dataset.filter(lambda row: tuple(row[PROMPT_IDS_COLUMN]) not in all_incorrect)
-            if len(kept) < args.generation_batch_size // args.num_generations:
+            if len(kept) == 0:  # fewer than a round trains: the round repeats them (online/rollout.py)
                 raise DataError(
-                    f"filter_all_incorrect dropped {len(self.train_dataset) - len(kept)} of "
-                    f"{len(self.train_dataset)} prompts whose {n} reference samples all scored 0, leaving "
-                    "fewer than one generation round needs; set filter_all_incorrect=False or add "
-                    "prompts the model can solve."
+                    f"filter_all_incorrect dropped all {len(self.train_dataset)} prompts: their {n} reference "
+                    "samples all scored 0; set filter_all_incorrect=False or add prompts the model can solve."
                 )
             self.train_dataset = kept
 
