@@ -105,3 +105,53 @@ def test_configs_build_with_trl_defaults_on_cpu(config, tmp_path):
     args = getattr(posttrain, config)(output_dir=str(tmp_path))
     assert args.bf16 is torch.cuda.is_available() and args.gradient_checkpointing is torch.cuda.is_available()
     assert args.logging_steps == SURFACE["configs"][config]["logging_steps"] == 10
+
+
+# TRL 1.16's module surface: every public name at every TRL module path exists at the same path under posttrain (the
+# snapshot's "modules": each module's __all__, or the classes and functions it defines), except these deliberate
+# absences, each with its reason. A key is "trl.<module>.<name>" or "trl.<module>.*" (the whole module).
+MODULE_ABSENCES = {}
+
+
+def _posttrain_has(module: str, name: str) -> bool:
+    try:
+        target = importlib.import_module("posttrain" + module.removeprefix("trl"))
+    except ImportError:
+        return False
+    if hasattr(target, name):
+        return True
+    try:  # a submodule named in TRL's __all__ (trl.trainer's "dpo_trainer", trl.rewards' "accuracy_rewards")
+        importlib.import_module(f"{target.__name__}.{name}")
+        return True
+    except ImportError:
+        return False
+
+
+def _absence(module: str, name: str) -> str | None:
+    return MODULE_ABSENCES.get(f"{module}.{name}") or MODULE_ABSENCES.get(f"{module}.*")
+
+
+def module_surface_gaps() -> list[str]:
+    return [
+        f"{module}.{name}"
+        for module, names in SURFACE["modules"].items()
+        for name in names
+        if not _posttrain_has(module, name)
+    ]
+
+
+def test_module_snapshot_counts_trl_1_16():
+    assert len(SURFACE["modules"]) == 124 and sum(map(len, SURFACE["modules"].values())) == 400
+
+
+def test_every_trl_module_name_exists_at_the_same_path():
+    missing = [key for key in module_surface_gaps() if not _absence(*key.rsplit(".", 1))]
+    assert not missing, "TRL 1.16 names missing at the same path under posttrain:\n  " + "\n  ".join(missing)
+
+
+def test_every_deliberate_absence_is_still_absent_and_has_a_reason():
+    gaps = module_surface_gaps()
+    for key, reason in MODULE_ABSENCES.items():
+        assert len(reason) > 30, key
+        covered = [g for g in gaps if g == key or (key.endswith(".*") and g.rsplit(".", 1)[0] == key[:-2])]
+        assert covered, f"{key} exists in posttrain now: drop it from MODULE_ABSENCES"
