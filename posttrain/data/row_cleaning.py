@@ -7,12 +7,12 @@ from collections.abc import Mapping
 
 
 def remove_none_values(example):
-    """`example` (a dict or list, nested) without its None entries: a key whose value is None is dropped, and so is
-    a None item of a list (the holes `Dataset.from_list` fills when rows have different keys)."""
+    """`example` (a dict or list, nested) without the keys whose value is None (the holes `Dataset.from_list`
+    fills when rows have different keys), at every depth; list items themselves are kept, None included."""
     if isinstance(example, Mapping):
         return {k: remove_none_values(v) for k, v in example.items() if v is not None}
     if isinstance(example, list):
-        return [remove_none_values(v) for v in example if v is not None]
+        return [remove_none_values(v) for v in example]
     return example
 
 

@@ -31,7 +31,8 @@ def _policy(ctx, op, *args, **kwargs):
 def enable_selective_activation_checkpointing(model: nn.Module) -> None:
     """Wraps the forward of every decoder layer of `model` (the classes in its `_no_split_modules`) in torch's
     checkpoint with a selective policy: matrix-product and attention outputs saved, the rest recomputed. Gradients
-    are those of the plain model; the forward's memory is what the saved products need."""
+    are those of the plain model; the forward's memory is what the saved products need. The model's KV cache is
+    switched off (`use_cache=False`), as for any activation checkpointing."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     layer_names = set(getattr(model, "_no_split_modules", None) or ())
@@ -41,6 +42,8 @@ def enable_selective_activation_checkpointing(model: nn.Module) -> None:
             f"{type(model).__name__} names no decoder layer class (_no_split_modules): selective activation "
             "checkpointing wraps decoder layers. Use gradient_checkpointing=True for this model instead."
         )
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False  # a KV cache filled in the forward would differ in the recomputation
     context = functools.partial(create_selective_checkpoint_contexts, _policy)
     for layer in layers:
         forward = layer.forward
