@@ -5,7 +5,9 @@ Recorded: top-level names (and which are modules), the functions of `trl.data_ut
 constructor parameters in order, and each config's fields with their defaults: every field TRL adds to
 `transformers.TrainingArguments`, and the TrainingArguments fields whose default TRL changes. `trainer_signatures`
 holds every trainer's constructor (the stable ones and `trl.experimental`'s) as [name, default] pairs in order,
-the default as its repr ("<required>" for none; "*args"/"**kwargs" for the catch-alls).
+the default as its repr ("<required>" for none; "*args"/"**kwargs" for the catch-alls). `modules` maps every
+importable public TRL module (no path component starting with "_") to its public names: its `__all__`, or else the
+classes and functions it defines itself.
 """
 
 import dataclasses
@@ -100,6 +102,37 @@ def trainer_signatures() -> dict:
     return out
 
 
+def module_surface() -> dict:
+    import importlib
+    import os
+    import pkgutil
+    import warnings
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    out = {}
+    for info in pkgutil.walk_packages(trl.__path__, "trl."):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency TRL's module needs (triton, openenv): not importable here
+            continue
+        if hasattr(module, "__all__"):
+            names = sorted(set(module.__all__))
+        else:
+            names = sorted(
+                n
+                for n, v in vars(module).items()
+                if not n.startswith("_")
+                and (inspect.isclass(v) or inspect.isfunction(v))
+                and getattr(v, "__module__", None) == module.__name__
+            )
+        out[info.name] = names
+    return dict(sorted(out.items()))
+
+
 def main(path: str) -> None:
     names = sorted(n for n in dir(trl) if not n.startswith("_"))
     surface = {
@@ -116,6 +149,7 @@ def main(path: str) -> None:
         },
         "configs": {c: config_fields(getattr(trl, c)) for c in CONFIGS},
         "trainer_signatures": trainer_signatures(),
+        "modules": module_surface(),
     }
     with open(path, "w") as f:
         json.dump(surface, f, indent=1, sort_keys=False)

@@ -122,6 +122,23 @@ def test_trainer_rejects_a_data_collator_and_missing_rewards(tmp_path, tiny_mode
         OnlineDPOTrainer(tiny_model_path, args=config(tmp_path), train_dataset=prompt_dataset(4))
 
 
+def test_reward_funcs_win_over_reward_model_path_as_in_trl(tmp_path, tiny_model_path, caplog):
+    """TRL's scripts load the reward model from --reward_model_path and pass it as reward_funcs; TRL's trainer never
+    reads the path. Both given: the trainer scores with reward_funcs (the path, which does not exist here, is not
+    loaded) and says so in the log."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        trainer = OnlineDPOTrainer(
+            tiny_model_path,
+            reward_funcs=low_id_fraction,
+            args=config(tmp_path, reward_model_path=str(tmp_path / "no_such_reward_model")),
+            train_dataset=prompt_dataset(4),
+        )
+    assert [getattr(f, "__name__", None) for f in trainer.reward_funcs] == ["low_id_fraction"]
+    assert "reward_model_path" in caplog.text and "not loaded again" in caplog.text
+
+
 # -- side by side with TRL 1.16 ------------------------------------------------------------------------------
 COMPLETIONS = {  # per prompt: two fixed completions (token ids; EOS is appended to the first)
     0: ([11, 12, 13, 14, 15], [40, 41, 42]),

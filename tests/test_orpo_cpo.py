@@ -468,3 +468,15 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_model_path, name
     for step in want:
         for key, value in want[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)  # num_tokens included
+
+
+@pytest.mark.parametrize("config_class", [CPOConfig, ORPOConfig])
+def test_trl_command_line_switches_off_what_posttrain_has_off_already(config_class, tmp_path):
+    """TRL's documented cpo.py / orpo.py commands pass --no_remove_unused_columns (TRL's default is True, posttrain's
+    False): every on/off flag takes its --no_ spelling, so the command parses, and the value is False as TRL's."""
+    from posttrain import ModelConfig, ScriptArguments, TrlParser
+
+    parser = TrlParser((ScriptArguments, config_class, ModelConfig))
+    argv = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--no_remove_unused_columns", "--no_bf16"]
+    _, args, _ = parser.parse_args_and_config(argv)
+    assert args.remove_unused_columns is False and args.bf16 is False

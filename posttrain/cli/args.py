@@ -168,8 +168,10 @@ def flag_spec(group: FlagGroup) -> dict[str, Any]:
         if default not in (None, dataclasses.MISSING):
             text = f"{text} (default: {default})".strip()
         nargs = _nargs(hints[name])
-        # A setting that is on by default can be switched off with --no_<name>, as with TRL's parser.
-        negatable = default is True and nargs == "?" and f"no_{name}" not in fields
+        # Every on/off setting can be switched off with --no_<name>: TRL's parser offers it where TRL's default is on,
+        # and a TRL command line keeps working where posttrain's default is off already (CPO's and ORPO's
+        # --no_remove_unused_columns).
+        negatable = nargs == "?" and f"no_{name}" not in fields
         flags.append(
             {
                 "name": name,

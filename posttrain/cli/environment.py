@@ -145,3 +145,8 @@ def model_fast_paths_report(name: str) -> str:
         paths = fast_paths(model)
     rows = [("model", f"{name} ({type(model).__name__})")] + [(path, value) for path, value in paths.items()]
     return "\n".join(f"{path:<18} {value}" for path, value in rows)
+
+
+def print_env() -> None:
+    """Prints `posttrain env`'s report (TRL's `trl env`)."""
+    print(environment_report())

@@ -25,7 +25,7 @@ from posttrain.cli.args import FlagGroup, flag_spec
 from posttrain.cli.values import field_hints
 from posttrain.version import __version__
 
-FORMAT = 1
+FORMAT = 2
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # Files outside posttrain whose edits change the flags: TrainingArguments' fields and their types.
 DEPENDENCY_FILES = (

@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_parser(subparsers=None, prog: str | None = None) -> argparse.ArgumentParser:
+    """TRL's `make_parser`: vllm-serve's parser; with `subparsers` (argparse's `add_subparsers()`), added to them as
+    the `vllm-serve` command."""
+    parser = build_parser()
+    if prog is not None:
+        parser.prog = prog
+    if subparsers is None:
+        return parser
+    return subparsers.add_parser(
+        "vllm-serve", parents=[parser], conflict_handler="resolve", help=DESCRIPTION, description=DESCRIPTION
+    )
+
+
 def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start the server described by `argv` (vllm-serve's arguments,
     then optionally `--` and arguments for vLLM itself)."""

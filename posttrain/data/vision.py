@@ -335,7 +335,7 @@ class _Renderer:
         return self.processor.apply_chat_template(messages, **kwargs)
 
 
-def _prompt_completion_texts(example: dict, processor, columns: tuple[str, ...]) -> tuple[str, list[str]]:
+def prompt_completion_texts(example: dict, processor, columns: tuple[str, ...]) -> tuple[str, list[str]]:
     """The rendered prompt and completion texts (TRL's `apply_chat_template` split) of a conversational row."""
     images = row_images(example)
     row = {"prompt": prepare_multimodal_messages(example["prompt"], images)}
@@ -369,7 +369,7 @@ class VisionSFTCollator:
         if self.dataset_text_field in example:
             return [Segment(example[self.dataset_text_field], None)]
         if isinstance(example["prompt"], list):
-            prompt, (completion,) = _prompt_completion_texts(example, processor, ("completion",))
+            prompt, (completion,) = prompt_completion_texts(example, processor, ("completion",))
         else:
             prompt, completion = example["prompt"], example["completion"]
         return [Segment(prompt, False if self.completion_only_loss else None), Segment(completion, None)]
@@ -396,7 +396,7 @@ class VisionPreferenceCollator:
         texts = []
         for e in examples:
             if isinstance(e["prompt"], list):
-                texts.append(_prompt_completion_texts(e, self.processor, ("chosen", "rejected")))
+                texts.append(prompt_completion_texts(e, self.processor, ("chosen", "rejected")))
             else:
                 texts.append((e["prompt"], [e["chosen"], e["rejected"]]))
         rows = [

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from posttrain.generation.base import Completion, SamplingParams
+from posttrain.generation.openai_format import parse_logprobs, pil_to_base64, to_openai_messages  # noqa: F401
 from posttrain.generation.vllm_worker import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)

@@ -139,7 +139,25 @@ def successful_demonstrations(
     return sources
 
 
+def logps_divergence(student_logps: torch.Tensor, teacher_logps: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The generalized JSD per position between two log-distributions [..., V] (summed over the last dim): alpha 0
+    is KL(teacher || student), 1 is KL(student || teacher), in between the divergence to the mixture
+    alpha * teacher + (1 - alpha) * student (GKD's beta, posttrain.losses.distillation.generalized_jsd)."""
+    from posttrain.losses.distillation import generalized_jsd
+
+    return generalized_jsd(student_logps, teacher_logps, beta=alpha)
+
+
+def with_tail_bucket(logps: torch.Tensor) -> torch.Tensor:
+    """Log-probs on a top-k support [..., K] plus one bucket holding the mass outside it, log(1 - sum p) (the sum
+    kept just below 1 so the tail stays finite): a distribution [..., K + 1] that sums to 1."""
+    inside = torch.logsumexp(logps, -1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([logps, torch.log(-torch.expm1(inside))], -1)
+
+
 __all__ = [
+    "logps_divergence",
+    "with_tail_bucket",
     "DISTILLATION_MODES",
     "full_logit_self_distillation",
     "importance_sampling_clipped",

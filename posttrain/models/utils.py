@@ -11,7 +11,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from posttrain.models.reference import create_reference_model
+from posttrain.models.frozen import prepare_deepspeed, prepare_fsdp
+from posttrain.models.reference import create_reference_model, is_peft_model
 
 
 @contextmanager
@@ -85,7 +86,23 @@ def use_adapter(model, adapter_name: str | None) -> Iterator:
         model.set_adapter(previous)
 
 
+def is_pure_lora_training(model, accelerator=None) -> bool:
+    """Whether `model` is a PEFT model whose active adapter is LoRA and whose trainable parameters are all LoRA's
+    (so syncing the adapter weights alone syncs everything that trains)."""
+    if accelerator is not None:
+        model = accelerator.unwrap_model(model)
+    if not is_peft_model(model):
+        return False
+    config = model.peft_config.get(model.active_adapter or "default")
+    if config is None or str(config.peft_type).rsplit(".", 1)[-1] != "LORA":
+        return False
+    return all("lora_" in name for name, param in model.named_parameters() if param.requires_grad)
+
+
 __all__ = [
+    "prepare_deepspeed",
+    "prepare_fsdp",
+    "is_pure_lora_training",
     "create_reference_model",
     "hash_module",
     "use_adapter",

@@ -15,6 +15,7 @@ score of a completion without EOS, ties go to the first completion, and beta (a 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +35,8 @@ from posttrain.training.fields import (
     learning_rate_field,
     max_length_field,
 )
+
+logger = logging.getLogger("posttrain")
 
 
 def epoch_value(values, epoch: float) -> float:
@@ -240,9 +243,12 @@ class PairedPreferenceTrainer(OnlineTrainer):
                 )
             return [_JudgeReward(judge, soft=self.soft_judge)]
         if reward_funcs is not None and args.reward_model_path is not None:
-            raise ConfigError(
-                "Both reward_funcs and args.reward_model_path are set; pass the reward model in "
-                "reward_funcs or drop reward_model_path."
+            # TRL's trainers score with reward_funcs and never read reward_model_path (its scripts load the reward
+            # model from it and pass it in reward_funcs): the same here, said once in the log.
+            logger.info(
+                "%s scores with reward_funcs; reward_model_path=%r is not loaded again.",
+                type(self).__name__,
+                args.reward_model_path,
             )
         if reward_funcs is None and args.reward_model_path is None:
             raise ConfigError(

@@ -8,3 +8,4 @@ from posttrain.compat import (  # noqa: F401
     get_dataset,
     init_zero_verbose,
 )
+from posttrain.runtime.package_source import get_git_commit_hash  # noqa: F401

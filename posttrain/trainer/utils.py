@@ -12,12 +12,17 @@ from posttrain.data.batches import (
     split_tensor_dict,
     unsplit_pixel_values_by_grid,
 )
+from posttrain.data.row_cleaning import remove_none_values, strip_images_from_messages
 from posttrain.data.samplers import RepeatSampler, repeat_iterable_dataset
+from posttrain.losses.logprob_entropy import selective_log_softmax_and_entropy
 from posttrain.losses.logprobs import gather_log_softmax as selective_log_softmax
 from posttrain.losses.policy import entropy_from_logits
 from posttrain.losses.reductions import nanmax, nanmin, nanstd
+from posttrain.models.from_path import create_model_from_path, get_config_model_id
 from posttrain.models.utils import hash_module, use_adapter
 from posttrain.rewards.scoring import get_callable_name
+from posttrain.runtime.event_loop import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+from posttrain.runtime.process_env import ensure_master_addr_port, global_then_local_main_first
 from posttrain.training.base import disable_dropout_in_model
 from posttrain.training.model_card import generate_model_card
 from posttrain.training.sample_table import print_prompt_completions_sample
@@ -28,8 +33,22 @@ from posttrain.training.throughput import (
     get_peak_flops,
     get_peak_flops_per_device,
 )
+from posttrain.training.trackers import get_comet_experiment_url, get_trackio_space_url, log_table_to_comet_experiment
 
 __all__ = [
+    "create_model_from_path",
+    "ensure_master_addr_port",
+    "get_comet_experiment_url",
+    "get_config_model_id",
+    "get_trackio_space_url",
+    "global_then_local_main_first",
+    "is_async_callable",
+    "log_table_to_comet_experiment",
+    "remove_none_values",
+    "selective_log_softmax_and_entropy",
+    "shutdown_event_loop_in_daemon",
+    "start_event_loop_in_daemon",
+    "strip_images_from_messages",
     "RepeatSampler",
     "adjusted_mfu",
     "compute_flops_per_token",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.data.preference import PreferenceCollator, prepare_preference_dataset
+from posttrain.data.preference import FLOAT_COLUMNS, PreferenceCollator, prepare_preference_dataset
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import dpo_metrics
 from posttrain.models.layouts import sequence_index
@@ -143,6 +143,11 @@ class ReferenceFreeTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTra
             truncation_mode="keep_start",
             num_proc=args.dataset_num_proc,
         )
+
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default for CPO and ORPO), the columns the collator reads stay."""
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", *FLOAT_COLUMNS]
 
     def default_collator(self, tokenizer, args):
         pad = getattr(args, "padding_value", None)

@@ -11,6 +11,9 @@ from posttrain.training.reference_free import ReferenceFreeConfig
 
 @dataclass
 class CPOConfig(ReferenceFreeConfig):
+    remove_unused_columns: bool = config_field(
+        True, "Drop the dataset columns the collator does not read (TRL's default; the result is the same either way)."
+    )
     beta: float = config_field(0.1, "Temperature of the preference loss (for ipo, the regularisation tau).", gt=0)
     label_smoothing: float = config_field(
         0.0, "Assumed rate of flipped preference labels, in [0, 0.5] (sigmoid and simpo only).", min=0, max=0.5

@@ -15,7 +15,7 @@ import torch
 
 from posttrain.experimental.orpo.orpo_config import ORPOConfig
 from posttrain.losses.logprobs import next_token_logps
-from posttrain.losses.reference_free import orpo_loss
+from posttrain.losses.reference_free import log1mexp, orpo_loss
 from posttrain.models.layouts import sequence_index
 from posttrain.training.reference_free import ReferenceFreeTrainer
 
@@ -61,4 +61,4 @@ def full_sequence_nll(logits: torch.Tensor, batch: dict, pairs: int) -> torch.Te
     return -(token_logps * mask).sum() / mask.sum().clamp(min=1)
 
 
-__all__ = ["ORPOConfig", "ORPOTrainer"]
+__all__ = ["ORPOConfig", "ORPOTrainer", "log1mexp"]

@@ -6,6 +6,7 @@ teacher is the model itself, given the prompt plus a `privileged_context` (e.g. 
 from __future__ import annotations
 
 from posttrain.experimental.sdft.sdft_config import SDFTConfig
+from posttrain.generation.teacher_server import build_teacher_request_inputs
 from posttrain.trainers.self_distillation import SelfDistillationTrainer
 from posttrain.trainers.self_distillation_data import (
     privileged_text,
@@ -60,4 +61,4 @@ class SDFTTrainer(SelfDistillationTrainer):
         return not self.args.generate_from_teacher
 
 
-__all__ = ["SDFTConfig", "SDFTTrainer"]
+__all__ = ["SDFTConfig", "SDFTTrainer", "build_teacher_request_inputs"]

@@ -18,6 +18,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.experimental.sdpo.sdpo_config import SDPOConfig
+from posttrain.generation.teacher_server import build_teacher_request_inputs
 from posttrain.losses.advantages import group_advantages
 from posttrain.losses.policy import aggregate_loss, clipped_policy_loss
 from posttrain.losses.self_distillation import successful_demonstrations
@@ -201,4 +202,4 @@ class SDPOTrainer(SelfDistillationTrainer):
         return loss
 
 
-__all__ = ["SDPOConfig", "SDPOTrainer"]
+__all__ = ["SDPOConfig", "SDPOTrainer", "build_teacher_request_inputs"]

@@ -17,7 +17,6 @@ from transformers.trainer_callback import CallbackHandler
 from posttrain.callbacks.bema import BEMACallback as _BEMACallback
 from posttrain.errors import ConfigError
 from posttrain.models.reference import REFERENCE_ADAPTER, add_reference_adapter, is_peft_model, unwrap
-from posttrain.trainers.dpo import DPOTrainer as _DPOTrainer
 
 logger = logging.getLogger("posttrain")
 
@@ -113,27 +112,4 @@ class BEMACallback(_BEMACallback):
                 params[name.replace(".default.", f".{REFERENCE_ADAPTER}.")].copy_(value.to(params[name].device))
 
 
-class DPOTrainer(_DPOTrainer):
-    """posttrain's `DPOTrainer`, same arguments; its callbacks receive ``ref_model`` at every event (for
-    `BEMACallback(update_ref_model=True)`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        updates = any(getattr(c, "update_ref_model", False) for c in self.callback_handler.callbacks)
-        if updates and self.args.precompute_ref_log_probs:
-            raise ConfigError(
-                "BEMACallback(update_ref_model=True) changes the reference during training, so its "
-                "log-probs cannot be precomputed; set precompute_ref_log_probs=False."
-            )
-        handler = self.callback_handler
-        self.callback_handler = CallbackHandlerWithRefModel(
-            handler.callbacks,
-            handler.model,
-            self.ref_model,
-            handler.processing_class,
-            handler.optimizer,
-            handler.lr_scheduler,
-        )
-
-
-__all__ = ["BEMACallback", "CallbackHandlerWithRefModel", "DPOTrainer"]
+__all__ = ["BEMACallback", "CallbackHandlerWithRefModel"]

@@ -1,0 +1,1 @@
+"""TRL's `trl.extras` import path."""

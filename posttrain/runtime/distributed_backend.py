@@ -1,0 +1,51 @@
+"""Which sharding engine a run trains under (DeepSpeed ZeRO or FSDP), read once from accelerate's state, with the
+operations that differ between them as context managers that do nothing where nothing is sharded."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class DistributedBackend:
+    """`DistributedBackend(accelerator)`: `zero_stage` (0 without DeepSpeed), `fsdp_version` (None without FSDP),
+    `is_zero3`, `is_fsdp`, and `gather_params` / `summon_full_params` to see whole parameters for a block."""
+
+    def __init__(self, accelerator) -> None:
+        deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+        fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+        self.zero_stage = deepspeed.zero_stage if deepspeed is not None else 0
+        self.fsdp_version = getattr(fsdp, "fsdp_version", 1) if fsdp is not None else None
+
+    @property
+    def is_zero3(self) -> bool:
+        return self.zero_stage == 3
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.fsdp_version is not None
+
+    @contextlib.contextmanager
+    def gather_params(self, params):
+        """Under ZeRO-3, `params` are gathered whole in every process for the block; elsewhere they already are."""
+        if not self.is_zero3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params)):
+            yield
+
+    @contextlib.contextmanager
+    def summon_full_params(self, module, **kwargs):
+        """Under FSDP 1, `module`'s full parameters for the block (torch's `summon_full_params`, `kwargs` passed
+        on); FSDP 2's parameters are DTensors readable as they are, and other backends hold them whole."""
+        if self.fsdp_version != 1:
+            yield
+            return
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(module, **kwargs):
+            yield
+
+
+__all__ = ["DistributedBackend"]
