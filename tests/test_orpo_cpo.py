@@ -137,9 +137,13 @@ def _pairs(n=4):
 
 
 def _step0(trainer, batch, trl_side=False):
+    from posttrain.training.metric_values import as_floats
+
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch)).item()
     stored = trainer._stored_metrics["train"] if trl_side else trainer._metrics["train"]
+    if not trl_side:
+        as_floats(stored)  # training metrics stay on the device until logged (training/metric_values.py)
     return loss, {k: v[-1] for k, v in stored.items()}
 
 

@@ -90,6 +90,15 @@ def test_the_describe_line_names_device_and_every_choice():
     assert "liger on" in line and "bf16 on" in line and "gradient checkpointing on" in line
 
 
+def test_posttrain_env_names_the_device_and_paths(monkeypatch):
+    from posttrain.cli.environment import paths_report
+
+    assert paths_report("none, CPU only (2 cores)").startswith("Device cpu: posttrain paths: fused_layers on")
+    assert paths_report("CUDA 13.0: 1 x NVIDIA H100").startswith("Device cuda: posttrain paths: fused_layers off")
+    monkeypatch.setenv("POSTTRAIN_FAST_PATHS", "bogus")
+    assert paths_report("Apple MPS").startswith("error: POSTTRAIN_FAST_PATHS='bogus'")
+
+
 def test_env_var_reaches_the_fast_forward_and_adam_layout(monkeypatch, tokenizer):
     from posttrain.models.fast_forward import fast_forward
     from posttrain.models.tiny import build_tiny_model

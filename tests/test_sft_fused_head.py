@@ -137,6 +137,8 @@ def test_repacked_padded_batch_gives_the_padded_loss_gradients_and_metrics(tmp_p
     assert "attention_mask" in batch
     trainer.model.train()
     results = []
+    from posttrain.training.metric_values import as_floats
+
     for repack in (False, True):
         trainer._repack_padded = repack
         trainer.model.zero_grad(set_to_none=True)
@@ -150,6 +152,7 @@ def test_repacked_padded_batch_gives_the_padded_loss_gradients_and_metrics(tmp_p
         handle.remove()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        as_floats(trainer._metrics["train"])  # kept on the device until logged (training/metric_values.py)
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
         results.append((loss.detach(), grads, metrics, seen[0]))
     (loss0, grads0, metrics0, shape0), (loss1, grads1, metrics1, shape1) = results

@@ -27,7 +27,8 @@ def step_label_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     chosen = logits[mask].to(dtype)
     targets = labels[mask]
     loss = torch.nn.functional.cross_entropy(chosen, targets, reduction="sum")
-    correct = (chosen.argmax(-1) == targets).sum() if len(targets) else torch.zeros((), dtype=torch.long)
+    none = torch.zeros((), dtype=torch.long, device=labels.device)
+    correct = (chosen.argmax(-1) == targets).sum() if len(targets) else none
     return loss, correct, mask.sum()
 
 

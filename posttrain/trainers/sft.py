@@ -350,7 +350,7 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         elif row_tokens is not None:
             input_tokens = row_tokens.sum()
         else:
-            input_tokens = torch.tensor(inputs["input_ids"].numel())
+            input_tokens = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
         parts = [correct, count, input_tokens] + ([entropy] if entropy is not None else [])
         parts += [aux_loss.detach()] if aux_loss is not None else []
         stats = torch.stack([p.detach().float().to(self.accelerator.device) for p in parts]).reshape(1, -1)
