@@ -201,3 +201,12 @@ def test_every_formula_renders_with_the_sites_katex(tmp_path):
 def test_the_formula_reader():
     text = "a $x_1$ and `$not$`\n\n```python\ny = '$no$'\n```\n\n$$\n\\frac12\n$$\n"
     assert formulas(text) == [("\\frac12", True), ("x_1", False)]
+
+
+def test_the_paper_index_lists_every_paper_the_trainer_pages_cite():
+    cited = set()
+    for page in TRAINER_PAGES + FAMILY_PAGES:
+        cited |= set(re.findall(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", page.read_text()))
+    index = set(re.findall(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", (DOCS / "papers.md").read_text()))
+    assert len(cited) >= 40, len(cited)
+    assert not cited - index, f"add to docs/papers.md: {sorted(cited - index)}"
