@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def grpo_loss_types() -> set[str]:
     for name, value in vars(policy).items():
         if name.startswith("__") or isinstance(value, (str, bytes)):
             continue
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             names = list(value)
         elif isinstance(value, (tuple, list, frozenset, set)):
             names = list(value)
