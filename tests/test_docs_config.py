@@ -3,8 +3,9 @@
 Checked:
 - every row of a page's "option | default" table against the default of the page's config (`PAGE_CONFIGS`), each
   name of a row against its own value (`packing`, `packing_strategy` | off, `"bfd"`);
-- every inline `field=value` that its sentence calls a default ("default", "defaults") against the configs that
-  have that field: it must be the default of at least one of them;
+- every inline `field=value` that its sentence calls a default ("default", "defaults"), and every
+  "`field` (default V)" with a literal V, against the configs that have that field: it must be the default of at
+  least one of them;
 - the YAML that docs/cli.md shows from examples/grpo_smollm2.yaml holds the file's own values.
 """
 
@@ -162,10 +163,29 @@ def inline_defaults():
                     yield f"{page.relative_to(ROOT)}:{line}", match.group("name"), match.group("value")
 
 
+PAREN_DEFAULT = re.compile(r"`(?P<name>[a-z_][a-z0-9_]*)` \((?:[\w']+ )?default:? `?(?P<value>[^`),;: ]+)`?(?=[),;:])")
+
+
+def parenthesised_defaults():
+    """(page:line, name, value) of every "`name` (default V)" whose V is a literal: a number, a quoted string,
+    True, False or None (a description such as "default: `epsilon`" is left out)."""
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = page.read_text()
+        for match in PAREN_DEFAULT.finditer(text):
+            value = parse_value(match.group("value"))
+            if isinstance(value, str) and not match.group("value").startswith(('"', "'")):
+                continue
+            yield (
+                f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}",
+                match.group("name"),
+                match.group("value"),
+            )
+
+
 def test_inline_defaults_match_a_config():
     configs = all_configs()
     wrong, checked = [], 0
-    for where, name, value in inline_defaults():
+    for where, name, value in [*inline_defaults(), *parenthesised_defaults()]:
         defaults = [default_of(c, name) for c in configs.values()]
         defaults = [d for d in defaults if d is not MISSING]
         if not defaults:
@@ -173,7 +193,7 @@ def test_inline_defaults_match_a_config():
         checked += 1
         if not any(same(parse_value(value), d) for d in defaults):
             wrong.append(f"{where}: `{name}={value}` called a default; the configs have {defaults}")
-    assert checked >= 5, checked
+    assert checked >= 10, checked
     assert not wrong, "\n".join(wrong)
 
 
@@ -197,3 +217,20 @@ def test_cli_page_yaml_holds_the_example_files_values():
     shown = yaml.safe_load(block)
     real = yaml.safe_load((ROOT / "examples" / "grpo_smollm2.yaml").read_text())
     assert {key: real.get(key, MISSING) for key in shown} == shown
+
+
+def test_a_model_path_under_outputs_is_one_an_example_writes():
+    """`--model_name_or_path outputs/X` in the examples and docs (a model trained by an earlier step) names the
+    output_dir of an example config, as examples/grpo_smollm2.yaml's comment does with the SFT config's."""
+    sources = [*sorted((ROOT / "examples").glob("*.yaml")), ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    written = set()
+    for config in sorted((ROOT / "examples").glob("*.yaml")):
+        written |= set(re.findall(r"^output_dir:\s*(outputs/[\w./-]+)", config.read_text(), re.M))
+    used = {
+        (str(source.relative_to(ROOT)), path)
+        for source in sources
+        for path in re.findall(r"--model_name_or_path\s+(outputs/[\w./-]+)", source.read_text())
+    }
+    assert written, "no example config writes an output_dir"
+    wrong = sorted((source, path) for source, path in used if path not in written)
+    assert not wrong, f"these read a model no example config writes ({sorted(written)}): {wrong}"

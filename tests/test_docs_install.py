@@ -72,3 +72,5 @@ def test_ci_runs_the_wheel_check():
     script = (ROOT / "scripts" / "wheel_check.sh").read_text()
     for needed in ("-m build", "-m venv", "## Quickstart", "site-packages", "wpip check"):
         assert needed in script, needed
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"## Quickstart\n.*?```python\n.*?SFTTrainer", readme, re.S), "the script runs this block"

@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def grpo_loss_types() -> set[str]:
     for name, value in vars(policy).items():
         if name.startswith("__") or isinstance(value, (str, bytes)):
             continue
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             names = list(value)
         elif isinstance(value, (tuple, list, frozenset, set)):
             names = list(value)
@@ -201,3 +202,12 @@ def test_every_formula_renders_with_the_sites_katex(tmp_path):
 def test_the_formula_reader():
     text = "a $x_1$ and `$not$`\n\n```python\ny = '$no$'\n```\n\n$$\n\\frac12\n$$\n"
     assert formulas(text) == [("\\frac12", True), ("x_1", False)]
+
+
+def test_the_paper_index_lists_every_paper_the_trainer_pages_cite():
+    cited = set()
+    for page in TRAINER_PAGES + FAMILY_PAGES:
+        cited |= set(re.findall(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", page.read_text()))
+    index = set(re.findall(r"arxiv\.org/abs/(\d{4}\.\d{4,5})", (DOCS / "papers.md").read_text()))
+    assert len(cited) >= 40, len(cited)
+    assert not cited - index, f"add to docs/papers.md: {sorted(cited - index)}"

@@ -4,7 +4,7 @@ The site is served over HTTP on the loopback address, since the search index is 
 file:// page may not do. It is the one .ci/run built (`POSTTRAIN_DOCS_SITE`, by `bash scripts/docs.sh build`), or,
 without it, built here from docs/ with `mkdocs build --strict`. Checked: the index, a trainer page, the API reference
 and a results page open without console errors, their images decode, the reference lists GRPOConfig's fields, and
-the site search finds "GRPOConfig".
+the site search finds "GRPOConfig", and the DPO page's formulas are typeset by the site's own KaTeX.
 """
 
 from __future__ import annotations
@@ -126,3 +126,19 @@ def test_search_finds_grpoconfig(served, browser):
     found = evaluate(browser, page["session"], script, timeout=40)
     assert found["links"], found
     assert any("reference/trainers" in link or "trainers/grpo" in link for link in found["links"]), found
+
+
+def test_the_formulas_are_typeset_offline(served, browser):
+    """The DPO page's formulas are rendered by the KaTeX copy the site serves (no network in the browser either):
+    KaTeX's elements are there, none of them an error, and no arithmatex source is left untypeset."""
+    page = browser.open(f"{served}/trainers/dpo/")
+    assert page["errors"] == [], json.dumps(page["errors"])[:2000]
+    script = """({
+      katex: document.querySelectorAll(".arithmatex .katex").length,
+      display: document.querySelectorAll(".arithmatex .katex-display").length,
+      errors: document.querySelectorAll(".katex-error").length,
+      raw: [...document.querySelectorAll(".arithmatex")].filter((e) => !e.querySelector(".katex")).length,
+    })"""
+    found = evaluate(browser, page["session"], script)
+    assert found["katex"] >= 20 and found["display"] >= 2, found
+    assert found["errors"] == 0 and found["raw"] == 0, found
