@@ -36,7 +36,7 @@ PAGE_CONFIGS = {
     "tools.md": "GRPOConfig",
 }
 # Default cells that describe rather than quote a value.
-DESCRIBED = re.compile(r"derived|the tokenizer's|the model's|where exact|auto|—|-$", re.I)
+DESCRIBED = re.compile(r"derived|the tokenizer's|the model's|where exact|^auto$|—|-$", re.I)
 MISSING = object()
 
 
