@@ -62,6 +62,10 @@ def make_rollout_producer(trainer) -> AsyncRolloutProducer | None:
     if k is None:
         return None
     check_async_support(trainer)
+    if args.rollout_backend == "ray":
+        from posttrain.online.producers.ray import make_ray_producer
+
+        return make_ray_producer(trainer, k)
     wanted = args.async_generation_process
     if wanted is False or (wanted is None and k == 0):
         return AsyncRolloutProducer(trainer, k, args.vllm_sync_steps)
