@@ -31,7 +31,7 @@ from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import unwrap
 from posttrain.online.async_rollouts import AsyncRolloutProducer
 from posttrain.online.generation_worker import Request, Result, WorkerSettings
-from posttrain.online.producers.ray_actor import LANES, RolloutActor
+from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 from posttrain.online.vision import tokenizer_of
@@ -224,13 +224,11 @@ class RayRolloutProducer(AsyncRolloutProducer):
             self._bring_up(index)
 
     def _create(self, index: int):
-        remote = ray.remote(RolloutActor).options(
+        remote = rollout_actor_class(
             resources={self.resource: 1},
             num_cpus=0,
             max_restarts=-1,
             max_task_retries=0,
-            concurrency_groups=LANES,
-            max_concurrency=2,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.settings.threads)}},
         )
         slots = max(self.lookahead + 2, 3)  # in use, newest, one to write into, one per round ahead

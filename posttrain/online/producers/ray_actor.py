@@ -27,7 +27,7 @@ from posttrain.online.shared_weights import NEWEST, USING, VERSIONS, SharedWeigh
 from posttrain.online.weights.gloo import GlooReceiver
 from posttrain.online.weights.transport import WeightSyncError, buffer_hashes
 
-__all__ = ["RolloutActor"]
+__all__ = ["RolloutActor", "rollout_actor_class"]
 
 LANES = {"generate": 1, "weights": 1}
 
@@ -118,3 +118,8 @@ class RolloutActor:
         if slot is None:
             raise KeyError(f"{self.name} holds no weights version {version}.")
         return slot
+
+
+def rollout_actor_class(**options):
+    """`RolloutActor` as a Ray actor class with its lanes, and `options` (resources, restarts, ...)."""
+    return ray.remote(concurrency_groups=LANES, max_concurrency=2)(RolloutActor).options(**options)
