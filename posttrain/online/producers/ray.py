@@ -43,6 +43,7 @@ __all__ = ["RayRolloutProducer"]
 logger = logging.getLogger("posttrain")
 MAX_RESTARTS = 3  # failures of one actor in a row without an answer before training stops
 POLL_S = 0.5  # how often a wait for an answer checks the deadlines
+START_S = 300.0  # how long an actor may take to start (or restart) and join its weight group
 
 
 class RemoteRound:
@@ -150,7 +151,7 @@ class RayRolloutProducer(AsyncRolloutProducer):
             return
         except Exception as error:  # the round raised on the actor: not retried
             raise RuntimeError(
-                f"Rollout actor {index} ({self.names[index]}) failed on a round (request {request_id}):\n{error}"
+                f"The {self.names[index]} failed on a round (request {request_id}); training stops:\n{error}"
             ) from None
         del self.inflight[request_id]
         request, _ = self.pending.pop(request_id)
@@ -240,27 +241,28 @@ class RayRolloutProducer(AsyncRolloutProducer):
         where = self._wait_alive(index)
         self.where[index] = where
         self.names[index] = f"rollout actor {index} (node {where['ip']}, pid {where['pid']})"
-        store = open_store(self.host, self.timeout_s)
+        store = open_store(self.host, START_S)
         ref = self.actors[index].connect.remote(self.host, store.port, self.timeout_s)
         self.senders[index] = GlooSender(store, self.host, self.names[index], self.timeout_s)
         self.stores[index] = store
-        ray.get(ref, timeout=self.timeout_s)
+        ray.get(ref, timeout=START_S)
         mine = sorted(rid for rid, (i, _) in self.inflight.items() if i == index)
         versions = sorted({self.pending[rid][1] for rid in mine} - {self.version}) + [self.version]
         self._push(index, versions)
+        self.progress[index] = time.monotonic()  # the deadline of its rounds counts from now
         for request_id in mine:
             self._dispatch(request_id, index)
 
     def _wait_alive(self, index: int) -> dict:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + START_S
         while True:
             try:
                 return ray.get(self.actors[index].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except (RayActorError, GetTimeoutError) as error:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"Rollout actor {index} did not come back within {self.timeout_s:g} s "
-                        f"(rollout_request_timeout_s); is a node with the resource {self.resource!r} free?"
+                        f"Rollout actor {index} did not start within {START_S:g} s; is a node with the resource "
+                        f"{self.resource!r} free (`ray status`)?"
                     ) from error
                 time.sleep(0.2)
 
