@@ -154,7 +154,7 @@ def publish_cost(model: str) -> dict:
     import torch
 
     from posttrain.models.reference import copy_model
-    from posttrain.online.shared_weights import SharedWeights
+    from posttrain.online.weights.shared_memory import SharedWeights
 
     with tempfile.TemporaryDirectory() as folder:
         policy = _task(model, folder)[0]

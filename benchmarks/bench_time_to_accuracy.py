@@ -171,7 +171,7 @@ def run_side(library: str, settings: dict, eval_size: int, eval_every: int, trai
 @contextlib.contextmanager
 def generation_stopped(trainer):
     """The trainer's generation process, if it has one, stopped (SIGSTOP) for the duration."""
-    process = getattr(getattr(trainer, "async_rollouts", None), "process", None)
+    process = getattr(getattr(trainer, "rollout_producer", None), "process", None)
     if process is None or not process.is_alive():
         yield
         return

@@ -1,5 +1,5 @@
-"""Asynchronous generation in a process of its own (posttrain/online/process_rollouts.py, generation_worker.py,
-shared_weights.py): k = 0 is bitwise the synchronous run, resuming with rounds in flight is exact, a killed
+"""Asynchronous generation in a process of its own (posttrain/online/producers/process.py, generation_worker.py,
+weights/shared_memory.py): k = 0 is bitwise the synchronous run, resuming with rounds in flight is exact, a killed
 generation process is restarted without losing a round, the two processes get their own cores, in-flight updates
 swap weights between decode steps with per-token versions and log-probs, and max_staleness drops old episodes."""
 
@@ -22,11 +22,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, TrainerCallback
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
 from posttrain.models.reference import copy_model, freeze
-from posttrain.online import process_rollouts
-from posttrain.online.async_rollouts import AsyncRolloutProducer
-from posttrain.online.generation_worker import GenerationServer, Request, WorkerSettings
-from posttrain.online.process_rollouts import ProcessRolloutProducer
-from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights
+from posttrain.online.producers import process as process_rollouts
+from posttrain.online.producers.generation_worker import GenerationServer, Request, WorkerSettings
+from posttrain.online.producers.process import ProcessRolloutProducer
+from posttrain.online.producers.thread import ThreadRolloutProducer
+from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights
 from posttrain.runtime.cores import CoreSplit
 from posttrain.training.checkpoints import TRAINER_STATE_FILE
 
@@ -56,7 +56,7 @@ def test_zero_rounds_ahead_in_a_process_is_bitwise_the_synchronous_run(tmp_path,
     sync_rollouts = record_rollouts(sync)
     sync.train()
     ahead = grpo(stopping_model(tiny_model_path), tmp_path / "process", async_generation_rounds=0, **PROCESS)
-    assert isinstance(ahead.async_rollouts, ProcessRolloutProducer)
+    assert isinstance(ahead.rollout_producer, ProcessRolloutProducer)
     ahead_rollouts = record_rollouts(ahead)
     ahead.train()
     for one, other in zip(sync_rollouts, ahead_rollouts, strict=True):
@@ -137,7 +137,7 @@ def test_a_killed_generation_process_is_restarted_and_no_round_is_lost(tmp_path,
     plain = grpo(tiny_model_path, tmp_path / "plain", **common)
     plain.train()
     faulty = grpo(tiny_model_path, tmp_path / "faulty", **common)
-    killer = KillAfterSending(faulty.async_rollouts, request_id=2)
+    killer = KillAfterSending(faulty.rollout_producer, request_id=2)
     with caplog.at_level("WARNING", logger="posttrain"):
         faulty.train()
     assert killer.killed
@@ -197,14 +197,14 @@ def test_each_process_runs_on_its_own_cores_and_training_gets_them_back(tmp_path
         seen = None
 
         def on_step_end(self, args, state, control, **kwargs):
-            process = trainer.async_rollouts.process
+            process = trainer.rollout_producer.process
             Look.seen = (os.sched_getaffinity(process.pid), os.sched_getaffinity(0), torch.get_num_threads())
 
     trainer = grpo(tiny_model_path, tmp_path, callbacks=[Look()], max_steps=2, async_generation_rounds=1, **PROCESS)
     trainer.train()
     assert Look.seen == ({cpus[0]}, set(cpus[1:]), min(len(cpus) - 1, threads_before))
     assert sorted(os.sched_getaffinity(0)) == cpus and torch.get_num_threads() == threads_before
-    assert trainer.async_rollouts.process is None
+    assert trainer.rollout_producer.process is None
 
 
 # -- in-flight weight updates, inside one process ------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_bad_process_settings_stop_before_training(tmp_path, tiny_model_path, ov
 def test_auto_falls_back_to_the_thread_without_two_free_cores(tmp_path, tiny_model_path, monkeypatch):
     monkeypatch.setattr(process_rollouts, "free_cores", lambda *args: {"0": [0]})
     trainer = grpo(tiny_model_path, tmp_path, async_generation_rounds=1, async_generation_process=None)
-    assert type(trainer.async_rollouts) is AsyncRolloutProducer
+    assert type(trainer.rollout_producer) is ThreadRolloutProducer
     with pytest.raises(ConfigError, match="async_generation_process=True, but"):
         grpo(tiny_model_path, tmp_path, async_generation_rounds=1, cache_implementation="static", **PROCESS)
 

@@ -1,4 +1,4 @@
-"""Asynchronous generation in the online engine (posttrain/online/async_rollouts.py): k = 0 is the synchronous
+"""Asynchronous generation in the online engine (posttrain/online/producers/thread.py): k = 0 is the synchronous
 run, with k = 1 the round trained at step t was sampled with the weights of step t - 1 (its completions, its
 recorded version and its sampler log-probs), resuming with rounds in flight is exact, and the settings the
 background thread cannot serve stop before training."""

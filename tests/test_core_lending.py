@@ -1,4 +1,4 @@
-"""The generation process's idle cores lent to the update (posttrain/online/core_lending.py): borrowed at the
+"""The generation process's idle cores lent to the update (posttrain/online/producers/core_lending.py): borrowed at the
 layer boundaries of the forward and backward while the flag is down, given back as soon as it is up and when the
 update ends, the gradients those of a run that never borrows, and the generation process's flag up exactly while
 it samples."""
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.online import core_lending, generation_worker
-from posttrain.online.core_lending import CoreLender, decoder_layers
-from posttrain.online.generation_worker import Request
+from posttrain.online.producers import core_lending, generation_worker
+from posttrain.online.producers.core_lending import CoreLender, decoder_layers
+from posttrain.online.producers.generation_worker import Request
 from posttrain.runtime.cores import CoreSplit
 
 SPLIT = CoreSplit(generation=(0,), training=(1,), generation_threads=1, training_threads=1)

@@ -149,7 +149,6 @@ def _kw(tmp_path, **settings):
         (dict(reverse_kl_top_1_mode="x"), "reverse_kl_top_1_mode must be one of"),
         (dict(reverse_kl_top_1_mode="argmax"), "requires reverse_kl_top_1_mode='sampled'"),
         (dict(use_teacher_server=True, teacher_model_server_url="http://h", beta=0.5, loss_top_k=2), "loss_top_k"),
-        (dict(use_teacher_server=True, teacher_model_server_url="http://h", beta=0.0), "not supported by posttrain"),
     ],
 )
 def test_iw_opd_config_rules(tmp_path, settings, match):

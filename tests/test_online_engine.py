@@ -112,12 +112,15 @@ def train(
 
 # -- batch arithmetic ----------------------------------------------------------------------------------------
 def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp_path):
-    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3)
-    assert config.generation_batch_size == 24
+    """TRL's units: steps_per_generation counts micro-batches, its default is gradient_accumulation_steps."""
+    config = make_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=6)
+    assert (config.generation_batch_size, config.optimizer_steps_per_generation) == (24, 3)
     config = make_config(
         tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, generation_batch_size=16
     )
-    assert config.steps_per_generation == 2
+    assert (config.steps_per_generation, config.optimizer_steps_per_generation) == (4, 2)
+    config = make_config(tmp_path, gradient_accumulation_steps=3)
+    assert (config.steps_per_generation, config.optimizer_steps_per_generation) == (3, 1)
     assert make_config(tmp_path).steps_per_generation == 1
 
 
@@ -127,13 +130,18 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
         (
             dict(per_device_train_batch_size=6, num_generations=4),
             r"num_generations=4 must divide the 6 completions each process generates per round \(per_device_train_"
-            r"batch_size 6 x gradient_accumulation_steps 1 x steps_per_generation 1\).*Valid num_generations here: "
+            r"batch_size 6 x steps_per_generation 1\).*Valid num_generations here: "
             r"\[2, 3, 6\]; .*steps_per_generation=2",
         ),
         (
             dict(per_device_train_batch_size=4, generation_batch_size=10),
-            r"generation_batch_size=10 must be a multiple of .* per_device_train_batch_size \(4\) x gradient_"
-            r"accumulation_steps \(1\) x processes \(1\) = 4\. Valid values: 4, 8, 12, 16",
+            r"generation_batch_size=10 must be a multiple of per_device_train_batch_size \(4\) x processes "
+            r"\(1\) = 4",
+        ),
+        (
+            dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3),
+            r"steps_per_generation=3 \(micro-batches per generation round, as in TRL\) must be a multiple of "
+            r"gradient_accumulation_steps=2.*Valid values: 2, 4, 6, 8",
         ),
         (
             dict(per_device_train_batch_size=4, generation_batch_size=8, steps_per_generation=3),
@@ -147,7 +155,7 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
         (dict(loss_type="ppo"), r"loss_type='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"),
         (dict(scale_rewards="std"), r"scale_rewards='std' is not one of"),
         (dict(importance_sampling_level="segment"), r"importance_sampling_level='segment' is not one of"),
-        (dict(temperature=0.0), r"temperature=0.0 is invalid"),
+        (dict(temperature=-0.5), r"temperature=-0.5 is invalid"),
         (dict(num_iterations=0), r"num_iterations=0 must be at least 1"),
         (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
         (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
@@ -247,11 +255,6 @@ CONSTRUCTION_ERRORS = {
     ),
     "no reward functions": (dict(reward_funcs=[]), ConfigError, "No reward source provided .no reward functions given"),
     "no train_dataset": (dict(train_dataset=None), DataError, "`train_dataset` is required"),  # TRL's words
-    "fewer prompts than a round": (
-        dict(train_dataset=prompt_dataset(1)),
-        DataError,
-        r"has 1 prompts but one generation round uses 2",
-    ),
     "tools with text prompts": (
         dict(tools=[add_numbers]),
         DataError,

@@ -56,7 +56,7 @@ def environment_report(optional: dict[str, str] = OPTIONAL_PACKAGES) -> str:
 
 def async_split_report() -> str:
     """How async_generation_rounds >= 1 would divide the cores free now between the generation process and
-    training (online/process_rollouts.py)."""
+    training (online/producers/process.py)."""
     cores = free_cores()
     split = generation_core_split(cores)
     if split is None:

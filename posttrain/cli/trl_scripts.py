@@ -5,27 +5,18 @@ which is the `posttrain <method>` command (the same flags and YAML keys as `trl 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from posttrain.cli.args import RewardArguments
 from posttrain.cli.data import DatasetMixtureConfig, ScriptArguments, get_dataset, load_source
 from posttrain.cli.model import ModelConfig, get_peft_config, get_quantization_config, model_init_kwargs
 from posttrain.errors import ConfigError
 
 
 @dataclass
-class RewardScriptArguments(ScriptArguments):
-    """ScriptArguments of the online scripts (TRL's GRPOScriptArguments / RLOOScriptArguments)."""
-
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "A reward model (hub id or local directory of a sequence classifier)."}
-    )
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, "
-            "think_format_reward, get_soft_overlong_punishment, or a dotted import path."
-        },
-    )
+class RewardScriptArguments(RewardArguments, ScriptArguments):
+    """ScriptArguments of the online scripts (TRL's GRPOScriptArguments / RLOOScriptArguments): the script's
+    data set flags plus the reward flags of `posttrain.cli.args.RewardArguments`, declared there once."""
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """What TRL's two asynchronous trainers (async_grpo, async_distillation) share, mapped onto the online engine's
-asynchronous producer (posttrain/online/async_rollouts.py): the rollout-pipeline and vLLM-server fields, their
+asynchronous producer (posttrain/online/producers/thread.py): the rollout-pipeline and vLLM-server fields, their
 checks, the model's `dtype`, and the refusal of TRL's worker objects."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from posttrain.errors import ConfigError
 from posttrain.training.fields import config_field, max_completion_length_field
@@ -27,6 +28,8 @@ PIPELINE_UNSUPPORTED = {
 @dataclass
 class AsyncPipelineFields:
     """TRL's fields of the asynchronous rollout pipeline (a mixin of the configs)."""
+
+    async_rounds_option: ClassVar[str] = "max_staleness"  # errors name TRL's option (OnlineConfig's attribute)
 
     dtype: str = config_field(
         "float32",

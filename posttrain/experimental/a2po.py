@@ -21,7 +21,12 @@ from posttrain.generation.base import derive_seed
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Advantages
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.training.fields import config_field, learning_rate_field, max_completion_length_field
+from posttrain.training.fields import (
+    config_field,
+    learning_rate_field,
+    max_completion_length_field,
+    max_prompt_length_field,
+)
 
 __all__ = ["A2POConfig", "A2POTrainer"]
 
@@ -36,6 +41,9 @@ class A2POConfig(GRPOConfig):
     method: ClassVar[str] = "A2PO"
 
     learning_rate: float = learning_rate_field(5e-5)
+    max_prompt_length: int | None = max_prompt_length_field(
+        512, "Keep only the last this-many prompt tokens (TRL's A2PO default; None: no cut)."
+    )
     max_completion_length: int = max_completion_length_field(256)
     num_generations: int = config_field(
         1, "Stage 2 completions per prompt (A*-PO uses 1; each is regressed on its own)."

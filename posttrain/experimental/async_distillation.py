@@ -1,5 +1,5 @@
 """Asynchronous on-policy distillation with TRL's `trl.experimental.async_distillation` API, on the online engine's
-asynchronous producer (posttrain/online/async_rollouts.py): a background thread samples the student's completions
+asynchronous producer (posttrain/online/producers/thread.py): a background thread samples the student's completions
 up to `max_staleness` rounds ahead of the one training, and the student is trained towards the teacher on them.
 
 The teacher is a vLLM server (`teacher_server_urls`, TRL's protocol: `prompt_logprobs` of the student's tokens) or,

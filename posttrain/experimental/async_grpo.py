@@ -1,5 +1,5 @@
 """Asynchronous GRPO with TRL's `trl.experimental.async_grpo` API, on the online engine's asynchronous producer
-(posttrain/online/async_rollouts.py): a background thread samples the rounds up to `max_staleness` rounds ahead
+(posttrain/online/producers/thread.py): a background thread samples the rounds up to `max_staleness` rounds ahead
 of the one training, with weights refreshed every `weight_sync_steps` optimizer steps, by default on a vLLM server
 (`posttrain vllm-serve MODEL`; use_vllm=False samples with a copy of the policy through transformers instead).
 

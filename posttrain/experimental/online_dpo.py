@@ -88,7 +88,7 @@ class OnlineDPOConfig(OnlineConfig):
     num_generations: int = config_field(2, "Completions per prompt: always 2 (a pair).")
     disable_dropout: bool = disable_dropout_field(True, "Switch dropout off in the policy and the reference.")
     vllm_gpu_memory_utilization: float = config_field(
-        0.55, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may use."
+        0.55, "Colocate mode on a GPU: fraction of GPU memory vLLM may use (TRL's default for online DPO)."
     )
 
     def __post_init__(self):

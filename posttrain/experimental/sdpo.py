@@ -283,7 +283,7 @@ class SDPOTrainer(SelfDistillationTrainer):
             )[..., 0]
             per_token, _ = clipped_policy_loss(
                 logps,
-                logps.detach(),
+                inputs.get("old_logps", logps.detach()),  # a rollout of an earlier step of its round
                 inputs["advantages"],
                 slots,
                 epsilon_low=args.epsilon,

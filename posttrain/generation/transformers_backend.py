@@ -314,7 +314,7 @@ class TransformersBackend(GenerationBackend):
         self.return_logprobs = return_logprobs
         self._unwrapped: tuple | None = None  # (self.model, the model to call, whether `decode` can run it)
         # Called with the step number before the forward that gives `decode` step's logits (step >= 1): a
-        # generation process swaps in newer weights there (online/generation_worker.py).
+        # generation process swaps in newer weights there (online/producers/generation_worker.py).
         self.before_decode_step: Callable[[int], None] | None = None
 
     def unwrapped(self):

@@ -35,6 +35,7 @@ from posttrain.generation.vllm_client import (
     VLLMServerUnreachable,
     completion_from_output,
 )
+from posttrain.generation.vllm_memory import CPU_KV_CACHE_GB, colocate_memory
 from posttrain.generation.vllm_weights import policy_module, policy_weights, save_weights
 from posttrain.models.reference import is_peft_model
 
@@ -269,7 +270,8 @@ class VLLMColocateBackend(GenerationBackend):
 
     vLLM runs without its engine subprocess (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weights can be
     handed over as tensors, eagerly (no compilation: start-up in seconds, and no slower for small models).
-    The KV cache is capped at `kv_cache_gb` (on a GPU, `gpu_memory_utilization` applies when it is None).
+    The KV cache is capped at `kv_cache_gb`; when it is None (on a GPU only), `gpu_memory_utilization` sizes
+    vLLM's memory (see `colocate_memory`).
     """
 
     def __init__(
@@ -280,7 +282,7 @@ class VLLMColocateBackend(GenerationBackend):
         max_model_len: int,
         sync_steps: int = 1,
         steps_per_round: int = 1,
-        kv_cache_gb: float | None = 1.0,
+        kv_cache_gb: float | None = CPU_KV_CACHE_GB,
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = False,
         seed: int = 0,
@@ -301,7 +303,7 @@ class VLLMColocateBackend(GenerationBackend):
         self.enable_sleep_mode = enable_sleep_mode
         self._directory = tempfile.TemporaryDirectory(prefix="posttrain-vllm-model-")
         dtype = _save_checkpoint(model, tokenizer, self._directory.name)
-        memory = (
+        memory = (  # resolved by colocate_memory: the one setting the run asked for
             {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
             if kv_cache_gb is not None
             else {"gpu_memory_utilization": gpu_memory_utilization}
@@ -446,7 +448,7 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
             f"vllm_mode={mode!r} is not one of {VLLM_MODES}: 'server' for a vLLM server started with "
             "`posttrain vllm-serve`, 'colocate' for vLLM inside the training process."
         )
-    common = dict(sync_steps=args.vllm_sync_steps, steps_per_round=args.steps_per_generation)
+    common = dict(sync_steps=args.vllm_sync_steps, steps_per_round=args.optimizer_steps_per_generation)
     if mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
@@ -454,6 +456,7 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
         return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
     check_cpu_head_dim(policy_module(model).config)
     context = policy_module(model).config.max_position_embeddings
+    kv_cache_gb, fraction = colocate_memory(args, next(model.parameters()).device.type)
     max_model_len = args.vllm_max_model_length or min(
         context, (args.max_prompt_length or context) + args.max_completion_length
     )
@@ -463,8 +466,8 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
         stop_token_ids,
         max_model_len=max_model_len,
         model_impl=args.vllm_model_impl,
-        kv_cache_gb=args.vllm_kv_cache_gb,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_gb=kv_cache_gb,
+        gpu_memory_utilization=fraction,
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         seed=args.seed,
         **common,

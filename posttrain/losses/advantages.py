@@ -10,6 +10,7 @@ import math
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.losses.reductions import nanstd
 
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -53,15 +54,6 @@ def group_advantages(
     return centred.reshape(-1)
 
 
-def _nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased std of the non-NaN entries; NaN where fewer than two."""
-    mean = torch.nanmean(values, dim=dim, keepdim=True)
-    count = (~values.isnan()).sum(dim=dim, keepdim=True)
-    variance = torch.nansum((values - mean) ** 2, dim=dim, keepdim=True) / (count - 1).clamp(min=1)
-    std = torch.where(count > 1, variance.sqrt(), torch.nan)
-    return std if keepdim or dim is None else std.squeeze(dim)
-
-
 def decoupled_advantages(
     rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int, eps: float = 1e-4
 ) -> torch.Tensor:
@@ -82,10 +74,10 @@ def decoupled_advantages(
     per_function = rewards_per_function.detach()
     groups = _grouped(per_function[:, 0], num_generations).shape[0]
     grouped = per_function.reshape(groups, num_generations, -1)
-    normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, 1, True) + eps)
+    normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, 1, True) + eps)
     summed = torch.nansum(normalised.reshape(per_function.shape) * weights.to(per_function), dim=1)
     summed[per_function.isnan().all(dim=1)] = torch.nan
-    advantages = (summed - torch.nanmean(summed)) / (_nanstd(summed) + eps)
+    advantages = (summed - torch.nanmean(summed)) / (nanstd(summed) + eps)
     return torch.nan_to_num(advantages, nan=0.0)
 
 

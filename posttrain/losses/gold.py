@@ -133,11 +133,6 @@ def _span(labels: torch.Tensor) -> tuple[int, int]:
     return (int(trained[0]), len(trained)) if len(trained) else (0, 0)
 
 
-def uld_sequence_loss(*args, **kwargs) -> torch.Tensor:
-    """ULD of one sequence pair (see `uld_sequence_parts`, whose first element it is)."""
-    return uld_sequence_parts(*args, **kwargs)[0]
-
-
 def uld_sequence_parts(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,

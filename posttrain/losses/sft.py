@@ -191,15 +191,3 @@ def chunked_token_loss_sums(
         on_weight_grad,
     )
     return TokenSums(total, correct, keep.sum(), entropy)
-
-
-def chunked_nll_sum(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`nll_sum` from final hidden states and the output projection (see `chunked_token_loss_sums`)."""
-    sums = chunked_token_loss_sums(hidden, weight, labels, bias, chunk_size)
-    return sums.loss, sums.correct, sums.count

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import warnings
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -15,6 +14,7 @@ from typing import ClassVar
 from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from posttrain.online.generation_batch import resolve_generation_batch
 from posttrain.online.rollout_fields import RolloutBackendFields
 from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
@@ -55,7 +55,6 @@ GENERATION_KWARGS_FIELDS = {
 }
 # generation_kwargs keys the engine sets itself, with the reason.
 GENERATION_KWARGS_FIXED = {
-    "do_sample": "completions are sampled (seeded per completion), always",
     "num_beams": "beam search returns the best beams, not samples from the policy",
     "eos_token_id": "the stop tokens come from the tokenizer and the model's generation_config",
     "stop_token_ids": "the stop tokens come from the tokenizer and the model's generation_config",
@@ -105,12 +104,16 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
         "reach; log_completions=True writes them to output_dir/completions.jsonl",
     }
     method: ClassVar[str] = "the online trainer"  # how error messages name the method
+    # The option that turns generation ahead on, as errors name it (TRL's asynchronous configs: max_staleness).
+    async_rounds_option: ClassVar[str] = "async_generation_rounds"
 
     learning_rate: float = learning_rate_field(1e-6)
     freeze_vision_tower: bool = freeze_vision_tower_field()  # as SFTConfig / DPOConfig (posttrain/data/vision.py)
     # Generation
     max_prompt_length: int | None = max_prompt_length_field(
-        512, "Keep only the last this-many prompt tokens (None: no limit)."
+        None,
+        "Keep only the last this-many prompt tokens; the data report counts the rows cut (None, the default as "
+        "in TRL: no cut, and a prompt longer than the model's context is an error naming its row).",
     )
     max_completion_length: int = max_completion_length_field(512)
     num_generations: int = config_field(8, "Completions sampled per prompt (a group).")
@@ -127,7 +130,11 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
         "Pad the prompt and completion widths of the training batches to a multiple of this; 'auto' is 128 on "
         "Neuron (Trainium) and no padding elsewhere, None is no padding.",
     )
-    temperature: float = config_field(1.0, "Sampling temperature (> 0).")
+    temperature: float = config_field(
+        1.0,
+        "Sampling temperature (> 0; 0: greedy decoding, as generation_kwargs={'do_sample': False}, with the "
+        "training log-probs at temperature 1).",
+    )
     top_p: float = config_field(
         1.0, "Nucleus sampling: keep the most likely tokens whose probabilities add up to top_p (1.0: off)."
     )
@@ -162,14 +169,15 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
     ds3_gather_for_generation: bool = config_field(True, "DeepSpeed ZeRO-3: gather the sharded weights for generation.")
     steps_per_generation: int | None = config_field(
         None,
-        "Optimizer steps trained on each generated batch before the next one is generated (default 1, or "
-        "derived from generation_batch_size).",
+        "Micro-batches trained on each generated batch before the next one is generated, as in TRL (default "
+        "gradient_accumulation_steps: one optimizer step a round; a multiple of it), or derived from "
+        "generation_batch_size.",
         min=1,
     )
     generation_batch_size: int | None = config_field(
         None,
-        "Completions generated per round over all processes: per_device_train_batch_size x "
-        "gradient_accumulation_steps x steps_per_generation x processes. Set this or steps_per_generation.",
+        "Completions generated per round over all processes: per_device_train_batch_size x processes x "
+        "steps_per_generation, as in TRL. Set this or steps_per_generation.",
     )
     async_generation_rounds: int | None = config_field(
         None,
@@ -317,10 +325,14 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
     )
     vllm_importance_sampling_cap: float = config_field(2.0, "Cap of the truncated importance weight (> 0).", gt=0)
     vllm_gpu_memory_utilization: float = config_field(
-        0.3, "Colocate mode on a GPU, with vllm_kv_cache_gb=None: fraction of GPU memory vLLM may take."
+        0.3,
+        "Colocate mode on a GPU: fraction of GPU memory vLLM may take, as in TRL (on a CPU, changing it is an "
+        "error: set vllm_kv_cache_gb).",
     )
     vllm_kv_cache_gb: float | None = config_field(
-        1.0, "Colocate mode: vLLM's KV cache in GiB (None: sized from vllm_gpu_memory_utilization on a GPU)."
+        None,
+        "Colocate mode: vLLM's KV cache in GiB instead of vllm_gpu_memory_utilization (None: the fraction on a "
+        "GPU, 1 GiB on a CPU; setting both is an error).",
     )
     vllm_enable_sleep_mode: bool = config_field(
         False, "Colocate mode on a GPU: move vLLM's weights and KV cache off the GPU between generation rounds."
@@ -340,6 +352,12 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
             self.use_transformers_continuous_batching = True
         self._check_generation_options()
         self.sampling_params()  # validates the sampling settings
+        if self.greedy and self.vllm_importance_sampling_correction:
+            logger.info(
+                "Greedy generation: vllm_importance_sampling_correction is switched off (a greedy sampler gives "
+                "its tokens probability 1, which is no sampling distribution to correct towards)."
+            )
+            self.vllm_importance_sampling_correction = False
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 1:
             raise ConfigError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
@@ -415,59 +433,40 @@ class OnlineConfig(PosttrainConfig, RolloutBackendFields):
         take_generation_kwargs_fields(self, GENERATION_KWARGS_FIELDS)
 
     def _resolve_generation_batch(self) -> None:
-        """Sets generation_batch_size and steps_per_generation from whichever the user gave (checked)."""
-        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps  # per process
-        processes = self.world_size
-        step_batch = per_step * processes
-        spelled = (
-            f"per_device_train_batch_size ({self.per_device_train_batch_size}) x gradient_accumulation_steps "
-            f"({self.gradient_accumulation_steps}) x processes ({processes}) = {step_batch}"
-        )
-        if self.generation_batch_size is not None:
-            if self.generation_batch_size < 1 or self.generation_batch_size % step_batch:
-                valid = ", ".join(str(step_batch * k) for k in range(1, 5))
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} must be a multiple of the completions of "
-                    f"one optimizer step, {spelled}. Valid values: {valid}, ... (steps_per_generation is "
-                    f"generation_batch_size / {step_batch})."
-                )
-            derived = self.generation_batch_size // step_batch
-            if self.steps_per_generation not in (None, derived):
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} means steps_per_generation={derived} "
-                    f"({self.generation_batch_size} / {step_batch}), but steps_per_generation="
-                    f"{self.steps_per_generation} was set too. Set only one of them."
-                )
-            self.steps_per_generation = derived
-        self.steps_per_generation = self.steps_per_generation or 1
-        self.generation_batch_size = step_batch * self.steps_per_generation
-        local = per_step * self.steps_per_generation
-        n = self.num_generations
-        if local % n:
-            divisors = [d for d in range(self.min_num_generations, local + 1) if local % d == 0]
-            steps = self.steps_per_generation * n // math.gcd(n, local)
-            raise ConfigError(
-                f"num_generations={n} must divide the {local} completions each process generates per round "
-                f"(per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps "
-                f"{self.gradient_accumulation_steps} x steps_per_generation {self.steps_per_generation}), because "
-                f"all completions of a prompt are generated on one process. Valid num_generations here: {divisors}; "
-                f"or keep num_generations={n} and make that product a multiple of {n} (e.g. "
-                f"steps_per_generation={steps})."
-            )
+        """steps_per_generation and generation_batch_size in TRL's units (online/generation_batch.py)."""
+        resolve_generation_batch(self)
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps trained on one generation round (steps_per_generation counts micro-batches)."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding: generation_kwargs={'do_sample': False} or temperature=0 (as in TRL)."""
+        return self.temperature == 0 or (self.generation_kwargs or {}).get("do_sample") is False
+
+    @property
+    def logps_temperature(self) -> float:
+        """The temperature of the training log-probs: the sampling temperature, 1 for temperature=0 (greedy)."""
+        return self.temperature if self.temperature != 0 else 1.0
 
     def sampling_params(self) -> SamplingParams:
+        """The sampler's settings; greedy decoding is the arg-max (top_k=1, the other filters cannot change it)."""
+        extra = {k: v for k, v in (self.generation_kwargs or {}).items() if k != "do_sample"}
+        greedy = self.greedy
         return SamplingParams(
             max_tokens=self.max_completion_length,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=1.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p,
+            top_k=1 if greedy else self.top_k,
+            min_p=0.0 if greedy else self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty,
-            extra=dict(self.generation_kwargs or {}),
+            extra=extra,
             regex=self.vllm_structured_outputs_regex,
         )
 
-    # Asynchronous generation in a process of its own (online/process_rollouts.py)
+    # Asynchronous generation in a process of its own (online/producers/process.py)
     async_generation_process: bool | None = config_field(
         None,
         "With async_generation_rounds: sample in a generation process pinned to its own cores (None: for rounds "

@@ -1,49 +1,47 @@
 """The online RL engine: one rollout loop that GRPO, RLOO and PPO configure through a few hooks.
 
-Every `steps_per_generation` optimizer steps the engine makes a fresh round (rollout.py holds its records) and
-then trains on it, in explicit phases:
+Every `steps_per_generation` micro-batches (TRL's unit; a multiple of gradient_accumulation_steps) the
+engine makes a fresh round (rollout.py holds its records) and then trains on it, in explicit phases:
 
     prompts ──► generate_episodes: num_generations episodes per prompt, as token ids (Episode)
             ──► score: RewardScorer (decoded text goes to the reward functions only)
             ──► build_rollout: padded tensors with named fields (Rollout)
             ──► policy_tensors: old log-probs (policy before the update), reference log-probs (beta > 0)
             ──► compute_advantages: the method's estimator (rewards of the whole round, all processes)
-            ──► update: steps_per_generation optimizer steps, repeated num_iterations times, each made of
-                gradient_accumulation_steps micro-batches of per_device_train_batch_size completions:
+            ──► update: steps_per_generation / gradient_accumulation_steps optimizer steps, repeated
+                num_iterations times, each made of gradient_accumulation_steps micro-batches of
+                per_device_train_batch_size completions:
                 policy_loss + aggregation over the whole optimizer step's totals.
 
 A method is its estimator and its loss: `compute_advantages` (required) returns `Advantages`;
 `policy_tensors` returns more rollout fields (PPO: the critic's values); `policy_loss` / `compute_loss` (PPO
 adds a value loss); `needs_old_logps` and `kl_in_loss` say what the loss reads; `sample_groups` (phases 1-2)
 lets GRPO's dynamic sampling regenerate zero-variance groups. Hooks return values; the engine puts them into
-the rollout. With async_generation_rounds, phase 1 of the training rounds runs ahead in a generation process on
-cores of its own or in a background thread (process_rollouts.py, async_rollouts.py).
+the rollout. Phase 1 of a training round comes from the rollout producer (producers/): generated on demand, or
+with async_generation_rounds ahead of training in a generation process on cores of its own or in a background
+thread. The engine calls it through its interface only, and it sees the trainer only through `producer_context`.
 
 Where it lives: this module sets the trainer up and runs its micro-steps and checkpoints; phases.py holds the
 round's phases (generate .. advantages), loss.py the loss, prompts.py the prompts' tokenization and evaluation.py
 evaluation and the round metrics.
 
 Batching. per_device_train_batch_size counts completions. One generation round produces
-generation_batch_size = per_device_train_batch_size x gradient_accumulation_steps x steps_per_generation x
-processes completions; each process generates for its own prompts, and all num_generations completions of
+generation_batch_size = per_device_train_batch_size x steps_per_generation x processes completions (TRL's
+formula); each process generates for its own prompts, and all num_generations completions of
 a prompt are generated on the same process. Rewards are gathered, so group or batch statistics see every
 process. Sampling is seeded per prompt (from the seed, the round and the prompt's position in the round),
 so the completions do not depend on how a round is split across processes or micro-batches.
 
-Metrics, per logging window (TRL's names): num_tokens (prompt + completion tokens seen), reward, reward_std
-(over the whole generation batch), frac_reward_zero_std (groups whose rewards are all equal), rewards/<name>/mean
-and /std, completions/mean_length, /min_length, /max_length, /clipped_ratio (fraction cut at
-max_completion_length), /mean_terminated_length, /min_.., /max_.. (completions that ended); posttrain's own:
-frac_reward_none (no reward applies), advantages/mean and /std, time/generation and time/scoring (seconds per
-generation round);
-and per micro-batch: kl (when there is a reference), clip_ratio/low_mean, /high_mean, /region_mean,
-entropy, time/update (seconds per optimizer step, forward and backward). Evaluation (evaluation.py) logs the
+Metrics (TRL's names, per logging window; the full list with formulas is on docs/trainers/grpo.md): num_tokens,
+reward, reward_std, frac_reward_zero_std, rewards/<name>/mean and /std, completions/* lengths, time/generation and
+time/scoring per round; per micro-batch kl, clip_ratio/*, entropy, time/update. Evaluation (evaluation.py) logs the
 same keys with the eval_ prefix.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import math
 import time
 from typing import ClassVar
 
@@ -55,15 +53,22 @@ from posttrain.data.formats import is_message_list
 from posttrain.data.report import DataReport
 from posttrain.errors import ConfigError, DataError
 from posttrain.generation import create_generation_backend
+from posttrain.losses.reductions import nanstd
 from posttrain.models.reference import create_reference_model, is_peft_model
 from posttrain.online.config import OnlineConfig
 from posttrain.online.environment_data import environment_dataset, environment_reward_settings
 from posttrain.online.episodes import make_episode_source
-from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation, nanstd
+from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
-from posttrain.online.process_rollouts import make_rollout_producer
-from posttrain.online.prompts import column_names, refuse_stream_lookahead, require_prompt_column, tokenize_prompt
+from posttrain.online.producers import ProducerContext, ProducerEvents, make_rollout_producer
+from posttrain.online.prompts import (
+    column_names,
+    model_context,
+    refuse_stream_lookahead,
+    require_prompt_column,
+    tokenize_prompt,
+)
 
 # Columns the engine adds or reads itself; every other dataset column is passed to the reward functions.
 from posttrain.online.rollout import (
@@ -78,6 +83,7 @@ from posttrain.online.rollout import (
     TaggedPrompts,
     collate_tagged,
     groupwise_advantages,
+    round_seeds,
 )
 from posttrain.online.vision import setup_online_vision, tokenizer_of
 from posttrain.rewards.scoring import RewardScorer
@@ -85,6 +91,8 @@ from posttrain.tools import EnvironmentPool, tool_schemas
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
 from posttrain.training.streaming import is_streaming
 from posttrain.training.sync_ref import SyncRefModelCallback, load_sync_ref_checkpoint_state, sync_ref_checkpoint_state
+
+logger = logging.getLogger("posttrain")
 
 __all__ = [
     "COMPLETIONS_LOG",
@@ -110,11 +118,13 @@ def _check_round_fits(args: OnlineConfig, train_dataset, processing_class) -> No
         )
     prompts_per_round = args.generation_batch_size // args.num_generations
     if not is_streaming(train_dataset) and len(train_dataset) < prompts_per_round:
-        raise DataError(
-            f"train_dataset has {len(train_dataset)} prompts but one generation round uses {prompts_per_round} "
-            f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}); "
-            "add prompts or lower per_device_train_batch_size, gradient_accumulation_steps or "
-            "steps_per_generation."
+        logger.warning(
+            "train_dataset has %d prompts, fewer than the %d of one generation round (generation_batch_size %d / "
+            "num_generations %d): each round takes every prompt, repeated to fill it (an epoch is one round).",
+            len(train_dataset),
+            prompts_per_round,
+            args.generation_batch_size,
+            args.num_generations,
         )
 
 
@@ -131,7 +141,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
 
     config_class: ClassVar[type[OnlineConfig]] = OnlineConfig
     prepares_eval_on_use: ClassVar[bool] = True  # trainer.eval_dataset is the set given, as in TRL
-    # What the asynchronous producer (async_rollouts.py) needs to know of a method, declared on its class. A class
+    # What a producer generating ahead (producers/) needs to know of a method, declared on its class. A class
     # that defines its own loss is taken not to correct stale samples with the sampler's log-probs unless it says
     # so; one that defines its own generate_episodes generates in a way the producer cannot take over.
     loss_reads_sampler_logps: ClassVar[bool] = True
@@ -195,6 +205,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             peft_config,
         )
         _check_round_fits(args, train_dataset, processing_class)
+        self.prompt_context = model_context(model, args.trust_remote_code)  # checked when prompts are tokenized
         super().__init__(
             model,
             args,
@@ -269,7 +280,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         self.router_aux_loss_coef = setup_router_aux_loss(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0  # TRL's attribute: the MoE loss is trained
         self.episode_source = make_episode_source(self, tools, self.environments, rollout_func)
-        self.async_rollouts = make_rollout_producer(self)  # process_rollouts.py, async_rollouts.py
+        self.rollout_producer = make_rollout_producer(self.producer_context())
+        self.add_callback(ProducerEvents(self.rollout_producer))
         self.rollout: Rollout | None = None
         self._update_seconds = 0.0
         self._pending_completions: list[dict] = []
@@ -317,6 +329,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
                     tokenizer=tokenizer,
                     conversational=self.conversational,
                     max_prompt_length=args.max_prompt_length,
+                    context=getattr(self, "prompt_context", None),
+                    room=args.max_completion_length,
                     chat_template_kwargs={
                         **(args.chat_template_kwargs or {}),
                         **({"tools": self._tool_schemas} if self._tool_schemas else {}),
@@ -361,11 +375,11 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
 
     @property
     def logps_temperature(self) -> float:
-        return self.args.temperature
+        return self.args.logps_temperature
 
     @property
     def micro_steps_per_round(self) -> int:
-        return self.args.steps_per_generation * self.args.gradient_accumulation_steps * self.args.num_iterations
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def get_train_dataloader(self) -> DataLoader:
         args = self.args
@@ -398,14 +412,13 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         if self.rollout is None or self.rollout.round != inputs["round"]:
             self.rollout = self.make_rollout(inputs["rows"], inputs["slots"], inputs["round"])
         args = self.args
-        position = inputs["micro_step"] % (args.steps_per_generation * args.gradient_accumulation_steps)
+        position = inputs["micro_step"] % args.steps_per_generation
         size = self.micro_batch_size
         batch = self.rollout.batch(position * size, (position + 1) * size)
         batch["total_sequences"] = size * args.gradient_accumulation_steps * self.accelerator.num_processes
         batch["total_tokens"] = self.rollout.step_tokens[position // args.gradient_accumulation_steps]
         start = time.perf_counter()
-        ahead = self.async_rollouts
-        with ahead.update_phase(model) if ahead is not None else contextlib.nullcontext():
+        with self.rollout_producer.update_phase(model):
             loss = super().training_step(model, batch, num_items_in_batch)
         self._update_seconds += time.perf_counter() - start
         if (inputs["micro_step"] + 1) % args.gradient_accumulation_steps == 0:
@@ -419,11 +432,12 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         num_iterations > 1), so that a resumed run finishes the round on the same completions instead of
         generating new ones with the updated policy; and the TR-GRPO synced reference."""
         state = sync_ref_checkpoint_state(self)
-        steps_per_round = self.args.steps_per_generation * self.args.num_iterations
+        steps_per_round = self.args.optimizer_steps_per_generation * self.args.num_iterations
         if self.rollout is not None and self.state.global_step % steps_per_round:
             state["rollout"] = self.rollout.state()
-        if self.async_rollouts is not None:  # the rounds generated ahead, so that none is sampled again
-            state["async_rollouts"] = self.async_rollouts.state()
+        ahead = self.rollout_producer.state()
+        if ahead is not None:  # the rounds generated ahead, so that none is sampled again
+            state["async_rollouts"] = ahead
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -431,12 +445,56 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
         load_sync_ref_checkpoint_state(self, state)
         if "rollout" in state:
             self.rollout = Rollout(**state.pop("rollout"))
-        ahead = state.pop("async_rollouts", None)  # rounds generated ahead (regenerated when async is now off)
-        if ahead is not None and self.async_rollouts is not None:
-            self.async_rollouts.load_state(ahead)
+        ahead = state.pop("async_rollouts", None)  # rounds generated ahead (the synchronous producer drops them)
+        if ahead is not None:
+            self.rollout_producer.load_state(ahead)
         super().load_checkpoint_state(state)
 
     def evaluate(self, *args, **kwargs):
         """Evaluation generates with the policy's own weights: no round generates ahead meanwhile."""
-        with self.async_rollouts.paused() if self.async_rollouts is not None else contextlib.nullcontext():
+        with self.rollout_producer.paused():
             return super().evaluate(*args, **kwargs)
+
+    # -- the rollout producer's view of the trainer ------------------------------------------------------
+    def producer_context(self) -> ProducerContext:
+        """What the rollout producer may use of this trainer (producers/base.py), and what of it a producer
+        generating ahead cannot take over."""
+        method = type(self).__name__
+        unsupported = {
+            f"{method}'s loss, which does not read the sampler's log-probs (stale samples would train "
+            "uncorrected)": not (self.loss_reads_sampler_logps or self.loss_ignores_the_sampler),
+            "tools, environment_factory or rollout_func (multi-turn episodes)": self.episode_source is not None,
+            "image prompts": self.image_prompts is not None,
+            f"{method}'s own generation (generate_episodes)": self.own_generation,
+            "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
+                self.args, "dynamic_sampling", False
+            ),
+            "several processes (the generation thread would run collectives beside training's)": (
+                self.accelerator.num_processes > 1
+            ),
+        }
+        return ProducerContext(
+            args=self.args,
+            policy=self.model,
+            tokenizer=tokenizer_of(self.processing_class),
+            sampling=self.sampling,
+            micro_batch_size=self.micro_batch_size,
+            pad_multiple=self.pad_multiple,
+            logps_temperature=self.logps_temperature,
+            device=self.accelerator.device,
+            generate=lambda rows, n, seeds: self.generate_episodes(rows, n, seeds),
+            completion_logps=lambda model, batch: self.completion_logps(model, batch),
+            round_source=self.training_round,
+            log_metric=lambda name, value: self._metrics["train"][name].append(value),
+            server_backend=self.generation_backend,
+            unsupported=tuple(what for what, present in unsupported.items() if present),
+        )
+
+    def training_round(self, index: int) -> tuple[list[dict], list[int]] | None:
+        """Training round `index`'s prompt rows and seeds (what the loader will give it), None past the last."""
+        args = self.args
+        if index >= math.ceil(self.state.max_steps / (args.optimizer_steps_per_generation * args.num_iterations)):
+            return None
+        tags = self.rollout_sampler.round_tags(index)
+        slots = [slot for slot, _ in tags]
+        return [self.train_dataset[position] for _, position in tags], round_seeds(args.seed, index, slots, "train")

@@ -23,16 +23,11 @@ from transformers import Trainer
 from transformers.trainer_utils import speed_metrics
 
 from posttrain.callbacks.completion_table import log_completion_table, print_completion_table
+from posttrain.losses.reductions import nanstd
 from posttrain.online.rollout import PROMPT_IDS_COLUMN
 from posttrain.training.streaming import is_prepared, is_streaming
 
 COMPLETIONS_LOG = "completions.jsonl"
-
-
-def nanstd(values: torch.Tensor) -> torch.Tensor:
-    """Unbiased standard deviation of the non-NaN entries (0 with fewer than two)."""
-    finite = values[~values.isnan()]
-    return finite.std() if finite.numel() > 1 else torch.zeros((), dtype=values.dtype, device=values.device)
 
 
 def eval_rounds(num_prompts: int, prompts_per_process: int, num_processes: int, process_index: int):

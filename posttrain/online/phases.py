@@ -84,7 +84,7 @@ class RoundPhases:
     @property
     def needs_old_logps(self) -> bool:
         """The policy changes between generation and training only with several steps or passes per round."""
-        return self.args.steps_per_generation > 1 or self.args.num_iterations > 1
+        return self.args.optimizer_steps_per_generation > 1 or self.args.num_iterations > 1
 
     def make_rollout(self, rows: list[dict], slots: list[int], round_index: int) -> Rollout:
         """Generates, scores and prepares this process's share of a round: of training, or of evaluation while
@@ -133,8 +133,8 @@ class RoundPhases:
         start = time.perf_counter()
         with root_gathered(self.model):  # FSDP2: the sharded root's weights (distributed.py)
             episodes = (
-                self.async_rollouts.episodes(round_index, rows, n, seeds)
-                if self.async_rollouts is not None and self.rollout_mode == "train"
+                self.rollout_producer.episodes(round_index, rows, n, seeds)
+                if self.rollout_mode == "train"
                 else self.generate_episodes(rows, n, seeds)
             )
         generation_seconds = time.perf_counter() - start
@@ -231,10 +231,11 @@ class RoundPhases:
             [e.token_ids for e in episodes], pad_id, left=False, multiple=multiple
         )
         model_mask = pad_rows([e.model_mask for e in episodes], 0, left=False, multiple=multiple)[0]
-        sampler_logps = sampler_logps_tensor(episodes, completion_ids.shape[1])
+        # a greedy sampler's log-probs (0 for its arg-max) are no distribution the loss may correct towards
+        sampler_logps = None if self.args.greedy else sampler_logps_tensor(episodes, completion_ids.shape[1])
         finished = torch.tensor([e.finished for e in episodes])
         loss_mask = model_mask * finished.unsqueeze(1) if self.args.mask_truncated_completions else model_mask
-        fresh = torch.tensor([not e.info.get("stale", False) for e in episodes])  # max_staleness (async_rollouts.py)
+        fresh = torch.tensor([not e.info.get("stale", False) for e in episodes])  # max_staleness (producers/thread.py)
         if not fresh.all():
             loss_mask = loss_mask * fresh.unsqueeze(1)
         return Rollout(

@@ -10,7 +10,43 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.online.rollout import PROMPT_COLUMN, PROMPT_IDS_COLUMN
 from posttrain.training.streaming import is_streaming
 
-__all__ = ["column_names", "refuse_stream_lookahead", "require_prompt_column", "tokenize_prompt"]
+__all__ = ["column_names", "model_context", "refuse_stream_lookahead", "require_prompt_column", "tokenize_prompt"]
+
+
+def model_context(model, trust_remote_code: bool = False) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings, a vision-language model's text
+    config's), from a loaded model or a model id; None where the config does not say."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):  # loading the model itself says what is wrong
+            return None
+    else:
+        config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) and context > 0 else None
+
+
+def _check_context(row: int, length: int, context: int | None, max_prompt_length: int | None, room: int) -> None:
+    """A prompt that leaves the model's context no room for a completion token stops preparation, naming the
+    row and the fix (TRL trains on it silently past the trained context)."""
+    if context is None or length < context:
+        return
+    keep = max(context - room, 1)
+    fix = (
+        f"lower max_prompt_length={max_prompt_length} below the context (e.g. {keep})"
+        if max_prompt_length is not None
+        else f"set max_prompt_length (e.g. {keep}: each prompt keeps its last tokens, and the data report counts "
+        "the rows cut)"
+    )
+    raise DataError(
+        f"Row {row}: the prompt is {length} tokens, but the model's context is {context} tokens "
+        f"(config.max_position_embeddings), so no completion token fits. {fix[0].upper()}{fix[1:]}, or drop the "
+        "long rows (dataset.filter on the prompt's length)."
+    )
 
 
 def tokenize_prompt(
@@ -20,7 +56,11 @@ def tokenize_prompt(
     conversational: bool,
     max_prompt_length: int | None,
     chat_template_kwargs: dict | None = None,
+    context: int | None = None,
+    room: int = 1,
 ):
+    """The prompt's token ids (its start cut to max_prompt_length, the cut counted), checked against the model's
+    `context`; `room` is the completion length a suggested max_prompt_length leaves space for."""
     prompt = example[PROMPT_COLUMN]
     if conversational != is_message_list(prompt) or not (conversational or isinstance(prompt, str)):
         expected = "a non-empty list of {'role', 'content'} messages" if conversational else "a string"
@@ -38,6 +78,7 @@ def tokenize_prompt(
             "token. Remove the row or give it a prompt."
         )
     cut = 0 if max_prompt_length is None else max(len(ids) - max_prompt_length, 0)
+    _check_context(row, len(ids) - cut, context, max_prompt_length, room)
     return {PROMPT_IDS_COLUMN: ids[cut:], cut_column("max_prompt_length"): cut}
 
 

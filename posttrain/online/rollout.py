@@ -50,7 +50,9 @@ class RolloutSampler:
     Each epoch shuffles the prompts with (seed, epoch) (with shuffle=False they keep the dataset's order);
     round r of the epoch takes the next prompts_per_round of them, and process p takes the p-th contiguous block.
     A batch is repeated for every micro-step of its round, which lets the trainer find its place in the round
-    (also after resuming).
+    (also after resuming). A dataset with fewer prompts than one round makes one round an epoch: all its prompts,
+    in the epoch's order, repeated from the start to fill the round (each slot is seeded apart, so a repeated
+    prompt gets other completions).
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class RolloutSampler:
         self.num_prompts, self.prompts_per_round, self.shuffle = num_prompts, prompts_per_round, shuffle
         self.num_processes, self.process_index = num_processes, process_index
         self.micro_steps_per_round, self.seed = micro_steps_per_round, seed
-        self.rounds_per_epoch = num_prompts // prompts_per_round
+        self.rounds_per_epoch = max(num_prompts // prompts_per_round, 1)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -91,6 +93,8 @@ class RolloutSampler:
             if self.shuffle
             else torch.arange(self.num_prompts)
         )
+        if self.num_prompts < self.prompts_per_round:  # a partial round, filled by repeating its prompts
+            order = order.repeat(-(-self.prompts_per_round // self.num_prompts))
         local = self.prompts_per_round // self.num_processes
         slots = range(self.process_index * local, (self.process_index + 1) * local)
         return list(zip(slots, order[r * self.prompts_per_round + slots.start :][:local].tolist()))

@@ -275,7 +275,7 @@ class PPOTrainer(OnlineTrainer):
         """TRL's num_sample_generations: that many times in training, near-greedy completions (temperature 0.01)
         of the first eval batch are scored, logged and appended to output_dir/sample_generations.jsonl."""
         args, data = self.args, self.eval_dataset
-        rollouts = max(1, math.ceil(self.state.max_steps / (args.num_iterations * args.steps_per_generation)))
+        rollouts = max(1, math.ceil(self.state.max_steps / (args.num_iterations * args.optimizer_steps_per_generation)))
         if (
             args.num_sample_generations == 0
             or data is None
@@ -383,7 +383,7 @@ class PPOTrainer(OnlineTrainer):
         )
         loss = policy_loss + args.vf_coef * value_loss
         if args.entropy_coef > 0:  # the bonus needs the entropy's gradient
-            entropy = entropy_from_logits(outputs.logits[:, :-1] / args.temperature)
+            entropy = entropy_from_logits(outputs.logits[:, :-1] / args.logps_temperature)
             loss = loss - args.entropy_coef * self._aggregate(entropy, inputs)
 
         weights = mask.to(logps.dtype)

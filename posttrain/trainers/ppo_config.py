@@ -46,8 +46,8 @@ class PPOConfig(OnlineConfig):
     num_mini_batches: int | None = config_field(
         None,
         "Optimizer steps (mini-batches) per rollout, each of per_device_train_batch_size x "
-        "gradient_accumulation_steps x processes completions (steps_per_generation in the engine's terms; "
-        "default 1, or derived from generation_batch_size).",
+        "gradient_accumulation_steps x processes completions (steps_per_generation / gradient_accumulation_steps "
+        "in the engine's terms; default 1, or derived from generation_batch_size).",
         min=1,
     )
     cliprange: float = config_field(0.2, "Clip range of the policy ratio (epsilon).")
@@ -170,7 +170,7 @@ class PPOConfig(OnlineConfig):
                 "length of training; set only one."
             )
         rollouts = math.ceil(self.total_episodes / self.generation_batch_size)
-        self.max_steps = rollouts * self.num_iterations * self.steps_per_generation
+        self.max_steps = rollouts * self.num_iterations * self.optimizer_steps_per_generation
 
     def _merge_ppo_names(self) -> None:
         """Either name of a setting may be changed from the default (`cliprange` or `epsilon`, ...); changing both
@@ -189,14 +189,17 @@ class PPOConfig(OnlineConfig):
             setattr(self, engine_name, value)
 
     def _resolve_generation_batch(self) -> None:
-        """num_mini_batches is steps_per_generation; checks it against generation_batch_size in PPO's terms."""
+        """num_mini_batches is optimizer steps per rollout: steps_per_generation (micro-batches, TRL's unit) is
+        num_mini_batches x gradient_accumulation_steps; checked against generation_batch_size in PPO's terms."""
+        accumulation = self.gradient_accumulation_steps
         if self.num_mini_batches is not None:
-            if self.steps_per_generation not in (None, self.num_mini_batches):
+            if self.steps_per_generation not in (None, self.num_mini_batches * accumulation):
                 raise ConfigError(
                     f"num_mini_batches={self.num_mini_batches} and steps_per_generation="
-                    f"{self.steps_per_generation} are the same setting; set only num_mini_batches."
+                    f"{self.steps_per_generation} are the same setting (steps_per_generation counts micro-batches: "
+                    f"num_mini_batches x gradient_accumulation_steps); set only num_mini_batches."
                 )
-            mini_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+            mini_batch = self.per_device_train_batch_size * accumulation * self.world_size
             if (
                 self.generation_batch_size is not None
                 and self.generation_batch_size != self.num_mini_batches * mini_batch
@@ -210,9 +213,9 @@ class PPOConfig(OnlineConfig):
                     f"generation_batch_size={self.generation_batch_size} (the rollout) does not split into "
                     f"num_mini_batches={self.num_mini_batches} mini-batches of per_device_train_batch_size "
                     f"({self.per_device_train_batch_size}) x gradient_accumulation_steps "
-                    f"({self.gradient_accumulation_steps}) x processes ({self.world_size}) = {mini_batch} "
+                    f"({accumulation}) x processes ({self.world_size}) = {mini_batch} "
                     f"completions. Set generation_batch_size={self.num_mini_batches * mini_batch}{fits}."
                 )
-            self.steps_per_generation = self.num_mini_batches
+            self.steps_per_generation = self.num_mini_batches * accumulation
         super()._resolve_generation_batch()
-        self.num_mini_batches = self.steps_per_generation
+        self.num_mini_batches = self.optimizer_steps_per_generation

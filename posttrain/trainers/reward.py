@@ -4,6 +4,7 @@ reward model of the online trainers."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -17,6 +18,7 @@ from posttrain.data.preference import (
 )
 from posttrain.data.report import DataReport
 from posttrain.data.tokenizer_setup import configure_tokenizer, make_added_tokens_trainable, sync_model_with_tokenizer
+from posttrain.data.vision import tokenizer_of
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import bradley_terry_loss
 from posttrain.models.layouts import can_repack, repacked, right_padded_view
@@ -49,9 +51,10 @@ def _score_parts(model):
     return decoder, head, config.get_text_config().pad_token_id
 
 
-def _load_reward_model(name: str, model_init_kwargs: dict | None):
-    """A one-output sequence classifier; a causal LM checkpoint gets a new score head."""
-    return load_sequence_classifier(name, num_labels=1, model_init_kwargs=model_init_kwargs)
+def _load_reward_model(name: str, model_init_kwargs: dict | None, tokenizer=None):
+    """A one-output sequence classifier; a causal LM checkpoint gets a new score head. Its config.pad_token_id is
+    the tokenizer's pad token, as in TRL (the tokenizer is loaded from the same name when none is given)."""
+    return load_sequence_classifier(name, num_labels=1, model_init_kwargs=model_init_kwargs, tokenizer=tokenizer)
 
 
 class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
@@ -111,6 +114,8 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
             )
         processing_class = load_processing_class(model, processing_class, args)
         added = configure_tokenizer(processing_class, args)
+        if isinstance(model, str):  # the classifier finds each sequence's last token by the tokenizer's pad id
+            self.load_model = functools.partial(_load_reward_model, tokenizer=tokenizer_of(processing_class))
         make_added_tokens_trainable(peft_config, added)
         self._total_train_tokens = 0
         if optimizer_cls_and_kwargs is not None:

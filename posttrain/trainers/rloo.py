@@ -34,41 +34,6 @@ class RLOOTrainer(OnlineTrainer):
     kl_in_loss = False
     accepts_images = True  # image prompts (posttrain/online/vision.py)
 
-    def __init__(
-        self,
-        model,
-        reward_funcs,
-        args: RLOOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes: list | None = None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        *,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-    ):
-        super().__init__(
-            model,
-            reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-            tools=tools,
-            rollout_func=rollout_func,
-            environment_factory=environment_factory,
-        )
-
     @property
     def needs_old_logps(self) -> bool:
         return super().needs_old_logps or self.args.beta > 0  # the KL penalty reads them

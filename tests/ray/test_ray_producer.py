@@ -47,13 +47,13 @@ def test_k0_is_the_generation_process_bitwise_on_rollout_nodes(ray_cluster, tmp_
     process_rollouts = record_rollouts(process)
     process.train()
     actors = grpo(stopping_model(tiny_model_path), tmp_path / "ray", async_generation_rounds=0, **RAY)
-    assert isinstance(actors.async_rollouts, RayRolloutProducer)
+    assert isinstance(actors.rollout_producer, RayRolloutProducer)
     actor_rollouts = record_rollouts(actors)
     seen = {}
 
     class Where(WeightsAtStepBegin):
         def on_step_end(self, args, state, control, **kwargs):
-            seen.setdefault("where", list(actors.async_rollouts.where))
+            seen.setdefault("where", list(actors.rollout_producer.where))
 
     actors.add_callback(Where())
     actors.train()
@@ -66,7 +66,7 @@ def test_k0_is_the_generation_process_bitwise_on_rollout_nodes(ray_cluster, tmp_
     rollout_nodes = {node.node_id for node in ray_cluster.rollout_nodes}
     assert {where["node_id"] for where in seen["where"]} <= rollout_nodes
     assert all(where["threads"] == 1 for where in seen["where"])
-    assert actors.async_rollouts.actors is None and alive_actors() == []  # none left after training
+    assert actors.rollout_producer.actors is None and alive_actors() == []  # none left after training
 
 
 def test_in_flight_updates_record_each_tokens_version_and_log_prob(ray_cluster, tmp_path, tiny_model_path):
@@ -129,8 +129,8 @@ def test_a_lost_actor_is_replaced_and_the_run_is_the_uninterrupted_one(
     plain = grpo(tiny_model_path, tmp_path / "plain", **common, **PROCESS)
     plain.train()
     faulty = grpo(tiny_model_path, tmp_path / "faulty", **common, **RAY)
-    faulty.async_rollouts.test_cluster = ray_cluster
-    injected = AfterDispatch(faulty.async_rollouts, request_id=2, fault=fault)
+    faulty.rollout_producer.test_cluster = ray_cluster
+    injected = AfterDispatch(faulty.rollout_producer, request_id=2, fault=fault)
     with caplog.at_level("WARNING", logger="posttrain"):
         faulty.train()
     assert injected.done
@@ -148,7 +148,7 @@ def test_a_silent_actor_is_replaced_after_the_deadline(ray_cluster, tmp_path, ti
     trainer = grpo(
         tiny_model_path, tmp_path, max_steps=3, async_generation_rounds=1, rollout_request_timeout_s=8, **RAY
     )
-    injected = AfterDispatch(trainer.async_rollouts, 1, lambda p, i: p.actors[i].pause.remote(3600))
+    injected = AfterDispatch(trainer.rollout_producer, 1, lambda p, i: p.actors[i].pause.remote(3600))
     with caplog.at_level("WARNING", logger="posttrain"):
         trainer.train()
     assert injected.done and trainer.state.global_step == 3
@@ -157,7 +157,7 @@ def test_a_silent_actor_is_replaced_after_the_deadline(ray_cluster, tmp_path, ti
 
 def test_a_round_that_raises_stops_training_naming_the_actor(ray_cluster, tmp_path, tiny_model_path):
     trainer = grpo(tiny_model_path, tmp_path, max_steps=2, async_generation_rounds=0, **RAY)
-    producer = trainer.async_rollouts
+    producer = trainer.rollout_producer
     submit = producer._submit
 
     def out_of_vocabulary(rows, seeds):

@@ -12,11 +12,11 @@ message is the completion) or posttrain's prompt(-completion) rows; prompts keep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.experimental.server_distillation import TeacherServer, server_divergence, teacher_server_scores
 from posttrain.losses.distillation import generalized_jsd, shared_vocab
 from posttrain.losses.iw_opd import (
     iw_opd_token_losses,
@@ -40,13 +40,6 @@ OBJECTIVES = ("iw_opd", "jsd")
 
 @dataclass
 class IWOPDConfig(DistillationConfig):
-    unsupported_options: ClassVar[dict[str, str]] = {
-        **DistillationConfig.unsupported_options,
-        "use_teacher_server": "a remote teacher server (TRL's teacher-logprob HTTP protocol) is not implemented in "
-        "posttrain; load the teacher locally (teacher_model / teacher_model_name_or_path).",
-        "teacher_model_server_url": "it only applies with use_teacher_server, which posttrain does not support.",
-    }
-
     distillation_objective: str = config_field(
         "iw_opd",
         "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) or 'jsd' (generalized JSD, "
@@ -72,8 +65,14 @@ class IWOPDConfig(DistillationConfig):
         "max_completion_length).",
     )
     disable_dropout: bool = disable_dropout_field(True, "Switch off dropout in the student.")
-    use_teacher_server: bool = config_field(False, "Remote teacher server (not supported).")
-    teacher_model_server_url: str | None = config_field(None, "Remote teacher server URL (not supported).")
+    use_teacher_server: bool = config_field(
+        False,
+        "Score with a teacher on a vLLM server (teacher_model_server_url) instead of a local teacher_model, through "
+        "ServerDistillationTrainer's client.",
+    )
+    teacher_model_server_url: str | None = config_field(
+        None, "With use_teacher_server: the teacher server's base URL, e.g. 'http://localhost:8000'."
+    )
     loss_top_k: int = config_field(
         1,
         "JSD objective: compare the distributions on this many top tokens (0: the full vocabulary; 1 with "
@@ -128,7 +127,7 @@ class IWOPDConfig(DistillationConfig):
             )
 
     def _check_teacher_server(self) -> None:
-        """TRL's rules for its teacher server, checked before posttrain says it has none."""
+        """TRL's rules for its teacher server."""
         if not self.use_teacher_server:
             return
         if self.use_liger_kernel:
@@ -143,6 +142,11 @@ class IWOPDConfig(DistillationConfig):
         if self.beta > 0 and self.loss_top_k != 1:
             raise ConfigError(
                 f"loss_top_k must be 1 when using use_teacher_server=True with beta>0 (got {self.loss_top_k})."
+            )
+        if self.distillation_objective == "jsd" and self.loss_top_k == 0:
+            raise ConfigError(
+                "loss_top_k=0 compares the full vocabulary, which a teacher server does not report (it gives a few "
+                "log-probs per position); set loss_top_k >= 1 with use_teacher_server=True."
             )
 
     def __post_init__(self):
@@ -223,6 +227,14 @@ class IWOPDTrainer(PreparesEvalOnUse, DistillationTrainer):
         **kwargs,
     ):
         args = args or IWOPDConfig(output_dir="outputs/iw_opd")
+        self.teacher_server = None
+        if args.use_teacher_server:
+            if teacher_model is not None or args.teacher_model_name_or_path is not None:
+                raise ConfigError(
+                    "use_teacher_server=True scores with the teacher at teacher_model_server_url; drop teacher_model "
+                    "/ teacher_model_name_or_path (or set use_teacher_server=False for a local teacher)."
+                )
+            self.teacher_server = TeacherServer(args.teacher_model_server_url)
         super().__init__(
             model,
             teacher_model,
@@ -240,6 +252,12 @@ class IWOPDTrainer(PreparesEvalOnUse, DistillationTrainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             **kwargs,
         )
+
+    @staticmethod
+    def _resolve_teacher(model, teacher_model, args):
+        if args.use_teacher_server:
+            return None  # the teacher is the server's
+        return DistillationTrainer._resolve_teacher(model, teacher_model, args)
 
     def prepare_dataset(self, dataset, tokenizer, args: IWOPDConfig, name: str):
         columns = dataset.column_names
@@ -268,45 +286,65 @@ class IWOPDTrainer(PreparesEvalOnUse, DistillationTrainer):
     def _forward_nll(self, model, inputs, labels):
         args = self.args
         student_logits = model(**inputs).logits
-        with torch.no_grad():
-            teacher_logits = shared_vocab(student_logits, self.teacher_model(**inputs).logits)
         targets = shift_for_next_token(labels)  # position t predicts token t + 1
         mask, tokens = targets != IGNORE_INDEX, targets.clamp(min=0)
-        s_logits, t_logits = student_logits, teacher_logits
         metrics = self._metrics["train" if model.training else "eval"]
-        if args.distillation_objective == "iw_opd":
-            dtype = torch.float64 if s_logits.dtype == torch.float64 else torch.float32
-            s_logps = (s_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-            with torch.no_grad():
-                t_logps = (t_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-            losses, advantages, weights = iw_opd_token_losses(
-                s_logps, t_logps, mask, args.iw_opd_gamma, args.iw_opd_epsilon
-            )
-            if mask.any():
-                metrics["iw_opd/mean_advantage"].append(advantages[mask].mean().item())
-                metrics["iw_opd/mean_abs_advantage"].append((t_logps - s_logps.detach())[mask].abs().mean().item())
-                metrics["iw_opd/mean_weight"].append(weights[mask].mean().item())
-                metrics["iw_opd/min_weight"].append(weights[mask].min().item())
-                metrics["iw_opd/max_weight"].append(weights[mask].max().item())
-        elif args.beta > 0 and args.loss_top_k == 1:
-            reverse = s_logits.argmax(-1) if args.reverse_kl_top_1_mode == "argmax" else tokens
-            support, valid = top1_mixed_support(t_logits, reverse, args.beta)
-            losses = support_divergence(
-                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
-            )
-        elif 0 < args.loss_top_k < s_logits.shape[-1]:
-            support, valid = top_k_support(
-                s_logits / args.temperature, t_logits / args.temperature, args.loss_top_k, args.beta
-            )
-            losses = support_divergence(
-                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
-            )
+        if args.use_teacher_server and args.distillation_objective != "iw_opd":  # ServerDistillationTrainer's loss
+            divergence = server_divergence(self.teacher_server, args, inputs, student_logits, mask, args.temperature)[0]
         else:
-            losses = generalized_jsd(s_logits, t_logits, args.beta, mask, args.temperature)
-        divergence = torch.where(mask, losses, 0.0).sum()
+            if args.distillation_objective == "iw_opd":
+                losses = self._iw_opd_losses(inputs, student_logits, tokens, mask, metrics)
+            else:
+                losses = self._jsd_losses(inputs, student_logits, tokens, mask)
+            divergence = torch.where(mask, losses, 0.0).sum()
         nll, correct, count = nll_sum(student_logits, labels)
         metrics["distill_loss"].append(divergence.item() / max(int(count), 1))
         return divergence, correct, count
+
+    def _teacher_logits(self, inputs, student_logits):
+        with torch.no_grad():
+            return shared_vocab(student_logits, self.teacher_model(**inputs).logits)
+
+    def _iw_opd_losses(self, inputs, s_logits, tokens, mask, metrics):
+        """IW-OPD's per-token losses; the teacher's log-prob of each sampled token comes from the local teacher or
+        the teacher server (the one ServerDistillationTrainer reads)."""
+        args = self.args
+        dtype = torch.float64 if s_logits.dtype == torch.float64 else torch.float32
+        s_logps = (s_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+        if args.use_teacher_server:
+            own = teacher_server_scores(self.teacher_server, inputs, mask, 1, args.temperature, lambda top, own: own)[2]
+            t_logps = torch.where(mask, own, 0.0).to(dtype)
+        else:
+            t_logits = self._teacher_logits(inputs, s_logits)
+            with torch.no_grad():
+                t_logps = (t_logits.to(dtype) / args.temperature).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+        gamma, epsilon = args.iw_opd_gamma, args.iw_opd_epsilon
+        losses, advantages, weights = iw_opd_token_losses(s_logps, t_logps, mask, gamma, epsilon)
+        if mask.any():
+            metrics["iw_opd/mean_advantage"].append(advantages[mask].mean().item())
+            metrics["iw_opd/mean_abs_advantage"].append((t_logps - s_logps.detach())[mask].abs().mean().item())
+            metrics["iw_opd/mean_weight"].append(weights[mask].mean().item())
+            metrics["iw_opd/min_weight"].append(weights[mask].min().item())
+            metrics["iw_opd/max_weight"].append(weights[mask].max().item())
+        return losses
+
+    def _jsd_losses(self, inputs, s_logits, tokens, mask):
+        args = self.args
+        t_logits = self._teacher_logits(inputs, s_logits)
+        if args.beta > 0 and args.loss_top_k == 1:
+            reverse = s_logits.argmax(-1) if args.reverse_kl_top_1_mode == "argmax" else tokens
+            support, valid = top1_mixed_support(t_logits, reverse, args.beta)
+            return support_divergence(
+                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
+            )
+        if 0 < args.loss_top_k < s_logits.shape[-1]:
+            support, valid = top_k_support(
+                s_logits / args.temperature, t_logits / args.temperature, args.loss_top_k, args.beta
+            )
+            return support_divergence(
+                s_logits, t_logits, support, valid, args.beta, args.loss_add_tail, args.temperature
+            )
+        return generalized_jsd(s_logits, t_logits, args.beta, mask, args.temperature)
 
     def _write_completions(self) -> None:
         if self.state.global_step % self.args.log_completions_steps == 0:

@@ -35,6 +35,13 @@ from posttrain.experimental.sdft.data import (
     tokenize_prompt_row,
     with_user_text,
 )
+from posttrain.experimental.sdft.rounds import (
+    GenerationRounds,
+    completion_logits,
+    resolve_generation_batch,
+    rollout_weights,
+    token_logps,
+)
 from posttrain.losses.policy import aggregate_loss
 from posttrain.losses.self_distillation import DISTILLATION_MODES, self_distillation_token_losses
 from posttrain.losses.sft import IGNORE_INDEX, shift_for_next_token
@@ -69,10 +76,6 @@ class SelfDistillationConfig(DistillationConfig):
         "wire for self-distillation; the teacher is scored locally.",
         "num_iterations": "posttrain samples fresh completions for every micro-batch and updates on them once "
         "(TRL's default); re-using a generation batch for several updates is not implemented.",
-        "steps_per_generation": "completions are sampled per optimizer step (TRL's default, steps_per_generation = "
-        "gradient_accumulation_steps); leave it None.",
-        "generation_batch_size": "completions are sampled per optimizer step (TRL's default, per_device_train_"
-        "batch_size * processes * gradient_accumulation_steps); leave it None.",
         "teacher_model_name_or_path": "the teacher is the student itself (teacher_model_kind); drop it.",
         "lmbda": _NOT_SELF_DISTILLATION.format("lmbda"),
         "alpha": _NOT_SELF_DISTILLATION.format("alpha"),
@@ -91,9 +94,11 @@ class SelfDistillationConfig(DistillationConfig):
         "Completions per prompt in evaluation (None: num_generations)."
     )
     generation_batch_size: int | None = config_field(
-        None, "Completions per generation round (only the default is supported)."
+        None, "Completions per generation round: per_device_train_batch_size x processes x steps_per_generation."
     )
-    steps_per_generation: int | None = config_field(None, "Steps per generation round (only the default is supported).")
+    steps_per_generation: int | None = config_field(
+        None, "Micro-batches per generation round, as in TRL (None: gradient_accumulation_steps, one optimizer step)."
+    )
     num_iterations: int = config_field(1, "Updates per generation batch (only 1).")
     use_teacher_server: bool = config_field(False, "Teacher log-probs from the vLLM server (not supported).")
     teacher_model_kind: str = config_field(
@@ -140,13 +145,7 @@ class SelfDistillationConfig(DistillationConfig):
         if self.teacher_model_init_kwargs is None and isinstance(self.model_init_kwargs, dict):
             self.teacher_model_init_kwargs = dict(self.model_init_kwargs)  # the teacher loads as the student does
         super().__post_init__()
-        local = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        if local % self.num_generations:
-            raise ConfigError(
-                f"per_device_train_batch_size * gradient_accumulation_steps ({local}) must be a multiple "
-                f"of num_generations ({self.num_generations}): each prompt's completions are sampled "
-                "in one optimizer step."
-            )
+        resolve_generation_batch(self)
 
 
 @dataclass
@@ -210,6 +209,7 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
                 "the adapter merged in)."
             )
         self._rows: list[dict] = []  # the raw dataset rows; prepared rows point into it (`sd_row`)
+        self._rounds = GenerationRounds()  # the sampled micro-batches of the round being trained
         super().__init__(
             model,
             None,
@@ -309,9 +309,20 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
         return out
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._attach_teacher_inputs(batches, "train")
-        return batches, count
+        """This optimizer step's micro-batches, sampled with the teacher's inputs attached (rounds.py: a round of
+        several steps is sampled at its first)."""
+
+        def sample(iterator, n: int) -> list[dict]:
+            batches, _ = super(SelfDistillationTrainer, self).get_batch_samples(iterator, n, device)
+            self._attach_teacher_inputs(batches, "train")
+            return batches
+
+        return self._rounds.take(self, epoch_iterator, num_batches, device, sample)
+
+    @property
+    def keeps_rollout_logps(self) -> bool:
+        """Whether a round's rollouts keep the student's log-probs at sampling (for distillation_is_clip)."""
+        return True
 
     def _teacher_prompts(
         self, rows: list[dict], prompts: list[list[int]], completions: list[list[int]], mode: str
@@ -356,19 +367,11 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
         mode = "train" if model.training else "eval"
         if "teacher_input_ids" not in inputs:  # evaluation batches are sampled one at a time
             self._attach_teacher_inputs([inputs], mode)
-        targets = shift_for_next_token(inputs["labels"])
-        mask = targets != IGNORE_INDEX
-        student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
+        # Completion tokens sit at different offsets in the two rows; select them, then lay them out [B, T].
+        student_logits, tokens, slots, student = completion_logits(model, inputs)
+        mask = shift_for_next_token(inputs["labels"]) != IGNORE_INDEX
         if not mask.any():  # nothing to distil (e.g. every completion masked): a zero loss that keeps the graph
             return student.sum() * 0.0
-        # Completion tokens sit at different offsets in the two rows; select them, then lay them out [B, T].
-        lengths = mask.sum(-1)
-        width = int(lengths.max()) if lengths.numel() else 0
-        slots = torch.arange(width, device=mask.device)[None, :] < lengths[:, None]
-        tokens = torch.zeros(slots.shape, dtype=torch.long, device=mask.device).masked_scatter(slots, targets[mask])
-        student_logits = student.new_zeros(*slots.shape, student.shape[-1]).masked_scatter(
-            slots[..., None], student[mask]
-        )
         teacher_logits = None
         if self._needs_teacher():
             teacher_model = model if self.args.teacher_model_kind == "live" else self.teacher_model
@@ -413,6 +416,9 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
             args.distillation_add_tail,
             self.loss_temperature(),
         )
+        if "old_logps" in inputs and args.distillation_is_clip is not None:  # a rollout sampled steps ago
+            logps = token_logps(student_logits, tokens, self.loss_temperature())
+            per_token = per_token * rollout_weights(logps, inputs["old_logps"], args.distillation_is_clip)
         loss_mask = slots & (inputs["sd_mask"][:, None] > 0)
         value = per_token[loss_mask].detach().float()
         total = self.accelerator.gather(
@@ -430,11 +436,13 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
 
     # -- resuming ----------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """The distillation trainer's state and, with an EMA teacher, the teacher's weights."""
-        return {**super().checkpoint_state(), **sync_ref_checkpoint_state(self)}
+        """The distillation trainer's state, with an EMA teacher the teacher's weights, and the rest of a round
+        the checkpoint falls inside (a resumed run trains on the same rollouts)."""
+        return {**super().checkpoint_state(), **sync_ref_checkpoint_state(self), "sd_round": self._rounds.state()}
 
     def load_checkpoint_state(self, state: dict) -> None:
         state = dict(state)
+        self._rounds.load(state.pop("sd_round", []), self.accelerator.device)
         load_sync_ref_checkpoint_state(self, state)
         super().load_checkpoint_state(state)
 
@@ -480,6 +488,10 @@ class SDFTTrainer(SelfDistillationTrainer):
 
     def _teacher_prompts(self, rows, prompts, completions, mode):
         return [self._teacher_prompt(row, i) for i, row in enumerate(rows)], [True] * len(rows)
+
+    @property
+    def keeps_rollout_logps(self) -> bool:  # TRL keeps none when the teacher's prompt generated the rollout
+        return not self.args.generate_from_teacher
 
 
 __all__ = ["SDFTConfig", "SDFTTrainer", "SelfDistillationConfig", "SelfDistillationTrainer"]

@@ -233,43 +233,69 @@ class ServerDistillationTrainer(DistillationTrainer):
     def _divergence(self, inputs, student_logits, mask, temperature: float):
         """The sparse divergence against the server's log-probs at the masked positions (which predict the
         trained tokens), and the teacher's top-1 token there."""
-        ids, valid_len = inputs["input_ids"], inputs["attention_mask"].sum(-1).tolist()
-        rows = mask.nonzero()  # (row, position) of every compared logit, position p predicting token p + 1
-        sequences, starts = [], []
-        for row in range(len(ids)):
-            positions = rows[rows[:, 0] == row, 1]
-            sequences.append(ids[row, : int(valid_len[row])].tolist())
-            starts.append(int(positions[0]) + 1 if len(positions) else len(sequences[-1]))
-        k = self.args.loss_top_k
-        shape = (*mask.shape, k)
-        topk_ids = torch.zeros(shape, dtype=torch.long)
-        topk_logps = torch.full(shape, -math.inf, dtype=torch.float64)
-        actual = torch.full(mask.shape, -math.inf, dtype=torch.float64)
-        scored = self.teacher_server.sequence_logprobs(sequences, starts, k, temperature)
-        for row, (start, (row_ids, row_logps, row_actual)) in enumerate(zip(starts, scored)):
-            if row_ids:
-                span = slice(start - 1, start - 1 + len(row_ids))
-                topk_ids[row, span] = torch.tensor(row_ids)
-                topk_logps[row, span] = torch.tensor(row_logps, dtype=torch.float64)
-                actual[row, span] = torch.tensor(row_actual, dtype=torch.float64)
-        device = student_logits.device
-        topk_ids, topk_logps, actual = topk_ids.to(device), topk_logps.to(device), actual.to(device)
-        needed = actual if self.args.beta > 0 else topk_logps[..., 0]
-        missing = mask & ~torch.isfinite(needed)
-        if missing.any():
-            raise DataError(
-                f"The teacher server reported no log-prob for {int(missing.sum())} of {int(mask.sum())} "
-                "completion positions. Check that it serves a model with the student's tokenizer and "
-                f"allows prompt_logprobs={k} (vLLM's --max-logprobs)."
-            )
-        sampled = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # the token each position predicts
-        support, teacher, valid = server_support(
-            topk_ids[mask], topk_logps[mask], sampled[mask], actual[mask], self.args.beta
-        )
-        divergence = sparse_teacher_divergence(
-            student_logits[mask], support, teacher, valid, self.args.beta, self.args.loss_add_tail, temperature
-        )
-        return divergence.sum(), topk_ids[mask][:, 0]
+        return server_divergence(self.teacher_server, self.args, inputs, student_logits, mask, temperature)
 
 
-__all__ = ["ServerDistillationConfig", "ServerDistillationTrainer", "TeacherServer", "build_teacher_request_inputs"]
+def teacher_server_scores(server: TeacherServer, inputs: dict, mask: torch.Tensor, k: int, temperature: float, needed):
+    """The server's (top-k ids [B, T, k], their log-probs, its log-prob of the sequence's next token [B, T]) at
+    each position p of `mask` (which predicts token p + 1), on the inputs' device; `needed(topk_logps, actual)` is
+    what must be reported at every masked position (else a DataError)."""
+    ids, valid_len = inputs["input_ids"], inputs["attention_mask"].sum(-1).tolist()
+    rows = mask.nonzero()  # (row, position) of every compared logit, position p predicting token p + 1
+    sequences, starts = [], []
+    for row in range(len(ids)):
+        positions = rows[rows[:, 0] == row, 1]
+        sequences.append(ids[row, : int(valid_len[row])].tolist())
+        starts.append(int(positions[0]) + 1 if len(positions) else len(sequences[-1]))
+    shape = (*mask.shape, k)
+    topk_ids = torch.zeros(shape, dtype=torch.long)
+    topk_logps = torch.full(shape, -math.inf, dtype=torch.float64)
+    actual = torch.full(mask.shape, -math.inf, dtype=torch.float64)
+    for row, (start, (row_ids, row_logps, row_actual)) in enumerate(
+        zip(starts, server.sequence_logprobs(sequences, starts, k, temperature))
+    ):
+        if row_ids:
+            span = slice(start - 1, start - 1 + len(row_ids))
+            topk_ids[row, span] = torch.tensor(row_ids)
+            topk_logps[row, span] = torch.tensor(row_logps, dtype=torch.float64)
+            actual[row, span] = torch.tensor(row_actual, dtype=torch.float64)
+    device = mask.device
+    topk_ids, topk_logps, actual = topk_ids.to(device), topk_logps.to(device), actual.to(device)
+    missing = mask & ~torch.isfinite(needed(topk_logps, actual))
+    if missing.any():
+        raise DataError(
+            f"The teacher server reported no log-prob for {int(missing.sum())} of {int(mask.sum())} "
+            "completion positions. Check that it serves a model with the student's tokenizer and "
+            f"allows prompt_logprobs={k} (vLLM's --max-logprobs)."
+        )
+    return topk_ids, topk_logps, actual
+
+
+def server_divergence(server: TeacherServer, args, inputs, student_logits, mask, temperature: float):
+    """(The summed sparse divergence of the masked positions against the server's log-probs, the teacher's top-1
+    token there): forward KL on its top loss_top_k with beta = 0, the mixed top-1 support with beta > 0."""
+    topk_ids, topk_logps, actual = teacher_server_scores(
+        server,
+        inputs,
+        mask,
+        args.loss_top_k,
+        temperature,
+        lambda topk, own: own if args.beta > 0 else topk[..., 0],
+    )
+    ids = inputs["input_ids"]
+    sampled = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # the token each position predicts
+    support, teacher, valid = server_support(topk_ids[mask], topk_logps[mask], sampled[mask], actual[mask], args.beta)
+    divergence = sparse_teacher_divergence(
+        student_logits[mask], support, teacher, valid, args.beta, args.loss_add_tail, temperature
+    )
+    return divergence.sum(), topk_ids[mask][:, 0]
+
+
+__all__ = [
+    "ServerDistillationConfig",
+    "ServerDistillationTrainer",
+    "TeacherServer",
+    "build_teacher_request_inputs",
+    "server_divergence",
+    "teacher_server_scores",
+]

@@ -28,13 +28,12 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from posttrain.errors import ConfigError
 from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
-from posttrain.models.reference import unwrap
-from posttrain.online.async_rollouts import AsyncRolloutProducer
-from posttrain.online.generation_worker import Request, Result, WorkerSettings
+from posttrain.models.reference import copy_model, freeze, unwrap
+from posttrain.online.producers.base import ProducerContext, RoundsAhead
+from posttrain.online.producers.generation_worker import Request, Result, WorkerSettings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
-from posttrain.online.vision import tokenizer_of
 from posttrain.online.weights.gloo import GlooSender, open_store
 from posttrain.online.weights.transport import WeightSyncError, flat_buffers, flat_layout, pack
 
@@ -68,27 +67,25 @@ def episodes_of(request: Request, result: Result) -> list[Episode]:
     return episodes
 
 
-class RayRolloutProducer(AsyncRolloutProducer):
-    """Generates the rounds of `trainer` up to `lookahead` ahead on rollout actors of a Ray cluster."""
+class RayRolloutProducer(RoundsAhead):
+    """Generates the training rounds up to `lookahead` ahead on rollout actors of a Ray cluster."""
 
-    def __init__(self, trainer, lookahead: int, sync_steps: int, in_flight: bool) -> None:
-        self.in_flight = in_flight
-        super().__init__(trainer, lookahead, sync_steps)
-
-    def setup_sampler(self) -> None:
-        trainer, args = self.trainer, self.trainer.args
-        self.on_server = False
+    def __init__(self, context: ProducerContext, lookahead: int) -> None:
+        super().__init__(context, lookahead)
+        args = context.args
+        self.in_flight = args.async_inflight_weight_updates
+        self.sampler_model = freeze(copy_model(unwrap(context.policy)))
         self.num_actors, self.timeout_s = args.num_rollout_actors, args.rollout_request_timeout_s
         self.resource, self.started_ray = args.rollout_resource, False
         unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
-        tokenizer = tokenizer_of(trainer.processing_class)
+        tokenizer = context.tokenizer
         self.settings = WorkerSettings(
             pad_token_id=tokenizer.pad_token_id,
             stop_ids=tuple(stop_token_ids(tokenizer, self.sampler_model)),
-            sampling=trainer.sampling,
-            logps_temperature=trainer.logps_temperature,
-            micro_batch_size=trainer.micro_batch_size,
-            pad_multiple=trainer.pad_multiple,
+            sampling=context.sampling,
+            logps_temperature=context.logps_temperature,
+            micro_batch_size=context.micro_batch_size,
+            pad_multiple=context.pad_multiple,
             in_flight=self.in_flight,
             exact_logps=self.lookahead == 0,
             cpus=None,
@@ -105,13 +102,12 @@ class RayRolloutProducer(AsyncRolloutProducer):
 
     # -- requests and answers ----------------------------------------------------------------------------
     def _submit(self, rows: list[dict], seeds: list[int]) -> RemoteRound:
-        step = self.trainer.state.global_step
-        if self.version is None or step - self.version >= self.sync_steps:
-            self.publish(step)
+        if self.weights_due():
+            self.publish(self.latest)
         if self.actors is None:
             self._start()
         prompts = [row[PROMPT_IDS_COLUMN] for row in rows]
-        request = Request(self.next_id, prompts, self.trainer.args.num_generations, seeds, None)
+        request = Request(self.next_id, prompts, self.context.args.num_generations, seeds, None)
         self.next_id += 1
         self.pending[request.id] = (request, self.version)
         self._dispatch(request.id, self._least_loaded())
@@ -168,7 +164,7 @@ class RayRolloutProducer(AsyncRolloutProducer):
     # -- weights -------------------------------------------------------------------------------------------
     def publish(self, version: int) -> None:
         """Packs the policy's weights as `version` and pushes them to every actor (replacing one that fails)."""
-        params = [p for _, p in unwrap(self.trainer.model).named_parameters()]
+        params = [p for _, p in unwrap(self.context.policy).named_parameters()]
         needed = {v for _, v in self.pending.values()}
         spare = [v for v in self.kept if v not in needed and v != self.version]
         buffers = self.kept.pop(spare[0]) if spare else flat_buffers(self.layout)
@@ -206,13 +202,16 @@ class RayRolloutProducer(AsyncRolloutProducer):
             self.senders[index].send(self.kept[version], version)
             ray.get(ref, timeout=self.timeout_s)
 
-    def after_step(self, step: int) -> None:
-        if self.in_flight and self.actors is not None and step - self.version >= self.sync_steps:
-            self.publish(step)
+    def push_weights(self, version: int) -> None:
+        """With in-flight updates, pushes the policy's weights every vllm_sync_steps optimizer steps while the
+        actors run (else a round takes them when it is submitted)."""
+        super().push_weights(version)
+        if self.in_flight and self.actors is not None and version - self.version >= self.sync_steps:
+            self.publish(version)
 
     # -- actors ------------------------------------------------------------------------------------------
     def _start(self) -> None:
-        args = self.trainer.args
+        args = self.context.args
         self.started_ray = connect(args.ray_address, self.num_actors, self.resource) or self.started_ray
         self.host = trainer_address()
         self.model_ref = ray.put(self.sampler_model)
@@ -279,9 +278,9 @@ class RayRolloutProducer(AsyncRolloutProducer):
         self.senders[index] = None
         self._bring_up(index)
 
-    def record_staleness(self, episodes: list[Episode], metrics) -> None:
-        super().record_staleness(episodes, metrics)
-        metrics["async/generation_restarts"].append(float(self.restarts))
+    def record_staleness(self, episodes: list[Episode]) -> None:
+        super().record_staleness(episodes)
+        self.context.log_metric("async/generation_restarts", float(self.restarts))
         self.restarts = 0
 
     # -- checkpoints and shutdown -------------------------------------------------------------------------
@@ -296,13 +295,9 @@ class RayRolloutProducer(AsyncRolloutProducer):
             state[name] = views[id(param)]
         return state
 
-    def load_state(self, state: dict) -> None:
-        self.close()
-        self.rounds = dict(state["rounds"])
-        if state["weights"] is not None:
-            names = [name for name, _ in self.sampler_model.named_parameters()]
-            self.kept = {state["version"]: pack([state["weights"][n] for n in names], flat_buffers(self.layout))}
-        self.version = state["version"]
+    def _load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        names = [name for name, _ in self.sampler_model.named_parameters()]
+        self.kept = {version: pack([weights[name] for name in names], flat_buffers(self.layout))}
 
     def close(self) -> None:
         """Drops the rounds still queued and ends the actors (and the Ray this run started)."""
@@ -315,9 +310,9 @@ class RayRolloutProducer(AsyncRolloutProducer):
             self.started_ray = False
 
 
-def make_ray_producer(trainer, lookahead: int) -> RayRolloutProducer:
-    """The Ray producer for `trainer` (rollout_backend='ray'), after checking that its settings can run there."""
-    args = trainer.args
+def make_ray_producer(context: ProducerContext, lookahead: int) -> RayRolloutProducer:
+    """The Ray producer (rollout_backend='ray'), after checking that the run's settings can run there."""
+    args = context.args
     why = {
         "use_vllm=True (rollout actors sample with the transformers backend here)": args.use_vllm,
         "async_generation_process=True (the actors are the generation processes)": args.async_generation_process,
@@ -328,4 +323,4 @@ def make_ray_producer(trainer, lookahead: int) -> RayRolloutProducer:
     for what, present in why.items():
         if present:
             raise ConfigError(f"rollout_backend='ray' does not support {what}; drop that setting.")
-    return RayRolloutProducer(trainer, lookahead, args.vllm_sync_steps, args.async_inflight_weight_updates)
+    return RayRolloutProducer(context, lookahead)

@@ -22,9 +22,9 @@ import time
 import ray
 import torch
 
-from posttrain.online.generation_worker import GenerationServer, Request, Result, WorkerSettings
-from posttrain.online.shared_weights import NEWEST, USING, VERSIONS, SharedWeights
+from posttrain.online.producers.generation_worker import GenerationServer, Request, Result, WorkerSettings
 from posttrain.online.weights.gloo import GlooReceiver
+from posttrain.online.weights.shared_memory import NEWEST, USING, VERSIONS, SharedWeights
 from posttrain.online.weights.transport import WeightSyncError, buffer_hashes
 
 __all__ = ["RolloutActor", "rollout_actor_class"]

@@ -1,5 +1,5 @@
-"""Asynchronous generation in a process of its own (generation_worker.py), and the choice between it and the
-background thread (async_rollouts.py).
+"""Asynchronous generation in a process of its own (generation_worker.py), and whether it can run here
+(`placement`; the package's `make_rollout_producer` chooses between it and the background thread, thread.py).
 
 Cores. The generation process is pinned to its own physical cores with one compute thread per core; the training
 process is pinned to the others with as many threads, at most the ones it had (runtime/cores.py chooses the split
@@ -7,8 +7,8 @@ from the free cores; `posttrain env` shows it). Its affinity and thread count ar
 With in-flight updates, the generation cores are lent to the update's forward and backward while the generation
 process waits for its next request (core_lending.py; logged as async/borrowed_cores_s).
 
-Weights. The sampler's parameters live in shared memory slots (shared_weights.py): publishing a version is one
-copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
+Weights. The sampler's parameters live in shared memory slots (weights/shared_memory.py): publishing a version is
+one copy of the policy's parameters into a free slot, and the generation process takes it without a copy. With
 in-flight updates (async_inflight_weight_updates, the default) the trainer publishes after every vllm_sync_steps
 optimizer steps and the generation process takes the newest weights before each decode step, so a long round
 picks up the updates made while it is sampled. Without them a round is sampled with the weights it was submitted
@@ -34,69 +34,32 @@ from multiprocessing import connection
 
 import torch
 
-from posttrain.errors import ConfigError
 from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
-from posttrain.models.reference import unwrap
-from posttrain.online.async_rollouts import AsyncRolloutProducer, check_async_support
-from posttrain.online.core_lending import CoreLender
-from posttrain.online.generation_worker import Failure, Request, Result, WorkerSettings, serve
+from posttrain.models.reference import copy_model, freeze, unwrap
+from posttrain.online.producers.base import ProducerContext, RoundsAhead
+from posttrain.online.producers.core_lending import CoreLender
+from posttrain.online.producers.generation_worker import Failure, Request, Result, WorkerSettings, serve
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
-from posttrain.online.shared_weights import GenerationProcessDied, SharedWeights, shared_bytes
-from posttrain.online.vision import tokenizer_of
+from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes
 from posttrain.runtime.cores import CoreSplit, free_cores, generation_core_split, pin_process
 
-__all__ = ["ProcessRolloutProducer", "make_rollout_producer"]
+__all__ = ["ProcessRolloutProducer", "placement"]
 
 logger = logging.getLogger("posttrain")
 MAX_RESTARTS = 3  # restarts in a row without an answer before training stops
 POLL_S = 0.5  # how often a wait for an answer checks that the process lives
 
 
-def make_rollout_producer(trainer) -> AsyncRolloutProducer | None:
-    """The producer of the rounds generated ahead (None with async_generation_rounds=None), after checking the
-    asynchronous settings."""
-    args = trainer.args
-    _check_settings(args)
-    k = args.async_generation_rounds
-    if k is None:
-        return None
-    check_async_support(trainer)
-    if args.rollout_backend == "ray":
-        from posttrain.online.producers.ray import make_ray_producer
-
-        return make_ray_producer(trainer, k)
-    wanted = args.async_generation_process
-    if wanted is False or (wanted is None and k == 0):
-        return AsyncRolloutProducer(trainer, k, args.vllm_sync_steps)
-    reason = _why_no_process(trainer)
+def placement(context: ProducerContext, wanted: bool | None) -> tuple[CoreSplit | None, str | None]:
+    """The cores a generation process would get (None: not pinned) and why it cannot run here (None: it can).
+    `wanted`: async_generation_process (True insists, so every core counts as free)."""
+    args = context.args
+    reason = _why_no_process(context)
     split = generation_core_split(free_cores(0) if wanted else free_cores(), args.async_generation_cores)
     if reason is None and split is None and wanted is None:
         reason = "fewer than two free cores"
-    if reason is not None:
-        if wanted:
-            raise ConfigError(
-                f"async_generation_process=True, but a generation process cannot run here: {reason}. Set "
-                "async_generation_process=None (a thread where it cannot) or False."
-            )
-        logger.info("posttrain: asynchronous generation runs in a thread (%s).", reason)
-        return AsyncRolloutProducer(trainer, k, args.vllm_sync_steps)
-    return ProcessRolloutProducer(trainer, k, args.vllm_sync_steps, split, args.async_inflight_weight_updates)
-
-
-def _check_settings(args) -> None:
-    rounds = args.async_generation_rounds
-    needs_rounds = {
-        "async_generation_process=True": args.async_generation_process is True,
-        f"async_generation_cores={args.async_generation_cores}": args.async_generation_cores is not None,
-        f"max_staleness={args.max_staleness}": args.max_staleness is not None,
-    }
-    for setting, present in needs_rounds.items():
-        if present and rounds is None:
-            raise ConfigError(
-                f"{setting} applies to asynchronous generation, which is off (async_generation_rounds=None); set "
-                "async_generation_rounds=1 (or more), or drop the setting."
-            )
+    return split, reason
 
 
 def weight_slots(lookahead: int) -> int:
@@ -105,16 +68,16 @@ def weight_slots(lookahead: int) -> int:
     return max(lookahead + 2, 3)
 
 
-def _why_no_process(trainer) -> str | None:
-    """Why a generation process cannot serve `trainer`, or None when it can."""
-    args = trainer.args
+def _why_no_process(context: ProducerContext) -> str | None:
+    """Why a generation process cannot serve the run, or None when it can."""
+    args = context.args
     if args.use_vllm:
         return "use_vllm=True (the vLLM server is the generation process already)"
-    if trainer.accelerator.device.type != "cpu":
-        return f"training runs on {trainer.accelerator.device.type}, and the process split is for CPU cores"
+    if context.device.type != "cpu":
+        return f"training runs on {context.device.type}, and the process split is for CPU cores"
     if args.use_transformers_continuous_batching or args.cache_implementation not in (None, "dynamic"):
         return "the generation process decodes with transformers' dynamic cache only"
-    needed = shared_bytes(trainer.model, weight_slots(args.async_generation_rounds))
+    needed = shared_bytes(context.policy, weight_slots(args.async_generation_rounds))
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < needed:
         return f"/dev/shm has less than the {needed >> 20} MiB the shared weight slots need"
     return None
@@ -130,33 +93,30 @@ class RemoteRound:
         return self.producer.answer(self.request_id)
 
 
-class ProcessRolloutProducer(AsyncRolloutProducer):
-    """Generates the training rounds of `trainer` up to `lookahead` rounds ahead in a generation process on the
-    cores `split` gives it (None: not pinned, one thread)."""
+class ProcessRolloutProducer(RoundsAhead):
+    """Generates the training rounds up to `lookahead` rounds ahead in a generation process on the cores `split`
+    gives it (None: not pinned, one thread)."""
 
-    def __init__(self, trainer, lookahead: int, sync_steps: int, split: CoreSplit | None, in_flight: bool) -> None:
-        self.split, self.in_flight = split, in_flight
-        super().__init__(trainer, lookahead, sync_steps)
-
-    def setup_sampler(self) -> None:
-        trainer, split = self.trainer, self.split
-        self.context = torch.multiprocessing.get_context("spawn")
+    def __init__(self, context: ProducerContext, lookahead: int, split: CoreSplit | None) -> None:
+        super().__init__(context, lookahead)
+        self.split, self.in_flight = split, context.args.async_inflight_weight_updates
+        self.sampler_model = freeze(copy_model(unwrap(context.policy)))
+        self.mp = torch.multiprocessing.get_context("spawn")
         unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
-        self.weights = SharedWeights(self.sampler_model, weight_slots(self.lookahead), self.context)
-        tokenizer = tokenizer_of(trainer.processing_class)
+        self.weights = SharedWeights(self.sampler_model, weight_slots(self.lookahead), self.mp)
+        tokenizer = context.tokenizer
         self.settings = WorkerSettings(
             pad_token_id=tokenizer.pad_token_id,
             stop_ids=tuple(stop_token_ids(tokenizer, self.sampler_model)),
-            sampling=trainer.sampling,
-            logps_temperature=trainer.logps_temperature,
-            micro_batch_size=trainer.micro_batch_size,
-            pad_multiple=trainer.pad_multiple,
+            sampling=context.sampling,
+            logps_temperature=context.logps_temperature,
+            micro_batch_size=context.micro_batch_size,
+            pad_multiple=context.pad_multiple,
             in_flight=self.in_flight,
             exact_logps=self.lookahead == 0,
             cpus=None if split is None else split.generation,
             threads=1 if split is None else split.generation_threads,
         )
-        self.on_server = False
         self.pending: dict[int, Request] = {}  # sent and not answered, in order
         self.answers: dict[int, tuple[Request, Result]] = {}
         self.next_id = 0
@@ -165,18 +125,16 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         self.answered = False  # whether a generation process ever answered
         self.failures_in_a_row = 0
         self._restore: tuple[set[int], int] | None = None  # the training process's affinity and threads before
-        self.busy = self.context.Value("b", 0, lock=False)  # 1 while the generation process samples
+        self.busy = self.mp.Value("b", 0, lock=False)  # 1 while the generation process samples
         self.lender: CoreLender | None = None  # borrows the generation cores while they idle (in-flight only)
 
     # -- requests and answers ----------------------------------------------------------------------------
     def _submit(self, rows: list[dict], seeds: list[int]) -> RemoteRound:
-        step = self.trainer.state.global_step
-        if self.version is None or step - self.version >= self.sync_steps:
-            self.publish(step)
+        if self.weights_due():
+            self.publish(self.latest)
         slot = None if self.in_flight else self.weights.slot_of(self.version)
-        request = Request(
-            self.next_id, [row[PROMPT_IDS_COLUMN] for row in rows], self.trainer.args.num_generations, seeds, slot
-        )
+        prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]
+        request = Request(self.next_id, prompt_ids, self.context.args.num_generations, seeds, slot)
         self.next_id += 1
         self.pending[request.id] = request
         self.busy.value = 1  # raised here too, so that an update starting before the process reads it borrows nothing
@@ -224,7 +182,7 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
 
     def publish(self, version: int) -> None:
         """Copies the policy's weights into a free slot as `version` (restarting a dead process on the way)."""
-        params = [p for _, p in unwrap(self.trainer.model).named_parameters()]
+        params = [p for _, p in unwrap(self.context.policy).named_parameters()]
         pinned = {r.slot for r in self.pending.values() if r.slot is not None}
         while True:
             try:
@@ -234,18 +192,21 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
                 self._restart()
         self.version = version
 
-    def after_step(self, step: int) -> None:
-        if self.in_flight and self.process is not None and step - self.version >= self.sync_steps:
-            self.publish(step)
+    def push_weights(self, version: int) -> None:
+        """With in-flight updates, publishes the policy's weights every vllm_sync_steps optimizer steps while the
+        process runs (else a round takes them when it is submitted)."""
+        super().push_weights(version)
+        if self.in_flight and self.process is not None and version - self.version >= self.sync_steps:
+            self.publish(version)
 
     # -- the process -------------------------------------------------------------------------------------
     def _start(self) -> None:
         """Starts the generation process, pins both processes to their cores and sends it the requests not yet
         answered."""
-        requests, self._requests = self.context.Pipe(duplex=False)
-        self.results, results = self.context.Pipe(duplex=False)
+        requests, self._requests = self.mp.Pipe(duplex=False)
+        self.results, results = self.mp.Pipe(duplex=False)
         self.busy.value = 1 if self.pending else 0  # up while requests wait (one that died sampling left it up)
-        self.process = self.context.Process(
+        self.process = self.mp.Process(
             target=serve,
             args=(self.sampler_model, self.weights, self.settings, requests, results, self.busy),
             name="posttrain-generation",
@@ -296,14 +257,15 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         self._stop_process()
         self._start()
 
-    def record_staleness(self, episodes: list[Episode], metrics) -> None:
-        super().record_staleness(episodes, metrics)
-        metrics["async/generation_restarts"].append(float(self.restarts))
+    def record_staleness(self, episodes: list[Episode]) -> None:
+        super().record_staleness(episodes)
+        self.context.log_metric("async/generation_restarts", float(self.restarts))
         self.restarts = 0
         if self.lender is not None:
-            metrics["async/borrowed_cores_s"].append(self.lender.take_lent_seconds())
+            self.context.log_metric("async/borrowed_cores_s", self.lender.take_lent_seconds())
 
     def update_phase(self, model):
+        """The generation cores lent to the update while the process idles (core_lending.py, in-flight only)."""
         return self.lender.update(model) if self.lender is not None else super().update_phase(model)
 
     def _stop_process(self) -> None:
@@ -322,12 +284,11 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
         for end in (self._requests, self.results):
             end.close()
         self.process = None
-        self.weights.reset_table(self.context)
+        self.weights.reset_table(self.mp)
 
     # -- checkpoints and shutdown -------------------------------------------------------------------------
     def sampler_weights(self) -> dict[str, torch.Tensor]:
-        """The sampler's state dict with the parameters of the slot holding `self.version` (the same keys as the
-        thread's, so that either producer resumes from the other's checkpoint)."""
+        """The sampler's state dict with the parameters of the slot holding `self.version`."""
         views = self.weights.views(self.weights.slot_of(self.version))
         by_parameter = {id(p): view for p, view in zip(self.sampler_model.parameters(), views)}
         state = self.sampler_model.state_dict()
@@ -335,13 +296,9 @@ class ProcessRolloutProducer(AsyncRolloutProducer):
             state[name] = by_parameter[id(param)]
         return state
 
-    def load_state(self, state: dict) -> None:
-        self.close()
-        self.rounds = dict(state["rounds"])
-        if state["weights"] is not None:
-            names = [name for name, _ in self.sampler_model.named_parameters()]
-            self.weights.publish([state["weights"][name] for name in names], state["version"], set())
-        self.version = state["version"]
+    def _load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        names = [name for name, _ in self.sampler_model.named_parameters()]
+        self.weights.publish([weights[name] for name in names], version, set())
 
     def close(self) -> None:
         """Drops the rounds still queued, stops the process and gives the training process its cores back."""

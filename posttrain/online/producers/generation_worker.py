@@ -1,9 +1,9 @@
-"""The generation process of asynchronous generation (process_rollouts.py starts it): the transformers sampler in a
+"""The generation process of asynchronous generation (process.py starts it): the transformers sampler in a
 process of its own, pinned to its own cores with its own thread count, so that sampling and training run at once
 without sharing a core or the Python interpreter.
 
-It answers `Request`s in order. Its parameters are views of the shared weight slots (shared_weights.py): a request
-names the slot to sample with, or none, and then the process takes the newest weights at the start and, with
+It answers `Request`s in order. Its parameters are views of the shared weight slots (weights/shared_memory.py): a
+request names the slot to sample with, or none, and then the process takes the newest weights at the start and, with
 in-flight updates, again before every decode step, without draining its batch. Each token records the version
 (optimizer step) of the weights that gave its logits. The sampler's log-probs come with the completions: the
 decode loop's own, each token's under the weights that sampled it; or, with `exact_logps` (k = 0) and one version
@@ -25,7 +25,7 @@ import torch
 from posttrain.generation import Completion, SamplingParams, TransformersBackend
 from posttrain.online.logps import completion_logps
 from posttrain.online.rollout import pad_rows
-from posttrain.online.shared_weights import SharedWeights
+from posttrain.online.weights.shared_memory import SharedWeights
 from posttrain.runtime.cores import pin_process
 
 __all__ = ["Failure", "GenerationServer", "Request", "Result", "WorkerSettings", "serve"]
