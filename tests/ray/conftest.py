@@ -34,6 +34,7 @@ def ray_cluster():
     cluster.wait_for_nodes()
     connect(cluster.address, 0, "rollout")
     cluster.rollout_nodes = nodes
+    cluster.add_rollout_node = lambda: rollout_node(cluster)
     yield cluster
     ray.shutdown()
     cluster.shutdown()

@@ -118,30 +118,38 @@ def remove_its_node(producer, index):
     cluster = producer.test_cluster
     node = next(n for n in cluster.rollout_nodes if n.node_id == producer.where[index]["node_id"])
     cluster.remove_node(node, allow_graceful=False)
-    cluster.rollout_nodes = [n for n in cluster.rollout_nodes if n is not node]
+    cluster.rollout_nodes = [n for n in cluster.rollout_nodes if n is not node] + [cluster.add_rollout_node()]
+
+
+FAULTY = dict(max_steps=4, async_generation_rounds=1, async_inflight_weight_updates=False)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_path):
+    """The run the faulty ones must equal: the generation process, nothing killed (its threads as same_threads)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        same_threads.__wrapped__(monkeypatch)
+        plain = grpo(tiny_model_path, tmp_path_factory.mktemp("plain"), **FAULTY, **PROCESS)
+        plain.train()
+    return plain
 
 
 @pytest.mark.parametrize("fault", [kill_actor, remove_its_node], ids=["ray_kill", "remove_node"])
 def test_a_lost_actor_is_replaced_and_the_run_is_the_uninterrupted_one(
-    ray_cluster, tmp_path, tiny_model_path, same_threads, caplog, fault
+    ray_cluster, tmp_path, tiny_model_path, uninterrupted, caplog, fault
 ):
-    common = dict(max_steps=4, async_generation_rounds=1, async_inflight_weight_updates=False)
-    plain = grpo(tiny_model_path, tmp_path / "plain", **common, **PROCESS)
-    plain.train()
+    common, plain = FAULTY, uninterrupted
     faulty = grpo(tiny_model_path, tmp_path / "faulty", **common, **RAY)
     faulty.rollout_producer.test_cluster = ray_cluster
     injected = AfterDispatch(faulty.rollout_producer, request_id=2, fault=fault)
     with caplog.at_level("WARNING", logger="posttrain"):
         faulty.train()
     assert injected.done
-    assert re.search(r"rollout actor 0 .* died \(\w+\); restarting it and resending [12] round\(s\)", caplog.text)
+    # Seen as an answer that never comes ("died") or as the next weight push failing, whichever comes first.
+    assert re.search(r"rollout actor 0 \(node 127\.0\.0\.1, pid \d+\) (died|failed).*; restarting it", caplog.text)
     assert sum(h["async/generation_restarts"] for h in faulty.state.log_history if "loss" in h) == 1
     assert losses(faulty) == losses(plain)
     assert_same_parameters(plain, faulty)
-    if len(ray_cluster.rollout_nodes) < 2:  # the next test gets two rollout nodes again
-        from conftest import rollout_node
-
-        ray_cluster.rollout_nodes.append(rollout_node(ray_cluster))
 
 
 def test_a_silent_actor_is_replaced_after_the_deadline(ray_cluster, tmp_path, tiny_model_path, caplog):

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 
 from posttrain.generation import SamplingParams
 from posttrain.models.tiny import build_tiny_model
-from posttrain.online.generation_worker import WorkerSettings
+from posttrain.online.producers.generation_worker import WorkerSettings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.weights.gloo import GlooSender, open_store
 from posttrain.online.weights.transport import WeightSyncError, buffer_hashes, flat_buffers, flat_layout, pack
