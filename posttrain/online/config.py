@@ -15,6 +15,7 @@ from posttrain.errors import ConfigError
 from posttrain.generation import SamplingParams
 from posttrain.losses.policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, loss_type_help
 from posttrain.online.generation_batch import resolve_generation_batch
+from posttrain.online.rollout_fields import RolloutBackendFields
 from posttrain.rewards.scoring import FAILURE_POLICIES
 from posttrain.training.base import PosttrainConfig
 from posttrain.training.fields import (
@@ -87,7 +88,7 @@ def take_generation_kwargs_fields(config, field_of: dict[str, str]) -> None:
 
 
 @dataclass
-class OnlineConfig(PosttrainConfig):
+class OnlineConfig(PosttrainConfig, RolloutBackendFields):
     """Settings shared by the online trainers. See the module docstring for how the batch sizes relate."""
 
     min_num_generations: ClassVar[int] = 1

@@ -26,6 +26,8 @@ the tokenizer and sampling parameters, the trainer's synchronous `generate` and 
 - thread.py       `ThreadRolloutProducer`: up to k rounds ahead in a background thread, on a copy of the policy.
 - process.py      `ProcessRolloutProducer`: up to k rounds ahead in a generation process on its own cores
                   (generation_worker.py), weights through shared memory (weights/shared_memory.py), in-flight updates.
+- ray.py          `RayRolloutProducer` (rollout_backend="ray"): the same server in rollout actors on a Ray cluster
+                  (ray_actor.py), weights over a gloo group per actor (weights/gloo.py); docs/scaling.md.
 
 A new producer (e.g. `producers/ray.py`) subclasses `RolloutProducer` (or `RoundsAhead`, the rounds-ahead schedule
 with its staleness metrics and checkpoint state, implementing `_submit`, `sampler_weights`, `_load_weights` and
@@ -67,6 +69,10 @@ def make_rollout_producer(context: ProducerContext) -> RolloutProducer:
     if k is None:
         return SynchronousProducer(context)
     refuse_unsupported(context)
+    if args.rollout_backend == "ray":  # rollout actors on a Ray cluster (the `ray` extra)
+        from posttrain.online.producers.ray import make_ray_producer
+
+        return make_ray_producer(context, k)
     wanted = args.async_generation_process
     if wanted is False or (wanted is None and k == 0):
         return ThreadRolloutProducer(context, k)

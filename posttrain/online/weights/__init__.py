@@ -4,8 +4,9 @@
   parameter in one flat buffer per dtype; the trainer publishes a version into a free slot, a generation process
   points its parameters at a slot's views (no copy). `shared_bytes` sizes them.
 
-A transport to other machines (e.g. a gloo group per trainer-generator pair) sends the same flat per-dtype buffers
-with their version, and lives beside it in this package.
+- transport.py: the interface of a transport to other machines (`WeightSender`, `WeightReceiver`, a version on
+  every push, `WeightSyncError`), and the flat per-dtype layout both ends share; gloo.py, its CPU implementation
+  (a gloo group per trainer-actor pair, used by producers/ray.py).
 """
 
 from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes
