@@ -12,27 +12,44 @@ import torch
 
 
 def pad(
-    tensors: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor | Sequence[int | float]],
     padding_value: int | float = 0,
     padding_side: str = "right",
     pad_to_multiple_of: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Stacks tensors of the same rank into one [len(tensors), *max_shape] tensor, filling with `padding_value` on
-    `padding_side` ("right": each tensor at the start of every dimension; "left": at the end). With
-    `pad_to_multiple_of`, the first dimension is rounded up to a multiple of it."""
+    """Stacks rows of the same rank into one [len(tensors), *max_shape] tensor, filling with `padding_value` on
+    `padding_side` ("right": each row at the start of every dimension; "left": at the end). With
+    `pad_to_multiple_of`, the first dimension is rounded up to a multiple of it.
+
+    Rows are tensors or plain lists of numbers (token ids, masks); lists become tensors of `dtype`, by default
+    `torch.long`, so an empty row or an empty batch stays integer. Tensors keep the first one's dtype unless `dtype`
+    is given. This is the one padding routine of the package: every collator and the rollout pad through it."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
-    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
+    rows = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t, dtype=dtype or torch.long) for t in tensors]
+    if not rows:
+        return torch.full((0, 0), padding_value, dtype=dtype or torch.long)
+    shape = [max(sizes) for sizes in zip(*(t.shape for t in rows))]
     if pad_to_multiple_of and shape:
         shape[0] = math.ceil(shape[0] / pad_to_multiple_of) * pad_to_multiple_of
-    out = torch.full((len(tensors), *shape), padding_value, dtype=tensors[0].dtype, device=tensors[0].device)
-    for i, t in enumerate(tensors):
+    out = torch.full((len(rows), *shape), padding_value, dtype=dtype or rows[0].dtype, device=rows[0].device)
+    for i, t in enumerate(rows):
         if padding_side == "right":
             where = tuple(slice(0, size) for size in t.shape)
         else:
             where = tuple(slice(full - size, full) for full, size in zip(shape, t.shape))
         out[(i, *where)] = t
     return out
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int | float]], value: int | float, left: bool, multiple: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one [len(rows), width] long tensor (`pad`) and its 0/1 mask of the real
+    positions, padded on the left or the right with `value`; the width is rounded up to `multiple`."""
+    side = "left" if left else "right"
+    return pad(rows, value, side, multiple), pad([[1] * len(r) for r in rows], 0, side, multiple)
 
 
 def flush_left(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:

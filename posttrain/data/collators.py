@@ -22,22 +22,9 @@ from itertools import chain
 
 import torch
 
+from posttrain.data.batches import pad
+
 IGNORE_INDEX = -100
-
-
-def pad(sequences: list[list[int]], value: int, side: str = "right", multiple_of: int | None = None) -> torch.Tensor:
-    """Pads lists of ints into a [batch, longest] long tensor."""
-    longest = max((len(s) for s in sequences), default=0)
-    if multiple_of:
-        longest = -(-longest // multiple_of) * multiple_of
-    out = torch.full((len(sequences), longest), value, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if len(s):
-            if side == "right":
-                out[i, : len(s)] = torch.as_tensor(s)
-            else:
-                out[i, longest - len(s) :] = torch.as_tensor(s)
-    return out
 
 
 def _labels(example: dict) -> list[int]:
@@ -84,12 +71,16 @@ class LanguageModelingCollator:
         if self.padding_free or any("seq_lengths" in e for e in examples):
             return self._padding_free(examples)
         labels = [_labels(e) for e in examples]
-        input_ids = pad([e["input_ids"] for e in examples], self.pad_token_id, multiple_of=self.pad_to_multiple_of)
-        attention_mask = pad([[1] * len(e["input_ids"]) for e in examples], 0, multiple_of=self.pad_to_multiple_of)
+        input_ids = pad(
+            [e["input_ids"] for e in examples], self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+        )
+        attention_mask = pad(
+            [[1] * len(e["input_ids"]) for e in examples], 0, pad_to_multiple_of=self.pad_to_multiple_of
+        )
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "labels": pad(labels, IGNORE_INDEX, multiple_of=self.pad_to_multiple_of),
+            "labels": pad(labels, IGNORE_INDEX, pad_to_multiple_of=self.pad_to_multiple_of),
         }
 
     def _padding_free(self, examples: list[dict]) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.data.batches import pad
 from posttrain.data.chat import extract_prompt, normalize_example, render, require_chat_template
-from posttrain.data.collators import pad
 from posttrain.data.formats import DatasetFormat, check_example, is_message_list, validate_dataset
 from posttrain.data.report import DatasetReport, cut_column
 from posttrain.data.tokenize import row_template_kwargs
@@ -298,9 +298,9 @@ class PreferenceCollator:
         else:
             multiple = self.pad_to_multiple_of
             batch = {
-                "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
-                "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
-                "completion_mask": pad(masks, 0, multiple_of=multiple),
+                "input_ids": pad(sequences, self.pad_token_id, pad_to_multiple_of=multiple),
+                "attention_mask": pad([[1] * len(s) for s in sequences], 0, pad_to_multiple_of=multiple),
+                "completion_mask": pad(masks, 0, pad_to_multiple_of=multiple),
             }
         for column in FLOAT_COLUMNS:
             if column in examples[0]:

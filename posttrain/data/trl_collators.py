@@ -18,12 +18,8 @@ from posttrain.data.batches import pad
 IGNORE_INDEX = -100
 
 
-def _padded(rows: list[list[int]], value: int, multiple: int | None) -> torch.Tensor:
-    return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, "right", multiple)
-
-
 def _mask(rows: list[list[int]], multiple: int | None) -> torch.Tensor:
-    return _padded([[1] * len(r) for r in rows], 0, multiple)
+    return pad([[1] * len(r) for r in rows], 0, "right", multiple)
 
 
 def _floats(examples: list[dict], key: str) -> torch.Tensor:
@@ -64,17 +60,17 @@ class DataCollatorForLanguageModeling:
         if self.padding_free:
             flat_labels = [IGNORE_INDEX if p == 0 else t for ps, ls in zip(positions, labels) for p, t in zip(ps, ls)]
             return {
-                "input_ids": _padded([sum(ids, [])], self.pad_token_id, self.pad_to_multiple_of),
-                "position_ids": _padded([sum(positions, [])], 0, self.pad_to_multiple_of),
-                "labels": _padded([flat_labels], IGNORE_INDEX, self.pad_to_multiple_of),
+                "input_ids": pad([sum(ids, [])], self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of),
+                "position_ids": pad([sum(positions, [])], 0, pad_to_multiple_of=self.pad_to_multiple_of),
+                "labels": pad([flat_labels], IGNORE_INDEX, pad_to_multiple_of=self.pad_to_multiple_of),
             }
         out = {
-            "input_ids": _padded(ids, self.pad_token_id, self.pad_to_multiple_of),
+            "input_ids": pad(ids, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of),
             "attention_mask": _mask(ids, self.pad_to_multiple_of),
-            "labels": _padded(labels, IGNORE_INDEX, self.pad_to_multiple_of),
+            "labels": pad(labels, IGNORE_INDEX, pad_to_multiple_of=self.pad_to_multiple_of),
         }
         if self.return_position_ids:
-            out["position_ids"] = _padded([list(range(len(i))) for i in ids], 0, self.pad_to_multiple_of)
+            out["position_ids"] = pad([list(range(len(i))) for i in ids], 0, pad_to_multiple_of=self.pad_to_multiple_of)
         return out
 
 
@@ -109,11 +105,11 @@ class DataCollatorForPreference:
                 sequences.append(sequence)
                 masks.append(mask)
         out = {
-            "input_ids": _padded(sequences, self.pad_token_id, self.pad_to_multiple_of),
+            "input_ids": pad(sequences, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of),
             "attention_mask": _mask(sequences, self.pad_to_multiple_of),
         }
         if any("prompt_ids" in e for e in examples):
-            out["completion_mask"] = _padded(masks, 0, self.pad_to_multiple_of)
+            out["completion_mask"] = pad(masks, 0, pad_to_multiple_of=self.pad_to_multiple_of)
         for key in ("ref_chosen_logps", "ref_rejected_logps", "margin"):
             if all(key in e for e in examples):
                 out[key] = _floats(examples, key)
@@ -142,9 +138,9 @@ class DataCollatorForUnpairedPreference:
             sequences.append(sequence)
             masks.append(mask)
         return {
-            f"{prefix}input_ids": _padded(sequences, self.pad_token_id, self.pad_to_multiple_of),
+            f"{prefix}input_ids": pad(sequences, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of),
             f"{prefix}attention_mask": _mask(sequences, self.pad_to_multiple_of),
-            f"{prefix}completion_mask": _padded(masks, 0, self.pad_to_multiple_of),
+            f"{prefix}completion_mask": pad(masks, 0, pad_to_multiple_of=self.pad_to_multiple_of),
         }
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:

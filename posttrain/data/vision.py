@@ -271,7 +271,7 @@ def encode_rows(
     """Each row's first segment (with the row's images) through the processor, the others through its tokenizer,
     concatenated, cut to `max_length` (keep_start) and right padded. Returns the model inputs and the
     trained-token mask [rows, T] (0 on image tokens, always)."""
-    from posttrain.data.collators import pad
+    from posttrain.data.batches import pad
 
     tokenizer = processor.tokenizer
     loaded = [[open_image(image) for image in row] for row in images]
@@ -318,11 +318,11 @@ def encode_rows(
         for k in extra:
             token_rows[k].append(extra[k])
     batch = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", *TOKEN_INPUTS)}
-    batch["input_ids"] = pad(ids_rows, tokenizer.pad_token_id, multiple_of=pad_to_multiple_of)
-    batch["attention_mask"] = pad([[1] * len(i) for i in ids_rows], 0, multiple_of=pad_to_multiple_of)
+    batch["input_ids"] = pad(ids_rows, tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    batch["attention_mask"] = pad([[1] * len(i) for i in ids_rows], 0, pad_to_multiple_of=pad_to_multiple_of)
     for k, values in token_rows.items():
-        batch[k] = pad(values, 0, multiple_of=pad_to_multiple_of)
-    return batch, pad(mask_rows, 0, multiple_of=pad_to_multiple_of)
+        batch[k] = pad(values, 0, pad_to_multiple_of=pad_to_multiple_of)
+    return batch, pad(mask_rows, 0, pad_to_multiple_of=pad_to_multiple_of)
 
 
 class _Renderer:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from posttrain.data.batches import pad_rows
 from posttrain.data.formats import is_message_list
 from posttrain.generation.vllm_backend import sampler_logps_tensor
 from posttrain.models.reference import reference_forward, unwrap
@@ -22,7 +23,6 @@ from posttrain.online.rollout import (
     Advantages,
     Episode,
     Rollout,
-    pad_rows,
     round_seeds,
 )
 from posttrain.online.vision import tokenizer_of

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from posttrain.data.batches import pad_rows
 from posttrain.generation import derive_seed
 
 # The columns of a prepared prompt dataset: the prompt as given, and its token ids.
@@ -285,16 +286,6 @@ class Advantages:
     returns: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # replaces the rollout's (PPO drops completions without a reward)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def pad_rows(rows: list[list], value, left: bool, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of different lengths as one [len(rows), width] tensor and its 0/1 mask, padded on the left or the
-    right with `value`; the width is rounded up to `multiple`."""
-    width = max(len(r) for r in rows)
-    width = -(-width // (multiple or 1)) * (multiple or 1)
-    padded = [[value] * (width - len(r)) + list(r) if left else list(r) + [value] * (width - len(r)) for r in rows]
-    masks = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded), torch.tensor(masks)
 
 
 def groupwise_advantages(

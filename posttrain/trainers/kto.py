@@ -18,8 +18,8 @@ import logging
 import torch
 from datasets import Dataset
 
+from posttrain.data.batches import pad
 from posttrain.data.chat import require_chat_template, unpair_preference_dataset
-from posttrain.data.collators import pad
 from posttrain.data.formats import DatasetFormat, check_example, validate_dataset
 from posttrain.data.report import DataReport, cut_column
 from posttrain.data.tokenize import tokenize_example
@@ -122,9 +122,9 @@ class KTOCollator:
             masks += [list(e["kl_completion_mask"]) for e in examples]
         multiple = self.pad_to_multiple_of
         batch = {
-            "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
-            "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
-            "completion_mask": pad(masks, 0, multiple_of=multiple),
+            "input_ids": pad(sequences, self.pad_token_id, pad_to_multiple_of=multiple),
+            "attention_mask": pad([[1] * len(s) for s in sequences], 0, pad_to_multiple_of=multiple),
+            "completion_mask": pad(masks, 0, pad_to_multiple_of=multiple),
             "label": torch.tensor([e["label"] for e in examples], dtype=torch.bool),
         }
         for column in KTOTrainer.ALL_REF_COLUMNS:

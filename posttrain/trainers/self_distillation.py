@@ -19,8 +19,8 @@ from typing import ClassVar
 import torch
 from torch.utils.data import SequentialSampler
 
+from posttrain.data.batches import pad
 from posttrain.data.chat import require_chat_template
-from posttrain.data.collators import pad
 from posttrain.data.formats import is_message_list
 from posttrain.data.report import DataReport
 from posttrain.data.vision import tokenizer_of

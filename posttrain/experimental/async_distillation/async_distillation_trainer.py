@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.data.batches import pad_rows
 from posttrain.errors import ConfigError
 from posttrain.experimental.async_distillation.async_distillation_config import (
     DEFAULT_TEACHER_URL,
@@ -30,7 +31,7 @@ from posttrain.online.async_pipeline import (
     refuse_trl_workers,
 )
 from posttrain.online.engine import Advantages, OnlineTrainer, Rollout
-from posttrain.online.rollout import PROMPT_IDS_COLUMN, pad_rows
+from posttrain.online.rollout import PROMPT_IDS_COLUMN
 
 __all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "LocalTeacher"]
 

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from posttrain.data.batches import pad
 from posttrain.data.chat import render, require_chat_template, unpair_preference_dataset
-from posttrain.data.collators import pad
 from posttrain.data.formats import DatasetFormat, validate_dataset
 from posttrain.data.report import DataReport, cut_column
 from posttrain.errors import ConfigError, DataError

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.data.batches import pad
 from posttrain.data.chat import extract_prompt
-from posttrain.data.collators import pad
 from posttrain.data.formats import DatasetFormat, check_example, validate_dataset
 from posttrain.data.preference import (
     PreferenceCollator,
@@ -109,9 +109,9 @@ class TriplePreferenceCollator(PreferenceCollator):
                 masks.append(mask)
         multiple = self.pad_to_multiple_of
         return {
-            "input_ids": pad(sequences, self.pad_token_id, multiple_of=multiple),
-            "attention_mask": pad([[1] * len(s) for s in sequences], 0, multiple_of=multiple),
-            "completion_mask": pad(masks, 0, multiple_of=multiple),
+            "input_ids": pad(sequences, self.pad_token_id, pad_to_multiple_of=multiple),
+            "attention_mask": pad([[1] * len(s) for s in sequences], 0, pad_to_multiple_of=multiple),
+            "completion_mask": pad(masks, 0, pad_to_multiple_of=multiple),
         }
 
 

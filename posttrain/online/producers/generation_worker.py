@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.data.batches import pad_rows
 from posttrain.generation import Completion, SamplingParams, TransformersBackend
 from posttrain.online.logps import completion_logps
-from posttrain.online.rollout import pad_rows
 from posttrain.online.weights.shared_memory import SharedWeights
 from posttrain.runtime.cores import pin_process
 

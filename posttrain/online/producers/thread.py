@@ -37,10 +37,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from posttrain.data.batches import pad_rows
 from posttrain.generation import create_generation_backend
 from posttrain.models.reference import copy_model, freeze, unwrap
 from posttrain.online.producers.base import ProducerContext, RoundsAhead
-from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode, pad_rows
+from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 
 __all__ = ["ThreadRolloutProducer"]
 
