@@ -362,7 +362,14 @@ def lora_config(model_args: ModelConfig, kind: str, settings: dict[str, Any]):
 def env_command(argv: list[str]) -> int:
     parser = CommandParser(prog="posttrain env", description=TOOLS["env"])
     parser.add_argument("--model", default=None, help="Also show which fast paths this model (name or path) gets.")
+    parser.add_argument("--estimate", default=None, metavar="CONFIG", help="Predict the step and run time of CONFIG.")
+    parser.add_argument("--trainer", default=None, help="--estimate's trainer (default: the file name's start).")
     args = parser.parse_args(argv)
+    if args.estimate is not None:
+        from posttrain.cli.estimate import estimate_report
+
+        print(estimate_report(args.estimate, args.trainer))
+        return 0
     print(environment_report())
     if args.model is not None:
         print(model_fast_paths_report(args.model))
