@@ -33,10 +33,10 @@ WHEELS = REPO / "gpu_wheels"
 # module -> (distribution, minimum version, the wheel that provides it)
 REQUIRED = {
     "transformers": ("transformers", "5.19", "transformers==5.24.0"),
-    "datasets": ("datasets", "4.0", "datasets==5.2.0 (with dill, multiprocess)"),
+    "datasets": ("datasets", "4.7", "datasets==4.8.4 (with dill, multiprocess)"),
     "dill": ("dill", "0.3", "dill==0.4.1"),
     "multiprocess": ("multiprocess", "0.70", "multiprocess==0.70.19"),
-    "pyarrow": ("pyarrow", "24", "pyarrow==26.0.1 (WITH_PYARROW=1 scripts/gpu_wheels.sh)"),
+    "pyarrow": ("pyarrow", "21", "pyarrow>=21 (55 MB: too large to carry beside the others; needs a machine with it)"),
     "peft": ("peft", "0.17", "peft==0.21.2"),
     "accelerate": ("accelerate", "1.10", "accelerate (on the machine)"),
     "trl": ("trl", "1.16", "trl==1.16.0"),

@@ -42,7 +42,7 @@ class _StopOnSignal(TrainerCallback):
 
 class GuardMixin(Trainer):
     def _init_guards(self) -> None:
-        self._nonfinite_loss: float | None = None
+        self._nonfinite_loss: torch.Tensor | None = None  # on the device (training_step)
         self._nonfinite_in_a_row = 0
         self._nonfinite_skipped = 0
         self._signal: int | None = None
@@ -51,22 +51,28 @@ class GuardMixin(Trainer):
     # -- non-finite steps -------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not torch.isfinite(loss):
-            self._nonfinite_loss = float(loss)
+        # On the device, no sync per micro-batch: the step's first non-finite loss (else its last loss), checked
+        # once, with the gradient norm, before the optimizer step.
+        seen, value = self._nonfinite_loss, loss.detach().reshape(())
+        self._nonfinite_loss = value if seen is None else torch.where(torch.isfinite(seen), value, seen)
         return loss
 
     def _get_grad_norm(self, model, grad_norm=None):
-        """Called by transformers right before the optimizer step: the place to decide whether to apply it."""
+        """Called by transformers right before the optimizer step: the place to decide whether to apply it (one
+        host sync a step: the flags below)."""
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        norm = float(grad_norm) if grad_norm is not None else 0.0
-        bad_loss = self._nonfinite_loss
-        self._nonfinite_loss = None
-        flags = torch.tensor([bad_loss is not None, not math.isfinite(norm)], device=self.accelerator.device)
+        loss, self._nonfinite_loss = self._nonfinite_loss, None
+        device = self.accelerator.device
+        norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device).float().reshape(())
+        loss = torch.zeros((), device=device) if loss is None else loss.to(device).float()
+        flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm)])
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags.float(), reduction="sum") > 0
         if not flags.any():
             self._nonfinite_in_a_row = 0
             return grad_norm
+        bad_loss = float(loss) if not math.isfinite(float(loss)) else None
+        norm = float(norm)
         step = self.state.global_step + 1
         what = f"loss {bad_loss}" if bad_loss is not None else f"gradient norm {norm}"
         self._nonfinite_in_a_row += 1
