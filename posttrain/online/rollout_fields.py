@@ -41,7 +41,7 @@ class RolloutBackendFields:
     )
     rollout_request_timeout_s: float = config_field(
         600.0,
-        "rollout_backend='ray': seconds a round or a weight sync may take on an actor before the actor counts as "
-        "hung, is replaced and gets its rounds again.",
+        "Seconds a rollout worker (a rollout actor, or the generation process) may go without answering a round "
+        "(or, an actor, a weight sync) before it counts as hung, is replaced and gets its rounds again.",
         gt=0,
     )
