@@ -71,7 +71,7 @@ def qwen_05b_layout() -> list:
         tie_word_embeddings=True,
     )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return [(dtype, shape, numel) for dtype, shape, numel in flat_layout(model)]
 
 
@@ -146,8 +146,19 @@ def start_actor(model_ref, settings, index: int):
     return actor
 
 
+def wait_alive(actor) -> dict:
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            return ray.get(actor.where.remote(), timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:  # restarting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def connect_and_push(actor, buffers, version: int, name: str):
-    ray.get(actor.where.remote(), timeout=TIMEOUT_S)
+    wait_alive(actor)
     store = open_store(LOOPBACK, TIMEOUT_S)
     ref = actor.connect.remote(LOOPBACK, store.port, TIMEOUT_S)
     sender = GlooSender(store, LOOPBACK, name, TIMEOUT_S)
@@ -160,7 +171,7 @@ def connect_and_push(actor, buffers, version: int, name: str):
 
 def throughput_and_restart(model_path: str, rounds: int, prompts: int, n: int, max_tokens: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     buffers = pack([p for _, p in model.named_parameters()], flat_buffers(flat_layout(model)))
     settings = settings_for(tokenizer, model, max_tokens)
     model_ref = ray.put(model)
@@ -183,6 +194,7 @@ def throughput_and_restart(model_path: str, rounds: int, prompts: int, n: int, m
         tokens = sum(len(c.token_ids) for answer in ray.get(refs) for c in answer.completions)
         seconds = time.perf_counter() - start
         result[f"actors_{count}"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        print(json.dumps(result[f"actors_{count}"]), flush=True)
     start = time.perf_counter()
     ray.kill(actors[0], no_restart=False)
     time.sleep(0.1)
@@ -199,6 +211,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--skip_05b", action="store_true", help="leave out the 0.5B sync (about 1 GB in bf16)")
+    parser.add_argument("--skip_sync", action="store_true", help="only the throughput and the restart")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     from posttrain.models.builtin import builtin_model_path
@@ -227,7 +240,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "sync": [],
     }
-    for name, layout in sizes:
+    for name, layout in [] if options.skip_sync else sizes:
         report["sync"].append(sync_times(name, layout, options.repeats))
         print(json.dumps(report["sync"][-1]), flush=True)
     report["rollouts"] = throughput_and_restart(smollm2, options.rounds, prompts=4, n=2, max_tokens=32)

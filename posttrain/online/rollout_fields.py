@@ -23,7 +23,12 @@ class RolloutBackendFields:
         "(pip install 'posttrain[ray]'; docs/scaling.md).",
         choices=ROLLOUT_BACKENDS,
     )
-    num_rollout_actors: int = config_field(1, "rollout_backend='ray': rollout actors; each round goes to one.", min=1)
+    num_rollout_actors: int = config_field(
+        1,
+        "rollout_backend='ray': rollout actors; each round goes to one. Each samples with async_generation_cores "
+        "threads (None: 1).",
+        min=1,
+    )
     ray_address: str | None = config_field(
         None,
         "rollout_backend='ray': the cluster to join ('auto', or the head's 'IP:6379'); None: a Ray started for "
@@ -36,7 +41,7 @@ class RolloutBackendFields:
     )
     rollout_request_timeout_s: float = config_field(
         600.0,
-        "rollout_backend='ray': seconds a round or a weight sync may take on an actor before the actor counts as "
-        "hung, is replaced and gets its rounds again.",
+        "Seconds a rollout worker (a rollout actor, or the generation process) may go without answering a round "
+        "(or, an actor, a weight sync) before it counts as hung, is replaced and gets its rounds again.",
         gt=0,
     )

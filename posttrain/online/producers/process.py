@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from multiprocessing import connection
 
 import torch
@@ -49,6 +50,7 @@ __all__ = ["ProcessRolloutProducer", "placement"]
 logger = logging.getLogger("posttrain")
 MAX_RESTARTS = 3  # restarts in a row without an answer before training stops
 POLL_S = 0.5  # how often a wait for an answer checks that the process lives
+START_S = 120.0  # added to the answer deadline of a process just started (it imports torch, unpickles the model)
 
 
 def placement(context: ProducerContext, wanted: bool | None) -> tuple[CoreSplit | None, str | None]:
@@ -136,6 +138,8 @@ class ProcessRolloutProducer(RoundsAhead):
         prompt_ids = [row[PROMPT_IDS_COLUMN] for row in rows]
         request = Request(self.next_id, prompt_ids, self.context.args.num_generations, seeds, slot)
         self.next_id += 1
+        if not self.pending:  # an idle process: the deadline of this answer counts from now
+            self.progress = time.monotonic()
         self.pending[request.id] = request
         self.busy.value = 1  # raised here too, so that an update starting before the process reads it borrows nothing
         if self.process is None:
@@ -149,6 +153,8 @@ class ProcessRolloutProducer(RoundsAhead):
         while request_id not in self.answers:
             if self.process is None:
                 self._start()
+            if time.monotonic() - self.progress > self.context.args.rollout_request_timeout_s:
+                self._hung()
             ready = connection.wait([self.results, self.process.sentinel], timeout=POLL_S)
             if self.results in ready:
                 try:
@@ -168,6 +174,16 @@ class ProcessRolloutProducer(RoundsAhead):
         if request is not None:  # else a round dropped meanwhile
             self.answers[message.id] = (request, message)
             self.failures_in_a_row, self.answered = 0, True
+        self.progress = time.monotonic()
+
+    def _hung(self) -> None:
+        """The process lives but answered nothing for rollout_request_timeout_s: ended, then restarted below."""
+        logger.warning(
+            "posttrain: the generation process answered nothing for %g s (rollout_request_timeout_s); ending it.",
+            self.context.args.rollout_request_timeout_s,
+        )
+        self.process.kill()
+        self.process.join()
 
     @staticmethod
     def _episodes(request: Request, result: Result) -> list[Episode]:
@@ -213,6 +229,7 @@ class ProcessRolloutProducer(RoundsAhead):
             daemon=True,
         )
         self.process.start()
+        self.progress = time.monotonic() + START_S  # the deadline of its first answer counts from its start-up
         requests.close()
         results.close()
         if self.split is not None and self._restore is None:
