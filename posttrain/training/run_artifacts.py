@@ -96,19 +96,13 @@ class RunArtifactsCallback(TrainerCallback):
         self._write_model_card(args)
 
     def _write_report(self, args, state) -> None:
-        """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
+        """report.html and its plots; a run without logged metrics only gets a warning."""
         from posttrain.errors import DataError
         from posttrain.training.report import write_report
 
         title = f"{getattr(self.trainer, '_name', 'posttrain')} run: {Path(args.output_dir).resolve().name}"
         try:
             path = write_report(args.output_dir, log_history=state.log_history, title=title)
-        except ImportError:
-            logger.warning(
-                "No report written: matplotlib is not installed (pip install 'posttrain[report]', then "
-                "posttrain report %s), or set write_report=False.",
-                args.output_dir,
-            )
         except DataError as err:
             logger.warning("No report written: %s", err)
         else:
