@@ -2,7 +2,7 @@
 
 - ``metrics.jsonl``: every log entry (train and eval), one JSON object per line, appended and flushed as it is
   logged, so ``posttrain report DIR`` works on a run that saved no checkpoint or was killed;
-- ``report.html`` and its PNG plots at the end of ``train()`` (``write_report=False`` turns this off);
+- ``report.html`` and its SVG plots at the end of ``train()`` (``write_report=False`` turns this off);
 - ``README.md``, a model card, at each checkpoint save and at the end of training.
 
 Only the main process writes. BaseTrainer adds this callback in its ``__init__``.
