@@ -54,7 +54,7 @@ def smollm2_path():
     return builtin_model_path()
 
 
-# The end-of-run report (matplotlib, about 1 s per handful of metrics) is tested by the report tests; elsewhere it
+# The end-of-run report is tested by the report tests; elsewhere it
 # only costs time, so in-process training in the other test modules skips it (subprocess runs still write it).
 REPORT_TEST_MODULES = {"test_report", "test_report_run", "test_report_browser", "test_cli", "test_trackers"}
 

@@ -208,7 +208,7 @@ def test_sft_trains_with_yaml_and_flags_saves_and_reports(runs, workspace, tiny_
     )
     trained = AutoModelForCausalLM.from_pretrained(out)
     assert not torch.equal(trained.get_input_embeddings().weight, _tiny_embeddings(tiny_model_path))
-    for name in ("report.html", "plot_loss.png", "plot_learning_rate.png"):
+    for name in ("report.html", "plot_loss.svg", "plot_learning_rate.svg"):
         assert (out / name).is_file(), name
     assert "posttrain sft: done" in stdout
     assert "steps      3 (epoch" in stdout and "on 1 process(es)" in stdout
@@ -258,12 +258,12 @@ def test_version(runs):
 def test_report_command_rebuilds_the_report_of_a_run(runs, workspace, capsys):
     assert runs("sft")[0] == 0
     out = workspace / "out_sft"
-    for name in ("report.html", "plot_loss.png"):
+    for name in ("report.html", "plot_loss.svg"):
         (out / name).unlink()
     assert cli.main(["report", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out / "report.html")
-    assert "plot_loss.png" in (out / "report.html").read_text()
-    assert (out / "plot_loss.png").is_file()
+    assert "plot_loss.svg" in (out / "report.html").read_text()
+    assert (out / "plot_loss.svg").is_file()
 
 
 @pytest.mark.slow

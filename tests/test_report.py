@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import subprocess
@@ -171,40 +170,32 @@ def test_every_metric_key_is_plotted_and_run_statistics_are_not():
     assert plotted == numeric - run_statistics - {"step", "epoch"}
 
 
-def _drawn_lines(figure) -> dict[str, tuple[list, list]]:
+def _drawn_lines(chart) -> dict[str, tuple[list, list]]:
     """Every labelled data line of every panel (reference levels drawn for one-point series are unlabelled)."""
-    return {
-        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-        for axes in figure.axes
-        for line in axes.get_lines()
-        if not line.get_label().startswith("_")
-    }
+    return {line.label: (list(line.xs), list(line.ys)) for panel in chart.panels for line in panel.lines}
 
 
 def test_figures_draw_exactly_the_grouped_series():
     for name, lines in metric_groups(HISTORY).items():
         figure = plot_group(name, lines)
         assert _drawn_lines(figure) == EXPECTED_GROUPS[name]
-        assert figure.get_suptitle() == name
+        assert figure.title == name
 
 
 def test_each_quantity_has_its_own_panel_and_scale():
     """A train metric shares a panel only with its eval twin; every panel scales to its own data."""
     figure = plot_group("rewards", metric_groups(HISTORY)["rewards"])
-    panels = {
-        axes.get_title(): sorted(line.get_label() for line in axes.get_lines() if not line.get_label().startswith("_"))
-        for axes in figure.axes
-    }
+    panels = {panel.title: sorted(line.label for line in panel.lines) for panel in figure.panels}
     assert panels == {
         "rewards/accuracy/mean": ["rewards/accuracy/mean"],
         "rewards/accuracy/std": ["rewards/accuracy/std"],
         "rewards/margins": ["eval_rewards/margins", "rewards/margins"],
         "rewards/accuracies": ["rewards/accuracies"],
     }
-    assert all(axes.get_xlabel() == "step" for axes in figure.axes)
+    assert all(panel.xlabel == "step" for panel in figure.panels)
     figure = plot_group("mixed", {"big": Series([1, 2], [1000.0, 2000.0]), "small": Series([1, 2], [0.001, 0.002])})
-    big, small = figure.axes
-    assert big.get_ylim()[0] > 500 and small.get_ylim()[1] < 0.01
+    big, small = figure.boxes()
+    assert big.ylim == (950.0, 2050.0) and small.ylim == pytest.approx((0.00095, 0.00205))
 
 
 def test_a_metric_logged_once_is_drawn_as_a_line_not_a_dot():
@@ -213,11 +204,13 @@ def test_a_metric_logged_once_is_drawn_as_a_line_not_a_dot():
     history = [{"loss": 2.0, "entropy": 1.5, "step": 3}, {"eval_loss": 1.5, "step": 3}]
     groups = metric_groups(history)
     assert groups["loss"]["loss"].window_start == 0 and groups["loss"]["eval_loss"].window_start == 3
-    loss_axes = plot_group("loss", groups["loss"]).axes[0]
-    (segment,) = loss_axes.collections
-    assert [list(map(list, path)) for path in segment.get_segments()] == [[[0.0, 2.0], [3.0, 2.0]]]
-    levels = [line for line in loss_axes.get_lines() if line.get_label().startswith("_")]
-    assert [list(line.get_ydata()) for line in levels] == [[1.5, 1.5]]
+    (loss_panel,) = plot_group("loss", groups["loss"]).panels
+    # The train value spans its window (solid, 0 to 3); the eval value is a dotted level across the panel.
+    assert [(level.x0, level.x1, level.y, level.dotted) for level in loss_panel.levels] == [
+        (0, 3, 2.0, False),
+        (None, None, 1.5, True),
+    ]
+    assert [level.color for level in loss_panel.levels] == [line.color for line in loss_panel.lines]
     # A later window starts at the previous train log, not at the eval row in between.
     later = metric_groups(
         [{"loss": 1.0, "step": 2}, {"eval_loss": 1.0, "step": 2}, {"loss": 1.0, "kl": 0.5, "step": 5}]
@@ -231,8 +224,8 @@ def test_reward_model_paths_become_short_names():
     assert display_name("rewards/accuracy/mean") == "rewards/accuracy/mean"
     assert display_name("loss") == "loss"
     figure = plot_group("rewards", {"rewards/org/RM/mean": Series([1, 2], [0.5, 0.75])})
-    assert figure.axes[0].get_title() == "rewards/RM/mean"
-    assert [line.get_label() for line in figure.axes[0].get_lines()] == ["rewards/RM/mean"]
+    assert figure.panels[0].title == "rewards/RM/mean"
+    assert [line.label for line in figure.panels[0].lines] == ["rewards/RM/mean"]
 
 
 def test_write_report_embeds_every_plot_and_summarises_the_run(tmp_path, monkeypatch):
@@ -250,16 +243,18 @@ def test_write_report_embeds_every_plot_and_summarises_the_run(tmp_path, monkeyp
     assert report == tmp_path / "report.html"
     page = report.read_text(encoding="utf-8")
 
-    pngs = sorted(path.name for path in tmp_path.glob("*.png"))
-    expected_names = {f"plot_{name}.png" for name in EXPECTED_GROUPS}
-    assert set(pngs) == expected_names
+    svgs = sorted(path.name for path in tmp_path.glob("plot_*"))
+    assert set(svgs) == {f"plot_{name}.svg" for name in EXPECTED_GROUPS}
     for name, lines in EXPECTED_GROUPS.items():
-        data = (tmp_path / f"plot_{name}.png").read_bytes()
-        assert data.startswith(b"\x89PNG\r\n\x1a\n")
-        assert f"data:image/png;base64,{base64.b64encode(data).decode()}" in page
-        assert f'title="plot_{name}.png"' in page
-        assert f'alt="{name}: {", ".join(lines)}"' in page
-    assert "http://" not in page and "https://" not in page and "<script" not in page
+        inline = saved[name].svg(name=f"plot_{name}")
+        assert inline in page  # the page carries the chart itself
+        saved_file = (tmp_path / f"plot_{name}.svg").read_text()
+        assert saved_file == inline.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1)
+        assert f'title="plot_{name}.svg"' in page
+        assert f'aria-label="{name}: {", ".join(lines)}"' in page
+    page_without_namespace = page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "http://" not in page_without_namespace and "https://" not in page and "<script" not in page
+    assert "<img" not in page and "png" not in page.lower()
 
     assert re.search(r"<th>Steps</th><td>4</td>", page)
     assert re.search(r"<th>Epochs</th><td>1</td>", page)
@@ -278,13 +273,13 @@ def test_write_report_embeds_every_plot_and_summarises_the_run(tmp_path, monkeyp
 def test_plot_file_names_are_unique_safe_slugs(tmp_path):
     line = {"x": Series([1], [1.0])}
     paths = save_plots({"Reward Fn (v2)": line, "a-b": line, "a b": line, "///": line}, tmp_path)
-    assert {name: path.name for name, path in paths.items()} == {
-        "Reward Fn (v2)": "plot_reward_fn_v2.png",
-        "a-b": "plot_a_b.png",
-        "a b": "plot_a_b_2.png",
-        "///": "plot_metric.png",
+    assert {name: path.name for name, (path, _) in paths.items()} == {
+        "Reward Fn (v2)": "plot_reward_fn_v2.svg",
+        "a-b": "plot_a_b.svg",
+        "a b": "plot_a_b_2.svg",
+        "///": "plot_metric.svg",
     }
-    assert all(path.is_file() for path in paths.values())
+    assert all(path.is_file() for path, _ in paths.values())
 
 
 def test_newest_checkpoint_is_the_fallback_and_top_level_state_wins(tmp_path):
@@ -387,13 +382,6 @@ def test_bad_inputs_name_the_problem(tmp_path):
     (tmp_path / "completions.jsonl").write_text('{"step": 1, "completion": "ok"}\n{"step": 2}\n')
     with pytest.raises(DataError, match="line 2 must be a JSON object"):
         sample_completions(tmp_path / "completions.jsonl")
-
-
-def test_missing_matplotlib_names_the_install(monkeypatch):
-    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
-        monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(ImportError, match="pip install matplotlib"):
-        plot_group("loss", {"loss": Series([1], [1.0])})
 
 
 def test_import_does_not_load_matplotlib():

@@ -1,5 +1,5 @@
 """The report of a real run, opened in a real headless browser (Debian's chromium, driven over the DevTools
-protocol on a pipe): the page loads, every plot decodes to an image, nothing is logged as an error."""
+protocol on a pipe): the page loads, every inline SVG plot lays out with its lines, nothing is logged as an error."""
 
 from __future__ import annotations
 
@@ -98,7 +98,9 @@ class Browser:
         script = (
             "JSON.stringify({title: document.title, h2: [...document.querySelectorAll('h2')].map(h => "
             "h.textContent), images: [...document.images].map(i => [i.complete, i.naturalWidth, "
-            "i.naturalHeight])})"
+            "i.naturalHeight]), svgs: [...document.querySelectorAll('svg')].map(s => {const r = "
+            "s.getBoundingClientRect(); return [r.width, r.height, s.querySelectorAll('polyline').length, "
+            "[...s.querySelectorAll('polyline')].every(p => p.points.length > 0 && p.getTotalLength() >= 0)]})})"
         )
         page = json.loads(
             self.send("Runtime.evaluate", session, expression=script, returnByValue=True)["result"]["value"]
@@ -164,11 +166,15 @@ def test_a_python_api_run_report_renders_in_a_browser(tmp_path, tiny_model_path,
         disable_tqdm=True,
     )
     SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list(rows)).train()
-    plots = sorted(path.name for path in (tmp_path / "out").glob("plot_*.png"))
-    assert "plot_loss.png" in plots
+    plots = sorted(path.name for path in (tmp_path / "out").glob("plot_*.svg"))
+    assert "plot_loss.svg" in plots
     seen = browser.open((tmp_path / "out" / "report.html").as_uri())
     assert seen["title"] == "SFT run: out"
     assert seen["h2"] == ["Summary", "Plots"]
-    assert len(seen["images"]) == len(plots)
-    assert all(complete and width > 0 and height > 0 for complete, width, height in seen["images"]), seen["images"]
+    assert seen["images"] == []
+    assert len(seen["svgs"]) == len(plots)
+    assert all(width > 0 and height > 0 and lines > 0 and drawn for width, height, lines, drawn in seen["svgs"]), seen
+    # A saved plot file opens on its own too (it carries the SVG namespace).
+    alone = browser.open((tmp_path / "out" / "plot_loss.svg").as_uri())
+    assert len(alone["svgs"]) == 1 and alone["svgs"][0][2] > 0 and alone["errors"] == []
     assert seen["errors"] == []

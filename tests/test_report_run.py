@@ -46,7 +46,7 @@ def test_a_python_api_run_leaves_metrics_report_and_model_card(tmp_path, tiny_mo
     # max_steps=3, logging_steps=2: step 2, then the last partial window (step 3) is logged too, then the summary.
     assert [row["step"] for row in history] == [2, 3, 3] and "loss" in history[1] and "train_loss" in history[2]
     assert _jsonl(out / "metrics.jsonl") == history
-    assert (out / "report.html").is_file() and (out / "plot_loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "report.html").is_file() and (out / "plot_loss.svg").read_text().startswith("<svg ")
     card = (out / "README.md").read_text()
     assert "trained with **SFT**" in card and f"`{tiny_model_path}`" in card
     assert f"| `loss` | {history[1]['loss']:.6g} |" in card
@@ -56,7 +56,7 @@ def test_write_report_false_keeps_metrics_but_writes_no_report(tmp_path, tiny_mo
     trainer = _run(tmp_path, tiny_model_path, write_report=False)
     out = tmp_path / "out"
     assert _jsonl(out / "metrics.jsonl") == trainer.state.log_history
-    assert not (out / "report.html").exists() and not list(out.glob("plot_*.png"))
+    assert not (out / "report.html").exists() and not list(out.glob("plot_*"))
 
 
 def test_python_m_posttrain_report_works_without_any_saved_state(tmp_path, tiny_model_path):

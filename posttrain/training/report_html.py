@@ -1,9 +1,8 @@
-"""The training report's page: report.html's template and its sections (the run's summary table, the embedded
+"""The training report's page: report.html's template and its sections (the run's summary table, the inline SVG
 plots, sample completions with tool-calling transcripts marked), as HTML text."""
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import math
@@ -24,7 +23,7 @@ th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertic
 th {{ background: #f3f3f3; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 figure {{ display: inline-block; margin: 0.5em; }}
-figure img {{ max-width: 100%; }}
+figure svg {{ max-width: 100%; height: auto; display: block; }}
 figcaption {{ font-size: 0.85em; color: #555; }}
 pre {{ white-space: pre-wrap; max-height: 20em; overflow: auto; margin: 0; }}
 .meta {{ color: #666; }}
@@ -77,16 +76,14 @@ def summary_html(log_history: list[dict[str, Any]]) -> str:
     )
 
 
-def plots_html(groups: dict[str, dict[str, Series]], plots: dict[str, Path]) -> str:
-    """Each PNG embedded as a data URI (the page opens offline), named in its title and listing its keys."""
+def plots_html(groups: dict[str, dict[str, Series]], plots: dict[str, tuple[Path, Any]]) -> str:
+    """Each plot inlined as SVG markup (the page opens offline), captioned with its file's name and its keys."""
     figures = []
-    for name, path in plots.items():
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
+    for name, (path, chart) in plots.items():
         keys = html.escape(", ".join(map(display_name, groups[name])), quote=True)
         figures.append(
-            f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(name, quote=True)}: {keys}" '
-            f'title="{html.escape(path.name, quote=True)}">'
-            f"<figcaption>{html.escape(path.name)}: {keys}</figcaption></figure>"
+            f'<figure title="{html.escape(path.name, quote=True)}" aria-label="{html.escape(name, quote=True)}: '
+            f'{keys}">{chart.svg(name=path.stem)}<figcaption>{html.escape(path.name)}: {keys}</figcaption></figure>'
         )
     return "<h2>Plots</h2>\n" + "\n".join(figures)
 

@@ -2,7 +2,7 @@
 
 - ``metrics.jsonl``: every log entry (train and eval), one JSON object per line, appended and flushed as it is
   logged, so ``posttrain report DIR`` works on a run that saved no checkpoint or was killed;
-- ``report.html`` and its PNG plots at the end of ``train()`` (``write_report=False`` turns this off);
+- ``report.html`` and its SVG plots at the end of ``train()`` (``write_report=False`` turns this off);
 - ``README.md``, a model card, at each checkpoint save and at the end of training.
 
 Only the main process writes. BaseTrainer adds this callback in its ``__init__``.
@@ -96,19 +96,13 @@ class RunArtifactsCallback(TrainerCallback):
         self._write_model_card(args)
 
     def _write_report(self, args, state) -> None:
-        """report.html and the plots; a run without matplotlib or without logged metrics only gets a warning."""
+        """report.html and its plots; a run without logged metrics only gets a warning."""
         from posttrain.errors import DataError
         from posttrain.training.report import write_report
 
         title = f"{getattr(self.trainer, '_name', 'posttrain')} run: {Path(args.output_dir).resolve().name}"
         try:
             path = write_report(args.output_dir, log_history=state.log_history, title=title)
-        except ImportError:
-            logger.warning(
-                "No report written: matplotlib is not installed (pip install 'posttrain[report]', then "
-                "posttrain report %s), or set write_report=False.",
-                args.output_dir,
-            )
         except DataError as err:
             logger.warning("No report written: %s", err)
         else:
