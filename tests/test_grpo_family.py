@@ -310,6 +310,16 @@ def test_a2po_config_matches_trl_fields_and_refuses_grpo_only_options(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name", ["tools", "rollout_func", "environment_factory"])
+def test_a2po_refuses_the_online_trainers_episode_arguments_by_name(tmp_path, name):
+    """A2PO's V*(x) is estimated from plain samples of the dataset's prompts and regressed on one plain completion
+    per prompt; tools, a custom rollout or environments would break that, so each is refused by name before any
+    model is loaded (the model argument here is not even a model)."""
+    args = A2POConfig(output_dir=str(tmp_path), use_cpu=True)
+    with pytest.raises(posttrain.errors.ConfigError, match=f"A2POTrainer does not take {name}=: .*Leave {name} out"):
+        A2POTrainer("not-a-model", [lambda **kw: [0.0]], args=args, **{name: lambda *a, **k: None})
+
+
 TARGETS = {298, 299, 300, 301}
 
 

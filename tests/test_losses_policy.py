@@ -14,7 +14,6 @@ from posttrain.losses.policy import (
     entropy_from_logits,
     kl_k3,
     policy_objective,
-    truncated_importance_weights,
     vespo_weights,
 )
 from posttrain.losses.token_weights import high_entropy_mask, off_policy_sequence_mask, sampler_importance_weights
@@ -272,16 +271,6 @@ def test_entropy_with_banned_tokens_has_finite_gradient():
     assert_close(entropy, math.log(2))
     entropy.backward()
     assert torch.isfinite(logits.grad).all()
-
-
-def test_truncated_importance_weights():
-    trainer_logps = as_tensor([0.0, 0.0, 0.0], requires_grad=True)
-    sampler_logps = as_tensor([math.log(2), -math.log(3), 0.0])
-    weights = truncated_importance_weights(trainer_logps, sampler_logps, cap=2.0)
-    assert_close(weights, [0.5, 2.0, 1.0])  # exp(ln 3) = 3 is capped at 2
-    assert not weights.requires_grad
-    with pytest.raises(ConfigError, match="cap=0"):
-        truncated_importance_weights(trainer_logps, sampler_logps, cap=0)
 
 
 # -- GRPO's loss types, against a plain-Python float64 reference ----------------------------------------------

@@ -1,5 +1,6 @@
-"""The one NaN-skipping standard deviation (losses/reductions.py), used by the advantages, the online metrics and
-TRL's `trl.trainer.utils.nanstd` face: NaN where fewer than two values remain, as torch.std of one value."""
+"""The one NaN-skipping standard deviation and the one masked mean (losses/reductions.py). nanstd, used by the
+advantages, the online metrics and TRL's `trl.trainer.utils.nanstd` face: NaN where fewer than two values remain, as
+torch.std of one value. masked_mean: 0 over an empty mask."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.losses.advantages import decoupled_advantages
-from posttrain.losses.reductions import nanstd
+from posttrain.losses.reductions import masked_mean, nanstd
 
 NAN = float("nan")
 
@@ -55,3 +56,21 @@ def test_decoupled_advantages_use_the_same_nanstd():
     summed = torch.nansum(normalised * weights, dim=-1).view(-1)
     want = (summed - summed.mean()) / (summed.std() + 1e-4)
     assert torch.allclose(got, want, equal_nan=True)
+
+
+def test_masked_mean_over_all_positions_a_dimension_and_an_empty_mask():
+    values = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    assert masked_mean(values, mask).item() == (1.0 + 4.0) / 2
+    assert masked_mean(values, mask.bool()).item() == 2.5
+    assert masked_mean(values, mask, dim=-1).tolist() == [2.5, 0.0]  # the empty row is 0, not NaN
+    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+    # fractional weights: a weighted mean, the weight total clamped to at least 1
+    assert masked_mean(values[0], torch.tensor([0.5, 0.5, 1.0])).item() == (0.5 + 1.0 + 4.0) / 2
+    assert masked_mean(values[0], torch.tensor([0.25, 0.0, 0.25])).item() == 0.25 + 1.0
+
+
+def test_masked_mean_keeps_the_gradient_of_the_kept_positions_only():
+    values = torch.tensor([3.0, 5.0, 7.0], requires_grad=True)
+    masked_mean(values, torch.tensor([1.0, 1.0, 0.0])).backward()
+    assert values.grad.tolist() == [0.5, 0.5, 0.0]

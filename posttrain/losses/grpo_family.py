@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from posttrain.losses.policy import clip_stats, kl_k3, masked_mean
+from posttrain.losses.policy import clip_stats, kl_k3
+from posttrain.losses.reductions import masked_mean
 
 
 def gmpo_objective(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.errors import ConfigError
+from posttrain.losses.reductions import masked_mean
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 
@@ -43,11 +44,6 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     if estimator not in ("k1", "k3"):
         raise ConfigError(f"kl_estimator={estimator!r} must be 'k1' or 'k3'.")
     return logps - ref_logps if estimator == "k1" else kl_k3(logps, ref_logps)
-
-
-def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The mean of `values` over the positions where `valid` is 1 (0 when there are none)."""
-    return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
 def _choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
@@ -481,15 +477,3 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
     logps = torch.log_softmax(logits, dim=-1)
     finite_logps = logps.masked_fill(torch.isneginf(logps), 0.0)
     return -(logps.exp() * finite_logps).sum(dim=-1)
-
-
-def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Per-token weights min(exp(trainer_logps - sampler_logps), cap), detached.
-
-    They correct for the sampler (e.g. vLLM) and the trainer computing slightly different probabilities
-    for the same tokens; the cap bounds the variance (truncated importance sampling).
-    """
-    if cap <= 0:
-        raise ConfigError(f"importance-sampling cap={cap} must be > 0 (typical: 2.0).")
-    with torch.no_grad():
-        return torch.exp(trainer_logps - sampler_logps).clamp(max=cap)

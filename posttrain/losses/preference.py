@@ -17,6 +17,7 @@ from torch import Tensor
 
 from posttrain.errors import ConfigError, DataError
 from posttrain.losses.dpo_types import DPO_LOSS_TYPES, DPO_LOSSES, PairScores
+from posttrain.losses.reductions import masked_mean
 
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
@@ -266,7 +267,7 @@ def wpo_weights(token_logps: Tensor, token_log_sum_sq_probs: Tensor, mask: Tenso
     of its chosen and rejected sequences' weights.
     """
     mask = mask.to(token_logps.dtype)
-    aligned = ((token_logps - token_log_sum_sq_probs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    aligned = masked_mean(token_logps - token_log_sum_sq_probs, mask, dim=-1)
     return torch.exp(aligned).detach()
 
 

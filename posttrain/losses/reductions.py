@@ -1,4 +1,5 @@
-"""Reductions that skip NaN entries (a NaN marks "no value", e.g. a reward function that did not apply)."""
+"""Reductions that skip entries: NaN entries (a NaN marks "no value", e.g. a reward function that did not apply),
+and masked-out positions (`masked_mean`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,12 @@ def nanmax(tensor: torch.Tensor) -> torch.Tensor:
     """The largest non-NaN entry; NaN when every entry is NaN."""
     present = tensor[~torch.isnan(tensor)]
     return present.max() if present.numel() else torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(values x mask) / sum(mask), over `dim` or all positions; 0 where the mask is empty (the sum of the mask
+    is clamped to at least 1, so a mask of fractional weights summing below 1 is not scaled up). The mask may be
+    bool, integer or float; the result has the promoted dtype of values x mask."""
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)

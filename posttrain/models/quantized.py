@@ -10,12 +10,6 @@ from __future__ import annotations
 from torch import nn
 
 
-def is_quantized(model: nn.Module) -> bool:
-    """Whether `model` (or the model inside a PEFT wrapper) was loaded in 4 or 8 bit."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
-
-
 def keep_training_layout(model: nn.Module) -> int:
     """Turns off bitsandbytes' CPU inference repacking on every 4-bit layer of `model`; returns how many."""
     count = 0

@@ -8,6 +8,7 @@ import torch
 
 from posttrain.generation.vllm_backend import sampler_mismatch_metrics
 from posttrain.losses.policy import aggregate_loss, objective_metrics, policy_objective
+from posttrain.losses.reductions import masked_mean
 from posttrain.losses.token_weights import sampler_importance_weights, sampler_ratio_metrics
 from posttrain.online.logps import completion_logps
 
@@ -30,7 +31,7 @@ class OnlineLoss:
         loss, metrics = self.policy_loss(inputs, logps, entropy)
         loss = self.add_router_aux_loss(loss, outputs[0] if outputs else None, metrics)
         mask = inputs["loss_mask"].to(entropy.dtype)
-        metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
         self.record_metrics(metrics)
         return (loss, None) if return_outputs else loss
 

@@ -29,6 +29,7 @@ from posttrain.losses.advantages import (
     group_advantages,
 )
 from posttrain.losses.policy import POLICY_LOSSES, VespoParams
+from posttrain.losses.reductions import masked_mean
 from posttrain.losses.token_weights import (
     high_entropy_mask,
     off_policy_sequence_mask,
@@ -332,7 +333,7 @@ class GRPOTrainer(OnlineTrainer):
         mean scaled for accumulation, the same for every loss_type); adapts the coefficient after each step."""
         tokens = tokens.to(entropy.dtype)
         steps = self.args.gradient_accumulation_steps if self.model.training else 1
-        mean_entropy = (entropy * tokens).sum() / tokens.sum().clamp(min=1)
+        mean_entropy = masked_mean(entropy, tokens)
         controller = self.entropy_controller
         coef = self.args.entropy_coef if controller is None else controller.applied_coef()
         metrics["policy_loss"] = loss.detach() * steps / self.accelerator.num_processes

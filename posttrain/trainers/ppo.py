@@ -30,6 +30,7 @@ from posttrain.errors import ConfigError
 from posttrain.generation import create_generation_backend, stop_token_ids
 from posttrain.losses.advantages import AdaptiveKLController, FixedKLController, gae, whiten
 from posttrain.losses.policy import aggregate_loss, clipped_value_loss, entropy_from_logits, kl_estimate
+from posttrain.losses.reductions import masked_mean
 from posttrain.models.loading import load_causal_lm, load_sequence_classifier, load_tokenizer
 from posttrain.models.reference import copy_model, freeze, reference_forward, unwrap
 from posttrain.models.value_head import (  # VALUE_MODEL_DIR is re-exported
@@ -399,9 +400,9 @@ class PPOTrainer(OnlineTrainer):
                     **policy_metrics,
                     "loss/policy": policy_loss * steps,
                     "loss/value": value_loss * steps,
-                    "value/clipfrac": _masked_mean(value_clipped.to(weights.dtype), weights),
-                    "policy/approxkl": _masked_mean(0.5 * log_ratio**2, weights),
-                    "entropy": _masked_mean(entropy.detach(), weights),
+                    "value/clipfrac": masked_mean(value_clipped.to(weights.dtype), weights),
+                    "policy/approxkl": masked_mean(0.5 * log_ratio**2, weights),
+                    "entropy": masked_mean(entropy.detach(), weights),
                 }
             )
         return (loss, None) if return_outputs else loss
@@ -478,10 +479,6 @@ def _load_reward_models(reward_funcs, reward_processing_classes: list | None) ->
 def _completion_values(outputs: CausalLMWithValueOutput, width: int) -> torch.Tensor:
     """The values [B, width] of the positions that predict the completion tokens (as the kept logits are)."""
     return outputs.values[:, -(width + 1) : -1]
-
-
-def _masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

@@ -31,6 +31,7 @@ from posttrain.runtime.paths import fast_path_on
 from posttrain.trainers.sft_config import SFTConfig
 from posttrain.training.base import BaseTrainer, setup_router_aux_loss
 from posttrain.training.metric_values import as_floats
+from posttrain.training.run_artifacts import default_output_dir
 from posttrain.training.streaming import is_prepared, prepare_any
 from posttrain.training.vision import VisionSetup
 
@@ -40,7 +41,7 @@ def _sft_args(args, model) -> SFTConfig:
     carried over into an SFTConfig."""
     if args is None:
         name = model if isinstance(model, str) else model.config._name_or_path
-        return SFTConfig(f"{str(name).rstrip('/').split('/')[-1]}-SFT")
+        return SFTConfig(default_output_dir(name, "SFT"))
     if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
         values = args.to_dict()
         values["hub_token"] = args.hub_token  # to_dict hides it

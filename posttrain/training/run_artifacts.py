@@ -115,3 +115,9 @@ class RunArtifactsCallback(TrainerCallback):
             write_model_card(self.trainer, args.output_dir)
         except OSError as err:  # a card is documentation: a full disk or read-only dir must not stop training
             logger.warning("No model card written to %s: %s", args.output_dir, err)
+
+
+def default_output_dir(name, method: str) -> str:
+    """TRL's default output_dir when no config is given: the last part of the model's name or path, then the
+    method ("Qwen/Qwen2-0.5B/" with "SFT" -> "Qwen2-0.5B-SFT")."""
+    return f"{str(name).rstrip('/').split('/')[-1]}-{method}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.errors import DataError
+from posttrain.errors import ConfigError, DataError
 from posttrain.experimental.a2po.a2po_config import A2POConfig
 from posttrain.generation.base import derive_seed
 from posttrain.losses.grpo_family import a2po_loss, a2po_optimal_values
@@ -23,6 +23,25 @@ from posttrain.trainers.grpo import GRPOTrainer
 __all__ = ["A2POConfig", "A2POTrainer"]
 
 _STAGE1_TAG = 20250526  # keeps Stage 1's sampling seeds apart from the rounds'
+
+# Why A2PO takes none of the online trainer's episode arguments (TRL's A2POTrainer has none of them either).
+_REFUSED = {
+    "tools": "a tool-calling episode's completion interleaves tool output with the policy's tokens, while "
+    "A2PO regresses log pi(y|x) of one plain completion on r - V*(x), V* estimated from plain samples",
+    "rollout_func": "a custom rollout replaces the sampler that Stage 1 (V* from the reference's samples) and "
+    "Stage 2 (one completion per prompt) share, and may return prompts V* was not estimated for",
+    "environment_factory": "an environment gives its own reward and turns, so V*(x) estimated from the reward "
+    "functions' scores of Stage 1's samples would not be the value of the episodes Stage 2 trains on",
+}
+
+
+def _refuse_episode_arguments(**given) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigError(
+                f"A2POTrainer does not take {name}=: {_REFUSED[name]}. Leave {name} out, or train with "
+                "GRPOTrainer, which takes it."
+            )
 
 
 class A2POTrainer(GRPOTrainer):
@@ -44,7 +63,12 @@ class A2POTrainer(GRPOTrainer):
         reward_processing_classes=None,
         peft_config=None,
         quantization_config=None,
+        *,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
     ):
+        _refuse_episode_arguments(tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
         super().__init__(
             model,
             reward_funcs,

@@ -32,6 +32,7 @@ from posttrain.online.async_pipeline import (
 )
 from posttrain.online.engine import Advantages, OnlineTrainer, Rollout
 from posttrain.online.rollout import PROMPT_IDS_COLUMN
+from posttrain.training.run_artifacts import default_output_dir
 
 __all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "LocalTeacher"]
 
@@ -90,7 +91,7 @@ class AsyncDistillationTrainer(OnlineTrainer):
         refuse_trl_workers("AsyncDistillationTrainer", rollout_worker, weight_transfer)
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
-            args = AsyncDistillationConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-AsyncDistillation")
+            args = AsyncDistillationConfig(output_dir=default_output_dir(name, "AsyncDistillation"))
         apply_dtype(model, args)
         self._scored: dict[tuple, tuple] = {}  # the teacher's answers for the round's sequences
         if teacher_model is not None and args.teacher_server_urls is not None:

@@ -22,6 +22,7 @@ from posttrain.online.async_pipeline import (
 )
 from posttrain.online.rollout import Advantages, Rollout
 from posttrain.trainers.grpo import GRPOTrainer
+from posttrain.training.run_artifacts import default_output_dir
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "population_group_advantages"]
 
@@ -52,7 +53,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         refuse_trl_workers("AsyncGRPOTrainer", rollout_worker, weight_transfer)
         if args is None:
             name = model if isinstance(model, str) else type(model).__name__
-            args = AsyncGRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-AsyncGRPO")
+            args = AsyncGRPOConfig(output_dir=default_output_dir(name, "AsyncGRPO"))
         apply_dtype(model, args)
         super().__init__(
             model,

@@ -15,6 +15,7 @@ import torch
 
 from posttrain.experimental.orpo.orpo_config import ORPOConfig
 from posttrain.losses.logprobs import next_token_logps
+from posttrain.losses.reductions import masked_mean
 from posttrain.losses.reference_free import log1mexp, orpo_loss
 from posttrain.models.layouts import sequence_index
 from posttrain.training.reference_free import ReferenceFreeTrainer
@@ -58,7 +59,7 @@ def full_sequence_nll(logits: torch.Tensor, batch: dict, pairs: int) -> torch.Te
         mask = (batch["position_ids"] > 0) & (sequence_index(batch) < pairs)
     mask = mask.to(torch.float32)
     token_logps = next_token_logps(logits, ids)
-    return -(token_logps * mask).sum() / mask.sum().clamp(min=1)
+    return -masked_mean(token_logps, mask)
 
 
 __all__ = ["ORPOConfig", "ORPOTrainer", "log1mexp"]
