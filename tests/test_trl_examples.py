@@ -24,7 +24,7 @@ def test_import_switch_rewrites_every_trl_import():
     )
     assert examples.switch_imports(source) == (
         "import posttrain as trl\nfrom posttrain import DPOConfig\nfrom posttrain.experimental.cpo import CPOTrainer\n"
-        "import posttrain.rewards as trl\nimport trlx\n"
+        "import posttrain.rewards, posttrain as trl\nimport trlx\n"
     )
 
 

@@ -140,7 +140,7 @@ def switch_imports(source: str) -> str:
     source = re.sub(r"^(\s*)from trl(\.|\s)", r"\1from posttrain\2", source, flags=re.M)
     return re.sub(
         r"^(\s*)import trl(\.\S+)?(\s|$)",
-        lambda m: f"{m[1]}import posttrain{m[2] or ''} as trl{m[3]}",
+        lambda m: f"{m[1]}import {'posttrain' + m[2] + ', ' if m[2] else ''}posttrain as trl{m[3]}",
         source,
         flags=re.M,
     )
