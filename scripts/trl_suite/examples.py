@@ -76,6 +76,8 @@ SCRIPTS: dict[str, list[str]] = {
         "--model_name_or_path", POLICY, "--dataset_name", "{data:sdft}", "--max_completion_length", "8",
         "--num_generations", "2",
     ],
+    "sft_vlm.py": ["--model_name_or_path", "{data:vlm_model}", "--dataset_name", "{data:vlm_messages}"],
+    "dpo_vlm.py": ["--model_name_or_path", "{data:vlm_model}", "--dataset_name", "{data:vlm_preference}"],
 }  # fmt: skip
 SKIPPED = {
     "async_grpo.py": "needs a running vLLM server (the rollout worker talks to it over HTTP) and openai/gsm8k",
@@ -95,9 +97,7 @@ SKIPPED = {
     "gspo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
     "rloo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
     "online_dpo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
-    "sft_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
     "sft_vlm_gemma3.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM)",
-    "dpo_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
     "mpo_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
 }
 # Folders of examples/scripts: OpenEnv, Harbor, OpenReward (environment servers), PPO (its own scripts' set-up).
@@ -125,7 +125,7 @@ def write_datasets(root: Path) -> dict[str, str]:
             for i in range(8)
         ],
     }  # fmt: skip
-    paths = {}
+    paths = write_vision_datasets(root)
     for name, rows in sets.items():
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -133,6 +133,40 @@ def write_datasets(root: Path) -> dict[str, str]:
             (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
         paths[name] = str(folder)
     return paths
+
+
+def write_vision_datasets(root: Path) -> dict[str, str]:
+    """A tiny LLaVA (posttrain/models/tiny_vlm.py) and two image data sets (parquet: the Image feature survives)."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    from posttrain.models.tiny_vlm import build_tiny_llava
+
+    def image(i: int):
+        return Image.fromarray((np.random.RandomState(i).rand(32, 32, 3) * 255).astype("uint8"))
+
+    def user(i: int) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is {i}?"}]}]
+
+    def assistant(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    sets = {
+        "vlm_messages": [{"images": [image(i)], "messages": user(i) + assistant(f"digit {i}")} for i in range(8)],
+        "vlm_preference": [
+            {"images": [image(i)], "prompt": user(i), "chosen": assistant(f"digit {i}"), "rejected": assistant("a cat")}
+            for i in range(8)
+        ],
+    }
+    paths = {"vlm_model": build_tiny_llava(root / "tiny_llava")}
+    for name, rows in sets.items():
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, part in (("train", rows[:6]), ("test", rows[6:])):
+            Dataset.from_list(part).to_parquet(str(folder / f"{split}.parquet"))
+        paths[name] = str(folder)
+    return {k: str(v) for k, v in paths.items()}
 
 
 def switch_imports(source: str) -> str:
@@ -215,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"status": "skipped", "reason": reason}
         for folder, reason in SKIPPED_FOLDERS.items():
             results[f"{folder}/"] = {"status": "skipped", "reason": reason}
-    (out / f"{args.lib}.json").write_text(json.dumps(results, indent=1) + "\n")
+    path = out / f"{args.lib}.json"
+    if args.scripts and path.exists():  # a run of named scripts updates their entries of the last full run
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"trl_examples: {args.lib}: work folder {work}")
     return 0 if all(r["status"] in ("passed", "skipped") for r in results.values()) else 1
 
