@@ -38,6 +38,22 @@ def test_every_example_script_is_run_or_skipped_with_a_reason():
     assert not set(examples.SCRIPTS) & set(examples.SKIPPED)
 
 
+def test_a_loaded_model_with_model_init_kwargs_trains_with_a_warning(tmp_path, tiny_model_path, caplog):
+    """TRL's sdft.py sets model_init_kwargs and passes a loaded model; TRL warns that they are unused and goes on."""
+    import logging
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", model_init_kwargs={"dtype": "float32"})
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        trainer = SFTTrainer(model, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+    assert trainer.model is model and "model_init_kwargs" in caplog.text and "already loaded" in caplog.text
+
+
 @pytest.mark.slow
 def test_three_example_scripts_run_on_posttrain(tmp_path):
     if not EXAMPLES.is_dir():

@@ -236,10 +236,11 @@ def prepare_model(
             "quantization_config only applies when `model` is a name or path; the model you passed "
             "is already loaded. Quantize it when loading, or pass its name."
         )
-    elif args.model_init_kwargs:
-        raise ConfigError(
-            "model_init_kwargs only applies when `model` is a name or path; the model you passed "
-            "is already loaded. Drop model_init_kwargs or pass the model's name."
+    elif args.model_init_kwargs:  # TRL warns and goes on (its example scripts set both): the same here
+        logger.warning(
+            "model_init_kwargs=%r is not used: the model passed is already loaded (they apply when `model` is a "
+            "name or path).",
+            args.model_init_kwargs,
         )
     if getattr(args, "disable_dropout", False):
         disable_dropout_in_model(model)

@@ -69,7 +69,6 @@ SCRIPTS: dict[str, list[str]] = {
     "nash_md.py": PAIRED,
     "sdpo.py": [
         "--model_name_or_path", POLICY, "--dataset_name", "{data:gsm8k}", "--num_generations", "2",
-        "--generation_batch_size", "2",
         "--max_completion_length", "8",
     ],
     "sdft.py": [
