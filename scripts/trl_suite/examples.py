@@ -43,8 +43,6 @@ PAIRED = ["--model_name_or_path", POLICY, "--reward_model_path", REWARD, *zen("s
 
 # script -> (arguments after the common ones; "{data:<name>}" is replaced by a local stand-in data set's folder)
 SCRIPTS: dict[str, list[str]] = {
-    "sft.py": ["--model_name_or_path", POLICY, *zen("standard_language_modeling")],
-    "dpo.py": ["--model_name_or_path", POLICY, *zen("standard_preference")],
     "kto.py": ["--model_name_or_path", POLICY, *zen("standard_unpaired_preference")],
     "reward_modeling.py": ["--model_name_or_path", REWARD, *zen("standard_preference")],
     "cpo.py": ["--model_name_or_path", POLICY, *zen("standard_preference"), "--no_remove_unused_columns"],
@@ -79,6 +77,8 @@ SCRIPTS: dict[str, list[str]] = {
     "dpo_vlm.py": ["--model_name_or_path", "{data:vlm_model}", "--dataset_name", "{data:vlm_preference}"],
 }  # fmt: skip
 SKIPPED = {
+    "dpo.py": "comments only: the script moved to trl/scripts/dpo.py (`trl dpo`; posttrain.scripts.dpo on posttrain)",
+    "sft.py": "comments only: the script moved to trl/scripts/sft.py (`trl sft`; posttrain.scripts.sft on posttrain)",
     "async_grpo.py": "needs a running vLLM server (the rollout worker talks to it over HTTP) and openai/gsm8k",
     "grpo_2048.py": "needs an OpenEnv 2048 environment server",
     "grpo_agent.py": "needs vLLM and the qgallouedec/biogrid databases from the Hub",
@@ -216,7 +216,11 @@ def table(results: dict[str, dict], commit: str) -> str:
     ]
     for name in sorted(set(results.get("trl", {})) | set(results.get("posttrain", {}))):
         trl, ours = results.get("trl", {}).get(name, {}), results.get("posttrain", {}).get(name, {})
-        note = ours.get("error") or ours.get("reason") or trl.get("reason", "")
+        if name in SKIPPED:
+            trl = ours = {"status": "skipped", "reason": SKIPPED[name]}
+        note = ours.get("error") or ours.get("reason") or ""
+        if trl.get("error"):
+            note = f"{note} (TRL: {trl['error']})".strip()
         cells = [f"{r.get('status', '-')}" + (f" ({r['seconds']} s)" if "seconds" in r else "") for r in (trl, ours)]
         lines.append(f"| `{name}` | {cells[0]} | {cells[1]} | {note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
