@@ -46,7 +46,8 @@ if [ "$TABLE" = 1 ]; then
   { echo "# TRL's example scripts on posttrain"; echo
     echo "TRL's \`examples/scripts/*.py\` (the repository commit of \`../shared/trl-tests\`), each run with TRL 1.16 and"
     echo "with its \`trl\` imports switched to \`posttrain\`, offline on tiny stand-ins. Regenerate with"
-    echo "\`bash scripts/trl_examples.sh --table\`."; echo
+    echo "\`bash scripts/trl_examples.sh --table\`. Times are wall seconds of one run on a shared machine with other jobs"
+    echo "running (start-up and data preparation included): not a speed comparison."; echo
     "$PY" "$ROOT/scripts/trl_suite/examples.py" --table "$OUT" "$(git rev-parse --short HEAD)"; } > docs/results/trl_examples.md
 fi
 exit $rc

@@ -24,7 +24,7 @@ def test_import_switch_rewrites_every_trl_import():
     )
     assert examples.switch_imports(source) == (
         "import posttrain as trl\nfrom posttrain import DPOConfig\nfrom posttrain.experimental.cpo import CPOTrainer\n"
-        "import posttrain.rewards as trl\nimport trlx\n"
+        "import posttrain.rewards, posttrain as trl\nimport trlx\n"
     )
 
 
@@ -36,6 +36,22 @@ def test_every_example_script_is_run_or_skipped_with_a_reason():
     assert scripts == set(examples.SCRIPTS) | set(examples.SKIPPED)
     assert folders <= set(examples.SKIPPED_FOLDERS)
     assert not set(examples.SCRIPTS) & set(examples.SKIPPED)
+
+
+def test_a_loaded_model_with_model_init_kwargs_trains_with_a_warning(tmp_path, tiny_model_path, caplog):
+    """TRL's sdft.py sets model_init_kwargs and passes a loaded model; TRL warns that they are unused and goes on."""
+    import logging
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", model_init_kwargs={"dtype": "float32"})
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        trainer = SFTTrainer(model, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+    assert trainer.model is model and "model_init_kwargs" in caplog.text and "already loaded" in caplog.text
 
 
 @pytest.mark.slow

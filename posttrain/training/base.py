@@ -239,10 +239,11 @@ def prepare_model(
             "quantization_config only applies when `model` is a name or path; the model you passed "
             "is already loaded. Quantize it when loading, or pass its name."
         )
-    elif args.model_init_kwargs:
-        raise ConfigError(
-            "model_init_kwargs only applies when `model` is a name or path; the model you passed "
-            "is already loaded. Drop model_init_kwargs or pass the model's name."
+    elif args.model_init_kwargs:  # TRL warns and goes on (its example scripts set both): the same here
+        logger.warning(
+            "model_init_kwargs=%r is not used: the model passed is already loaded (they apply when `model` is a "
+            "name or path).",
+            args.model_init_kwargs,
         )
     keep_training_layout(model)  # a 4-bit model's layers keep their trainable layout on a CPU (models/quantized.py)
     if getattr(args, "disable_dropout", False):

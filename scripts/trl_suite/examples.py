@@ -43,8 +43,6 @@ PAIRED = ["--model_name_or_path", POLICY, "--reward_model_path", REWARD, *zen("s
 
 # script -> (arguments after the common ones; "{data:<name>}" is replaced by a local stand-in data set's folder)
 SCRIPTS: dict[str, list[str]] = {
-    "sft.py": ["--model_name_or_path", POLICY, *zen("standard_language_modeling")],
-    "dpo.py": ["--model_name_or_path", POLICY, *zen("standard_preference")],
     "kto.py": ["--model_name_or_path", POLICY, *zen("standard_unpaired_preference")],
     "reward_modeling.py": ["--model_name_or_path", REWARD, *zen("standard_preference")],
     "cpo.py": ["--model_name_or_path", POLICY, *zen("standard_preference"), "--no_remove_unused_columns"],
@@ -69,15 +67,18 @@ SCRIPTS: dict[str, list[str]] = {
     "nash_md.py": PAIRED,
     "sdpo.py": [
         "--model_name_or_path", POLICY, "--dataset_name", "{data:gsm8k}", "--num_generations", "2",
-        "--generation_batch_size", "2",
         "--max_completion_length", "8",
     ],
     "sdft.py": [
         "--model_name_or_path", POLICY, "--dataset_name", "{data:sdft}", "--max_completion_length", "8",
         "--num_generations", "2",
     ],
+    "sft_vlm.py": ["--model_name_or_path", "{data:vlm_model}", "--dataset_name", "{data:vlm_messages}"],
+    "dpo_vlm.py": ["--model_name_or_path", "{data:vlm_model}", "--dataset_name", "{data:vlm_preference}"],
 }  # fmt: skip
 SKIPPED = {
+    "dpo.py": "comments only: the script moved to trl/scripts/dpo.py (`trl dpo`; posttrain.scripts.dpo on posttrain)",
+    "sft.py": "comments only: the script moved to trl/scripts/sft.py (`trl sft`; posttrain.scripts.sft on posttrain)",
     "async_grpo.py": "needs a running vLLM server (the rollout worker talks to it over HTTP) and openai/gsm8k",
     "grpo_2048.py": "needs an OpenEnv 2048 environment server",
     "grpo_agent.py": "needs vLLM and the qgallouedec/biogrid databases from the Hub",
@@ -95,9 +96,7 @@ SKIPPED = {
     "gspo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
     "rloo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
     "online_dpo_vlm.py": "needs lmms-lab/multimodal-open-r1-8k-verified from the Hub (a fixed data set id)",
-    "sft_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
     "sft_vlm_gemma3.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM)",
-    "dpo_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
     "mpo_vlm.py": "vision-language: not tried in this harness yet (needs an image data set and a tiny VLM stand-in)",
 }
 # Folders of examples/scripts: OpenEnv, Harbor, OpenReward (environment servers), PPO (its own scripts' set-up).
@@ -125,7 +124,7 @@ def write_datasets(root: Path) -> dict[str, str]:
             for i in range(8)
         ],
     }  # fmt: skip
-    paths = {}
+    paths = write_vision_datasets(root)
     for name, rows in sets.items():
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -135,12 +134,46 @@ def write_datasets(root: Path) -> dict[str, str]:
     return paths
 
 
+def write_vision_datasets(root: Path) -> dict[str, str]:
+    """A tiny LLaVA (posttrain/models/tiny_vlm.py) and two image data sets (parquet: the Image feature survives)."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    from posttrain.models.tiny_vlm import build_tiny_llava
+
+    def image(i: int):
+        return Image.fromarray((np.random.RandomState(i).rand(32, 32, 3) * 255).astype("uint8"))
+
+    def user(i: int) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is {i}?"}]}]
+
+    def assistant(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    sets = {
+        "vlm_messages": [{"images": [image(i)], "messages": user(i) + assistant(f"digit {i}")} for i in range(8)],
+        "vlm_preference": [
+            {"images": [image(i)], "prompt": user(i), "chosen": assistant(f"digit {i}"), "rejected": assistant("a cat")}
+            for i in range(8)
+        ],
+    }
+    paths = {"vlm_model": build_tiny_llava(root / "tiny_llava")}
+    for name, rows in sets.items():
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, part in (("train", rows[:6]), ("test", rows[6:])):
+            Dataset.from_list(part).to_parquet(str(folder / f"{split}.parquet"))
+        paths[name] = str(folder)
+    return {k: str(v) for k, v in paths.items()}
+
+
 def switch_imports(source: str) -> str:
     """The script with its `trl` imports taken from posttrain (`from trl... import`, `import trl...`)."""
     source = re.sub(r"^(\s*)from trl(\.|\s)", r"\1from posttrain\2", source, flags=re.M)
     return re.sub(
         r"^(\s*)import trl(\.\S+)?(\s|$)",
-        lambda m: f"{m[1]}import posttrain{m[2] or ''} as trl{m[3]}",
+        lambda m: f"{m[1]}import {'posttrain' + m[2] + ', ' if m[2] else ''}posttrain as trl{m[3]}",
         source,
         flags=re.M,
     )
@@ -183,7 +216,11 @@ def table(results: dict[str, dict], commit: str) -> str:
     ]
     for name in sorted(set(results.get("trl", {})) | set(results.get("posttrain", {}))):
         trl, ours = results.get("trl", {}).get(name, {}), results.get("posttrain", {}).get(name, {})
-        note = ours.get("error") or ours.get("reason") or trl.get("reason", "")
+        if name in SKIPPED:
+            trl = ours = {"status": "skipped", "reason": SKIPPED[name]}
+        note = ours.get("error") or ours.get("reason") or ""
+        if trl.get("error"):
+            note = f"{note} (TRL: {trl['error']})".strip()
         cells = [f"{r.get('status', '-')}" + (f" ({r['seconds']} s)" if "seconds" in r else "") for r in (trl, ours)]
         lines.append(f"| `{name}` | {cells[0]} | {cells[1]} | {note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
@@ -215,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"status": "skipped", "reason": reason}
         for folder, reason in SKIPPED_FOLDERS.items():
             results[f"{folder}/"] = {"status": "skipped", "reason": reason}
-    (out / f"{args.lib}.json").write_text(json.dumps(results, indent=1) + "\n")
+    path = out / f"{args.lib}.json"
+    if args.scripts and path.exists():  # a run of named scripts updates their entries of the last full run
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"trl_examples: {args.lib}: work folder {work}")
     return 0 if all(r["status"] in ("passed", "skipped") for r in results.values()) else 1
 

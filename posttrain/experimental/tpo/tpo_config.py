@@ -20,6 +20,9 @@ from posttrain.training.fields import (
 @dataclass
 class TPOConfig(PosttrainConfig):
     learning_rate: float = learning_rate_field(5e-7)
+    remove_unused_columns: bool = config_field(
+        True, "Drop the dataset columns the collator does not read (TRL's default; the result is the same either way)."
+    )
     disable_dropout: bool = disable_dropout_field(
         True, "Turn dropout off in the model (its log-probs are compared across completions)."
     )
