@@ -5,26 +5,43 @@ collator reads (an extra `metadata`), False passes it to the collator."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
-from _trl import import_trl
+from _trl import import_trl, import_trl_experimental
 from datasets import Dataset
 
 import posttrain
 from posttrain import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
-CONFIGS = ["SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig"]
-MODULES = ["sft_config", "dpo_config", "kto_config", "reward_config", "grpo_config", "rloo_config"]
+CONFIGS = ["SFTConfig", "DPOConfig", "KTOConfig", "RewardConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig"]
+MODULES = [name.replace("Config", "").lower() + "_config" for name in CONFIGS]  # trl.trainer modules
+# TRL's experimental configs, by module (DistillationConfig's subclasses inherit its False where TRL's do)
+EXPERIMENTAL = [
+    ("tpo", "TPOConfig"),
+    ("gkd", "GKDConfig"),
+    ("iw_opd", "IWOPDConfig"),
+    ("sdft", "SDFTConfig"),
+    ("sdpo", "SDPOConfig"),
+    ("server_distillation", "ServerDistillationConfig"),
+]
+
+
+def _default(cls):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == "remove_unused_columns")
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_default_is_trls(name):
     trl = import_trl(*MODULES)
+    assert _default(getattr(posttrain, name)) is _default(getattr(trl, name))
 
-    def default(cls):
-        return next(f.default for f in dataclasses.fields(cls) if f.name == "remove_unused_columns")
 
-    assert default(getattr(posttrain, name)) is default(getattr(trl, name))
+@pytest.mark.parametrize("module, name", EXPERIMENTAL)
+def test_experimental_default_is_trls(module, name):
+    theirs = getattr(import_trl_experimental(module), name)
+    ours = getattr(importlib.import_module(f"posttrain.experimental.{module}"), name)
+    assert _default(ours) is _default(theirs)
 
 
 def _settings(tmp_path, **kw):

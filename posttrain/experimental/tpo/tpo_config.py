@@ -13,12 +13,14 @@ from posttrain.training.fields import (
     learning_rate_field,
     max_length_field,
     pad_to_multiple_of_field,
+    remove_unused_columns_field,
     truncation_mode_field,
 )
 
 
 @dataclass
 class TPOConfig(PosttrainConfig):
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
     learning_rate: float = learning_rate_field(5e-7)
     disable_dropout: bool = disable_dropout_field(
         True, "Turn dropout off in the model (its log-probs are compared across completions)."
