@@ -218,8 +218,8 @@ def test_tpo_config_and_signature_follow_trl(tmp_path):
     from trl.experimental.tpo import TPOTrainer as TRLTrainer
 
     ours = {f.name: f for f in dataclasses.fields(TPOConfig)}
-    # auto (on with an accelerator) as in every posttrain config; posttrain keeps columns by default (both work)
-    deliberate = {"gradient_checkpointing", "bf16", "remove_unused_columns"}
+    # auto (on with an accelerator) as in every posttrain config
+    deliberate = {"gradient_checkpointing", "bf16"}
     for f in dataclasses.fields(TRLConfig):
         assert f.name in ours, f.name
         if f.name not in deliberate and f.default is not dataclasses.MISSING:

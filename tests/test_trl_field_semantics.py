@@ -34,7 +34,6 @@ DEFAULT_DIFFERENCES = {
     "gradient_checkpointing": "None: on with an accelerator as in TRL, off on a CPU (docs/trl_parity.md)",
     "activation_checkpointing": "TRL's alias of gradient_checkpointing, resolved the same way",
     "pad_to_multiple_of": "'auto': no padding (TRL's None) except on Neuron, which needs fixed widths",
-    "remove_unused_columns": "posttrain's collators read the prepared columns; the trainer keeps only those",
 }
 
 

@@ -169,7 +169,7 @@ def flag_spec(group: FlagGroup) -> dict[str, Any]:
             text = f"{text} (default: {default})".strip()
         nargs = _nargs(hints[name])
         # Every on/off setting can be switched off with --no_<name>: TRL's parser offers it where TRL's default is on,
-        # and a TRL command line keeps working where posttrain's default is off already (CPO's and ORPO's
+        # and a TRL command line keeps working where posttrain's default is off already (e.g. GOLD's
         # --no_remove_unused_columns).
         negatable = nargs == "?" and f"no_{name}" not in fields
         flags.append(

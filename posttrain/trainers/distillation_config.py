@@ -53,6 +53,10 @@ class DistillationConfig(SFTConfig):
         "max_tool_calling_iterations": "tool calling runs on the online engine (GRPOTrainer, RLOOTrainer, "
         "PPOTrainer); distillation samples single-turn completions; drop it",
     }
+    # TRL's default here (SFTConfig's is True): the generation loop reads the prompt columns
+    remove_unused_columns: bool = config_field(
+        False, "Drop the dataset columns the model's forward does not accept (keep False: the trainer reads them)."
+    )
 
     learning_rate: float = learning_rate_field(1e-6)
     # -- student and teacher

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from posttrain.data.preference import PreferenceCollator, prepare_preference_dataset
+from posttrain.data.preference import FLOAT_COLUMNS, PreferenceCollator, prepare_preference_dataset
 from posttrain.data.report import DataReport
 from posttrain.data.tokenizer_setup import configure_tokenizer, sync_model_with_tokenizer
 from posttrain.data.vision import (
@@ -153,6 +153,12 @@ class DPOTrainer(VisionSetup, ReferenceTrainer):
             num_proc=args.dataset_num_proc,
             report=DataReport.of(self).start(name, len(dataset)),
         )
+
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default) the columns the collator reads stay, the others go."""
+        if self._signature_columns is None:
+            read = ["prompt", "chosen", "rejected", "image", "images"] if self._vision else list(ID_COLUMNS)
+            self._signature_columns = [*read, *FLOAT_COLUMNS]
 
     def default_collator(self, tokenizer, args: DPOConfig):
         if self._vision:

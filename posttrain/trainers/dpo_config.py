@@ -10,6 +10,7 @@ from posttrain.training.fields import (
     max_completion_length_field,
     max_length_field,
     max_prompt_length_field,
+    remove_unused_columns_field,
     truncation_mode_field,
 )
 from posttrain.training.reference_trainer import ReferenceConfig, check_length_settings
@@ -23,6 +24,8 @@ class DPOConfig(ReferenceConfig):
 
     See docs/trainers/dpo.md.
     """
+
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
 
     beta: float = config_field(
         0.1, "Strength of the pull towards the reference: rewards are beta * log(pi / pi_ref).", gt=0

@@ -253,6 +253,12 @@ class KTOTrainer(ClassMetricsMixin, ReferenceTrainer):
             dataset = add_kl_pairs(dataset, args.per_device_train_batch_size, args.max_length)
         return dataset
 
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default) the columns the collator reads stay, the others go."""
+        if self._signature_columns is None:
+            kl = ["kl_input_ids", "kl_completion_mask"]
+            self._signature_columns = ["input_ids", "completion_mask", "label", *kl, *self.ALL_REF_COLUMNS]
+
     def default_collator(self, tokenizer, args: KTOConfig):
         return KTOCollator(tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of)
 

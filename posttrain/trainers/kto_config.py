@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 from posttrain.losses.preference import KTO_LOSS_TYPES
-from posttrain.training.fields import config_field, max_length_field
+from posttrain.training.fields import config_field, max_length_field, remove_unused_columns_field
 from posttrain.training.reference_trainer import ReferenceConfig
 
 
@@ -17,6 +17,8 @@ class KTOConfig(ReferenceConfig):
 
     See docs/trainers/kto.md.
     """
+
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
 
     train_sampling_strategy: str = config_field(
         "sequential",

@@ -11,6 +11,8 @@ import torch
 from transformers import set_seed
 
 from posttrain.data.preference import (
+    FLOAT_COLUMNS,
+    TOKENIZED_PAIR_COLUMNS,
     PreferenceCollator,
     drop_overlong_rows,
     prepare_preference_dataset,
@@ -158,6 +160,11 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
             num_proc=args.dataset_num_proc,
             report=DataReport.of(self).start(name, len(dataset)),
         )
+
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default) the columns the collator reads stay, the others go."""
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", *TOKENIZED_PAIR_COLUMNS, *FLOAT_COLUMNS]
 
     def default_collator(self, tokenizer, args: RewardConfig):
         # Padded, not padding-free: the classifier reads one position per row.

@@ -12,6 +12,7 @@ from posttrain.training.fields import (
     max_length_field,
     pad_to_multiple_of_field,
     parse_pad_to_multiple_of,
+    remove_unused_columns_field,
 )
 
 
@@ -22,6 +23,8 @@ class RewardConfig(PosttrainConfig):
 
     See docs/trainers/reward.md.
     """
+
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
 
     learning_rate: float = learning_rate_field(1e-4)
     disable_dropout: bool = disable_dropout_field(True)

@@ -251,6 +251,15 @@ class SFTTrainer(VisionSetup, BaseTrainer):
         )
         return self._own_collator
 
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default) the columns the collator reads stay, the others go."""
+        if self._signature_columns is None:
+            if self._vision:
+                raw = ["messages", "prompt", "completion", "image", "images", self.args.dataset_text_field]
+                self._signature_columns = list(dict.fromkeys(raw))
+            else:
+                self._signature_columns = ["input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths"]
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """A raw dataset passed here is prepared as the eval_dataset given to the constructor would be."""
 

@@ -16,6 +16,7 @@ from posttrain.training.fields import (
     max_length_field,
     pad_to_multiple_of_field,
     parse_pad_to_multiple_of,
+    remove_unused_columns_field,
     router_aux_loss_coef_field,
     truncation_mode_field,
 )
@@ -34,6 +35,8 @@ class SFTConfig(PosttrainConfig):
 
     See docs/trainers/sft.md.
     """
+
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
 
     learning_rate: float = learning_rate_field(2e-5)
     router_aux_loss_coef: float | None = router_aux_loss_coef_field(

@@ -100,7 +100,8 @@ class PosttrainConfig(TrainingArguments):
         True,
         "On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit 0 (a second signal exits at once).",
     )
-    # Our datasets carry columns the model's forward does not take (masks, sequence lengths).
+    # Our datasets carry columns the model's forward does not take (masks, sequence lengths): the configs whose
+    # trainers name their collator's columns (`_set_signature_columns_if_needed`) default to True, as TRL's.
     remove_unused_columns: bool = config_field(
         False,
         "Drop dataset columns the model's forward does not accept (posttrain's collators need theirs: keep False).",

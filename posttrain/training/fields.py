@@ -137,6 +137,16 @@ def max_length_field(default: int | None, help: str) -> Any:
     return config_field(default, help, min=1)
 
 
+def remove_unused_columns_field() -> Any:
+    """TRL's default (True) for the trainers whose collators read prepared columns: the trainer names those columns
+    (`_set_signature_columns_if_needed`), so only the dataset's other columns go."""
+    return config_field(
+        True,
+        "Drop the dataset columns the trainer's collator does not read (e.g. an extra 'metadata' column); False "
+        "passes every column of the prepared dataset to the collator.",
+    )
+
+
 def max_prompt_length_field(default: int | None, help: str) -> Any:
     return config_field(default, help, min=1)
 

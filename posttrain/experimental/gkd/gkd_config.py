@@ -10,6 +10,9 @@ from posttrain.training.fields import config_field, disable_dropout_field, learn
 
 @dataclass
 class GKDConfig(DistillationConfig):
+    remove_unused_columns: bool = config_field(
+        True, "TRL's default; the trainer sets it to False (every column reaches the collator), as TRL's does."
+    )
     learning_rate: float = learning_rate_field(2e-5)
     temperature: float = config_field(
         0.9,

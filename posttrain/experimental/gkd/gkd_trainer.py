@@ -45,10 +45,12 @@ class GKDTrainer(OnPolicyGenerationTrainer):
         formatting_func=None,
         **kwargs,
     ):
+        args = args or GKDConfig(output_dir="outputs/gkd")
+        args.remove_unused_columns = False  # every column kept, as TRL's trainer forces
         super().__init__(
             model,
             teacher_model,
-            args or GKDConfig(output_dir="outputs/gkd"),
+            args,
             data_collator,
             train_dataset,
             eval_dataset,

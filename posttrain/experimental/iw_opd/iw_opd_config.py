@@ -18,6 +18,9 @@ OBJECTIVES = ("iw_opd", "jsd")
 
 @dataclass
 class IWOPDConfig(DistillationConfig):
+    remove_unused_columns: bool = config_field(
+        True, "TRL's default; the trainer sets it to False (every column reaches the collator), as TRL's does."
+    )
     distillation_objective: str = config_field(
         "iw_opd",
         "'iw_opd' (importance-weighted policy gradient on the teacher's log-ratio) or 'jsd' (generalized JSD, "

@@ -90,6 +90,7 @@ class IWOPDTrainer(PreparesEvalOnUse, DistillationTrainer):
         **kwargs,
     ):
         args = args or IWOPDConfig(output_dir="outputs/iw_opd")
+        args.remove_unused_columns = False  # every column kept, as TRL's trainer forces
         self.teacher_server = None
         if args.use_teacher_server:
             if teacher_model is not None or args.teacher_model_name_or_path is not None:

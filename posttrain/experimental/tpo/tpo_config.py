@@ -13,12 +13,14 @@ from posttrain.training.fields import (
     learning_rate_field,
     max_length_field,
     pad_to_multiple_of_field,
+    remove_unused_columns_field,
     truncation_mode_field,
 )
 
 
 @dataclass
 class TPOConfig(PosttrainConfig):
+    remove_unused_columns: bool = remove_unused_columns_field()  # TRL's default
     learning_rate: float = learning_rate_field(5e-7)
     remove_unused_columns: bool = config_field(
         True, "Drop the dataset columns the collator does not read (TRL's default; the result is the same either way)."
