@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from _trl import trl_module
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
@@ -53,7 +54,7 @@ def test_model_config_builds_trls_4bit_config():
     )
     assert config.load_in_4bit and not config.load_in_8bit
     assert (config.bnb_4bit_quant_type, config.bnb_4bit_compute_dtype) == ("fp4", torch.float32)
-    trl = pytest.importorskip("trl")
+    trl = trl_module()
     fields = dict(load_in_4bit=True, use_peft=True, dtype="bfloat16", use_bnb_nested_quant=True)
     theirs = trl.get_quantization_config(trl.ModelConfig(model_name_or_path="m", **fields)).to_dict()
     assert get_quantization_config(ModelConfig(**fields)).to_dict() == theirs
