@@ -203,3 +203,30 @@ def test_a_prompt_beyond_the_context_stops_before_training_naming_the_row(tiny_m
 
 def _zero(completions, **kwargs):
     return [0.0] * len(completions)
+
+
+def test_output_dir_is_every_configs_first_positional_field():
+    """TRL's configs take output_dir first (`GMPOConfig("dummy")` in TRL's own tests): a field mixed in from another
+    base (e.g. the Ray rollout fields) must not come before it."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import posttrain
+    import posttrain.experimental as experimental
+
+    modules = [posttrain] + [
+        importlib.import_module(f"posttrain.experimental.{m.name}") for m in pkgutil.iter_modules(experimental.__path__)
+    ]
+    configs = {
+        getattr(module, name)
+        for module in modules
+        for name in getattr(module, "__all__", [])
+        if name.endswith("Config") and dataclasses.is_dataclass(getattr(module, name, None))
+    }
+    trained = {
+        config.__name__: [f.name for f in dataclasses.fields(config) if f.init][0]
+        for config in configs
+        if "output_dir" in {f.name for f in dataclasses.fields(config)}
+    }
+    assert len(trained) >= 20 and set(trained.values()) <= {"output_dir"}, trained

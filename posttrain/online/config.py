@@ -88,7 +88,7 @@ def take_generation_kwargs_fields(config, field_of: dict[str, str]) -> None:
 
 
 @dataclass
-class OnlineConfig(PosttrainConfig, RolloutBackendFields):
+class OnlineConfig(RolloutBackendFields, PosttrainConfig):
     """Settings shared by the online trainers. See the module docstring for how the batch sizes relate."""
 
     min_num_generations: ClassVar[int] = 1
