@@ -12,7 +12,7 @@ On the GPU machine (torch 2.11 + CUDA 13, transformers 5.17, no network), after 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         gpu_wheels/*.whl && PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT
 A missing package stops it first, naming the wheel. `--dry-run` runs the same code on a CPU with the tiny models,
-one step a run (tests/test_gpu_check.py).
+one step a run (tests/runtime/test_gpu_check.py).
 """
 
 from __future__ import annotations

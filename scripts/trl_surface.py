@@ -1,4 +1,4 @@
-"""Writes the public surface of the installed TRL as JSON: the snapshot that tests/test_trl_parity.py holds
+"""Writes the public surface of the installed TRL as JSON: the snapshot that tests/parity/test_parity.py holds
 posttrain to. Run it with `bash scripts/trl_surface.sh` (a throwaway venv with trl==1.16.0).
 
 Recorded: top-level names (and which are modules), the functions of `trl.data_utils`, each trainer's
@@ -157,4 +157,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/trl_1.16_surface.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/trl_1.16_surface.json")

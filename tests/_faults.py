@@ -1,4 +1,4 @@
-"""A reward function that fails on purpose, shared by the soak tests (tests/test_soak.py, tests/vllm/)."""
+"""A reward function that fails on purpose, shared by the soak tests (tests/training/test_soak.py, tests/vllm/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One SGD step of SFTTrainer, run by tests/test_sft_distributed.py in one process or under
+"""One SGD step of SFTTrainer, run by tests/trainers/test_sft_distributed.py in one process or under
 `python -m torch.distributed.run`; each rank saves what it saw and computed to `<out_dir>/rank<r>.pt`.
 
 Usage: python tests/_sft_ddp_worker.py MODEL_PATH OUT_DIR PER_DEVICE_BATCH_SIZE

@@ -1,4 +1,5 @@
 import os
+import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models run fastest on one thread, and a shared machine does not make one thread wait for another.
@@ -7,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
+from _paths import LAYER_FOLDERS, TESTS
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +83,10 @@ def sandbox(request):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*weaker 'process' sandbox")
         yield request.param
+
+
+# Tests mirror the package (tests/<layer>/test_<module>.py); the helpers some of them share (tests/_*.py and other
+# test modules) are imported by module name, so tests/ and every layer folder are on sys.path (tests/_paths.py).
+for _folder in (TESTS, *LAYER_FOLDERS):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))

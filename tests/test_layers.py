@@ -327,3 +327,22 @@ def test_the_private_and_unbound_checkers_see_what_they_must(tmp_path):
         "posttrain.trainers.b:6 KTOTrainer._record(self, ...) in BTrainer",
         "posttrain.trainers.b:7 super(OtherTrainer, self) in BTrainer",
     ]
+
+
+def test_tests_mirror_the_package():
+    """Tests live in tests/<layer>/test_<module>.py, one folder per posttrain sub-package, plus the folders for what
+    is not one layer: docs, TRL parity, multi-process (dist), vLLM and Ray runs; only this file stays at the top."""
+    tests = Path(__file__).resolve().parent
+    layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    allowed = layers | {"docs", "parity", "dist", "vllm", "ray"}
+    misplaced = [
+        str(path.relative_to(tests))
+        for path in tests.rglob("test_*.py")
+        if path.parent != tests
+        and path.relative_to(tests).parts[0] not in allowed
+        or path.parent == tests
+        and path.name != Path(__file__).name
+    ]
+    assert not misplaced, misplaced
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders <= allowed and len(folders) >= 10, folders

@@ -3,7 +3,8 @@
 On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit layer's weights for a bf16 inference kernel the first
 time the layer runs in eval mode without gradients, and keeps that layout: a reference or generation forward of a
 QLoRA run would switch every later training forward to a kernel without a backward (no gradient reaches the LoRA
-weights before it, silently). Trainers therefore keep the training layout on such layers (tests/test_qlora.py)."""
+weights before it, silently). Trainers therefore keep the training layout on such layers
+(tests/models/test_qlora.py)."""
 
 from __future__ import annotations
 

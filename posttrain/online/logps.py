@@ -6,7 +6,7 @@ obvious way, every completion carries its own copy of the prompt through the mod
 model allows it (`preference_common.can_repack`, a plain output layer, no images), each group's prompt is computed
 once and its completions follow it under a 4D mask (`preference_common.prefix_layout`, as DPO does with a pair's
 prompt), and the log-probs come from the hidden states through `linear_logps`, chunk by chunk, without the
-[tokens x vocab] logits. The numbers are the padded forward's up to float rounding (tests/test_online_logps.py).
+[tokens x vocab] logits. The numbers are the padded forward's up to float rounding (tests/online/test_logps.py).
 
 Either way, a forward that needs no gradient runs without the model's module wrappers where it can
 (`models/fast_forward.py`, bitwise the model's); where the shared layout does not apply, the model runs on the

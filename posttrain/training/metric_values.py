@@ -1,7 +1,7 @@
 """Training metrics without a host sync per micro-batch: `record_metrics` keeps a training metric as a 0-dim tensor
 on the device, and the values of a logging window become floats together, in one transfer, when the window is
 logged (a `.item()` per metric per micro-batch would make a GPU wait for the step to finish every time; see
-tests/test_host_syncs.py).
+tests/runtime/test_host_syncs.py).
 Evaluation metrics stay floats (evaluation is not the training loop's hot path)."""
 
 from __future__ import annotations

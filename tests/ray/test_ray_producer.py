@@ -10,9 +10,9 @@ import re
 import pytest
 import ray
 import torch
-from test_async_process import PROCESS, assert_same_parameters, same_threads
-from test_async_rollouts import WeightsAtStepBegin, grpo, losses, record_rollouts
-from test_online_engine import stopping_model
+from test_engine import stopping_model
+from test_producers_process import PROCESS, assert_same_parameters, same_threads
+from test_producers_thread import WeightsAtStepBegin, grpo, losses, record_rollouts
 
 from posttrain.online.logps import completion_logps
 from posttrain.online.producers.ray import RayRolloutProducer

@@ -5,8 +5,8 @@ restarted on its port, while the reward function raises 5% of the time, returns 
 scored round per step (none lost), count the one reconnect and every reward fault, and sample from the current
 policy at every step, the steps after the restart included.
 
-Its length is set by POSTTRAIN_SOAK_SECONDS (default 180, as tests/test_soak.py; about 6 s of it per step, plus the
-server restart); the issue's full soak is 20 minutes:
+Its length is set by POSTTRAIN_SOAK_SECONDS (default 180, as tests/training/test_soak.py; about 6 s of it per step,
+plus the server restart); the issue's full soak is 20 minutes:
     POSTTRAIN_SOAK_SECONDS=1200 .venv-vllm/bin/python -m pytest -m "slow and vllm" tests/vllm/test_vllm_soak.py
 """
 
