@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.data.batches import pad_rows
-from posttrain.generation import Completion, SamplingParams, TransformersBackend
+from posttrain.generation import Completion, SamplingParams, TransformersBackend, stop_token_ids
 from posttrain.online.logps import completion_logps
 from posttrain.online.weights.shared_memory import SharedWeights
 from posttrain.runtime.cores import pin_process
@@ -43,6 +43,24 @@ class WorkerSettings:
     exact_logps: bool  # the sampler's log-probs by the trainer's forward where one version sampled a request
     cpus: tuple[int, ...] | None  # None: not pinned
     threads: int
+
+
+def worker_settings(context, sampler_model, lookahead: int, in_flight: bool, cpus, threads: int) -> WorkerSettings:
+    """The settings a generation server (the process's or a Ray actor's) samples with, from the producer's
+    context (ProducerContext) and its frozen copy of the policy."""
+    tokenizer = context.tokenizer
+    return WorkerSettings(
+        pad_token_id=tokenizer.pad_token_id,
+        stop_ids=tuple(stop_token_ids(tokenizer, sampler_model)),
+        sampling=context.sampling,
+        logps_temperature=context.logps_temperature,
+        micro_batch_size=context.micro_batch_size,
+        pad_multiple=context.pad_multiple,
+        in_flight=in_flight,
+        exact_logps=lookahead == 0,
+        cpus=cpus,
+        threads=threads,
+    )
 
 
 @dataclass

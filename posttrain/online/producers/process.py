@@ -35,12 +35,11 @@ from multiprocessing import connection
 
 import torch
 
-from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import copy_model, freeze, unwrap
 from posttrain.online.producers.base import ProducerContext, RoundsAhead
 from posttrain.online.producers.core_lending import CoreLender
-from posttrain.online.producers.generation_worker import Failure, Request, Result, WorkerSettings, serve
+from posttrain.online.producers.generation_worker import Failure, Request, Result, serve, worker_settings
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes
 from posttrain.runtime.cores import CoreSplit, free_cores, generation_core_split, pin_process
@@ -106,19 +105,8 @@ class ProcessRolloutProducer(RoundsAhead):
         self.mp = torch.multiprocessing.get_context("spawn")
         unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
         self.weights = SharedWeights(self.sampler_model, weight_slots(self.lookahead), self.mp)
-        tokenizer = context.tokenizer
-        self.settings = WorkerSettings(
-            pad_token_id=tokenizer.pad_token_id,
-            stop_ids=tuple(stop_token_ids(tokenizer, self.sampler_model)),
-            sampling=context.sampling,
-            logps_temperature=context.logps_temperature,
-            micro_batch_size=context.micro_batch_size,
-            pad_multiple=context.pad_multiple,
-            in_flight=self.in_flight,
-            exact_logps=self.lookahead == 0,
-            cpus=None if split is None else split.generation,
-            threads=1 if split is None else split.generation_threads,
-        )
+        cpus, threads = (None, 1) if split is None else (split.generation, split.generation_threads)
+        self.settings = worker_settings(context, self.sampler_model, self.lookahead, self.in_flight, cpus, threads)
         self.pending: dict[int, Request] = {}  # sent and not answered, in order
         self.answers: dict[int, tuple[Request, Result]] = {}
         self.next_id = 0

@@ -26,11 +26,10 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from posttrain.errors import ConfigError
-from posttrain.generation import stop_token_ids
 from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import copy_model, freeze, unwrap
 from posttrain.online.producers.base import ProducerContext, RoundsAhead
-from posttrain.online.producers.generation_worker import Request, Result, WorkerSettings
+from posttrain.online.producers.generation_worker import Request, Result, worker_settings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
@@ -78,19 +77,8 @@ class RayRolloutProducer(RoundsAhead):
         self.num_actors, self.timeout_s = args.num_rollout_actors, args.rollout_request_timeout_s
         self.resource, self.started_ray = args.rollout_resource, False
         unfuse_layers(self.sampler_model)  # its rebound forwards would not pickle
-        tokenizer = context.tokenizer
-        self.settings = WorkerSettings(
-            pad_token_id=tokenizer.pad_token_id,
-            stop_ids=tuple(stop_token_ids(tokenizer, self.sampler_model)),
-            sampling=context.sampling,
-            logps_temperature=context.logps_temperature,
-            micro_batch_size=context.micro_batch_size,
-            pad_multiple=context.pad_multiple,
-            in_flight=self.in_flight,
-            exact_logps=self.lookahead == 0,
-            cpus=None,
-            threads=args.async_generation_cores or 1,
-        )
+        threads = args.async_generation_cores or 1
+        self.settings = worker_settings(context, self.sampler_model, self.lookahead, self.in_flight, None, threads)
         self.layout = flat_layout(self.sampler_model)
         self.kept: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # versions that rounds in flight may need
         self.pending: dict[int, tuple[Request, int]] = {}  # request id -> (request, its weights' version)
