@@ -219,6 +219,7 @@ def run(
     grpo_steps: int = 8,
     eval_size: int = 50,
     max_completion_length: int = 96,
+    max_prompt_length: int | None = None,
     output_dir: str = "outputs/grpo_tools",
     log=print,
 ) -> dict:
@@ -227,7 +228,8 @@ def run(
     The warm-up is deliberately short: it makes tool calls likely but not certain, so that the completions of a
     prompt differ and GRPO's groups have reward variance (8 warm-up steps made every completion of a prompt the
     same episode, and GRPO learnt nothing). max_completion_length counts the call, the tool turn and the answer:
-    an 8-digit product takes 83 tokens, so 80 cut off every such answer whatever the policy did."""
+    an 8-digit product takes 83 tokens, so 80 cut off every such answer whatever the policy did. max_prompt_length
+    (None: prompts kept whole) is for models whose context is shorter than the tool prompt."""
     use_chatml_tool_template(tokenizer)
     held_out = make_problems(eval_size, seed=1234)
     results, times = {}, {}
@@ -253,7 +255,12 @@ def run(
     trainer = GRPOTrainer(
         model,
         exact_answer,
-        args=grpo_config(f"{output_dir}/grpo", grpo_steps, max_completion_length=max_completion_length),
+        args=grpo_config(
+            f"{output_dir}/grpo",
+            grpo_steps,
+            max_completion_length=max_completion_length,
+            max_prompt_length=max_prompt_length,
+        ),
         train_dataset=prompts(make_problems(grpo_steps * 8, seed=2)),
         processing_class=tokenizer,
         tools=[calculator],

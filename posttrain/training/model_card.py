@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from posttrain.training.device_paths import run_paths
 from posttrain.version import __version__
 
 CARD_NAME = "README.md"
@@ -26,8 +27,13 @@ _MACHINE_SPECIFIC = frozenset(
 )
 
 
-# Values posttrain's config sets itself on a CPU (pinning needs an accelerator).
-_RESOLVED_AT_BUILD = {"dataloader_pin_memory": lambda: False, "accelerator_config": lambda: _accelerator_config()}
+# Values posttrain's config sets itself when it is built: pinning off on a CPU (it needs an accelerator), the fused
+# layers where they were measured for the run's device (training/device_paths.py).
+_RESOLVED_AT_BUILD = {
+    "dataloader_pin_memory": lambda args: False,
+    "accelerator_config": lambda args: _accelerator_config(),
+    "fused_layers": lambda args: run_paths(args, fused_layers=None, check=False).fast["fused_layers"],
+}
 
 
 def _accelerator_config():
@@ -256,7 +262,7 @@ def non_default_settings(args) -> dict[str, Any]:
         else:
             default = None
         raw = getattr(args, spec.name)
-        if spec.name in _RESOLVED_AT_BUILD and _RESOLVED_AT_BUILD[spec.name]() == raw:
+        if spec.name in _RESOLVED_AT_BUILD and _RESOLVED_AT_BUILD[spec.name](args) == raw:
             continue
         value, default = _plain(raw), _plain(default)
         if value == default or (default in (None, "", "auto") and value in (False, [], {}, "", None)):

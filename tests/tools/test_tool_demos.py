@@ -182,6 +182,7 @@ def test_tools_demo_runs_end_to_end_on_the_tiny_model(tiny_model_path, tool_toke
         grpo_steps=2,
         eval_size=4,
         max_completion_length=24,
+        max_prompt_length=480,  # the tool prompt is 651 tokens; the tiny model's context is 512
         output_dir=str(tmp_path),
         log=lambda *a: None,
     )
