@@ -62,8 +62,10 @@ import posttrain
 
 root = pathlib.Path(sys.argv[1]).resolve()
 where = pathlib.Path(posttrain.__file__).resolve()
-assert root not in where.parents, f"posttrain was imported from the repository: {where}"
-assert all(str(root) not in path for path in sys.path), "the repository is on sys.path"
+# Imported from the installed wheel (site-packages, which may sit inside the checkout in .venv-wheel), never from
+# the source tree.
+assert "site-packages" in where.parts and root / "posttrain" not in where.parents, f"posttrain imported from {where}"
+assert all(pathlib.Path(path or ".").resolve() != root for path in sys.path), "the repository is on sys.path"
 assert "site-packages" in str(where), where
 print(f"wheel: posttrain {posttrain.__version__} from {where.parent}")
 
