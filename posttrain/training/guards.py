@@ -63,7 +63,10 @@ class GuardMixin(Trainer):
         grad_norm = super()._get_grad_norm(model, grad_norm)
         loss, self._nonfinite_loss = self._nonfinite_loss, None
         device = self.accelerator.device
-        norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device).float().reshape(())
+        norm = 0.0 if grad_norm is None else grad_norm
+        if hasattr(norm, "full_tensor"):  # FSDP2's norm is a replicated DTensor: reduce a plain tensor
+            norm = norm.full_tensor()
+        norm = torch.as_tensor(norm, device=device).float().reshape(())
         loss = torch.zeros((), device=device) if loss is None else loss.to(device).float()
         flags = torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm)])
         if self.accelerator.num_processes > 1:
