@@ -25,6 +25,7 @@ import torch
 from posttrain.data.batches import pad_rows
 from posttrain.generation import Completion, SamplingParams, TransformersBackend, stop_token_ids
 from posttrain.online.logps import completion_logps
+from posttrain.online.rollout import Episode
 from posttrain.online.weights.shared_memory import SharedWeights
 from posttrain.runtime.cores import pin_process
 
@@ -171,3 +172,15 @@ def _send(connection, outbox: queue.Queue) -> None:
     while (message := outbox.get()) is not None:
         connection.send(message)
     connection.close()
+
+
+def episodes_of(request: Request, result: Result) -> list[Episode]:
+    """The episodes of an answered request, each with its tokens' versions (the oldest as its policy version)."""
+    episodes = []
+    for completion, versions in zip(result.completions, result.token_versions):
+        episode = Episode.single_turn(completion)
+        episode.prompt_ids = list(request.prompt_ids[completion.prompt_index])
+        episode.info["policy_version"] = min(versions, default=-1)
+        episode.info["token_versions"] = versions
+        episodes.append(episode)
+    return episodes

@@ -39,7 +39,7 @@ from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import copy_model, freeze, unwrap
 from posttrain.online.producers.base import ProducerContext, RoundsAhead
 from posttrain.online.producers.core_lending import CoreLender
-from posttrain.online.producers.generation_worker import Failure, Request, Result, serve, worker_settings
+from posttrain.online.producers.generation_worker import Failure, Request, Result, episodes_of, serve, worker_settings
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes
 from posttrain.runtime.cores import CoreSplit, free_cores, generation_core_split, pin_process
@@ -153,7 +153,7 @@ class ProcessRolloutProducer(RoundsAhead):
             if not self.process.is_alive():
                 self._restart()
         request, result = self.answers.pop(request_id)
-        return self._episodes(request, result), result.seconds
+        return episodes_of(request, result), result.seconds
 
     def _take(self, message: Result | Failure) -> None:
         if isinstance(message, Failure):
@@ -172,17 +172,6 @@ class ProcessRolloutProducer(RoundsAhead):
         )
         self.process.kill()
         self.process.join()
-
-    @staticmethod
-    def _episodes(request: Request, result: Result) -> list[Episode]:
-        episodes = []
-        for completion, versions in zip(result.completions, result.token_versions):
-            episode = Episode.single_turn(completion)
-            episode.prompt_ids = list(request.prompt_ids[completion.prompt_index])
-            episode.info["policy_version"] = min(versions, default=-1)
-            episode.info["token_versions"] = versions
-            episodes.append(episode)
-        return episodes
 
     def publish(self, version: int) -> None:
         """Copies the policy's weights into a free slot as `version` (restarting a dead process on the way)."""

@@ -29,7 +29,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.fused_layers import unfuse_layers
 from posttrain.models.reference import copy_model, freeze, unwrap
 from posttrain.online.producers.base import ProducerContext, RoundsAhead
-from posttrain.online.producers.generation_worker import Request, Result, worker_settings
+from posttrain.online.producers.generation_worker import Request, Result, episodes_of, worker_settings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
@@ -52,18 +52,6 @@ class RemoteRound:
 
     def result(self) -> tuple[list[Episode], float]:
         return self.producer.answer(self.request_id)
-
-
-def episodes_of(request: Request, result: Result) -> list[Episode]:
-    """The episodes of an answered request, each with its tokens' versions (the oldest as its policy version)."""
-    episodes = []
-    for completion, versions in zip(result.completions, result.token_versions):
-        episode = Episode.single_turn(completion)
-        episode.prompt_ids = list(request.prompt_ids[completion.prompt_index])
-        episode.info["policy_version"] = min(versions, default=-1)
-        episode.info["token_versions"] = versions
-        episodes.append(episode)
-    return episodes
 
 
 class RayRolloutProducer(RoundsAhead):
