@@ -133,7 +133,7 @@ class PosttrainConfig(TrainingArguments):
         if self.bf16 and run_device(self) == "cpu":
             # transformers refuses bf16 on a machine without an accelerator unless use_cpu is set (TRL's default
             # config stops there); the run is on the CPU either way, so say so and train under CPU autocast.
-            self.use_cpu = True
+            self.use_cpu, self._use_cpu_resolved = True, not self.use_cpu
         resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
