@@ -29,7 +29,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
-from posttrain.training.device_paths import describe_run, resolve_fused_layers, run_device
+from posttrain.training.device_paths import describe_run, resolve_bf16, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.metric_values import as_floats
@@ -128,12 +128,7 @@ class PosttrainConfig(TrainingArguments):
             # transformers >= 5.20 calls it activation_checkpointing and mirrors the old name from it
             renamed = any(f.name == "activation_checkpointing" for f in fields(self))
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
-        if self.bf16 is None:
-            self.bf16 = not self.fp16  # TRL 1.16's default, on every device (a CPU trains under bf16 autocast too)
-        if self.bf16 and run_device(self) == "cpu":
-            # transformers refuses bf16 on a machine without an accelerator unless use_cpu is set (TRL's default
-            # config stops there); the run is on the CPU either way, so say so and train under CPU autocast.
-            self.use_cpu, self._use_cpu_resolved = True, not self.use_cpu
+        resolve_bf16(self)
         resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(

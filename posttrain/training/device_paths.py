@@ -42,6 +42,18 @@ def run_paths(
     )
 
 
+def resolve_bf16(args) -> None:
+    """bf16=None becomes TRL 1.16's default, `not fp16`, on every device: a CPU trains under bf16 autocast too.
+
+    transformers refuses bf16 on a machine without an accelerator unless use_cpu is set (TRL's default config stops
+    there with that error); the run is on the CPU either way, so use_cpu is set, and marked as set here (the model
+    card leaves it out)."""
+    if args.bf16 is None:
+        args.bf16 = not args.fp16
+    if args.bf16 and run_device(args) == "cpu":
+        args.use_cpu, args._use_cpu_resolved = True, not args.use_cpu
+
+
 def resolve_fused_layers(args) -> None:
     """Sets `args.fused_layers` (None: on where measured or turned on) and checks the run's kernel choices."""
     args.fused_layers = run_paths(args, fused_layers=args.fused_layers).fast["fused_layers"]
