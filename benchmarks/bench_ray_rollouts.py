@@ -1,6 +1,6 @@
 """Rollout actors on Ray (posttrain/online/producers/ray.py), measured on this machine, all on loopback:
 
-- weight sync against model size: one push of the flat per-dtype buffers over a gloo pair (weights/gloo.py) to
+- weight sync against model size: one push of the flat per-dtype buffers over a gloo pair (weights/collective.py) to
   an actor, against today's file sync to a vLLM server (the trainer writes `model.safetensors`, the server reads it;
   vllm_weights.save_weights, then safetensors' load_file, both timed; the server's copy into its model is not);
   sizes: the tiny test model, SmolLM2-135M (float32) and a 0.5B model built from a Qwen2.5-0.5B-like config with
@@ -39,7 +39,7 @@ from posttrain.generation.vllm_weights import save_weights  # noqa: E402
 from posttrain.online.producers.generation_worker import Request, WorkerSettings  # noqa: E402
 from posttrain.online.producers.ray_actor import rollout_actor_class  # noqa: E402
 from posttrain.online.producers.ray_cluster import LOOPBACK  # noqa: E402
-from posttrain.online.weights.gloo import GlooReceiver, GlooSender, open_store  # noqa: E402
+from posttrain.online.weights.collective import PairReceiver, PairSender, open_store  # noqa: E402
 from posttrain.online.weights.transport import flat_buffers, flat_layout, pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ class Receiver:
         self.buffers = flat_buffers(layout)
 
     def connect(self, port: int) -> None:
-        self.receiver = GlooReceiver(LOOPBACK, port, "receiver", TIMEOUT_S)
+        self.receiver = PairReceiver(LOOPBACK, port, "receiver", TIMEOUT_S)
 
     def receive(self) -> int:
         return self.receiver.receive(self.buffers)
@@ -102,7 +102,7 @@ def sync_times(name: str, layout, repeats: int) -> dict:
     receiver = Receiver.remote(layout)
     store = open_store(LOOPBACK, TIMEOUT_S)
     ref = receiver.connect.remote(store.port)
-    sender = GlooSender(store, LOOPBACK, "receiver", TIMEOUT_S)
+    sender = PairSender(store, LOOPBACK, "receiver", TIMEOUT_S)
     ray.get(ref)
     for version in range(repeats):
         start = time.perf_counter()
@@ -161,7 +161,7 @@ def connect_and_push(actor, buffers, version: int, name: str):
     wait_alive(actor)
     store = open_store(LOOPBACK, TIMEOUT_S)
     ref = actor.connect.remote(LOOPBACK, store.port, TIMEOUT_S)
-    sender = GlooSender(store, LOOPBACK, name, TIMEOUT_S)
+    sender = PairSender(store, LOOPBACK, name, TIMEOUT_S)
     ray.get(ref, timeout=TIMEOUT_S)
     ref = actor.receive.remote([])
     sender.send(buffers, version)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
+import threading
 
 import ray
 
@@ -26,7 +28,7 @@ def connect(address: str | None, num_actors: int, resource: str) -> bool:
     if address is not None:
         _join(address)
         return False
-    ray.init(
+    _init(
         _node_ip_address=LOOPBACK,
         include_dashboard=False,
         num_cpus=num_actors,
@@ -37,17 +39,30 @@ def connect(address: str | None, num_actors: int, resource: str) -> bool:
     return True
 
 
+def _init(**options) -> None:
+    """`ray.init`, keeping this process's SIGTERM handler: ray.init puts in its own, which exits at once (and,
+    where it starts the head here, after killing the cluster), so the trainer's checkpoint on SIGTERM
+    (checkpoint_on_signal) would never be written. The trainer's `close` ends the Ray it started instead."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**options)
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGTERM, saved)
+
+
 def _join(address: str) -> None:
     host = address.rpartition(":")[0] if ":" in address else address
     if host not in ("localhost", "127.0.0.1"):
-        ray.init(address=address, log_to_driver=True)
+        _init(address=address, log_to_driver=True)
         return
     # ray #59110: Ray replaces a loopback address given to ray.init by the host's outward address (which the
     # cluster, bound to 127.0.0.1, does not listen on) unless it believes multi-node clusters are off.
     constants = ray._private.ray_constants
     saved, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
     try:
-        ray.init(address=address, _node_ip_address=LOOPBACK, log_to_driver=True)
+        _init(address=address, _node_ip_address=LOOPBACK, log_to_driver=True)
     finally:
         constants.ENABLE_RAY_CLUSTER = saved
 
