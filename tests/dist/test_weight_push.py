@@ -1,7 +1,9 @@
 """A weight push from an FSDP2-sharded trainer (posttrain/online/weights/transport.py `gathered_params`,
 weights/collective.py): every rank of the training group gathers every parameter's shards, all before any send,
 and rank 0 alone sends; the worker then holds the unsharded model's flat buffers bit for bit. Two CPU processes
-on gloo; on GPUs the same code runs with backend="nccl" (benchmarks/gpu_check.py). Run with `pytest -m dist`.
+on gloo. Run with `pytest -m dist`. On a machine with 2 GPUs the same test runs the NCCL path (training group and
+weight pair on NCCL, rank r on GPU r, the worker on GPU 1):
+    POSTTRAIN_PUSH_BACKEND=nccl python -m pytest -m dist tests/dist/test_weight_push.py
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _receive(port: int, layout, into: dict) -> None:
-    receiver = PairReceiver(HOST, port, "worker", 60)
+BACKEND = os.environ.get("POSTTRAIN_PUSH_BACKEND", "gloo")
+
+
+def _receive(port: int, layout, into: dict, backend: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(1)  # a pair's two ends on two GPUs
+    receiver = PairReceiver(HOST, port, "worker", 60, backend)
     into["buffers"] = flat_buffers(layout)
     into["version"] = receiver.receive(into["buffers"])
 
@@ -41,12 +48,16 @@ def _rank(rank: int, model_path: str, port: int, out: str, backend: str) -> None
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+        backend, init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     layout = flat_layout(model)
     expected = pack([p for _, p in model.named_parameters()], flat_buffers(layout))
+    if backend == "nccl":
+        model.cuda()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -55,7 +66,7 @@ def _rank(rank: int, model_path: str, port: int, out: str, backend: str) -> None
     report = {"rank": rank, "sharded": len(sharded), "gathered": len(params)}
     if rank == 0:
         store, got = open_store(HOST, 60), {}
-        worker = threading.Thread(target=_receive, args=(store.port, layout, got))
+        worker = threading.Thread(target=_receive, args=(store.port, layout, got, backend))
         worker.start()
         sender = PairSender(store, HOST, "worker", 60, backend)
         sender.send(pack(params, flat_buffers(layout)), VERSION)
@@ -68,7 +79,7 @@ def _rank(rank: int, model_path: str, port: int, out: str, backend: str) -> None
 
 
 def test_fsdp2_shards_are_gathered_on_every_rank_and_rank_0_sends_them_whole(tiny_model_path, tmp_path):
-    mp.spawn(_rank, args=(str(tiny_model_path), _free_port(), str(tmp_path), "gloo"), nprocs=2, join=True)
+    mp.spawn(_rank, args=(str(tiny_model_path), _free_port(), str(tmp_path), BACKEND), nprocs=2, join=True)
     reports = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert all(r["sharded"] > 0 and r["gathered"] == reports[0]["gathered"] for r in reports)
     assert reports[0]["version"] == VERSION

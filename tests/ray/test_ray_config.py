@@ -41,13 +41,14 @@ def test_a_wrong_value_names_the_field(tmp_path, setting, message):
 @pytest.mark.parametrize(
     "setting, named",
     [
-        (dict(use_vllm=True), "use_vllm=True"),
+        (dict(use_vllm=True), r"use_vllm=True with async_inflight_weight_updates=True"),
         (dict(async_generation_process=True), "async_generation_process=True"),
         (dict(cache_implementation="static"), "static cache"),
     ],
 )
 def test_a_setting_the_actors_cannot_serve_is_refused_before_any_actor_starts(setting, named):
     args = dict(use_vllm=False, async_generation_process=None, use_transformers_continuous_batching=False)
+    args["async_inflight_weight_updates"] = True
     args = {**args, "cache_implementation": None, **setting}
     with pytest.raises(ConfigError, match=f"rollout_backend='ray' does not support .*{named}"):
         make_ray_producer(SimpleNamespace(args=SimpleNamespace(**args)), lookahead=1)

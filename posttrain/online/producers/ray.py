@@ -36,6 +36,7 @@ from posttrain.online.producers.base import ProducerContext, RoundsAhead
 from posttrain.online.producers.generation_worker import Request, Result, episodes_of, worker_settings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
+from posttrain.online.producers.ray_vllm import vllm_engine_options
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 from posttrain.online.weights.collective import PairSender, open_store, pair_backend
 from posttrain.online.weights.transport import WeightSyncError, flat_buffers, flat_layout, gathered_params, pack
@@ -89,6 +90,7 @@ class RayRolloutProducer(RoundsAhead):
         threads = args.async_generation_cores or 1
         self.settings = worker_settings(context, self.sampler_model, self.lookahead, self.in_flight, None, threads)
         self.layout = flat_layout(self.sampler_model)
+        self.vllm = vllm_engine_options(args, self.sampler_model, context.tokenizer) if args.use_vllm else None
         self.kept: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # versions that rounds in flight may need
         self.pending: dict[int, tuple[Request, int]] = {}  # request id -> (request, its weights' version)
         self.inflight: dict[int, tuple[int, ray.ObjectRef]] = {}  # request id -> (actor index, answer)
@@ -233,7 +235,7 @@ class RayRolloutProducer(RoundsAhead):
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.settings.threads)}},
         )
         slots = max(self.lookahead + 2, 3)  # in use, newest, one to write into, one per round ahead
-        return remote.remote(self.model_ref, self.settings, slots, self.names[index])
+        return remote.remote(self.model_ref, self.settings, slots, self.names[index], self.vllm)
 
     def _bring_up(self, index: int) -> None:
         """Waits for actor `index` to run, connects its weight group, pushes the versions its rounds need (the
@@ -316,7 +318,9 @@ def make_ray_producer(context: ProducerContext, lookahead: int) -> RayRolloutPro
     """The Ray producer (rollout_backend='ray'), after checking that the run's settings can run there."""
     args = context.args
     why = {
-        "use_vllm=True (rollout actors sample with the transformers backend here)": args.use_vllm,
+        "use_vllm=True with async_inflight_weight_updates=True (a vLLM engine samples each request with one version "
+        "of the weights; set async_inflight_weight_updates=False)": args.use_vllm
+        and args.async_inflight_weight_updates,
         "async_generation_process=True (the actors are the generation processes)": args.async_generation_process,
         "transformers' continuous batching or a static cache (the actors decode with the dynamic cache)": (
             args.use_transformers_continuous_batching or args.cache_implementation not in (None, "dynamic")

@@ -34,13 +34,19 @@ LANES = {"generate": 1, "weights": 1}
 
 class RolloutActor:
     """Samples requests with `model` (its weights replaced by every push) under `settings`, keeping `num_slots`
-    versions. `name` appears in every error it raises."""
+    versions. `name` appears in every error it raises. `vllm`: the options of a vLLM engine to sample with
+    (ray_vllm.py) instead of the transformers loop."""
 
-    def __init__(self, model, settings: WorkerSettings, num_slots: int, name: str) -> None:
+    def __init__(self, model, settings: WorkerSettings, num_slots: int, name: str, vllm: dict | None = None) -> None:
         torch.set_num_threads(settings.threads)
         self.name = name
         self.weights = SharedWeights(model, num_slots, multiprocessing.get_context("spawn"))
-        self.server = GenerationServer(model, self.weights, settings)
+        if vllm is None:
+            self.server = GenerationServer(model, self.weights, settings)
+        else:
+            from posttrain.online.producers.ray_vllm import VLLMGenerationServer
+
+            self.server = VLLMGenerationServer(model, self.weights, settings, vllm)
         self.in_flight = settings.in_flight
         self.receiver: PairReceiver | None = None
         self.arrived = threading.Condition()
