@@ -100,6 +100,7 @@ def run_one(setting: str, steps: int, model: str, warmup: int = 2, max_completio
             logging_steps=1,
             seed=0,
             use_cpu=True,
+            bf16=False,  # float32, as the published figures (bf16=None is autocast on a CPU too since 2026-12-07)
             report_to="none",
             save_strategy="no",
             disable_tqdm=True,

@@ -61,6 +61,7 @@ def _trl_generate(model, tokenizer, num_generations: int, max_completion_length:
         max_completion_length=max_completion_length,
         temperature=1.0,
         use_cpu=True,
+        bf16=False,  # posttrain's side generates with the float32 model as loaded: the same precision here
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

@@ -59,6 +59,7 @@ def make_run(root: Path, steps: int) -> Path:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,  # float32, as the published figures (bf16=None is autocast on a CPU too)
         disable_tqdm=True,
         write_report=False,
     )

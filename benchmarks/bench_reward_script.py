@@ -6,7 +6,9 @@
 The script shape (issue 45, item 5): a local tiny checkpoint loaded with
 `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` (a new, seeded score head), its tokenizer
 passed in as `processing_class`, conversational preference rows (a user turn and an assistant answer of a few
-sentences each), `max_length=128`, `learning_rate=1e-3`, batch 8, everything else at the library's defaults.
+sentences each), `max_length=128`, `learning_rate=1e-3`, batch 8, `bf16=True` set on both sides (bf16 autocast, both
+libraries' default on a CPU too; before 2026-12-07 posttrain's default on a CPU was float32, so the figures published
+before then compare TRL in bf16 autocast with posttrain in float32), everything else at the library's defaults.
 
 Each run is a fresh single-threaded interpreter; runs alternate posttrain, trl, posttrain, trl, ... Reported per
 run: the steady step time (first step left out), the whole `trainer.train()` wall time, the construction time
@@ -97,6 +99,7 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None) -> dict
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=True,  # set, the same on both sides (both libraries' default; see the docstring)
         disable_tqdm=True,
     )
     trainer = RewardTrainer(

@@ -10,7 +10,8 @@ alternate posttrain, TRL, posttrain, TRL ... point by point, so that load on a s
 Each run trains `--steps` steps; the first is warm-up, the rest are timed in process CPU time (with one thread the
 step time of an idle machine; wall time is recorded too). Settings both libraries get: SmolLM2-135M (the built-in
 copy), LoRA r=16 on every linear layer, batch 1, one pre-tokenized sequence of the point's length (no padding),
-lr 1e-4, `gradient_checkpointing=False` and `bf16=False` (TRL's defaults differ; set to posttrain's), no report.
+lr 1e-4, `gradient_checkpointing=False` (TRL's default differs) and `bf16=False` (float32; both default to bf16
+autocast), no report.
 
 Results: docs/results/scaling/SWEEP.json (the commit, the date, the load average before and after, every run) and
 SWEEP.svg (step time and the posttrain/TRL ratio against the swept quantity). MFU divides the model FLOPs (LoRA:

@@ -62,6 +62,7 @@ def worker(out_dir: str, model: str, trainer_name: str, steps: int) -> None:
         disable_tqdm=True,
         write_report=False,
         max_length=64,
+        bf16=False,  # float32, as the published figures (bf16=None is autocast on a CPU too)
     )
     if trainer_name == "sft":
         rows = [

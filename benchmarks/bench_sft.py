@@ -19,8 +19,8 @@ Apples to apples:
   their step-0 losses differ); "completion": the same texts cut into prompt + completion, completion-only
   loss (both libraries' default); "messages": the same halves as a user and an assistant message, rendered
   with the chat template, all tokens trained;
-- TRL defaults that differ from `TrainingArguments` are set to posttrain's: `bf16=False` (TRL turns on
-  bf16 autocast), `gradient_checkpointing=False` (TRL: on); `logging_steps=1` for both. Each library
+- Set the same on both sides: `bf16=False` (float32; both libraries' default is bf16 autocast, on a CPU too),
+  `gradient_checkpointing=False` (TRL's default: on; posttrain's on a CPU: off); `logging_steps=1`. Each library
   otherwise computes its loss its own way: TRL's fused, chunked LM head (which also computes entropy
   for logging), posttrain's fused chunked loss (its default; `--posttrain-full-logits` adds rows with
   `chunked_loss=False`).

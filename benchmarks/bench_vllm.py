@@ -73,6 +73,7 @@ def run_mode(mode: str, steps: int, eval_size: int, max_completion_length: int) 
                 report_to="none",
                 seed=0,
                 use_cpu=True,
+                bf16=False,  # float32, as the published figures (bf16=None is autocast on a CPU too)
                 disable_tqdm=True,
                 **settings,
             )

@@ -58,6 +58,7 @@ def train_one_step(model_path: str, out_dir: str, per_device_batch_size: int) ->
         seed=0,
         max_length=64,
         use_cpu=True,
+        bf16=False,
         ddp_backend="gloo",
         report_to="none",
         save_strategy="no",

@@ -6,8 +6,9 @@ turns them on: `POSTTRAIN_FAST_PATHS=fused_layers,segment_attention` (or `all`) 
 `fused_layers=True` set explicitly in a config; `-name` in the list turns one off, `none` all of them. Everywhere
 else a run gets the ecosystem's defaults, as TRL 1.16 on the same stack: the attention implementation the user or
 the model sets (transformers' SDPA unless named; FlashAttention 2/3 when named and installed), padding-free rows
-through FlashAttention's varlen kernel or SDPA with position ids, Liger kernels with `use_liger_kernel`, bf16 and
-gradient checkpointing on an accelerator, and `torch.compile` only when asked for."""
+through FlashAttention's varlen kernel or SDPA with position ids, Liger kernels with `use_liger_kernel`, bf16
+autocast on every device (a CPU included) unless fp16 is set, gradient checkpointing on an accelerator, and
+`torch.compile` only when asked for."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def choose_paths(
 
     Raises ConfigError for a setting the device or the installed packages cannot honour (FlashAttention named
     without its package or off CUDA, use_liger_kernel without liger-kernel); `check=False` only describes."""
-    accelerator = device in ("cuda", "xpu")  # where TRL's bf16 and gradient checkpointing defaults apply
+    accelerator = device in ("cuda", "xpu")  # where TRL's gradient checkpointing default applies (bf16's: anywhere)
     package = FLASH.get(attn_implementation or "")
     if check and package is not None and (device != "cuda" or package not in kernels):
         need = "a CUDA GPU" if device != "cuda" else f"the {package} package (pip install {package.replace('_', '-')})"
@@ -128,7 +129,7 @@ def choose_paths(
         attention=attention + ("" if attn_implementation else " (default)"),
         padding_free=padding_free,
         liger=use_liger_kernel,
-        bf16=accelerator if bf16 is None else bf16,
+        bf16=True if bf16 is None else bf16,  # TRL's default without fp16, on every device
         gradient_checkpointing=accelerator if gradient_checkpointing is None else gradient_checkpointing,
         torch_compile=torch_compile,
     )

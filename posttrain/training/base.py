@@ -29,7 +29,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.training.checkpoints import CheckpointMixin
-from posttrain.training.device_paths import describe_run, resolve_fused_layers
+from posttrain.training.device_paths import describe_run, resolve_fused_layers, run_device
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.metric_values import as_floats
@@ -67,14 +67,16 @@ class PosttrainConfig(TrainingArguments):
     )
     dataset_num_proc: int | None = config_field(None, "Processes for dataset preprocessing.")
     logging_steps: float = config_field(10, "Log every N optimizer steps.")
-    # TRL turns both on; posttrain does where they pay off (an accelerator) and leaves them off on a CPU, where
-    # bf16 autocast is slower than float32 and recomputing activations only costs time (docs/trl_parity.md).
+    # TRL turns it on; posttrain does where it pays off (an accelerator) and leaves it off on a CPU, where
+    # recomputing activations only costs time and memory is rarely the limit (docs/trl_parity.md).
     gradient_checkpointing: bool | None = config_field(
         None,
         "Recompute activations in the backward pass to save memory (default: on with an accelerator, off on a CPU).",
     )
     bf16: bool | None = config_field(
-        None, "bfloat16 mixed precision (default: on with an accelerator unless fp16 is set, off on a CPU)."
+        None,
+        "bfloat16 mixed precision (autocast over float32 weights). Default: on unless fp16 is set, on every device "
+        "as in TRL, a CPU included; set bf16=False to train in float32 (docs/trl_parity.md has CPU timings).",
     )
     fused_layers: bool | None = config_field(
         None,
@@ -127,7 +129,11 @@ class PosttrainConfig(TrainingArguments):
             renamed = any(f.name == "activation_checkpointing" for f in fields(self))
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
-            self.bf16 = on_accelerator and not self.fp16
+            self.bf16 = not self.fp16  # TRL 1.16's default, on every device (a CPU trains under bf16 autocast too)
+        if self.bf16 and run_device(self) == "cpu":
+            # transformers refuses bf16 on a machine without an accelerator unless use_cpu is set (TRL's default
+            # config stops there); the run is on the CPU either way, so say so and train under CPU autocast.
+            self.use_cpu, self._use_cpu_resolved = True, not self.use_cpu
         resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(

@@ -28,12 +28,17 @@ _MACHINE_SPECIFIC = frozenset(
 
 
 # Values posttrain's config sets itself when it is built: pinning off on a CPU (it needs an accelerator), the fused
-# layers where they were measured for the run's device (training/device_paths.py).
+# layers where they were measured for the run's device (training/device_paths.py), bf16 from None (TRL's default)
+# and use_cpu where that bf16 runs on a machine without an accelerator (training/base.py).
 _RESOLVED_AT_BUILD = {
+    "bf16": lambda args: not args.fp16,
+    "use_cpu": lambda args: args.use_cpu if getattr(args, "_use_cpu_resolved", False) else False,
     "dataloader_pin_memory": lambda args: False,
     "accelerator_config": lambda args: _accelerator_config(),
     "fused_layers": lambda args: run_paths(args, fused_layers=None, check=False).fast["fused_layers"],
 }
+# Fields whose None default means on (TRL's bf16): False set explicitly is a change.
+_NONE_MEANS_ON = frozenset({"bf16"})
 
 
 def _accelerator_config():
@@ -245,7 +250,7 @@ def _dataset_name(dataset) -> str | None:
 
 def non_default_settings(args) -> dict[str, Any]:
     """The config's settings that differ from the declared defaults; paths, tokens and settings resolved when the
-    config is built from an automatic default (None, e.g. bf16 on a CPU) are left out.
+    config is built from an automatic default (None, e.g. bf16) are left out.
 
     (A default config is not built to compare with: building one resets accelerate's state mid-run.)
     """
@@ -265,7 +270,8 @@ def non_default_settings(args) -> dict[str, Any]:
         if spec.name in _RESOLVED_AT_BUILD and _RESOLVED_AT_BUILD[spec.name](args) == raw:
             continue
         value, default = _plain(raw), _plain(default)
-        if value == default or (default in (None, "", "auto") and value in (False, [], {}, "", None)):
+        off = value in (False, [], {}, "", None) and spec.name not in _NONE_MEANS_ON
+        if value == default or (default in (None, "", "auto") and off):
             continue
         changed[spec.name] = value
     return changed

@@ -131,6 +131,7 @@ def _trainer(tmp_path, tiny_model_path, tokenizer, eval_rows, callbacks=(), max_
         learning_rate=5e-2,
         report_to=[],
         use_cpu=True,
+        bf16=False,
         logging_steps=1,
         save_strategy="no",
         per_device_eval_batch_size=2,

@@ -24,6 +24,7 @@ def _common(out, **kw):
         learning_rate=1e-3,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         disable_tqdm=True,
         write_report=False,

@@ -13,6 +13,7 @@ def _trainer(tmp_path, model_path, data_file, max_length=64):
     args = SFTConfig(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
+        bf16=False,
         report_to="none",
         max_length=max_length,
         save_strategy="no",

@@ -32,6 +32,7 @@ def _config(tmp_path, **overrides) -> AsyncDistillationConfig:
         learning_rate=0.05,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

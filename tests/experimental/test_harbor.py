@@ -108,6 +108,7 @@ def test_without_harbor_the_trainer_stops_before_training(tmp_path, tiny_model_p
                 num_generations=2,
                 max_steps=1,
                 use_cpu=True,
+                bf16=False,
                 report_to="none",
             ),
         )
@@ -150,6 +151,7 @@ def test_bash_harness_in_grpo_rollouts(tmp_path, tiny_model_path, tool_tokenizer
             max_completion_length=128,
             max_steps=1,
             use_cpu=True,
+            bf16=False,
             report_to="none",
             save_strategy="no",
             disable_tqdm=True,

@@ -100,6 +100,7 @@ def _lm_trainer(tmp_path, tiny_model_path, tokenizer, callbacks, **kw):
         learning_rate=0.1,
         report_to=[],
         use_cpu=True,
+        bf16=False,
         disable_tqdm=True,
         **kw,
     )
@@ -156,6 +157,7 @@ def _dpo(tmp_path, tiny_model_path, callbacks, **kw):
         learning_rate=5e-2,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         save_strategy="no",
         disable_tqdm=True,
         logging_steps=1,

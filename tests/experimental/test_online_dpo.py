@@ -29,6 +29,7 @@ def config(tmp_path, cls=OnlineDPOConfig, **overrides):
         learning_rate=1e-2,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

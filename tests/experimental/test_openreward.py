@@ -196,6 +196,7 @@ def test_rollouts_in_grpo(server, tmp_path, tiny_model_path, tool_tokenizer):  #
             max_completion_length=128,
             max_steps=1,
             use_cpu=True,
+            bf16=False,
             report_to="none",
             save_strategy="no",
             disable_tqdm=True,

@@ -235,6 +235,7 @@ def _learn(tmp_path, path, trainer_cls, config_cls, steps=20, **options):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,
         seed=0,
         disable_tqdm=True,
         **options,
@@ -368,8 +369,8 @@ def test_signature_and_config_fields_follow_trl(name):
 
     our_config = CPOConfig if name == "cpo" else ORPOConfig
     our_fields = {f.name: f for f in dataclasses.fields(our_config)}
-    # posttrain-wide defaults (docs/trl_parity.md): auto precision/checkpointing; collators keep their columns.
-    project_wide = {"gradient_checkpointing", "bf16", "remove_unused_columns"}
+    # posttrain-wide defaults (docs/trl_parity.md): auto checkpointing; collators keep their columns.
+    project_wide = {"gradient_checkpointing", "remove_unused_columns"}
     differing = []
     for f in dataclasses.fields(getattr(module, f"{upper}Config")):
         assert f.name in our_fields, f.name
@@ -452,6 +453,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_model_path, name
             learning_rate=1e-2,
             seed=0,
             use_cpu=True,
+            bf16=False,
             report_to="none",
             disable_tqdm=True,
             write_report=False,

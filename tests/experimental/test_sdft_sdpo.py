@@ -106,6 +106,7 @@ def _kw(tmp_path, **kw):
             report_to="none",
             save_strategy="no",
             use_cpu=True,
+            bf16=False,
             disable_tqdm=True,
             seed=0,
             max_completion_length=8,
@@ -233,7 +234,7 @@ def test_config_defaults_and_signature_are_trls(name, config, trainer):
     theirs_config, theirs_trainer = getattr(module, config.__name__), getattr(module, trainer.__name__)
     ours = {f.name: _default(f) for f in dataclasses.fields(config)}
     for f in dataclasses.fields(theirs_config):
-        if f.name not in {"gradient_checkpointing", "bf16"}:  # posttrain-wide differences (auto on an accelerator)
+        if f.name != "gradient_checkpointing":  # a posttrain-wide difference (auto: on with an accelerator)
             assert f.name in ours, f.name
             assert ours[f.name] == _default(f), f.name
     params = list(inspect.signature(trainer.__init__).parameters)[1:]

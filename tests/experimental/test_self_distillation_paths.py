@@ -163,6 +163,7 @@ def _sdft(tmp_path, model, kind):
         teacher_model_kind=kind,
         report_to="none",
         use_cpu=True,
+        bf16=False,
     )
     return SDFTTrainer(model, args=args, train_dataset=data)
 

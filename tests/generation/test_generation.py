@@ -225,6 +225,7 @@ def test_a_trainer_config_reaches_the_backend(model, tokenizer):
     args = GRPOConfig(
         output_dir="unused",
         use_cpu=True,
+        bf16=False,
         cache_implementation="dynamic",
         generation_kwargs='{"no_repeat_ngram_size": 3}',
         per_device_train_batch_size=8,
@@ -284,6 +285,7 @@ def test_colocated_vllm_on_a_cpu_refuses_heads_below_32_dimensions(tmp_path, tin
         max_completion_length=8,
         report_to="none",
         use_cpu=True,
+        bf16=False,
     )
     prompts = Dataset.from_list([{"prompt": "one two"}] * 4)
     with pytest.raises(ConfigError, match=r"at least 32 dimensions, but this model's are 8 \(hidden_size 32 / 4"):

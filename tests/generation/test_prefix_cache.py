@@ -120,6 +120,7 @@ def test_kto_trainer_takes_the_cache_route_and_matches_the_one_forward_route(
         max_length=64,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         disable_tqdm=True,
     )
     trainer = KTOTrainer(

@@ -290,6 +290,7 @@ def test_trainers_fuse_by_default_and_train_the_same(tiny_model_path):
             report_to="none",
             save_strategy="no",
             use_cpu=True,
+            bf16=False,
             seed=0,
             fused_layers=fused,
             disable_tqdm=True,

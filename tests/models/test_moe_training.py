@@ -16,6 +16,7 @@ COMMON = dict(
     learning_rate=1e-2,
     seed=0,
     use_cpu=True,
+    bf16=False,
     report_to="none",
     save_strategy="no",
     disable_tqdm=True,

@@ -22,6 +22,7 @@ def _common(tmp_path, **kw):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,
         seed=0,
         max_length=64,
         disable_tqdm=True,

@@ -210,6 +210,7 @@ def test_sft_packed_step0_loss_unchanged(tmp_path, tiny_model_path, strategy):
             save_strategy="no",
             report_to="none",
             use_cpu=True,
+            bf16=False,
             seed=0,
             disable_tqdm=True,
         )
@@ -237,6 +238,7 @@ def test_sft_keeps_eager(tmp_path, tiny_model_path):
         packing=True,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         model_init_kwargs={"attn_implementation": "eager"},
     )
     trainer = SFTTrainer(tiny_model_path, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))

@@ -44,6 +44,7 @@ def make_config(output_dir, config_class=GRPOConfig, **overrides):
         learning_rate=1e-2,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

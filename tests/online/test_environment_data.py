@@ -39,6 +39,7 @@ def config(tmp_path, **overrides) -> GRPOConfig:
         max_steps=1,
         logging_steps=1,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

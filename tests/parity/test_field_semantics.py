@@ -6,7 +6,8 @@ named here and on docs/trl_parity.md.
 Fields swept (TRL's GRPO/RLOO/DPO/SFT/KTO/Reward configs): every shared field's default (test below);
 steps_per_generation and generation_batch_size (unit: micro-batches, default gradient_accumulation_steps);
 max_prompt_length (online trainers: no cut by default); vllm_gpu_memory_utilization (colocate mode: honoured on a
-GPU, an error on a CPU naming vllm_kv_cache_gb); the reward model's max_length (rows dropped in both).
+GPU, an error on a CPU naming vllm_kv_cache_gb); the reward model's max_length (rows dropped in both); bf16 (None:
+on unless fp16 is set, on every device, for every config class TRL 1.16 has, experimental ones included).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import warnings
 
 import pytest
+import torch
 from _trl import import_trl, import_trl_experimental
 from test_engine import make_config, prompt_dataset
 
@@ -30,7 +32,6 @@ MODULES = ["grpo_config", "rloo_config", "dpo_config", "sft_config", "kto_config
 
 # Shared fields whose default differs, with the reason (the same training follows on the machines TRL targets).
 DEFAULT_DIFFERENCES = {
-    "bf16": "None: on with an accelerator as in TRL, off on a CPU where autocast is slower (docs/trl_parity.md)",
     "gradient_checkpointing": "None: on with an accelerator as in TRL, off on a CPU (docs/trl_parity.md)",
     "activation_checkpointing": "TRL's alias of gradient_checkpointing, resolved the same way",
     "pad_to_multiple_of": "'auto': no padding (TRL's None) except on Neuron, which needs fixed widths",
@@ -59,6 +60,56 @@ def test_every_shared_default_is_trls(name, tmp_path):
     }
     assert differ == {}
     assert "max_prompt_length" not in {f.name for f in dataclasses.fields(theirs)} or name not in ONLINE
+
+
+# -- bf16: None means "on unless fp16", on every device, for every config ------------------------------------------
+# (module under trl.experimental or None for top level, class) for every config class TRL 1.16 has
+TRL_CONFIGS = [(None, name) for name in [*ALL, "DistillationConfig"]] + [
+    ("a2po", "A2POConfig"), ("async_distillation", "AsyncDistillationConfig"), ("async_grpo", "AsyncGRPOConfig"),
+    ("cpo", "CPOConfig"), ("distillation", "DistillationConfig"), ("gkd", "GKDConfig"), ("gmpo", "GMPOConfig"),
+    ("gold", "GOLDConfig"), ("iw_opd", "IWOPDConfig"), ("kto", "KTOConfig"), ("online_dpo", "OnlineDPOConfig"),
+    ("orpo", "ORPOConfig"), ("sdft", "SDFTConfig"), ("sdpo", "SDPOConfig"), ("tpo", "TPOConfig"),
+    ("server_distillation", "ServerDistillationConfig"),
+]  # fmt: skip
+PRECISION_SETTINGS = [{}, dict(fp16=True), dict(bf16=False), dict(bf16=True), dict(bf16=False, fp16=True)]
+
+
+def _config_pair(module: str | None, name: str):
+    if module is None:
+        return getattr(import_trl(*MODULES, "distillation_config"), name), getattr(posttrain, name)
+    ours = __import__(f"posttrain.experimental.{module}", fromlist=[name])
+    return getattr(import_trl_experimental(module), name), getattr(ours, name)
+
+
+@pytest.mark.parametrize("module, name", TRL_CONFIGS, ids=[f"{m or 'trl'}.{n}" for m, n in TRL_CONFIGS])
+@pytest.mark.parametrize("settings", PRECISION_SETTINGS, ids=["default", "fp16", "off", "on", "off_fp16"])
+def test_bf16_resolves_as_trl(module, name, settings, tmp_path):
+    """TRL 1.16 resolves bf16=None to `not fp16` on any device, so a CPU run trains under bf16 autocast."""
+    theirs, ours = _config_pair(module, name)
+    if name == "ServerDistillationConfig":
+        settings = dict(settings, teacher_model_server_url="http://127.0.0.1:8000")
+    settings = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, **settings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, ours = theirs(**settings), ours(**settings)
+    assert (ours.bf16, ours.fp16, ours.mixed_precision) == (theirs.bf16, theirs.fp16, theirs.mixed_precision)
+    assert ours.bf16 is (settings.get("bf16", True) and not settings.get("fp16", False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers checks bf16 against the accelerator there")
+def test_bf16_default_without_use_cpu_on_a_cpu_is_what_trl_gives_with_it(tmp_path):
+    """TRL's default config stops on a machine without an accelerator unless use_cpu is set (transformers refuses
+    bf16 there); posttrain resolves bf16 the same way and trains on the CPU, which is where the run is anyway."""
+    trl = import_trl(*MODULES)
+    settings = dict(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="use_cpu"):
+        trl.SFTConfig(**settings)
+    ours = posttrain.SFTConfig(**settings)
+    assert (ours.bf16, ours.mixed_precision, ours.use_cpu) == (True, "bf16", True)
+    theirs = trl.SFTConfig(**settings, use_cpu=True)
+    assert (ours.bf16, ours.mixed_precision) == (theirs.bf16, theirs.mixed_precision)
+    ours = posttrain.SFTConfig(**settings, bf16=False)
+    assert (ours.bf16, ours.mixed_precision, ours.use_cpu) == (False, "no", False)
 
 
 # -- steps_per_generation / generation_batch_size: micro-batches, as in TRL ------------------------------------

@@ -22,11 +22,13 @@ def test_every_fast_path_declares_its_devices():
     assert all(devices and devices <= {"cpu", "cuda", "mps", "xpu"} for devices in MEASURED.values())
 
 
-def test_cpu_gets_posttrains_own_paths_and_no_bf16_or_checkpointing():
+def test_cpu_gets_posttrains_own_paths_trls_bf16_and_no_checkpointing():
     paths = choose_paths("cpu", kernels=NONE, forced={})
     assert paths.fast == dict.fromkeys(OWN, True)
     assert (paths.attention, paths.padding_free) == ("sdpa (default)", "segment attention")
-    assert not (paths.bf16 or paths.gradient_checkpointing or paths.liger or paths.torch_compile)
+    assert paths.bf16  # TRL 1.16 turns bf16 on on any device, a CPU included
+    assert not (paths.gradient_checkpointing or paths.liger or paths.torch_compile)
+    assert not choose_paths("cpu", bf16=False, kernels=NONE, forced={}).bf16
 
 
 @pytest.mark.parametrize("kernels", [NONE, FLASH, FLASH | LIGER])
@@ -61,9 +63,9 @@ def test_liger_replaces_the_fused_layers_and_needs_its_package(device):
         choose_paths(device, use_liger_kernel=True, kernels=FLASH)
 
 
-def test_mps_gets_neither_own_paths_nor_trls_accelerator_defaults():
+def test_mps_gets_no_own_paths_and_trls_bf16_but_no_checkpointing():
     paths = choose_paths("mps", kernels=NONE, forced={})
-    assert paths.fast == dict.fromkeys(OWN, False) and not paths.bf16
+    assert paths.fast == dict.fromkeys(OWN, False) and paths.bf16 and not paths.gradient_checkpointing
     assert paths.padding_free == "sdpa with position ids"
 
 

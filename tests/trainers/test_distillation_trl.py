@@ -37,6 +37,7 @@ def _kw(tmp_path, **kw):
         report_to="none",
         save_strategy="no",
         use_cpu=True,
+        bf16=False,
         disable_tqdm=True,
         seed=0,
     )

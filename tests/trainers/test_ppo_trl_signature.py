@@ -31,6 +31,7 @@ def _config(tmp_path, **kw):
         logging_steps=1,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

@@ -40,6 +40,7 @@ def _trainer(tmp_path, model_path):
         max_steps=1,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         save_strategy="no",
         disable_tqdm=True,
     )

@@ -49,6 +49,7 @@ def trained_model_path(tmp_path_factory, tiny_model_path):
         max_steps=12,
         learning_rate=3e-2,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

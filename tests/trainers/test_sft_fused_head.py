@@ -89,6 +89,7 @@ def _args(tmp_path, **kw):
         max_steps=1,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         save_strategy="no",
         max_length=32,
         disable_tqdm=True,

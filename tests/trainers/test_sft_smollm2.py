@@ -104,6 +104,7 @@ def _args(tmp_path, **kw):
         max_length=MAX_LENGTH,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

@@ -18,6 +18,7 @@ def _trainer(out, model_path, max_steps):
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         use_cpu=True,
+        bf16=False,
         report_to="none",
         disable_tqdm=True,
         seed=0,

@@ -102,6 +102,9 @@ def test_every_trainer_names_its_method_and_every_cited_method_exists():
 
 def test_settings_resolved_at_build_are_not_reported_as_changes(tmp_path):
     assert non_default_settings(SFTConfig(output_dir=str(tmp_path), report_to="none")) == {}
+    # bf16=None means on (as TRL): float32 chosen explicitly is a change, and so is fp16
+    assert non_default_settings(SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False)) == {"bf16": False}
+    assert non_default_settings(SFTConfig(output_dir=str(tmp_path), report_to="none", fp16=True)) == {"fp16": True}
 
 
 def test_save_model_elsewhere_and_create_model_card_write_cards(tmp_path, tiny_model_path):

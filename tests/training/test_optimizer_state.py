@@ -111,6 +111,7 @@ def test_trainer_allocates_adams_buffers_together():
     args = SFTConfig(
         output_dir="/tmp/unused",
         use_cpu=True,
+        bf16=False,
         report_to="none",
         max_steps=2,
         disable_tqdm=True,

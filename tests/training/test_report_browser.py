@@ -162,6 +162,7 @@ def test_a_python_api_run_report_renders_in_a_browser(tmp_path, tiny_model_path,
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,
         max_length=32,
         disable_tqdm=True,
     )

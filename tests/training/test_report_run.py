@@ -26,6 +26,7 @@ def _run(tmp_path, tiny_model_path, **kw):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,
         max_length=32,
         disable_tqdm=True,
     )
@@ -95,6 +96,7 @@ def test_resuming_keeps_exactly_the_restored_history(tmp_path, tiny_model_path):
         per_device_train_batch_size=4,
         report_to="none",
         use_cpu=True,
+        bf16=False,
         max_length=32,
         disable_tqdm=True,
         **options,

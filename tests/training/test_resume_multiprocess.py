@@ -41,6 +41,7 @@ def _trainer(kind: str, model_path: str, out: str, callbacks):
         learning_rate=1e-2,
         seed=0,
         use_cpu=True,
+        bf16=False,
         ddp_backend="gloo",
         report_to="none",
         disable_tqdm=True,

@@ -36,6 +36,7 @@ def _common(tmp_path, **kw):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=False,
         disable_tqdm=True,
     )
     base.update(kw)
