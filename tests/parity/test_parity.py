@@ -126,10 +126,6 @@ _FUSED_HEAD = (
     "a model's forward: its trainers compute log-probs from the hidden states with the chunked head "
     "posttrain.losses.logprobs.linear_logps"
 )
-_TRITON = (
-    "a Triton GPU kernel (TRL's chunked head as a Triton autograd Function with TRL's positional apply() "
-    "signature); posttrain's chunked head is the pure-PyTorch posttrain.losses.logprobs.linear_logps"
-)
 _LEGACY_UTILS = (
     "a helper of TRL's former experimental trainers' own tokenization/PEFT set-up, which posttrain does in "
     "data/preference.py and models/ (peft config through get_peft_config); no posttrain trainer has its step"
@@ -148,21 +144,10 @@ MODULE_ABSENCES = {
         "tree attention for TRL's packed multi-turn rollouts (a custom attention function registered with "
         "transformers); posttrain packs with its own segment attention (posttrain/models/segment_attention.py)"
     ),
-    "trl.kernels.*": _TRITON,
-    "trl.kernels.chunked_logprob.*": _TRITON,
-    "trl.kernels.chunked_divergence.*": _TRITON,
     "trl.trainer.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.FusedCausalLMOutput": _FUSED_HEAD,
     "trl.trainer.utils.maybe_gather_lm_head_ctx": _FUSED_HEAD,
-    "trl.models.utils.add_hooks": (
-        "removing and re-adding a ZeRO-3 engine's parameter hooks around generation: posttrain gathers the "
-        "parameters for generation with deepspeed.zero.GatheredParameters (models/utils.py) and leaves the hooks"
-    ),
-    "trl.models.utils.remove_hooks": (
-        "removing and re-adding a ZeRO-3 engine's parameter hooks around generation: posttrain gathers the "
-        "parameters for generation with deepspeed.zero.GatheredParameters (models/utils.py) and leaves the hooks"
-    ),
     "trl.generation.vllm_generation.VLLMGeneration": (
         "TRL's in-trainer vLLM driver class; posttrain's is the generation backend of posttrain/generation/"
         "vllm_backend.py, with posttrain's backend interface (create_generation_backend)"
@@ -208,17 +193,7 @@ MODULE_ABSENCES = {
     ),
     **{
         f"trl.experimental.utils.{n}": _LEGACY_UTILS
-        for n in (
-            "DPODataCollatorWithPadding",
-            "DataCollatorForVisionLanguageChatML",
-            "add_bos_token_if_needed",
-            "add_eos_token_if_needed",
-            "enable_gradient_checkpointing",
-            "get_reward",
-            "peft_module_casting_to_bf16",
-            "prepare_model_for_kbit_training",
-            "prepare_peft_model",
-        )
+        for n in ("DataCollatorForVisionLanguageChatML",)
     },
 }
 
