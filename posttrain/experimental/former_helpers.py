@@ -150,9 +150,10 @@ def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True, grad
         param.requires_grad = False
     if quantized and use_gradient_checkpointing:
         _inputs_require_grad(model)
-        takes_kwargs = "gradient_checkpointing_kwargs" in inspect.signature(model.gradient_checkpointing_enable).parameters
+        enable = model.gradient_checkpointing_enable
+        takes_kwargs = "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters
         kwargs = {"gradient_checkpointing_kwargs": gradient_checkpointing_kwargs or {}} if takes_kwargs else {}
-        model.gradient_checkpointing_enable(**kwargs)
+        enable(**kwargs)
     return model
 
 
