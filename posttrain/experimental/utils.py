@@ -9,6 +9,7 @@ from posttrain.data.sequence_tensors import (
     piece_byte_len,
     truncate_right,
 )
+from posttrain.data.trl_vision_collators import DataCollatorForVisionLanguageChatML
 from posttrain.experimental.former_helpers import (
     DPODataCollatorWithPadding,
     add_bos_token_if_needed,
@@ -24,6 +25,7 @@ from posttrain.runtime.device_cache import empty_cache
 
 __all__ = [
     "DPODataCollatorWithPadding",
+    "DataCollatorForVisionLanguageChatML",
     "add_bos_token_if_needed",
     "add_eos_token_if_needed",
     "enable_gradient_checkpointing",

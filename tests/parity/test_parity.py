@@ -126,10 +126,6 @@ _FUSED_HEAD = (
     "a model's forward: its trainers compute log-probs from the hidden states with the chunked head "
     "posttrain.losses.logprobs.linear_logps"
 )
-_LEGACY_UTILS = (
-    "a helper of TRL's former experimental trainers' own tokenization/PEFT set-up, which posttrain does in "
-    "data/preference.py and models/ (peft config through get_peft_config); no posttrain trainer has its step"
-)
 MODULE_ABSENCES = {
     **{
         f"trl.experimental.{m}.{m}_trainer.{n}": _ASYNC_WORKER
@@ -191,10 +187,6 @@ MODULE_ABSENCES = {
         "TRL's container of student/teacher logits between its methods; posttrain passes them as arguments "
         "(posttrain/trainers/self_distillation.py)"
     ),
-    **{
-        f"trl.experimental.utils.{n}": _LEGACY_UTILS
-        for n in ("DataCollatorForVisionLanguageChatML",)
-    },
 }
 
 
