@@ -163,10 +163,6 @@ MODULE_ABSENCES = {
         "TRL's CLI hands multi-process runs to `accelerate launch`; `posttrain` reads the accelerate config and "
         "launches its processes itself (cli/launch.py)"
     ),
-    "trl.experimental.gold.gold_trainer.print_prompt_completions_sample_uld": (
-        "TRL's rich-console table of GOLD's student/teacher texts; posttrain logs GOLD's completions in the run's "
-        "sample table (training/sample_table.py) and report"
-    ),
     "trl.experimental.merge_model_callback.merge_models": (
         "runs mergekit's MergeConfiguration; posttrain merges with its own MergeConfig "
         "(posttrain.callbacks.merge_model.merge_model_weights) and does not depend on mergekit"
