@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.losses.distillation import generalized_jsd
+from posttrain.runtime.distributed_backend import gather_partitioned
 
 TOKEN_CHUNK_SIZE = 4096  # TRL's tile height: a chunk holds TOKEN_CHUNK_SIZE * chunk_size logits
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -60,7 +61,8 @@ def chunked_logprobs(
     rows = max(1, TOKEN_CHUNK_SIZE * chunk_size // weight.shape[0])
 
     def chunk(h, w, b, t):
-        z = _logits(h, w, b, logit_scale, final_logit_softcapping, temperature)
+        with gather_partitioned(w, b):  # ZeRO-3: the weight is read directly, here and in the recomputation
+            z = _logits(h, w, b, logit_scale, final_logit_softcapping, temperature)
         logp = z.log_softmax(-1)
         picked = logp.gather(-1, t[:, None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
@@ -101,9 +103,12 @@ def chunked_divergence(
     rows = max(1, TOKEN_CHUNK_SIZE * 32768 // student_weight.shape[0])  # TRL's vocabulary tile is 32768 wide
 
     def chunk(h, w, b, th):
-        zs = _logits(h, w, b, student_logit_scale, student_final_logit_softcapping, 1.0)
+        teacher = (teacher_logit_scale, teacher_final_logit_softcapping, 1.0)
+        with gather_partitioned(w, b, teacher_weight, teacher_bias):  # ZeRO-3: the weights are read directly
+            zs = _logits(h, w, b, student_logit_scale, student_final_logit_softcapping, 1.0)
+            with torch.no_grad():
+                zt = _logits(th, teacher_weight, teacher_bias, *teacher)
         with torch.no_grad():
-            zt = _logits(th, teacher_weight, teacher_bias, teacher_logit_scale, teacher_final_logit_softcapping, 1.0)
             logp = (zs / temperature).log_softmax(-1)
             entropy = -(logp.exp() * logp).sum(-1)
         return generalized_jsd(zs, zt, beta, temperature=temperature), entropy

@@ -108,3 +108,32 @@ def test_parameter_listing_as_trls(trl_utils):
         assert got == [(name, id(p)) for name, p in trl_utils.get_all_parameters(module, recurse)]
         assert [id(p) for p in ours.iter_params(module, recurse)] == [pid for _, pid in got]
     assert [name for name, _ in ours.get_all_parameters(torch.nn.Linear(2, 2))] == ["weight", "bias"]
+
+
+def test_lm_head_gather_as_trls(monkeypatch):
+    """TRL's maybe_gather_lm_head_ctx: a null context without ZeRO-3 partitioned parameters; otherwise
+    deepspeed's GatheredParameters over the partitioned ones that are not AVAILABLE, each once."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from posttrain.trainer.utils import maybe_gather_lm_head_ctx as ours
+
+    import_trl()
+    from trl.trainer.utils import maybe_gather_lm_head_ctx as theirs
+
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert type(ours(plain, None)) is type(theirs(plain, None))  # nullcontext, without ZeRO-3
+    gathered = []
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", lambda params: gathered.append(params) or "gather")
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+    weight, bias, whole = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    weight.ds_status, bias.ds_status, whole.ds_status = (
+        ZeroParamStatus.NOT_AVAILABLE,
+        ZeroParamStatus.INFLIGHT,
+        ZeroParamStatus.AVAILABLE,
+    )
+    for fn in (ours, theirs):
+        assert fn(weight, weight, None, bias, whole) == "gather"
+        assert type(fn(whole, None)).__name__ == "nullcontext"
+    assert [[id(p) for p in params] for params in gathered] == [[id(weight), id(bias)]] * 2

@@ -143,7 +143,6 @@ MODULE_ABSENCES = {
     "trl.trainer.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.FusedCausalLMOutput": _FUSED_HEAD,
-    "trl.trainer.utils.maybe_gather_lm_head_ctx": _FUSED_HEAD,
     "trl.generation.vllm_generation.VLLMGeneration": (
         "TRL's in-trainer vLLM driver class; posttrain's is the generation backend of posttrain/generation/"
         "vllm_backend.py, with posttrain's backend interface (create_generation_backend)"
