@@ -28,6 +28,7 @@ from posttrain.runtime.distributed import (
     unwrap_without_importing_deepspeed,
     use_gloo_on_cpu,
 )
+from posttrain.runtime.gc_freeze import freeze_import_time_objects
 from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.device_paths import describe_run, resolve_fused_layers, run_device
 from posttrain.training.fields import check_options, config_field
@@ -39,6 +40,7 @@ from posttrain.training.run_artifacts import RunArtifactsCallback
 from posttrain.training.streaming import prepare_datasets
 
 logger = logging.getLogger("posttrain")
+freeze_import_time_objects()  # the imports above out of every later full collection (runtime/gc_freeze.py)
 
 
 def _accelerator_available() -> bool:
