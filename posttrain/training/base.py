@@ -69,8 +69,7 @@ class PosttrainConfig(TrainingArguments):
     )
     dataset_num_proc: int | None = config_field(None, "Processes for dataset preprocessing.")
     logging_steps: float = config_field(10, "Log every N optimizer steps.")
-    # TRL turns it on; posttrain does where it pays off (an accelerator) and leaves it off on a CPU, where
-    # recomputing activations only costs time and memory is rarely the limit (docs/trl_parity.md).
+    # TRL turns it on; posttrain only with an accelerator: on a CPU it only costs time (docs/trl_parity.md).
     gradient_checkpointing: bool | None = config_field(
         None,
         "Recompute activations in the backward pass to save memory (default: on with an accelerator, off on a CPU).",
@@ -132,10 +131,8 @@ class PosttrainConfig(TrainingArguments):
             setattr(self, "activation_checkpointing" if renamed else "gradient_checkpointing", on_accelerator)
         if self.bf16 is None:
             self.bf16 = not self.fp16  # TRL 1.16's default, on every device (a CPU trains under bf16 autocast too)
-        if self.bf16 and run_device(self) == "cpu":
-            # transformers refuses bf16 on a machine without an accelerator unless use_cpu is set (TRL's default
-            # config stops there); the run is on the CPU either way, so say so and train under CPU autocast.
-            self.use_cpu, self._use_cpu_resolved = True, not self.use_cpu
+        if self.bf16 and run_device(self) == "cpu":  # transformers (and so TRL's default config) stops here
+            self.use_cpu, self._use_cpu_resolved = True, not self.use_cpu  # without use_cpu: set it, CPU autocast
         resolve_fused_layers(self)  # and the run's kernel choices checked (training/device_paths.py)
         if self.activation_offloading and not on_accelerator:
             raise ConfigError(
