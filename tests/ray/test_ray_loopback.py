@@ -39,8 +39,9 @@ ray.shutdown()
 """
 
 
-def test_the_ray_a_run_starts_for_itself_is_on_loopback():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=subprocess_pythonpath())
+def test_the_ray_a_run_starts_for_itself_is_on_loopback(ray_cluster):
+    """Beside the tests' cluster, whose address RAY_ADDRESS names: ray_address=None still starts a Ray of its own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=subprocess_pythonpath(), RAY_ADDRESS=ray_cluster.address)
     done = subprocess.run(
         [sys.executable, "-c", STARTED_BY_THE_RUN], env=env, capture_output=True, text=True, timeout=300
     )

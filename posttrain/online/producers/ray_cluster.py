@@ -21,7 +21,8 @@ MIN_OBJECT_STORE = 96 << 20  # Ray refuses less than 75 MiB
 
 def connect(address: str | None, num_actors: int, resource: str) -> bool:
     """Joins the cluster at `address` ('auto', 'IP:6379'), or with None starts one on this machine, on 127.0.0.1,
-    offering `num_actors` units of `resource`. Returns whether it started one (which `ray.shutdown` then ends)."""
+    offering `num_actors` units of `resource` (whatever RAY_ADDRESS says). Returns whether it started one (which
+    `ray.shutdown` then ends)."""
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if ray.is_initialized():
@@ -31,6 +32,7 @@ def connect(address: str | None, num_actors: int, resource: str) -> bool:
         return False
     with _loopback_kept():
         _init(
+            address="local",  # a new Ray, even where RAY_ADDRESS names another (which ray.init would join)
             _node_ip_address=LOOPBACK,
             include_dashboard=False,
             num_cpus=num_actors,
