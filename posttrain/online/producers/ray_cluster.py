@@ -4,6 +4,7 @@ the internet), no runtime-environment downloads."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
@@ -20,7 +21,8 @@ MIN_OBJECT_STORE = 96 << 20  # Ray refuses less than 75 MiB
 
 def connect(address: str | None, num_actors: int, resource: str) -> bool:
     """Joins the cluster at `address` ('auto', 'IP:6379'), or with None starts one on this machine, on 127.0.0.1,
-    offering `num_actors` units of `resource`. Returns whether it started one (which `ray.shutdown` then ends)."""
+    offering `num_actors` units of `resource` (whatever RAY_ADDRESS says). Returns whether it started one (which
+    `ray.shutdown` then ends)."""
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if ray.is_initialized():
@@ -28,15 +30,30 @@ def connect(address: str | None, num_actors: int, resource: str) -> bool:
     if address is not None:
         _join(address)
         return False
-    _init(
-        _node_ip_address=LOOPBACK,
-        include_dashboard=False,
-        num_cpus=num_actors,
-        resources={resource: num_actors},
-        object_store_memory=MIN_OBJECT_STORE,
-        log_to_driver=True,
-    )
+    with _loopback_kept():
+        _init(
+            address="local",  # a new Ray, even where RAY_ADDRESS names another (which ray.init would join)
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            num_cpus=num_actors,
+            resources={resource: num_actors},
+            object_store_memory=MIN_OBJECT_STORE,
+            log_to_driver=True,
+        )
     return True
+
+
+@contextlib.contextmanager
+def _loopback_kept():
+    """ray #59110: ray.init replaces a loopback `_node_ip_address` (to start a node, or to join one) by the host's
+    outward address unless it believes multi-node clusters are off; a cluster started so is then bound to that
+    address, and one bound to 127.0.0.1 is not reached."""
+    constants = ray._private.ray_constants
+    saved, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _init(**options) -> None:
@@ -57,14 +74,8 @@ def _join(address: str) -> None:
     if host not in ("localhost", "127.0.0.1"):
         _init(address=address, log_to_driver=True)
         return
-    # ray #59110: Ray replaces a loopback address given to ray.init by the host's outward address (which the
-    # cluster, bound to 127.0.0.1, does not listen on) unless it believes multi-node clusters are off.
-    constants = ray._private.ray_constants
-    saved, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
-    try:
+    with _loopback_kept():
         _init(address=address, _node_ip_address=LOOPBACK, log_to_driver=True)
-    finally:
-        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def trainer_address() -> str:
