@@ -119,10 +119,24 @@ def _train(build, tmp_path, path, data, **kw):
     return losses, recorder.keys
 
 
-TRAINERS = [(_sft, "sft"), (_dpo, "dpo"), (_kto, "kto"), (_reward, "reward")]
+def _bco(tmp_path, path, data, **kw):
+    from posttrain.experimental.bco import BCOConfig, BCOTrainer
+
+    return BCOTrainer(path, args=BCOConfig(**_settings(tmp_path, **kw)), train_dataset=data)
 
 
-@pytest.mark.parametrize("build, kind", TRAINERS, ids=[kind for _, kind in TRAINERS])
+def test_bco_default_is_transformers_true():
+    """TRL 1.16 has no BCO; its last BCOConfig kept TrainingArguments' True (its bco.py passes
+    --no_remove_unused_columns)."""
+    from posttrain.experimental.bco import BCOConfig
+
+    assert _default(BCOConfig) is True
+
+
+TRAINERS = [(_sft, "sft"), (_dpo, "dpo"), (_kto, "kto"), (_reward, "reward"), (_bco, "kto")]
+
+
+@pytest.mark.parametrize("build, kind", TRAINERS, ids=[build.__name__[1:] for build, _ in TRAINERS])
 def test_extra_column_trains_as_with_false(build, kind, tmp_path, tiny_model_path):
     data = _rows(kind)
     default, seen = _train(build, tmp_path / "default", tiny_model_path, data)
