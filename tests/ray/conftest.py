@@ -42,7 +42,7 @@ def ray_cluster():
 
 # Rounds name their weights (no in-flight updates): a run with actors lost, or stopped and resumed, must end as
 # an uninterrupted one.
-FAULTY = dict(max_steps=4, async_generation_rounds=1, async_inflight_weight_updates=False)
+FAULTY = dict(max_steps=4, async_generation_rounds=2, vllm_sync_steps=2, async_inflight_weight_updates=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Training with rollout actors (rollout_backend="ray", posttrain/online/producers/ray.py) on the loopback cluster:
-the same tokens, losses and final weights as the generation process at k = 0 and k = 1, actors only on `rollout`
-nodes and none left after training, in-flight updates with each token's version and log-prob, and faults (an
-actor killed, its node removed, an actor alive but silent, a round that raises)."""
+the same tokens, losses and final weights as the generation process at k = 0 and (with actors lost) at k = 2 with
+vllm_sync_steps=2, a k = 0 round split across the actors, actors only on `rollout` nodes and none left after
+training, in-flight updates with each token's version and log-prob, and faults (an actor killed, its node removed,
+an actor alive but silent, a round that raises)."""
 
 from __future__ import annotations
 

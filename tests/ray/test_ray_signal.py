@@ -1,6 +1,7 @@
 """SIGTERM on a trainer with rollout actors in flight (rollout_backend="ray"): the trainer, a process of its own
-that joins the test's cluster, finishes the step, writes its checkpoint with the round sampled ahead, ends its
-actors and exits 0; resumed from that checkpoint, the run ends with an uninterrupted run's parameters.
+that joins the test's cluster, finishes the step, writes its checkpoint with the rounds sampled ahead (k = 2) and,
+since vllm_sync_steps=2 lets a later round reuse them, the sampler's weights, ends its actors and exits 0; resumed
+from that checkpoint, the run ends with an uninterrupted run's losses and parameters, bit for bit.
 
 ray.init replaces the process's SIGTERM handler by one that exits at once (producers/ray_cluster.py keeps the
 trainer's), which only a trainer that calls ray.init itself shows: hence the subprocess.
@@ -78,7 +79,9 @@ def test_sigterm_checkpoints_with_actors_in_flight_and_resuming_is_exact(
     checkpoint = run / f"checkpoint-{stop}"
     assert (checkpoint / CHECKPOINT_MARKER).exists()
     saved = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=False)["async_rollouts"]
-    assert sorted(saved["rounds"]) == [stop]  # the round sampled ahead (k = 1) went into the checkpoint
+    ahead = faulty_settings["async_generation_rounds"]
+    assert sorted(saved["rounds"]) == list(range(stop, stop + ahead))  # the rounds sampled ahead went in
+    assert saved["weights"] is not None  # vllm_sync_steps > 1: a round after the checkpoint reuses these weights
     deadline = time.monotonic() + 30
     while alive_actors() and time.monotonic() < deadline:
         time.sleep(0.5)
