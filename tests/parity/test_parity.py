@@ -113,7 +113,7 @@ def test_configs_build_with_trl_defaults_on_cpu(config, tmp_path):
 _ASYNC_WORKER = (
     "TRL's asynchronous trainers run a separate rollout-worker process fed through a queue dataset, batchers and an "
     "NCCL/HTTP weight-transfer client; posttrain's asynchronous trainers run on the online engine's own producer "
-    "(posttrain/online/async_rollouts.py), which has none of these objects (TRL's worker objects are refused by name "
+    "(posttrain/online/producers/thread.py), which has none of these objects (TRL's worker objects are refused by name "
     "in posttrain/online/async_pipeline.py)"
 )
 _ASYNC_TRAINER_INTERNALS = (
@@ -124,7 +124,7 @@ _ASYNC_TRAINER_INTERNALS = (
 _FUSED_HEAD = (
     "TRL patches the model's forward with a fused LM head (`model(..., fused_lm_head=True)`); posttrain never patches "
     "a model's forward: its trainers compute log-probs from the hidden states with the chunked head "
-    "posttrain.losses.logprobs.linear_logps"
+    "posttrain.losses.logprobs.linear_logps (TRL's chunked functions themselves are at posttrain.kernels)"
 )
 MODULE_ABSENCES = {
     **{
