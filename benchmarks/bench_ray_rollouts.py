@@ -1,12 +1,14 @@
 """Rollout actors on Ray (posttrain/online/producers/ray.py), measured on this machine, all on loopback:
 
-- weight sync against model size: one push of the flat per-dtype buffers over a gloo pair (weights/gloo.py) to
+- weight sync against model size: one push of the flat per-dtype buffers over a gloo pair (weights/collective.py) to
   an actor, against today's file sync to a vLLM server (the trainer writes `model.safetensors`, the server reads it;
   vllm_weights.save_weights, then safetensors' load_file, both timed; the server's copy into its model is not);
   sizes: the tiny test model, SmolLM2-135M (float32) and a 0.5B model built from a Qwen2.5-0.5B-like config with
   random weights (bfloat16, to stay inside the free memory of a shared machine);
 - rollout throughput (completion tokens per second) with 1 and 2 actors, SmolLM2-135M, one thread per actor,
-  rounds round-robin with every actor kept busy;
+  rounds round-robin with every actor kept busy (k >= 1: a round per actor);
+- the same at k = 0: one round at a time (8 prompts), whole on one actor, or split across 2 (producers/ray.py
+  `split_round`, as the trainer splits it), and each round waited for before the next;
 - an actor restart: from `ray.kill` until the restarted actor holds the newest weights again.
 
     python benchmarks/bench_ray_rollouts.py --out docs/results/ray_rollouts.json
@@ -37,13 +39,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config  # noq
 from posttrain.generation import SamplingParams, stop_token_ids  # noqa: E402
 from posttrain.generation.vllm_weights import save_weights  # noqa: E402
 from posttrain.online.producers.generation_worker import Request, WorkerSettings  # noqa: E402
+from posttrain.online.producers.ray import split_round  # noqa: E402
 from posttrain.online.producers.ray_actor import rollout_actor_class  # noqa: E402
 from posttrain.online.producers.ray_cluster import LOOPBACK  # noqa: E402
-from posttrain.online.weights.gloo import GlooReceiver, GlooSender, open_store  # noqa: E402
+from posttrain.online.weights.collective import PairReceiver, PairSender, open_store  # noqa: E402
 from posttrain.online.weights.transport import flat_buffers, flat_layout, pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600.0
+SPLIT_PROMPTS = 8  # a k = 0 round: 16 completions, 2 micro-batches of 8, so 2 parts
 
 
 @ray.remote(num_cpus=0, resources={"rollout": 1})
@@ -54,7 +58,7 @@ class Receiver:
         self.buffers = flat_buffers(layout)
 
     def connect(self, port: int) -> None:
-        self.receiver = GlooReceiver(LOOPBACK, port, "receiver", TIMEOUT_S)
+        self.receiver = PairReceiver(LOOPBACK, port, "receiver", TIMEOUT_S)
 
     def receive(self) -> int:
         return self.receiver.receive(self.buffers)
@@ -102,7 +106,7 @@ def sync_times(name: str, layout, repeats: int) -> dict:
     receiver = Receiver.remote(layout)
     store = open_store(LOOPBACK, TIMEOUT_S)
     ref = receiver.connect.remote(store.port)
-    sender = GlooSender(store, LOOPBACK, "receiver", TIMEOUT_S)
+    sender = PairSender(store, LOOPBACK, "receiver", TIMEOUT_S)
     ray.get(ref)
     for version in range(repeats):
         start = time.perf_counter()
@@ -161,12 +165,30 @@ def connect_and_push(actor, buffers, version: int, name: str):
     wait_alive(actor)
     store = open_store(LOOPBACK, TIMEOUT_S)
     ref = actor.connect.remote(LOOPBACK, store.port, TIMEOUT_S)
-    sender = GlooSender(store, LOOPBACK, name, TIMEOUT_S)
+    sender = PairSender(store, LOOPBACK, name, TIMEOUT_S)
     ray.get(ref, timeout=TIMEOUT_S)
     ref = actor.receive.remote([])
     sender.send(buffers, version)
     ray.get(ref, timeout=TIMEOUT_S)
     return sender, store
+
+
+def split_rounds(actors, settings, rounds: int, prompt_ids, n: int) -> dict:
+    """k = 0: each round split across `actors` (split_round, whole micro-batches per part), waited for before the
+    next one is sent."""
+    tokens, start = 0, time.perf_counter()
+    parts = split_round(len(prompt_ids), len(actors), n, settings.micro_batch_size)
+    for r in range(rounds):
+        seeds = [1000 * r + i for i in range(len(prompt_ids))]
+        refs = [
+            actor.generate.remote(
+                Request(r, [prompt_ids[i] for i in part], n, [seeds[i] for i in part], None), 0, TIMEOUT_S
+            )
+            for actor, part in zip(actors, parts)
+        ]
+        tokens += sum(len(c.token_ids) for answer in ray.get(refs) for c in answer.completions)
+    seconds = time.perf_counter() - start
+    return {"parts": len(parts), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def throughput_and_restart(model_path: str, rounds: int, prompts: int, n: int, max_tokens: int) -> dict:
@@ -177,6 +199,7 @@ def throughput_and_restart(model_path: str, rounds: int, prompts: int, n: int, m
     model_ref = ray.put(model)
     words = ["cat", "dog", "sun", "moon", "tree", "fish", "bird", "sky"]
     prompt_ids = [tokenizer(f"Tell me about the {words[i % 8]} {i}.")["input_ids"] for i in range(prompts)]
+    split_prompt_ids = [tokenizer(f"Write about the {words[i % 8]} {i}.")["input_ids"] for i in range(SPLIT_PROMPTS)]
     result = {"model": model_path, "rounds": rounds, "prompts": prompts, "n": n, "max_tokens": max_tokens}
     actors, links = [], []
     for count in (1, 2):
@@ -195,6 +218,8 @@ def throughput_and_restart(model_path: str, rounds: int, prompts: int, n: int, m
         seconds = time.perf_counter() - start
         result[f"actors_{count}"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
         print(json.dumps(result[f"actors_{count}"]), flush=True)
+        result[f"split_actors_{count}"] = split_rounds(actors[:count], settings, rounds, split_prompt_ids, n)
+        print(json.dumps(result[f"split_actors_{count}"]), flush=True)
     start = time.perf_counter()
     ray.kill(actors[0], no_restart=False)
     time.sleep(0.1)

@@ -68,7 +68,7 @@ def conversational_rows(n: int = 256, seed: int = 0) -> list[dict]:
     return rows
 
 
-def worker(impl: str, path: str, steps: int, profile: str | None = None) -> dict:
+def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: str = "unset") -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
@@ -101,6 +101,7 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None) -> dict
         use_cpu=True,
         bf16=True,  # set, the same on both sides (both libraries' default; see the docstring)
         disable_tqdm=True,
+        **({} if bf16 == "unset" else {"bf16": bf16 == "true"}),
     )
     trainer = RewardTrainer(
         model=model,
@@ -130,6 +131,8 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None) -> dict
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
         "mean_tokens": statistics.mean(lengths) if lengths else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "bf16": trainer.args.bf16,
+        "process_cpu_s": time.process_time(),
     }
 
 
@@ -139,8 +142,8 @@ def make_model(root: Path, family: str, hidden: int, layers: int) -> str:
     return save_tiny_model(root / family, seed=0, family=family, hidden_size=hidden, num_layers=layers)
 
 
-def run(impl: str, path: str, steps: int, profile: str | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, path, "--steps", str(steps)]
+def run(impl: str, path: str, steps: int, profile: str | None = None, bf16: str = "unset") -> dict:
+    cmd = [sys.executable, __file__, "--worker", impl, path, "--steps", str(steps), "--bf16", bf16]
     cmd += ["--profile", profile] if profile else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -158,17 +161,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", help="also write one cProfile of each library's train() into this folder")
+    parser.add_argument(
+        "--bf16",
+        choices=("true", "false", "unset"),
+        default="unset",
+        help="bf16 given to both libraries alike (unset: each library's default; TRL 1.16 resolves it to True)",
+    )
+    parser.add_argument("--json", help="also write every run, the settings, the commit and the load here")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "PATH"))
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(*args.worker, args.steps, args.profile)))
+        print("RESULT " + json.dumps(worker(*args.worker, args.steps, args.profile, args.bf16)))
         return
+    load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="bench_reward_script_"))
     path = make_model(root, args.family, args.hidden, args.layers)
     results: dict[str, list[dict]] = {"posttrain": [], "trl": []}
     for _ in range(args.repeats):
         for impl in results:
-            results[impl].append(run(impl, path, args.steps))
+            results[impl].append(run(impl, path, args.steps, bf16=args.bf16))
     print(
         f"Reward, plain TRL-API script: tiny {args.family} (hidden {args.hidden}, {args.layers} layers), batch 8, "
         f"max_length 128, {args.steps} steps, 1 thread, {args.repeats} alternating runs; load {os.getloadavg()}"
@@ -193,10 +204,36 @@ def main() -> None:
     print(f"speed ratio, CPU time, per pair: {' '.join(f'{r:.2f}x' for r in cpu)}")
     print(f"train() ratio, wall, per pair: {' '.join(f'{r:.2f}x' for r in train)}")
     print(f"train() ratio, CPU time, per pair: {' '.join(f'{r:.2f}x' for r in train_cpu)}")
+    print(
+        f"train() CPU s: posttrain {cells(results['posttrain'], 'train_cpu_s', '.3f')}; "
+        f"trl {cells(results['trl'], 'train_cpu_s', '.3f')}"
+    )
+    whole = [t["process_cpu_s"] / p["process_cpu_s"] for p, t in zip(results["posttrain"], results["trl"])]
+    print(f"whole script (process CPU, imports included) ratio per pair: {' '.join(f'{r:.2f}x' for r in whole)}")
+    if args.json:
+        from provenance import conditions
+
+        record = {
+            "conditions": {**conditions(), "load_average_before": [round(x, 2) for x in load_before]},
+            "settings": {
+                **{k: getattr(args, k) for k in ("family", "hidden", "layers", "steps", "repeats", "bf16")},
+                "POSTTRAIN_GC_FREEZE": os.environ.get("POSTTRAIN_GC_FREEZE", "1"),
+            },
+            "runs": results,
+            "ratios": {
+                "step_cpu": cpu,
+                "train_cpu": train_cpu,
+                "step_wall": ratios,
+                "train_wall": train,
+                "process_cpu": whole,
+            },
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         for impl in results:
-            run(impl, path, args.steps, args.profile)
+            run(impl, path, args.steps, args.profile, args.bf16)
         print(f"profiles in {args.profile}")
 
 

@@ -52,6 +52,24 @@ QWEN_05B = dict(
     tie_word_embeddings=True,
     rope_theta=1000000.0,
 )
+# Qwen2.5-1.5B's shape and, for a second family (Llama), SmolLM2-1.7B's: random weights, cost only.
+QWEN_15B = dict(QWEN_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
+SMOLLM2_17B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_theta=130000.0,
+)
+BUILT = {
+    "qwen2.5-0.5b": ("qwen2", QWEN_05B),
+    "qwen2.5-1.5b": ("qwen2", QWEN_15B),
+    "smollm2-1.7b": ("llama", SMOLLM2_17B),
+}
 
 
 class Timer:
@@ -63,21 +81,31 @@ class Timer:
         class StepTimer(TrainerCallback):
             def __init__(self):
                 self.times: list = []
+                self.begun: tuple = ()
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.begun = (time.perf_counter(), time.process_time())
 
             def on_step_end(self, args, state, control, **kwargs):
                 self.times.append((time.perf_counter(), time.process_time()))
+                self.last = (self.begun, self.times[-1])
 
         return StepTimer()
 
 
-def step_seconds(times: list) -> tuple[float, float]:
-    """(wall, CPU) seconds per step from the first step's end to the last's."""
+def step_seconds(times: list, last: tuple | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds per step from the first step's end to the last's; with one step (`--steps 1`, for the
+    longest points), that step from its beginning to its end (`last`: warm-up included)."""
+    if len(times) < 2:
+        (wall_0, cpu_0), (wall_1, cpu_1) = last
+        return wall_1 - wall_0, cpu_1 - cpu_0
     (wall_0, cpu_0), (wall_1, cpu_1) = times[0], times[-1]
     return (wall_1 - wall_0) / (len(times) - 1), (cpu_1 - cpu_0) / (len(times) - 1)
 
 
 def model_path(name: str, root: str) -> str:
-    """A local checkpoint for `name`: the built-in SmolLM2-135M, or QWEN_05B with random weights and its tokenizer."""
+    """A local checkpoint for `name`: the built-in SmolLM2-135M, or a shape of BUILT with random weights and
+    SmolLM2's tokenizer."""
     from posttrain.models.builtin import builtin_model_path
 
     smollm2 = builtin_model_path()
@@ -86,10 +114,13 @@ def model_path(name: str, root: str) -> str:
     path = Path(root) / name
     if not (path / "config.json").exists():
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(smollm2)
-        config = Qwen2Config(**QWEN_05B, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        family, shape = BUILT[name]
+        config = AutoConfig.for_model(
+            family, **shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tokenizer.save_pretrained(path)
@@ -145,7 +176,7 @@ def sft_run(library: str, path: str, tokens: int, steps: int, lora: bool = True)
     timer = Timer()
     trainer.add_callback(timer)
     trainer.train()
-    wall, cpu = step_seconds(timer.times)
+    wall, cpu = step_seconds(timer.times, timer.last)
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     params = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
     shape = {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers, "params": params}
@@ -156,6 +187,8 @@ def sft_run(library: str, path: str, tokens: int, steps: int, lora: bool = True)
         "tokens_per_s": tokens / cpu,
         "flops_per_step": model_flops(shape, tokens, lora),
         "loss0": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
+        "lora": lora,
+        "bf16": bool(trainer.args.bf16),
     }
 
 
@@ -238,7 +271,7 @@ def grpo_run(library: str, path: str, completion: int, generations: int, steps: 
     start = time.process_time()
     trainer.train()
     cpu_total = time.process_time() - start
-    wall, cpu = step_seconds(timer.times)
+    wall, cpu = step_seconds(timer.times, timer.last)
     return {
         "step_s": cpu,
         "wall_step_s": wall,
@@ -252,10 +285,14 @@ def grpo_run(library: str, path: str, completion: int, generations: int, steps: 
 
 def run_point(sweep: str, point: str, library: str, root: str, args) -> dict:
     if sweep == "sft_seq":
-        kwargs = dict(library=library, path=model_path("smollm2", root), tokens=int(point), steps=args.steps)
+        kwargs = dict(
+            library=library, path=model_path("smollm2", root), tokens=int(point), steps=args.steps, lora=not args.full
+        )
         return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout)
     if sweep == "model_size":
-        kwargs = dict(library=library, path=model_path(point, root), tokens=args.tokens, steps=args.steps)
+        kwargs = dict(
+            library=library, path=model_path(point, root), tokens=args.tokens, steps=args.steps, lora=not args.full
+        )
         return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout)
     kwargs = dict(
         library=library,
@@ -274,6 +311,11 @@ def git_head() -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT).stdout.strip()
 
 
+def result_name(args) -> str:
+    """SWEEP, or SWEEP_TAG with `--tag` (a further part of a curve, kept beside the first)."""
+    return f"{args.sweep}_{args.tag}" if args.tag else args.sweep
+
+
 def sweep(args) -> dict:
     root = tempfile.mkdtemp(prefix="bench_scaling_models_")
     record = {
@@ -282,7 +324,8 @@ def sweep(args) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "loadavg_before": os.getloadavg(),
         "conditions": "1 thread per run, alternating posttrain/TRL; machine shared with other jobs (LOADED)",
-        "settings": {key: getattr(args, key) for key in ("steps", "repeats", "tokens", "generations")},
+        "settings": {key: getattr(args, key) for key in ("steps", "repeats", "tokens", "generations", "full")}
+        | {"bf16": False},
         "points": {},
         "failed": {},
     }
@@ -299,7 +342,7 @@ def sweep(args) -> dict:
                 runs[library].append(result)
                 print(point, library, json.dumps(result), flush=True)
                 record["points"][point] = runs
-                (RESULTS / f"{args.sweep}.json").write_text(json.dumps(record, indent=1) + "\n")  # so far
+                (RESULTS / f"{result_name(args)}.json").write_text(json.dumps(record, indent=1) + "\n")  # so far
     record["loadavg_after"] = os.getloadavg()
     return record
 
@@ -313,6 +356,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="model_size: sequence length")
     parser.add_argument("--generations", type=int, default=8, help="grpo_completion: completions per prompt")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before one run is given up")
+    parser.add_argument("--full", action="store_true", help="sft_seq, model_size: full fine-tuning, not LoRA")
+    parser.add_argument("--tag", help="write SWEEP_TAG.json (a further part of a curve) instead of SWEEP.json")
     parser.add_argument("--plot", action="store_true", help="only redraw the plots from the JSON files")
     args = parser.parse_args()
     if not args.plot:
@@ -321,7 +366,7 @@ def main() -> None:
         args.points = args.points or DEFAULT_POINTS[args.sweep]
         RESULTS.mkdir(parents=True, exist_ok=True)
         record = sweep(args)
-        (RESULTS / f"{args.sweep}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (RESULTS / f"{result_name(args)}.json").write_text(json.dumps(record, indent=1) + "\n")
     from scaling_report import plot_all
 
     plot_all(RESULTS)

@@ -31,7 +31,17 @@ LAYERS = [
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 FACE_RANK = len(LAYERS)  # the TRL face and the top-level namespace: everything else
 # TRL's import paths: only imports and re-exports (a module-level __getattr__ may forward names lazily).
-FACES = ("trainer", "scripts", "compat", "data_utils", "chat_template_utils", "import_utils", "extras", "distributed")
+FACES = (
+    "trainer",
+    "scripts",
+    "compat",
+    "data_utils",
+    "chat_template_utils",
+    "import_utils",
+    "extras",
+    "distributed",
+    "kernels",
+)
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 

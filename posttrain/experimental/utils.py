@@ -9,10 +9,30 @@ from posttrain.data.sequence_tensors import (
     piece_byte_len,
     truncate_right,
 )
+from posttrain.data.trl_vision_collators import DataCollatorForVisionLanguageChatML
+from posttrain.experimental.former_helpers import (
+    DPODataCollatorWithPadding,
+    add_bos_token_if_needed,
+    add_eos_token_if_needed,
+    enable_gradient_checkpointing,
+    get_reward,
+    peft_module_casting_to_bf16,
+    prepare_model_for_kbit_training,
+    prepare_peft_model,
+)
 from posttrain.models.reference import create_reference_model
 from posttrain.runtime.device_cache import empty_cache
 
 __all__ = [
+    "DPODataCollatorWithPadding",
+    "DataCollatorForVisionLanguageChatML",
+    "add_bos_token_if_needed",
+    "add_eos_token_if_needed",
+    "enable_gradient_checkpointing",
+    "get_reward",
+    "peft_module_casting_to_bf16",
+    "prepare_model_for_kbit_training",
+    "prepare_peft_model",
     "DataCollatorForChatML",
     "create_reference_model",
     "empty_cache",

@@ -18,7 +18,9 @@ def create_generation_backend(model, tokenizer, args) -> GenerationBackend:
     """The backend for an online trainer: vLLM when `args.use_vllm` (docs/vllm.md), else transformers'
     `generate` on the training model."""
     stop_ids = stop_token_ids(tokenizer, model)
-    if getattr(args, "use_vllm", False):
+    # With rollout actors (rollout_backend="ray") vLLM runs in the actors; the trainer's own sampling (evaluation)
+    # stays on transformers.
+    if getattr(args, "use_vllm", False) and getattr(args, "rollout_backend", "local") != "ray":
         from posttrain.generation.vllm_backend import create_vllm_backend
 
         return create_vllm_backend(model, tokenizer, args, stop_ids)

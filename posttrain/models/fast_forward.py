@@ -256,7 +256,10 @@ def fast_forward(model) -> Callable | None:
     parts = _parts(model)
     if parts is None:
         return None
-    from transformers.modeling_utils import slice_logits_to_keep
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # transformers before 5.20 (the vLLM environment's): the model's own forward
+        return None
 
     head_kind, decoder_kind, layers = parts
     inner = model.model

@@ -1,10 +1,12 @@
 """Model helpers at TRL's `trl.models.utils` import path: a context that turns gradient checkpointing off for a while,
-the unwrapped model for generation (parameters gathered under ZeRO-3), and the reference-model constructor; and a
-fingerprint of a module's weights and a context that switches PEFT adapters (TRL's `trl.trainer.utils` names)."""
+the unwrapped model for generation (parameters gathered under ZeRO-3), TRL's removal of ZeRO-3's parameter hooks
+around generation, and the reference-model constructor; and a fingerprint of a module's weights and a context that
+switches PEFT adapters (TRL's `trl.trainer.utils` names)."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -29,14 +31,51 @@ def disable_gradient_checkpointing(model: nn.Module, gradient_checkpointing_kwar
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
 
 
+def get_all_parameters(sub_module: nn.Module, recurse: bool = False) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) pairs of the module (its own, or with `recurse` its submodules' too), then those ZeRO-3
+    registered as used by it from elsewhere (`ds_external_parameters`, present on a module under a ZeRO-3 engine)."""
+    external = getattr(sub_module, "ds_external_parameters", None)
+    return itertools.chain(sub_module.named_parameters(recurse=recurse), external() if external else ())
+
+
 def iter_params(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
-    """The module's parameters (its own, or with `recurse` its submodules' too) as a list."""
-    return list(module.parameters(recurse=recurse))
+    """The parameters of `get_all_parameters`, as a list."""
+    return [param for _, param in get_all_parameters(module, recurse)]
 
 
-def get_all_parameters(sub_module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
-    """`iter_params`, the name DeepSpeed's hook helpers use."""
-    return iter_params(sub_module, recurse)
+def _parameter_offload(model):
+    """The object that holds a ZeRO-3 engine's parameter hooks, or None before the engine has an optimizer."""
+    if not hasattr(model, "optimizer"):
+        return None
+    if model.optimizer is None:
+        raise RuntimeError("The DeepSpeed engine's optimizer is None: its ZeRO-3 hooks live on the optimizer.")
+    return getattr(model.optimizer, "parameter_offload", model.optimizer)
+
+
+def remove_hooks(model) -> None:
+    """Takes a ZeRO-3 engine's forward/backward parameter hooks off (and clears each parameter's active-module
+    set), so that a generation loop on gathered parameters does not fetch and release them per module. posttrain's
+    own generation gathers the parameters instead (`unwrap_model_for_generation`); this is TRL's helper."""
+    offload = _parameter_offload(model)
+    if offload is None:
+        return
+    for param in iter_params(offload.module, recurse=True):
+        param.ds_active_sub_modules.clear()
+    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+
+
+def add_hooks(model) -> None:
+    """Puts back the hooks `remove_hooks` took off, after invalidating the ZeRO-3 prefetch trace (generation's
+    forward passes recorded another module order)."""
+    offload = _parameter_offload(model)
+    if offload is None:
+        return
+    coordinator = getattr(offload, "param_coordinator", None)  # ZeRO stage 3 only
+    if coordinator is not None and not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+    offload._register_deepspeed_module(offload.module)
 
 
 def _zero3_engine(model) -> bool:
@@ -107,7 +146,9 @@ __all__ = [
     "hash_module",
     "use_adapter",
     "disable_gradient_checkpointing",
+    "add_hooks",
     "get_all_parameters",
+    "remove_hooks",
     "iter_params",
     "unwrap_model_for_generation",
 ]

@@ -38,6 +38,14 @@ class AsyncPipelineFields:
         choices=DTYPES,
     )
     max_completion_length: int = max_completion_length_field(2048)
+    # TRL's default (its async configs keep TrainingArguments' True, which trims each rollout sample to the keys its
+    # collator reads). posttrain's engine builds its batches from the rollout and reads each dataset row itself: the
+    # loss is the same either way, and every column reaches the reward functions, as TRL's rollout worker passes them.
+    remove_unused_columns: bool = config_field(
+        True,
+        "TRL: drop rollout fields the collator does not read. The loss is the same either way, and every dataset "
+        "column reaches the reward functions (as in TRL).",
+    )
     logging_steps: float = config_field(1, "Log every N optimizer steps.")
     use_vllm: bool = config_field(
         True,

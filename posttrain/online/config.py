@@ -358,7 +358,8 @@ class OnlineConfig(RolloutBackendFields, PosttrainConfig):
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}: must be at least 1, "
                 "or None for no limit."
             )
-        if self.async_generation_rounds is not None and self.use_vllm and self.vllm_mode == "colocate":
+        in_trainer = self.use_vllm and self.vllm_mode == "colocate" and self.rollout_backend != "ray"
+        if self.async_generation_rounds is not None and in_trainer:  # with "ray", vLLM runs in each rollout actor
             raise ConfigError(
                 f"async_generation_rounds={self.async_generation_rounds} generates beside training, but colocated "
                 "vLLM runs inside the training process on its device; use vllm_mode='server' (`posttrain "

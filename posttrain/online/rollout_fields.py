@@ -20,12 +20,13 @@ class RolloutBackendFields:
         "local",
         "With async_generation_rounds: where rounds are sampled. 'local': a generation process or thread of this "
         "machine (async_generation_process); 'ray': num_rollout_actors rollout actors on a Ray cluster "
-        "(pip install 'posttrain[ray]'; docs/scaling.md).",
+        "(pip install 'posttrain[ray]'; docs/scaling_rollouts.md), each with a vLLM engine where use_vllm=True.",
         choices=ROLLOUT_BACKENDS,
     )
     num_rollout_actors: int = config_field(
         1,
-        "rollout_backend='ray': rollout actors; each round goes to one. Each samples with async_generation_cores "
+        "rollout_backend='ray': rollout actors; a round goes to one, or is split across those the rounds in "
+        "flight leave idle (all of them at async_generation_rounds=0). Each samples with async_generation_cores "
         "threads (None: 1).",
         min=1,
     )

@@ -48,4 +48,19 @@ class DistributedBackend:
             yield
 
 
-__all__ = ["DistributedBackend"]
+def gather_partitioned(*params):
+    """A context with each of `params` that ZeRO-3 holds partitioned (not AVAILABLE) gathered whole, each once (a
+    parameter may be passed twice: tied embeddings, a shared reference); a null context when none is. For code that
+    reads a module's weight directly (a chunked LM head) instead of calling the module, whose hook would gather it;
+    code that recomputes in the backward pass must enter it again there. TRL's `maybe_gather_lm_head_ctx`."""
+    partitioned = {id(p): p for p in params if p is not None and hasattr(p, "ds_status")}
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    to_gather = [p for p in partitioned.values() if p.ds_status != ZeroParamStatus.AVAILABLE]
+    return deepspeed.zero.GatheredParameters(to_gather) if to_gather else contextlib.nullcontext()
+
+
+__all__ = ["DistributedBackend", "gather_partitioned"]

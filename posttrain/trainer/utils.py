@@ -21,6 +21,7 @@ from posttrain.losses.reductions import nanmax, nanmin, nanstd
 from posttrain.models.from_path import create_model_from_path, get_config_model_id
 from posttrain.models.utils import hash_module, use_adapter
 from posttrain.rewards.scoring import get_callable_name
+from posttrain.runtime.distributed_backend import gather_partitioned as maybe_gather_lm_head_ctx
 from posttrain.runtime.event_loop import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 from posttrain.runtime.process_env import ensure_master_addr_port, global_then_local_main_first
 from posttrain.training.base import disable_dropout_in_model
@@ -44,6 +45,7 @@ __all__ = [
     "global_then_local_main_first",
     "is_async_callable",
     "log_table_to_comet_experiment",
+    "maybe_gather_lm_head_ctx",
     "remove_none_values",
     "selective_log_softmax_and_entropy",
     "shutdown_event_loop_in_daemon",

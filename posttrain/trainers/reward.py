@@ -26,6 +26,7 @@ from posttrain.losses.preference import bradley_terry_loss
 from posttrain.models.layouts import can_repack, repacked, right_padded_view
 from posttrain.models.loading import load_sequence_classifier
 from posttrain.models.reference import unwrap
+from posttrain.models.scored_positions import hidden_at, last_layer_parts
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.training.base import BaseTrainer
 from posttrain.training.preference import model_shared_layout
@@ -176,8 +177,9 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
     def _scores(self, model, input_ids, attention_mask) -> torch.Tensor:
         """[2B] scores. The right-padded rows get a cheaper layout when that saves enough work: each pair's shared
         prompt computed once under a 4D mask (`preference_common.shared_layout`), else the sequences repacked into
-        fewer, fuller rows (`repacked`). The decoder's hidden states are captured and the score head applied at each
-        sequence's scored position: the rightmost non-padding token, as the classifier itself picks it."""
+        fewer, fuller rows (`repacked`). The score head is applied to the decoder's hidden state at each sequence's
+        scored position (the rightmost non-padding token, as the classifier itself picks it), with the decoder's last
+        layer computed at those positions only where the model allows (`models/scored_positions.py`)."""
         parts = None if self.is_fsdp_enabled or self.is_deepspeed_enabled else _score_parts(model)
         view = None if parts is None else right_padded_view(input_ids, attention_mask)
         packed = None
@@ -185,24 +187,29 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
             packed = model_shared_layout(model, view) or repacked(
                 view, unwrap(model).config.get_text_config().hidden_size
             )
-        if packed is None:
+        decoder, head, pad_id = parts or (None, None, None)
+        layer = None if view is None or unwrap(model) is not model else last_layer_parts(decoder)
+        if packed is None and layer is None:
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
-        decoder, head, pad_id = parts
-        packed_inputs, where = packed
-        captured = {}
-
-        def keep(module, args, output):
-            captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-        handle = decoder.register_forward_hook(keep)
-        try:  # through the (possibly DDP-wrapped) model, whose own pooled output is not used
-            model(**packed_inputs, use_cache=False)
-        finally:
-            handle.remove()
+        inputs, where = packed or ({"input_ids": input_ids, "attention_mask": attention_mask}, view.where)
         columns = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = (columns * (input_ids != pad_id)).argmax(-1)
-        hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
-        return head(hidden[where[torch.arange(len(last), device=last.device), last]]).squeeze(-1)
+        scored = where[torch.arange(len(last), device=last.device), last]
+        # The last layer at the scored positions only (models/scored_positions.py), where the model allows.
+        hidden = None if layer is None else hidden_at(model, decoder, layer, inputs, scored)
+        if hidden is None:
+            captured = {}
+
+            def keep(module, args, output):
+                captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+            handle = decoder.register_forward_hook(keep)
+            try:  # through the (possibly DDP-wrapped) model, whose own pooled output is not used
+                model(**inputs, use_cache=False)
+            finally:
+                handle.remove()
+            hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[scored]
+        return head(hidden).squeeze(-1)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         scores = self._scores(model, inputs["input_ids"], inputs["attention_mask"])

@@ -37,6 +37,7 @@ from posttrain.trainers.self_distillation_data import (
     prompt_ids,
     tokenize_prompt_row,
 )
+from posttrain.trainers.self_distillation_events import RolloutRow, round_events
 from posttrain.trainers.self_distillation_rounds import (
     GenerationRounds,
     completion_logits,
@@ -149,6 +150,7 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
     """The shared machinery of SDFT and SDPO (see the module); subclasses give `_teacher_prompts`."""
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulation steps itself, as TRL does
+    reports_teacher_context = False  # TRL's on_teacher_context_built event: SDPO's
 
     def __init__(
         self,
@@ -290,6 +292,19 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
 
         return self._rounds.take(self, epoch_iterator, num_batches, device, sample)
 
+    def round_sampled(self, batches: list[dict], mode: str = "train") -> None:
+        """TRL's self-distillation callback events for the micro-batches just sampled (and given their teacher
+        inputs), one generation round of steps_per_generation micro-batches at a time (self_distillation_events)."""
+        size = self.args.steps_per_generation if mode == "train" else len(batches)
+        pad_id = self._own_collator.pad_token_id
+        for start in range(0, len(batches), size):
+            rows = [row for rows in self._round_rows[start : start + size] for row in rows]
+            round_events(self, rows, batches[start : start + size], mode, pad_id)
+
+    def _generation_raw_prompts(self, rows: list[dict]) -> list:
+        """Hook: the raw prompt (text or messages) each rollout was sampled from (here the row's prompt)."""
+        return [row["prompt"] for row in rows]
+
     @property
     def keeps_rollout_logps(self) -> bool:
         """Whether a round's rollouts keep the student's log-probs at sampling (for distillation_is_clip)."""
@@ -312,6 +327,9 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
                 parts.append((b, r, ids[:start].tolist(), labels[trained].tolist()))
         rows = [self._rows[int(batches[b]["sd_row"][r])] for b, r, _, _ in parts]
         teacher_prompts, active = self._teacher_prompts(rows, [p[2] for p in parts], [p[3] for p in parts], mode)
+        generation = self._generation_raw_prompts(rows)
+        rollouts = [RolloutRow(p[2], p[3], teacher_prompts[i], active[i], generation[i]) for i, p in enumerate(parts)]
+        self._round_rows = [[r for r, p in zip(rollouts, parts) if p[0] == b] for b in range(len(batches))]
         skip = getattr(self.args, "num_loss_tokens_to_skip", 0)
         for b, batch in enumerate(batches):
             mine = [(i, p) for i, p in enumerate(parts) if p[0] == b]
@@ -338,6 +356,7 @@ class SelfDistillationTrainer(PreparesEvalOnUse, DistillationTrainer):
         mode = "train" if model.training else "eval"
         if "teacher_input_ids" not in inputs:  # evaluation batches are sampled one at a time
             self._attach_teacher_inputs([inputs], mode)
+            self.round_sampled([inputs], mode)
         # Completion tokens sit at different offsets in the two rows; select them, then lay them out [B, T].
         student_logits, tokens, slots, student = completion_logits(model, inputs)
         mask = shift_for_next_token(inputs["labels"]) != IGNORE_INDEX

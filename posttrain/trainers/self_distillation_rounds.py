@@ -111,6 +111,7 @@ class GenerationRounds:
                     for batch in batches:
                         logits, tokens, _, _ = completion_logits(trainer.model, batch)
                         batch["old_logps"] = token_logps(logits, tokens, trainer.loss_temperature())
+            trainer.round_sampled(batches)
             self.buffer += batches
         batches, self.buffer = self.buffer[:num_batches], self.buffer[num_batches:]
         return batches, trainer._get_num_items_in_batch(batches, device)

@@ -28,6 +28,7 @@ from posttrain.runtime.distributed import (
     unwrap_without_importing_deepspeed,
     use_gloo_on_cpu,
 )
+from posttrain.runtime.gc_freeze import freeze_import_time_objects
 from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.device_paths import describe_run, resolve_bf16, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
@@ -39,6 +40,7 @@ from posttrain.training.run_artifacts import RunArtifactsCallback
 from posttrain.training.streaming import prepare_datasets
 
 logger = logging.getLogger("posttrain")
+freeze_import_time_objects()  # the imports above out of every later full collection (runtime/gc_freeze.py)
 
 
 def _accelerator_available() -> bool:
@@ -67,8 +69,7 @@ class PosttrainConfig(TrainingArguments):
     )
     dataset_num_proc: int | None = config_field(None, "Processes for dataset preprocessing.")
     logging_steps: float = config_field(10, "Log every N optimizer steps.")
-    # TRL turns it on; posttrain does where it pays off (an accelerator) and leaves it off on a CPU, where
-    # recomputing activations only costs time and memory is rarely the limit (docs/trl_parity.md).
+    # TRL turns it on; posttrain only with an accelerator: on a CPU it only costs time (docs/trl_parity.md).
     gradient_checkpointing: bool | None = config_field(
         None,
         "Recompute activations in the backward pass to save memory (default: on with an accelerator, off on a CPU).",

@@ -16,7 +16,7 @@ from posttrain.errors import ConfigError
 from posttrain.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, population_group_advantages
 
 # posttrain-wide differences (docs/trl_parity.md), and ignore_data_skip: posttrain replays the prompt order on resume
-POSTTRAIN_DEFAULTS = {"gradient_checkpointing", "remove_unused_columns", "ignore_data_skip"}
+POSTTRAIN_DEFAULTS = {"gradient_checkpointing", "ignore_data_skip"}
 
 
 def _config(tmp_path, **overrides) -> AsyncGRPOConfig:

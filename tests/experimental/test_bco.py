@@ -474,3 +474,19 @@ def test_bco_data_report_counts_what_truncation_removed(tmp_path, tiny_model_pat
         == sum(p + c for p, c in (parts if not dropped else [pc for pc in parts if pc[0] < limit]))
         - report["tokens_cut"]
     )
+
+
+def test_trls_bco_command_line_parses_with_transformers_parser(tmp_path):
+    """TRL's examples/scripts/bco.py parses its documented command (with --no_remove_unused_columns) with transformers'
+    own HfArgumentParser, which has a --no_ flag only for a field whose default is True (as in TRL's BCOConfig)."""
+    from transformers import HfArgumentParser
+
+    from posttrain import ModelConfig, ScriptArguments
+    from posttrain.experimental.bco import BCOConfig
+
+    parser = HfArgumentParser((ScriptArguments, BCOConfig, ModelConfig))
+    argv = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--no_remove_unused_columns", "--max_length", "64"]
+    _, args, _ = parser.parse_args_into_dataclasses(argv)
+    assert args.remove_unused_columns is False and args.max_length == 64
+    _, default, _ = parser.parse_args_into_dataclasses(argv[:4])
+    assert default.remove_unused_columns is True

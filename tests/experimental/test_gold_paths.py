@@ -139,3 +139,20 @@ def test_generalized_jsd_on_probabilities_matches_a_float64_reference():
                 ref += beta * sum(b * math.log(b / x) for b, x in zip(t, m))
                 ref += (1 - beta) * sum(a * math.log(a / x) for a, x in zip(s, m))
         assert got.item() == pytest.approx(ref, rel=1e-9)
+
+
+def test_uld_sample_table_shows_what_trls_shows(capsys):
+    """TRL's print_prompt_completions_sample_uld: every prompt and completion under the step's title; a
+    non-positive num_samples prints nothing; a larger one prints every row (the table's style may differ)."""
+    from posttrain.experimental.gold.gold_trainer import print_prompt_completions_sample_uld as ours
+
+    theirs = import_trl_experimental("gold.gold_trainer").print_prompt_completions_sample_uld
+    prompts, completions = ["The sky is", "The sun is"], [" blue.", " hot today."]
+    for num_samples in (None, 5, 0, -1):
+        outputs = []
+        for fn in (theirs, ours):
+            fn(prompts, completions, 42, num_samples)
+            outputs.append(capsys.readouterr().out)
+        for out in outputs:
+            shown = all(text.strip() in out for text in prompts + completions) and "Step 42" in out
+            assert shown is (num_samples is None or num_samples > 0), (num_samples, out)

@@ -113,7 +113,7 @@ def test_configs_build_with_trl_defaults_on_cpu(config, tmp_path):
 _ASYNC_WORKER = (
     "TRL's asynchronous trainers run a separate rollout-worker process fed through a queue dataset, batchers and an "
     "NCCL/HTTP weight-transfer client; posttrain's asynchronous trainers run on the online engine's own producer "
-    "(posttrain/online/async_rollouts.py), which has none of these objects (TRL's worker objects are refused by name "
+    "(posttrain/online/producers/thread.py), which has none of these objects (TRL's worker objects are refused by name "
     "in posttrain/online/async_pipeline.py)"
 )
 _ASYNC_TRAINER_INTERNALS = (
@@ -124,15 +124,7 @@ _ASYNC_TRAINER_INTERNALS = (
 _FUSED_HEAD = (
     "TRL patches the model's forward with a fused LM head (`model(..., fused_lm_head=True)`); posttrain never patches "
     "a model's forward: its trainers compute log-probs from the hidden states with the chunked head "
-    "posttrain.losses.logprobs.linear_logps"
-)
-_TRITON = (
-    "a Triton GPU kernel (TRL's chunked head as a Triton autograd Function with TRL's positional apply() "
-    "signature); posttrain's chunked head is the pure-PyTorch posttrain.losses.logprobs.linear_logps"
-)
-_LEGACY_UTILS = (
-    "a helper of TRL's former experimental trainers' own tokenization/PEFT set-up, which posttrain does in "
-    "data/preference.py and models/ (peft config through get_peft_config); no posttrain trainer has its step"
+    "posttrain.losses.logprobs.linear_logps (TRL's chunked functions themselves are at posttrain.kernels)"
 )
 MODULE_ABSENCES = {
     **{
@@ -148,21 +140,9 @@ MODULE_ABSENCES = {
         "tree attention for TRL's packed multi-turn rollouts (a custom attention function registered with "
         "transformers); posttrain packs with its own segment attention (posttrain/models/segment_attention.py)"
     ),
-    "trl.kernels.*": _TRITON,
-    "trl.kernels.chunked_logprob.*": _TRITON,
-    "trl.kernels.chunked_divergence.*": _TRITON,
     "trl.trainer.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.add_fused_lm_head": _FUSED_HEAD,
     "trl.trainer.utils.FusedCausalLMOutput": _FUSED_HEAD,
-    "trl.trainer.utils.maybe_gather_lm_head_ctx": _FUSED_HEAD,
-    "trl.models.utils.add_hooks": (
-        "removing and re-adding a ZeRO-3 engine's parameter hooks around generation: posttrain gathers the "
-        "parameters for generation with deepspeed.zero.GatheredParameters (models/utils.py) and leaves the hooks"
-    ),
-    "trl.models.utils.remove_hooks": (
-        "removing and re-adding a ZeRO-3 engine's parameter hooks around generation: posttrain gathers the "
-        "parameters for generation with deepspeed.zero.GatheredParameters (models/utils.py) and leaves the hooks"
-    ),
     "trl.generation.vllm_generation.VLLMGeneration": (
         "TRL's in-trainer vLLM driver class; posttrain's is the generation backend of posttrain/generation/"
         "vllm_backend.py, with posttrain's backend interface (create_generation_backend)"
@@ -181,10 +161,6 @@ MODULE_ABSENCES = {
     "trl.cli.accelerate_launcher.*": (
         "TRL's CLI hands multi-process runs to `accelerate launch`; `posttrain` reads the accelerate config and "
         "launches its processes itself (cli/launch.py)"
-    ),
-    "trl.experimental.gold.gold_trainer.print_prompt_completions_sample_uld": (
-        "TRL's rich-console table of GOLD's student/teacher texts; posttrain logs GOLD's completions in the run's "
-        "sample table (training/sample_table.py) and report"
     ),
     "trl.experimental.merge_model_callback.merge_models": (
         "runs mergekit's MergeConfiguration; posttrain merges with its own MergeConfig "
@@ -206,20 +182,6 @@ MODULE_ABSENCES = {
         "TRL's container of student/teacher logits between its methods; posttrain passes them as arguments "
         "(posttrain/trainers/self_distillation.py)"
     ),
-    **{
-        f"trl.experimental.utils.{n}": _LEGACY_UTILS
-        for n in (
-            "DPODataCollatorWithPadding",
-            "DataCollatorForVisionLanguageChatML",
-            "add_bos_token_if_needed",
-            "add_eos_token_if_needed",
-            "enable_gradient_checkpointing",
-            "get_reward",
-            "peft_module_casting_to_bf16",
-            "prepare_model_for_kbit_training",
-            "prepare_peft_model",
-        )
-    },
 }
 
 

@@ -1,6 +1,7 @@
-"""remove_unused_columns as in TRL 1.16: True by default on SFT, DPO, KTO and Reward (TRL's default); with True the
-columns each trainer's collator reads are kept and training is the same as with False; True drops a column no
-collator reads (an extra `metadata`), False passes it to the collator."""
+"""remove_unused_columns as in TRL 1.16: True by default on SFT, DPO, KTO, Reward, GOLD and the asynchronous trainers
+(TRL's default); with True the columns each trainer's collator reads are kept and training is the same as with False;
+True drops a column no collator reads (an extra `metadata`), False passes it to the collator. The asynchronous
+trainers' reward functions get every dataset column either way, as TRL's rollout worker passes them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ EXPERIMENTAL = [
     ("sdft", "SDFTConfig"),
     ("sdpo", "SDPOConfig"),
     ("server_distillation", "ServerDistillationConfig"),
+    ("gold", "GOLDConfig"),
+    ("async_grpo", "AsyncGRPOConfig"),
+    ("async_distillation", "AsyncDistillationConfig"),
 ]
 
 
@@ -115,10 +119,24 @@ def _train(build, tmp_path, path, data, **kw):
     return losses, recorder.keys
 
 
-TRAINERS = [(_sft, "sft"), (_dpo, "dpo"), (_kto, "kto"), (_reward, "reward")]
+def _bco(tmp_path, path, data, **kw):
+    from posttrain.experimental.bco import BCOConfig, BCOTrainer
+
+    return BCOTrainer(path, args=BCOConfig(**_settings(tmp_path, **kw)), train_dataset=data)
 
 
-@pytest.mark.parametrize("build, kind", TRAINERS, ids=[kind for _, kind in TRAINERS])
+def test_bco_default_is_transformers_true():
+    """TRL 1.16 has no BCO; its last BCOConfig kept TrainingArguments' True (its bco.py passes
+    --no_remove_unused_columns)."""
+    from posttrain.experimental.bco import BCOConfig
+
+    assert _default(BCOConfig) is True
+
+
+TRAINERS = [(_sft, "sft"), (_dpo, "dpo"), (_kto, "kto"), (_reward, "reward"), (_bco, "kto")]
+
+
+@pytest.mark.parametrize("build, kind", TRAINERS, ids=[build.__name__[1:] for build, _ in TRAINERS])
 def test_extra_column_trains_as_with_false(build, kind, tmp_path, tiny_model_path):
     data = _rows(kind)
     default, seen = _train(build, tmp_path / "default", tiny_model_path, data)
@@ -146,3 +164,64 @@ def test_reward_keeps_tokenized_pairs_and_margin(tmp_path, tiny_model_path):
     ]
     _, seen = _train(_reward, tmp_path, tiny_model_path, Dataset.from_list(rows * 2))
     assert seen == {"prompt_ids", "chosen_ids", "rejected_ids", "margin"}
+
+
+def _gold(tmp_path, path, data, **kw):
+    from transformers import AutoTokenizer
+
+    from posttrain.experimental.gold import GOLDConfig, GOLDTrainer
+    from posttrain.models.tiny import build_tiny_model
+
+    teacher = build_tiny_model(AutoTokenizer.from_pretrained(path), seed=1)  # another model: a nonzero divergence
+    args = GOLDConfig(**_settings(tmp_path, lmbda=0.5, max_completion_length=6, **kw))
+    return GOLDTrainer(path, teacher, args=args, train_dataset=data)
+
+
+def test_gold_extra_column_trains_as_with_false(tmp_path, tiny_model_path):
+    """GOLD (an SFT trainer in TRL) keeps SFT's columns; its on-policy micro-batches sample the same either way."""
+    data = _rows("sft")
+    default, seen = _train(_gold, tmp_path / "default", tiny_model_path, data)
+    kept, _ = _train(_gold, tmp_path / "kept", tiny_model_path, data, remove_unused_columns=False)
+    assert len(default) == 2 and all(loss > 0 for loss in default)
+    assert default == pytest.approx(kept, rel=1e-6)
+    assert "metadata" not in seen
+
+
+def _online_run(kind, tmp_path, path, **kw):
+    """A two-step asynchronous run on prompts with an extra 'answer' column: its losses, and the keyword arguments
+    its reward function was given (AsyncGRPO) or the columns it reads for its reward (AsyncDistillation)."""
+    import test_async_distillation as distillation
+    import test_async_grpo as grpo
+    from test_engine import prompt_dataset
+
+    from posttrain.experimental.async_distillation import AsyncDistillationTrainer
+    from posttrain.experimental.async_grpo import AsyncGRPOTrainer
+
+    seen = set()
+
+    def low_ids(completion_ids, **columns):
+        seen.update(columns)
+        return [sum(t < 192 for t in ids) / len(ids) for ids in completion_ids]
+
+    if kind == "async_grpo":
+        args = grpo._config(tmp_path, logging_steps=1, **kw)
+        trainer = AsyncGRPOTrainer(path, low_ids, args=args, train_dataset=prompt_dataset())
+    else:
+        args = distillation._config(tmp_path, logging_steps=1, **kw)
+        teacher = distillation.biased_teacher(path)
+        trainer = AsyncDistillationTrainer(path, args=args, train_dataset=prompt_dataset(), teacher_model=teacher)
+        seen.update(trainer.reward_columns)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], seen
+
+
+@pytest.mark.parametrize("kind", ["async_grpo", "async_distillation"])
+def test_async_extra_column_trains_as_with_false(kind, tmp_path, tiny_model_path):
+    """posttrain's engine reads the dataset rows itself: the loss is the same either way, and the extra column
+    reaches the reward function in both (TRL's rollout worker passes every column too)."""
+    default, seen = _online_run(kind, tmp_path / "default", tiny_model_path)
+    kept, seen_kept = _online_run(kind, tmp_path / "kept", tiny_model_path, remove_unused_columns=False)
+    assert len(default) == 2 and all(loss != 0 for loss in default)
+    assert default == pytest.approx(kept, rel=1e-6)
+    if kind == "async_grpo":
+        assert "answer" in seen and seen == seen_kept

@@ -78,3 +78,34 @@ def test_unpaired_kl_rows_pair_each_prompt_with_the_previous_completion(vlm_path
     kl = [ids[mask.bool()].tolist() for ids, mask in zip(batch["KL_input_ids"], batch["KL_completion_mask"])]
     assert kl == completions[-1:] + completions[:-1]
     assert batch["label"].tolist() == [True, False, True]
+
+
+def _same_chatml_batches(theirs: dict, ours: dict) -> None:
+    """TRL's and posttrain's ChatML batches: texts as lists, every tensor equal (padding included: both pad with
+    the processor's own padding)."""
+    assert set(theirs) == set(ours)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert value.shape == ours[key].shape and torch.equal(value, ours[key]), key
+        else:
+            assert value == ours[key], key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vision_chatml_collator_matches_trl(vlm_paths, arch):  # noqa: F811
+    from _trl import import_trl_experimental
+
+    from posttrain.experimental.utils import DataCollatorForVisionLanguageChatML
+
+    theirs = import_trl_experimental("utils").DataCollatorForVisionLanguageChatML
+    processor = AutoProcessor.from_pretrained(vlm_paths[arch])
+    conversational = list(prompt_completion_data(3))
+    from _vlm import PLACEHOLDER
+
+    prompt = f"{PLACEHOLDER[arch]} look:"
+    plain = [dict(image=r["images"][0], prompt=prompt, completion=f" digit {i}") for i, r in enumerate(conversational)]
+    for rows, max_length in ((conversational, None), (conversational, 40), (plain, None)):
+        expected = theirs(processor, max_length=max_length)(copy.deepcopy(rows))
+        got = DataCollatorForVisionLanguageChatML(processor, max_length=max_length)(copy.deepcopy(rows))
+        _same_chatml_batches(expected, got)
+        assert (got["labels"] != -100).any() and got["byte_offsets"][..., 1].max() > 0

@@ -38,3 +38,28 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+# Rounds name their weights (no in-flight updates): a run with actors lost, or stopped and resumed, must end as
+# an uninterrupted one.
+FAULTY = dict(max_steps=4, async_generation_rounds=2, vllm_sync_steps=2, async_inflight_weight_updates=False)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, tiny_model_path):
+    """The run the faulty and resumed ones must equal: the generation process, nothing killed (its threads as
+    same_threads)."""
+    from test_producers_process import PROCESS, same_threads
+    from test_producers_thread import grpo
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        same_threads.__wrapped__(monkeypatch)
+        plain = grpo(tiny_model_path, tmp_path_factory.mktemp("plain"), **FAULTY, **PROCESS)
+        plain.train()
+    return plain
+
+
+@pytest.fixture
+def faulty_settings() -> dict:
+    """The settings of `uninterrupted`, for the runs that must equal it."""
+    return dict(FAULTY)

@@ -41,13 +41,29 @@ def test_a_wrong_value_names_the_field(tmp_path, setting, message):
 @pytest.mark.parametrize(
     "setting, named",
     [
-        (dict(use_vllm=True), "use_vllm=True"),
+        (dict(use_vllm=True), r"use_vllm=True with async_inflight_weight_updates=True"),
         (dict(async_generation_process=True), "async_generation_process=True"),
         (dict(cache_implementation="static"), "static cache"),
     ],
 )
 def test_a_setting_the_actors_cannot_serve_is_refused_before_any_actor_starts(setting, named):
     args = dict(use_vllm=False, async_generation_process=None, use_transformers_continuous_batching=False)
+    args["async_inflight_weight_updates"] = True
     args = {**args, "cache_implementation": None, **setting}
     with pytest.raises(ConfigError, match=f"rollout_backend='ray' does not support .*{named}"):
         make_ray_producer(SimpleNamespace(args=SimpleNamespace(**args)), lookahead=1)
+
+
+def test_vllm_with_actors_runs_in_the_actors_not_in_the_trainer(tmp_path, tiny_model_path, tokenizer):
+    """Colocated vLLM beside training is refused on one machine, but with rollout actors the engines are theirs:
+    the config passes, and the trainer's own sampling (evaluation) stays on transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.generation import TransformersBackend, create_generation_backend
+
+    vllm = dict(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", async_generation_rounds=1)
+    with pytest.raises(ConfigError, match="colocated vLLM runs inside the training process"):
+        GRPOConfig(**vllm)
+    config = GRPOConfig(**vllm, rollout_backend="ray", async_inflight_weight_updates=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert isinstance(create_generation_backend(model, tokenizer, config), TransformersBackend)

@@ -1,7 +1,8 @@
 """Training with rollout actors (rollout_backend="ray", posttrain/online/producers/ray.py) on the loopback cluster:
-the same tokens, losses and final weights as the generation process at k = 0 and k = 1, actors only on `rollout`
-nodes and none left after training, in-flight updates with each token's version and log-prob, and faults (an
-actor killed, its node removed, an actor alive but silent, a round that raises)."""
+the same tokens, losses and final weights as the generation process at k = 0 and (with actors lost) at k = 2 with
+vllm_sync_steps=2, a k = 0 round split across the actors, actors only on `rollout` nodes and none left after
+training, in-flight updates with each token's version and log-prob, and faults (an actor killed, its node removed,
+an actor alive but silent, a round that raises)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_producers_process import PROCESS, assert_same_parameters, same_threads
 from test_producers_thread import WeightsAtStepBegin, grpo, losses, record_rollouts
 
 from posttrain.online.logps import completion_logps
-from posttrain.online.producers.ray import RayRolloutProducer
+from posttrain.online.producers.ray import RayRolloutProducer, split_round
 from posttrain.online.rollout import pad_rows
 
 pytestmark = [pytest.mark.ray]
@@ -67,6 +68,50 @@ def test_k0_is_the_generation_process_bitwise_on_rollout_nodes(ray_cluster, tmp_
     assert {where["node_id"] for where in seen["where"]} <= rollout_nodes
     assert all(where["threads"] == 1 for where in seen["where"])
     assert actors.rollout_producer.actors is None and alive_actors() == []  # none left after training
+
+
+@pytest.mark.parametrize(
+    ("prompts", "parts", "n", "micro_batch", "expected"),
+    [
+        (4, 2, 4, 8, [(0, 2), (2, 4)]),
+        (2, 2, 4, 8, [(0, 2)]),
+        (5, 2, 2, 2, [(0, 2), (2, 5)]),
+        (7, 3, 3, 6, [(0, 2), (2, 4), (4, 7)]),
+    ],
+)
+def test_a_round_splits_along_whole_micro_batches(prompts, parts, n, micro_batch, expected):
+    ranges = split_round(prompts, parts, n, micro_batch)
+    assert [(r.start, r.stop) for r in ranges] == expected
+    assert all(r.start * n % micro_batch == 0 for r in ranges)
+
+
+def test_k0_splits_each_round_across_the_actors_and_is_the_synchronous_run(ray_cluster, tmp_path, tiny_model_path):
+    """Two actors at k = 0 sample each round's halves at once; put back together, the round is the one the trainer
+    samples itself (tokens, sampler log-probs, losses and final weights, bit for bit). A round of 2 micro-batches:
+    a part is whole micro-batches (split_round)."""
+    common = dict(max_steps=4, steps_per_generation=2, per_device_train_batch_size=8, num_generations=4)
+    sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync", **common)
+    sync_rollouts = record_rollouts(sync)
+    sync.train()
+    split = grpo(
+        stopping_model(tiny_model_path),
+        tmp_path / "split",
+        async_generation_rounds=0,
+        num_rollout_actors=2,
+        **common,
+        **RAY,
+    )
+    split_rollouts, sent = record_rollouts(split), []
+    dispatch = split.rollout_producer._dispatch
+    split.rollout_producer._dispatch = lambda rid, index: (sent.append((rid, index)), dispatch(rid, index))
+    split.train()
+    assert sent == [(0, 0), (1, 1), (2, 0), (3, 1)]  # two rounds of 4 prompts, each as 2 + 2 on both actors
+    for one, other in zip(sync_rollouts, split_rollouts, strict=True):
+        assert torch.equal(one.completion_ids, other.completion_ids)
+    # the actors' log-probs are the trainer's, bit for bit: the parts' forwards took the unsplit micro-batches
+    assert all(h["sampler/logp_diff_max"] == 0.0 for h in split.state.log_history if "loss" in h)
+    assert losses(split) == losses(sync)
+    assert_same_parameters(sync, split)
 
 
 def test_in_flight_updates_record_each_tokens_version_and_log_prob(ray_cluster, tmp_path, tiny_model_path):
@@ -121,24 +166,11 @@ def remove_its_node(producer, index):
     cluster.rollout_nodes = [n for n in cluster.rollout_nodes if n is not node] + [cluster.add_rollout_node()]
 
 
-FAULTY = dict(max_steps=4, async_generation_rounds=1, async_inflight_weight_updates=False)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_model_path):
-    """The run the faulty ones must equal: the generation process, nothing killed (its threads as same_threads)."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        same_threads.__wrapped__(monkeypatch)
-        plain = grpo(tiny_model_path, tmp_path_factory.mktemp("plain"), **FAULTY, **PROCESS)
-        plain.train()
-    return plain
-
-
 @pytest.mark.parametrize("fault", [kill_actor, remove_its_node], ids=["ray_kill", "remove_node"])
 def test_a_lost_actor_is_replaced_and_the_run_is_the_uninterrupted_one(
-    ray_cluster, tmp_path, tiny_model_path, uninterrupted, caplog, fault
+    ray_cluster, tmp_path, tiny_model_path, uninterrupted, faulty_settings, caplog, fault
 ):
-    common, plain = FAULTY, uninterrupted
+    common, plain = faulty_settings, uninterrupted
     faulty = grpo(tiny_model_path, tmp_path / "faulty", **common, **RAY)
     faulty.rollout_producer.test_cluster = ray_cluster
     injected = AfterDispatch(faulty.rollout_producer, request_id=2, fault=fault)

@@ -1,5 +1,5 @@
-"""The weight transport of rollout actors (posttrain/online/weights/gloo.py, producers/ray_actor.py): after a push,
-every actor holds bit for bit the trainer's flat buffers under the pushed version (compared by hash, and through
+"""The weight transport of rollout actors (posttrain/online/weights/collective.py, producers/ray_actor.py): after a
+push, every actor holds bit for bit the trainer's flat buffers under the pushed version (compared by hash, and through
 Ray's object store as an independent oracle), for a model with tied embeddings and for a PEFT-merged one; a push
 to an actor that is gone fails within its deadline, naming the actor and the version."""
 
@@ -14,7 +14,7 @@ from posttrain.generation import SamplingParams
 from posttrain.models.tiny import build_tiny_model
 from posttrain.online.producers.generation_worker import WorkerSettings
 from posttrain.online.producers.ray_actor import rollout_actor_class
-from posttrain.online.weights.gloo import GlooSender, open_store
+from posttrain.online.weights.collective import PairSender, open_store
 from posttrain.online.weights.transport import WeightSyncError, buffer_hashes, flat_buffers, flat_layout, pack
 
 pytestmark = [pytest.mark.ray]
@@ -43,7 +43,7 @@ def start_actors(model, tokenizer, count: int = 2):
     for index, actor in enumerate(actors):
         store = open_store(HOST, 60)
         ref = actor.connect.remote(HOST, store.port, 60)
-        senders.append(GlooSender(store, HOST, f"rollout actor {index}", 60))
+        senders.append(PairSender(store, HOST, f"rollout actor {index}", 60))
         ray.get(ref, timeout=60)
     return actors, senders
 
@@ -106,7 +106,7 @@ def test_an_actor_waiting_for_a_push_that_never_comes_fails_naming_itself(ray_cl
     ray.get(actor.where.remote(), timeout=120)  # started (which takes longer than the 3 s deadline below)
     store = open_store(HOST, 3)
     ref = actor.connect.remote(HOST, store.port, 3)
-    sender = GlooSender(store, HOST, "rollout actor 9", 3)  # alive, and silent
+    sender = PairSender(store, HOST, "rollout actor 9", 3)  # alive, and silent
     ray.get(ref, timeout=60)
     with pytest.raises(ray.exceptions.RayTaskError, match="rollout actor 9 received no weights header"):
         ray.get(actor.receive.remote([]), timeout=60)

@@ -11,6 +11,7 @@ from posttrain.training.fields import (
     max_completion_length_field,
     max_length_field,
     max_prompt_length_field,
+    remove_unused_columns_field,
     truncation_mode_field,
 )
 from posttrain.training.reference_trainer import (
@@ -21,6 +22,9 @@ from posttrain.training.reference_trainer import (
 
 @dataclass
 class BCOConfig(ReferenceConfig):
+    # TRL's BCOConfig keeps TrainingArguments' True (its documented command passes --no_remove_unused_columns); the
+    # trainer names its collator's columns, so only the dataset's other columns go
+    remove_unused_columns: bool = remove_unused_columns_field()
     learning_rate: float = config_field(5e-5, "Peak learning rate (TRL's BCOConfig kept transformers' default).")
     train_sampling_strategy: str = config_field(
         "sequential", "Order of the training rows (TRL's BCO reads them in order)."

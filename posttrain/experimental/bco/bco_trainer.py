@@ -268,6 +268,11 @@ class BCOTrainer(ClassMetricsMixin, ReferenceTrainer):
             dataset = dataset.select(sorted(set(range(len(dataset))) - set(empty)))
         return report.take_cuts(dataset)  # the truncation of the rows kept
 
+    def _set_signature_columns_if_needed(self):
+        """With remove_unused_columns=True (TRL's default) the columns the collator reads stay, the others go."""
+        if self._signature_columns is None:
+            self._signature_columns = [*self.ID_COLUMNS, "embedding_input_ids", *self.REF_COLUMNS]
+
     def default_collator(self, tokenizer, args: BCOConfig):
         pad_id = tokenizer.pad_token_id if args.padding_value is None else args.padding_value
         embedding_pad = getattr(self.embedding_tokenizer, "pad_token_id", None) or 0

@@ -13,11 +13,14 @@ from posttrain.training.fields import (
     disable_dropout_field,
     learning_rate_field,
     max_completion_length_field,
+    remove_unused_columns_field,
 )
 
 
 @dataclass
 class GOLDConfig(DistillationConfig):
+    # TRL's GOLDConfig is an SFTConfig (True); the trainer names its collator's columns as SFT's does
+    remove_unused_columns: bool = remove_unused_columns_field()
     learning_rate: float = learning_rate_field(1e-7)
     temperature: float = config_field(
         0.9,

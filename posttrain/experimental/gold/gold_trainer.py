@@ -27,6 +27,7 @@ from posttrain.experimental.gold.uld import ULDLoss, build_teacher_inputs_from_t
 from posttrain.losses.sft import IGNORE_INDEX, nll_sum
 from posttrain.models.loading import load_tokenizer
 from posttrain.trainers.on_policy_generation import OnPolicyGenerationTrainer, generate_on_policy_outputs
+from posttrain.training.sample_table import print_prompt_completions_sample
 
 
 class GOLDTrainer(OnPolicyGenerationTrainer):
@@ -241,4 +242,18 @@ class GOLDTrainer(OnPolicyGenerationTrainer):
             super()._write_completions()
 
 
-__all__ = ["GOLDConfig", "GOLDTrainer", "ULDLoss", "build_teacher_inputs_from_texts"]
+def print_prompt_completions_sample_uld(prompts: list, completions: list, step: int, num_samples: int | None = None):
+    """TRL's GOLD console table: the run's sample table (training/sample_table.py) with prompts and completions only;
+    `num_samples` rows drawn at random (all when None or not fewer than the rows; none when <= 0)."""
+    if num_samples is not None and num_samples < len(prompts) and num_samples <= 0:
+        return
+    print_prompt_completions_sample(prompts, completions, {}, None, step, num_samples)
+
+
+__all__ = [
+    "GOLDConfig",
+    "GOLDTrainer",
+    "ULDLoss",
+    "build_teacher_inputs_from_texts",
+    "print_prompt_completions_sample_uld",
+]

@@ -40,18 +40,26 @@ class SDFTTrainer(SelfDistillationTrainer):
             model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers, peft_config, **kwargs
         )
 
-    def _teacher_prompt(self, row: dict, index: int) -> list[int]:
-        prompt = with_user_text(
+    def _teacher_raw_prompt(self, row: dict):
+        """The teacher's prompt (text or messages): the row's prompt with its privileged context."""
+        return with_user_text(
             row["prompt"],
             self.args.teacher_prompt_template,
             privileged_context=privileged_text(row.get("privileged_context")),
         )
-        return self._prompt_ids(prompt, index, self.args.max_prompt_length)
+
+    def _teacher_prompt(self, row: dict, index: int) -> list[int]:
+        return self._prompt_ids(self._teacher_raw_prompt(row), index, self.args.max_prompt_length)
 
     def _generation_prompts(self, rows):
         if not self.args.generate_from_teacher:
             return None
         return [self._teacher_prompt(row, i) for i, row in enumerate(rows)]
+
+    def _generation_raw_prompts(self, rows):
+        if not self.args.generate_from_teacher:
+            return super()._generation_raw_prompts(rows)
+        return [self._teacher_raw_prompt(row) for row in rows]
 
     def _teacher_prompts(self, rows, prompts, completions, mode):
         return [self._teacher_prompt(row, i) for i, row in enumerate(rows)], [True] * len(rows)

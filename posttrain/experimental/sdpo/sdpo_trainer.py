@@ -36,6 +36,7 @@ class SDPOTrainer(SelfDistillationTrainer):
     sdpo/distillation_loss and completions/*."""
 
     _name = "SDPO"
+    reports_teacher_context = True  # TRL's SDPO dispatches on_teacher_context_built
 
     def __init__(
         self,

@@ -27,7 +27,8 @@ the tokenizer and sampling parameters, the trainer's synchronous `generate` and 
 - process.py      `ProcessRolloutProducer`: up to k rounds ahead in a generation process on its own cores
                   (generation_worker.py), weights through shared memory (weights/shared_memory.py), in-flight updates.
 - ray.py          `RayRolloutProducer` (rollout_backend="ray"): the same server in rollout actors on a Ray cluster
-                  (ray_actor.py), weights over a gloo group per actor (weights/gloo.py); docs/scaling.md.
+                  (ray_actor.py), weights over a gloo (or NCCL) group per actor (weights/collective.py);
+                  docs/scaling_rollouts.md.
 
 A new producer (e.g. `producers/ray.py`) subclasses `RolloutProducer` (or `RoundsAhead`, the rounds-ahead schedule
 with its staleness metrics and checkpoint state, implementing `_submit`, `sampler_weights`, `_load_weights` and

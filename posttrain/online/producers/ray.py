@@ -1,11 +1,14 @@
 """Asynchronous rollouts on a Ray cluster (rollout_backend="ray"): the trainer's rank 0 sends each round to one of
 `num_rollout_actors` rollout actors (ray_actor.py) placed on the nodes that offer the custom resource
-`rollout_resource`, and pushes every new version of the weights to all of them over a gloo group per actor
-(weights/gloo.py). Ray carries the requests, the answers and, once, the model; never a version of the weights.
+`rollout_resource`, and pushes every new version of the weights to all of them over a process group per actor
+(weights/collective.py: gloo, or NCCL where the trainer and the actor have GPUs). Ray carries the requests, the
+answers and, once, the model; never a version of the weights.
 
 The schedule is the generation process's: async_generation_rounds rounds ahead, a push every vllm_sync_steps
 steps, in-flight updates with a version per token (async_inflight_weight_updates), max_staleness. A round goes to
-the actor with the fewest rounds in flight (the lowest index on a tie); its seeds, not the actor, decide its tokens.
+the actor with the fewest requests in flight (the lowest index on a tie); its seeds, not the actor, decide its
+tokens. Where the rounds in flight leave actors idle (k = 0: one round at a time), a round is split into contiguous
+parts of its prompts, one request per actor (`split_round`), and its episodes are put back together in order.
 
 Faults. An actor that dies (its process, or its whole node) is restarted by Ray (`max_restarts`), elsewhere if its
 node is gone; the trainer then gives it a new weight group, pushes the versions its rounds need (the newest last)
@@ -19,6 +22,7 @@ actor's name and traceback; an actor that fails MAX_RESTARTS times in a row with
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import ray
@@ -32,11 +36,12 @@ from posttrain.online.producers.base import ProducerContext, RoundsAhead
 from posttrain.online.producers.generation_worker import Request, Result, episodes_of, worker_settings
 from posttrain.online.producers.ray_actor import rollout_actor_class
 from posttrain.online.producers.ray_cluster import connect, trainer_address
+from posttrain.online.producers.ray_vllm import vllm_engine_options
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
-from posttrain.online.weights.gloo import GlooSender, open_store
-from posttrain.online.weights.transport import WeightSyncError, flat_buffers, flat_layout, pack
+from posttrain.online.weights.collective import PairSender, open_store, pair_backend
+from posttrain.online.weights.transport import WeightSyncError, flat_buffers, flat_layout, gathered_params, pack
 
-__all__ = ["RayRolloutProducer"]
+__all__ = ["RayRolloutProducer", "split_round"]
 
 logger = logging.getLogger("posttrain")
 MAX_RESTARTS = 3  # failures of one actor in a row without an answer before training stops
@@ -44,14 +49,31 @@ POLL_S = 0.5  # how often a wait for an answer checks the deadlines
 START_S = 300.0  # how long an actor may take to start (or restart) and join its weight group
 
 
-class RemoteRound:
-    """A round sent to an actor; `result()` waits for its episodes."""
+def split_round(prompts: int, parts: int, n: int, micro_batch_size: int) -> list[range]:
+    """A round's `prompts` in at most `parts` contiguous, nearly equal ranges (fewer where the round is small).
+    Each range starts at a multiple of the prompts whose `n` completions fill whole micro-batches, so an actor's
+    log-prob forward (exact_logps) takes the micro-batches of the unsplit round, and the parts' episodes, put back
+    together, are the unsplit round's."""
+    unit = micro_batch_size // math.gcd(micro_batch_size, n)
+    units = -(-prompts // unit)
+    parts = max(1, min(parts, units))
+    bounds = [min(prompts, unit * (units * j // parts)) for j in range(parts + 1)]
+    return [range(start, end) for start, end in zip(bounds, bounds[1:])]
 
-    def __init__(self, producer: RayRolloutProducer, request_id: int) -> None:
-        self.producer, self.request_id = producer, request_id
+
+class RemoteRound:
+    """A round sent to the actors as one request per part; `result()` waits for their episodes, in order."""
+
+    def __init__(self, producer: RayRolloutProducer, request_ids: list[int]) -> None:
+        self.producer, self.request_ids = producer, request_ids
 
     def result(self) -> tuple[list[Episode], float]:
-        return self.producer.answer(self.request_id)
+        episodes, seconds = [], 0.0
+        for request_id in self.request_ids:
+            part, took = self.producer.answer(request_id)
+            episodes += part
+            seconds = max(seconds, took)  # the parts are sampled at once
+        return episodes, seconds
 
 
 class RayRolloutProducer(RoundsAhead):
@@ -68,6 +90,7 @@ class RayRolloutProducer(RoundsAhead):
         threads = args.async_generation_cores or 1
         self.settings = worker_settings(context, self.sampler_model, self.lookahead, self.in_flight, None, threads)
         self.layout = flat_layout(self.sampler_model)
+        self.vllm = vllm_engine_options(args, self.sampler_model, context.tokenizer) if args.use_vllm else None
         self.kept: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # versions that rounds in flight may need
         self.pending: dict[int, tuple[Request, int]] = {}  # request id -> (request, its weights' version)
         self.inflight: dict[int, tuple[int, ray.ObjectRef]] = {}  # request id -> (actor index, answer)
@@ -82,12 +105,16 @@ class RayRolloutProducer(RoundsAhead):
             self.publish(self.latest)
         if self.actors is None:
             self._start()
-        prompts = [row[PROMPT_IDS_COLUMN] for row in rows]
-        request = Request(self.next_id, prompts, self.context.args.num_generations, seeds, None)
-        self.next_id += 1
-        self.pending[request.id] = (request, self.version)
-        self._dispatch(request.id, self._least_loaded())
-        return RemoteRound(self, request.id)
+        n, ids = self.context.args.num_generations, []
+        idle = max(1, self.num_actors // (self.lookahead + 1))  # the actors the other rounds in flight leave
+        for part in split_round(len(rows), idle, n, self.context.micro_batch_size):
+            prompts = [rows[i][PROMPT_IDS_COLUMN] for i in part]
+            request = Request(self.next_id, prompts, n, [seeds[i] for i in part], None)
+            self.next_id += 1
+            self.pending[request.id] = (request, self.version)
+            self._dispatch(request.id, self._least_loaded())
+            ids.append(request.id)
+        return RemoteRound(self, ids)
 
     def _least_loaded(self) -> int:
         loads = [0] * self.num_actors
@@ -140,7 +167,7 @@ class RayRolloutProducer(RoundsAhead):
     # -- weights -------------------------------------------------------------------------------------------
     def publish(self, version: int) -> None:
         """Packs the policy's weights as `version` and pushes them to every actor (replacing one that fails)."""
-        params = [p for _, p in unwrap(self.context.policy).named_parameters()]
+        params = gathered_params(unwrap(self.context.policy))
         needed = {v for _, v in self.pending.values()}
         spare = [v for v in self.kept if v not in needed and v != self.version]
         buffers = self.kept.pop(spare[0]) if spare else flat_buffers(self.layout)
@@ -208,7 +235,7 @@ class RayRolloutProducer(RoundsAhead):
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self.settings.threads)}},
         )
         slots = max(self.lookahead + 2, 3)  # in use, newest, one to write into, one per round ahead
-        return remote.remote(self.model_ref, self.settings, slots, self.names[index])
+        return remote.remote(self.model_ref, self.settings, slots, self.names[index], self.vllm)
 
     def _bring_up(self, index: int) -> None:
         """Waits for actor `index` to run, connects its weight group, pushes the versions its rounds need (the
@@ -217,8 +244,9 @@ class RayRolloutProducer(RoundsAhead):
         self.where[index] = where
         self.names[index] = f"rollout actor {index} (node {where['ip']}, pid {where['pid']})"
         store = open_store(self.host, START_S)
-        ref = self.actors[index].connect.remote(self.host, store.port, self.timeout_s)
-        self.senders[index] = GlooSender(store, self.host, self.names[index], self.timeout_s)
+        backend = pair_backend(self.context.device, where["cuda"])
+        ref = self.actors[index].connect.remote(self.host, store.port, self.timeout_s, backend)
+        self.senders[index] = PairSender(store, self.host, self.names[index], self.timeout_s, backend)
         self.stores[index] = store
         ray.get(ref, timeout=START_S)
         mine = sorted(rid for rid, (i, _) in self.inflight.items() if i == index)
@@ -290,7 +318,9 @@ def make_ray_producer(context: ProducerContext, lookahead: int) -> RayRolloutPro
     """The Ray producer (rollout_backend='ray'), after checking that the run's settings can run there."""
     args = context.args
     why = {
-        "use_vllm=True (rollout actors sample with the transformers backend here)": args.use_vllm,
+        "use_vllm=True with async_inflight_weight_updates=True (a vLLM engine samples each request with one version "
+        "of the weights; set async_inflight_weight_updates=False)": args.use_vllm
+        and args.async_inflight_weight_updates,
         "async_generation_process=True (the actors are the generation processes)": args.async_generation_process,
         "transformers' continuous batching or a static cache (the actors decode with the dynamic cache)": (
             args.use_transformers_continuous_batching or args.cache_implementation not in (None, "dynamic")

@@ -1,5 +1,5 @@
 """A rollout worker as a Ray actor: today's generation server (generation_worker.py) on a rollout node, with its
-weights received over the network (weights/gloo.py) instead of read from the trainer's shared memory.
+weights received over the network (weights/collective.py) instead of read from the trainer's shared memory.
 
 The actor keeps a few weight slots of its own (a `SharedWeights` local to its process), so that the server points
 its parameters at a slot without a copy, exactly as in the generation process: a request names the version it
@@ -23,7 +23,7 @@ import ray
 import torch
 
 from posttrain.online.producers.generation_worker import GenerationServer, Request, Result, WorkerSettings
-from posttrain.online.weights.gloo import GlooReceiver
+from posttrain.online.weights.collective import PairReceiver
 from posttrain.online.weights.shared_memory import NEWEST, USING, VERSIONS, SharedWeights
 from posttrain.online.weights.transport import WeightSyncError, buffer_hashes
 
@@ -34,15 +34,21 @@ LANES = {"generate": 1, "weights": 1}
 
 class RolloutActor:
     """Samples requests with `model` (its weights replaced by every push) under `settings`, keeping `num_slots`
-    versions. `name` appears in every error it raises."""
+    versions. `name` appears in every error it raises. `vllm`: the options of a vLLM engine to sample with
+    (ray_vllm.py) instead of the transformers loop."""
 
-    def __init__(self, model, settings: WorkerSettings, num_slots: int, name: str) -> None:
+    def __init__(self, model, settings: WorkerSettings, num_slots: int, name: str, vllm: dict | None = None) -> None:
         torch.set_num_threads(settings.threads)
         self.name = name
         self.weights = SharedWeights(model, num_slots, multiprocessing.get_context("spawn"))
-        self.server = GenerationServer(model, self.weights, settings)
+        if vllm is None:
+            self.server = GenerationServer(model, self.weights, settings)
+        else:
+            from posttrain.online.producers.ray_vllm import VLLMGenerationServer
+
+            self.server = VLLMGenerationServer(model, self.weights, settings, vllm)
         self.in_flight = settings.in_flight
-        self.receiver: GlooReceiver | None = None
+        self.receiver: PairReceiver | None = None
         self.arrived = threading.Condition()
 
     def where(self) -> dict:
@@ -54,11 +60,13 @@ class RolloutActor:
             "pid": os.getpid(),
             "restarted": context.was_current_actor_reconstructed,
             "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
         }
 
-    def connect(self, host: str, port: int, timeout_s: float) -> None:
-        """Joins the trainer's weight group at `host:port` (the trainer joins at the same time)."""
-        self.receiver = GlooReceiver(host, port, self.name, timeout_s)
+    def connect(self, host: str, port: int, timeout_s: float, backend: str = "gloo") -> None:
+        """Joins the trainer's weight group at `host:port` (the trainer joins at the same time), over `backend`
+        (gloo, or NCCL where both have a GPU)."""
+        self.receiver = PairReceiver(host, port, self.name, timeout_s, backend)
 
     @ray.method(concurrency_group="weights")
     def receive(self, pinned: list[int]) -> int:

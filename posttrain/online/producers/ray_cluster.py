@@ -4,8 +4,11 @@ the internet), no runtime-environment downloads."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import signal
+import threading
 
 import ray
 
@@ -18,7 +21,8 @@ MIN_OBJECT_STORE = 96 << 20  # Ray refuses less than 75 MiB
 
 def connect(address: str | None, num_actors: int, resource: str) -> bool:
     """Joins the cluster at `address` ('auto', 'IP:6379'), or with None starts one on this machine, on 127.0.0.1,
-    offering `num_actors` units of `resource`. Returns whether it started one (which `ray.shutdown` then ends)."""
+    offering `num_actors` units of `resource` (whatever RAY_ADDRESS says). Returns whether it started one (which
+    `ray.shutdown` then ends)."""
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if ray.is_initialized():
@@ -26,30 +30,52 @@ def connect(address: str | None, num_actors: int, resource: str) -> bool:
     if address is not None:
         _join(address)
         return False
-    ray.init(
-        _node_ip_address=LOOPBACK,
-        include_dashboard=False,
-        num_cpus=num_actors,
-        resources={resource: num_actors},
-        object_store_memory=MIN_OBJECT_STORE,
-        log_to_driver=True,
-    )
+    with _loopback_kept():
+        _init(
+            address="local",  # a new Ray, even where RAY_ADDRESS names another (which ray.init would join)
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            num_cpus=num_actors,
+            resources={resource: num_actors},
+            object_store_memory=MIN_OBJECT_STORE,
+            log_to_driver=True,
+        )
     return True
+
+
+@contextlib.contextmanager
+def _loopback_kept():
+    """ray #59110: ray.init replaces a loopback `_node_ip_address` (to start a node, or to join one) by the host's
+    outward address unless it believes multi-node clusters are off; a cluster started so is then bound to that
+    address, and one bound to 127.0.0.1 is not reached."""
+    constants = ray._private.ray_constants
+    saved, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _init(**options) -> None:
+    """`ray.init`, keeping this process's SIGTERM handler: ray.init puts in its own, which exits at once (and,
+    where it starts the head here, after killing the cluster), so the trainer's checkpoint on SIGTERM
+    (checkpoint_on_signal) would never be written. The trainer's `close` ends the Ray it started instead."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**options)
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGTERM, saved)
 
 
 def _join(address: str) -> None:
     host = address.rpartition(":")[0] if ":" in address else address
     if host not in ("localhost", "127.0.0.1"):
-        ray.init(address=address, log_to_driver=True)
+        _init(address=address, log_to_driver=True)
         return
-    # ray #59110: Ray replaces a loopback address given to ray.init by the host's outward address (which the
-    # cluster, bound to 127.0.0.1, does not listen on) unless it believes multi-node clusters are off.
-    constants = ray._private.ray_constants
-    saved, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
-    try:
-        ray.init(address=address, _node_ip_address=LOOPBACK, log_to_driver=True)
-    finally:
-        constants.ENABLE_RAY_CLUSTER = saved
+    with _loopback_kept():
+        _init(address=address, _node_ip_address=LOOPBACK, log_to_driver=True)
 
 
 def trainer_address() -> str:

@@ -5,8 +5,9 @@
   points its parameters at a slot's views (no copy). `shared_bytes` sizes them.
 
 - transport.py: the interface of a transport to other machines (`WeightSender`, `WeightReceiver`, a version on
-  every push, `WeightSyncError`), and the flat per-dtype layout both ends share; gloo.py, its CPU implementation
-  (a gloo group per trainer-actor pair, used by producers/ray.py).
+  every push, `WeightSyncError`), the flat per-dtype layout both ends share, and the FSDP2 gather before a send;
+  collective.py, its implementation (a process group per trainer-actor pair, gloo on CPU and NCCL between GPUs,
+  used by producers/ray.py).
 """
 
 from posttrain.online.weights.shared_memory import GenerationProcessDied, SharedWeights, shared_bytes

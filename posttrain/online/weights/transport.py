@@ -4,8 +4,12 @@ trainer: the interface, and the flat layout both ends agree on.
 The weights travel as the flat per-dtype buffers of a shared-memory slot (shared_weights.py): one contiguous
 buffer per dtype holding every parameter of that dtype in `named_parameters` order (tied parameters once). A push
 carries its version, every wait has a deadline, and a failure raises `WeightSyncError` naming the worker and the
-version. The CPU transport is a gloo group per trainer-worker pair (gloo.py); an NCCL transport for GPUs would be
-a second implementation of `WeightSender`/`WeightReceiver`.
+version. The implementation is a process group of two per trainer-worker pair (collective.py): gloo on CPU, NCCL
+between GPUs, the same code for both.
+
+Under FSDP2 each training rank holds shards: `gathered_params` gathers every parameter on every rank (a collective
+of the training group, all gathers before any send), and rank 0 alone packs and sends. A send between two gathers,
+on a group the other ranks are not in, is how weight syncs hang without an error (TRL #7103/#7131).
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["WeightReceiver", "WeightSender", "WeightSyncError", "buffer_hashes", "flat_buffers", "flat_layout", "pack"]
+__all__ = [
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+    "buffer_hashes",
+    "flat_buffers",
+    "flat_layout",
+    "gathered_params",
+    "pack",
+]
 
 Layout = list[tuple[torch.dtype, torch.Size, int]]
 
@@ -34,6 +47,16 @@ class WeightReceiver(Protocol):
     def receive(self, buffers: dict[torch.dtype, torch.Tensor]) -> int: ...
 
     def close(self) -> None: ...
+
+
+@torch.no_grad()
+def gathered_params(model) -> list[torch.Tensor]:
+    """`model`'s parameters in `named_parameters` order (a tied one once), each whole: an FSDP2 shard (a DTensor)
+    is gathered, which every rank of the training group must call in the same order, before any send."""
+    params = []
+    for _, param in model.named_parameters():
+        params.append(param.full_tensor() if hasattr(param, "full_tensor") else param)
+    return params
 
 
 def flat_layout(model) -> Layout:

@@ -1,0 +1,103 @@
+"""SIGTERM on a trainer with rollout actors in flight (rollout_backend="ray"): the trainer, a process of its own
+that joins the test's cluster, finishes the step, writes its checkpoint with the rounds sampled ahead (k = 2) and,
+since vllm_sync_steps=2 lets a later round reuse them, the sampler's weights, ends its actors and exits 0; resumed
+from that checkpoint, the run ends with an uninterrupted run's losses and parameters, bit for bit.
+
+ray.init replaces the process's SIGTERM handler by one that exits at once (producers/ray_cluster.py keeps the
+trainer's), which only a trainer that calls ray.init itself shows: hence the subprocess.
+
+This file is also the trainer:
+    python tests/ray/test_ray_signal.py MODEL_PATH OUT_DIR RAY_ADDRESS STOP_STEP SETTINGS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _paths import subprocess_pythonpath
+from transformers import TrainerCallback
+
+from posttrain.training.checkpoints import CHECKPOINT_MARKER, TRAINER_STATE_FILE
+
+pytestmark = [pytest.mark.ray]
+ACTORS = dict(rollout_backend="ray", num_rollout_actors=2)
+
+
+class SignalAt(TrainerCallback):
+    """SIGTERM to this process at the end of optimizer step `step` (what a scheduler sends before it kills)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def trainer_process(model_path: str, out_dir: str, address: str, stop: int, settings: dict) -> None:
+    from test_producers_thread import grpo
+
+    trainer = grpo(model_path, out_dir, callbacks=[SignalAt(stop)], ray_address=address, **settings, **ACTORS)
+    try:
+        trainer.train()
+    finally:
+        print(f"actors after training: {trainer.rollout_producer.actors}", flush=True)
+
+
+def alive_actors() -> list[dict]:
+    return [a for a in ray_state().actors().values() if a["State"] != "DEAD"]
+
+
+def ray_state():
+    import ray
+
+    return ray._private.state
+
+
+def test_sigterm_checkpoints_with_actors_in_flight_and_resuming_is_exact(
+    ray_cluster, tmp_path, tiny_model_path, uninterrupted, faulty_settings
+):
+    from test_producers_process import assert_same_parameters
+    from test_producers_thread import grpo, losses
+
+    run, stop = tmp_path / "run", 2
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=subprocess_pythonpath())
+    command = [sys.executable, __file__, str(tiny_model_path), str(run), ray_cluster.address, str(stop)]
+    command.append(json.dumps(faulty_settings))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert f"stopped by SIGTERM after step {stop}" in output, output[-4000:]
+    assert "actors after training: None" in output  # the trainer ended its actors before it exited
+    checkpoint = run / f"checkpoint-{stop}"
+    assert (checkpoint / CHECKPOINT_MARKER).exists()
+    saved = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=False)["async_rollouts"]
+    ahead = faulty_settings["async_generation_rounds"]
+    assert sorted(saved["rounds"]) == list(range(stop, stop + ahead))  # the rounds sampled ahead went in
+    assert saved["weights"] is not None  # vllm_sync_steps > 1: a round after the checkpoint reuses these weights
+    deadline = time.monotonic() + 30
+    while alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive_actors() == []
+
+    resumed = grpo(tiny_model_path, run, **faulty_settings, **ACTORS)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == faulty_settings["max_steps"]
+    assert {s: v for s, v in losses(resumed).items() if s > stop} == {
+        s: v for s, v in losses(uninterrupted).items() if s > stop
+    }
+    assert_same_parameters(uninterrupted, resumed)
+    assert resumed.rollout_producer.actors is None and alive_actors() == []
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    trainer_process(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]))
