@@ -35,6 +35,7 @@ def _settings(tmp_path, **kw):
         report_to="none",
         save_strategy="no",
         use_cpu=True,
+        bf16=False,
         disable_tqdm=True,
         seed=0,
     )
