@@ -40,6 +40,7 @@ def main() -> None:
         save_strategy="no",
         disable_tqdm=True,
         write_report=False,
+        bf16=False,  # float32: the processes must compute what one process does
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=url,

@@ -68,6 +68,7 @@ def grpo_with_vllm(model_path: str, output_dir, reward=low_id_fraction, **vllm_s
         logging_steps=1,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

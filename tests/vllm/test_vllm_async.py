@@ -60,6 +60,7 @@ def test_async_grpo_trains_through_the_server_with_trls_defaults(vllm_server, vl
         learning_rate=3e-2,
         seed=0,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,

@@ -51,6 +51,7 @@ def test_loss_against_a_vllm_teacher(tmp_path, vllm_tiny_path, vllm_tiny_untied_
             loss_top_k=k,
             teacher_model_server_url=teacher_server,
             use_cpu=True,
+            bf16=False,
             report_to="none",
             save_strategy="no",
             max_steps=1,

@@ -55,6 +55,7 @@ def test_grpo_survives_a_server_restart_and_failing_rewards(vllm_server, vllm_se
         logging_steps=1,
         learning_rate=1e-2,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
