@@ -1,9 +1,10 @@
-"""rollout_backend="ray" under several training processes (posttrain/online/producers/ray_ranks.py): two DDP
-processes (`accelerate launch` of examples/accelerate_configs/ddp.yaml, gloo on CPU) whose rank 0 starts a loopback
-Ray with 2 rollout actors and routes every rank's prompts. At k = 0 each rank trains on exactly the completions the
-synchronous producer generates on it, so the losses and final parameters are the synchronous run's bit for bit
-(SGD; the importance correction off, since the actor's log-prob forward runs another batch shape than the trainer's
-and differs from it by rounding). With k = 1 the run finishes with every round within max_staleness=1.
+"""rollout_backend="ray" under several training processes (posttrain/online/producers/ray_ranks.py): two DDP or
+FSDP2 processes (`accelerate launch` of examples/accelerate_configs/<engine>.yaml, gloo on CPU) whose rank 0 starts
+a loopback Ray with 2 rollout actors and routes every rank's prompts. At k = 0 each rank trains on exactly the
+completions the synchronous producer generates on it, so the losses and final parameters are the synchronous run's
+bit for bit (SGD, float32: under bf16 autocast the trainer's log-probs differ from the actor's float32 forward by
+about 3e-4, which the importance correction carries into the loss). With k = 1 the run finishes with every round
+within max_staleness=1.
 
 Run with `pytest -m "dist and ray" tests/dist/test_ray_ranks.py` (about 3 minutes on 2 loaded cores)."""
 
@@ -21,8 +22,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.ray]
 WORKER = Path(__file__).with_name("ray_worker.py")
 
 
-def _launch(out: Path, model: str, *mode: str) -> list[dict]:
-    config = ROOT / "examples" / "accelerate_configs" / "ddp.yaml"
+def _launch(out: Path, model: str, *mode: str, engine: str = "ddp") -> list[dict]:
+    config = ROOT / "examples" / "accelerate_configs" / f"{engine}.yaml"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--main_process_port", "0", str(WORKER), str(out), model, "8", *mode]
     env = {**_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
@@ -35,9 +36,10 @@ def _launch(out: Path, model: str, *mode: str) -> list[dict]:
     return ranks
 
 
-def test_two_ranks_with_two_actors_are_the_synchronous_run(tmp_path, tiny_model_path):
-    sync = _launch(tmp_path / "sync", tiny_model_path, "sync")
-    actors = _launch(tmp_path / "ray", tiny_model_path, "ray", "0")
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_ranks_with_two_actors_are_the_synchronous_run(engine, tmp_path, tiny_model_path):
+    sync = _launch(tmp_path / "sync", tiny_model_path, "sync", engine=engine)
+    actors = _launch(tmp_path / "ray", tiny_model_path, "ray", "0", engine=engine)
     assert [r["producer"] for r in sync] == ["SynchronousProducer"] * 2
     assert [r["producer"] for r in actors] == ["RankRouter"] * 2
     assert sync[0]["moved"] > 1e-2  # the steps move the weights, or equal weights would prove nothing
@@ -51,6 +53,12 @@ def test_two_ranks_with_two_actors_are_the_synchronous_run(tmp_path, tiny_model_
     # the two ranks' rounds differ: each got its own share, not rank 0's
     assert not torch.equal(actors[0]["completions"][0], actors[1]["completions"][0])
     assert actors[0]["staleness_max"] == [0.0, 0.0, 0.0]
+    # the weights of each push (versions 0..3, in-flight updates push every step's): under DDP rank 0's own (rank 1
+    # gathers nothing); under FSDP2 every rank gathers the shards together
+    if engine == "ddp":
+        assert actors[0]["gathers"] == [False] * 4 and actors[1]["gathers"] == []
+    else:
+        assert actors[0]["gathers"] == actors[1]["gathers"] == [True] * 4
 
 
 def test_one_round_ahead_finishes_within_max_staleness(tmp_path, tiny_model_path):
