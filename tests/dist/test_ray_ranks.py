@@ -20,6 +20,7 @@ import torch
 from test_equivalence import ROOT, _env
 
 pytestmark = [pytest.mark.dist, pytest.mark.ray]
+pytest.importorskip("ray")  # the `ray` extra (CI runs this file with the dist tests)
 WORKER = Path(__file__).with_name("ray_worker.py")
 
 
