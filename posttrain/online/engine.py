@@ -121,10 +121,7 @@ def _check_round_fits(args: OnlineConfig, train_dataset, processing_class) -> No
         logger.warning(
             "train_dataset has %d prompts, fewer than the %d of one generation round (generation_batch_size %d / "
             "num_generations %d): each round takes every prompt, repeated to fill it (an epoch is one round).",
-            len(train_dataset),
-            prompts_per_round,
-            args.generation_batch_size,
-            args.num_generations,
+            *(len(train_dataset), prompts_per_round, args.generation_batch_size, args.num_generations),
         )
 
 
@@ -459,7 +456,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
     def producer_context(self) -> ProducerContext:
         """What the rollout producer may use of this trainer (producers/base.py), and what of it a producer
         generating ahead cannot take over."""
-        method = type(self).__name__
+        method, args = type(self).__name__, self.args
         unsupported = {
             f"{method}'s loss, which does not read the sampler's log-probs (stale samples would train "
             "uncorrected)": not (self.loss_reads_sampler_logps or self.loss_ignores_the_sampler),
@@ -469,9 +466,8 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             "dynamic_sampling (it regenerates inside a round with the current policy)": getattr(
                 self.args, "dynamic_sampling", False
             ),
-            "several processes (the generation thread would run collectives beside training's)": (
-                self.accelerator.num_processes > 1
-            ),
+            "several processes (the generation thread would run collectives beside training's; rollout_backend="
+            "'ray' routes all their rounds)": self.accelerator.num_processes > 1 and args.rollout_backend != "ray",
         }
         return ProducerContext(
             args=self.args,
@@ -485,16 +481,19 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             generate=self.fresh_episodes,
             completion_logps=lambda model, batch: self.completion_logps(model, batch),
             round_source=self.training_round,
+            every_round_source=lambda index: self.training_round(index, every_process=True),
             log_metric=lambda name, value: self._metrics["train"][name].append(value),
             server_backend=self.generation_backend,
             unsupported=tuple(what for what, present in unsupported.items() if present),
         )
 
-    def training_round(self, index: int) -> tuple[list[dict], list[int]] | None:
-        """Training round `index`'s prompt rows and seeds (what the loader will give it), None past the last."""
+    def training_round(self, index: int, every_process: bool = False) -> tuple[list[dict], list[int]] | None:
+        """Training round `index`'s prompt rows and seeds (what the loader will give it; with `every_process`, what
+        it gives every process, in process order), None past the last."""
         args = self.args
         if index >= math.ceil(self.state.max_steps / (args.optimizer_steps_per_generation * args.num_iterations)):
             return None
-        tags = self.rollout_sampler.round_tags(index)
+        processes = range(self.accelerator.num_processes) if every_process else [None]
+        tags = [tag for process in processes for tag in self.rollout_sampler.round_tags(index, process)]
         slots = [slot for slot, _ in tags]
         return [self.train_dataset[position] for _, position in tags], round_seeds(args.seed, index, slots, "train")

@@ -85,9 +85,9 @@ class RolloutSampler:
             for micro_step in range(self.micro_steps_per_round):
                 yield [(round_index, micro_step, slot, index) for slot, index in tags]
 
-    def round_tags(self, round_index: int) -> list[tuple[int, int]]:
-        """This process's (slot, dataset index) pairs of round `round_index`, counted over all epochs (the
-        asynchronous producer looks rounds up before the loader reaches them)."""
+    def round_tags(self, round_index: int, process_index: int | None = None) -> list[tuple[int, int]]:
+        """This process's (or process `process_index`'s) (slot, dataset index) pairs of round `round_index`,
+        counted over all epochs (the asynchronous producer looks rounds up before the loader reaches them)."""
         epoch, r = divmod(round_index, self.rounds_per_epoch)
         order = (
             torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
@@ -97,7 +97,8 @@ class RolloutSampler:
         if self.num_prompts < self.prompts_per_round:  # a partial round, filled by repeating its prompts
             order = order.repeat(-(-self.prompts_per_round // self.num_prompts))
         local = self.prompts_per_round // self.num_processes
-        slots = range(self.process_index * local, (self.process_index + 1) * local)
+        process = self.process_index if process_index is None else process_index
+        slots = range(process * local, (process + 1) * local)
         return list(zip(slots, order[r * self.prompts_per_round + slots.start :][:local].tolist()))
 
 

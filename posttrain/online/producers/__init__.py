@@ -28,7 +28,8 @@ the tokenizer and sampling parameters, the trainer's synchronous `generate` and 
                   (generation_worker.py), weights through shared memory (weights/shared_memory.py), in-flight updates.
 - ray.py          `RayRolloutProducer` (rollout_backend="ray"): the same server in rollout actors on a Ray cluster
                   (ray_actor.py), weights over a gloo (or NCCL) group per actor (weights/collective.py);
-                  docs/scaling_rollouts.md.
+                  docs/scaling_rollouts.md. With several training processes every rank's producer is a
+                  `RankRouter` (ray_ranks.py): rank 0's owns the actors and routes every rank's rounds.
 
 A new producer (e.g. `producers/ray.py`) subclasses `RolloutProducer` (or `RoundsAhead`, the rounds-ahead schedule
 with its staleness metrics and checkpoint state, implementing `_submit`, `sampler_weights`, `_load_weights` and

@@ -43,6 +43,9 @@ class ProducerContext:
     server_backend: Any = None  # the trainer's own generation backend (with use_vllm, the server's client)
     # What the trainer does that a producer generating ahead cannot take over (each names the setting).
     unsupported: tuple[str, ...] = ()
+    # With several training processes: every process's rows and seeds of a round, in process order (rank 0 of
+    # the Ray producer routes whole rounds, producers/ray_ranks.py); None past the last round.
+    every_round_source: Callable[[int], tuple[list[dict], list[int]] | None] | None = None
 
 
 class RolloutProducer:

@@ -167,7 +167,7 @@ class RayRolloutProducer(RoundsAhead):
     # -- weights -------------------------------------------------------------------------------------------
     def publish(self, version: int) -> None:
         """Packs the policy's weights as `version` and pushes them to every actor (replacing one that fails)."""
-        params = gathered_params(unwrap(self.context.policy))
+        params = self.gathered(version)
         needed = {v for _, v in self.pending.values()}
         spare = [v for v in self.kept if v not in needed and v != self.version]
         buffers = self.kept.pop(spare[0]) if spare else flat_buffers(self.layout)
@@ -177,6 +177,11 @@ class RayRolloutProducer(RoundsAhead):
         self.version = version
         if self.actors is not None:
             self._push_all(version)
+
+    def gathered(self, version: int) -> list:
+        """The policy's whole parameters for `version` (ray_ranks.py replaces this on rank 0 of a sharded run by
+        the ones every rank gathered together)."""
+        return gathered_params(unwrap(self.context.policy))
 
     def _push_all(self, version: int) -> None:
         started = []
@@ -329,4 +334,8 @@ def make_ray_producer(context: ProducerContext, lookahead: int) -> RayRolloutPro
     for what, present in why.items():
         if present:
             raise ConfigError(f"rollout_backend='ray' does not support {what}; drop that setting.")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from posttrain.online.producers.ray_ranks import RankRouter  # several training processes
+
+        return RankRouter.around(context, lambda whole: RayRolloutProducer(whole, lookahead))
     return RayRolloutProducer(context, lookahead)
