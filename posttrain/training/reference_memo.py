@@ -4,7 +4,8 @@ A frozen reference gives a row the same log-probs every time the row comes back 
 so the values of its first forward are kept, keyed by a digest of the row's token ids, and a batch whose rows are
 all known skips the reference forward. Unlike `precompute_ref_log_probs`, nothing runs before the first step: a
 single epoch costs what it did, and each later one saves the reference forward. A row met in a differently
-composed batch may differ from a fresh forward by float rounding (other padding, other neighbours in the layout).
+composed batch may differ from a fresh forward by float rounding (other padding, other neighbours in the layout),
+so the memo is part of a checkpoint: a resumed run reuses the values the uninterrupted run would have reused.
 
 The digests are made in the collator, from the rows' id columns, so the trainer needs nothing else of the row.
 """
@@ -77,3 +78,16 @@ class ReferenceMemo:
         self._dtype = values[self.columns[0]].dtype
         columns = torch.stack([values[c].detach().cpu() for c in self.columns], dim=1).tolist()
         self._values.update(zip(map(tuple, digests.tolist()), map(tuple, columns)))
+
+    def state_dict(self) -> dict[str, torch.Tensor | str]:
+        """The memo as tensors for a checkpoint (float64 holds any stored dtype's values exactly)."""
+        shape = (len(self._values), len(self.columns))
+        keys = torch.tensor(list(self._values), dtype=torch.int64).reshape(shape[0], 2)
+        values = torch.tensor(list(self._values.values()), dtype=torch.float64).reshape(shape)
+        return {"digests": keys, "values": values, "dtype": str(self._dtype).removeprefix("torch.")}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replaces the memo with a checkpoint's (`state_dict`)."""
+        self._dtype = getattr(torch, state["dtype"])
+        rows = map(tuple, state["values"].tolist())
+        self._values = dict(zip(map(tuple, state["digests"].tolist()), rows))

@@ -270,12 +270,20 @@ class ReferenceTrainer(PreferenceMetricsMixin, PreparesEvalDatasets, BaseTrainer
         return loss, logits, batch["input_ids"]
 
     def checkpoint_state(self) -> dict:
-        """The num_tokens counter and TR-DPO's synced reference, so that a resumed run goes on from them."""
-        return {"num_tokens": self._total_train_tokens, **sync_ref_checkpoint_state(self)}
+        """The num_tokens counter, TR-DPO's synced reference and the memo of reference values, so that a resumed
+        run goes on from them (a row missing from the memo would be scored afresh in another batch, which under
+        bf16 autocast rounds differently from the value the uninterrupted run reuses)."""
+        state = {"num_tokens": self._total_train_tokens, **sync_ref_checkpoint_state(self)}
+        if self.ref_memo is not None:
+            state["ref_memo"] = self.ref_memo.state_dict()
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         state = dict(state)
         load_sync_ref_checkpoint_state(self, state)
+        memo = state.pop("ref_memo", None)
+        if memo is not None and self.ref_memo is not None:  # a run resumed without the memo only drops it
+            self.ref_memo.load_state_dict(memo)
         self._total_train_tokens = state.pop("num_tokens", 0)
         super().load_checkpoint_state(state)
 

@@ -98,6 +98,22 @@ def test_memo_answers_only_when_every_row_is_known_and_keeps_the_dtype():
     assert torch.equal(known["y"], torch.tensor([2.5, -1.5], dtype=torch.float64))
 
 
+def test_memo_state_round_trips_values_and_dtype_exactly(tmp_path):
+    """A checkpoint's memo (through torch.save) answers as the memo it was taken from, bits and dtype."""
+    memo = ReferenceMemo(("x", "y"))
+    assert memo.state_dict()["digests"].shape == (0, 2)  # an empty memo saves too
+    digests = row_digests([{"a": [i]} for i in range(3)], ("a",))
+    values = {"x": torch.randn(3, dtype=torch.float32), "y": torch.randn(3, dtype=torch.float32) * 1e-7}
+    memo.store(digests, values)
+    torch.save(memo.state_dict(), tmp_path / "memo.pt")
+    loaded = ReferenceMemo(("x", "y"))
+    loaded.load_state_dict(torch.load(tmp_path / "memo.pt"))
+    assert len(loaded) == 3
+    known = loaded.lookup(digests[[2, 0, 1]], None)
+    assert known["x"].dtype == torch.float32
+    assert torch.equal(known["x"], values["x"][[2, 0, 1]]) and torch.equal(known["y"], values["y"][[2, 0, 1]])
+
+
 @pytest.mark.parametrize("method", ["dpo", "kto"])
 def test_later_epochs_skip_the_reference_and_train_as_without_the_memo(method, tmp_path, tiny_model_path):
     def make(cache: bool, out: str):
