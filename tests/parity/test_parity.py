@@ -139,13 +139,6 @@ MODULE_ABSENCES = {
         "TRL's in-trainer vLLM driver class; posttrain's is the generation backend of posttrain/generation/"
         "vllm_backend.py, with posttrain's backend interface (create_generation_backend)"
     ),
-    "trl.scripts.vllm_serve.ScriptArguments": (
-        "TRL's vllm-serve option dataclass; `posttrain vllm-serve` takes its own flags (cli/vllm_serve.py "
-        "build_parser / make_parser) and starts vLLM's OpenAI server with the options training needs"
-    ),
-    "trl.scripts.vllm_serve.build_command": (
-        "builds the command line from TRL's ScriptArguments; posttrain's is cli/vllm_serve.build_server_command(argv)"
-    ),
     "trl.cli.accelerate_config.*": (
         "TRL's CLI hands multi-process runs to `accelerate launch`; `posttrain` reads the accelerate config and "
         "launches its processes itself (cli/launch.py)"
