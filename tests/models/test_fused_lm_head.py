@@ -75,9 +75,10 @@ def _compare(ours, theirs, tol=1e-5):
 @pytest.mark.parametrize(
     "family, settings, kwargs",
     [
-        ("llama", {}, {"temperature": 0.7, "outputs": ALL_OUTPUTS}),
+        ("llama", {"logits_scaling": 4.0}, {"temperature": 0.7, "outputs": ALL_OUTPUTS}),  # Granite-style: / 4
         ("qwen2", {"tie": False}, {"temperature": 1.0, "outputs": ("log_probs", "entropy", "is_top1")}),
-        ("gemma3", {}, {"temperature": 1.3, "outputs": ALL_OUTPUTS}),  # final_logit_softcapping 30
+        # a cap small enough to bend these logits (the tiny model's are well below its default 30)
+        ("gemma3", {"final_logit_softcapping": 0.2}, {"temperature": 1.3, "outputs": ALL_OUTPUTS}),
         ("qwen3_moe", {"tie": False, "output_router_logits": True, "router_aux_loss_coef": 0.02}, {}),
     ],
 )
@@ -136,3 +137,16 @@ def test_a_batch_without_labels_gives_a_zero_loss_connected_to_the_model():
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and not out.label_mask.any()
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_signature_and_output_fields_are_trls(trl_utils):
+    import dataclasses
+    import inspect
+
+    def described(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert described(add_fused_lm_head) == described(trl_utils.add_fused_lm_head)
+    assert face_add_fused_lm_head is add_fused_lm_head
+    fields = [(f.name, f.default) for f in dataclasses.fields(FusedCausalLMOutput)]
+    assert fields == [(f.name, f.default) for f in dataclasses.fields(trl_utils.FusedCausalLMOutput)]
