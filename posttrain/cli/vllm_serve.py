@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.cli.args import CommandParser
@@ -94,11 +95,16 @@ def make_parser(subparsers=None, prog: str | None = None) -> argparse.ArgumentPa
 def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start the server described by `argv` (vllm-serve's arguments,
     then optionally `--` and arguments for vLLM itself)."""
+    ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    return server_command(build_parser().parse_args(ours), passthrough)
+
+
+def server_command(args: argparse.Namespace, passthrough=()) -> tuple[list[str], dict[str, str]]:
+    """`build_server_command` from parsed options (the parser's names); `max_model_len=None` leaves the length to
+    vLLM (the model's context), as TRL's `ScriptArguments` does."""
     from posttrain.generation.vllm_client import WORKER_EXTENSION  # imports torch: only when a server starts
     from posttrain.models.loading import resolve_model_path
 
-    ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    args = build_parser().parse_args(ours)
     if args.kv_cache_gb < 0:
         raise ConfigError(f"--kv-cache-gb={args.kv_cache_gb} must be >= 0 (0: let vLLM size the KV cache).")
     command = [
@@ -113,8 +119,6 @@ def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         args.host,
         "--port",
         str(args.port),
-        "--max-model-len",
-        str(args.max_model_len),
         "--dtype",
         args.dtype,
         "--worker-extension-cls",
@@ -124,6 +128,8 @@ def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         "--generation-config",
         "vllm",
     ]
+    if args.max_model_len is not None:
+        command += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gb > 0:
         command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gb * 2**30))]
     if args.gpu_memory_utilization is not None:
@@ -136,6 +142,71 @@ def build_server_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CACHE_ROOT": cache_dir}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set for colocate mode; the server runs its engine apart
     return command + passthrough, env
+
+
+@dataclass
+class ScriptArguments:
+    """TRL's `trl vllm-serve` options (`trl.scripts.vllm_serve.ScriptArguments`): the same fields and defaults, for
+    `build_command`. The ones posttrain's own flags cover map onto them; the rest go to vLLM as TRL passes them."""
+
+    model: str = field(metadata={"help": "Model to serve: a path or a hub id in the local cache."})
+    revision: str | None = field(default=None, metadata={"help": "Model revision (vLLM's --revision)."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM's tensor-parallel workers."})
+    data_parallel_size: int = field(default=1, metadata={"help": "vLLM's data-parallel workers (1 for dense models)."})
+    host: str = field(default="0.0.0.0", metadata={"help": "Address to listen on."})
+    port: int = field(default=8000, metadata={"help": "Port."})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "Fraction of GPU memory vLLM may use; it sizes the KV cache."}
+    )
+    dtype: str = field(default="auto", metadata={"help": "Weights' dtype (auto: the checkpoint's)."})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest prompt + completion; None: the model's context."}
+    )
+    enable_prefix_caching: bool | None = field(default=None, metadata={"help": "vLLM's prefix caching on or off."})
+    enforce_eager: bool | None = field(default=False, metadata={"help": "Eager mode (no CUDA graphs)."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache dtype (auto: the model's)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run the model repository's own code."})
+    log_level: str = field(default="info", metadata={"help": "uvicorn's log level."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM's model implementation (or transformers)."})
+    distributed_executor_backend: str | None = field(
+        default=None, metadata={"help": "vLLM's executor backend (ray for several nodes)."}
+    )
+    speculative_config: str | None = field(default=None, metadata={"help": "vLLM's speculative decoding, as JSON."})
+
+
+def build_command(script_args: ScriptArguments, extra_args: list[str] | None = None) -> list[str]:
+    """TRL's `build_command`: the command line of posttrain's server for TRL's options (environment as `main` sets
+    it). The KV cache is sized by `gpu_memory_utilization` (no posttrain cap) and CUDA graphs are on unless
+    `enforce_eager`, as in TRL; `extra_args` go to vLLM unchanged."""
+    options = argparse.Namespace(
+        model=script_args.model,
+        host=script_args.host,
+        port=script_args.port,
+        max_model_len=script_args.max_model_len,
+        dtype=script_args.dtype,
+        kv_cache_gb=0.0,
+        gpu_memory_utilization=script_args.gpu_memory_utilization,
+        compile=not script_args.enforce_eager,
+        weight_transfer=None,
+        cache_dir=None,
+    )
+    vllm = ["--tensor-parallel-size", str(script_args.tensor_parallel_size)]
+    vllm += ["--data-parallel-size", str(script_args.data_parallel_size)]
+    vllm += ["--kv-cache-dtype", script_args.kv_cache_dtype, "--model-impl", script_args.vllm_model_impl]
+    vllm += ["--uvicorn-log-level", script_args.log_level]
+    if script_args.revision is not None:
+        vllm += ["--revision", script_args.revision]
+    if script_args.enable_prefix_caching is not None:
+        vllm.append("--enable-prefix-caching" if script_args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if script_args.trust_remote_code:
+        vllm.append("--trust-remote-code")
+    for flag, value in (
+        ("--distributed-executor-backend", script_args.distributed_executor_backend),
+        ("--speculative-config", script_args.speculative_config),
+    ):
+        if value is not None:
+            vllm += [flag, value]
+    return server_command(options, vllm + list(extra_args or []))[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,7 +70,8 @@ def chunked_logprobs(
             stats = (torch.logsumexp(2 * logp, -1), z.mean(-1), z.argmax(-1) == t)
         return picked, entropy, *stats
 
-    parts = [_run(chunk, hidden[a:b], weight, bias, targets[a:b]) for a, b in _chunks(hidden.shape[0], rows)]
+    spans = _chunks(hidden.shape[0], rows) or [(0, 0)]  # no rows: an empty chunk, still connected to the graph
+    parts = [_run(chunk, hidden[a:b], weight, bias, targets[a:b]) for a, b in spans]
     columns = list(zip(*parts)) if parts else [[]] * 5
     names = ("logprobs", *OPTIONAL_OUTPUTS)
     results = []

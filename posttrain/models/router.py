@@ -37,7 +37,7 @@ def _router_spec(model) -> tuple[type, int] | None:
     return target, getattr(recorder, "index", 0)
 
 
-def _loss_function(model):
+def balancing_loss_function(model):
     """(the model's load-balancing loss function, experts, experts per token), or None."""
     base = _base(model)
     function = inspect.unwrap(type(base).forward).__globals__.get("load_balancing_loss_func")
@@ -47,7 +47,7 @@ def _loss_function(model):
 
 def balancing_loss_on_layouts(model) -> bool:
     """Whether `recorded_balancing_loss` can compute `model`'s load-balancing loss on another layout."""
-    return _router_spec(model) is not None and _loss_function(model) is not None
+    return _router_spec(model) is not None and balancing_loss_function(model) is not None
 
 
 def with_balancing_loss(model, forward: Callable[[], Any], weights: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -55,7 +55,7 @@ def with_balancing_loss(model, forward: Callable[[], Any], weights: torch.Tensor
     layout weighted by `weights` (the layout's [rows, width]: the padded-batch tokens it stands for). `forward`
     runs the model on the layout with `output_router_logits=False`."""
     router_class, index = _router_spec(model)
-    function, experts, top_k = _loss_function(model)
+    function, experts, top_k = balancing_loss_function(model)
     recorded = []
 
     def record(module, args, output):

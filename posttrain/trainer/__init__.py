@@ -2,7 +2,7 @@
 SFTTrainer`. The trainers live in `posttrain.trainers` (one module per method); this module only forwards names."""
 
 # TRL's helpers that `trl.trainer` names besides the trainers (they live in posttrain.trainer.utils' sources)
-_HELPERS = ("disable_dropout_in_model", "ensure_master_addr_port")
+_HELPERS = ("add_fused_lm_head", "disable_dropout_in_model", "ensure_master_addr_port")
 
 
 def __getattr__(name):

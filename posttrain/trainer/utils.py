@@ -19,6 +19,7 @@ from posttrain.losses.logprobs import gather_log_softmax as selective_log_softma
 from posttrain.losses.policy import entropy_from_logits
 from posttrain.losses.reductions import nanmax, nanmin, nanstd
 from posttrain.models.from_path import create_model_from_path, get_config_model_id
+from posttrain.models.fused_lm_head import FusedCausalLMOutput, add_fused_lm_head
 from posttrain.models.utils import hash_module, use_adapter
 from posttrain.rewards.scoring import get_callable_name
 from posttrain.runtime.distributed_backend import gather_partitioned as maybe_gather_lm_head_ctx
@@ -37,6 +38,8 @@ from posttrain.training.throughput import (
 from posttrain.training.trackers import get_comet_experiment_url, get_trackio_space_url, log_table_to_comet_experiment
 
 __all__ = [
+    "FusedCausalLMOutput",
+    "add_fused_lm_head",
     "create_model_from_path",
     "ensure_master_addr_port",
     "get_comet_experiment_url",

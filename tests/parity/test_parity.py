@@ -121,11 +121,6 @@ _ASYNC_TRAINER_INTERNALS = (
     "TokenBudgetBatcher WeightTransferProtocol log_rollout_traces round_lora_rank save_lora_adapter "
     "select_adapter_sync validate_lora_for_vllm_sync"
 ).split()
-_FUSED_HEAD = (
-    "TRL patches the model's forward with a fused LM head (`model(..., fused_lm_head=True)`); posttrain never patches "
-    "a model's forward: its trainers compute log-probs from the hidden states with the chunked head "
-    "posttrain.losses.logprobs.linear_logps (TRL's chunked functions themselves are at posttrain.kernels)"
-)
 MODULE_ABSENCES = {
     **{
         f"trl.experimental.{m}.{m}_trainer.{n}": _ASYNC_WORKER
@@ -140,19 +135,9 @@ MODULE_ABSENCES = {
         "tree attention for TRL's packed multi-turn rollouts (a custom attention function registered with "
         "transformers); posttrain packs with its own segment attention (posttrain/models/segment_attention.py)"
     ),
-    "trl.trainer.add_fused_lm_head": _FUSED_HEAD,
-    "trl.trainer.utils.add_fused_lm_head": _FUSED_HEAD,
-    "trl.trainer.utils.FusedCausalLMOutput": _FUSED_HEAD,
     "trl.generation.vllm_generation.VLLMGeneration": (
         "TRL's in-trainer vLLM driver class; posttrain's is the generation backend of posttrain/generation/"
         "vllm_backend.py, with posttrain's backend interface (create_generation_backend)"
-    ),
-    "trl.scripts.vllm_serve.ScriptArguments": (
-        "TRL's vllm-serve option dataclass; `posttrain vllm-serve` takes its own flags (cli/vllm_serve.py "
-        "build_parser / make_parser) and starts vLLM's OpenAI server with the options training needs"
-    ),
-    "trl.scripts.vllm_serve.build_command": (
-        "builds the command line from TRL's ScriptArguments; posttrain's is cli/vllm_serve.build_server_command(argv)"
     ),
     "trl.cli.accelerate_config.*": (
         "TRL's CLI hands multi-process runs to `accelerate launch`; `posttrain` reads the accelerate config and "
