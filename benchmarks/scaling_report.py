@@ -26,8 +26,22 @@ SMOLLM2 = dict(layers=30, kv_width=3 * 64, params=134_515_008, prompt_tokens=40)
 
 
 def load(results: Path = RESULTS) -> dict[str, dict]:
+    """Every sweep's record by file name (SWEEP.json, and SWEEP_TAG.json for further parts of a curve)."""
     paths = [path for path in sorted(results.glob("*.json")) if path.stem != "machine"]
     return {path.stem: json.loads(path.read_text()) for path in paths}
+
+
+def merged(records: dict[str, dict], sweep: str, full: bool = False) -> dict | None:
+    """One record of `sweep` with the points of all its parts (SWEEP.json and SWEEP_TAG.json) of the same kind
+    (LoRA, or full fine-tuning with `full`), the later part's runs where a point is in both."""
+    parts = [r for r in records.values() if r["sweep"] == sweep and bool(r.get("settings", {}).get("full")) == full]
+    if not parts:
+        return None
+    points: dict = {}
+    for record in sorted(parts, key=lambda r: r.get("date") or ""):
+        points.update({p: runs for p, runs in record["points"].items() if runs.get("posttrain")})
+    ordered = dict(sorted(points.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0))
+    return {**parts[-1], "points": ordered, "commits": sorted({r["commit"][:7] for r in parts})}
 
 
 def machine(results: Path = RESULTS) -> dict | None:
@@ -82,7 +96,7 @@ def _cell(value, digits: str = ".3g") -> str:
 def markdown(name: str, record: dict, limits: dict | None) -> str:
     summary = rows(record, limits)
     head = f"### {name}: commit {record['commit'][:7]}, {record['date']}, load average {record['loadavg_before']}\n\n"
-    if name == "grpo_completion":
+    if record["sweep"] == "grpo_completion":
         lines = [
             "| completion | posttrain s/step (gen + rest) | TRL s/step (gen + rest) | speed | RSS ratio "
             "| gen tok/CPU-s posttrain / TRL | decode bound | posttrain of bound |",
@@ -146,29 +160,32 @@ def fit_cost_model(records: dict[str, dict]) -> dict:
     from posttrain.runtime.cost_model import SMOLLM2_SHAPE, fit
 
     table = {}
-    if "sft_seq" in records:
-        record = records["sft_seq"]
+    record = merged(records, "sft_seq")
+    if record:
         points = [(int(p), median(r["posttrain"], "step_s")) for p, r in record["points"].items() if r["posttrain"]]
         tokens, seconds = zip(*points)
         a, b, c = fit(list(tokens), list(seconds), quadratic=len(points) >= 3)
-        basis = f"SmolLM2-135M LoRA, batch 1, 1 thread CPU time (loaded 2-core machine), commit {record['commit'][:7]}"
+        basis = (
+            f"SmolLM2-135M LoRA, batch 1, {min(tokens)}-{max(tokens)} tokens, 1 thread CPU time (loaded 2-core "
+            f"machine), commits {', '.join(record['commits'])}"
+        )
         table["sft"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
-    if "grpo_completion" in records:
-        record = records["grpo_completion"]
-        generations = record["settings"]["generations"]
-        points = [
-            (int(p) * generations, median(r["posttrain"], "step_s"))
-            for p, r in record["points"].items()
-            if r["posttrain"]
-        ]
-        if len(points) >= 2:
-            tokens, seconds = zip(*points)
-            a, b, c = fit(list(tokens), list(seconds))
-            basis = (
-                f"SmolLM2-135M LoRA GRPO, {generations} completions per step, 1 thread CPU time (loaded), "
-                f"commit {record['commit'][:7]}"
-            )
-            table["grpo"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
+    grpo = [r for r in records.values() if r["sweep"] == "grpo_completion"]
+    points = [
+        (int(p) * record["settings"]["generations"], median(runs["posttrain"], "step_s"))
+        for record in grpo
+        for p, runs in record["points"].items()
+        if runs.get("posttrain")
+    ]
+    if len({tokens for tokens, _ in points}) >= 2:
+        tokens, seconds = zip(*points)
+        a, b, c = fit(list(tokens), list(seconds))
+        shapes = sorted({f"{p}x{r['settings']['generations']}" for r in grpo for p in r["points"]}, key=len)
+        basis = (
+            f"SmolLM2-135M LoRA GRPO, completions x length {', '.join(shapes)}, 1 thread CPU time (loaded), "
+            f"commits {', '.join(sorted({r['commit'][:7] for r in grpo}))}"
+        )
+        table["grpo"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
     return {"trainers": table}
 
 
