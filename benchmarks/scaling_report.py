@@ -31,10 +31,17 @@ def load(results: Path = RESULTS) -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in paths}
 
 
-def merged(records: dict[str, dict], sweep: str, full: bool = False) -> dict | None:
+def merged(records: dict[str, dict], sweep: str, full: bool = False, generations: int | None = None) -> dict | None:
     """One record of `sweep` with the points of all its parts (SWEEP.json and SWEEP_TAG.json) of the same kind
-    (LoRA, or full fine-tuning with `full`), the later part's runs where a point is in both."""
-    parts = [r for r in records.values() if r["sweep"] == sweep and bool(r.get("settings", {}).get("full")) == full]
+    (LoRA, or full fine-tuning with `full`; GRPO: `generations` completions a prompt), the later part's runs where a
+    point is in both."""
+    parts = [
+        r
+        for r in records.values()
+        if r["sweep"] == sweep
+        and bool(r.get("settings", {}).get("full")) == full
+        and (generations is None or r.get("settings", {}).get("generations") == generations)
+    ]
     if not parts:
         return None
     points: dict = {}
@@ -42,6 +49,22 @@ def merged(records: dict[str, dict], sweep: str, full: bool = False) -> dict | N
         points.update({p: runs for p, runs in record["points"].items() if runs.get("posttrain")})
     ordered = dict(sorted(points.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0))
     return {**parts[-1], "points": ordered, "commits": sorted({r["commit"][:7] for r in parts})}
+
+
+def curves(records: dict[str, dict]) -> dict[str, dict]:
+    """The curves a page shows, each merged from its parts: SFT by length (LoRA; full), by model size, GRPO by
+    completion length per group size."""
+    out = {}
+    for sweep in ("sft_seq", "model_size"):
+        for full in (False, True):
+            record = merged(records, sweep, full)
+            if record:
+                out[sweep + ("_full" if full else "")] = record
+    for generations in sorted(
+        {r["settings"]["generations"] for r in records.values() if r["sweep"] == "grpo_completion"}
+    ):
+        out[f"grpo_completion_x{generations}"] = merged(records, "grpo_completion", generations=generations)
+    return out
 
 
 def machine(results: Path = RESULTS) -> dict | None:
@@ -95,7 +118,8 @@ def _cell(value, digits: str = ".3g") -> str:
 
 def markdown(name: str, record: dict, limits: dict | None) -> str:
     summary = rows(record, limits)
-    head = f"### {name}: commit {record['commit'][:7]}, {record['date']}, load average {record['loadavg_before']}\n\n"
+    commits = ", ".join(record.get("commits", [record["commit"][:7]]))
+    head = f"### {name}: commits {commits}, last part {record['date']}, load average {record['loadavg_before']}\n\n"
     if record["sweep"] == "grpo_completion":
         lines = [
             "| completion | posttrain s/step (gen + rest) | TRL s/step (gen + rest) | speed | RSS ratio "
@@ -205,7 +229,7 @@ def from_log(sweep: str, log: Path) -> dict:
 
 def plot_all(results: Path = RESULTS) -> None:
     limits = machine(results)
-    for name, record in load(results).items():
+    for name, record in curves(load(results)).items():
         plot(name, record, limits, results / f"{name}.svg")
 
 
@@ -220,7 +244,7 @@ def main() -> None:
         (RESULTS / f"{sweep}.json").write_text(json.dumps(from_log(sweep, Path(log)), indent=1) + "\n")
     records, limits = load(), machine()
     if args.markdown:
-        for name, record in records.items():
+        for name, record in curves(records).items():
             print(markdown(name, record, limits))
     if args.fit:
         COST_MODEL.write_text(json.dumps(fit_cost_model(records), indent=1) + "\n")
