@@ -46,9 +46,12 @@ def merged(records: dict[str, dict], sweep: str, full: bool = False, generations
         return None
     points: dict = {}
     for record in sorted(parts, key=lambda r: r.get("date") or ""):
-        points.update({p: runs for p, runs in record["points"].items() if runs.get("posttrain")})
+        points.update(
+            {p: (runs, record["commit"][:7]) for p, runs in record["points"].items() if runs.get("posttrain")}
+        )
     ordered = dict(sorted(points.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0))
-    return {**parts[-1], "points": ordered, "commits": sorted({r["commit"][:7] for r in parts})}
+    commits = sorted({commit for _, commit in ordered.values()})
+    return {**parts[-1], "points": {p: runs for p, (runs, _) in ordered.items()}, "commits": commits}
 
 
 def curves(records: dict[str, dict]) -> dict[str, dict]:
