@@ -1,7 +1,10 @@
 """The Reward trainer as a plain TRL-API script runs it, TRL against posttrain (only the import differs).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_reward_script.py [--family qwen2] [--steps 20] [--repeats 2]
-        [--hidden 32 --layers 2] [--profile DIR]
+        [--hidden 32 --layers 2] [--bf16 true|false|unset] [--json FILE] [--profile DIR]
+
+`--bf16` is given to both libraries alike: leave it unset and TRL 1.16 runs in bf16 autocast (its `bf16=None`
+resolves to True on a CPU too) while each library otherwise follows its own default.
 
 The script shape (issue 45, item 5): a local tiny checkpoint loaded with
 `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` (a new, seeded score head), its tokenizer

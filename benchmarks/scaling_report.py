@@ -26,8 +26,48 @@ SMOLLM2 = dict(layers=30, kv_width=3 * 64, params=134_515_008, prompt_tokens=40)
 
 
 def load(results: Path = RESULTS) -> dict[str, dict]:
+    """Every sweep's record by file name (SWEEP.json, and SWEEP_TAG.json for further parts of a curve)."""
     paths = [path for path in sorted(results.glob("*.json")) if path.stem != "machine"]
     return {path.stem: json.loads(path.read_text()) for path in paths}
+
+
+def merged(records: dict[str, dict], sweep: str, full: bool = False, generations: int | None = None) -> dict | None:
+    """One record of `sweep` with the points of all its parts (SWEEP.json and SWEEP_TAG.json) of the same kind
+    (LoRA, or full fine-tuning with `full`; GRPO: `generations` completions a prompt), the later part's runs where a
+    point is in both."""
+    parts = [
+        r
+        for r in records.values()
+        if r["sweep"] == sweep
+        and bool(r.get("settings", {}).get("full")) == full
+        and (generations is None or r.get("settings", {}).get("generations") == generations)
+    ]
+    if not parts:
+        return None
+    points: dict = {}
+    for record in sorted(parts, key=lambda r: r.get("date") or ""):
+        points.update(
+            {p: (runs, record["commit"][:7]) for p, runs in record["points"].items() if runs.get("posttrain")}
+        )
+    ordered = dict(sorted(points.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0))
+    commits = sorted({commit for _, commit in ordered.values()})
+    return {**parts[-1], "points": {p: runs for p, (runs, _) in ordered.items()}, "commits": commits}
+
+
+def curves(records: dict[str, dict]) -> dict[str, dict]:
+    """The curves a page shows, each merged from its parts: SFT by length (LoRA; full), by model size, GRPO by
+    completion length per group size."""
+    out = {}
+    for sweep in ("sft_seq", "model_size"):
+        for full in (False, True):
+            record = merged(records, sweep, full)
+            if record:
+                out[sweep + ("_full" if full else "")] = record
+    for generations in sorted(
+        {r["settings"]["generations"] for r in records.values() if r["sweep"] == "grpo_completion"}
+    ):
+        out[f"grpo_completion_x{generations}"] = merged(records, "grpo_completion", generations=generations)
+    return out
 
 
 def machine(results: Path = RESULTS) -> dict | None:
@@ -81,8 +121,9 @@ def _cell(value, digits: str = ".3g") -> str:
 
 def markdown(name: str, record: dict, limits: dict | None) -> str:
     summary = rows(record, limits)
-    head = f"### {name}: commit {record['commit'][:7]}, {record['date']}, load average {record['loadavg_before']}\n\n"
-    if name == "grpo_completion":
+    commits = ", ".join(record.get("commits", [record["commit"][:7]]))
+    head = f"### {name}: commits {commits}, last part {record['date']}, load average {record['loadavg_before']}\n\n"
+    if record["sweep"] == "grpo_completion":
         lines = [
             "| completion | posttrain s/step (gen + rest) | TRL s/step (gen + rest) | speed | RSS ratio "
             "| gen tok/CPU-s posttrain / TRL | decode bound | posttrain of bound |",
@@ -146,29 +187,32 @@ def fit_cost_model(records: dict[str, dict]) -> dict:
     from posttrain.runtime.cost_model import SMOLLM2_SHAPE, fit
 
     table = {}
-    if "sft_seq" in records:
-        record = records["sft_seq"]
+    record = merged(records, "sft_seq")
+    if record:
         points = [(int(p), median(r["posttrain"], "step_s")) for p, r in record["points"].items() if r["posttrain"]]
         tokens, seconds = zip(*points)
         a, b, c = fit(list(tokens), list(seconds), quadratic=len(points) >= 3)
-        basis = f"SmolLM2-135M LoRA, batch 1, 1 thread CPU time (loaded 2-core machine), commit {record['commit'][:7]}"
+        basis = (
+            f"SmolLM2-135M LoRA, batch 1, {min(tokens)}-{max(tokens)} tokens, 1 thread CPU time (loaded 2-core "
+            f"machine), commits {', '.join(record['commits'])}"
+        )
         table["sft"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
-    if "grpo_completion" in records:
-        record = records["grpo_completion"]
-        generations = record["settings"]["generations"]
-        points = [
-            (int(p) * generations, median(r["posttrain"], "step_s"))
-            for p, r in record["points"].items()
-            if r["posttrain"]
-        ]
-        if len(points) >= 2:
-            tokens, seconds = zip(*points)
-            a, b, c = fit(list(tokens), list(seconds))
-            basis = (
-                f"SmolLM2-135M LoRA GRPO, {generations} completions per step, 1 thread CPU time (loaded), "
-                f"commit {record['commit'][:7]}"
-            )
-            table["grpo"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
+    grpo = [r for r in records.values() if r["sweep"] == "grpo_completion"]
+    points = [
+        (int(p) * record["settings"]["generations"], median(runs["posttrain"], "step_s"))
+        for record in grpo
+        for p, runs in record["points"].items()
+        if runs.get("posttrain")
+    ]
+    if len({tokens for tokens, _ in points}) >= 2:
+        tokens, seconds = zip(*points)
+        a, b, c = fit(list(tokens), list(seconds))
+        shapes = sorted({f"{p}x{r['settings']['generations']}" for r in grpo for p in r["points"]}, key=len)
+        basis = (
+            f"SmolLM2-135M LoRA GRPO, completions x length {', '.join(shapes)}, 1 thread CPU time (loaded), "
+            f"commits {', '.join(sorted({r['commit'][:7] for r in grpo}))}"
+        )
+        table["grpo"] = {"a": a, "b": b, "c": c, "lora": True, "basis": basis, **SMOLLM2_SHAPE}
     return {"trainers": table}
 
 
@@ -188,7 +232,7 @@ def from_log(sweep: str, log: Path) -> dict:
 
 def plot_all(results: Path = RESULTS) -> None:
     limits = machine(results)
-    for name, record in load(results).items():
+    for name, record in curves(load(results)).items():
         plot(name, record, limits, results / f"{name}.svg")
 
 
@@ -203,7 +247,7 @@ def main() -> None:
         (RESULTS / f"{sweep}.json").write_text(json.dumps(from_log(sweep, Path(log)), indent=1) + "\n")
     records, limits = load(), machine()
     if args.markdown:
-        for name, record in records.items():
+        for name, record in curves(records).items():
             print(markdown(name, record, limits))
     if args.fit:
         COST_MODEL.write_text(json.dumps(fit_cost_model(records), indent=1) + "\n")

@@ -32,6 +32,9 @@ from torch.autograd.function import once_differentiable
 from posttrain.models.computes import kind_of
 
 NAME = "posttrain_segments"
+# Set on a mask `segment_mask` built only because the attention must tell "no mask" from "mask given": plain
+# causal rows, which the attention runs as SDPA's `is_causal`, as transformers does.
+PLAIN_CAUSAL = "_posttrain_plain_causal"
 # The fixed cost of one SDPA call (forward and backward, its Python included) on the CPU in query-key pairs of
 # work: about 30 us for a 4-head 64-dim attention, whose 256 x 256 square takes 4.4 ms.
 _CALL_COST = 32 * 32
@@ -169,6 +172,10 @@ def segment_attention_forward(
     """transformers' attention-function interface; [batch, heads, tokens, dim] in, [batch, tokens, heads, dim] out."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 
+    if getattr(attention_mask, PLAIN_CAUSAL, False):  # causal rows without padding (`segment_mask`)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     batch, _, length, _ = query.shape
     layout = None
     causal = kwargs.get("is_causal")
@@ -210,7 +217,10 @@ def segment_mask(
     **kwargs,
 ):
     """transformers' mask-function interface: None (no mask to build) for a full causal forward without attention
-    mask, transformers' sdpa mask, always materialised, otherwise."""
+    mask, transformers' sdpa mask, always materialised, otherwise. Where transformers would have skipped that mask
+    (an attention mask without padding: plain causal rows, SDPA's `is_causal`), the materialised mask is marked
+    (`PLAIN_CAUSAL`) and the attention runs `is_causal` as transformers would: the flash kernel then skips the
+    blocks above the diagonal, half the work of a long row, which an explicit mask does not let it skip."""
     from transformers.masking_utils import sdpa_mask
 
     if (
@@ -222,18 +232,16 @@ def segment_mask(
         and q_length == kv_length
     ):
         return None
+    arguments = (batch_size, q_length, kv_length, q_offset, kv_offset)
+    options = dict(attention_mask=attention_mask, local_size=local_size, use_vmap=use_vmap)
+    mask = sdpa_mask(*arguments, **options, **kwargs) if local_size is None else None  # None: skippable
+    if mask is not None:
+        return mask
     kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(
-        batch_size,
-        q_length,
-        kv_length,
-        q_offset,
-        kv_offset,
-        attention_mask=attention_mask,
-        local_size=local_size,
-        use_vmap=use_vmap,
-        **kwargs,
-    )
+    mask = sdpa_mask(*arguments, **options, **kwargs)
+    if local_size is None and mask is not None:
+        setattr(mask, PLAIN_CAUSAL, True)
+    return mask
 
 
 def _register() -> None:

@@ -136,6 +136,24 @@ def test_mask_given_goes_to_sdpa_unchanged(model):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+def test_rows_without_padding_run_causal_without_a_mask(model):
+    """An attention mask of ones (a collator's unpadded batch): transformers would skip the mask and run SDPA's
+    is_causal, whose flash kernel skips the blocks above the diagonal; an explicit mask would make it compute the
+    whole square. Padded rows still get their mask."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, 60, (2, 9))
+    layers = model.config.num_hidden_layers
+    ones = {"input_ids": ids, "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    assert _sdpa_calls(model, ones, 0) == [(True, False)] * layers
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 9, [1] * 5 + [0] * 4])}
+    assert _sdpa_calls(model, padded, 0) == [(False, True)] * layers
+    for inputs in (ones, padded):
+        expected = model(**inputs, use_cache=False).logits
+        with segment_attention(model):
+            got = model(**inputs, use_cache=False).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
 def test_gradient_checkpointing_same_gradients(model):
     batch = _batch()
     weights = torch.randn(*batch["input_ids"].shape, model.config.vocab_size, dtype=torch.float64)
