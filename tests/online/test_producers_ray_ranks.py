@@ -61,7 +61,10 @@ def test_the_round_goes_to_the_producer_and_comes_back(group):
     episodes = router.episodes(3, rows, 2, [11, 12])
     assert inner.asked == [(3, [[5, 6], [7]], [11, 12])]
     assert [(e.prompt_ids, e.token_ids) for e in episodes] == [
-        ([5, 6], [11, 0]), ([5, 6], [11, 1]), ([7], [12, 0]), ([7], [12, 1])
+        ([5, 6], [11, 0]),
+        ([5, 6], [11, 1]),
+        ([7], [12, 0]),
+        ([7], [12, 1]),
     ]
     router.push_weights(1)  # unsharded: rank 0's producer takes the version, nothing is gathered
     assert inner.pushed == [1] and router.snapshot is None
