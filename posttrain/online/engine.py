@@ -61,7 +61,7 @@ from posttrain.online.episodes import make_episode_source
 from posttrain.online.evaluation import COMPLETIONS_LOG, OnlineEvaluation
 from posttrain.online.loss import OnlineLoss
 from posttrain.online.phases import RoundPhases, ScoredGroups
-from posttrain.online.producers import ProducerContext, ProducerEvents, make_rollout_producer
+from posttrain.online.producers import ProducerContext, ProducerEvents, autocast_dtype, make_rollout_producer
 from posttrain.online.prompts import (
     column_names,
     model_context,
@@ -478,6 +478,7 @@ class OnlineTrainer(RoundPhases, OnlineLoss, OnlineEvaluation, BaseTrainer):
             pad_multiple=self.pad_multiple,
             logps_temperature=self.logps_temperature,
             device=self.accelerator.device,
+            autocast_dtype=autocast_dtype(self.accelerator),
             generate=self.fresh_episodes,
             completion_logps=lambda model, batch: self.completion_logps(model, batch),
             round_source=self.training_round,

@@ -51,11 +51,14 @@ def assert_same_parameters(one, other, exact: bool = True):
             torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_zero_rounds_ahead_in_a_process_is_bitwise_the_synchronous_run(tmp_path, tiny_model_path, same_threads):
-    sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_zero_rounds_ahead_in_a_process_is_bitwise_the_synchronous_run(tmp_path, tiny_model_path, same_threads, bf16):
+    """With bf16 the trainer's forward runs under autocast: the process's copy must sample and score under the
+    same one (its weights stay float32)."""
+    sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync", bf16=bf16)
     sync_rollouts = record_rollouts(sync)
     sync.train()
-    ahead = grpo(stopping_model(tiny_model_path), tmp_path / "process", async_generation_rounds=0, **PROCESS)
+    ahead = grpo(stopping_model(tiny_model_path), tmp_path / "process", async_generation_rounds=0, bf16=bf16, **PROCESS)
     assert isinstance(ahead.rollout_producer, ProcessRolloutProducer)
     ahead_rollouts = record_rollouts(ahead)
     ahead.train()

@@ -61,11 +61,13 @@ def losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
-def test_zero_rounds_ahead_is_the_synchronous_run(tmp_path, tiny_model_path):
-    sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_zero_rounds_ahead_is_the_synchronous_run(tmp_path, tiny_model_path, bf16):
+    """With bf16 the background copy runs its forward under the trainer's autocast."""
+    sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync", bf16=bf16)
     sync_rollouts = record_rollouts(sync)
     sync.train()
-    ahead = grpo(stopping_model(tiny_model_path), tmp_path / "async", async_generation_rounds=0)
+    ahead = grpo(stopping_model(tiny_model_path), tmp_path / "async", async_generation_rounds=0, bf16=bf16)
     ahead_rollouts = record_rollouts(ahead)
     ahead.train()
     assert len(sync_rollouts) == len(ahead_rollouts) == 3

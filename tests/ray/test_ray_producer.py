@@ -85,11 +85,15 @@ def test_a_round_splits_along_whole_micro_batches(prompts, parts, n, micro_batch
     assert all(r.start * n % micro_batch == 0 for r in ranges)
 
 
-def test_k0_splits_each_round_across_the_actors_and_is_the_synchronous_run(ray_cluster, tmp_path, tiny_model_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_k0_splits_each_round_across_the_actors_and_is_the_synchronous_run(
+    ray_cluster, tmp_path, tiny_model_path, bf16
+):
     """Two actors at k = 0 sample each round's halves at once; put back together, the round is the one the trainer
     samples itself (tokens, sampler log-probs, losses and final weights, bit for bit). A round of 2 micro-batches:
-    a part is whole micro-batches (split_round)."""
-    common = dict(max_steps=4, steps_per_generation=2, per_device_train_batch_size=8, num_generations=4)
+    a part is whole micro-batches (split_round). With bf16 the actors run the trainer's autocast over the float32
+    weights they receive."""
+    common = dict(max_steps=4, steps_per_generation=2, per_device_train_batch_size=8, num_generations=4, bf16=bf16)
     sync = grpo(stopping_model(tiny_model_path), tmp_path / "sync", **common)
     sync_rollouts = record_rollouts(sync)
     sync.train()

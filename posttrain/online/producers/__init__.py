@@ -45,7 +45,7 @@ from transformers import TrainerCallback
 
 from posttrain.errors import ConfigError
 from posttrain.online.producers import process
-from posttrain.online.producers.base import ProducerContext, RolloutProducer, RoundsAhead
+from posttrain.online.producers.base import ProducerContext, RolloutProducer, RoundsAhead, autocast_dtype
 from posttrain.online.producers.synchronous import SynchronousProducer
 from posttrain.online.producers.thread import ThreadRolloutProducer
 
@@ -56,6 +56,7 @@ __all__ = [
     "RoundsAhead",
     "SynchronousProducer",
     "ThreadRolloutProducer",
+    "autocast_dtype",
     "make_rollout_producer",
 ]
 

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 from torch import nn
 
 from posttrain.generation import SamplingParams
 from posttrain.online.config import OnlineConfig
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 
-__all__ = ["ProducerContext", "RolloutProducer", "RoundsAhead"]
+__all__ = ["ProducerContext", "RolloutProducer", "RoundsAhead", "autocast_dtype", "autocast_forward"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,26 @@ class ProducerContext:
     # With several training processes: every process's rows and seeds of a round, in process order (rank 0 of
     # the Ray producer routes whole rounds, producers/ray_ranks.py); None past the last round.
     every_round_source: Callable[[int], tuple[list[dict], list[int]] | None] | None = None
+    # The dtype of the autocast the trainer's forward runs under (bf16 / fp16 mixed precision; None: float32).
+    # A sampler with its own copy of the policy runs its forward the same way (`autocast_forward`).
+    autocast_dtype: torch.dtype | None = None
+
+
+def autocast_dtype(accelerator) -> torch.dtype | None:
+    """The dtype of the autocast that `accelerator.prepare` wraps the model's forward in; None without one."""
+    context = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+    enabled = isinstance(context, torch.autocast) and getattr(context, "_enabled", True)
+    return context.fast_dtype if enabled else None
+
+
+def autocast_forward(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """`model` with its forward wrapped as accelerate wraps the trainer's (autocast to `dtype` on the device of its
+    parameters, outputs cast back to float32), so that a sampler's copy computes the trainer's numbers: its tokens
+    and log-probs. The parameters stay float32; autocast changes the compute only. None: `model` unchanged."""
+    if dtype is not None:
+        device_type = next(model.parameters()).device.type
+        model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype=dtype)(model.forward))
+    return model
 
 
 class RolloutProducer:

@@ -10,6 +10,11 @@ decode loop's own, each token's under the weights that sampled it; or, with `exa
 for the whole request, computed as the trainer computes its own (the same forward, temperature and micro-batches),
 so that with unchanged weights they agree exactly and the correction is exactly 1. That forward costs about as much
 as the sampling, so rounds that are stale anyway (k >= 1) skip it.
+
+Precision. With the trainer's bf16 / fp16 mixed precision the server runs its model's forward under the same
+autocast (`WorkerSettings.autocast_dtype`), so its tokens and log-probs are the trainer's. The weights cross the
+process boundary (the shared slots, a Ray actor's pushes) as the float32 master weights: autocast changes only
+the compute, and casting them to bf16 on the way would change the numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from posttrain.data.batches import pad_rows
 from posttrain.generation import Completion, SamplingParams, TransformersBackend, stop_token_ids
 from posttrain.online.logps import completion_logps
+from posttrain.online.producers.base import autocast_forward
 from posttrain.online.rollout import Episode
 from posttrain.online.weights.shared_memory import SharedWeights
 from posttrain.runtime.cores import pin_process
@@ -44,6 +50,7 @@ class WorkerSettings:
     exact_logps: bool  # the sampler's log-probs by the trainer's forward where one version sampled a request
     cpus: tuple[int, ...] | None  # None: not pinned
     threads: int
+    autocast_dtype: torch.dtype | None = None  # the trainer's autocast (ProducerContext), over float32 weights
 
 
 def worker_settings(context, sampler_model, lookahead: int, in_flight: bool, cpus, threads: int) -> WorkerSettings:
@@ -61,6 +68,7 @@ def worker_settings(context, sampler_model, lookahead: int, in_flight: bool, cpu
         exact_logps=lookahead == 0,
         cpus=cpus,
         threads=threads,
+        autocast_dtype=None if context.args.use_vllm else context.autocast_dtype,  # vLLM: its own dtype
     )
 
 
@@ -91,7 +99,7 @@ class GenerationServer:
     """Samples requests with `model`, whose parameters it points at the slots of `weights`."""
 
     def __init__(self, model, weights: SharedWeights, settings: WorkerSettings) -> None:
-        self.model, self.weights, self.settings = model, weights, settings
+        self.model, self.weights, self.settings = autocast_forward(model, settings.autocast_dtype), weights, settings
         self.params = [p for _, p in model.named_parameters()]
         self.backend = TransformersBackend(model, settings.pad_token_id, settings.stop_ids, return_logprobs=True)
         if settings.in_flight:

@@ -40,7 +40,7 @@ import torch
 from posttrain.data.batches import pad_rows
 from posttrain.generation import create_generation_backend
 from posttrain.models.reference import copy_model, freeze, unwrap
-from posttrain.online.producers.base import ProducerContext, RoundsAhead
+from posttrain.online.producers.base import ProducerContext, RoundsAhead, autocast_forward
 from posttrain.online.rollout import PROMPT_IDS_COLUMN, Episode
 
 __all__ = ["ThreadRolloutProducer"]
@@ -53,6 +53,8 @@ class ThreadRolloutProducer(RoundsAhead):
         super().__init__(context, lookahead)
         self.sampler_model = freeze(copy_model(unwrap(context.policy)))
         self.on_server = context.args.use_vllm  # colocated vLLM is refused by the config
+        if not self.on_server:  # the copy samples and scores as the trainer's forward computes (its autocast)
+            autocast_forward(self.sampler_model, context.autocast_dtype)
         self.backend = (
             context.server_backend
             if self.on_server
