@@ -3,13 +3,13 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_reward_script.py [--family qwen2] [--steps 20] [--repeats 2]
         [--hidden 32 --layers 2] [--bf16 true|false|unset] [--json FILE] [--profile DIR]
 
-`--bf16` is given to both libraries alike: leave it unset and TRL 1.16 runs in bf16 autocast (its `bf16=None`
-resolves to True on a CPU too) while each library otherwise follows its own default.
+`--bf16` is given to both libraries alike; unset, each follows its default, which is bf16 autocast on both (TRL 1.16
+and, since 2026-12-07, posttrain resolve `bf16=None` to True on a CPU too).
 
 The script shape (issue 45, item 5): a local tiny checkpoint loaded with
 `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` (a new, seeded score head), its tokenizer
 passed in as `processing_class`, conversational preference rows (a user turn and an assistant answer of a few
-sentences each), `max_length=128`, `learning_rate=1e-3`, batch 8, `bf16=True` set on both sides (bf16 autocast, both
+sentences each), `max_length=128`, `learning_rate=1e-3`, batch 8, bf16 as `--bf16` says (unset: bf16 autocast, both
 libraries' default on a CPU too; before 2026-12-07 posttrain's default on a CPU was float32, so the figures published
 before then compare TRL in bf16 autocast with posttrain in float32), everything else at the library's defaults.
 
@@ -102,7 +102,6 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: s
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=True,  # set, the same on both sides (both libraries' default; see the docstring)
         disable_tqdm=True,
         **({} if bf16 == "unset" else {"bf16": bf16 == "true"}),
     )
