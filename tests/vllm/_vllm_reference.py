@@ -35,14 +35,17 @@ def reference_logps(model, prompt: list[int], completion: list[int]) -> torch.Te
 
 
 @torch.no_grad()
-def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], float]:
-    """Greedy decoding with the trainer's model, and the smallest gap between the best two logits (a tie
-    could be broken either way by rounding)."""
+def reference_greedy(model, prompt: list[int], steps: int, eos: int | None = EOS) -> tuple[list[int], float]:
+    """Greedy decoding with the trainer's model, stopping after `eos` as a vLLM server does (it stops at the
+    tokenizer's EOS even when a request names no stop ids), and the smallest gap between the best two logits
+    (a tie could be broken either way by rounding)."""
     ids, gap = list(prompt), float("inf")
     for _ in range(steps):
         top = model(torch.tensor([ids])).logits[0, -1].double().topk(2)
         gap = min(gap, float(top.values[0] - top.values[1]))
         ids.append(int(top.indices[0]))
+        if ids[-1] == eos:
+            break
     return ids[len(prompt) :], gap
 
 

@@ -93,8 +93,10 @@ def test_seeded_generation_is_reproducible_and_independent_of_the_batch(vllm_ser
 def test_peft_adapter_reaches_the_server_merged(vllm_server, vllm_tiny_path):
     from peft import LoraConfig, get_peft_model
 
+    base = perturbed_model(vllm_tiny_path, seed=2)
+    torch.manual_seed(2)  # init_lora_weights=False draws from the global generator: same adapter in any test order
     model = get_peft_model(
-        perturbed_model(vllm_tiny_path, seed=2),
+        base,
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
