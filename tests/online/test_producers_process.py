@@ -15,8 +15,9 @@ import time
 
 import pytest
 import torch
+from _rollouts import record_rollouts
 from test_engine import stopping_model
-from test_producers_thread import UNTIMED, StopAfter, grpo, losses, record_rollouts
+from test_producers_thread import UNTIMED, StopAfter, grpo, losses
 from transformers import AutoModelForCausalLM, DynamicCache, TrainerCallback
 
 from posttrain.errors import ConfigError

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _rollouts import record_rollouts
 from test_engine import low_id_fraction, make_config, prompt_dataset, stopping_model
 from transformers import AutoModelForCausalLM, TrainerCallback
 
@@ -44,17 +45,6 @@ def grpo(model, output_dir, callbacks=None, **overrides) -> GRPOTrainer:
     settings = {"max_steps": 3, "learning_rate": 0.05, "async_generation_process": False, **overrides}
     args = make_config(output_dir, **settings)
     return GRPOTrainer(model, low_id_fraction, args=args, train_dataset=prompt_dataset(), callbacks=callbacks)
-
-
-def record_rollouts(trainer) -> list:
-    rollouts, make = [], trainer.make_rollout
-
-    def recording(*args):
-        rollouts.append(make(*args))
-        return rollouts[-1]
-
-    trainer.make_rollout = recording
-    return rollouts
 
 
 def losses(trainer) -> dict[int, float]:

@@ -11,9 +11,10 @@ import re
 import pytest
 import ray
 import torch
+from _rollouts import record_rollouts
 from test_engine import stopping_model
 from test_producers_process import PROCESS, assert_same_parameters, same_threads
-from test_producers_thread import WeightsAtStepBegin, grpo, losses, record_rollouts
+from test_producers_thread import WeightsAtStepBegin, grpo, losses
 
 from posttrain.online.logps import completion_logps
 from posttrain.online.producers.ray import RayRolloutProducer, split_round

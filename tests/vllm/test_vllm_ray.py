@@ -9,23 +9,13 @@ import os
 
 import pytest
 import torch
+from _rollouts import record_rollouts
 from _vllm_reference import grpo_with_vllm, logged_per_step
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-
-def record_rollouts(trainer) -> list:
-    rollouts, make = [], trainer.make_rollout
-
-    def recording(*args):
-        rollouts.append(make(*args))
-        return rollouts[-1]
-
-    trainer.make_rollout = recording
-    return rollouts
 
 
 def test_a_rollout_actor_samples_with_vllm_as_the_colocated_engine(vllm_tiny_untied_path, tmp_path):
