@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from posttrain.losses.chunked_head import chunked_logprobs
+from posttrain.losses.chunked_head import OPTIONAL_OUTPUTS, chunked_logprobs
 from posttrain.models.router import balancing_loss_function
 
 IGNORE_INDEX = -100
@@ -110,6 +110,12 @@ def add_fused_lm_head(
     `FusedCausalLMOutput` of per-token log-probs (and the other `outputs`: "entropy", "log_sum_sq_probs",
     "mean_logits", "is_top1") at `temperature`, the LM head in float32 outside autocast with
     `cast_lm_head_to_fp32`; without it, the original forward runs, so generation is unchanged. Patch before PEFT."""
+    unknown = [name for name in outputs if name not in ("log_probs", *OPTIONAL_OUTPUTS)]
+    if unknown:
+        raise ValueError(
+            f"add_fused_lm_head: outputs {unknown} are not per-token fields it computes; "
+            f"choose among {('log_probs', *OPTIONAL_OUTPUTS)}."
+        )
     original_forward = model.forward
     text_config = model.config.get_text_config()
     settings = (temperature, cast_lm_head_to_fp32, outputs)

@@ -150,3 +150,9 @@ def test_signature_and_output_fields_are_trls(trl_utils):
     assert face_add_fused_lm_head is add_fused_lm_head
     fields = [(f.name, f.default) for f in dataclasses.fields(FusedCausalLMOutput)]
     assert fields == [(f.name, f.default) for f in dataclasses.fields(trl_utils.FusedCausalLMOutput)]
+
+
+def test_an_unknown_output_name_stops_naming_it():
+    model = build_tiny_model(_Vocab(), family="llama")
+    with pytest.raises(ValueError, match=r"outputs \['entropies'\].*choose among"):
+        add_fused_lm_head(model, outputs=("log_probs", "entropies"))
