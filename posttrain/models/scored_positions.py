@@ -78,6 +78,7 @@ def why_not(model: nn.Module, decoder: nn.Module) -> str | None:
         (getattr(config, "use_bidirectional_attention", False), "bidirectional attention"),
         (not getattr(attention, "is_causal", True), "non-causal attention"),
         (config._attn_implementation not in ("sdpa", "eager"), f"attention {config._attn_implementation!r}"),
+        (getattr(getattr(attention, "config", None), "sub_configs", None), "an attention config with sub-configs"),
         (
             getattr(config, "output_attentions", False) or getattr(config, "output_hidden_states", False),
             "attentions or hidden states requested",
@@ -128,10 +129,12 @@ def _read_queries(module, query, key, value, attention_mask, **kwargs):
 
 @contextlib.contextmanager
 def _reading(config, rows, columns):
-    """The model's config set to `_read_queries` for the duration (restored after, on errors too)."""
+    """The model's config set to `_read_queries` for the duration (restored after, on errors too; a model is not
+    run by two threads at once here)."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if _FUNCTION_NAME not in AttentionInterface._global_mapping:
+    if _FUNCTION_NAME not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(_FUNCTION_NAME, _read_queries)
     implementation = config._attn_implementation
     _active.append({"rows": rows, "columns": columns, "implementation": implementation})
