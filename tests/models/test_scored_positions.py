@@ -142,6 +142,32 @@ def test_a_ddp_wrapper_falls_back(tmp_path):
         dist.destroy_process_group()
 
 
+def test_fsdp2_and_zero3_fall_back(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        model, _ = _classifier("llama")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert why_not(model, model.model) == "FSDP, DeepSpeed or torch.compile"
+        ids, mask = _batch(model.config.pad_token_id)
+        with torch.no_grad():
+            reference = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+            last = (torch.arange(ids.shape[1]) * (ids != model.config.pad_token_id)).argmax(-1)
+            where = torch.arange(ids.numel()).view_as(ids)[torch.arange(len(ids)), last]
+            scores, reason = _scores_and_reason(model, {"input_ids": ids, "attention_mask": mask}, where)
+        assert reason == "FSDP, DeepSpeed or torch.compile"
+        torch.testing.assert_close(scores, reference, rtol=1e-12, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
+    zero3, _ = _classifier("llama")
+    zero3.model.layers[0].mlp.up_proj.weight.ds_id = 0  # how DeepSpeed marks a partitioned parameter
+    assert why_not(zero3, zero3.model) == "DeepSpeed ZeRO-3 parameters"
+
+
 def test_the_config_is_restored_on_errors_too():
     model, _ = _classifier("llama")
     model.model.layers[-1].mlp.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
