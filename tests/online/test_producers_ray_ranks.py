@@ -96,6 +96,20 @@ def test_zero3_is_refused_before_training():
     assert not dist.is_initialized()
 
 
+def test_zero3_partitioning_after_construction_stops_at_the_first_push(group):
+    """A model loaded without zero.Init is partitioned when the engine prepares it, after the router is built."""
+
+    class LaterContext:
+        policy = nn.Linear(2, 2)
+
+    inner = FakeProducer()
+    router = RankRouter(LaterContext(), inner)
+    LaterContext.policy.weight.ds_id = 0
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        router.push_weights(0)
+    assert inner.pushed == []
+
+
 def _two_ranks(rank, rendezvous, out, cases):
     """One of two training processes: each case a round whose rank-0 producer is FakeProducer(**case); what
     each rank raised (or got) goes to `out`/rank<rank>.json."""

@@ -33,6 +33,17 @@ from posttrain.online.weights.transport import gathered_params
 __all__ = ["RankRouter"]
 
 
+def _refuse_zero3(policy) -> None:
+    """Stops on a policy DeepSpeed ZeRO-3 partitions: at construction where the model was loaded under zero.Init,
+    else at the first push (every rank), once the engine has partitioned it."""
+    if any(hasattr(p, "ds_id") for p in unwrap(policy).parameters()):
+        raise ConfigError(
+            "rollout_backend='ray' with several training processes supports DDP, ZeRO-1/2 and FSDP2, not "
+            "DeepSpeed ZeRO-3 (its partitioned parameters are not gathered for the weight push); launch with "
+            "FSDP2 (examples/accelerate_configs/fsdp2.yaml) or ZeRO-2."
+        )
+
+
 def _answers(episodes: list[Episode], prompts: list, n: int) -> bool:
     """Whether `episodes` are the n completions of each of `prompts`, in order."""
     return [e.prompt_ids for e in episodes] == [ids for ids in prompts for _ in range(n)]
@@ -54,12 +65,7 @@ class RankRouter(RolloutProducer):
     @classmethod
     def around(cls, context: ProducerContext, make: Callable[[ProducerContext], RoundsAhead]) -> RankRouter:
         """The router of this rank; on rank 0 around `make(context)`, whose rounds are every rank's."""
-        if any(hasattr(p, "ds_id") for p in unwrap(context.policy).parameters()):
-            raise ConfigError(
-                "rollout_backend='ray' with several training processes supports DDP, ZeRO-1/2 and FSDP2, not "
-                "DeepSpeed ZeRO-3 (its partitioned parameters are not gathered for the weight push); launch with "
-                "FSDP2 (examples/accelerate_configs/fsdp2.yaml) or ZeRO-2."
-            )
+        _refuse_zero3(context.policy)
         if dist.get_rank() != 0:
             return cls(context, None)
         return cls(context, make(dataclasses.replace(context, round_source=context.every_round_source)))
@@ -123,6 +129,7 @@ class RankRouter(RolloutProducer):
     def push_weights(self, version: int) -> None:
         """Every rank: under FSDP2, gathers `version` when rank 0's schedule will push it (its sampler's weights
         are vllm_sync_steps old or more); then rank 0's producer takes the version."""
+        _refuse_zero3(self.context.policy)  # (the same model on every rank: all stop, none waits)
         if self._sharded():
             due = [None]
             if self.rank == 0:
