@@ -125,6 +125,8 @@ def add_fused_lm_head(
         if not fused_lm_head:
             given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return original_forward(*args, **kwargs, **{k: v for k, v in given.items() if v is not None})
+        if labels is None and shift_labels is None:
+            raise ValueError("model(..., fused_lm_head=True) scores labels: pass labels= (or shift_labels=).")
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)

@@ -153,7 +153,12 @@ def test_signature_and_output_fields_are_trls(trl_utils):
     assert fields == [(f.name, f.default) for f in dataclasses.fields(trl_utils.FusedCausalLMOutput)]
 
 
-def test_an_unknown_output_name_stops_naming_it():
+def test_an_unknown_output_name_or_missing_labels_stop_naming_them():
     model = build_tiny_model(_Vocab(), family="llama")
     with pytest.raises(ValueError, match=r"outputs \['entropies'\].*choose among"):
         add_fused_lm_head(model, outputs=("log_probs", "entropies"))
+    add_fused_lm_head(model)
+    batch = _batch()
+    del batch["labels"]
+    with pytest.raises(ValueError, match="pass labels="):
+        model(**batch, fused_lm_head=True)
