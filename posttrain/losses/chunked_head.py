@@ -58,7 +58,8 @@ def chunked_logprobs(
     each optional output None unless named in `outputs`. The log-probs and the entropy carry gradients to hidden,
     weight and bias; the other three are detached. `chunk_size` sets the chunk as TRL's vocabulary tile width does:
     a chunk holds TOKEN_CHUNK_SIZE * chunk_size logits."""
-    rows = max(1, TOKEN_CHUNK_SIZE * chunk_size // weight.shape[0])
+    vocab = getattr(weight, "ds_shape", weight.shape)[0]  # (ZeRO-3 holds a partitioned weight as an empty tensor)
+    rows = max(1, TOKEN_CHUNK_SIZE * chunk_size // vocab)
 
     def chunk(h, w, b, t):
         with gather_partitioned(w, b):  # ZeRO-3: the weight is read directly, here and in the recomputation

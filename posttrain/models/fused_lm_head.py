@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from posttrain.losses.chunked_head import chunked_logprobs
+from posttrain.losses.chunked_head import OPTIONAL_OUTPUTS, chunked_logprobs
 from posttrain.models.router import balancing_loss_function
 
 IGNORE_INDEX = -100
@@ -110,6 +110,12 @@ def add_fused_lm_head(
     `FusedCausalLMOutput` of per-token log-probs (and the other `outputs`: "entropy", "log_sum_sq_probs",
     "mean_logits", "is_top1") at `temperature`, the LM head in float32 outside autocast with
     `cast_lm_head_to_fp32`; without it, the original forward runs, so generation is unchanged. Patch before PEFT."""
+    unknown = [name for name in outputs if name not in ("log_probs", *OPTIONAL_OUTPUTS)]
+    if unknown:
+        raise ValueError(
+            f"add_fused_lm_head: outputs {unknown} are not per-token fields it computes; "
+            f"choose among {('log_probs', *OPTIONAL_OUTPUTS)}."
+        )
     original_forward = model.forward
     text_config = model.config.get_text_config()
     settings = (temperature, cast_lm_head_to_fp32, outputs)
@@ -119,6 +125,8 @@ def add_fused_lm_head(
         if not fused_lm_head:
             given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return original_forward(*args, **kwargs, **{k: v for k, v in given.items() if v is not None})
+        if labels is None and shift_labels is None:
+            raise ValueError("model(..., fused_lm_head=True) scores labels: pass labels= (or shift_labels=).")
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)

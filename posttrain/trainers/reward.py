@@ -26,7 +26,7 @@ from posttrain.losses.preference import bradley_terry_loss
 from posttrain.models.layouts import can_repack, repacked, right_padded_view
 from posttrain.models.loading import load_sequence_classifier
 from posttrain.models.reference import unwrap
-from posttrain.models.scored_positions import hidden_at, last_layer_parts
+from posttrain.models.scored_positions import scored_hidden, why_not
 from posttrain.trainers.reward_config import RewardConfig
 from posttrain.training.base import BaseTrainer
 from posttrain.training.preference import model_shared_layout
@@ -188,27 +188,16 @@ class RewardTrainer(PreparesEvalDatasets, BaseTrainer):
                 view, unwrap(model).config.get_text_config().hidden_size
             )
         decoder, head, pad_id = parts or (None, None, None)
-        layer = None if view is None or unwrap(model) is not model else last_layer_parts(decoder)
-        if packed is None and layer is None:
+        fast = view is not None and why_not(model, decoder) is None
+        if packed is None and not fast:
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.squeeze(-1)
         inputs, where = packed or ({"input_ids": input_ids, "attention_mask": attention_mask}, view.where)
         columns = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = (columns * (input_ids != pad_id)).argmax(-1)
         scored = where[torch.arange(len(last), device=last.device), last]
-        # The last layer at the scored positions only (models/scored_positions.py), where the model allows.
-        hidden = None if layer is None else hidden_at(model, decoder, layer, inputs, scored)
-        if hidden is None:
-            captured = {}
-
-            def keep(module, args, output):
-                captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-            handle = decoder.register_forward_hook(keep)
-            try:  # through the (possibly DDP-wrapped) model, whose own pooled output is not used
-                model(**inputs, use_cache=False)
-            finally:
-                handle.remove()
-            hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])[scored]
+        # Through the (possibly wrapped) model, whose own pooled output is not used; the last layer at the scored
+        # positions only where the model allows (models/scored_positions.py), else the whole forward.
+        hidden, _ = scored_hidden(model, decoder, inputs, scored)
         return head(hidden).squeeze(-1)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -89,3 +89,38 @@ def test_divergence_equals_trls_and_trains_the_student_only(trl_kernels, beta, t
         torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-6)
     assert ours[2][3] is None and ours[2][4] is None  # the teacher gets no gradient, as in TRL
     assert not ours[1].requires_grad
+
+
+def test_a_zero3_partitioned_weight_is_read_whole_and_sized_by_its_full_shape(monkeypatch):
+    """Under ZeRO-3 the head's weight is an empty tensor outside its gather (its shape in `ds_shape`): the chunks
+    are sized by the full vocabulary and computed on the gathered weight, here and in the recomputation."""
+    import contextlib
+
+    from posttrain.losses import chunked_head
+
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    full = torch.randn(11, 8, dtype=torch.float64)
+    targets = torch.randint(0, 11, (6,))
+    # (frozen: the weight's own gradient goes through DeepSpeed's hooks, which a stand-in cannot play)
+    weight = torch.nn.Parameter(torch.empty(0, dtype=torch.float64), requires_grad=False)
+    weight.ds_shape, gathers = full.shape, []
+
+    @contextlib.contextmanager
+    def gather(w, b):  # what deepspeed.zero.GatheredParameters does to the stand-in
+        gathers.append(w is weight)
+        weight.data = full
+        try:
+            yield
+        finally:
+            weight.data = torch.empty(0, dtype=torch.float64)
+
+    monkeypatch.setattr(chunked_head, "gather_partitioned", gather)
+    logp, *_ = chunked_head.chunked_logprobs(hidden, weight, None, targets, 1.0, 2, outputs=())
+    expected = (hidden @ full.T).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(logp, expected, rtol=1e-12, atol=1e-12)
+    logp.sum().backward()
+    reference = hidden.detach().requires_grad_()
+    (reference @ full.T).log_softmax(-1).gather(-1, targets[:, None]).sum().backward()
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-12, atol=1e-12)
+    assert len(gathers) >= 2 and all(gathers)  # (forward and recomputation)

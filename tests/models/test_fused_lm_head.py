@@ -80,6 +80,7 @@ def _compare(ours, theirs, tol=1e-5):
         # a cap small enough to bend these logits (the tiny model's are well below its default 30)
         ("gemma3", {"final_logit_softcapping": 0.2}, {"temperature": 1.3, "outputs": ALL_OUTPUTS}),
         ("qwen3_moe", {"tie": False, "output_router_logits": True, "router_aux_loss_coef": 0.02}, {}),
+        ("mixtral", {"tie": False, "output_router_logits": True, "router_aux_loss_coef": 0.02}, {}),
     ],
 )
 def test_outputs_and_gradients_equal_trls(trl_utils, family, settings, kwargs):
@@ -89,7 +90,7 @@ def test_outputs_and_gradients_equal_trls(trl_utils, family, settings, kwargs):
     ours = _run(copy.deepcopy(model), add_fused_lm_head, batch, **kwargs)
     assert isinstance(ours[0], FusedCausalLMOutput)
     assert ours[0].log_probs.shape == (3, 10) and int(ours[0].label_mask.sum()) == 7 + 4 + 7
-    assert (ours[0].aux_loss is not None) == (family == "qwen3_moe")
+    assert (ours[0].aux_loss is not None) == (family in ("qwen3_moe", "mixtral"))
     _compare(ours, theirs)
 
 
@@ -150,3 +151,14 @@ def test_signature_and_output_fields_are_trls(trl_utils):
     assert face_add_fused_lm_head is add_fused_lm_head
     fields = [(f.name, f.default) for f in dataclasses.fields(FusedCausalLMOutput)]
     assert fields == [(f.name, f.default) for f in dataclasses.fields(trl_utils.FusedCausalLMOutput)]
+
+
+def test_an_unknown_output_name_or_missing_labels_stop_naming_them():
+    model = build_tiny_model(_Vocab(), family="llama")
+    with pytest.raises(ValueError, match=r"outputs \['entropies'\].*choose among"):
+        add_fused_lm_head(model, outputs=("log_probs", "entropies"))
+    add_fused_lm_head(model)
+    batch = _batch()
+    del batch["labels"]
+    with pytest.raises(ValueError, match="pass labels="):
+        model(**batch, fused_lm_head=True)

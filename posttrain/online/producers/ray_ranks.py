@@ -33,6 +33,22 @@ from posttrain.online.weights.transport import gathered_params
 __all__ = ["RankRouter"]
 
 
+def _refuse_zero3(policy) -> None:
+    """Stops on a policy DeepSpeed ZeRO-3 partitions: at construction where the model was loaded under zero.Init,
+    else at the first push (every rank), once the engine has partitioned it."""
+    if any(hasattr(p, "ds_id") for p in unwrap(policy).parameters()):
+        raise ConfigError(
+            "rollout_backend='ray' with several training processes supports DDP, ZeRO-1/2 and FSDP2, not "
+            "DeepSpeed ZeRO-3 (its partitioned parameters are not gathered for the weight push); launch with "
+            "FSDP2 (examples/accelerate_configs/fsdp2.yaml) or ZeRO-2."
+        )
+
+
+def _answers(episodes: list[Episode], prompts: list, n: int) -> bool:
+    """Whether `episodes` are the n completions of each of `prompts`, in order."""
+    return [e.prompt_ids for e in episodes] == [ids for ids in prompts for _ in range(n)]
+
+
 class RankRouter(RolloutProducer):
     """Every rank's producer with several training processes: rank 0's wraps the producer of whole rounds."""
 
@@ -49,12 +65,7 @@ class RankRouter(RolloutProducer):
     @classmethod
     def around(cls, context: ProducerContext, make: Callable[[ProducerContext], RoundsAhead]) -> RankRouter:
         """The router of this rank; on rank 0 around `make(context)`, whose rounds are every rank's."""
-        if any(hasattr(p, "ds_id") for p in unwrap(context.policy).parameters()):
-            raise ConfigError(
-                "rollout_backend='ray' with several training processes supports DDP, ZeRO-1/2 and FSDP2, not "
-                "DeepSpeed ZeRO-3 (its partitioned parameters are not gathered for the weight push); launch with "
-                "FSDP2 (examples/accelerate_configs/fsdp2.yaml) or ZeRO-2."
-            )
+        _refuse_zero3(context.policy)
         if dist.get_rank() != 0:
             return cls(context, None)
         return cls(context, make(dataclasses.replace(context, round_source=context.every_round_source)))
@@ -72,7 +83,7 @@ class RankRouter(RolloutProducer):
         episodes = got[0]
         if isinstance(episodes, str):  # rank 0 failed on this round (and raises it there)
             raise RuntimeError(f"Rank 0's rollout producer failed on round {round_index}; training stops:\n{episodes}")
-        if [e.prompt_ids for e in episodes] != [ids for ids in mine for _ in range(n)]:
+        if not _answers(episodes, mine, n):  # (rank 0 checked every rank's already: a corrupted transfer)
             raise RuntimeError(
                 f"Rank {self.rank} got round {round_index}'s episodes of other prompts than its own from rank 0."
             )
@@ -85,12 +96,20 @@ class RankRouter(RolloutProducer):
         seeds = [seed for _, part in asked for seed in part]
         try:
             episodes = self.inner.episodes(round_index, rows, n, seeds)
+            parts, start = [], 0
+            for prompts, _ in asked:
+                parts.append(episodes[start : start + len(prompts) * n])
+                start += len(prompts) * n
+            wrong = [
+                rank for rank, ((prompts, _), part) in enumerate(zip(asked, parts)) if not _answers(part, prompts, n)
+            ]
+            if wrong or start != len(episodes):  # checked here, so that every rank stops, not only those concerned
+                raise RuntimeError(
+                    f"the producer answered round {round_index} with {len(episodes)} episodes, not the {start} of "
+                    f"every rank's prompts in rank order (ranks {wrong} would get episodes of other prompts)"
+                )
         except Exception as error:
             return [f"{type(error).__name__}: {error}"] * self.world, error
-        parts, start = [], 0
-        for prompts, _ in asked:
-            parts.append(episodes[start : start + len(prompts) * n])
-            start += len(prompts) * n
         return parts, None
 
     def _gathered(self, version: int) -> list:
@@ -110,6 +129,7 @@ class RankRouter(RolloutProducer):
     def push_weights(self, version: int) -> None:
         """Every rank: under FSDP2, gathers `version` when rank 0's schedule will push it (its sampler's weights
         are vllm_sync_steps old or more); then rank 0's producer takes the version."""
+        _refuse_zero3(self.context.policy)  # (the same model on every rank: all stop, none waits)
         if self._sharded():
             due = [None]
             if self.rank == 0:
