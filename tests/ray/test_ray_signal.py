@@ -6,7 +6,10 @@ from that checkpoint, the run ends with an uninterrupted run's losses and parame
 ray.init replaces the process's SIGTERM handler by one that exits at once (producers/ray_cluster.py keeps the
 trainer's), which only a trainer that calls ray.init itself shows: hence the subprocess.
 
-This file is also the trainer:
+A trainer that started its own Ray (ray_address=None: a new Ray on 127.0.0.1) checkpoints on SIGTERM the same
+way, exits 0 and leaves none of that Ray's processes behind (its head's, its actors', none of its session's).
+
+This file is also the trainer (RAY_ADDRESS "none": the run starts its own Ray):
     python tests/ray/test_ray_signal.py MODEL_PATH OUT_DIR RAY_ADDRESS STOP_STEP SETTINGS_JSON
 """
 
@@ -41,10 +44,32 @@ class SignalAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class ReportRay(TrainerCallback):
+    """Prints, once the actors run (after step 1), the Ray this process belongs to: its session directory, the
+    processes of its head (where this process started it) and of its actors, and every address it uses."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            import ray
+
+            from posttrain.online.producers.ray_cluster import loopback_addresses
+
+            node = ray._private.worker._global_node
+            pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
+            pids += [where["pid"] for where in self.trainer.rollout_producer.where]
+            found = {"session": node.get_session_dir_path(), "pids": pids, "addresses": loopback_addresses()}
+            print(f"ray: {json.dumps(found)}", flush=True)
+
+
 def trainer_process(model_path: str, out_dir: str, address: str, stop: int, settings: dict) -> None:
     from test_producers_thread import grpo
 
+    address = None if address == "none" else address
     trainer = grpo(model_path, out_dir, callbacks=[SignalAt(stop)], ray_address=address, **settings, **ACTORS)
+    trainer.add_callback(ReportRay(trainer))
     try:
         trainer.train()
     finally:
@@ -61,6 +86,21 @@ def ray_state():
     return ray._private.state
 
 
+def run_trainer(model_path, run, address: str, stop: int, settings: dict) -> str:
+    """The trainer of this file in a process of its own, sent SIGTERM after step `stop`; checks that it
+    checkpointed, ended its actors and exited 0, and returns its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=subprocess_pythonpath())
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, __file__, str(model_path), str(run), address, str(stop), json.dumps(settings)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert f"stopped by SIGTERM after step {stop}" in output, output[-4000:]
+    assert "actors after training: None" in output  # the trainer ended its actors before it exited
+    assert (run / f"checkpoint-{stop}" / CHECKPOINT_MARKER).exists()
+    return output
+
+
 def test_sigterm_checkpoints_with_actors_in_flight_and_resuming_is_exact(
     ray_cluster, tmp_path, tiny_model_path, uninterrupted, faulty_settings
 ):
@@ -68,16 +108,8 @@ def test_sigterm_checkpoints_with_actors_in_flight_and_resuming_is_exact(
     from test_producers_thread import grpo, losses
 
     run, stop = tmp_path / "run", 2
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=subprocess_pythonpath())
-    command = [sys.executable, __file__, str(tiny_model_path), str(run), ray_cluster.address, str(stop)]
-    command.append(json.dumps(faulty_settings))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert f"stopped by SIGTERM after step {stop}" in output, output[-4000:]
-    assert "actors after training: None" in output  # the trainer ended its actors before it exited
+    run_trainer(tiny_model_path, run, ray_cluster.address, stop, faulty_settings)
     checkpoint = run / f"checkpoint-{stop}"
-    assert (checkpoint / CHECKPOINT_MARKER).exists()
     saved = torch.load(checkpoint / TRAINER_STATE_FILE, weights_only=False)["async_rollouts"]
     ahead = faulty_settings["async_generation_rounds"]
     assert sorted(saved["rounds"]) == list(range(stop, stop + ahead))  # the rounds sampled ahead went in
@@ -95,6 +127,38 @@ def test_sigterm_checkpoints_with_actors_in_flight_and_resuming_is_exact(
     }
     assert_same_parameters(uninterrupted, resumed)
     assert resumed.rollout_producer.actors is None and alive_actors() == []
+
+
+def test_sigterm_on_a_trainer_that_started_its_own_ray_leaves_none_of_it(tmp_path, tiny_model_path):
+    run, stop = tmp_path / "own", 2
+    output = run_trainer(tiny_model_path, run, "none", stop, dict(max_steps=3, async_generation_rounds=1))
+    found = json.loads(output.split("ray: ", 1)[1].splitlines()[0])
+    assert found["addresses"] and all(host.startswith("127.") for host in found["addresses"].values()), found
+    assert len(found["pids"]) > 2  # its head's processes (gcs_server, raylet, ...) and its two actors
+    session = os.path.basename(found["session"])
+    deadline = time.monotonic() + 30
+    while (left := ray_processes(found["pids"], session)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == {}, left
+
+
+def ray_processes(pids: list[int], session: str) -> dict[int, str]:
+    """The processes still running (not zombies) that are among `pids` or name the Ray session `session` in
+    their command line, by pid: their command lines."""
+    left = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as file:
+                zombie = file.read().rpartition(")")[2].split()[0] == "Z"
+        except OSError:  # ended meanwhile
+            continue
+        if not zombie and (int(entry) in pids or session in command):
+            left[int(entry)] = command[:200]
+    return left
 
 
 if __name__ == "__main__":

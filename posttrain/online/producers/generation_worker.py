@@ -14,7 +14,8 @@ as the sampling, so rounds that are stale anyway (k >= 1) skip it.
 Precision. With the trainer's bf16 / fp16 mixed precision the server runs its model's forward under the same
 autocast (`WorkerSettings.autocast_dtype`), so its tokens and log-probs are the trainer's. The weights cross the
 process boundary (the shared slots, a Ray actor's pushes) as the float32 master weights: autocast changes only
-the compute, and casting them to bf16 on the way would change the numbers.
+the compute, and casting them to bf16 on the way would change the numbers. A vLLM actor (ray_vllm.py) samples
+in vLLM's own dtype, but its exact_logps forward runs under the same autocast.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def worker_settings(context, sampler_model, lookahead: int, in_flight: bool, cpu
         exact_logps=lookahead == 0,
         cpus=cpus,
         threads=threads,
-        autocast_dtype=None if context.args.use_vllm else context.autocast_dtype,  # vLLM: its own dtype
+        autocast_dtype=context.autocast_dtype,  # with vLLM, its exact_logps forward's (vLLM samples in its own)
     )
 
 

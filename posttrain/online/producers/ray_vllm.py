@@ -9,6 +9,12 @@ Before sampling, vLLM's weights are replaced by that model's when the version di
 request records that one version: vLLM samples a request whole, so in-flight updates between decode steps are not
 possible here (the producer refuses them). The sampler's log-probs are vLLM's, or at k = 0 the trainer's own
 forward on the torch model (exact_logps), as with the transformers server.
+
+Precision. vLLM samples in the dtype of the policy's parameters (float32 master weights also under bf16=True),
+as the trainer's own colocated engine does, so the tokens are that engine's. The exact_logps forward runs under
+the trainer's bf16 / fp16 autocast (`WorkerSettings.autocast_dtype`), so at k = 0 the log-probs equal the
+trainer's; vLLM's own log-probs (k >= 1) are float32 and differ from the trainer's bf16 ones by a few 1e-3 at
+the tiny model (tests/vllm/test_vllm_ray.py).
 """
 
 from __future__ import annotations
