@@ -46,7 +46,8 @@ class SignalAt(TrainerCallback):
 
 class ReportRay(TrainerCallback):
     """Prints, once the actors run (after step 1), the Ray this process belongs to: its session directory, the
-    processes of its head (where this process started it) and of its actors, and every address it uses."""
+    processes this process started (where it started Ray: the head's, the raylet's workers, its actors') and
+    every address the cluster uses."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -57,10 +58,10 @@ class ReportRay(TrainerCallback):
 
             from posttrain.online.producers.ray_cluster import loopback_addresses
 
-            node = ray._private.worker._global_node
-            pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
-            pids += [where["pid"] for where in self.trainer.rollout_producer.where]
-            found = {"session": node.get_session_dir_path(), "pids": pids, "addresses": loopback_addresses()}
+            actors = [where["pid"] for where in self.trainer.rollout_producer.where]
+            session = ray._private.worker._global_node.get_session_dir_path()
+            found = {"session": session, "pids": descendants(os.getpid()), "actors": actors}
+            found["addresses"] = loopback_addresses()
             print(f"ray: {json.dumps(found)}", flush=True)
 
 
@@ -134,7 +135,7 @@ def test_sigterm_on_a_trainer_that_started_its_own_ray_leaves_none_of_it(tmp_pat
     output = run_trainer(tiny_model_path, run, "none", stop, dict(max_steps=3, async_generation_rounds=1))
     found = json.loads(output.split("ray: ", 1)[1].splitlines()[0])
     assert found["addresses"] and all(host.startswith("127.") for host in found["addresses"].values()), found
-    assert len(found["pids"]) > 2  # its head's processes (gcs_server, raylet, ...) and its two actors
+    assert set(found["actors"]) <= set(found["pids"]) and len(found["pids"]) >= 4  # gcs_server, raylet, actors
     session = os.path.basename(found["session"])
     deadline = time.monotonic() + 30
     while (left := ray_processes(found["pids"], session)) and time.monotonic() < deadline:
@@ -142,10 +143,9 @@ def test_sigterm_on_a_trainer_that_started_its_own_ray_leaves_none_of_it(tmp_pat
     assert left == {}, left
 
 
-def ray_processes(pids: list[int], session: str) -> dict[int, str]:
-    """The processes still running (not zombies) that are among `pids` or name the Ray session `session` in
-    their command line, by pid: their command lines."""
-    left = {}
+def processes() -> dict[int, tuple[int, str, str]]:
+    """Every process on this machine, by pid: its parent's pid, its state and its command line."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -153,12 +153,33 @@ def ray_processes(pids: list[int], session: str) -> dict[int, str]:
             with open(f"/proc/{entry}/cmdline", "rb") as file:
                 command = file.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{entry}/stat") as file:
-                zombie = file.read().rpartition(")")[2].split()[0] == "Z"
+                state, parent = file.read().rpartition(")")[2].split()[:2]
         except OSError:  # ended meanwhile
             continue
-        if not zombie and (int(entry) in pids or session in command):
-            left[int(entry)] = command[:200]
-    return left
+        found[int(entry)] = (int(parent), state, command)
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, down the tree."""
+    children: dict[int, list[int]] = {}
+    for child, (parent, _, _) in processes().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def ray_processes(pids: list[int], session: str) -> dict[int, str]:
+    """The processes still running (not zombies) that are among `pids` or name the Ray session `session` in
+    their command line, by pid: their command lines."""
+    return {
+        pid: command[:200]
+        for pid, (_, state, command) in processes().items()
+        if state != "Z" and (pid in pids or session in command)
+    }
 
 
 if __name__ == "__main__":
