@@ -9,7 +9,8 @@ k = 1 the run finishes with every round within max_staleness=1. SIGTERM to both 
 run checkpoints (rank 0 keeps every rank's rounds ahead) and exits 0, and resumed it ends as the run that did not
 stop, bit for bit.
 
-Run with `pytest -m "dist and ray" tests/dist/test_ray_ranks.py` (about 4 minutes on 2 loaded cores)."""
+Run with `pytest -m "dist and ray" tests/dist/test_ray_ranks.py` (about 6.5 minutes on 2 loaded cores, 2.3 of them the
+SIGTERM test)."""
 
 from __future__ import annotations
 
