@@ -79,6 +79,10 @@ def trainer_address(base_url: str) -> str:
         return probe.getsockname()[0]
 
 
+class SyncTimeout(VLLMServerError):
+    """A wait of the NCCL sync passed its deadline."""
+
+
 def with_deadline(operation: Callable, timeout_s: float, failure: str):
     """`operation()` run on a daemon thread and waited for at most `timeout_s`; raises VLLMServerError(`failure`
     ...) past that (the thread is left to NCCL's own abort: the group is dropped), and re-raises its error."""
@@ -94,7 +98,7 @@ def with_deadline(operation: Callable, timeout_s: float, failure: str):
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise VLLMServerError(f"{failure}: no answer within {timeout_s:g} s (vllm_server_timeout).")
+        raise SyncTimeout(f"{failure}: no answer within {timeout_s:g} s (vllm_server_timeout).")
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
@@ -260,6 +264,8 @@ class NCCLWeightSync:
                     return str(final)
             except (VLLMServerError, RuntimeError, ValueError) as error:
                 self.reset()  # a group that failed mid-transfer cannot be reused
+                if isinstance(error, SyncTimeout):  # names the sync already
+                    return str(error)
                 return f"The {self._where(version, context)} failed: {error}"
 
     def _where(self, version: str, context: str) -> str:

@@ -1,0 +1,330 @@
+"""Server mode's NCCL weight sync (posttrain/generation/vllm_nccl_sync.py), on CPU: vLLM's trainer-side engine and
+the HTTP client are fakes that record what they are asked, so the order of the calls, the versions and the tensors
+sent (PEFT merged, tied once, FSDP2 gathered, in the server's dtype) are checked against references built here.
+The real NCCL transfer needs a GPU: benchmarks/gpu_check.py runs it (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.errors import ConfigError
+from posttrain.generation import vllm_nccl_sync
+from posttrain.generation.vllm_backend import VLLMServerBackend
+from posttrain.generation.vllm_client import VLLMServerError, VLLMServerUnreachable
+
+URL = "http://127.0.0.1:8123"
+WORKERS = 2  # the fake server's tensor-parallel workers: the group is them plus the trainer
+
+
+@dataclass
+class FakeInitInfo:  # vLLM's NCCLTrainerInitInfo's fields
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+
+
+@dataclass
+class FakeMeta:  # vLLM's ParamMeta
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+
+
+class FakeEngine:
+    """What vLLM's NCCLTrainerWeightTransferEngine does with its client and source, the broadcast replaced by a
+    record of the tensors (cloned as they would be on the wire)."""
+
+    log: list
+    sent: list
+    block: threading.Event | None = None
+
+    def __init__(self, client, source):
+        self.client, self.source = client, source
+
+    @classmethod
+    def trainer_init(cls, info, *, client, source):
+        cls.log.append(("trainer_init", asdict(info)))
+        client.init_weight_transfer_engine({**asdict(info), "rank_offset": 1})
+        return cls(client, source)
+
+    def send_weights(self):
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta]})
+        if FakeEngine.block is not None:
+            FakeEngine.block.wait()  # a server that never joins the broadcast
+        pairs = [(name, tensor.clone()) for name, tensor in self.source]
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [(m.name, m.dtype, m.shape) for m in meta]
+        FakeEngine.sent.append(pairs)
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        FakeEngine.log.append(("shutdown",))
+
+
+class FakeClient:
+    """posttrain's VLLMClient as the backend and the NCCL sync use it, recording every call."""
+
+    def __init__(self, weight_transfer="nccl", dtype="float32", fail_on=None):
+        self.base_url, self.timeout_s, self.connect_timeout_s = URL, 5.0, 5.0
+        self.weight_transfer, self.dtype, self.fail_on = weight_transfer, dtype, fail_on
+        self.log, self.held, self.down = [], "default", 0
+
+    def _record(self, name, *args):
+        if self.down:  # the server is away for this many calls
+            self.down -= 1
+            raise VLLMServerUnreachable(f"{name} failed: could not reach the vLLM server at {URL}")
+        self.log.append((name, *args))
+        if name == self.fail_on:
+            raise VLLMServerError(f"{name} failed: the vLLM server at {URL} answered HTTP 500: boom")
+
+    def wait_until_ready(self, timeout_s=None):
+        self.log.append(("wait_until_ready",))
+        info = dict(model="m", vocab_size=None, max_model_len=64, dtype=self.dtype)
+        return {**info, "weight_transfer": self.weight_transfer}
+
+    def world_size(self, context=""):
+        self._record("world_size")
+        return WORKERS
+
+    def init_weight_transfer_engine(self, init_info, context=""):
+        self._record("init_weight_transfer_engine", init_info["master_port"], init_info["world_size"])
+
+    def start_weight_update(self, context=""):
+        self._record("start_weight_update")
+
+    def update_weights(self, update_info, context=""):
+        self._record("update_weights", tuple(update_info["names"]))
+
+    def finish_weight_update(self, weight_version=None, context=""):
+        self._record("finish_weight_update", weight_version)
+        self.held = weight_version
+
+    def pause(self, context=""):
+        self._record("pause")
+
+    def resume(self, context=""):
+        self._record("resume")
+
+    def reset_prefix_cache(self, context=""):
+        self._record("reset_prefix_cache")
+
+    def engine_weight_version(self, context=""):
+        self._record("engine_weight_version")
+        return self.held
+
+    def generate(self, prompt_ids, n, sampling, seeds, stop, context=""):
+        self._record("generate")
+        return []
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    FakeEngine.log, FakeEngine.sent, FakeEngine.block = [], [], None
+    monkeypatch.setattr(vllm_nccl_sync, "_vllm_engine", lambda: (FakeEngine, FakeInitInfo, FakeMeta))
+    return FakeEngine
+
+
+def backend(client, device="cuda", port=51999):
+    return VLLMServerBackend(client, [0], trainer_device=torch.device(device), group_port=port)
+
+
+def calls(client):
+    return [entry[0] if entry[0] != "finish_weight_update" else entry for entry in client.log]
+
+
+def expected_state(model, dtype=None):
+    """The checkpoint's tensors by hand: the state dict without the tied lm_head, cast to the server's dtype."""
+    state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    return {n: (t.to(dtype) if dtype is not None else t).clone() for n, t in state.items()}
+
+
+def assert_sent(pairs, expected):
+    assert [name for name, _ in pairs] == list(expected)
+    for name, tensor in pairs:
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+SYNC = [
+    "pause",
+    "start_weight_update",
+    "update_weights",
+    None,  # finish_weight_update, with the version
+    "reset_prefix_cache",
+    "resume",
+]
+
+
+def sync_calls(version):
+    return [("finish_weight_update", version) if c is None else c for c in SYNC]
+
+
+def test_calls_versions_and_tensors_in_order(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = FakeClient()
+    server = backend(client)
+    assert server.nccl is not None and server.nccl.master_address == "127.0.0.1"
+    server.sync_weights(model)
+    first = expected_state(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)  # the tied lm_head moves with it
+    server.sync_weights(model)
+    run = server._run_id
+    assert calls(client) == [
+        "wait_until_ready",
+        "world_size",
+        "init_weight_transfer_engine",
+        *sync_calls(f"{run}-1"),
+        *sync_calls(f"{run}-2"),
+    ]
+    assert ("init_weight_transfer_engine", 51999, WORKERS + 1) in client.log  # vllm_group_port, workers + trainer
+    assert fake_vllm.log[0] == (
+        "trainer_init",
+        dict(master_address="127.0.0.1", master_port=51999, world_size=WORKERS + 1, rank=0),
+    )
+    assert_sent(fake_vllm.sent[0], first)
+    assert_sent(fake_vllm.sent[1], expected_state(model))
+    assert not torch.equal(fake_vllm.sent[0][0][1], fake_vllm.sent[1][0][1])
+    names = [entry[1] for entry in client.log if entry[0] == "update_weights"]
+    assert names[0] == tuple(first)  # the server is told exactly what comes
+
+
+def test_weights_go_in_the_servers_dtype(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    backend(FakeClient(dtype="bfloat16")).sync_weights(model)
+    assert_sent(fake_vllm.sent[0], expected_state(model, torch.bfloat16))
+
+
+def test_peft_sends_the_merged_weights_and_keeps_the_trainers(fake_vllm, tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    backend(FakeClient()).sync_weights(model)
+    sent = dict(fake_vllm.sent[0])
+    assert "lm_head.weight" not in sent and not any("lora" in n or "base_layer" in n for n in sent)
+    merged = 0
+    for name, tensor in sent.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        if name.endswith(("q_proj.weight", "v_proj.weight")):  # W + (alpha / r) B A, in float64
+            a, b = before[f"{prefix}.lora_A.default.weight"].double(), before[f"{prefix}.lora_B.default.weight"].double()
+            expected = before[f"{prefix}.base_layer.weight"].double() + 2.0 * b @ a
+            torch.testing.assert_close(tensor.double(), expected, atol=1e-6, rtol=0)
+            merged += 1
+        else:
+            assert torch.equal(tensor, before["base_model.model." + name]), name
+    assert merged == 2 * model.config.num_hidden_layers
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name  # unmerged bit for bit
+
+
+def test_fsdp2_shards_are_gathered_before_the_send(fake_vllm, tiny_model_path, free_tcp_port):
+    """FSDP2 on one gloo process: the parameters are DTensors (state_dict too), gathered with `full_tensor`; what is
+    sent equals the unsharded model's checkpoint, the tied weight once."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port}", rank=0, world_size=1)
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert all(hasattr(p, "full_tensor") for p in model.parameters())
+        backend(FakeClient()).sync_weights(model)
+    finally:
+        dist.destroy_process_group()
+    assert_sent(fake_vllm.sent[0], expected_state(reference))
+
+
+def test_a_failed_transfer_names_the_server_and_the_version(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = FakeClient(fail_on="update_weights")
+    server = backend(client)
+    with pytest.raises(VLLMServerError, match=f"version {server._run_id}-1 .*{URL}.*HTTP 500: boom"):
+        server.sync_weights(model)
+    assert ("shutdown",) in fake_vllm.log and server.nccl.engine is None  # the group is dropped, opened anew next
+    assert calls(client)[-1] == "resume"  # generation is not left paused
+
+
+def test_a_transfer_that_hangs_times_out_naming_the_server_and_the_version(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = FakeClient()
+    client.timeout_s = 1.0
+    server = backend(client)
+    fake_vllm.block = threading.Event()
+    started = time.monotonic()
+    try:
+        with pytest.raises(VLLMServerError, match=f"version {server._run_id}-1 .*{URL}: no answer within 1 s"):
+            server.sync_weights(model)
+    finally:
+        fake_vllm.block.set()
+    assert time.monotonic() - started < 15
+
+
+def test_a_restarted_server_gets_a_new_group_and_the_last_weights(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = FakeClient()
+    server = backend(client)
+    server.sync_weights(model)
+    pushed = expected_state(model)
+    with torch.no_grad():  # a training step after the sync: not what the server held
+        model.model.norm.weight.add_(0.5)
+    client.held, client.log = "default", []  # restarted between two requests: its start-up weights
+    server.generate([[1, 2]], 1, _sampling())
+    version = f"{server._run_id}-1"
+    assert calls(client) == [
+        "engine_weight_version",
+        "world_size",
+        "init_weight_transfer_engine",
+        *sync_calls(version),
+        "generate",
+    ]
+    assert ("shutdown",) in fake_vllm.log and server.reconnects == 1
+    assert_sent(fake_vllm.sent[1], pushed)  # the weights of the last sync, not the trainer's current ones
+
+
+def test_a_server_away_during_a_push_is_waited_for_and_the_push_retried(fake_vllm, tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = FakeClient()
+    server = backend(client)
+    client.down = 1  # the first call of the push (world_size, before the group opens) finds nobody
+    server.sync_weights(model)
+    assert calls(client) == [
+        "wait_until_ready",
+        "wait_until_ready",  # waiting for it to come back
+        "world_size",
+        "init_weight_transfer_engine",
+        *sync_calls(f"{server._run_id}-1"),
+    ]
+    assert server.reconnects == 1
+    assert_sent(fake_vllm.sent[0], expected_state(model))
+
+
+def test_a_cpu_trainer_is_refused_before_training_and_files_stay_the_default(fake_vllm):
+    with pytest.raises(ConfigError, match=f"{URL} was started with `--weight-transfer nccl`.*on cpu.*without"):
+        backend(FakeClient(), device="cpu")
+    assert backend(FakeClient(weight_transfer=None), device="cuda").nccl is None  # a file-sync server
+    assert backend(FakeClient(weight_transfer=None), device="cpu").nccl is None
+
+
+def test_the_trainer_address_the_server_reaches():
+    assert vllm_nccl_sync.trainer_address("http://localhost:8000") == "127.0.0.1"
+    assert vllm_nccl_sync.trainer_address("http://127.0.0.5:8000") == "127.0.0.1"
+
+
+def _sampling():
+    from posttrain.generation import SamplingParams
+
+    return SamplingParams(max_tokens=4)
