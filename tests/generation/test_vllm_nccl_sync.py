@@ -217,7 +217,8 @@ def test_peft_sends_the_merged_weights_and_keeps_the_trainers(fake_vllm, tiny_mo
     for name, tensor in sent.items():
         prefix = "base_model.model." + name.removesuffix(".weight")
         if name.endswith(("q_proj.weight", "v_proj.weight")):  # W + (alpha / r) B A, in float64
-            a, b = before[f"{prefix}.lora_A.default.weight"].double(), before[f"{prefix}.lora_B.default.weight"].double()
+            a = before[f"{prefix}.lora_A.default.weight"].double()
+            b = before[f"{prefix}.lora_B.default.weight"].double()
             expected = before[f"{prefix}.base_layer.weight"].double() + 2.0 * b @ a
             torch.testing.assert_close(tensor.double(), expected, atol=1e-6, rtol=0)
             merged += 1
