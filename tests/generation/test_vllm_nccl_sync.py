@@ -11,15 +11,13 @@ from dataclasses import asdict, dataclass
 
 import pytest
 import torch
+from _vllm_fakes import URL, WORKERS, FakeClient
 from transformers import AutoModelForCausalLM
 
 from posttrain.errors import ConfigError
 from posttrain.generation import vllm_nccl_sync
 from posttrain.generation.vllm_backend import VLLMServerBackend
-from posttrain.generation.vllm_client import VLLMServerError, VLLMServerUnreachable
-
-URL = "http://127.0.0.1:8123"
-WORKERS = 2  # the fake server's tensor-parallel workers: the group is them plus the trainer
+from posttrain.generation.vllm_client import VLLMServerError
 
 
 @dataclass
@@ -67,62 +65,6 @@ class FakeEngine:
 
     def shutdown(self):
         FakeEngine.log.append(("shutdown",))
-
-
-class FakeClient:
-    """posttrain's VLLMClient as the backend and the NCCL sync use it, recording every call."""
-
-    def __init__(self, weight_transfer="nccl", dtype="float32", fail_on=None):
-        self.base_url, self.timeout_s, self.connect_timeout_s = URL, 5.0, 5.0
-        self.weight_transfer, self.dtype, self.fail_on = weight_transfer, dtype, fail_on
-        self.log, self.held, self.down = [], "default", 0
-
-    def _record(self, name, *args):
-        if self.down:  # the server is away for this many calls
-            self.down -= 1
-            raise VLLMServerUnreachable(f"{name} failed: could not reach the vLLM server at {URL}")
-        self.log.append((name, *args))
-        if name == self.fail_on:
-            raise VLLMServerError(f"{name} failed: the vLLM server at {URL} answered HTTP 500: boom")
-
-    def wait_until_ready(self, timeout_s=None):
-        self.log.append(("wait_until_ready",))
-        info = dict(model="m", vocab_size=None, max_model_len=64, dtype=self.dtype)
-        return {**info, "weight_transfer": self.weight_transfer}
-
-    def world_size(self, context=""):
-        self._record("world_size")
-        return WORKERS
-
-    def init_weight_transfer_engine(self, init_info, context=""):
-        self._record("init_weight_transfer_engine", init_info["master_port"], init_info["world_size"])
-
-    def start_weight_update(self, context=""):
-        self._record("start_weight_update")
-
-    def update_weights(self, update_info, context=""):
-        self._record("update_weights", tuple(update_info["names"]))
-
-    def finish_weight_update(self, weight_version=None, context=""):
-        self._record("finish_weight_update", weight_version)
-        self.held = weight_version
-
-    def pause(self, context=""):
-        self._record("pause")
-
-    def resume(self, context=""):
-        self._record("resume")
-
-    def reset_prefix_cache(self, context=""):
-        self._record("reset_prefix_cache")
-
-    def engine_weight_version(self, context=""):
-        self._record("engine_weight_version")
-        return self.held
-
-    def generate(self, prompt_ids, n, sampling, seeds, stop, context=""):
-        self._record("generate")
-        return []
 
 
 @pytest.fixture
