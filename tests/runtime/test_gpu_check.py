@@ -27,6 +27,35 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path):
     assert report["device"] == "cpu (dry run)" and report["versions"]["trl"].startswith("1.16")
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| tiny-llama | grpo | trl |" in table and "| tiny-llama | sft_lora | posttrain |" in table
+    assert report["vllm_sync"]["skipped"].startswith("skipped: needs 2 CUDA GPUs")  # the vLLM step says why not
+    assert "vLLM NCCL weight sync: skipped: needs 2 CUDA GPUs" in table
+
+
+def test_the_vllm_step_alone_skips_with_a_line_without_a_gpu(tmp_path):
+    script = str(ROOT / "benchmarks" / "gpu_check.py")
+    command = [sys.executable, script, "--dry-run", "--runs", "", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "gpu_check vllm_sync: skipped: needs 2 CUDA GPUs" in done.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["rows"] == [] and "skipped" in report["vllm_sync"]
+    without = [*command, "--no-vllm-sync"]
+    assert subprocess.run(without, capture_output=True, text=True, timeout=600, cwd=ROOT).returncode == 0
+    assert "vllm_sync" not in json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_the_vllm_step_compares_tokens_and_log_probs():
+    import gpu_vllm_sync
+
+    trainer = [{"tokens": [5, 6, 7], "logprobs": [-1.0, -2.0, -0.5]}, {"tokens": [9], "logprobs": [-3.0]}]
+    close = [{"tokens": [5, 6, 7], "logprobs": [-1.0004, -2.0, -0.5]}, {"tokens": [9], "logprobs": [-3.0002]}]
+    result = gpu_vllm_sync.compare(trainer, close)
+    assert result["tokens_equal"] and result["match"] and abs(result["max_logp_diff"] - 4e-4) < 1e-9
+    far = [{"tokens": [5, 6, 7], "logprobs": [-1.0, -2.01, -0.5]}, {"tokens": [9], "logprobs": [-3.0]}]
+    assert not gpu_vllm_sync.compare(trainer, far)["match"]  # 1e-2 nats apart
+    other = [{"tokens": [5, 8, 7], "logprobs": [-1.0, -2.0, -0.5]}, {"tokens": [9], "logprobs": [-3.0]}]
+    assert not gpu_vllm_sync.compare(trainer, other)["tokens_equal"]
+    assert not gpu_vllm_sync.compare(trainer, other)["match"]
 
 
 def test_a_missing_package_stops_the_check_naming_the_wheel(capsys):
