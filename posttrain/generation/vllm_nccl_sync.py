@@ -84,12 +84,16 @@ class SyncTimeout(VLLMServerError):
 
 
 def with_deadline(operation: Callable, timeout_s: float, failure: str):
-    """`operation()` run on a daemon thread and waited for at most `timeout_s`; raises VLLMServerError(`failure`
-    ...) past that (the thread is left to NCCL's own abort: the group is dropped), and re-raises its error."""
+    """`operation()` run on a daemon thread and waited for at most `timeout_s`; raises SyncTimeout(`failure` ...)
+    past that (the thread is left to NCCL's abort when the group is dropped), and re-raises its error. The thread
+    works on the caller's CUDA device (a new thread starts on device 0, and NCCL's group lives on one device)."""
     outcome: dict = {}
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def run():
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             outcome["value"] = operation()
         except BaseException as error:  # handed to the caller's thread
             outcome["error"] = error
@@ -297,8 +301,10 @@ class NCCLWeightSync:
         )
         try:
             return self.engine_cls.trainer_init(info, client=self.sync_client, source=self.source)
-        except OSError as error:  # the store's port
+        except VLLMServerError:  # the server's side of the rendezvous, named by the client
+            raise
+        except (OSError, RuntimeError) as error:  # the store: its port taken, or not reachable from the server
             raise VLLMServerError(
-                f"Could not open the NCCL group's store on {self.master_address}:{self.group_port} ({error}). Set "
-                "vllm_group_port to a free port the server can reach."
+                f"Could not open the NCCL group on {self.master_address}:{self.group_port} ({error}). Set "
+                "vllm_group_port to a free port of this machine that the server can reach."
             ) from None

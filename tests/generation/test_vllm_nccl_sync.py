@@ -201,6 +201,18 @@ def test_a_failed_transfer_names_the_server_and_the_version(fake_vllm, tiny_mode
     assert calls(client)[-1] == "resume"  # generation is not left paused
 
 
+def test_a_taken_group_port_is_named(fake_vllm, tiny_model_path, monkeypatch):
+    def taken(info, *, client, source):
+        raise RuntimeError("The server socket has failed to listen on any local network address (port 51999)")
+
+    monkeypatch.setattr(FakeEngine, "trainer_init", taken)
+    server = backend(FakeClient())
+    with pytest.raises(
+        VLLMServerError, match=f"version {server._run_id}-1 .*{URL} failed: .*127.0.0.1:51999.*vllm_group_port"
+    ):
+        server.sync_weights(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+
+
 def test_a_transfer_that_hangs_times_out_naming_the_server_and_the_version(fake_vllm, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     client = FakeClient()

@@ -115,3 +115,29 @@ def _sampling():
     from posttrain.generation import SamplingParams
 
     return SamplingParams(max_tokens=4)
+
+
+def test_a_cpu_trainer_facing_a_real_nccl_server_is_refused_before_training(vllm_tiny_path, tmp_path):
+    """A real server started with `--weight-transfer nccl` (vLLM's CPU build starts it; the group needs GPUs) says
+    so at the handshake, and a trainer whose weights are on the CPU stops there, naming the option and the fix."""
+    from conftest import ServerProcess
+    from transformers import AutoModelForCausalLM
+
+    from posttrain import GRPOConfig
+    from posttrain.errors import ConfigError
+    from posttrain.generation.vllm_backend import create_vllm_backend
+    from posttrain.generation.vllm_client import VLLMClient
+
+    server = ServerProcess(vllm_tiny_path, tmp_path, extra=("--weight-transfer", "nccl"))
+    try:
+        url = server.ensure()
+        client = VLLMClient(url, timeout_s=60)
+        assert client.handshake()["weight_transfer"] == "nccl" and client.world_size() == 1
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_cpu=True
+        )
+        model = AutoModelForCausalLM.from_pretrained(vllm_tiny_path)
+        with pytest.raises(ConfigError, match=f"{url} was started with `--weight-transfer nccl`.*on cpu.*Restart"):
+            create_vllm_backend(model, None, args, [0])
+    finally:
+        server.stop()
