@@ -78,7 +78,9 @@ def _wait_for_main_process() -> None:
 
 
 class VLLMServerBackend(GenerationBackend):
-    """Generates with a running vLLM server; syncs weights through a directory the server can read.
+    """Generates with a running vLLM server; syncs weights through a directory the server can read, or over NCCL
+    when the server was started with `--weight-transfer nccl` and `trainer_device` is a GPU (`self.nccl`, with
+    `group_port` its group's port; a CPU trainer is refused then: vllm_nccl_sync.py).
 
     `sync_dir` must be visible to the server under the same path (the default, a temporary directory, is
     right when both run on one machine). In a multi-process run every process sends its own prompts; only the

@@ -217,6 +217,11 @@ class NCCLWeightSync:
     def restore(self, version: str, context: str) -> None:
         """Rank 0: pushes the weights of the last sync again, as `version`, to a server that lost them (restarted),
         over a new group."""
+        if self.last is None:
+            raise VLLMServerError(
+                f"The vLLM server at {self.client.base_url} lost weights version {version} ({context}), but no NCCL "
+                "push has completed on this trainer to push again."
+            )
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         whole = [(name, tensor.to(device) if device else tensor) for name, tensor in self.last or []]
         self.reset()

@@ -133,6 +133,7 @@ def test_a_cpu_trainer_facing_a_real_nccl_server_is_refused_before_training(vllm
         url = server.ensure()
         client = VLLMClient(url, timeout_s=60)
         assert client.handshake()["weight_transfer"] == "nccl" and client.world_size() == 1
+        assert client.engine_weight_version() == "default"  # vLLM's own version before any push: a restart's too
         args = GRPOConfig(
             output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="server", vllm_server_base_url=url, use_cpu=True
         )
