@@ -1,8 +1,14 @@
-"""A stand-in for posttrain's VLLMClient as the server backend and the NCCL weight sync use it (tests/generation,
-tests/vllm): it records every call, answers the handshake as a server started with `--weight-transfer nccl`, and
-can be made to fail one call or to be away for a few."""
+"""Stand-ins for the NCCL weight sync's two partners (tests/generation, tests/vllm, tests/dist): posttrain's
+VLLMClient as the server backend uses it (it records every call, answers the handshake as a server started with
+`--weight-transfer nccl`, and can be made to fail one call or to be away for a few), and vLLM's trainer-side
+NCCL engine (the same calls on its client and source, the broadcast replaced by a record of the tensors)."""
 
 from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
 
 from posttrain.generation.vllm_client import VLLMServerError, VLLMServerUnreachable
 
@@ -64,3 +70,55 @@ class FakeClient:
     def generate(self, prompt_ids, n, sampling, seeds, stop, context=""):
         self._record("generate")
         return []
+
+
+@dataclass
+class FakeInitInfo:  # vLLM's NCCLTrainerInitInfo's fields
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+
+
+@dataclass
+class FakeMeta:  # vLLM's ParamMeta
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+
+
+class FakeEngine:
+    """What vLLM's NCCLTrainerWeightTransferEngine does with its client and source, the broadcast replaced by a
+    record of the tensors (cloned as they would be on the wire)."""
+
+    log: list
+    sent: list
+    block: threading.Event | None = None
+
+    def __init__(self, client, source):
+        self.client, self.source = client, source
+
+    @classmethod
+    def trainer_init(cls, info, *, client, source):
+        cls.log.append(("trainer_init", asdict(info)))
+        client.init_weight_transfer_engine({**asdict(info), "rank_offset": 1})
+        return cls(client, source)
+
+    def send_weights(self):
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta]})
+        if FakeEngine.block is not None:
+            FakeEngine.block.wait()  # a server that never joins the broadcast
+        pairs = [(name, tensor.clone()) for name, tensor in self.source]
+        assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [(m.name, m.dtype, m.shape) for m in meta]
+        FakeEngine.sent.append(pairs)
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        FakeEngine.log.append(("shutdown",))
+
+
+def fake_engine_classes():
+    """What `vllm_nccl_sync._vllm_engine` returns, with the fakes."""
+    return FakeEngine, FakeInitInfo, FakeMeta

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass
 
 import pytest
 import torch
-from _vllm_fakes import URL, WORKERS, FakeClient
+from _vllm_fakes import URL, WORKERS, FakeClient, FakeEngine, fake_engine_classes
 from transformers import AutoModelForCausalLM
 
 from posttrain.errors import ConfigError
@@ -20,57 +19,10 @@ from posttrain.generation.vllm_backend import VLLMServerBackend
 from posttrain.generation.vllm_client import VLLMServerError
 
 
-@dataclass
-class FakeInitInfo:  # vLLM's NCCLTrainerInitInfo's fields
-    master_address: str
-    master_port: int
-    world_size: int
-    rank: int
-
-
-@dataclass
-class FakeMeta:  # vLLM's ParamMeta
-    name: str
-    dtype: torch.dtype
-    shape: tuple
-
-
-class FakeEngine:
-    """What vLLM's NCCLTrainerWeightTransferEngine does with its client and source, the broadcast replaced by a
-    record of the tensors (cloned as they would be on the wire)."""
-
-    log: list
-    sent: list
-    block: threading.Event | None = None
-
-    def __init__(self, client, source):
-        self.client, self.source = client, source
-
-    @classmethod
-    def trainer_init(cls, info, *, client, source):
-        cls.log.append(("trainer_init", asdict(info)))
-        client.init_weight_transfer_engine({**asdict(info), "rank_offset": 1})
-        return cls(client, source)
-
-    def send_weights(self):
-        meta = self.source.metadata()
-        self.client.start_weight_update()
-        self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta]})
-        if FakeEngine.block is not None:
-            FakeEngine.block.wait()  # a server that never joins the broadcast
-        pairs = [(name, tensor.clone()) for name, tensor in self.source]
-        assert [(n, t.dtype, tuple(t.shape)) for n, t in pairs] == [(m.name, m.dtype, m.shape) for m in meta]
-        FakeEngine.sent.append(pairs)
-        self.client.finish_weight_update()
-
-    def shutdown(self):
-        FakeEngine.log.append(("shutdown",))
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch):
     FakeEngine.log, FakeEngine.sent, FakeEngine.block = [], [], None
-    monkeypatch.setattr(vllm_nccl_sync, "_vllm_engine", lambda: (FakeEngine, FakeInitInfo, FakeMeta))
+    monkeypatch.setattr(vllm_nccl_sync, "_vllm_engine", fake_engine_classes)
     return FakeEngine
 
 
