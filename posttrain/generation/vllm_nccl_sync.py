@@ -74,9 +74,15 @@ def trainer_address(base_url: str) -> str:
     host = urlparse(base_url).hostname or "127.0.0.1"
     if host in ("localhost", "0.0.0.0") or host.startswith("127."):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, urlparse(base_url).port or 80))
-        return probe.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, urlparse(base_url).port or 80))
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise ConfigError(
+            f"Cannot find this machine's address on the way to the vLLM server at {base_url} ({error}), which the "
+            "NCCL weight sync (--weight-transfer nccl) needs. Check vllm_server_base_url / vllm_server_host."
+        ) from None
 
 
 class SyncTimeout(VLLMServerError):
