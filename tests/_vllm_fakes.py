@@ -63,6 +63,14 @@ class FakeClient:
     def reset_prefix_cache(self, context=""):
         self._record("reset_prefix_cache")
 
+    def reload_weights(self, directory, context="", version=None):  # the file sync
+        self._record("reload_weights", directory, version)
+        self.held = version
+
+    def weights_version(self, context=""):
+        self._record("weights_version")
+        return {"version": self.held}
+
     def engine_weight_version(self, context=""):
         self._record("engine_weight_version")
         return self.held

@@ -40,7 +40,7 @@ from posttrain.generation.vllm_client import (
 from posttrain.generation.vllm_memory import CPU_KV_CACHE_GB, colocate_memory
 from posttrain.generation.vllm_nccl_sync import NCCLWeightSync, await_version, check_nccl_trainer, from_main_process
 from posttrain.generation.vllm_nccl_sync import is_main_process as _is_main_process
-from posttrain.generation.vllm_weights import policy_module, policy_weights, save_weights
+from posttrain.generation.vllm_weights import full_tensor, is_sharded, policy_module, policy_weights, save_weights
 from posttrain.models.reference import is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -160,9 +160,12 @@ class VLLMServerBackend(GenerationBackend):
             self.nccl.push(model, self._version, context, self._wait_for_server)
             self._stale = False
             return
-        if _is_main_process():
+        if _is_main_process() or is_sharded(model):  # FSDP2: every rank gathers, in the same order
             with policy_weights(model) as weights:
-                save_weights(weights, self.sync_dir, self.dtype)
+                whole = [(name, full_tensor(tensor)) for name, tensor in weights]
+                if _is_main_process():
+                    save_weights(whole, self.sync_dir, self.dtype)
+        if _is_main_process():
             self._stale = True
             self._call(None, context)
         _wait_for_main_process()

@@ -33,7 +33,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.generation.vllm_client import VLLMClient, VLLMServerError, VLLMServerUnreachable
-from posttrain.generation.vllm_weights import full_tensor, policy_module, policy_weights
+from posttrain.generation.vllm_weights import full_tensor, is_sharded, policy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +206,8 @@ class NCCLWeightSync:
     def push(self, model, version: str, context: str, on_unreachable: Callable) -> None:
         """Sends the policy's current weights as `version`. Every rank calls it: under FSDP2 each gathers every
         parameter first. `on_unreachable(error)` waits for a server that went away (then the push is retried)."""
-        sharded = any(hasattr(p, "full_tensor") for p in policy_module(model).parameters())
         failure, whole = None, None
-        if is_main_process() or sharded:
+        if is_main_process() or is_sharded(model):
             with policy_weights(model) as weights:
                 whole = [(name, self._wire(full_tensor(tensor))) for name, tensor in weights]  # every rank, in order
                 if is_main_process():

@@ -87,6 +87,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the policy's parameters are FSDP2 shards (DTensors): then every rank takes part in a sync."""
+    return any(hasattr(param, "full_tensor") for param in policy_module(model).parameters())
+
+
 @torch.no_grad()
 def gathered_params(model) -> list[torch.Tensor]:
     """`model`'s parameters in `named_parameters` order (a tied one once), each whole (`full_tensor`): every rank
