@@ -4,8 +4,8 @@ Starts `posttrain vllm-serve MODEL --weight-transfer nccl` on GPU 1 (float32, a 
 trainer's model on GPU 0 with other weights than the server's (the start-up weights plus seeded noise), and then:
 - syncs through the new path (`VLLMServerBackend` finds NCCL at the handshake), 3 times, timing each;
 - checks the server against the trainer after the sync: its greedy completion of each prompt equals the trainer's
-  greedy `generate`, and its log-prob of each generated token is within 1e-3 nats of the trainer's (both float32);
-  before the sync they differ (else the check could not fail);
+  greedy decoding, and its log-prob of each token of a seeded sample is within 1e-3 nats of the trainer's (both
+  float32); before the sync they differ (else the check could not fail);
 - times the file sync (safetensors through /tmp) to the same server, 3 times, for comparison.
 Skipped, with a line saying why, where vLLM is not installed or fewer than 2 CUDA devices are visible (--dry-run
 included): NCCL refuses two ranks of one group on one device ("Duplicate GPU detected"), so the server and the
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = ([1, 2, 3, 4, 5], [17, 4, 99, 250, 3, 8], [400, 12, 7])
+PROMPTS = ([1, 2, 3, 4, 5], [17, 4, 60, 25, 3, 8], [40, 12, 7])  # ids every vocabulary has
 GREEDY_TOKENS = 12
 LOGP_TOLERANCE = 1e-3  # nats, float32 on both sides
 REPEATS = 3
@@ -50,15 +50,10 @@ def skip_reason(dry_run: bool) -> str | None:
 
 
 def compare(trainer: list[dict], server: list[dict], tolerance: float = LOGP_TOLERANCE) -> dict:
-    """Per prompt, the trainer's and the server's greedy tokens and log-probs of them: whether all tokens agree
-    and the largest log-prob difference where they do."""
-    same = all(t["tokens"] == s["tokens"] for t, s in zip(trainer, server, strict=True))
-    diffs = [
-        abs(a - b)
-        for t, s in zip(trainer, server)
-        for a, b, x, y in zip(t["logprobs"], s["logprobs"], t["tokens"], s["tokens"])
-        if x == y
-    ]
+    """Per prompt, {"greedy": tokens, "logprobs": of the server's sampled tokens} from each side (the trainer's
+    log-probs scored on the server's samples): whether the greedy tokens agree, and the largest log-prob gap."""
+    same = all(t["greedy"] == s["greedy"] for t, s in zip(trainer, server, strict=True))
+    diffs = [abs(a - b) for t, s in zip(trainer, server) for a, b in zip(t["logprobs"], s["logprobs"], strict=True)]
     worst = max(diffs, default=float("inf"))
     return {"tokens_equal": same, "max_logp_diff": worst, "match": same and worst <= tolerance}
 
@@ -69,28 +64,39 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _trainer_greedy(model, prompts) -> list[dict]:
-    """The trainer's greedy completion of each prompt and its log-prob of each generated token (float32)."""
-    import torch
+def _server_side(client, prompts) -> list[dict]:
+    """The server's greedy completion of each prompt, and a seeded sample with its log-probs (EOS ignored, so
+    both sides run the full length)."""
+    from posttrain.generation import SamplingParams
 
+    sampling = SamplingParams(max_tokens=GREEDY_TOKENS, extra={"ignore_eos": True})
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt], device=model.device)
-        with torch.no_grad():
-            full = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, min_new_tokens=GREEDY_TOKENS)
-            logps = torch.log_softmax(model(full).logits.float(), dim=-1)
-        new = full[0, len(prompt) :]
-        positions = torch.arange(len(prompt) - 1, full.shape[1] - 1, device=full.device)
-        out.append({"tokens": new.tolist(), "logprobs": logps[0, positions, new].tolist()})
+        greedy = client.complete(prompt, 1, sampling, None, [], temperature=0.0)[0]
+        sample = client.complete(prompt, 1, sampling, 7, [])[0]
+        out.append({"greedy": list(greedy.token_ids), "sample": list(sample.token_ids), "logprobs": sample.logprobs})
     return out
 
 
-def _server_greedy(client, prompts) -> list[dict]:
-    from posttrain.generation import SamplingParams
+def _trainer_side(model, prompts, server: list[dict]) -> list[dict]:
+    """The trainer's greedy decoding of each prompt (step by step, no EOS), its log-probs of the server's sample,
+    and the smallest gap between the best two logits (a near tie may be broken either way by rounding)."""
+    import torch
 
-    sampling = SamplingParams(max_tokens=GREEDY_TOKENS, extra={"min_tokens": GREEDY_TOKENS})
-    completions = [client.complete(p, 1, sampling, 0, [], temperature=0.0)[0] for p in prompts]
-    return [{"tokens": list(c.token_ids), "logprobs": list(c.logprobs)} for c in completions]
+    out = []
+    with torch.no_grad():
+        for prompt, theirs in zip(prompts, server):
+            ids, gap = list(prompt), float("inf")
+            for _ in range(GREEDY_TOKENS):
+                top = model(torch.tensor([ids], device=model.device)).logits[0, -1].double().topk(2)
+                gap = min(gap, float(top.values[0] - top.values[1]))
+                ids.append(int(top.indices[0]))
+            sample = theirs["sample"]
+            logits = model(torch.tensor([prompt + sample], device=model.device)).logits[0, len(prompt) - 1 : -1]
+            index = torch.tensor(sample, device=model.device)[:, None]
+            logps = torch.log_softmax(logits.double(), -1).gather(1, index)[:, 0]
+            out.append({"greedy": ids[len(prompt) :], "logprobs": logps.tolist(), "gap": gap})
+    return out
 
 
 def _start_server(model_path: str, port: int, log: Path) -> subprocess.Popen:
@@ -115,6 +121,12 @@ def _timed_syncs(backend, model) -> list[float]:
     return seconds
 
 
+def _compared(model, client) -> dict:
+    server = _server_side(client, PROMPTS)
+    trainer = _trainer_side(model, PROMPTS, server)
+    return {**compare(trainer, server), "min_top2_gap": min(t["gap"] for t in trainer)}
+
+
 def _check(model_path: str, work: Path, result: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -134,14 +146,13 @@ def _check(model_path: str, work: Path, result: dict) -> None:
                 param.add_(torch.randn(param.shape, generator=generator, device="cuda") * 0.02)
         nccl = VLLMServerBackend(client, [], trainer_device=torch.device("cuda"), group_port=_free_port())
         result["path"] = "nccl" if nccl.nccl is not None else "files (NCCL not found at the handshake)"
-        trainer = _trainer_greedy(model, PROMPTS)
-        result["before_sync"] = compare(trainer, _server_greedy(client, PROMPTS))
+        result["before_sync"] = _compared(model, client)
         result["nccl_sync_s"] = _timed_syncs(nccl, model)
         result["nccl_send_s"] = nccl.nccl.seconds if nccl.nccl is not None else None
-        result["after_sync"] = compare(trainer, _server_greedy(client, PROMPTS))
+        result["after_sync"] = _compared(model, client)
         files = VLLMServerBackend(client, [], sync_dir=str(work / "vllm_sync"))  # no trainer_device: files
         result["file_sync_s"] = _timed_syncs(files, model)
-        result["after_file_sync"] = compare(trainer, _server_greedy(client, PROMPTS))
+        result["after_file_sync"] = _compared(model, client)
         result["params"] = sum(p.numel() for p in model.parameters())
     finally:
         os.killpg(server.pid, signal.SIGTERM)

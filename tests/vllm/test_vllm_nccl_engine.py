@@ -142,3 +142,30 @@ def test_a_cpu_trainer_facing_a_real_nccl_server_is_refused_before_training(vllm
             create_vllm_backend(model, None, args, [0])
     finally:
         server.stop()
+
+
+def test_the_gpu_checks_comparison_fails_before_a_sync_and_passes_after(vllm_server, vllm_tiny_path, tmp_path):
+    """benchmarks/gpu_vllm_sync.py's check (greedy tokens equal, sampled log-probs within 1e-3) on a real server,
+    synced through files here (its NCCL run needs two GPUs): it can fail, and it passes once the weights are in."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.generation.vllm_client import VLLMClient
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_vllm_sync
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_tiny_path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    client = VLLMClient(vllm_server, timeout_s=120)
+    files = VLLMServerBackend(client, [], sync_dir=str(tmp_path))
+    before = gpu_vllm_sync._compared(model, client)
+    files.sync_weights(model, force=True)
+    after = gpu_vllm_sync._compared(model, client)
+    assert not before["match"] and before["max_logp_diff"] > 0.1
+    assert after["match"] and after["tokens_equal"] and after["max_logp_diff"] < 1e-4, after
