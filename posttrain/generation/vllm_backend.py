@@ -447,9 +447,17 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
         vocab_size = getattr(policy_module(model).config, "vocab_size", None)
         nccl = dict(trainer_device=next(model.parameters()).device, group_port=getattr(args, "vllm_group_port", 51216))
-        return VLLMServerBackend(
+        backend = VLLMServerBackend(
             client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **nccl, **common
         )
+        if backend.nccl is None and nccl["group_port"] != 51216:
+            logger.warning(
+                "vllm_group_port=%d is unused: the vLLM server at %s gets the weights through files (it was started "
+                "without --weight-transfer nccl).",
+                nccl["group_port"],
+                url,
+            )
+        return backend
     check_cpu_head_dim(policy_module(model).config)
     context = policy_module(model).config.max_position_embeddings
     kv_cache_gb, fraction = colocate_memory(args, next(model.parameters()).device.type)

@@ -235,3 +235,25 @@ def _sampling():
     from posttrain.generation import SamplingParams
 
     return SamplingParams(max_tokens=4)
+
+
+def test_vllm_group_port_reaches_the_sync_and_is_said_unused_with_a_file_server(
+    fake_vllm, tiny_model_path, tmp_path, monkeypatch, caplog
+):
+    from posttrain import GRPOConfig
+    from posttrain.generation import vllm_backend
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=URL, vllm_group_port=52345)
+    args = GRPOConfig(output_dir=str(tmp_path), **settings)
+    monkeypatch.setattr(vllm_backend, "VLLMClient", lambda *a, **k: FakeClient(weight_transfer=None))
+    with caplog.at_level("WARNING"):
+        assert vllm_backend.create_vllm_backend(model, None, args, [0]).nccl is None
+    assert f"vllm_group_port=52345 is unused: the vLLM server at {URL} gets the weights through files" in caplog.text
+    monkeypatch.setattr(vllm_backend, "VLLMClient", lambda *a, **k: FakeClient())
+    with pytest.raises(ConfigError, match="--weight-transfer nccl"):  # the trainer's model is on the CPU
+        vllm_backend.create_vllm_backend(model, None, args, [0])
+    model.to("meta")  # a stand-in for a GPU trainer's device: what create_vllm_backend reads
+    monkeypatch.setattr(vllm_nccl_sync, "check_nccl_trainer", lambda info, device, url: device.type == "meta")
+    monkeypatch.setattr(vllm_backend, "check_nccl_trainer", vllm_nccl_sync.check_nccl_trainer)
+    assert vllm_backend.create_vllm_backend(model, None, args, [0]).nccl.group_port == 52345
