@@ -5,7 +5,10 @@ Qwen3-0.6B's, each built from its config with random weights (the timed computat
 and SmolLM2's 94 MB of weights would not fit the 64 MiB that travels to the GPU machine), once with posttrain and once
 with TRL. Reports per run: seconds per optimizer step, tokens/s, MFU against the card's dense bf16 peak, peak
 `torch.cuda.max_memory_allocated`, and the host syncs CUDA's sync debug mode reported during the timed steps, as
-gpu_check.json and gpu_check.md in --out ($OUT on the device machine).
+gpu_check.json and gpu_check.md in --out ($OUT on the device machine). Then the vLLM step (gpu_vllm_sync.py): server
+mode's NCCL weight sync to a vLLM server on a second GPU, checked against the trainer's greedy completions and timed
+against the file sync; skipped with a line saying why without vLLM or a second GPU (`--runs ""` runs it alone,
+`--no-vllm-sync` leaves it out).
 
 On the GPU machine (torch 2.11 + CUDA 13, transformers 5.17, no network), after `scripts/gpu_wheels.sh` here and with
 `gpu_wheels` carried:
@@ -282,7 +285,7 @@ def one_run(impl: str, run: str, model: str, path: str, params: int, shape: dict
     return row
 
 
-def check(dry_run: bool, runs=RUNS, impls=("posttrain", "trl")) -> dict:
+def check(dry_run: bool, runs=RUNS, impls=("posttrain", "trl"), vllm_sync: bool = True) -> dict:
     import torch
 
     started = time.perf_counter()
@@ -305,6 +308,12 @@ def check(dry_run: bool, runs=RUNS, impls=("posttrain", "trl")) -> dict:
                     row["params"] = params
                     report["rows"].append(row)
                     print(json.dumps(row), flush=True)
+        if vllm_sync:
+            import gpu_vllm_sync
+
+            late = time.perf_counter() - started > BUDGET_S
+            report["vllm_sync"] = {"skipped": "skipped: time"} if late else gpu_vllm_sync.run(models, dry_run, work)
+            print(json.dumps({"vllm_sync": report["vllm_sync"]}), flush=True)
     report["total_s"] = time.perf_counter() - started
     return report
 
@@ -337,6 +346,10 @@ def markdown(report: dict) -> str:
         )
     lines += ["", "MFU: nominal tokens/s x model FLOPs per token (6N full, 4N LoRA, 8N DPO and GRPO) / the card's "
               "dense bf16 peak. Host syncs: CUDA sync debug mode warnings during the timed steps."]  # fmt: skip
+    if "vllm_sync" in report:
+        import gpu_vllm_sync
+
+        lines += gpu_vllm_sync.markdown(report["vllm_sync"])
     return "\n".join(lines) + "\n"
 
 
@@ -345,6 +358,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, one step a run")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="where the JSON and table go")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--no-vllm-sync", action="store_true", help="leave out the vLLM NCCL weight-sync step")
     args = parser.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
     unknown = sorted(set(runs) - set(RUNS))
@@ -352,13 +366,14 @@ def main(argv=None) -> int:
         parser.error(f"--runs: unknown {unknown[0]!r}; choose among {', '.join(RUNS)}")
     preflight(args.dry_run)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = check(args.dry_run, runs)
+    report = check(args.dry_run, runs, vllm_sync=not args.no_vllm_sync)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
-    return 1 if any("error" in r and r["error"] != "skipped: time" for r in report["rows"]) else 0
+    failed = any("error" in r and r["error"] != "skipped: time" for r in report["rows"])
+    return 1 if failed or "error" in report.get("vllm_sync", {}) else 0
 
 
 if __name__ == "__main__":

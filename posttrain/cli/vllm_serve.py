@@ -7,8 +7,11 @@ the sampling distribution actually used (`processed_logprobs`), no sampling defa
 model's generation_config (the trainer sends every sampling setting), eager mode unless `--compile`, and
 a capped KV cache. Arguments after `--` go to vLLM unchanged.
 
+With `--weight-transfer nccl` (GPUs only; the server on other GPUs than the trainer) the trainers send weights over
+NCCL through vLLM's weight-transfer engine instead of through files (posttrain/generation/vllm_nccl_sync.py).
+
 If the server dies mid-run, start it again with the same command (same host and port): the trainers wait for
-it (up to their vllm_server_timeout), push their current weights to it again and carry on.
+it (up to their vllm_server_timeout), push the weights of their last sync to it again and carry on.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-transfer",
         choices=("nccl",),
         default=None,
-        help="Enable vLLM's NCCL weight-transfer engine for GPU trainers (the fast sync path).",
+        help="Enable vLLM's NCCL weight-transfer engine: a trainer on a GPU then syncs weights over NCCL instead of "
+        "through files (its rank 0 joins at vllm_group_port; serve on other GPUs than the trainer's). A trainer on "
+        "a CPU is refused by such a server.",
     )
     parser.add_argument(
         "--cache-dir", default=None, help="vLLM's cache directory (VLLM_CACHE_ROOT; default ~/.cache/posttrain/vllm)."
@@ -176,8 +181,9 @@ class ScriptArguments:
 
 def build_command(script_args: ScriptArguments, extra_args: list[str] | None = None) -> list[str]:
     """TRL's `build_command`: the command line of posttrain's server for TRL's options (environment as `main` sets
-    it). The KV cache is sized by `gpu_memory_utilization` (no posttrain cap) and CUDA graphs are on unless
-    `enforce_eager`, as in TRL; `extra_args` go to vLLM unchanged."""
+    it). The KV cache is sized by `gpu_memory_utilization` (no posttrain cap), CUDA graphs are on unless
+    `enforce_eager`, and the NCCL weight transfer is on (trainers on a GPU sync over it), as in TRL; `extra_args`
+    go to vLLM unchanged."""
     options = argparse.Namespace(
         model=script_args.model,
         host=script_args.host,
@@ -187,7 +193,7 @@ def build_command(script_args: ScriptArguments, extra_args: list[str] | None = N
         kv_cache_gb=0.0,
         gpu_memory_utilization=script_args.gpu_memory_utilization,
         compile=not script_args.enforce_eager,
-        weight_transfer=None,
+        weight_transfer="nccl",
         cache_dir=None,
     )
     vllm = ["--tensor-parallel-size", str(script_args.tensor_parallel_size)]

@@ -2,7 +2,8 @@
 
 - server: a vLLM server started with `posttrain vllm-serve` (same or another machine); the trainer talks to
   it over HTTP (`VLLMClient`) and needs no vLLM itself. Weights are synced by writing safetensors into a
-  directory both sides can read and asking the server to reload them.
+  directory both sides can read and asking the server to reload them; or, for a GPU trainer and a server
+  started with `--weight-transfer nccl`, over NCCL through vLLM's weight-transfer engine (vllm_nccl_sync.py).
 - colocate: `vllm.LLM` inside the training process (needs vLLM in the trainer's environment), with its
   KV cache capped so that training keeps its memory; weights are handed over in process.
 
@@ -28,6 +29,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds
+from posttrain.generation.sampler_logps import sampler_logps_tensor, sampler_mismatch_metrics
 from posttrain.generation.vllm_client import (
     WORKER_EXTENSION,
     VLLMClient,
@@ -36,40 +38,14 @@ from posttrain.generation.vllm_client import (
     completion_from_output,
 )
 from posttrain.generation.vllm_memory import CPU_KV_CACHE_GB, colocate_memory
-from posttrain.generation.vllm_weights import policy_module, policy_weights, save_weights
+from posttrain.generation.vllm_nccl_sync import NCCLWeightSync, await_version, check_nccl_trainer, from_main_process
+from posttrain.generation.vllm_nccl_sync import is_main_process as _is_main_process
+from posttrain.generation.vllm_weights import full_tensor, is_sharded, policy_module, policy_weights, save_weights
 from posttrain.models.reference import is_peft_model
 
 logger = logging.getLogger(__name__)
 
 VLLM_MODES = ("server", "colocate")
-
-
-# -- log-prob mismatch between sampler and trainer --------------------------------------------------------------
-def sampler_logps_tensor(completions: Sequence[Completion], width: int) -> torch.Tensor | None:
-    """The sampler's log-probs right-padded with 0 to [N, width], or None when a completion has none."""
-    if not completions or any(c.logprobs is None for c in completions):
-        return None
-    return torch.tensor(
-        [list(c.logprobs) + [0.0] * (width - len(c.logprobs)) for c in completions], dtype=torch.float32
-    )
-
-
-def sampler_mismatch_metrics(
-    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """How far the sampler's log-probs of the sampled tokens are from the trainer's, over `mask`'s tokens:
-    mean and max absolute difference (nats), and the mean ratio exp(trainer - sampler). In fp32 with the
-    same weights they agree to ~1e-4; more means a weight-sync problem, lower precision, or a stale sampler."""
-    valid = mask.bool()
-    diff = (trainer_logps.detach().float() - sampler_logps.float())[valid]
-    if diff.numel() == 0:
-        zero = torch.zeros((), device=trainer_logps.device)
-        return {"sampler/logp_diff_mean": zero, "sampler/logp_diff_max": zero, "sampler/ratio_mean": zero + 1}
-    return {
-        "sampler/logp_diff_mean": diff.abs().mean(),
-        "sampler/logp_diff_max": diff.abs().max(),
-        "sampler/ratio_mean": diff.exp().mean(),
-    }
 
 
 # -- the backends ------------------------------------------------------------------------------------------------
@@ -96,17 +72,15 @@ class _SyncSchedule:
         return False
 
 
-def _is_main_process() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
 def _wait_for_main_process() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
 
 class VLLMServerBackend(GenerationBackend):
-    """Generates with a running vLLM server; syncs weights through a directory the server can read.
+    """Generates with a running vLLM server; syncs weights through a directory the server can read, or over NCCL
+    when the server was started with `--weight-transfer nccl` and `trainer_device` is a GPU (`self.nccl`, with
+    `group_port` its group's port; a CPU trainer is refused then: vllm_nccl_sync.py).
 
     `sync_dir` must be visible to the server under the same path (the default, a temporary directory, is
     right when both run on one machine). In a multi-process run every process sends its own prompts; only the
@@ -129,6 +103,8 @@ class VLLMServerBackend(GenerationBackend):
         sync_dir: str | os.PathLike | None = None,
         vocab_size: int | None = None,
         reconnect_timeout_s: float | None = None,
+        trainer_device: torch.device | None = None,
+        group_port: int = 51216,
     ) -> None:
         self.client = client
         self.stop_token_ids = list(stop_token_ids)
@@ -137,7 +113,7 @@ class VLLMServerBackend(GenerationBackend):
         if not sync_dir and _is_main_process():
             self._default_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-weights-")
             sync_dir = self._default_dir.name
-        sync_dir, self._run_id = _from_main_process(str(sync_dir), uuid.uuid4().hex[:12])
+        sync_dir, self._run_id = from_main_process(str(sync_dir), uuid.uuid4().hex[:12])
         self.sync_dir = Path(sync_dir)
         self.reconnect_timeout_s = client.connect_timeout_s if reconnect_timeout_s is None else reconnect_timeout_s
         self.pushes = 0  # weight pushes so far, counted alike on every process (the version of the last one)
@@ -156,6 +132,9 @@ class VLLMServerBackend(GenerationBackend):
             )
         self._served = (info["model"], served_vocab)
         self.rounds = 0
+        self.nccl = None  # the NCCL sync, when the server offers it and the trainer is on a GPU (else files)
+        if trainer_device is not None and check_nccl_trainer(info, torch.device(trainer_device), client.base_url):
+            self.nccl = NCCLWeightSync(client, group_port, self.dtype, client.timeout_s)
 
     def generate(
         self,
@@ -176,10 +155,17 @@ class VLLMServerBackend(GenerationBackend):
         if not force and not self.schedule.due():
             return
         self.pushes += 1
-        if _is_main_process():
-            context = "weight sync for evaluation" if force else f"weight sync at optimizer step {self.schedule.step}"
+        context = "weight sync for evaluation" if force else f"weight sync at optimizer step {self.schedule.step}"
+        if self.nccl is not None:  # every rank: FSDP2 shards are gathered everywhere, then rank 0 sends
+            self.nccl.push(model, self._version, context, self._wait_for_server)
+            self._stale = False
+            return
+        if _is_main_process() or is_sharded(model):  # FSDP2: every rank gathers, in the same order
             with policy_weights(model) as weights:
-                save_weights(weights, self.sync_dir, self.dtype)
+                whole = [(name, full_tensor(tensor)) for name, tensor in weights]
+                if _is_main_process():
+                    save_weights(whole, self.sync_dir, self.dtype)
+        if _is_main_process():
             self._stale = True
             self._call(None, context)
         _wait_for_main_process()
@@ -199,7 +185,7 @@ class VLLMServerBackend(GenerationBackend):
         away and retrying."""
         while True:
             try:
-                if self.pushes and not self._stale and self.client.weights_version(context)["version"] != self._version:
+                if self.pushes and not self._stale and self._held_version(context) != self._version:
                     self._count_reconnect()
                     logger.warning(
                         "The vLLM server at %s no longer holds the weights pushed last (%s): it was "
@@ -210,11 +196,25 @@ class VLLMServerBackend(GenerationBackend):
                     )
                     self._stale = True
                 if self._stale:
-                    self.client.reload_weights(str(self.sync_dir), context, version=self._version)
+                    self._restore(context)
                     self._stale = False
                 return None if operation is None else operation()
             except VLLMServerUnreachable as error:
                 self._wait_for_server(error)
+
+    def _held_version(self, context: str) -> str | None:
+        if self.nccl is not None:  # vLLM's own version, set by finish_weight_update
+            return self.client.engine_weight_version(context)
+        return self.client.weights_version(context)["version"]
+
+    def _restore(self, context: str) -> None:
+        """Makes the server hold the weights pushed last again (it was restarted, or a reload is pending)."""
+        if self.nccl is None:
+            self.client.reload_weights(str(self.sync_dir), context, version=self._version)
+        elif _is_main_process():  # over a new group, from rank 0's host copy
+            self.nccl.restore(self._version, context)
+        else:  # only rank 0 is in the group: wait for it to push them
+            await_version(self.client, self._version, self.reconnect_timeout_s, context)
 
     def _wait_for_server(self, error: VLLMServerUnreachable) -> None:
         """Waits for the server to answer again and checks it (model, posttrain's worker extension); raises the
@@ -242,6 +242,8 @@ class VLLMServerBackend(GenerationBackend):
                 f"{self._served[1]}). Restart it with the model you train."
             )
         self._count_reconnect()
+        if self.nccl is not None:
+            self.nccl.reset()  # a restarted server's workers are in no group: open a new one
         self._stale = self.pushes > 0  # a restarted server holds its start-up weights
         logger.warning(
             "Reconnected to the vLLM server at %s after %.0f s (reconnect %d of this run)%s.",
@@ -254,15 +256,6 @@ class VLLMServerBackend(GenerationBackend):
     def _count_reconnect(self) -> None:
         self.reconnects += 1
         self._unreported += 1
-
-
-def _from_main_process(*values):
-    """`values` as the main process has them (every process calls this)."""
-    if not torch.distributed.is_initialized():
-        return values
-    objects = list(values)
-    torch.distributed.broadcast_object_list(objects, src=0)
-    return tuple(objects)
 
 
 class VLLMColocateBackend(GenerationBackend):
@@ -453,7 +446,18 @@ def create_vllm_backend(model, tokenizer, args, stop_token_ids: Sequence[int]) -
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         client = VLLMClient(url, timeout_s=args.vllm_server_timeout, connect_timeout_s=args.vllm_server_timeout)
         vocab_size = getattr(policy_module(model).config, "vocab_size", None)
-        return VLLMServerBackend(client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **common)
+        nccl = dict(trainer_device=next(model.parameters()).device, group_port=getattr(args, "vllm_group_port", 51216))
+        backend = VLLMServerBackend(
+            client, stop_token_ids, sync_dir=args.vllm_sync_dir, vocab_size=vocab_size, **nccl, **common
+        )
+        if backend.nccl is None and nccl["group_port"] != 51216:
+            logger.warning(
+                "vllm_group_port=%d is unused: the vLLM server at %s gets the weights through files (it was started "
+                "without --weight-transfer nccl).",
+                nccl["group_port"],
+                url,
+            )
+        return backend
     check_cpu_head_dim(policy_module(model).config)
     context = policy_module(model).config.max_position_embeddings
     kv_cache_gb, fraction = colocate_memory(args, next(model.parameters()).device.type)

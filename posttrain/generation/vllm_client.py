@@ -246,7 +246,7 @@ class VLLMClient:
         remember them as `version`: generation is paused (in-flight requests finish first), the weights are
         reloaded, the prefix cache (KV blocks computed with the old weights) is reset, and generation resumes,
         also after a failure."""
-        self.request("POST", "/pause?mode=wait", {}, what="pausing generation for a weight sync", context=context)
+        self.pause(context)
         try:
             self.collective_rpc(
                 "posttrain_reload_from_path",
@@ -256,7 +256,7 @@ class VLLMClient:
             )
             self.reset_prefix_cache(context)
         finally:
-            self.request("POST", "/resume", {}, what="resuming generation after a weight sync", context=context)
+            self.resume(context)
 
     def weights_version(self, context: str = "") -> dict[str, Any]:
         """The server's `{"version", "reloads"}` (see `PosttrainWorkerExtension.posttrain_weights_version`);
@@ -278,28 +278,47 @@ class VLLMClient:
         )
 
     # -- weight sync, GPU fast path (NCCL): vLLM's weight-sync client protocol -----------------------------------
-    # vLLM's trainer-side transfer engines (vllm.distributed.weight_transfer) drive these five calls.
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.request(
-            "POST",
-            "/init_weight_transfer_engine",
-            {"init_info": init_info},
-            what="initialising the NCCL weight transfer",
+    # vLLM's trainer-side engine (vllm.distributed.weight_transfer.nccl_engine) drives the first four calls, through
+    # vllm_nccl_sync.py, which names the sync and its version in `context`. Each is bounded by timeout_s.
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], context: str = "") -> None:
+        what = "joining the NCCL weight-transfer group (--weight-transfer nccl)"
+        self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info}, what=what, context=context)
+
+    def start_weight_update(self, context: str = "") -> None:
+        self.request("POST", "/start_weight_update", {}, what="starting a weight update (NCCL)", context=context)
+
+    def update_weights(self, update_info: dict[str, Any], context: str = "") -> None:
+        body = {"update_info": update_info}
+        self.request("POST", "/update_weights", body, what="receiving the weights (NCCL)", context=context)
+
+    def finish_weight_update(self, weight_version: str | None = None, context: str = "") -> None:
+        body = {"weight_version": weight_version}
+        self.request("POST", "/finish_weight_update", body, what="finishing a weight update (NCCL)", context=context)
+
+    def shutdown_weight_transfer_engine(self, context: str = "") -> None:
+        what = "shutting down the NCCL weight transfer"
+        self.request("POST", "/shutdown_weight_transfer_engine", {}, what=what, context=context)
+
+    def world_size(self, context: str = "") -> int:
+        """How many workers the server runs (tensor x pipeline x data parallel): the NCCL group is them plus the
+        trainer's rank 0."""
+        return int(
+            self.request("GET", "/get_world_size", what="reading the server's world size", context=context)[
+                "world_size"
+            ]
         )
 
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.request("POST", "/shutdown_weight_transfer_engine", {}, what="shutting down the weight transfer")
+    def engine_weight_version(self, context: str = "") -> str | None:
+        """vLLM's own weight version, set by `finish_weight_update` ("default" after a start)."""
+        answer = self.request("GET", "/weight_info", what="asking which weights the server holds", context=context)
+        return answer.get("weight_version")
 
-    def start_weight_update(self) -> None:
-        self.request("POST", "/start_weight_update", {}, what="starting a weight update")
+    def pause(self, context: str = "") -> None:
+        """Pauses generation for a weight sync; in-flight requests finish first."""
+        self.request("POST", "/pause?mode=wait", {}, what="pausing generation for a weight sync", context=context)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.request("POST", "/update_weights", {"update_info": update_info}, what="receiving the weights (NCCL)")
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.request(
-            "POST", "/finish_weight_update", {"weight_version": weight_version}, what="finishing a weight update"
-        )
+    def resume(self, context: str = "") -> None:
+        self.request("POST", "/resume", {}, what="resuming generation after a weight sync", context=context)
 
 
 def completion_from_output(

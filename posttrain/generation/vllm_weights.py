@@ -29,7 +29,7 @@ def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Ten
     """
     model = policy_module(model)
     if not is_peft_model(model):
-        yield _unique_tensors(model.state_dict().items())
+        yield _unique_tensors(model)
         return
     base = model.get_base_model()
     adapters = set(model.peft_config)
@@ -37,8 +37,8 @@ def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Ten
     with torch.no_grad():
         model.merge_adapter()
         try:
-            named = ((_base_name(name, adapters), tensor) for name, tensor in base.state_dict().items())
-            yield _unique_tensors((name, tensor) for name, tensor in named if name is not None)
+            named = ((_base_name(name, adapters), tensor) for name, tensor in _unique_tensors(base))
+            yield [(name, tensor) for name, tensor in named if name is not None]
         finally:
             model.unmerge_adapter()
             parameters = dict(base.named_parameters())
@@ -66,15 +66,37 @@ def _base_name(name: str, adapters: set[str]) -> str | None:
     return ".".join(part for part in parts if part != "base_layer")
 
 
-def _unique_tensors(named) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs with each tensor once, under its first name (tied weights share one)."""
+def _unique_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`module`'s state dict with each parameter once, under its first name (tied weights share one). Told apart
+    by the parameter object, not the data pointer: an FSDP2 shard (a DTensor) has none, and the choice must be
+    the same on every rank."""
+    owners = {name: id(p) for name, p in module.named_parameters(remove_duplicate=False)}
     seen: set[int] = set()
     unique = []
-    for name, tensor in named:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
+    for name, tensor in module.state_dict().items():
+        owner = owners.get(name)
+        if owner is None or owner not in seen:
+            seen.add(owner)
             unique.append((name, tensor.detach()))
     return unique
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` whole: an FSDP2 shard (a DTensor) is gathered, a collective every rank of the training group must
+    call in the same order; any other tensor is itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the policy's parameters are FSDP2 shards (DTensors): then every rank takes part in a sync."""
+    return any(hasattr(param, "full_tensor") for param in policy_module(model).parameters())
+
+
+@torch.no_grad()
+def gathered_params(model) -> list[torch.Tensor]:
+    """`model`'s parameters in `named_parameters` order (a tied one once), each whole (`full_tensor`): every rank
+    of the training group calls it, before any send."""
+    return [full_tensor(param) for _, param in model.named_parameters()]
 
 
 def save_weights(

@@ -31,6 +31,7 @@ class PosttrainWorkerExtension:
         import vllm
 
         model_config = self.vllm_config.model_config
+        transfer = getattr(self.vllm_config, "weight_transfer_config", None)  # --weight-transfer-config
         return {
             "protocol": PROTOCOL_VERSION,
             "vllm_version": vllm.__version__,
@@ -38,6 +39,8 @@ class PosttrainWorkerExtension:
             "dtype": str(model_config.dtype).removeprefix("torch."),
             "max_model_len": int(model_config.max_model_len),
             "vocab_size": int(model_config.get_vocab_size()),
+            # "nccl" when started with `posttrain vllm-serve --weight-transfer nccl`: the trainer syncs over NCCL
+            "weight_transfer": None if transfer is None else str(transfer.backend),
         }
 
     def posttrain_reload_from_path(self, weights_path: str, version: str | None = None) -> dict:

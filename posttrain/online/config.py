@@ -95,7 +95,6 @@ class OnlineConfig(RolloutBackendFields, PosttrainConfig):
     unsupported_options: ClassVar[dict[str, str]] = {
         **PosttrainConfig.unsupported_options,
         "ds3_gather_for_generation": "it only applies to DeepSpeed ZeRO-3, which posttrain does not run; keep it True",
-        "vllm_group_port": "posttrain sends weights to a vLLM server through files, not an NCCL group; drop it",
         "vllm_tensor_parallel_size": "colocated vLLM runs on the trainer's one device in posttrain (tensor "
         "parallelism needs several GPUs); keep 1, or serve a tensor-parallel model "
         "with `posttrain vllm-serve MODEL -- --tensor-parallel-size N` and "
@@ -292,8 +291,8 @@ class OnlineConfig(RolloutBackendFields, PosttrainConfig):
     )
     vllm_group_port: int = config_field(
         51216,
-        "Port of the NCCL group that sends weights to a vLLM server on GPUs (posttrain syncs weights through "
-        "files: not supported).",
+        "Server mode: the port of the NCCL group that sends weights to a server started with `--weight-transfer "
+        "nccl` (the trainer's rank 0 listens on it; the server must reach it). Unused when weights go through files.",
     )
     vllm_max_model_length: int | None = vllm_max_model_length_field(
         "Colocate mode: vLLM's context length (None: max_prompt_length + max_completion_length, at most the model's)."

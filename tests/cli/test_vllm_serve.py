@@ -13,7 +13,7 @@ from posttrain.scripts.vllm_serve import ScriptArguments, build_command
 
 # what TRL imposes on its own server (its NCCL weight engine, top-k log-probs, the routes of vLLM >= 0.30);
 # posttrain's server pushes weights its own way (cli/vllm_serve.py)
-TRL_ONLY = {"--weight-transfer-config", "--max-logprobs", "--enable-scale-out"}
+TRL_ONLY = {"--max-logprobs", "--enable-scale-out"}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,6 @@ def test_build_command_is_the_cli_command_for_the_same_options(tmp_path):
     args = ScriptArguments(model=str(tmp_path), host="127.0.0.1", port=9001, max_model_len=1024, enforce_eager=True)
     cli, _ = build_server_command(
         [str(tmp_path), "--port", "9001", "--max-model-len", "1024", "--kv-cache-gb", "0"]
-        + ["--gpu-memory-utilization", "0.9"]
+        + ["--gpu-memory-utilization", "0.9", "--weight-transfer", "nccl"]
     )
     assert build_command(args)[: len(cli)] == cli

@@ -162,7 +162,6 @@ def test_generation_batch_size_and_steps_per_generation_determine_each_other(tmp
         (dict(beta=-0.1), r"beta=-0.1 must be >= 0"),
         (dict(ds3_gather_for_generation=False), r"ds3_gather_for_generation.*DeepSpeed ZeRO-3"),
         (dict(vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size.*tensor parallelism needs several GPUs"),
-        (dict(vllm_group_port=1234), r"vllm_group_port.*not an NCCL group"),
         (dict(max_tool_calling_iterations=0), r"max_tool_calling_iterations=0: must be at least 1"),
         (dict(log_completions_hub_repo="me/completions"), r"log_completions_hub_repo.*Hugging Face Hub"),
         (dict(sync_ref_model=True), r"sync_ref_model=True updates the reference model, but beta=0"),

@@ -47,8 +47,8 @@ class ServerProcess:
     """A `posttrain vllm-serve` server on 127.0.0.1; `ensure()` (re)starts it when it is not running, so a
     test may kill it, and `restart()` starts it again on the port it had, as an operator would."""
 
-    def __init__(self, model_path: str, workdir: Path) -> None:
-        self.model_path, self.workdir = model_path, workdir
+    def __init__(self, model_path: str, workdir: Path, extra: tuple[str, ...] = ()) -> None:
+        self.model_path, self.workdir, self.extra = model_path, workdir, extra
         self.process: subprocess.Popen | None = None
         self.url = ""
         self.port = 0
@@ -79,6 +79,7 @@ class ServerProcess:
                 "0.25",
                 "--cache-dir",
                 str(self.workdir / "cache"),
+                *self.extra,
             ]
         )
         log = open(self.workdir / f"server-{port}.log", "a")  # a restart on the same port appends

@@ -77,6 +77,40 @@ def test_a_ppo_policy_and_value_model_sends_only_the_policy(tiny_model_path):
         assert [name for name, _ in weights] == [n for n in policy.state_dict() if n != "lm_head.weight"]
 
 
+def test_the_file_sync_of_an_fsdp2_trainer_writes_the_whole_checkpoint(tiny_model_path, tmp_path):
+    """FSDP2 on one gloo process: the parameters (and the state dict) are DTensors; the sync gathers them and the
+    file holds the unsharded model's checkpoint, the tied weight once."""
+    import socket
+
+    import torch.distributed as dist
+    from _vllm_fakes import FakeClient
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    from posttrain.generation.vllm_backend import VLLMServerBackend
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        client = FakeClient(weight_transfer=None)
+        VLLMServerBackend(client, [0], sync_dir=tmp_path, trainer_device=torch.device("cpu")).sync_weights(model)
+    finally:
+        dist.destroy_process_group()
+    assert [entry[0] for entry in client.log][-1] == "reload_weights"
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    expected = {n: t for n, t in reference.state_dict().items() if n != "lm_head.weight"}
+    assert set(saved) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(saved[name], tensor), name
+
+
 def test_save_weights_writes_one_file_cast_to_the_server_dtype(tmp_path):
     from safetensors.torch import load_file
 

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from posttrain.generation.vllm_weights import gathered_params  # shared with the vLLM NCCL sync
+
 __all__ = [
     "WeightReceiver",
     "WeightSender",
@@ -47,16 +49,6 @@ class WeightReceiver(Protocol):
     def receive(self, buffers: dict[torch.dtype, torch.Tensor]) -> int: ...
 
     def close(self) -> None: ...
-
-
-@torch.no_grad()
-def gathered_params(model) -> list[torch.Tensor]:
-    """`model`'s parameters in `named_parameters` order (a tied one once), each whole: an FSDP2 shard (a DTensor)
-    is gathered, which every rank of the training group must call in the same order, before any send."""
-    params = []
-    for _, param in model.named_parameters():
-        params.append(param.full_tensor() if hasattr(param, "full_tensor") else param)
-    return params
 
 
 def flat_layout(model) -> Layout:
