@@ -38,6 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# oneDNN's kernel-cache capacities: unset, posttrain bounds them (posttrain/runtime/kernel_cache.py) and TRL keeps
+# torch's default; 1024 each, given to both, is torch's default on both sides (posttrain before the bound)
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
 SENTENCES = (
     "The sky is blue today.",
     "Cats like to sleep in the sun.",
@@ -71,7 +75,17 @@ def conversational_rows(n: int = 256, seed: int = 0) -> list[dict]:
     return rows
 
 
+def _peak_rss_mb() -> float | None:
+    """VmHWM: the process's peak resident memory so far (Linux), to attribute the peak to a phase."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return None
+
+
 def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: str = "unset") -> dict:
+    peaks = {"start": _peak_rss_mb()}
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
@@ -81,17 +95,21 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: s
     else:
         from trl import RewardConfig, RewardTrainer
 
+    peaks["imported"] = _peak_rss_mb()
     torch.set_num_threads(1)
     times = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             times.append((time.perf_counter(), time.process_time()))
+            if state.global_step == 1:
+                peaks["step1"] = _peak_rss_mb()
 
     start = time.perf_counter()
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    peaks["model"] = _peak_rss_mb()
     args = RewardConfig(
         output_dir=str(Path(tempfile.gettempdir()) / f"bench_reward_script_{impl}"),
         per_device_train_batch_size=8,
@@ -113,6 +131,7 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: s
         callbacks=[Timer()],
     )
     built, built_cpu = time.perf_counter(), time.process_time()
+    peaks["built"] = _peak_rss_mb()
     if profile:
         import cProfile
 
@@ -120,6 +139,7 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: s
         profiler.enable()
     trainer.train()
     done, done_cpu = time.perf_counter(), time.process_time()
+    peaks["trained"] = _peak_rss_mb()
     if profile:
         profiler.disable()
         profiler.dump_stats(str(Path(profile) / f"{impl}.prof"))
@@ -133,6 +153,7 @@ def worker(impl: str, path: str, steps: int, profile: str | None = None, bf16: s
         "step0_loss": next(h["loss"] for h in trainer.state.log_history if "loss" in h),
         "mean_tokens": statistics.mean(lengths) if lengths else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb_by_phase": peaks,
         "bf16": trainer.args.bf16,
         "process_cpu_s": time.process_time(),
     }
@@ -198,6 +219,12 @@ def main() -> None:
             f"{cells(runs, 'train_s', '7.2f'):>24}"
             f"{cells(runs, 'build_s', '6.2f'):>18}{cells(runs, 'peak_rss_mb', '6.0f'):>18}{runs[0]['step0_loss']:14.6f}"
         )
+    for impl, runs in results.items():
+        phases = " | ".join(
+            f"{phase} " + "/".join(f"{r['peak_rss_mb_by_phase'].get(phase) or 0:.0f}" for r in runs)
+            for phase in runs[0]["peak_rss_mb_by_phase"]
+        )
+        print(f"{impl} peak RSS MB by phase (each run): {phases}")
     ratios = [t["step_ms"] / p["step_ms"] for p, t in zip(results["posttrain"], results["trl"])]
     train = [t["train_s"] / p["train_s"] for p, t in zip(results["posttrain"], results["trl"])]
     train_cpu = [t["train_cpu_s"] / p["train_cpu_s"] for p, t in zip(results["posttrain"], results["trl"])]
@@ -216,10 +243,15 @@ def main() -> None:
         from provenance import conditions
 
         record = {
-            "conditions": {**conditions(), "load_average_before": [round(x, 2) for x in load_before]},
+            "conditions": {
+                **conditions(),
+                "load_average_before": [round(x, 2) for x in load_before],
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            },
             "settings": {
                 **{k: getattr(args, k) for k in ("family", "hidden", "layers", "steps", "repeats", "bf16")},
                 "POSTTRAIN_GC_FREEZE": os.environ.get("POSTTRAIN_GC_FREEZE", "1"),
+                **{name: os.environ[name] for name in KERNEL_CACHE_VARIABLES if name in os.environ},
             },
             "runs": results,
             "ratios": {

@@ -29,6 +29,7 @@ from posttrain.runtime.distributed import (
     use_gloo_on_cpu,
 )
 from posttrain.runtime.gc_freeze import freeze_import_time_objects
+from posttrain.runtime.kernel_cache import bound_kernel_caches
 from posttrain.training.checkpoints import CheckpointMixin
 from posttrain.training.device_paths import describe_run, resolve_bf16, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
@@ -41,6 +42,7 @@ from posttrain.training.streaming import prepare_datasets
 
 logger = logging.getLogger("posttrain")
 freeze_import_time_objects()  # the imports above out of every later full collection (runtime/gc_freeze.py)
+bound_kernel_caches()  # before the first oneDNN kernel is compiled (runtime/kernel_cache.py)
 
 
 def _accelerator_available() -> bool:
