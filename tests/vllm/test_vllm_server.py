@@ -241,3 +241,14 @@ def test_teacher_top_k_above_vllms_default_cap_of_20_is_served(vllm_server):
         assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1 + 1e-5
         assert dict(zip(row20, values20)) == pytest.approx({i: v for i, v in zip(row, values) if i in row20})
     assert all(math.isfinite(v) for v in token_logps)
+
+
+def test_trls_token_route_of_vllms_scale_out_answers_like_the_completions_route(vllm_server):
+    # `--enable-scale-out` (TRL's, vLLM >= 0.30): TRL's client sends multimodal prompts to /inference/v1/generate
+    client = VLLMClient(vllm_server, timeout_s=120)
+    client.handshake()
+    prompt = PROMPTS[0]
+    body = {"model": client.model_name, "token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    answer = client.request("POST", "/inference/v1/generate", body, what="scale-out generation")
+    greedy = client.complete(prompt, 1, SamplingParams(max_tokens=6), None, [], temperature=0.0)[0]
+    assert answer["choices"][0]["token_ids"] == greedy.token_ids and len(greedy.token_ids) == 6
