@@ -145,7 +145,19 @@ def _start_server(workdir: str):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command, env = build_server_command(
-        [MODEL, "--port", str(port), "--max-model-len", "512", "--dtype", "float32", "--kv-cache-gb", "1"]
+        [
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--dtype",
+            "float32",
+            "--kv-cache-gb",
+            "1",
+        ]
     )
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=open(f"{workdir}/server.log", "w"), stderr=subprocess.STDOUT)

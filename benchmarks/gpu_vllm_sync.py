@@ -102,7 +102,19 @@ def _trainer_side(model, prompts, server: list[dict]) -> list[dict]:
 def _start_server(model_path: str, port: int, log: Path) -> subprocess.Popen:
     from posttrain.cli.vllm_serve import build_server_command
 
-    argv = [model_path, "--port", str(port), "--dtype", "float32", "--kv-cache-gb", "2", "--max-model-len", "256"]
+    argv = [
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-gb",
+        "2",
+        "--max-model-len",
+        "256",
+    ]
     command, env = build_server_command([*argv, "--weight-transfer", "nccl", "--gpu-memory-utilization", "0.5"])
     env["CUDA_VISIBLE_DEVICES"] = "1"  # the trainer is on GPU 0
     with open(log, "w") as sink:

@@ -263,7 +263,7 @@ def test_cli_commands_and_vllm_serve_parser():
         if command.name != "vllm-serve":
             command.register(subparsers)
     parser = make_parser(subparsers)
-    args = parser.parse_args(["m", "--port", "9000"])
+    args = parser.parse_args(["--model", "m", "--port", "9000"])  # TRL's spelling
     assert (args.model, args.port) == ("m", 9000)
     assert make_parser(prog="trl vllm-serve").prog == "trl vllm-serve"
 

@@ -69,6 +69,8 @@ class ServerProcess:
         command, env = build_server_command(
             [
                 self.model_path,
+                "--host",
+                "127.0.0.1",  # tests bind loopback only (the command's default is TRL's 0.0.0.0)
                 "--port",
                 str(port),
                 "--max-model-len",

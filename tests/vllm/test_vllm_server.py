@@ -7,6 +7,7 @@ clear error instead of a hang."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -225,3 +226,29 @@ def test_server_killed_mid_run_and_not_restarted_stops_training_with_a_clear_err
     assert vllm_server in message and "optimizer step 1" in message and "could not reach" in message
     assert "did not come back within 20 s" in message
     assert rounds == [16]
+
+
+def test_teacher_top_k_above_vllms_default_cap_of_20_is_served(vllm_server):
+    # `--max-logprobs -1` (TRL's): without it vLLM answers 400 for prompt_logprobs > 20 (distillation's top_k)
+    from posttrain.generation.teacher_server import TeacherServer
+
+    teacher = TeacherServer(vllm_server, connect_timeout_s=60)
+    sequence = [3, 17, 5, 42, 9, 11]
+    ((ids, logps, token_logps),) = teacher.sequence_logprobs([sequence], [2], top_k=30, temperature=1.0)
+    ((ids20, logps20, _),) = teacher.sequence_logprobs([sequence], [2], top_k=20, temperature=1.0)
+    assert len(ids) == len(sequence) - 2 and all(len(row) == 30 and len(set(row)) == 30 for row in ids)
+    for row, row20, values, values20 in zip(ids, ids20, logps, logps20):
+        assert values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1 + 1e-5
+        assert dict(zip(row20, values20)) == pytest.approx({i: v for i, v in zip(row, values) if i in row20})
+    assert all(math.isfinite(v) for v in token_logps)
+
+
+def test_trls_token_route_of_vllms_scale_out_answers_like_the_completions_route(vllm_server):
+    # `--enable-scale-out` (TRL's, vLLM >= 0.30): TRL's client sends multimodal prompts to /inference/v1/generate
+    client = VLLMClient(vllm_server, timeout_s=120)
+    client.handshake()
+    prompt = PROMPTS[0]
+    body = {"model": client.model_name, "token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0}}
+    answer = client.request("POST", "/inference/v1/generate", body, what="scale-out generation")
+    greedy = client.complete(prompt, 1, SamplingParams(max_tokens=6), None, [], temperature=0.0)[0]
+    assert answer["choices"][0]["token_ids"] == greedy.token_ids and len(greedy.token_ids) == 6

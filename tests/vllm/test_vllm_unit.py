@@ -161,13 +161,13 @@ def test_serve_command_enables_what_training_needs(tmp_path):
     from posttrain.cli.vllm_serve import build_server_command
 
     command, env = build_server_command(
-        [str(tmp_path), "--port", "9001", "--kv-cache-gb", "0.5", "--", "--max-num-seqs", "16"]
+        [str(tmp_path), "--port", "9001", "--kv-cache-gb", "0.5", "--", "--max-num-seqs", "16"], device="cpu"
     )
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(command[3::2], command[4::2]))
-    assert flags["--model"] == str(tmp_path) and flags["--port"] == "9001" and flags["--host"] == "127.0.0.1"
+    flags = {word: command[i + 1] for i, word in enumerate(command[:-1]) if word.startswith("--")}
+    assert flags["--model"] == str(tmp_path) and flags["--port"] == "9001" and flags["--host"] == "0.0.0.0"
     assert flags["--worker-extension-cls"] == "posttrain.generation.vllm_worker.PosttrainWorkerExtension"
-    assert flags["--logprobs-mode"] == "processed_logprobs" and flags["--generation-config"] == "vllm"
+    assert flags["--logprobs-mode"] == "processed_logprobs" and "--generation-config" not in command
     assert flags["--kv-cache-memory-bytes"] == str(2**29)
     assert "--enforce-eager" in command and command[-2:] == ["--max-num-seqs", "16"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_CACHE_ROOT" in env
