@@ -12,7 +12,7 @@ cores (`VLLM_CPU_OMP_THREADS_BIND`). A warm-up call of one prompt and 8 tokens c
 CPU-second of the process (all its threads: with 2 threads a CPU-second is half a wall second) and per wall
 second; the machine is shared, so the CPU figure measures the code. The decode bound (benchmarks/scaling_report.py)
 is what one thread can at best decode at this batch from the measured matmul peak and copy bandwidth
-(docs/results/scaling/machine.json). Results: docs/results/scaling/decode[_TAG].json.
+(docs/results/scaling/machine.json). Results: docs/results/scaling/decode/decode[_TAG].json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO_ROOT
+from common import REPO_ROOT, run_isolated
 
 RESULTS = REPO_ROOT / "docs" / "results" / "scaling"
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -173,6 +173,28 @@ def run_one(variant: str, kwargs: dict, timeout: float) -> dict:
     return result
 
 
+def linear_floor(rows: int, repeats: int = 5) -> dict:
+    """The CPU seconds of one decode step's linear layers alone (SmolLM2-135M's 30 layers' projections and the
+    49k-vocabulary head, float32, `rows` sequences, best of `repeats`): what no engine on this torch build goes
+    below without other kernels, the step's floor, with attention, norms, sampling and dispatch on top."""
+    import torch
+
+    torch.manual_seed(0)
+    shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+    layers = [[torch.randn(o, i) for o, i in shapes] for _ in range(30)]
+    head, x, wide = torch.randn(49152, 576), torch.randn(rows, 576), torch.randn(rows, 1536)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        for weights in layers:
+            for weight in weights:
+                torch.nn.functional.linear(wide if weight.shape[1] == 1536 else x, weight)
+        torch.nn.functional.linear(x, head)
+        best = min(best, time.process_time() - start)
+    flops = 2 * rows * (30 * sum(o * i for o, i in shapes) + 49152 * 576)
+    return {"step_s": best, "gflops": flops / best / 1e9, "tokens_per_cpu_s": rows / best, "rows": rows}
+
+
 def bound(rows: int, tokens: int) -> dict | None:
     """The 1-thread decode bound (tokens per CPU-second) at `rows` sequences, from machine.json."""
     from scaling_report import decode_bound, machine
@@ -192,7 +214,8 @@ def main() -> None:
     parser.add_argument("--tag", help="write decode_TAG.json instead of decode.json")
     options = parser.parse_args()
     kwargs = dict(prompt_count=options.prompts, generations=options.generations, tokens=options.tokens)
-    path = RESULTS / (f"decode_{options.tag}.json" if options.tag else "decode.json")
+    (RESULTS / "decode").mkdir(exist_ok=True)  # apart from the sweeps' records, which scaling_report merges
+    path = RESULTS / "decode" / (f"decode_{options.tag}.json" if options.tag else "decode.json")
     record = {
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -200,6 +223,7 @@ def main() -> None:
         "conditions": "fresh interpreter per run, alternating; machine shared with other jobs (LOADED)",
         "settings": kwargs,
         "bound": bound(options.prompts * options.generations, options.tokens),
+        "linear_floor": run_isolated("bench_decode:linear_floor", {"rows": options.prompts * options.generations}),
         "runs": {variant: [] for variant in options.variants},
         "failed": {},
     }
