@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling.py --sweep sft_seq [--points 512,1024,2048,4096] [--steps 3]
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling.py --sweep model_size [--points smollm2,qwen2.5-0.5b]
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling.py --sweep grpo_completion [--points 32,128] [--generations 8]
+    OMP_NUM_THREADS=1 python benchmarks/bench_scaling.py --sweep sft_seq --points 8192 --rss_limit_gb 14 --tag 8k
     python benchmarks/bench_scaling.py --plot      # redraws docs/results/scaling/*.svg from the JSON files
 
 Every run is a fresh single-threaded interpreter (benchmarks/common.py: its peak RSS is its own), and the runs
@@ -36,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, run_isolated
+from common import REPO_ROOT, RSSExceeded, run_isolated
 
 RESULTS = REPO_ROOT / "docs" / "results" / "scaling"
 LIBRARIES = ("posttrain", "trl")
@@ -283,17 +284,22 @@ def grpo_run(library: str, path: str, completion: int, generations: int, steps: 
     }
 
 
+def limit_mb(args) -> float | None:
+    """`--rss_limit_gb` in MB (None: unwatched)."""
+    return None if args.rss_limit_gb is None else args.rss_limit_gb * 1024
+
+
 def run_point(sweep: str, point: str, library: str, root: str, args) -> dict:
     if sweep == "sft_seq":
         kwargs = dict(
             library=library, path=model_path("smollm2", root), tokens=int(point), steps=args.steps, lora=not args.full
         )
-        return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout)
+        return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout, rss_limit_mb=limit_mb(args))
     if sweep == "model_size":
         kwargs = dict(
             library=library, path=model_path(point, root), tokens=args.tokens, steps=args.steps, lora=not args.full
         )
-        return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout)
+        return run_isolated("bench_scaling:sft_run", kwargs, timeout=args.timeout, rss_limit_mb=limit_mb(args))
     kwargs = dict(
         library=library,
         path=model_path("smollm2", root),
@@ -301,7 +307,7 @@ def run_point(sweep: str, point: str, library: str, root: str, args) -> dict:
         generations=args.generations,
         steps=args.steps,
     )
-    return run_isolated("bench_scaling:grpo_run", kwargs, timeout=args.timeout)
+    return run_isolated("bench_scaling:grpo_run", kwargs, timeout=args.timeout, rss_limit_mb=limit_mb(args))
 
 
 DEFAULT_POINTS = {"sft_seq": "512,1024,2048,4096", "model_size": "smollm2,qwen2.5-0.5b", "grpo_completion": "32,128"}
@@ -325,9 +331,10 @@ def sweep(args) -> dict:
         "loadavg_before": os.getloadavg(),
         "conditions": "1 thread per run, alternating posttrain/TRL; machine shared with other jobs (LOADED)",
         "settings": {key: getattr(args, key) for key in ("steps", "repeats", "tokens", "generations", "full")}
-        | {"bf16": False},
+        | {"bf16": False, "rss_limit_gb": args.rss_limit_gb},
         "points": {},
         "failed": {},
+        "exceeded": {},  # point -> library -> "exceeded N GB ...": killed by the --rss_limit_gb watchdog
     }
     for point in args.points.split(","):
         runs: dict[str, list] = {library: [] for library in LIBRARIES}
@@ -335,6 +342,11 @@ def sweep(args) -> dict:
             for library in LIBRARIES:
                 try:
                     result = run_point(args.sweep, point, library, root, args)
+                except RSSExceeded as err:  # an outcome, not a failure: this library does not fit the ceiling
+                    record["exceeded"].setdefault(point, {})[library] = str(err)
+                    print(point, library, str(err), flush=True)
+                    (RESULTS / f"{result_name(args)}.json").write_text(json.dumps(record, indent=1) + "\n")
+                    continue
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     record["failed"].setdefault(point, {})[library] = str(err)[-600:]
                     continue
@@ -358,6 +370,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before one run is given up")
     parser.add_argument("--full", action="store_true", help="sft_seq, model_size: full fine-tuning, not LoRA")
     parser.add_argument("--tag", help="write SWEEP_TAG.json (a further part of a curve) instead of SWEEP.json")
+    parser.add_argument(
+        "--rss_limit_gb", type=float, help="kill a run whose resident memory passes this (recorded as 'exceeded')"
+    )
     parser.add_argument("--plot", action="store_true", help="only redraw the plots from the JSON files")
     args = parser.parse_args()
     if not args.plot:

@@ -57,17 +57,23 @@ def run_isolated(
     *,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    rss_limit_mb: float | None = None,
 ) -> dict[str, Any]:
     """Calls `target` ("module:function") with `kwargs` in a fresh single-threaded interpreter.
 
     Returns the function's dict result plus `peak_rss_mb` (the child's maximum resident set size) and
-    `wall_s` (the whole child, imports included). `env` adds variables, e.g. LD_PRELOAD.
+    `wall_s` (the whole child, imports included). `env` adds variables, e.g. LD_PRELOAD. With `rss_limit_mb`
+    the child is killed as soon as its resident memory passes the limit (RSSExceeded): on a machine shared
+    with other jobs a run that would not fit must not get someone else's process OOM-killed.
     """
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), target, json.dumps(kwargs or {}), str(out)]
         start = time.perf_counter()
-        done = subprocess.run(command, env=single_thread_env(env), capture_output=True, text=True, timeout=timeout)
+        if rss_limit_mb is None:
+            done = subprocess.run(command, env=single_thread_env(env), capture_output=True, text=True, timeout=timeout)
+        else:
+            done = _run_watched(command, single_thread_env(env), timeout, rss_limit_mb)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(
                 f"{target} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
@@ -76,6 +82,45 @@ def run_isolated(
     result["wall_s"] = time.perf_counter() - start
     result.setdefault("conditions", conditions())  # the commit measured, the time, the machine's load
     return result
+
+
+class RSSExceeded(RuntimeError):
+    """A watched run passed its resident-memory ceiling and was killed (`seen_mb`: the last reading)."""
+
+    def __init__(self, limit_mb: float, seen_mb: float) -> None:
+        super().__init__(f"exceeded {limit_mb / 1024:g} GB (killed at {seen_mb / 1024:.2f} GB resident)")
+        self.limit_mb, self.seen_mb = limit_mb, seen_mb
+
+
+def _resident_mb(pid: int) -> float:
+    """The process's current resident set (VmRSS) in MB; 0 once it has gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _run_watched(command: list[str], env: dict, timeout: float | None, limit_mb: float):
+    """`subprocess.run`, reading the child's resident memory every 0.2 s and killing it past `limit_mb`."""
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        child = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+        began = time.perf_counter()
+        while child.poll() is None:
+            seen = _resident_mb(child.pid)
+            if seen > limit_mb:
+                child.kill()
+                child.wait()
+                raise RSSExceeded(limit_mb, seen)
+            if timeout is not None and time.perf_counter() - began > timeout:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(0.2)
+        stdout.seek(0), stderr.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, stdout.read(), stderr.read())
 
 
 def _child_main(target: str, kwargs_json: str, out_path: str) -> None:
