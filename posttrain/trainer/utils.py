@@ -25,8 +25,8 @@ from posttrain.rewards.scoring import get_callable_name
 from posttrain.runtime.distributed_backend import gather_partitioned as maybe_gather_lm_head_ctx
 from posttrain.runtime.event_loop import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 from posttrain.runtime.process_env import ensure_master_addr_port, global_then_local_main_first
-from posttrain.training.base import disable_dropout_in_model
 from posttrain.training.model_card import generate_model_card
+from posttrain.training.model_setup import disable_dropout_in_model
 from posttrain.training.sample_table import print_prompt_completions_sample
 from posttrain.training.throughput import (
     adjusted_mfu,

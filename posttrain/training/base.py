@@ -16,10 +16,8 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from posttrain.data.report import DataReportCallback
 from posttrain.errors import ConfigError, DataError
-from posttrain.models.fused_layers import fuse_layers, rebuilt_activations
+from posttrain.models.fused_layers import rebuilt_activations
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.models.quantized import keep_training_layout
-from posttrain.models.tied_embedding import allow_tied_embedding
 from posttrain.runtime.distributed import (
     fsdp_on_cpu,
     refuse_unlaunched_multiprocess_config,
@@ -31,11 +29,12 @@ from posttrain.runtime.distributed import (
 from posttrain.runtime.gc_freeze import freeze_import_time_objects
 from posttrain.runtime.kernel_cache import bound_kernel_caches
 from posttrain.training.checkpoints import CheckpointMixin
-from posttrain.training.device_paths import describe_run, resolve_bf16, resolve_fused_layers
+from posttrain.training.device_paths import resolve_bf16, resolve_fused_layers
 from posttrain.training.fields import check_options, config_field
 from posttrain.training.guards import NONFINITE_POLICIES, GuardMixin
 from posttrain.training.metric_values import as_floats
 from posttrain.training.model_card import method_name, tag_model, write_model_card
+from posttrain.training.model_setup import prepare_model, seed_before_model
 from posttrain.training.optimizer_state import allocate_adam_states_together
 from posttrain.training.run_artifacts import RunArtifactsCallback
 from posttrain.training.streaming import prepare_datasets
@@ -223,58 +222,6 @@ def _launched_distributed() -> bool:
     return get_int_from_env(["LOCAL_RANK"], -1) != -1 or get_int_from_env(sizes, 1) > 1
 
 
-def prepare_model(
-    model: str | PreTrainedModel,
-    args: PosttrainConfig,
-    peft_config=None,
-    load=load_causal_lm,
-    quantization_config=None,
-) -> PreTrainedModel:
-    """Loads `model` with `load(name, model_init_kwargs)` if given by name or path (quantized with
-    `quantization_config`, e.g. a `BitsAndBytesConfig`), then wraps it in a PEFT adapter if `peft_config` is set."""
-    if isinstance(model, str):
-        init_kwargs = dict(args.model_init_kwargs or {})
-        if args.trust_remote_code:
-            init_kwargs["trust_remote_code"] = True
-        if quantization_config is not None:
-            init_kwargs["quantization_config"] = quantization_config
-        model = load(model, init_kwargs)
-    elif quantization_config is not None:
-        raise ConfigError(
-            "quantization_config only applies when `model` is a name or path; the model you passed "
-            "is already loaded. Quantize it when loading, or pass its name."
-        )
-    elif args.model_init_kwargs:  # TRL warns and goes on (its example scripts set both): the same here
-        logger.warning(
-            "model_init_kwargs=%r is not used: the model passed is already loaded (they apply when `model` is a "
-            "name or path).",
-            args.model_init_kwargs,
-        )
-    keep_training_layout(model)  # a 4-bit model's layers keep their trainable layout on a CPU (models/quantized.py)
-    if getattr(args, "disable_dropout", False):
-        disable_dropout_in_model(model)
-    if args.fused_layers and not args.use_liger_kernel:
-        fuse_layers(model)
-        allow_tied_embedding(model)
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        if args.gradient_checkpointing:
-            model.enable_input_require_grads()
-        model = get_peft_model(model, peft_config)
-    for line in describe_run(args, model):  # the device and the paths chosen (training/device_paths.py)
-        logger.info(line)
-    return model
-
-
-def disable_dropout_in_model(model: torch.nn.Module) -> None:
-    """Sets every dropout probability to 0 (preference and RL losses compare log-probs of the same sequences
-    across forwards, which dropout would make noisy)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
 def setup_router_aux_loss(model, coef: float | None) -> float:
     """The weight of a Mixture-of-Experts model's load-balancing loss (0.0: off), written into its config so that
     its forward returns the loss as `outputs.aux_loss`. `coef` None takes the model's own coefficient."""
@@ -344,6 +291,7 @@ class BaseTrainer(GuardMixin, CheckpointMixin, Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         processing_class = processing_class or load_tokenizer(model_id, trust_remote_code=args.trust_remote_code)
         ensure_pad_token(getattr(processing_class, "tokenizer", processing_class))  # a processor's tokenizer
+        seed_before_model(args)
         model = prepare_model(model, args, peft_config, load=self.load_model, quantization_config=quantization_config)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._last_train_window: dict[str, float] = {}

@@ -29,7 +29,7 @@ from posttrain.models.reference import (
     reference_forward,
     weights_fingerprint,
 )
-from posttrain.training.base import BaseTrainer, PosttrainConfig, disable_dropout_in_model
+from posttrain.training.base import BaseTrainer, PosttrainConfig
 from posttrain.training.fields import (
     config_field,
     disable_dropout_field,
@@ -41,6 +41,7 @@ from posttrain.training.fields import (
     router_aux_loss_coef_field,
     sync_ref_model_field,
 )
+from posttrain.training.model_setup import disable_dropout_in_model
 from posttrain.training.preference import PreferenceMetricsMixin
 from posttrain.training.reference_memo import DIGESTS, DigestingCollator, ReferenceMemo
 from posttrain.training.streaming import is_prepared, is_streaming, prepare_any

@@ -190,7 +190,7 @@ def test_the_fast_paths_are_logged_and_shown_by_env(tmp_path, caplog):
     from posttrain import SFTConfig
     from posttrain.cli.environment import model_fast_paths_report
     from posttrain.models.tiny import save_tiny_model
-    from posttrain.training.base import prepare_model
+    from posttrain.training.model_setup import prepare_model
 
     path = save_tiny_model(tmp_path / "qwen3", family="qwen3")
     report = model_fast_paths_report(path).splitlines()

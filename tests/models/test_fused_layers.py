@@ -136,7 +136,7 @@ def test_the_fast_paths_report_gemma3s_fused_norms(tmp_path, caplog):
     from posttrain import SFTConfig
     from posttrain.cli.environment import model_fast_paths_report
     from posttrain.models.tiny import save_tiny_model
-    from posttrain.training.base import prepare_model
+    from posttrain.training.model_setup import prepare_model
 
     path = save_tiny_model(tmp_path / "gemma3", family="gemma3")
     report = [line for line in model_fast_paths_report(path).splitlines() if line.startswith("fused layers")]
