@@ -3,6 +3,7 @@ and vLLM-CPU (as posttrain's colocated backend drives it), beside the decode bou
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode.py [--prompts 8] [--generations 8] [--tokens 512]
         [--variants trl posttrain vllm-1 vllm-2] [--repeats 1] [--tag TAG]
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode.py --profile 16 [--tokens 256]
 
 SmolLM2-135M-Instruct (the built-in copy), float32, sampling at temperature 1, EOS ignored so that every
 completion is exactly `--tokens` long (TRL: `min_new_tokens`; posttrain: no stop tokens; vLLM: `ignore_eos`):
@@ -13,6 +14,10 @@ CPU-second of the process (all its threads: with 2 threads a CPU-second is half 
 second; the machine is shared, so the CPU figure measures the code. The decode bound (benchmarks/scaling_report.py)
 is what one thread can at best decode at this batch from the measured matmul peak and copy bandwidth
 (docs/results/scaling/machine.json). Results: docs/results/scaling/decode/decode[_TAG].json.
+
+`--profile K` instead times posttrain's decode loop and prints torch.profiler's table (operators by self CPU time)
+for its last K steps, where the KV cache is longest, once with the in-place cache (generation/decode_cache.py) and
+once with transformers' concatenating cache (`reserve_chunk=None`, the loop before it).
 """
 
 from __future__ import annotations
@@ -195,6 +200,40 @@ def linear_floor(rows: int, repeats: int = 5) -> dict:
     return {"step_s": best, "gflops": flops / best / 1e9, "tokens_per_cpu_s": rows / best, "rows": rows}
 
 
+def profile_steps(prompt_count: int, generations: int, tokens: int, last: int, reserve_chunk: int | None) -> dict:
+    """ms a step and torch.profiler's top operators over posttrain's last `last` decode steps of one round."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.generation import SamplingParams, TransformersBackend
+    from posttrain.models.builtin import builtin_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model_path())
+    model = AutoModelForCausalLM.from_pretrained(builtin_model_path(), dtype=torch.float32)
+    backend = TransformersBackend(model, tokenizer.pad_token_id, [])
+    backend.reserve_chunk = reserve_chunk
+    profiler, started = profile(activities=[ProfilerActivity.CPU]), []
+
+    def start(step):  # called before each step's forward
+        if step == tokens - last:
+            started.append(time.process_time())
+            profiler.__enter__()
+
+    backend.before_decode_step = start
+    cpu = time.process_time()
+    backend.generate(prompts(tokenizer, prompt_count), generations, SamplingParams(max_tokens=tokens), seed=0)
+    end = time.process_time()
+    profiler.__exit__(None, None, None)
+    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+    return {
+        "reserve_chunk": reserve_chunk,
+        "round_cpu_s": end - cpu,
+        "profiled_ms_per_step": (end - started[0]) / (last - 1) * 1000,
+        "table": table,
+    }
+
+
 def bound(rows: int, tokens: int) -> dict | None:
     """The 1-thread decode bound (tokens per CPU-second) at `rows` sequences, from machine.json."""
     from scaling_report import decode_bound, machine
@@ -212,8 +251,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--tag", help="write decode_TAG.json instead of decode.json")
+    parser.add_argument("--profile", type=int, metavar="K", help="profile posttrain's last K decode steps instead")
     options = parser.parse_args()
     kwargs = dict(prompt_count=options.prompts, generations=options.generations, tokens=options.tokens)
+    if options.profile:
+        for chunk in (256, None):
+            result = run_isolated("bench_decode:profile_steps", dict(kwargs, last=options.profile, reserve_chunk=chunk))
+            step_ms = result["profiled_ms_per_step"]
+            print(f"reserve_chunk={chunk}: round {result['round_cpu_s']:.1f} CPU-s, last steps {step_ms:.0f} ms each")
+            print(result["table"], flush=True)
+        return
     (RESULTS / "decode").mkdir(exist_ok=True)  # apart from the sweeps' records, which scaling_report merges
     path = RESULTS / "decode" / (f"decode_{options.tag}.json" if options.tag else "decode.json")
     record = {

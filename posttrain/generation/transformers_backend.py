@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from posttrain.errors import ConfigError
 from posttrain.generation.base import Completion, GenerationBackend, SamplingParams, completion_seeds, derive_seed
+from posttrain.generation.decode_cache import reserve
 from posttrain.models.fast_forward import fast_forward
 
 
@@ -76,27 +77,28 @@ class StepNoise:
         self.block_start = 0
 
     def __call__(self, rows: list[int], step: int) -> torch.Tensor:
+        """A fresh tensor (the sampler adds the scores to it in place)."""
         if self.steps == 1:
             return gumbel_noise([self.generators[i] for i in rows], self.vocab_size, self.device)
         if self.block is None or step >= self.block_start + self.steps:
-            self.block = torch.stack(
-                [
-                    torch.rand(
-                        self.steps,
-                        self.vocab_size,
-                        generator=self.generators[i],
-                        device=self.device,
-                        dtype=torch.float32,
-                    )
-                    for i in rows
-                ]
-            )
+            shape = (len(rows), self.steps, self.vocab_size)
+            if self.block is None or self.block.shape != shape:
+                self.block = torch.empty(shape, device=self.device, dtype=torch.float32)
+            for i, row in enumerate(rows):  # drawn straight into the block: no stacking copy
+                torch.rand(self.steps, self.vocab_size, generator=self.generators[row], out=self.block[i])
             self.block_rows, self.block_start = list(rows), step
         offset = step - self.block_start
         if rows == self.block_rows:
-            return _gumbel(self.block[:, offset].contiguous())
+            return _gumbel_in_place(self.block[:, offset].clone(memory_format=torch.contiguous_format))
         position = {row: i for i, row in enumerate(self.block_rows)}
-        return _gumbel(self.block[[position[row] for row in rows], offset])
+        return _gumbel_in_place(self.block[[position[row] for row in rows], offset])
+
+
+def _gumbel_in_place(uniform: torch.Tensor) -> torch.Tensor:
+    """`_gumbel` computed in `uniform`'s own memory: the same operations on the same values (bitwise the same
+    noise), without five fresh [rows, vocab] tensors a step."""
+    tiny = torch.finfo(torch.float32).tiny
+    return uniform.clamp_(min=tiny).log_().neg_().clamp_(min=tiny).log_().neg_()
 
 
 class SeededGumbelSampler(LogitsProcessor):
@@ -244,7 +246,8 @@ class _StepSampler:
             scores[:, self.suppressed] = -float("inf")
         for apply in self.filters:
             scores = apply(None, scores)
-        tokens = scores.argmax(-1) if self.greedy else (scores + self.noise(active_rows, step)).argmax(-1)
+        # noise + scores (in the noise's memory) is bitwise scores + noise: float addition commutes.
+        tokens = scores.argmax(-1) if self.greedy else self.noise(active_rows, step).add_(scores).argmax(-1)
         if self.generated is not None:
             self.generated[active, step] = tokens
         return tokens, scores
@@ -294,6 +297,10 @@ class TransformersBackend(GenerationBackend):
     each saving. `return_logprobs` reports the sampler's log-probabilities of the sampled tokens (log-softmax of
     the filtered scores, as vLLM's processed log-probs); the `generate` fallback reports none.
     """
+
+    # The decode loop's cache grows in place by this many positions at a time (decode_cache.py); None: by
+    # concatenation at every step, as transformers' DynamicCache does (the same tokens, slower).
+    reserve_chunk: int | None = 256
 
     def __init__(
         self,
@@ -373,6 +380,8 @@ class TransformersBackend(GenerationBackend):
             logits, input_ids, attention_mask, position_ids = (
                 t.repeat_interleave(n, dim=0) for t in (logits, input_ids, attention_mask, position_ids)
             )
+        if self.reserve_chunk is not None:
+            reserve(cache, self.reserve_chunk, input_ids.shape[1] + sampling.max_tokens)
 
         rows = input_ids.shape[0]
         active = torch.arange(rows, device=device)  # which completion each batch row is
