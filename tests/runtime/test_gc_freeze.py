@@ -9,6 +9,7 @@ import sys
 import weakref
 
 import pytest
+from _subprocess_result import result_of
 
 from posttrain.runtime.gc_freeze import ENV_VAR
 
@@ -34,16 +35,7 @@ print("RESULT " + json.dumps({"frozen": frozen, "tracked": tracked, "losses": lo
 
 def _run(tiny_model_path, tmp_path, freeze: str) -> dict:
     env = {**os.environ, ENV_VAR: freeze, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", RUN, tiny_model_path, str(tmp_path / freeze)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, out.stderr[-3000:]
-    return json.loads(line[len("RESULT ") :])
+    return result_of(RUN, [tiny_model_path, str(tmp_path / freeze)], env)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _subprocess_result import result_of
 
 from posttrain.runtime.kernel_cache import CACHE_VARIABLES, CAPACITY, bound_kernel_caches
 
@@ -51,16 +52,7 @@ print("RESULT " + json.dumps({"growth_mb": growth, "losses": losses, "weights": 
 def _run(tiny_model_path, tmp_path, capacity: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ALL_VARIABLES}
     env.update({"OMP_NUM_THREADS": "1"}, **({} if capacity is None else dict.fromkeys(ALL_VARIABLES, capacity)))
-    out = subprocess.run(
-        [sys.executable, "-c", RUN, tiny_model_path, str(tmp_path / str(capacity))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, out.stderr[-3000:]
-    return json.loads(line[len("RESULT ") :])
+    return result_of(RUN, [tiny_model_path, str(tmp_path / str(capacity))], env)
 
 
 @pytest.fixture(scope="module")
