@@ -13,6 +13,8 @@ import torch
 from posttrain.generation.vllm_client import VLLMServerError, VLLMServerUnreachable
 
 URL = "http://127.0.0.1:8123"
+# the calls of one NCCL sync, in order (vllm_nccl_sync.py)
+SYNC_CALLS = ["pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache", "resume"]
 WORKERS = 2  # the fake server's tensor-parallel workers: the group is them plus the trainer
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _vllm_fakes import URL, WORKERS, FakeClient, FakeEngine, fake_engine_classes
+from _vllm_fakes import SYNC_CALLS, URL, WORKERS, FakeClient, FakeEngine, fake_engine_classes
 from transformers import AutoModelForCausalLM
 
 from posttrain.errors import ConfigError
@@ -46,18 +46,8 @@ def assert_sent(pairs, expected):
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
 
 
-SYNC = [
-    "pause",
-    "start_weight_update",
-    "update_weights",
-    None,  # finish_weight_update, with the version
-    "reset_prefix_cache",
-    "resume",
-]
-
-
 def sync_calls(version):
-    return [("finish_weight_update", version) if c is None else c for c in SYNC]
+    return [("finish_weight_update", version) if c == "finish_weight_update" else c for c in SYNC_CALLS]
 
 
 def test_calls_versions_and_tensors_in_order(fake_vllm, tiny_model_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _vllm_fakes import WORKERS, FakeClient
+from _vllm_fakes import SYNC_CALLS, WORKERS, FakeClient
 
 from posttrain.generation.vllm_backend import VLLMServerBackend
 
@@ -79,12 +79,7 @@ def test_vllms_engine_sends_the_checkpoint_packed_with_the_version(worker, vllm_
         "wait_until_ready",
         "world_size",
         "init_weight_transfer_engine",
-        "pause",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-        "reset_prefix_cache",
-        "resume",
+        *SYNC_CALLS,
     ]
     assert ("finish_weight_update", version) in client.log and client.held == version
 
